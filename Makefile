@@ -1,0 +1,56 @@
+# kvd: two commands set everything up on a fresh machine:
+#   make run    start the daemon on the embedded default config
+#   make test   run the whole test suite
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.kvd-installed
+APT_PACKAGES := redis-server
+PYTEST_ARGS ?=
+
+.PHONY: setup run test bench proto proto-check apt clean
+
+setup: $(STAMP)
+
+# Debian packages the suite and benchmarks use (redis-server: Redis baseline).
+apt:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml requirements.txt | apt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU build of torch, installed alone so nothing pulls a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/kvd serve
+
+test: setup proto-check
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/run_all.py
+
+# Regenerate kvd/v1/*_pb2*.py from protos/ (generated code is committed).
+proto: setup
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/kvd/v1/kvd.proto
+
+# Fail when the committed generated code drifts from protos/.
+proto-check: setup
+	@tmp=$$(mktemp -d); \
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=$$tmp --pyi_out=$$tmp --grpc_python_out=$$tmp protos/kvd/v1/kvd.proto && \
+	for f in kvd_pb2.py kvd_pb2.pyi kvd_pb2_grpc.py; do \
+	  cmp -s $$tmp/kvd/v1/$$f kvd/v1/$$f || { echo "kvd/v1/$$f is stale: run make proto"; rm -rf $$tmp; exit 1; }; \
+	done; rm -rf $$tmp
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,270 @@
+"""Cache identity (namespaces) and chained block keys.
+
+Both the client library and the daemon import this module; the daemon only
+uses it to digest namespace specs, never to compute block keys (to the
+daemon a block key is 32 opaque bytes).
+
+Encoding. Every field that enters a digest is *tagged and length-prefixed*:
+
+    field := tag_len:u8  tag  value_len:u32le  value
+
+so no two different sequences of fields can produce the same byte string
+(a LoRA id "a" followed by salt "b" cannot be confused with a LoRA id "ab"
+and an empty salt, and no field can be mistaken for another).  Digests are
+SHA-256 with a domain-separation prefix per purpose and the key schema
+version; Python's hash() is never used (it is salted per process and not
+collision resistant).
+
+    namespace_id = SHA256("kvd/namespace" v1  fields(spec))
+    root_key     = SHA256("kvd/root"      v1  namespace_id  field(salt))
+    key[i]       = SHA256("kvd/block"     v1  parent  field(tokens)  extras)
+
+where parent is key[i-1] (root_key for i == 0), tokens are the block's token
+ids as little-endian u32, and extras are tagged extra inputs of the block
+(multimodal content hashes, request-level cache salts, ...).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvd.errors import InvalidArgument
+
+KEY_BYTES = 32
+KEY_SCHEMA_VERSION = 1
+HASH_SCHEME = "sha256-v1"
+SUPPORTED_HASH_SCHEMES = (HASH_SCHEME,)
+
+_NAMESPACE_DOMAIN = b"kvd/namespace"
+_ROOT_DOMAIN = b"kvd/root"
+_BLOCK_DOMAIN = b"kvd/block"
+_VERSION = struct.pack("<I", KEY_SCHEMA_VERSION)
+
+# Hard limits on what a client may describe; everything has a limit.
+MAX_LAYERS = 1024
+MAX_KV_HEADS = 1024
+MAX_HEAD_DIM = 4096
+MAX_BLOCK_TOKENS = 65536
+MAX_STRING_BYTES = 512
+MAX_SALT_BYTES = 256
+MAX_PARALLEL = 65536
+
+
+class DType(enum.IntEnum):
+    """Element type of KV tensors; values match kvd.v1.DType."""
+
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+    FLOAT8_E4M3 = 4
+    FLOAT8_E5M2 = 5
+    INT8 = 6
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+
+_ITEMSIZE = {
+    DType.FLOAT32: 4,
+    DType.FLOAT16: 2,
+    DType.BFLOAT16: 2,
+    DType.FLOAT8_E4M3: 1,
+    DType.FLOAT8_E5M2: 1,
+    DType.INT8: 1,
+}
+
+
+class InnerLayout(enum.IntEnum):
+    """Axis order of one layer's K (or V) inside a block; matches the proto."""
+
+    TOKEN_HEAD_DIM = 1  # [block_tokens, kv_heads, head_dim] (vLLM paged)
+    HEAD_TOKEN_DIM = 2  # [kv_heads, block_tokens, head_dim] (Hugging Face)
+
+
+class KvOrder(enum.IntEnum):
+    K_THEN_V = 1
+    V_THEN_K = 2
+
+
+def _field(tag: bytes, value: bytes) -> bytes:
+    return bytes((len(tag),)) + tag + struct.pack("<I", len(value)) + value
+
+
+def _u32(value: int) -> bytes:
+    return struct.pack("<I", value)
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceSpec:
+    """One cache identity: model, layout, parallel geometry, adapter, tenant.
+
+    Block shape is [num_layers, 2, *inner] where inner is given by
+    `inner_layout`; one layer of one block is contiguous (layer-major).
+    """
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    kv_dtype: DType = DType.BFLOAT16
+    model_revision: str = ""
+    inner_layout: InnerLayout = InnerLayout.TOKEN_HEAD_DIM
+    kv_order: KvOrder = KvOrder.K_THEN_V
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_stage: int = 0
+    pp_size: int = 1
+    lora_id: str = ""
+    tenant_salt: bytes = b""
+    hash_scheme: str = HASH_SCHEME
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidArgument naming the first field that is wrong."""
+        if not self.model_id:
+            raise InvalidArgument("namespace.model_id must not be empty")
+        for name in ("model_id", "model_revision", "lora_id", "hash_scheme"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise InvalidArgument(f"namespace.{name} must be a string")
+            if len(value.encode()) > MAX_STRING_BYTES:
+                raise InvalidArgument(f"namespace.{name} is longer than {MAX_STRING_BYTES} bytes")
+        if not isinstance(self.tenant_salt, bytes) or len(self.tenant_salt) > MAX_SALT_BYTES:
+            raise InvalidArgument(f"namespace.tenant_salt must be at most {MAX_SALT_BYTES} bytes")
+        for name, upper in (
+            ("num_layers", MAX_LAYERS),
+            ("num_kv_heads", MAX_KV_HEADS),
+            ("head_dim", MAX_HEAD_DIM),
+            ("block_tokens", MAX_BLOCK_TOKENS),
+            ("tp_size", MAX_PARALLEL),
+            ("pp_size", MAX_PARALLEL),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 1 <= value <= upper:
+                raise InvalidArgument(f"namespace.{name} must be in [1, {upper}], got {value!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidArgument(f"namespace.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+        if not 0 <= self.pp_stage < self.pp_size:
+            raise InvalidArgument(f"namespace.pp_stage must be in [0, pp_size={self.pp_size}), got {self.pp_stage}")
+        for name, kind in (("kv_dtype", DType), ("inner_layout", InnerLayout), ("kv_order", KvOrder)):
+            value = getattr(self, name)
+            if value not in kind.__members__.values():
+                raise InvalidArgument(f"namespace.{name} has unknown value {value!r}")
+        if self.hash_scheme not in SUPPORTED_HASH_SCHEMES:
+            raise InvalidArgument(
+                f"namespace.hash_scheme {self.hash_scheme!r} is not supported (supported: {', '.join(SUPPORTED_HASH_SCHEMES)})"
+            )
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer (K and V) of one block."""
+        return 2 * self.block_tokens * self.num_kv_heads * self.head_dim * DType(self.kv_dtype).itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        if self.inner_layout == InnerLayout.TOKEN_HEAD_DIM:
+            inner = (self.block_tokens, self.num_kv_heads, self.head_dim)
+        else:
+            inner = (self.num_kv_heads, self.block_tokens, self.head_dim)
+        return (self.num_layers, 2, *inner)
+
+    def encode(self) -> bytes:
+        """Canonical, tagged encoding of every identity field."""
+        parts = [
+            _field(b"model_id", self.model_id.encode()),
+            _field(b"model_revision", self.model_revision.encode()),
+            _field(b"kv_dtype", _u32(int(self.kv_dtype))),
+            _field(b"num_layers", _u32(self.num_layers)),
+            _field(b"num_kv_heads", _u32(self.num_kv_heads)),
+            _field(b"head_dim", _u32(self.head_dim)),
+            _field(b"block_tokens", _u32(self.block_tokens)),
+            _field(b"inner_layout", _u32(int(self.inner_layout))),
+            _field(b"kv_order", _u32(int(self.kv_order))),
+            _field(b"tp_rank", _u32(self.tp_rank)),
+            _field(b"tp_size", _u32(self.tp_size)),
+            _field(b"pp_stage", _u32(self.pp_stage)),
+            _field(b"pp_size", _u32(self.pp_size)),
+            _field(b"lora_id", self.lora_id.encode()),
+            _field(b"tenant_salt", self.tenant_salt),
+            _field(b"hash_scheme", self.hash_scheme.encode()),
+        ]
+        return b"".join(parts)
+
+    def namespace_id(self) -> bytes:
+        return hashlib.sha256(_NAMESPACE_DOMAIN + _VERSION + self.encode()).digest()
+
+    def root_key(self) -> bytes:
+        return hashlib.sha256(
+            _ROOT_DOMAIN + _VERSION + self.namespace_id() + _field(b"tenant_salt", self.tenant_salt)
+        ).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKey:
+    """A tagged extra input of one block (e.g. tag "mm", value = image hash)."""
+
+    tag: str
+    value: bytes = field(default=b"")
+
+    def encode(self) -> bytes:
+        tag = self.tag.encode()
+        if not tag or len(tag) > 255:
+            raise InvalidArgument("extra key tag must be 1..255 bytes")
+        return _field(tag, self.value)
+
+
+def block_key(parent: bytes, token_ids: bytes, extras: Sequence[ExtraKey] = ()) -> bytes:
+    """Key of one block given its parent key and its tokens as u32le bytes."""
+    if len(parent) != KEY_BYTES:
+        raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
+    hasher = hashlib.sha256(_BLOCK_DOMAIN)
+    hasher.update(_VERSION)
+    hasher.update(parent)
+    hasher.update(_field(b"tokens", token_ids))
+    hasher.update(struct.pack("<I", len(extras)))
+    for extra in extras:
+        hasher.update(extra.encode())
+    return hasher.digest()
+
+
+def chain_keys(
+    spec: NamespaceSpec,
+    token_ids: Iterable[int] | np.ndarray,
+    extras: Sequence[Sequence[ExtraKey]] | None = None,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Chained keys of every *full* block of `token_ids`.
+
+    A trailing partial block gets no key (it is not cacheable until full).
+    `extras[i]` are the extra inputs of block i. `parent` continues a chain
+    (default: the namespace's root key).
+    """
+    tokens = np.ascontiguousarray(np.asarray(token_ids), dtype="<u4")
+    if tokens.ndim != 1:
+        raise InvalidArgument("token_ids must be one-dimensional")
+    block_count = len(tokens) // spec.block_tokens
+    if extras is not None and len(extras) < block_count:
+        raise InvalidArgument(f"extras has {len(extras)} entries for {block_count} blocks")
+    raw = tokens[: block_count * spec.block_tokens].tobytes()
+    stride = spec.block_tokens * 4
+    key = spec.root_key() if parent is None else parent
+    keys: list[bytes] = []
+    for index in range(block_count):
+        block_extras = extras[index] if extras is not None else ()
+        key = block_key(key, raw[index * stride : (index + 1) * stride], block_extras)
+        keys.append(key)
+    return keys

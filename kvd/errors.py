@@ -1,0 +1,59 @@
+"""Operating errors: the one exception hierarchy that crosses layers.
+
+Three kinds of failure, three mechanisms:
+  * an expected shortfall (a miss, no free slot) is a return value;
+  * an operating error (bad client input, a foreign lease) is a KvdError,
+    mapped to a gRPC status in exactly one place (kvd.server.convert);
+  * a programmer error is an InvariantError from kvd.invariants.check and
+    is never caught.
+The `code` attribute names the gRPC status without importing grpc, so the
+core stays free of the transport.
+"""
+
+from __future__ import annotations
+
+
+class KvdError(Exception):
+    """Base of operating errors. `code` is a grpc.StatusCode name."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(KvdError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(KvdError):
+    code = "NOT_FOUND"
+
+
+class AlreadyExists(KvdError):
+    code = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(KvdError):
+    code = "FAILED_PRECONDITION"
+
+
+class PermissionDenied(KvdError):
+    code = "PERMISSION_DENIED"
+
+
+class ResourceExhausted(KvdError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(KvdError):
+    code = "UNAVAILABLE"
+
+
+class ConfigError(Exception):
+    """Invalid configuration; the message names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"config field {field!r}: {message}")
+        self.field = field

@@ -1,0 +1,370 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT8_E4M3: _ClassVar[DType]
+    DTYPE_FLOAT8_E5M2: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
+
+class InnerLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INNER_LAYOUT_UNSPECIFIED: _ClassVar[InnerLayout]
+    INNER_LAYOUT_TOKEN_HEAD_DIM: _ClassVar[InnerLayout]
+    INNER_LAYOUT_HEAD_TOKEN_DIM: _ClassVar[InnerLayout]
+
+class KvOrder(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_ORDER_UNSPECIFIED: _ClassVar[KvOrder]
+    KV_ORDER_K_THEN_V: _ClassVar[KvOrder]
+    KV_ORDER_V_THEN_K: _ClassVar[KvOrder]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_DEVICE: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
+
+class Ack(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACK_UNSPECIFIED: _ClassVar[Ack]
+    ACK_ACCEPTED: _ClassVar[Ack]
+    ACK_HOST: _ClassVar[Ack]
+    ACK_DURABLE: _ClassVar[Ack]
+
+class ReserveStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESERVE_STATUS_UNSPECIFIED: _ClassVar[ReserveStatus]
+    RESERVE_STATUS_RESERVED: _ClassVar[ReserveStatus]
+    RESERVE_STATUS_EXISTS: _ClassVar[ReserveStatus]
+    RESERVE_STATUS_IN_FLIGHT: _ClassVar[ReserveStatus]
+    RESERVE_STATUS_NO_SPACE: _ClassVar[ReserveStatus]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT8_E4M3: DType
+DTYPE_FLOAT8_E5M2: DType
+DTYPE_INT8: DType
+INNER_LAYOUT_UNSPECIFIED: InnerLayout
+INNER_LAYOUT_TOKEN_HEAD_DIM: InnerLayout
+INNER_LAYOUT_HEAD_TOKEN_DIM: InnerLayout
+KV_ORDER_UNSPECIFIED: KvOrder
+KV_ORDER_K_THEN_V: KvOrder
+KV_ORDER_V_THEN_K: KvOrder
+TIER_UNSPECIFIED: Tier
+TIER_DEVICE: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+TIER_REMOTE: Tier
+ACK_UNSPECIFIED: Ack
+ACK_ACCEPTED: Ack
+ACK_HOST: Ack
+ACK_DURABLE: Ack
+RESERVE_STATUS_UNSPECIFIED: ReserveStatus
+RESERVE_STATUS_RESERVED: ReserveStatus
+RESERVE_STATUS_EXISTS: ReserveStatus
+RESERVE_STATUS_IN_FLIGHT: ReserveStatus
+RESERVE_STATUS_NO_SPACE: ReserveStatus
+
+class NamespaceSpec(_message.Message):
+    __slots__ = ("model_id", "model_revision", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "block_tokens", "inner_layout", "kv_order", "tp_rank", "tp_size", "pp_stage", "pp_size", "lora_id", "tenant_salt", "hash_scheme")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INNER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_ORDER_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_STAGE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    model_revision: str
+    kv_dtype: DType
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    inner_layout: InnerLayout
+    kv_order: KvOrder
+    tp_rank: int
+    tp_size: int
+    pp_stage: int
+    pp_size: int
+    lora_id: str
+    tenant_salt: bytes
+    hash_scheme: str
+    def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., kv_dtype: _Optional[_Union[DType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_tokens: _Optional[int] = ..., inner_layout: _Optional[_Union[InnerLayout, str]] = ..., kv_order: _Optional[_Union[KvOrder, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_stage: _Optional[int] = ..., pp_size: _Optional[int] = ..., lora_id: _Optional[str] = ..., tenant_salt: _Optional[bytes] = ..., hash_scheme: _Optional[str] = ...) -> None: ...
+
+class RegisterNamespaceRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: NamespaceSpec
+    def __init__(self, spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
+
+class RegisterNamespaceResponse(_message.Message):
+    __slots__ = ("namespace_id", "block_bytes", "layer_bytes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    block_bytes: int
+    layer_bytes: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., layer_bytes: _Optional[int] = ...) -> None: ...
+
+class ArenaInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ArenaInfoResponse(_message.Message):
+    __slots__ = ("shm_name", "arena_bytes", "slot_bytes", "slot_count", "instance_id")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    arena_bytes: int
+    slot_bytes: int
+    slot_count: int
+    instance_id: str
+    def __init__(self, shm_name: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("matched", "tiers")
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    matched: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("namespace_id", "client_id", "parent_key", "keys", "lease_ms")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    client_id: str
+    parent_key: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    lease_ms: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("lease_id", "lease_deadline_ms", "statuses", "offsets")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    lease_deadline_ms: int
+    statuses: _containers.RepeatedScalarFieldContainer[ReserveStatus]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("namespace_id", "client_id", "lease_id", "keys", "abort_keys", "ack")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    client_id: str
+    lease_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    abort_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    ack: Ack
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., abort_keys: _Optional[_Iterable[bytes]] = ..., ack: _Optional[_Union[Ack, str]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("sealed", "aborted")
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    sealed: int
+    aborted: int
+    def __init__(self, sealed: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
+
+class PutInlineRequest(_message.Message):
+    __slots__ = ("namespace_id", "client_id", "parent_key", "keys", "blocks", "ack")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    client_id: str
+    parent_key: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    blocks: _containers.RepeatedScalarFieldContainer[bytes]
+    ack: Ack
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Iterable[bytes]] = ..., ack: _Optional[_Union[Ack, str]] = ...) -> None: ...
+
+class PutInlineResponse(_message.Message):
+    __slots__ = ("statuses", "sealed")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[ReserveStatus]
+    sealed: int
+    def __init__(self, statuses: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., sealed: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("namespace_id", "client_id", "keys", "lease_ms", "inline")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    INLINE_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    client_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    lease_ms: int
+    inline: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., inline: _Optional[bool] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("matched", "lease_id", "lease_deadline_ms", "offsets", "blocks", "tiers")
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    matched: int
+    lease_id: int
+    lease_deadline_ms: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    blocks: _containers.RepeatedScalarFieldContainer[bytes]
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, matched: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., blocks: _Optional[_Iterable[bytes]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("client_id", "lease_ids")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("client_id", "lease_id", "lease_ms")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    lease_id: int
+    lease_ms: int
+    def __init__(self, client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("lease_deadline_ms",)
+    LEASE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_deadline_ms: int
+    def __init__(self, lease_deadline_ms: _Optional[int] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted", "pinned")
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    pinned: int
+    def __init__(self, deleted: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "blocks", "bytes_used", "capacity_bytes", "pinned_blocks", "evictions")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    blocks: int
+    bytes_used: int
+    capacity_bytes: int
+    pinned_blocks: int
+    evictions: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace_id", "model_id", "blocks", "block_bytes", "hits", "misses")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    model_id: str
+    blocks: int
+    block_bytes: int
+    hits: int
+    misses: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., model_id: _Optional[str] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("version", "instance_id", "uptime_s", "tiers", "namespaces", "leases", "leases_expired")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    instance_id: str
+    uptime_s: float
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    leases: int
+    leases_expired: int
+    def __init__(self, version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leases_expired: _Optional[int] = ...) -> None: ...
