@@ -1,0 +1,25 @@
+"""kvd client library.
+
+    from kvd.client import Client
+    from kvd.core.keys import NamespaceSpec, DType
+
+    with Client("unix:///path/to/state/kvd.sock") as client:
+        ns = client.register_namespace(NamespaceSpec(model_id="m", num_layers=32, num_kv_heads=8,
+                                                     head_dim=128, block_tokens=16, kv_dtype=DType.BFLOAT16))
+        keys = ns.keys(token_ids)                 # chained keys of the full blocks
+        hit = client.lookup(ns, keys).matched     # longest stored prefix
+        client.put(ns, keys, blocks)              # (len(keys), *ns.spec.block_shape), the namespace dtype
+        kv = client.get_tensor(ns, keys)          # (matched, *block_shape) torch tensor
+
+Block layout: (num_layers, 2, *inner) per block, layer-major, so one layer of
+one block is contiguous; inner is (block_tokens, kv_heads, head_dim) or
+(kv_heads, block_tokens, head_dim) as the namespace's inner_layout says.
+Payloads move through the daemon's shared-memory arena when the client can
+map it (same host, same user) and inline over gRPC otherwise.
+"""
+
+from kvd.client._wire import LookupResult, Namespace
+from kvd.client.aio import AsyncClient
+from kvd.client.sync import Client
+
+__all__ = ["AsyncClient", "Client", "LookupResult", "Namespace"]

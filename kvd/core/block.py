@@ -130,6 +130,9 @@ class BlockHandle:
 
     def __del__(self) -> None:
         if not getattr(self, "_released", True):
+            message = f"leaked block handle for {self._block!r}"
             self._owner._count_leak()
-            warnings.warn(f"leaked block handle for {self._block!r}", ResourceWarning, stacklevel=1)
+            # Release before warning: under -W error the warning raises, and
+            # the reference must not stay pinned forever because of it.
             self.release()
+            warnings.warn(message, ResourceWarning, stacklevel=1)

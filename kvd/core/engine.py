@@ -177,18 +177,27 @@ class Engine:
     # ------------------------------------------------------------------
     # Lookup and Get
 
-    def lookup(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[Block]:
-        """Longest stored prefix of `keys`. Marks the prefix as used."""
+    def lookup(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
+        """Longest stored prefix of `keys` (a chain continuing `parent_key`).
+
+        Marks the prefix as used. An unknown parent matches nothing.
+        """
         state = self.namespace(namespace_id)
         self._check_keys(keys, "keys")
-        matched = state.index.match(keys)
+        matched = self._match(state, keys, parent_key)
         self._touch_prefix(matched)
         state.lookup_hits += len(matched)
         state.lookup_misses += len(keys) - len(matched)
         return matched
 
     def get(
-        self, namespace_id: bytes, client_id: str, keys: Sequence[bytes], lease_ms: int, now_ms: int
+        self,
+        namespace_id: bytes,
+        client_id: str,
+        keys: Sequence[bytes],
+        lease_ms: int,
+        now_ms: int,
+        parent_key: bytes = b"",
     ) -> tuple[Lease | None, list[Block]]:
         """Pin the longest stored prefix of `keys` under a read lease."""
         state = self.namespace(namespace_id)
@@ -196,7 +205,7 @@ class Engine:
         self._check_client(client_id)
         deadline_ms = now_ms + self._lease_ms(lease_ms)
         self.expire(now_ms)
-        matched = state.index.match(keys)
+        matched = self._match(state, keys, parent_key)
         state.get_hits += len(matched)
         state.get_misses += len(keys) - len(matched)
         if not matched:
@@ -207,11 +216,11 @@ class Engine:
         lease.handles = [self._acquire(block) for block in matched]
         return lease, matched
 
-    def peek(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[Block]:
+    def peek(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
         """Like get without a lease: for callers that copy out before they return."""
         state = self.namespace(namespace_id)
         self._check_keys(keys, "keys")
-        matched = state.index.match(keys)
+        matched = self._match(state, keys, parent_key)
         state.get_hits += len(matched)
         state.get_misses += len(keys) - len(matched)
         self._touch_prefix(matched)
@@ -275,6 +284,14 @@ class Engine:
             return ReserveResult(None, statuses, slots)
         if first_missing == len(keys):
             return ReserveResult(None, statuses, slots)
+        # The keys after the first missing one must be missing too: a stored
+        # key cannot be the child of a block that does not exist yet. Checked
+        # here, before slots are allocated, because allocating evicts.
+        for position in range(first_missing + 1, len(keys)):
+            if keys[position] in index.nodes:
+                raise InvalidArgument(
+                    f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
+                )
 
         self._check_lease_room()
         lease = self.leases.open(LeaseKind.WRITE, client_id, namespace_id, deadline_ms)
@@ -282,13 +299,8 @@ class Engine:
             lease.parent_handle = self._acquire(parent)
         for position in range(first_missing, len(keys)):
             key = keys[position]
-            if key in index.nodes:
-                # A later key of the request is already stored: it cannot be
-                # the child of a block that did not exist a moment ago.
-                self.leases.close(lease)
-                raise InvalidArgument(
-                    f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
-                )
+            # Checked missing above; evicting only ever removes keys.
+            check(key not in index.nodes, "reserved key appeared in the index during reserve")
             slot = self._allocate_host_slot()
             if slot == NO_SLOT:
                 statuses.extend([ReserveStatus.NO_SPACE] * (len(keys) - position))
@@ -531,6 +543,16 @@ class Engine:
             last = matched[-1]
             if last in self.host.policy:
                 self.host.policy.touch(last)
+
+    def _match(self, state: NamespaceState, keys: Sequence[bytes], parent_key: bytes) -> list[Block]:
+        if not parent_key:
+            return state.index.match(keys)
+        if len(parent_key) != KEY_BYTES:
+            raise InvalidArgument(f"parent_key must be empty or {KEY_BYTES} bytes, got {len(parent_key)}")
+        parent = state.index.get(parent_key)
+        if parent is None or parent.state != BlockState.SEALED:
+            return []
+        return state.index.match(keys, parent)
 
     def _parent_block(self, index: PrefixIndex, parent_key: bytes) -> Block | None:
         if not parent_key:

@@ -19,9 +19,20 @@ collision resistant).
     root_key     = SHA256("kvd/root"      v1  namespace_id  field(salt))
     key[i]       = SHA256("kvd/block"     v1  parent  field(tokens)  extras)
 
-where parent is key[i-1] (root_key for i == 0), tokens are the block's token
-ids as little-endian u32, and extras are tagged extra inputs of the block
-(multimodal content hashes, request-level cache salts, ...).
+where the domain strings are raw ASCII (no length prefix), v1 is
+KEY_SCHEMA_VERSION as u32le, and fields(spec) is one field per spec attribute,
+tagged with the attribute's name, in this order: model_id, model_revision,
+kv_dtype, num_layers, num_kv_heads, head_dim, block_tokens, inner_layout,
+kv_order, tp_rank, tp_size, pp_stage, pp_size, lora_id, tenant_salt,
+hash_scheme (strings UTF-8, integers and enums u32le, the salt raw). salt is
+the tenant salt, parent is key[i-1] (root_key for i == 0), tokens are the
+block's token ids as u32le (each must be in [0, 2**32); nothing is wrapped),
+and
+
+    extras := count:u32le  field(tag, value) ...
+
+are the block's tagged extra inputs in the order given (multimodal content
+hashes, request-level cache salts, ...).
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -221,10 +232,11 @@ class ExtraKey:
     value: bytes = field(default=b"")
 
     def encode(self) -> bytes:
-        tag = self.tag.encode()
-        if not tag or len(tag) > 255:
-            raise InvalidArgument("extra key tag must be 1..255 bytes")
-        return _field(tag, self.value)
+        if not isinstance(self.tag, str) or not 1 <= len(self.tag.encode()) <= 255:
+            raise InvalidArgument("extra key tag must be a string of 1..255 bytes")
+        if not isinstance(self.value, bytes):
+            raise InvalidArgument("extra key value must be bytes")
+        return _field(self.tag.encode(), self.value)
 
 
 def block_key(parent: bytes, token_ids: bytes, extras: Sequence[ExtraKey] = ()) -> bytes:
@@ -241,6 +253,34 @@ def block_key(parent: bytes, token_ids: bytes, extras: Sequence[ExtraKey] = ()) 
     return hasher.digest()
 
 
+_U32_MAX = 2**32 - 1
+
+
+def _token_array(token_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+    """token_ids as contiguous u32le, refusing anything a cast would change.
+
+    A plain cast to u32 wraps -1 to 2**32-1 and 2**32 to 0 and truncates
+    floats, which would silently give a different prompt the same key.
+    """
+    if isinstance(token_ids, Iterator):
+        # np.asarray makes a 0-d object array of an iterator, not its items.
+        token_ids = list(token_ids)
+    try:
+        array = np.asarray(token_ids)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise InvalidArgument(f"token_ids is not a sequence of integers: {error}") from None
+    if array.ndim != 1:
+        raise InvalidArgument("token_ids must be one-dimensional")
+    if array.size == 0:
+        return np.empty(0, dtype="<u4")
+    # Python ints beyond int64 make an object array; they are out of range.
+    if array.dtype.kind not in "iu":
+        raise InvalidArgument(f"token_ids must be integers in [0, 2**32), got dtype {array.dtype}")
+    if int(array.min()) < 0 or int(array.max()) > _U32_MAX:
+        raise InvalidArgument("token_ids must be integers in [0, 2**32)")
+    return np.ascontiguousarray(array, dtype="<u4")
+
+
 def chain_keys(
     spec: NamespaceSpec,
     token_ids: Iterable[int] | np.ndarray,
@@ -253,9 +293,9 @@ def chain_keys(
     `extras[i]` are the extra inputs of block i. `parent` continues a chain
     (default: the namespace's root key).
     """
-    tokens = np.ascontiguousarray(np.asarray(token_ids), dtype="<u4")
-    if tokens.ndim != 1:
-        raise InvalidArgument("token_ids must be one-dimensional")
+    tokens = _token_array(token_ids)
+    if parent is not None and len(parent) != KEY_BYTES:
+        raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
     block_count = len(tokens) // spec.block_tokens
     if extras is not None and len(extras) < block_count:
         raise InvalidArgument(f"extras has {len(extras)} entries for {block_count} blocks")

@@ -136,26 +136,30 @@ class ArenaInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ArenaInfoResponse(_message.Message):
-    __slots__ = ("shm_name", "arena_bytes", "slot_bytes", "slot_count", "instance_id")
+    __slots__ = ("shm_name", "arena_bytes", "slot_bytes", "slot_count", "instance_id", "max_message_bytes")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     arena_bytes: int
     slot_bytes: int
     slot_count: int
     instance_id: str
-    def __init__(self, shm_name: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, shm_name: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., instance_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys")
+    __slots__ = ("namespace_id", "keys", "parent_key")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    parent_key: bytes
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("matched", "tiers")
@@ -240,18 +244,20 @@ class PutInlineResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., sealed: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "keys", "lease_ms", "inline")
+    __slots__ = ("namespace_id", "client_id", "keys", "lease_ms", "inline", "parent_key")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ms: int
     inline: bool
-    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., inline: _Optional[bool] = ...) -> None: ...
+    parent_key: bytes
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., inline: _Optional[bool] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("matched", "lease_id", "lease_deadline_ms", "offsets", "blocks", "tiers")

@@ -1,0 +1,263 @@
+#!/usr/bin/env python3
+"""Index memory per block of the in-process engine.
+
+Builds a kvd.core.engine.Engine, inserts N blocks in chains (reserve + commit,
+exactly as the daemon does for a Put), and divides the memory growth by N.
+There is no payload arena in-process: the engine only keeps bookkeeping, so
+everything measured is per-block metadata (Block record, its 32-byte key,
+the index dict entry, and whatever the lease/policy machinery leaves behind).
+
+Two figures are reported per N:
+  * insert growth: memory after the inserts minus memory after the engine
+    (with its N-slot host pool) was built. This is the "index" cost and is
+    what the <= 256 B/block target applies to.
+  * incl. host pool: memory after the inserts minus memory before the engine
+    existed, i.e. also the per-slot bookkeeping the host pool preallocates
+    (owners list entry, the slot-number int objects). Reported for
+    information, with its own verdict.
+
+Each N is measured in a fresh subprocess twice: once under tracemalloc (exact
+Python allocations) and once without it for RSS (tracemalloc's own traces
+would swamp RSS). RSS includes allocator slack and is a cross-check only.
+
+Run:  .venv/bin/python bench/bench_index_memory.py [--sizes 100000 1000000] [--chain 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import REPO_ROOT, progress, report, rss_bytes, write_result  # noqa: E402
+
+TARGET_BYTES_PER_BLOCK = 256
+CLIENT_ID = "bench-index-memory"
+
+
+def _spec():
+    from kvd.core.keys import DType, NamespaceSpec
+
+    # Tiny blocks: the engine never touches payload, only block_bytes matters
+    # for slot accounting.
+    return NamespaceSpec(model_id="bench-index", num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=16,
+                         kv_dtype=DType.FLOAT16)
+
+
+def _key(counter: int) -> bytes:
+    # 32 opaque bytes, like the chained SHA-256 keys clients send.
+    return hashlib.sha256(counter.to_bytes(8, "little")).digest()
+
+
+def _measure_child(blocks: int, chain: int, mode: str) -> dict:
+    """Runs in a fresh interpreter: build, insert, measure, report JSON on stdout."""
+    from kvd.core.block import BlockState
+    from kvd.core.engine import Engine, EngineLimits
+
+    spec = _spec()
+    limits = EngineLimits()
+    use_tracemalloc = mode == "tracemalloc"
+
+    def current() -> int:
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] if use_tracemalloc else rss_bytes()
+
+    if use_tracemalloc:
+        tracemalloc.start(1)
+    before_engine = current()
+    engine = Engine(host_slot_count=blocks, host_slot_bytes=spec.block_bytes, limits=limits)
+    state = engine.register_namespace(spec)
+    namespace_id = state.namespace_id
+    after_engine = current()
+
+    now_ms = 0
+    counter = 0
+    started = time.perf_counter()
+    last_report = started
+    while counter < blocks:
+        length = min(chain, blocks - counter)
+        keys = [_key(counter + i) for i in range(length)]
+        counter += length
+        reserved = engine.reserve(namespace_id, CLIENT_ID, b"", keys, 0, now_ms)
+        lease = reserved.lease
+        assert lease is not None and len(lease.handles) == length, "every key should be RESERVED"
+        engine.commit(namespace_id, CLIENT_ID, lease.lease_id, [], [], now_ms)
+        now_ms += 1
+        if time.perf_counter() - last_report > 5:
+            last_report = time.perf_counter()
+            progress(f"  [{mode}] inserted {counter:,}/{blocks:,} blocks")
+    del keys, reserved, lease
+    insert_seconds = time.perf_counter() - started
+
+    # A running daemon prunes stale lease-deadline entries as time passes;
+    # let every deadline pass so the measurement is the steady state.
+    heap_entries_before_prune = len(engine.leases._deadlines)
+    engine.expire(now_ms + limits.lease_ms_max + 1)
+    after_insert = current()
+
+    top_sites: list[dict] = []
+    if use_tracemalloc:
+        snapshot = tracemalloc.take_snapshot()
+        base_filter = [tracemalloc.Filter(False, tracemalloc.__file__)]
+        for stat in snapshot.filter_traces(base_filter).statistics("lineno")[:8]:
+            frame = stat.traceback[0]
+            top_sites.append({
+                "site": f"{os.path.relpath(frame.filename, REPO_ROOT)}:{frame.lineno}",
+                "bytes": stat.size,
+                "count": stat.count,
+                "bytes_per_block": stat.size / blocks,
+            })
+        tracemalloc.stop()
+
+    # Sanity: the measured index really holds N sealed, unpinned blocks.
+    assert len(state.index) == blocks
+    assert engine.pinned_blocks == 0 and engine.live_handles == 0 and len(engine.leases) == 0
+    assert all(block.state is BlockState.SEALED for block in state.index)
+
+    return {
+        "mode": mode,
+        "blocks": blocks,
+        "chain": chain,
+        "insert_seconds": insert_seconds,
+        "before_engine_bytes": before_engine,
+        "after_engine_bytes": after_engine,
+        "after_insert_bytes": after_insert,
+        "insert_growth_bytes": after_insert - after_engine,
+        "total_growth_bytes": after_insert - before_engine,
+        "insert_bytes_per_block": (after_insert - after_engine) / blocks,
+        "total_bytes_per_block": (after_insert - before_engine) / blocks,
+        "stale_lease_heap_entries_pruned": heap_entries_before_prune,
+        "top_allocation_sites": top_sites,
+    }
+
+
+def _run_child(blocks: int, chain: int, mode: str) -> dict:
+    command = [sys.executable, __file__, "--child", mode, "--sizes", str(blocks), "--chain", str(chain)]
+    completed = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO_ROOT)
+    if completed.stderr:
+        sys.stderr.write(completed.stderr)
+    if completed.returncode != 0:
+        raise RuntimeError(f"child {mode} N={blocks} failed with exit code {completed.returncode}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _breakdown() -> dict:
+    """Static view of what one block costs, object by object."""
+    from kvd.core.block import Block
+    from kvd.core.radix import PrefixIndex
+
+    index = PrefixIndex("x", 1)
+    block = Block(key=_key(0), index=index, parent=None)
+    record = sys.getsizeof(block)
+    key = sys.getsizeof(_key(0))
+    slot_int = sys.getsizeof(1 << 20)
+
+    def rounded(size: int) -> int:  # pymalloc hands out 16-byte-aligned size classes
+        return (size + 15) // 16 * 16
+
+    dict_per_entry: dict[str, float] = {}
+    for n in (100_000, 1_000_000):
+        keys = [_key(i) for i in range(n)]
+        table = dict.fromkeys(keys)
+        dict_per_entry[str(n)] = sys.getsizeof(table) / n
+        del table, keys
+    return {
+        "block_record_getsizeof": record,
+        "block_record_allocated": rounded(record),
+        "block_record_slots": list(Block.__slots__),
+        "key_getsizeof": key,
+        "key_allocated": rounded(key),
+        "dict_bytes_per_entry": dict_per_entry,
+        "host_pool_owner_entry": 8,
+        "host_slot_int_getsizeof": slot_int,
+        "host_slot_int_allocated": rounded(slot_int),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
+    parser.add_argument("--chain", type=int, default=64, help="blocks per chain (one reserve+commit each)")
+    parser.add_argument("--child", choices=("tracemalloc", "rss"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        print(json.dumps(_measure_child(args.sizes[0], args.chain, args.child)))
+        return 0
+
+    report("== bench_index_memory: engine bookkeeping per block (in-process, no arena) ==")
+    breakdown = _breakdown()
+    report("breakdown of one block:")
+    report(f"  Block record   sys.getsizeof = {breakdown['block_record_getsizeof']} B "
+           f"(pymalloc class {breakdown['block_record_allocated']} B; {len(breakdown['block_record_slots'])} slots + GC header)")
+    report(f"  32-byte key    sys.getsizeof = {breakdown['key_getsizeof']} B (pymalloc class {breakdown['key_allocated']} B)")
+    for n, per in breakdown["dict_bytes_per_entry"].items():
+        report(f"  dict entry     {per:.1f} B/entry at {int(n):,} entries (hash+key+value slot, index, 2/3 load)")
+    report(f"  host pool      {breakdown['host_pool_owner_entry']} B owners-list entry + slot int "
+           f"{breakdown['host_slot_int_getsizeof']} B (class {breakdown['host_slot_int_allocated']} B) per slot")
+
+    runs = []
+    for blocks in args.sizes:
+        for mode in ("tracemalloc", "rss"):
+            progress(f"N={blocks:,}: measuring with {mode} (chains of {args.chain})")
+            runs.append(_run_child(blocks, args.chain, mode))
+
+    report("")
+    report(f"{'N':>10} {'method':>12} {'insert B/blk':>13} {'incl. pool B/blk':>17} {'insert s':>9}")
+    for run in runs:
+        report(f"{run['blocks']:>10,} {run['mode']:>12} {run['insert_bytes_per_block']:>13.1f} "
+               f"{run['total_bytes_per_block']:>17.1f} {run['insert_seconds']:>9.2f}")
+
+    results = []
+    all_pass = True
+    for blocks in args.sizes:
+        traced = next(r for r in runs if r["blocks"] == blocks and r["mode"] == "tracemalloc")
+        rss = next(r for r in runs if r["blocks"] == blocks and r["mode"] == "rss")
+        passed = traced["insert_bytes_per_block"] <= TARGET_BYTES_PER_BLOCK
+        pool_passed = traced["total_bytes_per_block"] <= TARGET_BYTES_PER_BLOCK
+        all_pass &= passed
+        results.append({
+            "blocks": blocks,
+            "bytes_per_block": traced["insert_bytes_per_block"],
+            "bytes_per_block_incl_host_pool": traced["total_bytes_per_block"],
+            "rss_bytes_per_block": rss["insert_bytes_per_block"],
+            "rss_bytes_per_block_incl_host_pool": rss["total_bytes_per_block"],
+            "ratio_to_target": traced["insert_bytes_per_block"] / TARGET_BYTES_PER_BLOCK,
+            "pass": passed,
+            "pass_incl_host_pool": pool_passed,
+        })
+        report("")
+        report(f"N={blocks:,}: {traced['insert_bytes_per_block']:.1f} B/block (tracemalloc), "
+               f"{rss['insert_bytes_per_block']:.1f} B/block (RSS) -> "
+               f"{traced['insert_bytes_per_block'] / TARGET_BYTES_PER_BLOCK:.2f}x of the {TARGET_BYTES_PER_BLOCK} B target: "
+               f"{'PASS' if passed else 'FAIL'}")
+        report(f"  incl. host-pool slot bookkeeping: {traced['total_bytes_per_block']:.1f} B/block (tracemalloc), "
+               f"{rss['total_bytes_per_block']:.1f} B/block (RSS): {'PASS' if pool_passed else 'FAIL'}")
+        report("  top allocation sites after insert (tracemalloc, whole process):")
+        for site in traced["top_allocation_sites"]:
+            report(f"    {site['bytes_per_block']:8.1f} B/block  {site['count']:>9,} objs  {site['site']}")
+
+    write_result("bench_index_memory", {
+        "target": {"metric": "tracemalloc growth per block from inserts", "max_bytes_per_block": TARGET_BYTES_PER_BLOCK},
+        "pass": all_pass,
+        "chain": args.chain,
+        "breakdown": breakdown,
+        "results": results,
+        "raw_runs": runs,
+    })
+    report("")
+    report(f"overall: {'PASS' if all_pass else 'FAIL'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

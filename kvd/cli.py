@@ -1,0 +1,108 @@
+"""The `kvd` command: serve, status, config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvd import __version__
+from kvd.errors import ConfigError
+
+
+def _parse_sets(pairs: list[str]) -> dict[str, str]:
+    overrides = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ConfigError(pair, "--set takes name=value, e.g. --set host.capacity_bytes=4GiB")
+        overrides[name.strip()] = value
+    return overrides
+
+
+def _load_config(args: argparse.Namespace):
+    from kvd import config
+
+    overrides = _parse_sets(args.set or [])
+    if getattr(args, "state_dir", None):
+        overrides["state_dir"] = args.state_dir
+    for flag, name in (("unix_socket", "server.unix_socket"), ("tcp_address", "server.tcp_address"),
+                       ("metrics_address", "metrics.address"), ("capacity", "host.capacity_bytes")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[name] = value
+    return config.load(args.config, overrides=overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvd.daemon import serve
+
+    serve(_load_config(args))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from kvd.config import to_dict
+
+    print(json.dumps(to_dict(_load_config(args)), indent=2))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from kvd.server.status import fetch_status, render_status, resolve_target
+
+    target = resolve_target(args.target, args.state_dir)
+    status = fetch_status(target, timeout_s=args.timeout)
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(render_status(status))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvd", description="kvd: a per-node KV-cache store for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"kvd {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def add_config_flags(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--config", type=Path, help="TOML config file (overrides the embedded defaults)")
+        sub.add_argument("--state-dir", help="directory for sockets and state (state_dir)")
+        sub.add_argument("--unix-socket", help="unix socket path, '' disables (server.unix_socket)")
+        sub.add_argument("--tcp-address", help="host:port, '' disables (server.tcp_address)")
+        sub.add_argument("--metrics-address", help="host:port of /metrics, '' disables (metrics.address)")
+        sub.add_argument("--capacity", help="host tier capacity, e.g. 4GiB (host.capacity_bytes)")
+        sub.add_argument("--set", action="append", metavar="NAME=VALUE", help="any setting, e.g. leases.max_ms=60000")
+
+    serve = commands.add_parser("serve", help="run the daemon")
+    add_config_flags(serve)
+    serve.set_defaults(handler=cmd_serve)
+
+    config = commands.add_parser("config", help="print the effective configuration as JSON")
+    add_config_flags(config)
+    config.set_defaults(handler=cmd_config)
+
+    status = commands.add_parser("status", help="show a running daemon's tiers, namespaces and leases")
+    status.add_argument("--target", help="unix:///path/kvd.sock or host:port (default: from --state-dir)")
+    status.add_argument("--state-dir", default="state", help="state_dir of the daemon (default: state)")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.set_defaults(handler=cmd_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ConfigError as error:
+        print(f"kvd: {error}", file=sys.stderr)
+        return 2
+    except ConnectionError as error:
+        print(f"kvd: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Client operations written once, driven by the sync and the async client.
+
+Each operation is a generator that yields the RPCs it needs as
+`(method_name, request)` and receives each response (or has the RPC's error
+thrown into it), so the blocking `Client` and the asyncio `AsyncClient` run
+the same decisions and differ only in how they call a stub.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvd.client import _wire
+from kvd.client._wire import ArenaMapping, LookupResult, Namespace
+from kvd.core.keys import NamespaceSpec
+from kvd.v1 import kvd_pb2
+
+Call = tuple[str, Any]
+Op = Generator[Call, Any, Any]
+
+CHANNEL_MESSAGE_BYTES = 1 << 30
+CONTINUING = (kvd_pb2.RESERVE_STATUS_RESERVED, kvd_pb2.RESERVE_STATUS_EXISTS)
+
+
+def channel_options() -> list[tuple[str, int]]:
+    # The daemon enforces its own, smaller limit and names it in its error;
+    # the client only refuses absurd sizes.
+    return [
+        ("grpc.max_receive_message_length", CHANNEL_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", CHANNEL_MESSAGE_BYTES),
+    ]
+
+
+@dataclass(slots=True)
+class Session:
+    """What a client knows about its daemon."""
+
+    client_id: str
+    use_shared_memory: bool | None
+    lease_ms: int = 0
+    info: kvd_pb2.ArenaInfoResponse | None = None
+    arena: ArenaMapping | None = None
+    connected: bool = field(default=False)
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+
+def connect(session: Session) -> Op:
+    if session.connected:
+        return
+    session.info = yield ("ArenaInfo", kvd_pb2.ArenaInfoRequest())
+    session.connected = True
+    if session.use_shared_memory is False:
+        return
+    try:
+        session.arena = ArenaMapping(session.info)
+    except OSError:
+        if session.use_shared_memory:
+            raise
+        session.arena = None
+
+
+def register_namespace(session: Session, spec: NamespaceSpec) -> Op:
+    response = yield ("RegisterNamespace", kvd_pb2.RegisterNamespaceRequest(spec=_wire.spec_message(spec)))
+    return _wire.namespace_from(spec, response)
+
+
+def lookup(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes) -> Op:
+    response = yield (
+        "Lookup",
+        kvd_pb2.LookupRequest(namespace_id=namespace.namespace_id, keys=keys, parent_key=parent_key),
+    )
+    return LookupResult(response.matched, list(response.tiers))
+
+
+def release(session: Session, lease_ids: list[int]) -> Op:
+    try:
+        yield ("Release", kvd_pb2.ReleaseRequest(client_id=session.client_id, lease_ids=lease_ids))
+    except grpc.RpcError as error:
+        # Already gone (expired) is what a release wanted anyway.
+        if error.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+
+
+def put(session: Session, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes) -> Op:
+    """Store the blocks not yet stored; returns how many were written."""
+    rows = _wire.as_rows(namespace, blocks, len(keys))
+    if not keys:
+        return 0
+    yield from connect(session)
+    if session.arena is None:
+        return (yield from _put_inline(session, namespace, keys, rows, parent_key))
+    response = yield (
+        "Reserve",
+        kvd_pb2.ReserveRequest(
+            namespace_id=namespace.namespace_id,
+            client_id=session.client_id,
+            parent_key=parent_key,
+            keys=keys,
+            lease_ms=session.lease_ms,
+        ),
+    )
+    start, stop = _wire.reserved_run(response.statuses)
+    if start == stop:
+        return 0
+    try:
+        session.arena.scatter(rows[start:stop], response.offsets[start:stop])
+    except BaseException:
+        yield from release(session, [response.lease_id])
+        raise
+    yield (
+        "Commit",
+        kvd_pb2.CommitRequest(
+            namespace_id=namespace.namespace_id, client_id=session.client_id, lease_id=response.lease_id
+        ),
+    )
+    return stop - start
+
+
+def _put_inline(session: Session, namespace: Namespace, keys: Sequence[bytes], rows: np.ndarray, parent_key: bytes) -> Op:
+    batch = _wire.inline_batch_blocks(namespace, session.info.max_message_bytes)
+    written = 0
+    for start in range(0, len(keys), batch):
+        stop = min(start + batch, len(keys))
+        response = yield (
+            "PutInline",
+            kvd_pb2.PutInlineRequest(
+                namespace_id=namespace.namespace_id,
+                client_id=session.client_id,
+                parent_key=keys[start - 1] if start else parent_key,
+                keys=keys[start:stop],
+                blocks=[row.tobytes() for row in rows[start:stop]],
+            ),
+        )
+        written += response.sealed
+        if response.statuses and response.statuses[-1] not in CONTINUING:
+            break  # the chain stopped (full, or another writer): no parent for the rest
+    return written
+
+
+def get_numpy(
+    session: Session, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None, parent_key: bytes
+) -> Op:
+    """The stored prefix of `keys` as (matched, *block_shape); into `out` if given."""
+    if not keys:
+        return _wire.blocks_to_output(namespace, _wire.output_rows(namespace, 0, out), 0)
+    yield from connect(session)
+    if session.arena is None:
+        return (yield from _get_inline(session, namespace, keys, out, parent_key))
+    response = yield (
+        "Get",
+        kvd_pb2.GetRequest(
+            namespace_id=namespace.namespace_id,
+            client_id=session.client_id,
+            keys=keys,
+            lease_ms=session.lease_ms,
+            parent_key=parent_key,
+        ),
+    )
+    try:
+        rows = _wire.output_rows(namespace, response.matched, out)
+        if response.matched:
+            session.arena.gather(response.offsets, namespace.block_bytes, rows)
+    finally:
+        if response.lease_id:
+            yield from release(session, [response.lease_id])
+    return _wire.blocks_to_output(namespace, rows, response.matched)
+
+
+def _get_inline(
+    session: Session, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None, parent_key: bytes
+) -> Op:
+    batch = _wire.inline_batch_blocks(namespace, session.info.max_message_bytes)
+    payloads: list[bytes] = []
+    for start in range(0, len(keys), batch):
+        stop = min(start + batch, len(keys))
+        response = yield (
+            "Get",
+            kvd_pb2.GetRequest(
+                namespace_id=namespace.namespace_id,
+                client_id=session.client_id,
+                keys=keys[start:stop],
+                inline=True,
+                parent_key=keys[start - 1] if start else parent_key,
+            ),
+        )
+        payloads.extend(response.blocks)
+        if response.matched < stop - start:
+            break
+    rows = _wire.output_rows(namespace, len(payloads), out)
+    if payloads:
+        rows[:] = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(payloads), namespace.block_bytes)
+    return _wire.blocks_to_output(namespace, rows, len(payloads))
+
+
+def delete(session: Session, namespace: Namespace, keys: Sequence[bytes]) -> Op:
+    response = yield ("Delete", kvd_pb2.DeleteRequest(namespace_id=namespace.namespace_id, keys=keys))
+    return response.deleted, response.pinned
+
+
+def stats(session: Session) -> Op:
+    return (yield ("Stats", kvd_pb2.StatsRequest()))
+
+
+def uses_shared_memory(session: Session) -> Op:
+    yield from connect(session)
+    return session.arena is not None

@@ -1,0 +1,200 @@
+"""Transport-independent half of the clients: requests, responses, copies.
+
+The sync and async clients differ only in how they call a stub; everything
+they decide (what to ask for, what to copy where) is here, so both behave
+identically and are tested once.
+
+Block layout seen by callers: an array of shape (n, *spec.block_shape)
+with the namespace's dtype, C-contiguous; block i is bytes
+[i*block_bytes, (i+1)*block_bytes). Copies between caller arrays and the
+arena are one numpy call per request (a gather or a scatter over slot rows),
+never a Python loop over blocks or layers.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvd.core.keys import DType, ExtraKey, NamespaceSpec, chain_keys
+from kvd.errors import InvalidArgument
+from kvd.v1 import kvd_pb2
+
+RESERVED = kvd_pb2.RESERVE_STATUS_RESERVED
+NUMPY_DTYPES = {
+    DType.FLOAT32: np.dtype(np.float32),
+    DType.FLOAT16: np.dtype(np.float16),
+    # numpy has no bfloat16 / float8: those travel as raw bits.
+    DType.BFLOAT16: np.dtype(np.uint16),
+    DType.FLOAT8_E4M3: np.dtype(np.uint8),
+    DType.FLOAT8_E5M2: np.dtype(np.uint8),
+    DType.INT8: np.dtype(np.int8),
+}
+# Room left in a message for everything that is not payload.
+MESSAGE_OVERHEAD_BYTES = 1 << 20
+
+
+def new_client_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """A registered namespace as the client sees it."""
+
+    spec: NamespaceSpec
+    namespace_id: bytes
+    block_bytes: int
+    layer_bytes: int
+
+    def keys(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        extras: Sequence[Sequence[ExtraKey]] | None = None,
+        parent: bytes | None = None,
+    ) -> list[bytes]:
+        """Chained keys of every full block of `token_ids`."""
+        return chain_keys(self.spec, token_ids, extras, parent)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return NUMPY_DTYPES[DType(self.spec.kv_dtype)]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    matched: int
+    tiers: list[int]
+
+
+def spec_message(spec: NamespaceSpec) -> kvd_pb2.NamespaceSpec:
+    return kvd_pb2.NamespaceSpec(
+        model_id=spec.model_id,
+        model_revision=spec.model_revision,
+        kv_dtype=int(spec.kv_dtype),
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        block_tokens=spec.block_tokens,
+        inner_layout=int(spec.inner_layout),
+        kv_order=int(spec.kv_order),
+        tp_rank=spec.tp_rank,
+        tp_size=spec.tp_size,
+        pp_stage=spec.pp_stage,
+        pp_size=spec.pp_size,
+        lora_id=spec.lora_id,
+        tenant_salt=spec.tenant_salt,
+        hash_scheme=spec.hash_scheme,
+    )
+
+
+def namespace_from(spec: NamespaceSpec, response: kvd_pb2.RegisterNamespaceResponse) -> Namespace:
+    if response.namespace_id != spec.namespace_id() or response.block_bytes != spec.block_bytes:
+        # The daemon digests the spec itself; disagreeing means the two sides
+        # run incompatible key schemas. Never store under a mismatched identity.
+        raise InvalidArgument("the daemon's namespace id or block size differs from this client's")
+    return Namespace(spec, response.namespace_id, response.block_bytes, response.layer_bytes)
+
+
+def as_rows(namespace: Namespace, blocks: Any, count: int) -> np.ndarray:
+    """View caller blocks (torch or numpy) as (count, block_bytes) uint8 rows, without copying."""
+    if hasattr(blocks, "detach") and hasattr(blocks, "is_cuda"):
+        blocks = _torch_to_numpy(namespace, blocks)
+    array = np.asarray(blocks)
+    expected_shape = (count, *namespace.spec.block_shape)
+    if array.shape != expected_shape:
+        raise InvalidArgument(f"blocks have shape {array.shape}; expected {expected_shape}")
+    if array.dtype.itemsize != namespace.numpy_dtype.itemsize:
+        raise InvalidArgument(f"blocks have dtype {array.dtype}; this namespace stores {DType(namespace.spec.kv_dtype).name}")
+    if not array.flags.c_contiguous:
+        raise InvalidArgument("blocks must be C-contiguous (call .contiguous() or np.ascontiguousarray)")
+    return array.reshape(count, -1).view(np.uint8).reshape(count, namespace.block_bytes)
+
+
+def _torch_to_numpy(namespace: Namespace, tensor: Any) -> np.ndarray:
+    import torch
+
+    from kvd.client.tensors import torch_dtype
+
+    if tensor.device.type != "cpu":
+        raise InvalidArgument("blocks must be CPU tensors (the GPU path is not in this client yet)")
+    expected = torch_dtype(namespace.spec.kv_dtype)
+    if tensor.dtype != expected:
+        raise InvalidArgument(f"blocks have dtype {tensor.dtype}; this namespace stores {expected}")
+    tensor = tensor.detach()
+    if tensor.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        tensor = tensor.view(torch.uint16 if tensor.element_size() == 2 else torch.uint8)
+    return tensor.numpy()
+
+
+class ArenaMapping:
+    """A client's mapping of the daemon's host arena."""
+
+    def __init__(self, info: kvd_pb2.ArenaInfoResponse) -> None:
+        path = Path("/dev/shm") / info.shm_name
+        if "/" in info.shm_name or not info.shm_name:
+            raise InvalidArgument(f"daemon sent a bad arena name {info.shm_name!r}")
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if os.fstat(fd).st_size != info.arena_bytes:
+                raise OSError(f"{path} is not the daemon's arena (size differs)")
+            self._mmap = mmap.mmap(fd, info.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.instance_id = info.instance_id
+        self.slot_bytes = info.slot_bytes
+        self.slots = np.frombuffer(self._mmap, dtype=np.uint8).reshape(info.slot_count, info.slot_bytes)
+
+    def slot_indices(self, offsets: Sequence[int]) -> np.ndarray:
+        return np.asarray(offsets, dtype=np.int64) // self.slot_bytes
+
+    def scatter(self, rows: np.ndarray, offsets: Sequence[int]) -> None:
+        """Write rows[i] into the slot at offsets[i]: one numpy call."""
+        width = rows.shape[1]
+        self.slots[self.slot_indices(offsets), :width] = rows
+
+    def gather(self, offsets: Sequence[int], width: int, out: np.ndarray) -> None:
+        """Copy the first `width` bytes of each slot into out's rows: one numpy call."""
+        np.take(self.slots[:, :width], self.slot_indices(offsets), axis=0, out=out)
+
+    def close(self) -> None:
+        self.slots = None  # type: ignore[assignment]
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass
+
+
+def reserved_run(statuses: Sequence[int]) -> tuple[int, int]:
+    """[start, stop) of the RESERVED keys, which the daemon keeps contiguous."""
+    positions = [index for index, status in enumerate(statuses) if status == RESERVED]
+    if not positions:
+        return 0, 0
+    start, stop = positions[0], positions[-1] + 1
+    if stop - start != len(positions):
+        raise InvalidArgument("daemon returned a non-contiguous reservation")
+    return start, stop
+
+
+def inline_batch_blocks(namespace: Namespace, max_message_bytes: int) -> int:
+    return max(1, (max_message_bytes - MESSAGE_OVERHEAD_BYTES) // (namespace.block_bytes + 64))
+
+
+def blocks_to_output(namespace: Namespace, rows: np.ndarray, matched: int) -> np.ndarray:
+    """Shape (matched, block_bytes) rows as (matched, *block_shape) of the namespace dtype."""
+    return rows[:matched].view(namespace.numpy_dtype).reshape(matched, *namespace.spec.block_shape)
+
+
+def output_rows(namespace: Namespace, count: int, out: np.ndarray | None) -> np.ndarray:
+    """Rows to gather into: the caller's `out`, or a new array."""
+    if out is None:
+        return np.empty((count, namespace.block_bytes), dtype=np.uint8)
+    return as_rows(namespace, out, out.shape[0])[:count]

@@ -1,0 +1,90 @@
+"""The asyncio client: drives kvd.client._ops over a grpc.aio channel."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvd.client import _ops, _wire
+from kvd.client._wire import LookupResult, Namespace
+from kvd.core.keys import NamespaceSpec
+from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+
+
+class AsyncClient:
+    """The asyncio twin of kvd.client.Client; same arguments, same methods, awaited."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        client_id: str | None = None,
+        use_shared_memory: bool | None = None,
+        timeout_s: float = 30.0,
+        lease_ms: int = 0,
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.session = _ops.Session(client_id or _wire.new_client_id(), use_shared_memory, lease_ms)
+        self._channel = grpc.aio.insecure_channel(target, options=_ops.channel_options())
+        self._stub = kvd_pb2_grpc.KvdStub(self._channel)
+
+    @property
+    def client_id(self) -> str:
+        return self.session.client_id
+
+    async def _run(self, op: _ops.Op) -> Any:
+        try:
+            call = next(op)
+            while True:
+                method, request = call
+                try:
+                    response = await getattr(self._stub, method)(request, timeout=self.timeout_s)
+                except grpc.RpcError as error:
+                    call = op.throw(error)
+                else:
+                    call = op.send(response)
+        except StopIteration as done:
+            return done.value
+
+    async def close(self) -> None:
+        self.session.close()
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def uses_shared_memory(self) -> bool:
+        return await self._run(_ops.uses_shared_memory(self.session))
+
+    async def register_namespace(self, spec: NamespaceSpec) -> Namespace:
+        return await self._run(_ops.register_namespace(self.session, spec))
+
+    async def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> LookupResult:
+        return await self._run(_ops.lookup(self.session, namespace, keys, parent_key))
+
+    async def put(self, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes = b"") -> int:
+        return await self._run(_ops.put(self.session, namespace, keys, blocks, parent_key))
+
+    async def get_numpy(
+        self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""
+    ) -> np.ndarray:
+        return await self._run(_ops.get_numpy(self.session, namespace, keys, out, parent_key))
+
+    async def get_tensor(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> Any:
+        from kvd.client.tensors import rows_to_tensor
+
+        array = await self.get_numpy(namespace, keys, parent_key=parent_key)
+        return rows_to_tensor(array, namespace.spec.kv_dtype)
+
+    async def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> tuple[int, int]:
+        return await self._run(_ops.delete(self.session, namespace, keys))
+
+    async def stats(self) -> kvd_pb2.StatsResponse:
+        return await self._run(_ops.stats(self.session))

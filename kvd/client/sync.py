@@ -1,0 +1,99 @@
+"""The blocking client: drives kvd.client._ops over a grpc channel."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvd.client import _ops, _wire
+from kvd.client._wire import LookupResult, Namespace
+from kvd.core.keys import NamespaceSpec
+from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+
+
+class Client:
+    """A blocking kvd client.
+
+    `target`: "unix:///path/kvd.sock" or "host:port". `use_shared_memory`:
+    None maps the daemon's arena when it can and falls back to inline bytes;
+    True requires the arena; False never maps it. Every RPC has `timeout_s`.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        client_id: str | None = None,
+        use_shared_memory: bool | None = None,
+        timeout_s: float = 30.0,
+        lease_ms: int = 0,
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.session = _ops.Session(client_id or _wire.new_client_id(), use_shared_memory, lease_ms)
+        self._channel = grpc.insecure_channel(target, options=_ops.channel_options())
+        self._stub = kvd_pb2_grpc.KvdStub(self._channel)
+
+    @property
+    def client_id(self) -> str:
+        return self.session.client_id
+
+    def _run(self, op: _ops.Op) -> Any:
+        try:
+            call = next(op)
+            while True:
+                method, request = call
+                try:
+                    response = getattr(self._stub, method)(request, timeout=self.timeout_s)
+                except grpc.RpcError as error:
+                    call = op.throw(error)
+                else:
+                    call = op.send(response)
+        except StopIteration as done:
+            return done.value
+
+    def close(self) -> None:
+        self.session.close()
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        return self._run(_ops.uses_shared_memory(self.session))
+
+    def register_namespace(self, spec: NamespaceSpec) -> Namespace:
+        return self._run(_ops.register_namespace(self.session, spec))
+
+    def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> LookupResult:
+        return self._run(_ops.lookup(self.session, namespace, keys, parent_key))
+
+    def put(self, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes = b"") -> int:
+        """Store the blocks of `keys` not yet stored; returns how many were written."""
+        return self._run(_ops.put(self.session, namespace, keys, blocks, parent_key))
+
+    def get_numpy(
+        self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""
+    ) -> np.ndarray:
+        """The stored prefix of `keys` as (matched, *block_shape); into `out` if given."""
+        return self._run(_ops.get_numpy(self.session, namespace, keys, out, parent_key))
+
+    def get_tensor(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> Any:
+        """The stored prefix of `keys` as a CPU torch tensor of the namespace dtype."""
+        from kvd.client.tensors import rows_to_tensor
+
+        return rows_to_tensor(self.get_numpy(namespace, keys, parent_key=parent_key), namespace.spec.kv_dtype)
+
+    def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> tuple[int, int]:
+        """Remove blocks (and their descendants); returns (deleted, pinned)."""
+        return self._run(_ops.delete(self.session, namespace, keys))
+
+    def stats(self) -> kvd_pb2.StatsResponse:
+        return self._run(_ops.stats(self.session))

@@ -1,0 +1,263 @@
+"""Daemon configuration: embedded defaults < TOML file < environment < flags.
+
+Every setting has a dotted name (`host.capacity_bytes`), a TOML location
+(`[host] capacity_bytes = ...`), an environment variable
+(`KVD_HOST_CAPACITY_BYTES`) and a flag (`--set host.capacity_bytes=...`).
+Byte sizes accept integers or strings with a unit ("512MiB", "2GiB").
+A bad value raises ConfigError naming the field; unknown fields are errors,
+not silently ignored, so a typo never runs the daemon with a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from kvd.errors import ConfigError
+
+ENV_PREFIX = "KVD_"
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    # Unix socket path; relative paths are under state_dir. "" disables it.
+    unix_socket: str = "kvd.sock"
+    # host:port for TCP; loopback by default. "" disables TCP.
+    tcp_address: str = "127.0.0.1:50051"
+    max_message_bytes: int = 64 << 20
+    max_concurrent_rpcs: int = 256
+    grace_period_s: float = 10.0
+
+
+@dataclass(slots=True)
+class MetricsConfig:
+    # host:port of the Prometheus endpoint; "" disables it.
+    address: str = "127.0.0.1:9464"
+
+
+@dataclass(slots=True)
+class HostConfig:
+    capacity_bytes: int = 1 << 30
+    slot_bytes: int = 2 << 20
+    prefault: bool = True
+    huge_pages: bool = False
+    policy: str = "lru"
+
+
+@dataclass(slots=True)
+class LeaseConfig:
+    default_ms: int = 30_000
+    max_ms: int = 600_000
+    max_leases: int = 65_536
+    sweep_interval_ms: int = 500
+
+
+@dataclass(slots=True)
+class LogConfig:
+    level: str = "info"
+    # "json" (one object per line) or "text".
+    format: str = "json"
+
+
+@dataclass(slots=True)
+class Config:
+    state_dir: str = "state"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    leases: LeaseConfig = field(default_factory=LeaseConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def unix_socket_path(self) -> Path | None:
+        if not self.server.unix_socket:
+            return None
+        path = Path(self.server.unix_socket)
+        return path if path.is_absolute() else Path(self.state_dir) / path
+
+    def validate(self) -> None:
+        _positive("server.max_message_bytes", self.server.max_message_bytes)
+        _positive("server.max_concurrent_rpcs", self.server.max_concurrent_rpcs)
+        if self.server.grace_period_s < 0:
+            raise ConfigError("server.grace_period_s", "must not be negative")
+        for name, address in (("server.tcp_address", self.server.tcp_address), ("metrics.address", self.metrics.address)):
+            if address:
+                parse_address(name, address)
+        if not self.server.unix_socket and not self.server.tcp_address:
+            raise ConfigError("server.unix_socket", "both listeners are disabled; enable at least one")
+        _positive("host.slot_bytes", self.host.slot_bytes)
+        if self.host.slot_bytes % 4096:
+            raise ConfigError("host.slot_bytes", f"must be a multiple of 4096, got {self.host.slot_bytes}")
+        if self.host.capacity_bytes < self.host.slot_bytes:
+            raise ConfigError(
+                "host.capacity_bytes",
+                f"{self.host.capacity_bytes} is smaller than one slot ({self.host.slot_bytes} bytes)",
+            )
+        if self.host.policy not in ("lru",):
+            raise ConfigError("host.policy", f"unknown policy {self.host.policy!r} (known: lru)")
+        _positive("leases.default_ms", self.leases.default_ms)
+        _positive("leases.max_ms", self.leases.max_ms)
+        _positive("leases.max_leases", self.leases.max_leases)
+        _positive("leases.sweep_interval_ms", self.leases.sweep_interval_ms)
+        if self.leases.default_ms > self.leases.max_ms:
+            raise ConfigError("leases.default_ms", f"exceeds leases.max_ms ({self.leases.max_ms})")
+        if self.log.level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError("log.level", f"must be debug, info, warning or error, got {self.log.level!r}")
+        if self.log.format not in ("json", "text"):
+            raise ConfigError("log.format", f"must be json or text, got {self.log.format!r}")
+
+
+def _positive(name: str, value: int | float) -> None:
+    if value <= 0:
+        raise ConfigError(name, f"must be positive, got {value}")
+
+
+def parse_address(name: str, address: str) -> tuple[str, int]:
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(name, f"must be host:port, got {address!r}")
+    return host.strip("[]"), int(port_text)
+
+
+def parse_size(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(name, "must be a byte size, got a boolean")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
+        if match and match.group(2).lower() in _SIZE_UNITS:
+            return int(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    raise ConfigError(name, f"must be a byte size like 1073741824 or '1GiB', got {value!r}")
+
+
+def _coerce(name: str, kind: type, value: Any) -> Any:
+    """Convert a TOML/env/flag value to the field's type, or name the field."""
+    if name.endswith("_bytes"):
+        return parse_size(name, value)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(name, f"must be true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
+            return int(value)
+        raise ConfigError(name, f"must be an integer, got {value!r}")
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(name, f"must be a number, got {value!r}")
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(name, f"must be a string, got {value!r}")
+    raise ConfigError(name, f"unsupported type {kind!r}")
+
+
+def _apply(target: Any, values: dict[str, Any], prefix: str = "") -> None:
+    hints = get_type_hints(type(target))
+    known = {f.name for f in dataclasses.fields(target)}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(name, f"unknown setting (known here: {', '.join(sorted(known))})")
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise ConfigError(name, "must be a table")
+            _apply(getattr(target, key), value, f"{name}.")
+        else:
+            setattr(target, key, _coerce(name, kind, value))
+
+
+def setting_names(config: Config | None = None) -> list[str]:
+    """Every dotted setting name, e.g. ['host.capacity_bytes', ...]."""
+    config = config or Config()
+    names = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            names.extend(f"{f.name}.{inner.name}" for inner in dataclasses.fields(value))
+        else:
+            names.append(f.name)
+    return names
+
+
+def _dotted_to_nested(name: str, value: Any) -> dict[str, Any]:
+    parts = name.split(".")
+    nested: dict[str, Any] = {parts[-1]: value}
+    for part in reversed(parts[:-1]):
+        nested = {part: nested}
+    return nested
+
+
+def default_toml() -> str:
+    return resources.files("kvd").joinpath("default.toml").read_text()
+
+
+def load(
+    path: str | Path | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Config:
+    """Build the configuration: defaults, then file, then env, then flags."""
+    config = Config()
+    _apply(config, tomllib.loads(default_toml()))
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise ConfigError("--config", f"cannot read {path}: {error.strerror}") from None
+        try:
+            _apply(config, tomllib.loads(text))
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError("--config", f"{path} is not valid TOML: {error}") from None
+    env = os.environ if env is None else env
+    names = setting_names(config)
+    for name in names:
+        variable = ENV_PREFIX + name.replace(".", "_").upper()
+        if variable in env:
+            _apply(config, _dotted_to_nested(name, env[variable]))
+    for name, value in (overrides or {}).items():
+        if name not in names:
+            raise ConfigError(name, "unknown setting")
+        _apply(config, _dotted_to_nested(name, value))
+    config.validate()
+    return config
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)

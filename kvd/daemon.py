@@ -1,0 +1,259 @@
+"""Daemon lifecycle: start every part in order, drain and stop in reverse.
+
+Start:  stale arenas removed -> arena created and pre-faulted -> engine ->
+        gRPC listeners (unix socket 0600, TCP) -> health SERVING ->
+        metrics endpoint -> lease sweeper -> READY logged (and sd_notify).
+Stop (SIGTERM/SIGINT, or `Daemon.shutdown()`; idempotent):
+        health NOT_SERVING -> listeners stop accepting and in-flight RPCs
+        get `grace_period_s` to finish -> every lease ends -> metrics
+        endpoint stops -> arena unlinked and unmapped. A second signal
+        during the drain cuts the grace period short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvd import __version__
+from kvd.clock import Clock, MonotonicClock
+from kvd.config import Config, parse_address
+from kvd.core.engine import Engine, EngineLimits
+from kvd.metrics import make_registry
+from kvd.server.service import KvdService
+from kvd.tiers.host import ArenaLayout, HostArena, remove_stale_segments
+from kvd.v1 import kvd_pb2_grpc
+
+log = logging.getLogger("kvd.daemon")
+
+SERVICE_NAME = "kvd.v1.Kvd"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and extras."""
+
+    _standard = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in self._standard:
+                entry[key] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def sd_notify(state: str) -> bool:
+    """Send a systemd notification if NOTIFY_SOCKET is set; True if sent."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        sock.connect(address)
+        sock.sendall(state.encode())
+    return True
+
+
+class Daemon:
+    def __init__(self, config: Config, clock: Clock | None = None) -> None:
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.arena: HostArena | None = None
+        self.engine: Engine | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health: health.aio.HealthServicer | None = None
+        self._metrics_server = None
+        self._sweeper: asyncio.Task | None = None
+        self._stop = asyncio.Event()
+        self._stopped = False
+        self.bound_tcp_port: int | None = None
+
+    async def start(self) -> None:
+        config = self.config
+        state_dir = Path(config.state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        stale = remove_stale_segments()
+        if stale:
+            log.info("removed stale arenas", extra={"segments": ",".join(stale)})
+        layout = ArenaLayout.from_capacity(config.host.capacity_bytes, config.host.slot_bytes)
+        self.arena = HostArena(layout, prefault=config.host.prefault, huge_pages=config.host.huge_pages)
+        self.engine = Engine(
+            host_slot_count=layout.slot_count,
+            host_slot_bytes=layout.slot_bytes,
+            policy=config.host.policy,
+            limits=EngineLimits(
+                lease_ms_default=config.leases.default_ms,
+                lease_ms_max=config.leases.max_ms,
+                max_leases=config.leases.max_leases,
+            ),
+        )
+        registry, rpc_metrics = make_registry(self.engine)
+        options = [
+            ("grpc.max_receive_message_length", config.server.max_message_bytes),
+            ("grpc.max_send_message_length", config.server.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.server.max_concurrent_rpcs)
+        service = KvdService(self.engine, self.arena, self.clock, rpc_metrics, config.server.max_message_bytes)
+        kvd_pb2_grpc.add_KvdServicer_to_server(service, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+
+        socket_path = config.unix_socket_path
+        if socket_path is not None:
+            socket_path.parent.mkdir(parents=True, exist_ok=True)
+            socket_path.unlink(missing_ok=True)
+            # The socket inherits the umask: make it owner-only while it is created.
+            previous_umask = os.umask(0o177)
+            try:
+                self.server.add_insecure_port(f"unix:{socket_path.resolve()}")
+            finally:
+                os.umask(previous_umask)
+        if config.server.tcp_address:
+            port = self.server.add_insecure_port(config.server.tcp_address)
+            if port == 0:
+                raise OSError(f"cannot listen on {config.server.tcp_address}")
+            self.bound_tcp_port = port
+        await self.server.start()
+        if socket_path is not None:
+            os.chmod(socket_path, 0o600)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+        if config.metrics.address:
+            from prometheus_client import start_http_server
+
+            host, port = parse_address("metrics.address", config.metrics.address)
+            self._metrics_server, _thread = start_http_server(port, addr=host, registry=registry)
+            self.bound_metrics_port = self._metrics_server.server_port
+        self._sweeper = asyncio.create_task(self._sweep_leases(), name="lease-sweeper")
+        self._write_endpoints(state_dir)
+        log.info(
+            "kvd ready",
+            extra={
+                "version": __version__,
+                "unix_socket": str(socket_path) if socket_path else "",
+                "tcp_port": self.bound_tcp_port or 0,
+                "metrics_port": getattr(self, "bound_metrics_port", 0),
+                "shm_name": self.arena.shm_name,
+                "host_slots": layout.slot_count,
+                "host_slot_bytes": layout.slot_bytes,
+            },
+        )
+        sd_notify("READY=1\nSTATUS=serving")
+
+    def _write_endpoints(self, state_dir: Path) -> None:
+        """Record where this instance listens, for `kvd status` and tests."""
+        endpoints = {
+            "pid": os.getpid(),
+            "unix_socket": str(self.config.unix_socket_path.resolve()) if self.config.unix_socket_path else "",
+            "tcp_port": self.bound_tcp_port or 0,
+            "metrics_port": getattr(self, "bound_metrics_port", 0),
+            "shm_name": self.arena.shm_name if self.arena else "",
+        }
+        temporary = state_dir / "endpoints.json.tmp"
+        temporary.write_text(json.dumps(endpoints))
+        temporary.replace(state_dir / "endpoints.json")
+
+    async def _sweep_leases(self) -> None:
+        interval_s = self.config.leases.sweep_interval_ms / 1000.0
+        while True:
+            await asyncio.sleep(interval_s)
+            expired = self.engine.expire(self.clock.now_ms())
+            if expired:
+                log.info("leases expired", extra={"count": expired})
+
+    def request_stop(self) -> None:
+        if self._stop.is_set() and self.server is not None:
+            # A second signal during the drain: stop waiting for in-flight RPCs.
+            log.warning("second stop signal: cancelling in-flight requests")
+            asyncio.get_running_loop().create_task(self.server.stop(0))
+        self._stop.set()
+
+    async def wait(self) -> None:
+        await self._stop.wait()
+
+    async def shutdown(self) -> None:
+        """Drain and stop; safe to call more than once."""
+        if self._stopped:
+            return
+        self._stopped = True
+        started = time.monotonic()
+        sd_notify("STOPPING=1")
+        log.info("draining", extra={"grace_period_s": self.config.server.grace_period_s})
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(self.config.server.grace_period_s)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            try:
+                await self._sweeper
+            except asyncio.CancelledError:
+                pass
+        leases = self.engine.close_all_leases() if self.engine is not None else 0
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        if self.arena is not None:
+            self.arena.close()
+        socket_path = self.config.unix_socket_path
+        if socket_path is not None:
+            socket_path.unlink(missing_ok=True)
+        (Path(self.config.state_dir) / "endpoints.json").unlink(missing_ok=True)
+        log.info(
+            "stopped",
+            extra={"leases_closed": leases, "drain_s": round(time.monotonic() - started, 3)},
+        )
+
+
+async def _serve(config: Config) -> None:
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    handled = (signal.SIGTERM, signal.SIGINT)
+    for signum in handled:
+        loop.add_signal_handler(signum, daemon.request_stop)
+    try:
+        await daemon.start()
+        await daemon.wait()
+    finally:
+        await daemon.shutdown()
+        for signum in handled:
+            loop.remove_signal_handler(signum)
+
+
+def serve(config: Config) -> None:
+    """Run the daemon on uvloop until SIGTERM or SIGINT."""
+    import uvloop
+
+    setup_logging(config.log.level, config.log.format)
+    uvloop.run(_serve(config))

@@ -1,0 +1,112 @@
+"""Every Prometheus metric kvd exports, defined here and only here.
+
+Gauges and totals that the engine already counts are read at scrape time by
+`EngineCollector` (the engine stays free of prometheus_client); per-RPC
+latency and outcome are observed by the server through `RpcMetrics`.
+
+| metric | type | labels | meaning |
+|---|---|---|---|
+| kvd_tier_blocks | gauge | tier | blocks resident in the tier |
+| kvd_tier_used_bytes | gauge | tier | bytes of resident blocks |
+| kvd_tier_capacity_bytes | gauge | tier | configured capacity |
+| kvd_tier_pinned_blocks | gauge | tier | blocks pinned by a handle or lease |
+| kvd_tier_evictions_total | counter | tier | blocks evicted to make room |
+| kvd_blocks_sealed_total | counter | tier | blocks committed |
+| kvd_blocks_aborted_total | counter | tier | reservations aborted or expired unwritten |
+| kvd_blocks_deleted_total | counter | tier | blocks removed by Delete |
+| kvd_namespace_blocks | gauge | namespace, model | blocks indexed per namespace |
+| kvd_lookup_blocks_total | counter | namespace, result | Lookup keys found (hit) or not (miss) |
+| kvd_get_blocks_total | counter | namespace, result | Get keys served (hit) or not (miss) |
+| kvd_leases | gauge | | open leases |
+| kvd_leases_expired_total | counter | | leases ended by their deadline |
+| kvd_block_handles | gauge | | live block handles |
+| kvd_leaked_handles_total | counter | | handles collected unreleased (a bug) |
+| kvd_rpc_duration_seconds | histogram | method | server-side RPC latency |
+| kvd_rpc_total | counter | method, code | RPCs by outcome |
+| kvd_rpc_in_flight | gauge | | RPCs being handled |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvd.core.engine import Engine
+
+# RPCs here take from tens of microseconds (Lookup) to tens of milliseconds
+# (inline transfers of large batches).
+RPC_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine
+        host = engine.host
+        counters = host.counters
+
+        def tier_gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["tier"])
+            family.add_metric(["host"], value)
+            return family
+
+        def tier_counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["tier"])
+            family.add_metric(["host"], value)
+            return family
+
+        yield tier_gauge("kvd_tier_blocks", "Blocks resident in the tier.", host.resident_blocks)
+        yield tier_gauge("kvd_tier_used_bytes", "Bytes of blocks resident in the tier.", host.used_bytes)
+        yield tier_gauge("kvd_tier_capacity_bytes", "Configured capacity of the tier.", host.capacity_bytes)
+        yield tier_gauge("kvd_tier_pinned_blocks", "Blocks pinned by a handle or lease.", engine.pinned_blocks)
+        yield tier_counter("kvd_tier_evictions", "Blocks evicted to make room.", counters.evictions)
+        yield tier_counter("kvd_blocks_sealed", "Blocks committed.", counters.sealed)
+        yield tier_counter("kvd_blocks_aborted", "Reservations aborted or expired unwritten.", counters.aborted)
+        yield tier_counter("kvd_blocks_deleted", "Blocks removed by Delete.", counters.deleted)
+
+        blocks = GaugeMetricFamily("kvd_namespace_blocks", "Blocks indexed per namespace.", labels=["namespace", "model"])
+        lookups = CounterMetricFamily("kvd_lookup_blocks", "Lookup keys by result.", labels=["namespace", "result"])
+        gets = CounterMetricFamily("kvd_get_blocks", "Get keys by result.", labels=["namespace", "result"])
+        for state in engine.namespaces():
+            label = state.namespace_id.hex()[:16]
+            blocks.add_metric([label, state.spec.model_id], len(state.index))
+            lookups.add_metric([label, "hit"], state.lookup_hits)
+            lookups.add_metric([label, "miss"], state.lookup_misses)
+            gets.add_metric([label, "hit"], state.get_hits)
+            gets.add_metric([label, "miss"], state.get_misses)
+        yield blocks
+        yield lookups
+        yield gets
+
+        yield GaugeMetricFamily("kvd_leases", "Open leases.", value=len(engine.leases))
+        yield CounterMetricFamily("kvd_leases_expired", "Leases ended by their deadline.", value=engine.leases.expired_total)
+        yield GaugeMetricFamily("kvd_block_handles", "Live block handles.", value=engine.live_handles)
+        yield CounterMetricFamily(
+            "kvd_leaked_handles", "Block handles collected while still holding a reference.", value=engine.leaked_handles
+        )
+
+
+class RpcMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Histogram(
+            "kvd_rpc_duration_seconds",
+            "Server-side RPC latency.",
+            ["method"],
+            buckets=RPC_BUCKETS_S,
+            registry=registry,
+        )
+        self.total = Counter("kvd_rpc", "RPCs by method and status code.", ["method", "code"], registry=registry)
+        self.in_flight = Gauge("kvd_rpc_in_flight", "RPCs being handled.", registry=registry)
+
+
+def make_registry(engine: Engine) -> tuple[CollectorRegistry, RpcMetrics]:
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(EngineCollector(engine))
+    return registry, RpcMetrics(registry)

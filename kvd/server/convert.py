@@ -1,0 +1,69 @@
+"""The only place where protobuf messages and kvd's own types meet.
+
+Messages are validated on the way in: a value the schema allows but kvd
+does not (an unset enum, a zero where a count is needed) is an
+InvalidArgument naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from kvd.core.block import Block
+from kvd.core.engine import TierId
+from kvd.core.keys import DType, InnerLayout, KvOrder, NamespaceSpec
+from kvd.errors import InvalidArgument, KvdError
+from kvd.v1 import kvd_pb2
+
+STATUS_BY_CODE = {code.name: code for code in grpc.StatusCode}
+
+
+def status_of(error: KvdError) -> grpc.StatusCode:
+    return STATUS_BY_CODE.get(error.code, grpc.StatusCode.INTERNAL)
+
+
+def _enum(kind, field_name: str, value: int):
+    if value == 0:
+        raise InvalidArgument(f"namespace.{field_name} must be set")
+    try:
+        return kind(value)
+    except ValueError:
+        raise InvalidArgument(f"namespace.{field_name} has unknown value {value}") from None
+
+
+def spec_from_proto(message: kvd_pb2.NamespaceSpec) -> NamespaceSpec:
+    if not message.hash_scheme:
+        raise InvalidArgument("namespace.hash_scheme must be set")
+    return NamespaceSpec(
+        model_id=message.model_id,
+        model_revision=message.model_revision,
+        kv_dtype=_enum(DType, "kv_dtype", message.kv_dtype),
+        num_layers=message.num_layers,
+        num_kv_heads=message.num_kv_heads,
+        head_dim=message.head_dim,
+        block_tokens=message.block_tokens,
+        inner_layout=_enum(InnerLayout, "inner_layout", message.inner_layout),
+        kv_order=_enum(KvOrder, "kv_order", message.kv_order),
+        tp_rank=message.tp_rank,
+        # proto3 cannot tell 0 from unset; a group size of 0 means 1.
+        tp_size=message.tp_size or 1,
+        pp_stage=message.pp_stage,
+        pp_size=message.pp_size or 1,
+        lora_id=message.lora_id,
+        tenant_salt=message.tenant_salt,
+        hash_scheme=message.hash_scheme,
+    )
+
+
+def tiers(blocks: Sequence[Block]) -> list[int]:
+    # Only the host tier exists so far; every resident block is there.
+    return [int(TierId.HOST)] * len(blocks)
+
+
+def ack_supported(ack: int) -> None:
+    if ack == kvd_pb2.ACK_DURABLE:
+        raise InvalidArgument("ack DURABLE needs a disk tier, and this daemon has none configured")
+    if ack not in (kvd_pb2.ACK_UNSPECIFIED, kvd_pb2.ACK_ACCEPTED, kvd_pb2.ACK_HOST):
+        raise InvalidArgument(f"ack has unknown value {ack}")

@@ -1,0 +1,177 @@
+"""Run a real kvd daemon in a subprocess, for tests and benchmarks.
+
+    with run_daemon(tmp_path, config={"host": {"capacity_bytes": 64 << 20}}) as daemon:
+        client = Client(daemon.unix_target)
+
+The daemon listens on a unix socket in its state directory and on loopback
+TCP and metrics ports chosen by the kernel; `run_daemon` waits until the
+gRPC health service says SERVING, and on exit sends SIGTERM and checks that
+the daemon drained and exited cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+
+
+def to_toml(values: dict[str, Any], prefix: str = "") -> str:
+    """A minimal TOML writer for config dicts (scalars and one level of tables)."""
+    scalars = []
+    tables = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            tables.append((key, value))
+        elif isinstance(value, bool):
+            scalars.append(f"{key} = {'true' if value else 'false'}")
+        elif isinstance(value, (int, float)):
+            scalars.append(f"{key} = {value}")
+        else:
+            scalars.append(f"{key} = {json.dumps(str(value))}")
+    text = "\n".join(scalars) + "\n"
+    for key, table in tables:
+        name = f"{prefix}{key}"
+        text += f"\n[{name}]\n" + to_toml(table, f"{name}.")
+    return text
+
+
+@dataclass
+class DaemonProcess:
+    process: subprocess.Popen
+    state_dir: Path
+    log_path: Path
+    endpoints: dict[str, Any]
+
+    @property
+    def unix_target(self) -> str:
+        return f"unix://{self.endpoints['unix_socket']}"
+
+    @property
+    def tcp_target(self) -> str:
+        return f"127.0.0.1:{self.endpoints['tcp_port']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.endpoints['metrics_port']}/metrics"
+
+    @property
+    def shm_name(self) -> str:
+        return self.endpoints["shm_name"]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """Signal the daemon and wait; returns its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise RuntimeError(f"kvd did not stop within {timeout_s}s after {sig!r}:\n{self.log()[-4000:]}")
+        return self.process.returncode
+
+
+def _wait_ready(process: subprocess.Popen, state_dir: Path, log_path: Path) -> dict[str, Any]:
+    endpoints_path = state_dir / "endpoints.json"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"kvd exited with {process.returncode} during start:\n{log_path.read_text()[-4000:]}")
+        if endpoints_path.exists():
+            endpoints = json.loads(endpoints_path.read_text())
+            if endpoints.get("pid") == process.pid and _serving(f"unix://{endpoints['unix_socket']}"):
+                return endpoints
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"kvd not ready within {START_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
+
+
+def _serving(target: str) -> bool:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def start_daemon(
+    directory: Path, config: dict[str, Any] | None = None, env: dict[str, str] | None = None
+) -> DaemonProcess:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state_dir = directory / "state"
+    config_path = directory / "kvd.toml"
+    values: dict[str, Any] = {
+        "state_dir": str(state_dir),
+        "server": {"tcp_address": "127.0.0.1:0", "grace_period_s": 5.0},
+        "metrics": {"address": "127.0.0.1:0"},
+        "host": {"capacity_bytes": 64 << 20, "slot_bytes": 1 << 20},
+        "log": {"level": "info", "format": "json"},
+    }
+    for section, settings in (config or {}).items():
+        if isinstance(settings, dict):
+            values.setdefault(section, {}).update(settings)
+        else:
+            values[section] = settings
+    config_path.write_text(to_toml(values))
+    log_path = directory / "kvd.log"
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvd", "serve", "--config", str(config_path)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+        )
+    try:
+        endpoints = _wait_ready(process, state_dir, log_path)
+    except BaseException:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        raise
+    return DaemonProcess(process, state_dir, log_path, endpoints)
+
+
+@contextlib.contextmanager
+def run_daemon(
+    directory: Path,
+    config: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    check_clean_exit: bool = True,
+) -> Iterator[DaemonProcess]:
+    daemon = start_daemon(directory, config, env)
+    try:
+        yield daemon
+    finally:
+        killed_by_test = daemon.process.poll() is not None
+        code = daemon.stop()
+    if check_clean_exit and not killed_by_test and code != 0:
+        raise RuntimeError(f"kvd exited with {code} after SIGTERM:\n{daemon.log()[-4000:]}")

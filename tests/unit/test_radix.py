@@ -1,0 +1,253 @@
+"""The prefix index (kvd.core.radix.PrefixIndex) on its own.
+
+The index does not seal blocks (the engine does), so these tests set
+`state` directly to build the trees they need.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from kvd.core.block import Block, BlockState
+from kvd.core.radix import PrefixIndex
+from kvd.invariants import InvariantError
+
+
+def key(name: str) -> bytes:
+    return hashlib.sha256(name.encode()).digest()
+
+
+def sealed_chain(index: PrefixIndex, names: list[str], parent: Block | None = None) -> list[Block]:
+    blocks = []
+    for name in names:
+        parent = index.insert(key(name), parent)
+        parent.state = BlockState.SEALED
+        blocks.append(parent)
+    return blocks
+
+
+@pytest.fixture
+def index() -> PrefixIndex:
+    return PrefixIndex("test", 64)
+
+
+# ----------------------------------------------------------------------
+# match
+
+
+def test_empty_index_matches_nothing(index):
+    assert index.match([]) == []
+    assert index.match([key("a")]) == []
+    index.verify()
+
+
+def test_match_returns_the_longest_sealed_prefix(index):
+    a, b, c = sealed_chain(index, ["a", "b", "c"])
+    matched = index.match([key("a"), key("b"), key("c")])
+    assert matched == [a, b, c]
+    assert all(got is want for got, want in zip(matched, [a, b, c]))
+    assert index.match([key("a"), key("b"), key("c"), key("d")]) == [a, b, c]
+    assert index.match([key("a"), key("b"), key("x"), key("c")]) == [a, b]
+    assert index.match([key("a")]) == [a]
+    assert index.match([key("x"), key("a")]) == []
+    index.verify()
+
+
+def test_match_from_a_parent(index):
+    a, b, c = sealed_chain(index, ["a", "b", "c"])
+    # Without a parent the walk starts at root blocks, and b is not one.
+    assert index.match([key("b"), key("c")]) == []
+    assert index.match([key("b"), key("c")], parent=a) == [b, c]
+    assert index.match([key("c")], parent=b) == [c]
+    assert index.match([key("c")], parent=a) == []
+
+
+def test_match_stops_at_a_writable_block(index):
+    a, b = sealed_chain(index, ["a", "b"])
+    c = index.insert(key("c"), b)  # WRITABLE: being written, not discoverable
+    d = index.insert(key("d"), c)
+    assert index.match([key("a"), key("b"), key("c"), key("d")]) == [a, b]
+    c.state = BlockState.SEALED
+    assert index.match([key("a"), key("b"), key("c"), key("d")]) == [a, b, c]
+    d.state = BlockState.SEALED
+    assert index.match([key("a"), key("b"), key("c"), key("d")]) == [a, b, c, d]
+    index.verify()
+
+
+def test_match_of_a_writable_root_is_empty(index):
+    index.insert(key("a"), None)
+    assert index.match([key("a")]) == []
+
+
+def test_match_stops_at_a_key_under_another_parent(index):
+    a, b, c = sealed_chain(index, ["a", "b", "c"])
+    (b2,) = sealed_chain(index, ["b2"], parent=a)
+    # Skipping a block: c is stored, but under b, not under a.
+    assert index.match([key("a"), key("c")]) == [a]
+    # Keys out of order.
+    assert index.match([key("c"), key("b"), key("a")]) == []
+    assert index.match([key("a"), key("c"), key("b")]) == [a]
+    # Siblings are not a chain.
+    assert index.match([key("a"), key("b"), key("b2")]) == [a, b]
+    assert index.match([key("a"), key("b2"), key("c")]) == [a, b2]
+    # A repeated key is never its own child.
+    assert index.match([key("a"), key("a")]) == [a]
+
+
+def test_match_does_not_change_the_index(index):
+    blocks = sealed_chain(index, ["a", "b"])
+    before = {k: (n.state, n.children, n.ref_count, n.parent) for k, n in index.nodes.items()}
+    index.match([key("a"), key("b"), key("zz")])
+    assert {k: (n.state, n.children, n.ref_count, n.parent) for k, n in index.nodes.items()} == before
+    assert len(index) == len(blocks)
+
+
+# ----------------------------------------------------------------------
+# insert / remove
+
+
+def test_insert_creates_writable_nodes_and_counts_children(index):
+    a = index.insert(key("a"), None)
+    assert (a.state, a.children, a.ref_count, a.parent, a.index) == (BlockState.WRITABLE, 0, 0, None, index)
+    a.state = BlockState.SEALED
+    b = index.insert(key("b"), a)
+    b2 = index.insert(key("b2"), a)
+    c = index.insert(key("c"), b)
+    assert (a.children, b.children, b2.children, c.children) == (2, 1, 0, 0)
+    assert b.parent is a and c.parent is b
+    assert len(index) == 4
+    assert index.get(key("c")) is c
+    assert index.get(key("zz")) is None
+    assert set(map(id, index)) == {id(a), id(b), id(b2), id(c)}
+    index.verify()
+
+
+def test_remove_maintains_child_counts(index):
+    a, b, c = sealed_chain(index, ["a", "b", "c"])
+    (b2,) = sealed_chain(index, ["b2"], parent=a)
+    assert index.remove(c) is b
+    assert (b.children, c.state, c.parent) == (0, BlockState.REMOVED, None)
+    assert index.get(key("c")) is None
+    index.verify()
+    assert index.remove(b2) is a
+    assert a.children == 1
+    assert index.remove(b) is a
+    assert a.children == 0
+    assert index.remove(a) is None
+    assert len(index) == 0
+    index.verify()
+
+
+def test_a_removed_key_can_be_inserted_again(index):
+    (a,) = sealed_chain(index, ["a"])
+    index.remove(a)
+    again = index.insert(key("a"), None)
+    assert again is not a and again.state == BlockState.WRITABLE
+    index.verify()
+
+
+def test_insert_and_remove_refuse_misuse(index):
+    a, b = sealed_chain(index, ["a", "b"])
+    with pytest.raises(InvariantError):
+        index.insert(key("a"), None)  # already there
+    with pytest.raises(InvariantError):
+        index.insert(key("b"), a)  # already there, even under its own parent
+    with pytest.raises(InvariantError):
+        index.remove(a)  # still has a child
+    other = PrefixIndex("other")
+    (foreign,) = sealed_chain(other, ["f"])
+    with pytest.raises(InvariantError):
+        index.insert(key("x"), foreign)  # parent of another index
+    with pytest.raises(InvariantError):
+        index.remove(foreign)
+    index.remove(b)
+    with pytest.raises(InvariantError):
+        index.insert(key("x"), b)  # parent no longer in the index
+    with pytest.raises(InvariantError):
+        index.remove(b)  # twice
+    assert a.children == 0
+    index.verify()
+
+
+# ----------------------------------------------------------------------
+# subtree
+
+
+def test_subtree_lists_descendants_leaves_first(index):
+    a, b, c = sealed_chain(index, ["a", "b", "c"])
+    b2, c2 = sealed_chain(index, ["b2", "c2"], parent=a)
+    (other,) = sealed_chain(index, ["other"])
+    order = index.subtree(a)
+    assert set(map(id, order)) == {id(a), id(b), id(c), id(b2), id(c2)}
+    assert len(order) == 5
+    position = {id(node): i for i, node in enumerate(order)}
+    for node in order:
+        if node.parent is not None and node is not a:
+            assert position[id(node)] < position[id(node.parent)]
+    assert index.subtree(c) == [c]
+    assert [id(n) for n in index.subtree(b)] == [id(c), id(b)]
+    assert index.subtree(other) == [other]
+    # Removing in this order is always legal.
+    for node in order:
+        index.remove(node)
+    assert list(index) == [other]
+    index.verify()
+
+
+# ----------------------------------------------------------------------
+# verify catches corruption
+
+
+def corrupt_cases():
+    def wrong_child_count(index, a, b, c):
+        b.children = 2
+
+    def missing_child_count(index, a, b, c):
+        a.children = 0
+
+    def stored_under_wrong_key(index, a, b, c):
+        index.nodes[key("zz")] = index.nodes.pop(key("c"))
+
+    def node_of_another_index(index, a, b, c):
+        c.index = PrefixIndex("other")
+
+    def removed_node_in_index(index, a, b, c):
+        c.state = BlockState.REMOVED
+
+    def negative_ref_count(index, a, b, c):
+        c.ref_count = -1
+
+    def parent_outside_index(index, a, b, c):
+        del index.nodes[key("a")]
+
+    def sealed_under_writable(index, a, b, c):
+        b.state = BlockState.WRITABLE
+
+    return [
+        wrong_child_count,
+        missing_child_count,
+        stored_under_wrong_key,
+        node_of_another_index,
+        removed_node_in_index,
+        negative_ref_count,
+        parent_outside_index,
+        sealed_under_writable,
+    ]
+
+
+@pytest.mark.parametrize("corrupt", corrupt_cases(), ids=lambda f: f.__name__)
+def test_verify_catches_corruption(index, corrupt):
+    a, b, c = sealed_chain(index, ["a", "b", "c"])
+    index.verify()
+    corrupt(index, a, b, c)
+    with pytest.raises(InvariantError):
+        index.verify()
+
+
+def test_writable_under_sealed_and_writable_under_writable_are_fine(index):
+    (a,) = sealed_chain(index, ["a"])
+    b = index.insert(key("b"), a)
+    index.insert(key("c"), b)
+    index.verify()
