@@ -211,3 +211,91 @@ def rss_bytes() -> int:
     with open("/proc/self/statm", encoding="utf-8") as handle:
         resident_pages = int(handle.read().split()[1])
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------
+# Redis baseline
+
+
+class RedisServer:
+    """A throwaway redis-server on loopback: no persistence, no eviction.
+
+        with RedisServer() as server:
+            r = server.client()
+    """
+
+    def __init__(self, directory: Path, port: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.port = port or free_tcp_port()
+        self.process: subprocess.Popen | None = None
+        self.log_path = self.directory / "redis.log"
+
+    def __enter__(self) -> RedisServer:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        command = [
+            binary,
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.directory),
+            "--protected-mode", "yes",
+            "--maxmemory", "0",
+            "--logfile", str(self.log_path),
+        ]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        import redis
+
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}: {self._log_tail()}")
+            try:
+                redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1).ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start: {self._log_tail()}") from None
+                time.sleep(0.05)
+        return self
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=120)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def redis_info() -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    binary = shutil.which("redis-server")
+    if binary:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+        info["redis_server_version"] = out.stdout.strip()
+    try:
+        import hiredis
+        import redis
+
+        info["redis_py_version"] = redis.__version__
+        info["hiredis_version"] = getattr(hiredis, "__version__", "installed")
+        from redis.utils import HIREDIS_AVAILABLE
+
+        info["redis_py_uses_hiredis"] = bool(HIREDIS_AVAILABLE)
+    except ImportError as error:
+        info["redis_py_error"] = str(error)
+    return info

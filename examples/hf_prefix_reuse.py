@@ -113,9 +113,11 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         written = client.put(ns, keys, blocks)
         put_s = time.perf_counter() - start
+        shared_memory = client.uses_shared_memory
 
     result = {
         "role": "store",
+        "shared_memory": shared_memory,
         "weights_digest": weights_digest(model),
         "blocks": int(blocks.shape[0]),
         "blocks_written": int(written),
@@ -159,6 +161,7 @@ def run_restore(args: argparse.Namespace) -> dict[str, Any]:
             start = time.perf_counter()
             full_logits = forward(model, request).logits[0]
             full_times.append(time.perf_counter() - start)
+        shared_memory = client.uses_shared_memory
 
     # Reference: this process's own cache of the same prefix.  It is built
     # exactly as the store run built its cache (prefill of the whole prompt)
@@ -176,6 +179,7 @@ def run_restore(args: argparse.Namespace) -> dict[str, Any]:
     n_suffix = suffix.shape[0]
     result = {
         "role": "restore",
+        "shared_memory": shared_memory,
         "weights_digest": weights_digest(model),
         "requested_blocks": len(keys),
         "restored_blocks": int(fetched.shape[0]),
@@ -197,7 +201,7 @@ def run_restore(args: argparse.Namespace) -> dict[str, Any]:
         torch.save({"restored": restored_logits, "own_cache": own_logits, "full": full_tail}, args.save_logits)
     print(
         f"restore: {fetched.shape[0]}/{len(keys)} blocks ({matched_tokens} tokens) fetched in {get_s * 1e3:.1f} ms, "
-        f"then ran {request.shape[0] - matched_tokens} tokens"
+        f"then ran {request.shape[0] - matched_tokens} tokens ({'shared memory' if shared_memory else 'inline gRPC'})"
     )
     print(
         f"TTFT restored {result['ttft_restore_s'] * 1e3:.1f} ms vs full recompute of {request.shape[0]} tokens "

@@ -18,7 +18,7 @@ import numpy as np
 from kvd.client import _wire
 from kvd.client._wire import ArenaMapping, LookupResult, Namespace
 from kvd.core.keys import NamespaceSpec
-from kvd.v1 import kvd_pb2
+from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 Call = tuple[str, Any]
 Op = Generator[Call, Any, Any]
@@ -51,6 +51,29 @@ class Session:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+
+
+class ClientBase:
+    """State both clients share; subclasses only add how a stub is called."""
+
+    def __init__(
+        self,
+        target: str,
+        channel: Any,
+        *,
+        client_id: str | None = None,
+        use_shared_memory: bool | None = None,
+        timeout_s: float = 30.0,
+        lease_ms: int = 0,
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.session = Session(client_id or _wire.new_client_id(), use_shared_memory, lease_ms)
+        self._stub = kvd_pb2_grpc.KvdStub(channel)
+
+    @property
+    def client_id(self) -> str:
+        return self.session.client_id
 
 
 def connect(session: Session) -> Op:

@@ -8,33 +8,18 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvd.client import _ops, _wire
+from kvd.client import _ops
 from kvd.client._wire import LookupResult, Namespace
 from kvd.core.keys import NamespaceSpec
-from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+from kvd.v1 import kvd_pb2
 
 
-class AsyncClient:
+class AsyncClient(_ops.ClientBase):
     """The asyncio twin of kvd.client.Client; same arguments, same methods, awaited."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        client_id: str | None = None,
-        use_shared_memory: bool | None = None,
-        timeout_s: float = 30.0,
-        lease_ms: int = 0,
-    ) -> None:
-        self.target = target
-        self.timeout_s = timeout_s
-        self.session = _ops.Session(client_id or _wire.new_client_id(), use_shared_memory, lease_ms)
+    def __init__(self, target: str, **options: Any) -> None:
         self._channel = grpc.aio.insecure_channel(target, options=_ops.channel_options())
-        self._stub = kvd_pb2_grpc.KvdStub(self._channel)
-
-    @property
-    def client_id(self) -> str:
-        return self.session.client_id
+        super().__init__(target, self._channel, **options)
 
     async def _run(self, op: _ops.Op) -> Any:
         try:

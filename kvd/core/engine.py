@@ -274,26 +274,29 @@ class Engine:
             statuses.append(ReserveStatus.EXISTS)
             slots.append(NO_SLOT)
             parent = node
+        in_flight = first_missing < len(keys) and index.get(keys[first_missing]) is not None
+        if not in_flight and first_missing < len(keys):
+            # The keys after the first missing one must be missing too: a
+            # stored key cannot be the child of a block that does not exist
+            # yet. Checked before the touch below and before any slot is
+            # allocated (allocating evicts), so a rejection changes nothing.
+            for position in range(first_missing + 1, len(keys)):
+                if keys[position] in index.nodes:
+                    raise InvalidArgument(
+                        f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
+                    )
+            self._check_lease_room()
         self._touch_prefix([index.nodes[key] for key in keys[:first_missing]])
 
         lease: Lease | None = None
-        if first_missing < len(keys) and index.get(keys[first_missing]) is not None:
+        if in_flight:
             # Someone else is writing the next block: nothing to do from here.
             statuses.extend([ReserveStatus.IN_FLIGHT] * (len(keys) - first_missing))
             slots.extend([NO_SLOT] * (len(keys) - first_missing))
             return ReserveResult(None, statuses, slots)
         if first_missing == len(keys):
             return ReserveResult(None, statuses, slots)
-        # The keys after the first missing one must be missing too: a stored
-        # key cannot be the child of a block that does not exist yet. Checked
-        # here, before slots are allocated, because allocating evicts.
-        for position in range(first_missing + 1, len(keys)):
-            if keys[position] in index.nodes:
-                raise InvalidArgument(
-                    f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
-                )
 
-        self._check_lease_room()
         lease = self.leases.open(LeaseKind.WRITE, client_id, namespace_id, deadline_ms)
         if parent is not None:
             lease.parent_handle = self._acquire(parent)

@@ -77,6 +77,8 @@ def test_restored_prefix_matches_in_memory_cache(tmp_path: Path, shared_memory: 
     # Both processes built the same model from the seed (otherwise nothing
     # below would mean anything).
     assert store["weights_digest"] == restore["weights_digest"]
+    # The blocks really took the path this case is about.
+    assert store["shared_memory"] is restore["shared_memory"] is (shared_memory == "on")
 
     # (c) block count and bytes.
     assert store["blocks"] == store["blocks_written"] == n_blocks

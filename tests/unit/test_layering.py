@@ -1,0 +1,67 @@
+"""The layering written in kvd/README.md, enforced on every module's imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[2] / "kvd"
+
+# layer -> kvd modules it must never import (prefix match)
+FORBIDDEN = {
+    "kvd.core": ["kvd.tiers", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.metrics", "kvd.v1", "kvd.testing"],
+    "kvd.tiers": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.v1", "kvd.testing"],
+    "kvd.metrics": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing"],
+    "kvd.server": ["kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing"],
+    "kvd.daemon": ["kvd.cli", "kvd.client", "kvd.testing"],
+    "kvd.client": ["kvd.server", "kvd.daemon", "kvd.tiers", "kvd.cli", "kvd.metrics", "kvd.testing"],
+    "kvd.errors": ["kvd."],
+    "kvd.invariants": ["kvd."],
+    "kvd.clock": ["kvd."],
+}
+# The core is pure: no transport, no clocks, no randomness, no threads, no I/O.
+CORE_FORBIDDEN_STDLIB = {"asyncio", "grpc", "os", "time", "random", "threading", "socket", "mmap"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_layers_import_downwards_only():
+    violations = []
+    modules = [path for path in PACKAGE.rglob("*.py") if "v1" not in path.parts]
+    assert len(modules) > 20
+    for path in modules:
+        name = module_name(path)
+        for layer, forbidden in FORBIDDEN.items():
+            if name == layer or name.startswith(layer + "."):
+                for imported in imports_of(path):
+                    if any(imported == bad.rstrip(".") or imported.startswith(bad if bad.endswith(".") else bad + ".")
+                           or imported == bad for bad in forbidden):
+                        violations.append(f"{name} imports {imported}")
+        if name.startswith("kvd.core"):
+            for imported in imports_of(path):
+                if imported.split(".")[0] in CORE_FORBIDDEN_STDLIB:
+                    violations.append(f"{name} imports {imported} (the core is pure)")
+    assert violations == []
+
+
+def test_only_the_edges_import_generated_code():
+    importers = sorted(
+        module_name(path)
+        for path in PACKAGE.rglob("*.py")
+        if "v1" not in path.parts and any(name.startswith("kvd.v1") for name in imports_of(path))
+    )
+    allowed_prefixes = ("kvd.server.", "kvd.client.", "kvd.daemon", "kvd.testing.")
+    assert importers and all(name.startswith(allowed_prefixes) for name in importers), importers
