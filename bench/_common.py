@@ -28,6 +28,7 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
+LOADAVG_AT_START = os.getloadavg()
 
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
@@ -35,6 +36,15 @@ if str(REPO_ROOT) not in sys.path:
 
 # ---------------------------------------------------------------------------
 # Output
+
+
+def warn_if_busy() -> None:
+    """Say so on stderr when the machine is busy before a benchmark starts."""
+    load = LOADAVG_AT_START[0]
+    cpus = os.cpu_count() or 1
+    if load > 0.25 * cpus:
+        progress(f"note: 1-minute load average is {load:.2f} on {cpus} CPUs; absolute figures will be noisy "
+                 "(ratios are measured interleaved in one run)")
 
 
 def progress(message: str) -> None:
@@ -104,6 +114,10 @@ def machine_info() -> dict[str, Any]:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
         "git_revision": _git_revision(),
+        # Other work on the machine skews every figure; ratios measured side
+        # by side in one run are robust to it, absolute numbers are not.
+        "loadavg_at_start": list(LOADAVG_AT_START),
+        "loadavg_at_end": list(os.getloadavg()),
     }
     try:
         import numpy

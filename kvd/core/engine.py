@@ -367,14 +367,19 @@ class Engine:
             keys = [handle.key for handle in lease.handles if handle.writable]
         to_seal = {positions[key] for key in keys}
         abort_from = min((positions[key] for key in abort_keys), default=len(lease.handles))
-        for position in to_seal:
-            if position >= abort_from:
-                raise FailedPrecondition("cannot commit a block after an aborted block of the same chain")
-            for earlier in range(position):
-                if lease.handles[earlier].writable and earlier not in to_seal:
+        # The lease is one chain: a block may be sealed only if every earlier
+        # block is sealed already or sealed by this same call. One pass.
+        first_unsealed_gap = None
+        for position, handle in enumerate(lease.handles):
+            if position in to_seal:
+                if position >= abort_from:
+                    raise FailedPrecondition("cannot commit a block after an aborted block of the same chain")
+                if first_unsealed_gap is not None:
                     raise FailedPrecondition(
-                        f"cannot commit keys[{position}] of the lease before its parent (position {earlier})"
+                        f"cannot commit keys[{position}] of the lease before its parent (position {first_unsealed_gap})"
                     )
+            elif handle.writable and first_unsealed_gap is None:
+                first_unsealed_gap = position
         for position in range(abort_from, len(lease.handles)):
             if not lease.handles[position].writable and not lease.handles[position].released:
                 raise FailedPrecondition(f"cannot abort: position {position} of the chain is already committed")

@@ -96,7 +96,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
 
     @rpc("Lookup")
     async def Lookup(self, request, context):
-        matched = self.engine.lookup(request.namespace_id, request.keys, request.parent_key)
+        matched = self.engine.lookup(request.namespace_id, list(request.keys), request.parent_key)
         return kvd_pb2.LookupResponse(matched=len(matched), tiers=convert.tiers(matched))
 
     @rpc("Reserve")
@@ -105,7 +105,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             request.namespace_id,
             request.client_id,
             request.parent_key,
-            request.keys,
+            list(request.keys),
             request.lease_ms,
             self.clock.now_ms(),
         )
@@ -161,7 +161,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     async def Get(self, request, context):
         if request.inline:
             state = self.engine.namespace(request.namespace_id)
-            matched = self.engine.peek(request.namespace_id, request.keys, request.parent_key)
+            matched = self.engine.peek(request.namespace_id, list(request.keys), request.parent_key)
             response_bytes = len(matched) * (state.block_bytes + 8)
             if response_bytes > self.max_message_bytes:
                 raise ResourceExhausted(
@@ -174,7 +174,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         lease, matched = self.engine.get(
             request.namespace_id,
             request.client_id,
-            request.keys,
+            list(request.keys),
             request.lease_ms,
             self.clock.now_ms(),
             request.parent_key,

@@ -646,6 +646,30 @@ def test_lookup_counts_and_never_pins(env):
     assert engine.pinned_blocks == 0
 
 
+def test_lookup_and_get_from_a_parent_key(env):
+    engine, ns = env
+    put(engine, ns, "abcd")
+    tail = K("abcd")[2:]
+    assert [b.key for b in engine.lookup(ns, tail, k("ab"))] == tail
+    assert [b.key for b in engine.peek(ns, tail, k("ab"))] == tail
+    # The continuation must hang under that parent, not just be stored.
+    assert engine.lookup(ns, tail, k("a")) == []
+    assert engine.lookup(ns, tail) == []
+    # An unknown parent matches nothing (it may have been evicted).
+    assert engine.lookup(ns, tail, k("zz")) == []
+    lease, matched = engine.get(ns, "r", tail, LONG, 0, k("ab"))
+    assert [b.key for b in matched] == tail and [h.key for h in lease.handles] == tail
+    assert block(engine, ns, "ab").ref_count == 0  # only the matched blocks are pinned
+    assert engine.get(ns, "r", tail, LONG, 0, k("zz")) == (None, [])
+    rejected(engine, InvalidArgument, "lookup", ns, tail, b"x" * 5, match="parent_key")
+    rejected(engine, InvalidArgument, "get", ns, "r", tail, LONG, 0, b"x" * 5, match="parent_key")
+    engine.release("r", [lease.lease_id])
+    # A parent still being written matches nothing.
+    result = engine.reserve(ns, "w", k("abcd"), K("abcdef")[4:], LONG, 0)
+    assert engine.lookup(ns, K("abcdef")[5:], k("abcde")) == []
+    engine.release("w", [result.lease.lease_id])
+
+
 def test_acquire_handles(env):
     engine, ns = env
     put(engine, ns, "ab")
