@@ -15,9 +15,9 @@ the first next-token logits exist) and the logit differences.
 The model is a small Llama built from a LlamaConfig with seeded random
 weights, so nothing is downloaded and both runs get identical weights.
 
-    kvd serve &   # or any running daemon
-    python examples/hf_prefix_reuse.py --target unix:///tmp/kvd.sock --role store
-    python examples/hf_prefix_reuse.py --target unix:///tmp/kvd.sock --role restore
+    kvd serve --state-dir /tmp/kvd &   # or any running daemon
+    python examples/hf_prefix_reuse.py --target unix:///tmp/kvd/kvd.sock --role store
+    python examples/hf_prefix_reuse.py --target unix:///tmp/kvd/kvd.sock --role restore --repeats 3
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ latency and outcome are observed by the server through `RpcMetrics`.
 | metric | type | labels | meaning |
 |---|---|---|---|
 | kvd_tier_blocks | gauge | tier | blocks resident in the tier |
-| kvd_tier_used_bytes | gauge | tier | bytes of resident blocks |
+| kvd_tier_used_bytes | gauge | tier | capacity taken by resident blocks (whole slots) |
+| kvd_tier_payload_bytes | gauge | tier | bytes of the resident blocks themselves |
 | kvd_tier_capacity_bytes | gauge | tier | configured capacity |
 | kvd_tier_pinned_blocks | gauge | tier | blocks pinned by a handle or lease |
 | kvd_tier_evictions_total | counter | tier | blocks evicted to make room |
@@ -63,7 +64,8 @@ class EngineCollector(Collector):
             return family
 
         yield tier_gauge("kvd_tier_blocks", "Blocks resident in the tier.", host.resident_blocks)
-        yield tier_gauge("kvd_tier_used_bytes", "Bytes of blocks resident in the tier.", host.used_bytes)
+        yield tier_gauge("kvd_tier_used_bytes", "Capacity taken by resident blocks (whole slots).", host.occupied_bytes)
+        yield tier_gauge("kvd_tier_payload_bytes", "Bytes of the resident blocks themselves.", host.used_bytes)
         yield tier_gauge("kvd_tier_capacity_bytes", "Configured capacity of the tier.", host.capacity_bytes)
         yield tier_gauge("kvd_tier_pinned_blocks", "Blocks pinned by a handle or lease.", engine.pinned_blocks)
         yield tier_counter("kvd_tier_evictions", "Blocks evicted to make room.", counters.evictions)

@@ -103,12 +103,18 @@ class HostPool:
         # are made here, once, and move between this stack and blocks.
         self.free_slots: list[int] = list(range(slot_count - 1, -1, -1))
         self.owners: list[Block | None] = [None] * slot_count
+        # Payload bytes of resident blocks (each block's own size).
         self.used_bytes = 0
         self.counters = HostCounters()
 
     @property
     def capacity_bytes(self) -> int:
         return self.slot_count * self.slot_bytes
+
+    @property
+    def occupied_bytes(self) -> int:
+        """Capacity taken: whole slots, however small the blocks in them."""
+        return self.resident_blocks * self.slot_bytes
 
     @property
     def resident_blocks(self) -> int:

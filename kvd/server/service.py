@@ -77,7 +77,20 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     async def RegisterNamespace(self, request, context):
         if not request.HasField("spec"):
             raise InvalidArgument("spec must be set")
-        state = self.engine.register_namespace(convert.spec_from_proto(request.spec))
+        spec = convert.spec_from_proto(request.spec)
+        known = len(self.engine.namespaces())
+        state = self.engine.register_namespace(spec)
+        slot_bytes = self.arena.layout.slot_bytes
+        if len(self.engine.namespaces()) > known and state.block_bytes * 2 <= slot_bytes:
+            log.warning(
+                "namespace blocks fill at most half a host slot; set host.slot_bytes near the block size",
+                extra={
+                    "model_id": spec.model_id,
+                    "block_bytes": state.block_bytes,
+                    "slot_bytes": slot_bytes,
+                    "slot_use_percent": round(100.0 * state.block_bytes / slot_bytes, 1),
+                },
+            )
         return kvd_pb2.RegisterNamespaceResponse(
             namespace_id=state.namespace_id, block_bytes=state.block_bytes, layer_bytes=state.spec.layer_bytes
         )
@@ -215,7 +228,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 kvd_pb2.TierStats(
                     tier=kvd_pb2.TIER_HOST,
                     blocks=host.resident_blocks,
-                    bytes_used=host.used_bytes,
+                    bytes_used=host.occupied_bytes,
+                    payload_bytes=host.used_bytes,
                     capacity_bytes=host.capacity_bytes,
                     pinned_blocks=engine.pinned_blocks,
                     evictions=host.counters.evictions,

@@ -45,6 +45,7 @@ def fetch_status(target: str, timeout_s: float = 5.0) -> dict[str, Any]:
                 "tier": TIER_NAMES.get(tier.tier, str(tier.tier)),
                 "blocks": tier.blocks,
                 "used_bytes": tier.bytes_used,
+                "payload_bytes": tier.payload_bytes,
                 "capacity_bytes": tier.capacity_bytes,
                 "pinned_blocks": tier.pinned_blocks,
                 "evictions": tier.evictions,
@@ -97,13 +98,14 @@ def render_status(status: dict[str, Any]) -> str:
                 tier["tier"],
                 str(tier["blocks"]),
                 human_bytes(tier["used_bytes"]),
+                human_bytes(tier["payload_bytes"]),
                 human_bytes(capacity),
                 f"{fill:.1f}%",
                 str(tier["pinned_blocks"]),
                 str(tier["evictions"]),
             ]
         )
-    parts.append(_table(["tier", "blocks", "used", "capacity", "fill", "pinned", "evictions"], tier_rows))
+    parts.append(_table(["tier", "blocks", "used", "payload", "capacity", "fill", "pinned", "evictions"], tier_rows))
     parts.append("")
     namespace_rows = []
     for namespace in status["namespaces"]:

@@ -133,7 +133,9 @@ def test_metrics_endpoint(daemon):
             samples[name] = float(value)
     assert samples['kvd_tier_capacity_bytes{tier="host"}'] == 16 << 20
     assert samples['kvd_tier_blocks{tier="host"}'] >= 4
-    assert samples['kvd_tier_used_bytes{tier="host"}'] == samples['kvd_tier_blocks{tier="host"}'] * SMALL_SPEC.block_bytes
+    blocks = samples['kvd_tier_blocks{tier="host"}']
+    assert samples['kvd_tier_payload_bytes{tier="host"}'] == blocks * SMALL_SPEC.block_bytes
+    assert samples['kvd_tier_used_bytes{tier="host"}'] == blocks * (64 << 10)  # whole slots
     label = namespace.namespace_id.hex()[:16]
     assert samples[f'kvd_lookup_blocks_total{{namespace="{label}",result="hit"}}'] >= 4
     assert samples[f'kvd_lookup_blocks_total{{namespace="{label}",result="miss"}}'] >= 1
@@ -224,3 +226,50 @@ def test_stale_arena_of_a_killed_daemon_is_removed(tmp_path):
     assert arena.exists()  # SIGKILL leaves it behind ...
     with run_daemon(tmp_path / "second"):
         assert not arena.exists()  # ... and the next daemon removes it
+
+
+def test_sigterm_under_load_finishes_or_refuses_cleanly(tmp_path):
+    """Requests racing a SIGTERM either complete or are refused with
+    UNAVAILABLE/CANCELLED; none gets INTERNAL, and the daemon exits 0."""
+    import threading
+
+    daemon = start_daemon(tmp_path)
+    outcomes: dict[str, int] = {}
+    stop = threading.Event()
+
+    def hammer():
+        with Client(daemon.tcp_target, use_shared_memory=False, timeout_s=5) as client:
+            namespace = client.register_namespace(SMALL_SPEC)
+            keys = namespace.keys(np.arange(32 * 16))
+            blocks = random_blocks(SMALL_SPEC, 32, seed=4)
+            while not stop.is_set():
+                try:
+                    client.put(namespace, keys, blocks)
+                    assert np.array_equal(client.get_numpy(namespace, keys), blocks)
+                    outcomes["ok"] = outcomes.get("ok", 0) + 1
+                except grpc.RpcError as error:
+                    outcomes[error.code().name] = outcomes.get(error.code().name, 0) + 1
+                    if error.code() == grpc.StatusCode.UNAVAILABLE:
+                        return
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not outcomes.get("ok") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert daemon.stop(signal.SIGTERM) == 0
+    stop.set()
+    thread.join(30)
+    assert outcomes.get("ok", 0) > 0
+    assert set(outcomes) <= {"ok", "UNAVAILABLE", "CANCELLED"}, outcomes
+
+
+def test_huge_pages_option_starts(tmp_path):
+    """huge_pages is advisory: where the kernel refuses, the daemon logs and serves."""
+    with run_daemon(tmp_path, config={"host": {"huge_pages": True}}) as daemon:
+        with Client(daemon.unix_target) as client:
+            namespace = client.register_namespace(SMALL_SPEC)
+            keys = namespace.keys(np.arange(2 * 16))
+            blocks = random_blocks(SMALL_SPEC, 2, seed=8)
+            client.put(namespace, keys, blocks)
+            assert np.array_equal(client.get_numpy(namespace, keys), blocks)
