@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvd-installed
 APT_PACKAGES := redis-server
 PYTEST_ARGS ?=
 
-.PHONY: setup run test bench proto proto-check apt clean
+.PHONY: setup run test lint bench proto proto-check apt clean
 
 setup: $(STAMP)
 
@@ -34,8 +34,12 @@ $(STAMP): pyproject.toml requirements.txt | apt
 run: setup
 	$(VENV)/bin/kvd serve
 
-test: setup proto-check
+test: setup proto-check lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Undefined names, unused imports, syntax errors (generated code excluded).
+lint: setup
+	$(VENV)/bin/ruff check --select F,E9 --exclude kvd/v1 kvd tests bench examples
 
 bench: setup
 	$(PY) bench/run_all.py

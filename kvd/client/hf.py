@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from kvd.core.keys import DType, InnerLayout, KvOrder, NamespaceSpec
+from kvd.core.keys import InnerLayout, KvOrder, NamespaceSpec
+from kvd.client.tensors import dtype_of_torch, torch_dtype
 from kvd.errors import InvalidArgument
 
 __all__ = [
@@ -29,29 +30,8 @@ __all__ = [
     "torch_dtype",
 ]
 
-_TORCH_TO_KVD = {
-    torch.float32: DType.FLOAT32,
-    torch.float16: DType.FLOAT16,
-    torch.bfloat16: DType.BFLOAT16,
-    torch.float8_e4m3fn: DType.FLOAT8_E4M3,
-    torch.float8_e5m2: DType.FLOAT8_E5M2,
-    torch.int8: DType.INT8,
-}
-_KVD_TO_TORCH = {v: k for k, v in _TORCH_TO_KVD.items()}
-
-
-def kvd_dtype(dtype: torch.dtype | str) -> DType:
-    """kvd DType for a torch dtype (or its name, as found in HF configs)."""
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), None)
-    try:
-        return _TORCH_TO_KVD[dtype]
-    except KeyError:
-        raise InvalidArgument(f"dtype {dtype!r} has no kvd equivalent") from None
-
-
-def torch_dtype(dtype: DType) -> torch.dtype:
-    return _KVD_TO_TORCH[DType(dtype)]
+# One dtype table for every client module.
+kvd_dtype = dtype_of_torch
 
 
 def spec_from_config(

@@ -1,13 +1,17 @@
-"""torch <-> kvd dtype mapping (torch imported lazily by the callers)."""
+"""torch <-> kvd dtype mapping. torch is imported when first needed, so
+clients that never touch tensors do not pay for it."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from kvd.core.keys import DType
+from kvd.errors import InvalidArgument
 
 
-def torch_dtype(dtype: int) -> Any:
+@functools.cache
+def _torch_by_kvd() -> dict[DType, Any]:
     import torch
 
     return {
@@ -17,23 +21,23 @@ def torch_dtype(dtype: int) -> Any:
         DType.FLOAT8_E4M3: torch.float8_e4m3fn,
         DType.FLOAT8_E5M2: torch.float8_e5m2,
         DType.INT8: torch.int8,
-    }[DType(dtype)]
+    }
+
+
+def torch_dtype(dtype: int) -> Any:
+    return _torch_by_kvd()[DType(dtype)]
 
 
 def dtype_of_torch(dtype: Any) -> DType:
+    """kvd DType of a torch dtype, or of its name as HF configs write it ("bfloat16")."""
     import torch
 
-    mapping = {
-        torch.float32: DType.FLOAT32,
-        torch.float16: DType.FLOAT16,
-        torch.bfloat16: DType.BFLOAT16,
-        torch.float8_e4m3fn: DType.FLOAT8_E4M3,
-        torch.float8_e5m2: DType.FLOAT8_E5M2,
-        torch.int8: DType.INT8,
-    }
-    if dtype not in mapping:
-        raise ValueError(f"kvd cannot store KV of dtype {dtype}")
-    return mapping[dtype]
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    for kvd_type, torch_type in _torch_by_kvd().items():
+        if torch_type == dtype:
+            return kvd_type
+    raise InvalidArgument(f"dtype {dtype!r} has no kvd equivalent")
 
 
 def rows_to_tensor(array: Any, dtype: int) -> Any:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
 from kvd.core.keys import KEY_BYTES, NamespaceSpec
