@@ -163,7 +163,10 @@ class ArenaMapping:
 
     def gather(self, offsets: Sequence[int], width: int, out: np.ndarray) -> None:
         """Copy the first `width` bytes of each slot into out's rows: one numpy call."""
-        np.take(self.slots[:, :width], self.slot_indices(offsets), axis=0, out=out)
+        # mode="clip": with the default mode="raise" numpy buffers `out` and
+        # copies twice (measured 2.3 vs 8.4 GiB/s for 2 MiB rows). The
+        # indices come from the daemon and are in range.
+        np.take(self.slots[:, :width], self.slot_indices(offsets), axis=0, out=out, mode="clip")
 
     def close(self) -> None:
         self.slots = None  # type: ignore[assignment]
