@@ -57,9 +57,12 @@ def spec_from_proto(message: kvd_pb2.NamespaceSpec) -> NamespaceSpec:
     )
 
 
-def tiers(blocks: Sequence[Block]) -> list[int]:
-    # Only the host tier exists so far; every resident block is there.
-    return [int(TierId.HOST)] * len(blocks)
+_HOST_TIER_BYTE = bytes((int(TierId.HOST),))
+
+
+def tiers(blocks: Sequence[Block]) -> bytes:
+    """One Tier byte per block. Only the host tier exists so far."""
+    return _HOST_TIER_BYTE * len(blocks)
 
 
 def ack_supported(ack: int) -> None:

@@ -166,8 +166,8 @@ class LookupResponse(_message.Message):
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     matched: int
-    tiers: _containers.RepeatedScalarFieldContainer[Tier]
-    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+    tiers: bytes
+    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace_id", "client_id", "parent_key", "keys", "lease_ms")
@@ -272,8 +272,8 @@ class GetResponse(_message.Message):
     lease_deadline_ms: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     blocks: _containers.RepeatedScalarFieldContainer[bytes]
-    tiers: _containers.RepeatedScalarFieldContainer[Tier]
-    def __init__(self, matched: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., blocks: _Optional[_Iterable[bytes]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+    tiers: bytes
+    def __init__(self, matched: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., blocks: _Optional[_Iterable[bytes]] = ..., tiers: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("client_id", "lease_ids")
