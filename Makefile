@@ -6,14 +6,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvd-installed
-APT_PACKAGES := redis-server
+# Debian packages: none are needed to run or test yet; the benchmarks
+# compare against redis-server.
+APT_PACKAGES ?=
+BENCH_APT_PACKAGES := redis-server
 PYTEST_ARGS ?=
 
 .PHONY: setup run test lint bench proto proto-check apt clean
 
 setup: $(STAMP)
 
-# Debian packages the suite and benchmarks use (redis-server: Redis baseline).
+# Install the Debian packages in APT_PACKAGES that are missing.
 apt:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -24,7 +27,6 @@ apt:
 
 $(STAMP): pyproject.toml requirements.txt | apt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	# The CPU build of torch, installed alone so nothing pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -r requirements.txt
@@ -42,6 +44,7 @@ lint: setup
 	$(VENV)/bin/ruff check --select F,E9 --exclude kvd/v1 kvd tests bench examples
 
 bench: setup
+	$(MAKE) --no-print-directory apt APT_PACKAGES="$(BENCH_APT_PACKAGES)"
 	$(PY) bench/run_all.py
 
 # Regenerate kvd/v1/*_pb2*.py from protos/ (generated code is committed).
