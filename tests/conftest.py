@@ -81,4 +81,3 @@ def engine_factory(_track_engines: list[Engine]):
     yield build
     for engine in _track_engines:
         engine.verify()
-

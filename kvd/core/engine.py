@@ -212,11 +212,12 @@ class Engine:
         deadline_ms = now_ms + self._lease_ms(lease_ms)
         self.expire(now_ms)
         matched = self._match(state, keys, parent_key)
+        if matched:
+            self._check_lease_room()
         state.get_hits += len(matched)
         state.get_misses += len(keys) - len(matched)
         if not matched:
             return None, matched
-        self._check_lease_room()
         self._touch_prefix(matched)
         lease = self.leases.open(LeaseKind.READ, client_id, namespace_id, deadline_ms)
         lease.handles = [self._acquire(block) for block in matched]
@@ -361,6 +362,8 @@ class Engine:
             for key in requested:
                 if key not in positions:
                     raise InvalidArgument(f"{field_name} has key {key.hex()[:16]}... that is not part of lease {lease_id}")
+        if len(set(keys)) != len(keys) or len(set(abort_keys)) != len(abort_keys):
+            raise InvalidArgument("keys or abort_keys contain duplicates")
         if set(keys) & set(abort_keys):
             raise InvalidArgument("a key is both committed and aborted")
         for key in keys:

@@ -161,12 +161,17 @@ class NamespaceSpec:
             ("pp_size", MAX_PARALLEL),
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or not 1 <= value <= upper:
+            # bool is an int subclass; True must not pass for 1.
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= upper:
                 raise InvalidArgument(f"namespace.{name} must be in [1, {upper}], got {value!r}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise InvalidArgument(f"namespace.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
-        if not 0 <= self.pp_stage < self.pp_size:
-            raise InvalidArgument(f"namespace.pp_stage must be in [0, pp_size={self.pp_size}), got {self.pp_stage}")
+        # Type first: a float rank passes the range check and then breaks
+        # the u32 encoding with a struct.error instead of a client error.
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidArgument(f"namespace.tp_rank must be an int in [0, tp_size={self.tp_size}), got {self.tp_rank!r}")
+        if not isinstance(self.pp_stage, int) or not 0 <= self.pp_stage < self.pp_size:
+            raise InvalidArgument(
+                f"namespace.pp_stage must be an int in [0, pp_size={self.pp_size}), got {self.pp_stage!r}"
+            )
         for name, kind in (("kv_dtype", DType), ("inner_layout", InnerLayout), ("kv_order", KvOrder)):
             value = getattr(self, name)
             if value not in kind.__members__.values():

@@ -34,7 +34,7 @@ from kvd.core.keys import (
 )
 from kvd.errors import InvalidArgument
 
-BASE = dict(model_id="test-model", num_layers=2, num_kv_heads=2, head_dim=4, block_tokens=4)
+BASE = {"model_id": "test-model", "num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "block_tokens": 4}
 
 
 def spec(**overrides) -> NamespaceSpec:
@@ -125,13 +125,13 @@ def test_every_field_changes_namespace_id_root_and_keys(name):
 @pytest.mark.parametrize(
     "left, right",
     [
-        (dict(lora_id="a", tenant_salt=b"b"), dict(lora_id="ab", tenant_salt=b"")),
-        (dict(lora_id="a", tenant_salt=b"b"), dict(lora_id="", tenant_salt=b"ab")),
-        (dict(lora_id="ab", tenant_salt=b""), dict(lora_id="", tenant_salt=b"ab")),
-        (dict(model_id="ab", model_revision="c"), dict(model_id="a", model_revision="bc")),
-        (dict(model_id="abc", model_revision=""), dict(model_id="ab", model_revision="c")),
-        (dict(lora_id="x", model_revision=""), dict(lora_id="", model_revision="x")),
-        (dict(model_revision="x", lora_id=""), dict(model_revision="", lora_id="x")),
+        ({"lora_id": "a", "tenant_salt": b"b"}, {"lora_id": "ab", "tenant_salt": b""}),
+        ({"lora_id": "a", "tenant_salt": b"b"}, {"lora_id": "", "tenant_salt": b"ab"}),
+        ({"lora_id": "ab", "tenant_salt": b""}, {"lora_id": "", "tenant_salt": b"ab"}),
+        ({"model_id": "ab", "model_revision": "c"}, {"model_id": "a", "model_revision": "bc"}),
+        ({"model_id": "abc", "model_revision": ""}, {"model_id": "ab", "model_revision": "c"}),
+        ({"lora_id": "x", "model_revision": ""}, {"lora_id": "", "model_revision": "x"}),
+        ({"model_revision": "x", "lora_id": ""}, {"model_revision": "", "lora_id": "x"}),
     ],
 )
 def test_adjacent_fields_cannot_be_confused(left, right):
@@ -286,38 +286,45 @@ def test_range_is_checked_even_in_the_partial_block():
 # Validation names the field
 
 INVALID_FIELDS = [
-    ("model_id", dict(model_id="")),
-    ("model_id", dict(model_id=b"bytes")),
-    ("model_id", dict(model_id="x" * (MAX_STRING_BYTES + 1))),
-    ("model_id", dict(model_id="é" * (MAX_STRING_BYTES // 2 + 1))),  # limit is in UTF-8 bytes
-    ("model_revision", dict(model_revision="r" * (MAX_STRING_BYTES + 1))),
-    ("model_revision", dict(model_revision=3)),
-    ("lora_id", dict(lora_id="l" * (MAX_STRING_BYTES + 1))),
-    ("lora_id", dict(lora_id=None)),
-    ("hash_scheme", dict(hash_scheme="md5")),
-    ("hash_scheme", dict(hash_scheme="")),
-    ("tenant_salt", dict(tenant_salt=b"s" * (MAX_SALT_BYTES + 1))),
-    ("tenant_salt", dict(tenant_salt="text")),
-    ("num_layers", dict(num_layers=0)),
-    ("num_layers", dict(num_layers=MAX_LAYERS + 1)),
-    ("num_layers", dict(num_layers=2.0)),
-    ("num_kv_heads", dict(num_kv_heads=0)),
-    ("num_kv_heads", dict(num_kv_heads=MAX_KV_HEADS + 1)),
-    ("head_dim", dict(head_dim=-1)),
-    ("head_dim", dict(head_dim=MAX_HEAD_DIM + 1)),
-    ("block_tokens", dict(block_tokens=0)),
-    ("block_tokens", dict(block_tokens=MAX_BLOCK_TOKENS + 1)),
-    ("tp_size", dict(tp_size=0)),
-    ("tp_size", dict(tp_size=MAX_PARALLEL + 1)),
-    ("pp_size", dict(pp_size=0)),
-    ("tp_rank", dict(tp_rank=1)),
-    ("tp_rank", dict(tp_rank=-1)),
-    ("pp_stage", dict(pp_stage=2, pp_size=2)),
-    ("pp_stage", dict(pp_stage=-1)),
-    ("kv_dtype", dict(kv_dtype=99)),
-    ("kv_dtype", dict(kv_dtype="bf16")),
-    ("inner_layout", dict(inner_layout=0)),
-    ("kv_order", dict(kv_order=3)),
+    ("model_id", {"model_id": ""}),
+    ("model_id", {"model_id": b"bytes"}),
+    ("model_id", {"model_id": "x" * (MAX_STRING_BYTES + 1)}),
+    ("model_id", {"model_id": "é" * (MAX_STRING_BYTES // 2 + 1)}),  # limit is in UTF-8 bytes
+    ("model_revision", {"model_revision": "r" * (MAX_STRING_BYTES + 1)}),
+    ("model_revision", {"model_revision": 3}),
+    ("lora_id", {"lora_id": "l" * (MAX_STRING_BYTES + 1)}),
+    ("lora_id", {"lora_id": None}),
+    ("hash_scheme", {"hash_scheme": "md5"}),
+    ("hash_scheme", {"hash_scheme": ""}),
+    ("tenant_salt", {"tenant_salt": b"s" * (MAX_SALT_BYTES + 1)}),
+    ("tenant_salt", {"tenant_salt": "text"}),
+    ("num_layers", {"num_layers": 0}),
+    ("num_layers", {"num_layers": MAX_LAYERS + 1}),
+    ("num_layers", {"num_layers": 2.0}),
+    # bool is an int subclass: True must not stand in for 1.
+    ("num_layers", {"num_layers": True}),
+    ("num_kv_heads", {"num_kv_heads": 0}),
+    ("num_kv_heads", {"num_kv_heads": MAX_KV_HEADS + 1}),
+    ("head_dim", {"head_dim": -1}),
+    ("head_dim", {"head_dim": MAX_HEAD_DIM + 1}),
+    ("block_tokens", {"block_tokens": 0}),
+    ("block_tokens", {"block_tokens": MAX_BLOCK_TOKENS + 1}),
+    ("tp_size", {"tp_size": 0}),
+    ("tp_size", {"tp_size": MAX_PARALLEL + 1}),
+    ("pp_size", {"pp_size": 0}),
+    ("tp_rank", {"tp_rank": 1}),
+    ("tp_rank", {"tp_rank": -1}),
+    ("pp_stage", {"pp_stage": 2, "pp_size": 2}),
+    ("pp_stage", {"pp_stage": -1}),
+    # Regression: these passed validation and then failed in encode() with a
+    # struct.error (or a TypeError) instead of InvalidArgument.
+    ("tp_rank", {"tp_rank": 0.5, "tp_size": 2}),
+    ("tp_rank", {"tp_rank": "0"}),
+    ("pp_stage", {"pp_stage": 1.0, "pp_size": 2}),
+    ("kv_dtype", {"kv_dtype": 99}),
+    ("kv_dtype", {"kv_dtype": "bf16"}),
+    ("inner_layout", {"inner_layout": 0}),
+    ("kv_order", {"kv_order": 3}),
 ]
 
 
@@ -384,23 +391,23 @@ def test_block_geometry():
 # ----------------------------------------------------------------------
 # Known answer: pins the encoding
 
-KAT_SPEC = dict(
-    model_id="kat-model",
-    model_revision="rev-1",
-    num_layers=32,
-    num_kv_heads=8,
-    head_dim=128,
-    block_tokens=4,
-    kv_dtype=DType.BFLOAT16,
-    inner_layout=InnerLayout.HEAD_TOKEN_DIM,
-    kv_order=KvOrder.V_THEN_K,
-    tp_rank=1,
-    tp_size=2,
-    pp_stage=0,
-    pp_size=1,
-    lora_id="lora-x",
-    tenant_salt=b"\x00salt\xff",
-)
+KAT_SPEC = {
+    "model_id": "kat-model",
+    "model_revision": "rev-1",
+    "num_layers": 32,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "block_tokens": 4,
+    "kv_dtype": DType.BFLOAT16,
+    "inner_layout": InnerLayout.HEAD_TOKEN_DIM,
+    "kv_order": KvOrder.V_THEN_K,
+    "tp_rank": 1,
+    "tp_size": 2,
+    "pp_stage": 0,
+    "pp_size": 1,
+    "lora_id": "lora-x",
+    "tenant_salt": b"\x00salt\xff",
+}
 KAT_TOKENS = [0, 1, 2**32 - 1, 151643, 7, 8, 9, 10, 11]  # two full blocks and a partial one
 KAT_EXTRAS = [[], [ExtraKey("mm", b"\xaa" * 4), ExtraKey("salt", b"")]]
 

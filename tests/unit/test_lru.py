@@ -14,7 +14,10 @@ INDEX = PrefixIndex("lru-test")
 
 
 def blocks(*names: str) -> dict[str, Block]:
-    return {name: Block(key=name.encode().ljust(32, b"\0"), index=INDEX, parent=None, state=BlockState.SEALED) for name in names}
+    return {
+        name: Block(key=name.encode().ljust(32, b"\0"), index=INDEX, parent=None, state=BlockState.SEALED)
+        for name in names
+    }
 
 
 def names(policy: LruPolicy, by_block: dict[str, Block]) -> list[str]:

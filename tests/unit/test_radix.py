@@ -82,7 +82,7 @@ def test_match_of_a_writable_root_is_empty(index):
 
 
 def test_match_stops_at_a_key_under_another_parent(index):
-    a, b, c = sealed_chain(index, ["a", "b", "c"])
+    a, b, _c = sealed_chain(index, ["a", "b", "c"])
     (b2,) = sealed_chain(index, ["b2"], parent=a)
     # Skipping a block: c is stored, but under b, not under a.
     assert index.match([key("a"), key("c")]) == [a]
