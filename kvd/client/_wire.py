@@ -13,11 +13,13 @@ never a Python loop over blocks or layers.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import mmap
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +137,32 @@ def _torch_to_numpy(namespace: Namespace, tensor: Any) -> np.ndarray:
     return tensor.numpy()
 
 
+# Copies of at least this many bytes are split over threads: numpy releases
+# the GIL while it copies, and one core alone does not saturate memory
+# bandwidth (2 MiB rows, 2 cores: gather 9.6 -> 14.7 GiB/s, scatter
+# 12.3 -> 13.9 GiB/s).
+PARALLEL_COPY_MIN_BYTES = 16 << 20
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+@functools.cache
+def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="kvd-copy")
+
+
+def _parallel(copy: Callable[[int, int], None], rows: int, total_bytes: int) -> None:
+    """Run copy(start, stop) over [0, rows) in up to COPY_THREADS slices."""
+    parts = min(COPY_THREADS, rows) if total_bytes >= PARALLEL_COPY_MIN_BYTES else 1
+    if parts <= 1:
+        copy(0, rows)
+        return
+    bounds = [rows * part // parts for part in range(parts + 1)]
+    futures = [_copy_pool().submit(copy, bounds[part], bounds[part + 1]) for part in range(1, parts)]
+    copy(bounds[0], bounds[1])
+    for future in futures:
+        future.result()
+
+
 class ArenaMapping:
     """A client's mapping of the daemon's host arena."""
 
@@ -154,19 +182,35 @@ class ArenaMapping:
         self.slots = np.frombuffer(self._mmap, dtype=np.uint8).reshape(info.slot_count, info.slot_bytes)
 
     def slot_indices(self, offsets: Sequence[int]) -> np.ndarray:
-        return np.asarray(offsets, dtype=np.int64) // self.slot_bytes
+        """Slot numbers of arena offsets, checked: a bad offset is an error, not a clamp."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        slots, remainders = np.divmod(offsets, self.slot_bytes)
+        if len(slots) and (remainders.any() or slots.min() < 0 or slots.max() >= len(self.slots)):
+            raise InvalidArgument("daemon returned an arena offset outside the arena or off a slot boundary")
+        return slots
 
     def scatter(self, rows: np.ndarray, offsets: Sequence[int]) -> None:
-        """Write rows[i] into the slot at offsets[i]: one numpy call."""
+        """Write rows[i] into the slot at offsets[i]: one numpy call per copy thread."""
         width = rows.shape[1]
-        self.slots[self.slot_indices(offsets), :width] = rows
+        slots = self.slot_indices(offsets)
+
+        def copy(start: int, stop: int) -> None:
+            self.slots[slots[start:stop], :width] = rows[start:stop]
+
+        _parallel(copy, len(slots), len(slots) * width)
 
     def gather(self, offsets: Sequence[int], width: int, out: np.ndarray) -> None:
-        """Copy the first `width` bytes of each slot into out's rows: one numpy call."""
-        # mode="clip": with the default mode="raise" numpy buffers `out` and
-        # copies twice (measured 2.3 vs 8.4 GiB/s for 2 MiB rows). The
-        # indices come from the daemon and are in range.
-        np.take(self.slots[:, :width], self.slot_indices(offsets), axis=0, out=out, mode="clip")
+        """Copy the first `width` bytes of each slot into out's rows: one numpy call per copy thread."""
+        slots = self.slot_indices(offsets)
+        source = self.slots[:, :width]
+
+        def copy(start: int, stop: int) -> None:
+            # mode="clip": with the default mode="raise" numpy buffers `out`
+            # and copies twice (measured 2.3 vs 8.4 GiB/s for 2 MiB rows);
+            # slot_indices already checked the range.
+            np.take(source, slots[start:stop], axis=0, out=out[start:stop], mode="clip")
+
+        _parallel(copy, len(slots), len(slots) * width)
 
     def close(self) -> None:
         self.slots = None  # type: ignore[assignment]
