@@ -88,7 +88,8 @@ def _git_revision() -> str | None:
             [git, "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
         )
         dirty = subprocess.run(
-            [git, "-C", str(REPO_ROOT), "status", "--porcelain"], capture_output=True, text=True, timeout=10, check=False
+            [git, "-C", str(REPO_ROOT), "status", "--porcelain"],
+            capture_output=True, text=True, timeout=10, check=False,
         )
     except (OSError, subprocess.SubprocessError):
         return None

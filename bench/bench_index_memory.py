@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO_ROOT, progress, report, rss_bytes, write_result  # noqa: E402
+from _common import REPO_ROOT, progress, report, rss_bytes, warn_if_busy, write_result  # noqa: E402
 
 TARGET_BYTES_PER_BLOCK = 256
 CLIENT_ID = "bench-index-memory"
@@ -210,12 +210,15 @@ def main() -> int:
         print(json.dumps(_measure_child(args.sizes[0], args.chain, args.child)))
         return 0
 
+    warn_if_busy()
     report("== bench_index_memory: engine bookkeeping per block (in-process, no arena) ==")
     breakdown = _breakdown()
     report("breakdown of one block:")
     report(f"  Block record   sys.getsizeof = {breakdown['block_record_getsizeof']} B "
-           f"(pymalloc class {breakdown['block_record_allocated']} B; {len(breakdown['block_record_slots'])} slots + GC header)")
-    report(f"  32-byte key    sys.getsizeof = {breakdown['key_getsizeof']} B (pymalloc class {breakdown['key_allocated']} B)")
+           f"(pymalloc class {breakdown['block_record_allocated']} B; "
+           f"{len(breakdown['block_record_slots'])} slots + GC header)")
+    report(f"  32-byte key    sys.getsizeof = {breakdown['key_getsizeof']} B "
+           f"(pymalloc class {breakdown['key_allocated']} B)")
     for n, per in breakdown["dict_bytes_per_entry"].items():
         report(f"  dict entry     {per:.1f} B/entry at {int(n):,} entries (hash+key+value slot, index, 2/3 load)")
     report(f"  host pool      {breakdown['host_pool_owner_entry']} B owners-list entry + slot int "
@@ -234,9 +237,11 @@ def main() -> int:
     report(f"{'N':>10} {'method':>22} {'insert B/blk':>13} {'+pool B/blk':>12} {'insert s':>9}")
     for run in runs:
         report(f"{run['blocks']:>10,} {run['mode'] + ' (requested)' if run['mode'] == 'tracemalloc' else 'RSS':>22} "
-               f"{run['insert_bytes_per_block']:>13.1f} {run['total_bytes_per_block']:>12.1f} {run['insert_seconds']:>9.2f}")
+               f"{run['insert_bytes_per_block']:>13.1f} {run['total_bytes_per_block']:>12.1f} "
+               f"{run['insert_seconds']:>9.2f}")
         if "rounded_insert_bytes_per_block" in run:
-            report(f"{run['blocks']:>10,} {'tracemalloc (allocated)':>22} {run['rounded_insert_bytes_per_block']:>13.1f} "
+            report(f"{run['blocks']:>10,} {'tracemalloc (allocated)':>22} "
+                   f"{run['rounded_insert_bytes_per_block']:>13.1f} "
                    f"{run['rounded_total_bytes_per_block']:>12.1f}")
 
     results = []
