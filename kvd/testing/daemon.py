@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,15 @@ class DaemonProcess:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def metric(self, name: str) -> float | None:
+        """Current value of an unlabelled metric from the daemon's /metrics."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -168,10 +178,16 @@ def run_daemon(
     check_clean_exit: bool = True,
 ) -> Iterator[DaemonProcess]:
     daemon = start_daemon(directory, config, env)
+    leaked = None
     try:
         yield daemon
     finally:
         killed_by_test = daemon.process.poll() is not None
+        if not killed_by_test and daemon.endpoints.get("metrics_port"):
+            # Every test that runs a daemon also checks it leaked no handle.
+            leaked = daemon.metric("kvd_leaked_handles_total")
         code = daemon.stop()
     if check_clean_exit and not killed_by_test and code != 0:
         raise RuntimeError(f"kvd exited with {code} after SIGTERM:\n{daemon.log()[-4000:]}")
+    if check_clean_exit and leaked:
+        raise RuntimeError(f"kvd leaked {leaked:.0f} block handles:\n{daemon.log()[-4000:]}")
