@@ -40,6 +40,10 @@ class BlockState(enum.IntEnum):
     WRITABLE = 1
     SEALED = 2
     REMOVED = 3
+    # A tombstone: the block's bytes were found corrupt (or its prefix was),
+    # so it is no longer served; it stays in the index only while a lease
+    # still pins it or a descendant still hangs under it.
+    LOST = 4
 
 
 NO_SLOT = -1
@@ -54,8 +58,12 @@ class Block:
     parent: Block | None
     state: BlockState = BlockState.WRITABLE
     ref_count: int = 0
+    # Children in the index, and those of them with a host slot.
     children: int = 0
+    host_children: int = 0
     host_slot: int = NO_SLOT
+    # Slot of the block's durable copy in the disk tier, if it has one.
+    disk_slot: int = NO_SLOT
     # Intrusive links owned by the host tier's eviction policy; a block is
     # linked exactly while it is an eviction candidate.
     policy_prev: Block | None = None
@@ -64,7 +72,7 @@ class Block:
     def __repr__(self) -> str:
         return (
             f"Block({self.key[:6].hex()}, {self.state.name}, refs={self.ref_count}, "
-            f"children={self.children}, slot={self.host_slot})"
+            f"children={self.children}, slot={self.host_slot}, disk={self.disk_slot})"
         )
 
 

@@ -18,10 +18,12 @@ internal state raises `InvariantError` and is never caught.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
+from kvd.core.disk_pool import DiskPool
 from kvd.core.keys import KEY_BYTES, NamespaceSpec
 from kvd.core.lease import Lease, LeaseKind, LeaseTable
 from kvd.core.policy import EvictionPolicy, make_policy
@@ -78,7 +80,38 @@ class ReserveResult:
 
 
 @dataclass(slots=True)
+class DiskWrite:
+    """One block on its way to the disk tier; the handle pins it meanwhile."""
+
+    block: Block
+    handle: BlockHandle
+    disk_slot: int
+    host_slot: int
+
+
+@dataclass(slots=True)
+class DiskLoad:
+    """One block being read from the disk tier into a host slot."""
+
+    block: Block
+    host_slot: int
+    disk_slot: int
+
+
+@dataclass(slots=True)
+class GetPlan:
+    """A Get in progress: the pinned prefix and the disk reads it needs first."""
+
+    lease: Lease | None
+    matched: list[Block]
+    loads: list[DiskLoad] = field(default_factory=list)
+    # Blocks another Get is loading already; wait for it, then settle.
+    waits: list[Block] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class HostCounters:
+    demotions: int = 0
     evictions: int = 0
     reserved: int = 0
     sealed: int = 0
@@ -139,9 +172,20 @@ class Engine:
         host_slot_bytes: int,
         policy: str = "lru",
         limits: EngineLimits | None = None,
+        disk_slot_count: int = 0,
+        disk_slot_bytes: int = 0,
+        write_queue_max: int = 65536,
     ) -> None:
         self.limits = limits or EngineLimits()
         self.host = HostPool(host_slot_count, host_slot_bytes, make_policy(policy))
+        self.disk = DiskPool(disk_slot_count, disk_slot_bytes) if disk_slot_count else None
+        # Sealed blocks waiting to be written to disk, in seal order, so a
+        # parent is always written no later than its children.
+        self.write_queue: deque[Block] = deque()
+        self.write_queue_max = write_queue_max
+        self.write_queue_dropped = 0
+        # Blocks whose host slot is being filled from disk.
+        self.loading: set[Block] = set()
         self.leases = LeaseTable(self.limits.max_leases)
         self._namespaces: dict[bytes, NamespaceState] = {}
         self.live_handles = 0
@@ -165,7 +209,7 @@ class Engine:
                 f"a block of this namespace is {spec.block_bytes} bytes, larger than the host slot "
                 f"of {self.host.slot_bytes} bytes; use fewer tokens per block or raise host.slot_bytes"
             )
-        state = NamespaceState(namespace_id, spec, spec.block_bytes, PrefixIndex(spec.model_id, spec.block_bytes))
+        state = NamespaceState(namespace_id, spec, spec.block_bytes, PrefixIndex(spec.model_id, spec.block_bytes, namespace_id))
         self._namespaces[namespace_id] = state
         return state
 
@@ -205,7 +249,33 @@ class Engine:
         now_ms: int,
         parent_key: bytes = b"",
     ) -> tuple[Lease | None, list[Block]]:
-        """Pin the longest stored prefix of `keys` under a read lease."""
+        """Pin the longest stored prefix of `keys` under a read lease.
+
+        For prefixes resident in the host tier. With a disk tier, callers use
+        begin_get / finish_loads / settle_get, which also bring blocks in from
+        disk.
+        """
+        plan = self.begin_get(namespace_id, client_id, keys, lease_ms, now_ms, parent_key)
+        check(not plan.loads and not plan.waits, "get() of a prefix on disk: use begin_get")
+        return plan.lease, plan.matched
+
+    def begin_get(
+        self,
+        namespace_id: bytes,
+        client_id: str,
+        keys: Sequence[bytes],
+        lease_ms: int,
+        now_ms: int,
+        parent_key: bytes = b"",
+    ) -> GetPlan:
+        """Pin the longest stored prefix of `keys` and plan its disk reads.
+
+        Every matched block is pinned under one read lease. Blocks only on
+        disk get a host slot now (evicting if needed) and are listed in
+        `loads`: the caller reads them into those slots and reports with
+        finish_loads. Blocks another Get is already loading are in `waits`.
+        If the host tier cannot take a block, the prefix is cut before it.
+        """
         state = self.namespace(namespace_id)
         self._check_keys(keys, "keys")
         self._check_client(client_id)
@@ -217,11 +287,218 @@ class Engine:
         state.get_hits += len(matched)
         state.get_misses += len(keys) - len(matched)
         if not matched:
-            return None, matched
+            return GetPlan(None, matched)
         self._touch_prefix(matched)
         lease = self.leases.open(LeaseKind.READ, client_id, namespace_id, deadline_ms)
         lease.handles = [self._acquire(block) for block in matched]
-        return lease, matched
+        plan = GetPlan(lease, matched)
+        for position, block in enumerate(matched):
+            if block in self.loading:
+                plan.waits.append(block)
+                continue
+            if block.host_slot != NO_SLOT:
+                continue
+            slot = self._allocate_host_slot()
+            if slot == NO_SLOT:
+                self._cut_plan(plan, position)
+                break
+            self._set_host_slot(block, slot)
+            self.loading.add(block)
+            self.disk.touch(block.disk_slot)
+            plan.loads.append(DiskLoad(block, slot, block.disk_slot))
+        return plan
+
+    def finish_loads(self, loads: Sequence[DiskLoad], ok: Sequence[bool]) -> None:
+        """Blocks read from disk: good ones are now in the host tier, bad ones are lost."""
+        check(len(loads) == len(ok), "one outcome per load")
+        disk = self.disk
+        for load, good in zip(loads, ok):
+            block = load.block
+            if block not in self.loading:
+                # An ancestor loaded in this batch was corrupt: lost already.
+                check(block.state in (BlockState.LOST, BlockState.REMOVED), f"{block!r} was not loading")
+                continue
+            check(block.host_slot == load.host_slot, f"{block!r} loads into another slot")
+            self.loading.discard(block)
+            if good:
+                disk.counters.loaded += 1
+            else:
+                # Corrupt or unreadable: never served, and neither is anything
+                # chained under it.
+                disk.counters.load_failures += 1
+                self._lose(block)
+
+    def settle_get(self, plan: GetPlan) -> list[Block]:
+        """The servable prefix of a plan whose loads have all finished."""
+        for position, block in enumerate(plan.matched):
+            check(block not in self.loading, "settle_get before the loads finished")
+            if block.state != BlockState.SEALED:
+                self._cut_plan(plan, position)
+                break
+        return plan.matched
+
+    # ------------------------------------------------------------------
+    # Disk tier: write-through, removals, recovery
+
+    def pick_writes(self, limit: int) -> list[DiskWrite]:
+        """The next sealed blocks to write to disk, parents before children.
+
+        Each is pinned (so it stays in the host tier while its bytes are
+        read) and gets a disk slot, possibly one just taken from an evicted
+        block: the caller must make take_disk_removals() durable before it
+        writes any of these blocks, so no replay pairs an old record with
+        new bytes. A block whose parent has no durable copy
+        and is not in this batch is skipped for good: on disk, a block's
+        whole prefix is always on disk too, so recovery never finds orphans.
+        """
+        disk = self.disk
+        if disk is None:
+            return []
+        picks: list[DiskWrite] = []
+        picked: set[Block] = set()
+        queue = self.write_queue
+        while queue and len(picks) < limit:
+            block = queue[0]
+            if block.state != BlockState.SEALED or block.disk_slot != NO_SLOT or block.host_slot == NO_SLOT:
+                queue.popleft()  # gone, already durable, or no bytes to write
+                continue
+            parent = block.parent
+            if parent is not None and parent.disk_slot == NO_SLOT and parent not in picked:
+                queue.popleft()
+                disk.counters.write_failures += 1
+                continue
+            slot = self._allocate_disk_slot()
+            if slot is None:
+                break  # full until evictions' removals are journalled
+            queue.popleft()
+            disk.owners[slot] = block
+            disk.writing.add(slot)
+            picks.append(DiskWrite(block, self._acquire(block), slot, block.host_slot))
+            picked.add(block)
+        return picks
+
+    def finish_writes(self, writes: Sequence[DiskWrite], ok: Sequence[bool]) -> None:
+        """Record which writes are durable. Failed slots need a REMOVE first:
+        their record may have reached the manifest."""
+        disk = self.disk
+        check(disk is not None and len(writes) == len(ok), "one outcome per write")
+        for write, good in zip(writes, ok):
+            block = write.block
+            check(write.disk_slot in disk.writing and disk.owners[write.disk_slot] is block, "unknown disk write")
+            disk.writing.discard(write.disk_slot)
+            parent = block.parent
+            durable_prefix = parent is None or parent.disk_slot != NO_SLOT
+            if good and durable_prefix and block.state == BlockState.SEALED:
+                block.disk_slot = write.disk_slot
+                disk.used_bytes += self._block_bytes(block)
+                disk.touch(write.disk_slot)
+                disk.counters.written += 1
+            else:
+                disk.owners[write.disk_slot] = None
+                disk.quarantine.add(write.disk_slot)
+                disk.removals.append((block.index.namespace_id, block.key, write.disk_slot))
+                disk.counters.write_failures += 1
+            write.handle.release()
+
+    def take_disk_removals(self) -> list[tuple[bytes, bytes, int]]:
+        """(namespace id, key, disk slot) whose REMOVE must be journalled."""
+        if self.disk is None:
+            return []
+        removals, self.disk.removals = self.disk.removals, []
+        return removals
+
+    def confirm_disk_removals(self, slots: Sequence[int]) -> None:
+        self.disk.confirm_removals(list(slots))
+
+    def _allocate_disk_slot(self) -> int | None:
+        disk = self.disk
+        slot = disk.take_free()
+        if slot is not None:
+            return slot
+
+        def evictable(block: Block) -> bool:
+            # An index leaf only, so a durable block's prefix stays durable.
+            return block.ref_count == 0 and block.children == 0 and block.state == BlockState.SEALED
+
+        victim = disk.victim(evictable)
+        if victim is None:
+            return None
+        disk.counters.evictions += 1
+        slot = victim.disk_slot
+        if victim.host_slot != NO_SLOT:
+            self._free_disk_slot(victim)
+        else:
+            self._remove_block(victim, cold_parent=False)
+        # Reused at once: the caller journals take_disk_removals() before it
+        # writes the new bytes (see pick_writes).
+        disk.quarantine.discard(slot)
+        return slot
+
+    def recover(self, namespace_id: bytes, records: Iterable[tuple[bytes, bytes, int]]) -> int:
+        """Index blocks found on disk: (key, parent key or b"", disk slot).
+
+        Parents are inserted before children whatever the record order. A
+        block whose parent is not on disk, or whose slot is invalid or taken,
+        is dropped: its slot is queued for a REMOVE. Returns blocks indexed.
+        """
+        state = self.namespace(namespace_id)
+        disk = self.disk
+        check(disk is not None, "recover without a disk tier")
+        index = state.index
+        pending = {key: (parent_key, slot) for key, parent_key, slot in records}
+        recovered = 0
+
+        def drop(key: bytes, slot: int) -> None:
+            disk.counters.recovery_dropped += 1
+            if 0 <= slot < disk.slot_count and disk.owners[slot] is None and slot not in disk.quarantine:
+                disk.quarantine.add(slot)
+                disk.removals.append((namespace_id, key, slot))
+
+        for start in list(pending):
+            # Walk up to the first ancestor already indexed (or a root), then
+            # insert downwards: iterative, chains can be thousands long.
+            chain = []
+            key = start
+            while key in pending and key not in index.nodes:
+                chain.append(key)
+                parent_key = pending[key][0]
+                if not parent_key or parent_key in index.nodes:
+                    break
+                key = parent_key
+            for key in reversed(chain):
+                parent_key, slot = pending.pop(key)
+                parent = index.nodes.get(parent_key) if parent_key else None
+                valid_slot = 0 <= slot < disk.slot_count and disk.owners[slot] is None and slot not in disk.quarantine
+                if (parent_key and (parent is None or parent.state != BlockState.SEALED)) or not valid_slot:
+                    drop(key, slot)
+                    continue
+                block = index.insert(key, parent)
+                block.state = BlockState.SEALED
+                block.disk_slot = slot
+                disk.owners[slot] = block
+                disk.used_bytes += state.block_bytes
+                recovered += 1
+            if start in pending:
+                # Its chain reached a key neither indexed nor recorded.
+                parent_key, slot = pending.pop(start)
+                drop(start, slot)
+        disk.counters.recovered += recovered
+        disk.free_slots = [
+            slot for slot in range(disk.slot_count - 1, -1, -1)
+            if disk.owners[slot] is None and slot not in disk.quarantine
+        ]
+        return recovered
+
+    def _cut_plan(self, plan: GetPlan, position: int) -> None:
+        """Serve only matched[:position]; unpin the rest (tail first)."""
+        lease = plan.lease
+        for handle in reversed(lease.handles[position:]):
+            handle.release()
+        del lease.handles[position:]
+        del plan.matched[position:]
+        if not lease.handles:
+            self.leases.close(lease)
+            plan.lease = None
 
     def peek(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
         """Like get without a lease: for callers that copy out before they return."""
@@ -275,7 +552,9 @@ class Engine:
                 raise InvalidArgument(
                     f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
                 )
-            if node.state == BlockState.WRITABLE:
+            if node.state != BlockState.SEALED:
+                # Being written by another client (or a tombstone waiting
+                # for its readers): nothing to do from here for now.
                 first_missing = position
                 break
             statuses.append(ReserveStatus.EXISTS)
@@ -317,11 +596,7 @@ class Engine:
                 slots.extend([NO_SLOT] * (len(keys) - position))
                 break
             node = index.insert(key, parent)
-            if parent is not None:
-                self._withdraw(parent)
-            node.host_slot = slot
-            self.host.owners[slot] = node
-            self.host.used_bytes += state.block_bytes
+            self._set_host_slot(node, slot)
             lease.handles.append(self._writer_handle(node))
             self.host.counters.reserved += 1
             statuses.append(ReserveStatus.RESERVED)
@@ -467,6 +742,11 @@ class Engine:
         check(block.parent is None or block.parent.state == BlockState.SEALED, "seal before the parent")
         block.state = BlockState.SEALED
         self.host.counters.sealed += 1
+        if self.disk is not None:
+            if len(self.write_queue) < self.write_queue_max:
+                self.write_queue.append(block)
+            else:
+                self.write_queue_dropped += 1
 
     def _drop_reference(self, block: Block, *, writer: bool) -> None:
         self.live_handles -= 1
@@ -476,9 +756,13 @@ class Engine:
             self.pinned_blocks -= 1
         if writer and block.state == BlockState.WRITABLE:
             check(block.ref_count == 0, "a writable block has exactly one reference")
+            check(block not in self.loading, "abort of a block being loaded")
             check(block.children == 0, "abort of a writable block with children: abort tail first")
             self.host.counters.aborted += 1
             self._remove_block(block, cold_parent=False)
+            return
+        if block.state == BlockState.LOST:
+            self._bury(block)
             return
         check(block.state == BlockState.SEALED, f"reference dropped on {block!r}")
         self._maybe_admit(block, cold=False)
@@ -512,28 +796,98 @@ class Engine:
         victim = host.policy.victim()
         if victim is None:
             return NO_SLOT
-        slot = victim.host_slot
-        # Evicting a leaf may make its parent a leaf: it goes next in line, so
-        # a cold prefix is evicted from its tail inward.
-        self._remove_block(victim, cold_parent=True)
+        # Evicting a host leaf may make its parent one: it goes next in line,
+        # so a cold prefix leaves the host tier from its tail inward.
+        if victim.disk_slot != NO_SLOT:
+            # A durable copy exists: only the host copy goes.
+            self._clear_host_slot(victim, cold_parent=True)
+            host.counters.demotions += 1
+        elif victim.children == 0:
+            self._remove_block(victim, cold_parent=True)
+        else:
+            # Dirty with descendants that are gone from every tier but still
+            # pinned as tombstones: the whole subtree goes.
+            self._lose(victim)
         host.counters.evictions += 1
-        check(host.free_slots[-1] == slot, "evicted slot not on top of the free stack")
+        check(bool(host.free_slots), "eviction freed no host slot")
         return host.free_slots.pop()
 
     def _remove_block(self, block: Block, *, cold_parent: bool) -> None:
         """Take a childless, unpinned block out of its index and its slot."""
         check(block.ref_count == 0, f"removal of pinned {block!r}")
         self._withdraw(block)
-        slot = block.host_slot
-        if slot != NO_SLOT:
-            check(self.host.owners[slot] is block, "slot owner mismatch")
-            self.host.owners[slot] = None
-            self.host.free_slots.append(slot)
-            self.host.used_bytes -= self._block_bytes(block)
-            block.host_slot = NO_SLOT
+        if block.host_slot != NO_SLOT:
+            self._clear_host_slot(block, cold_parent=cold_parent)
+        if block.disk_slot != NO_SLOT:
+            self._free_disk_slot(block)
         parent = block.index.remove(block)
         if parent is not None:
+            if parent.state == BlockState.LOST:
+                self._bury(parent)
+            else:
+                self._maybe_admit(parent, cold=cold_parent)
+
+    def _set_host_slot(self, block: Block, slot: int) -> None:
+        check(block.host_slot == NO_SLOT and self.host.owners[slot] is None, "host slot already taken")
+        block.host_slot = slot
+        self.host.owners[slot] = block
+        self.host.used_bytes += self._block_bytes(block)
+        parent = block.parent
+        if parent is not None:
+            parent.host_children += 1
+            self._withdraw(parent)
+
+    def _clear_host_slot(self, block: Block, *, cold_parent: bool) -> None:
+        slot = block.host_slot
+        check(slot != NO_SLOT and self.host.owners[slot] is block, "host slot owner mismatch")
+        self._withdraw(block)
+        self.host.owners[slot] = None
+        self.host.free_slots.append(slot)
+        self.host.used_bytes -= self._block_bytes(block)
+        block.host_slot = NO_SLOT
+        parent = block.parent
+        if parent is not None:
+            check(parent.host_children > 0, "host child count underflow")
+            parent.host_children -= 1
             self._maybe_admit(parent, cold=cold_parent)
+
+    def _free_disk_slot(self, block: Block) -> None:
+        """Drop a block's disk copy; its slot waits for a durable REMOVE."""
+        disk = self.disk
+        slot = block.disk_slot
+        check(disk is not None and disk.owners[slot] is block, "disk slot owner mismatch")
+        disk.owners[slot] = None
+        disk.used_bytes -= self._block_bytes(block)
+        disk.quarantine.add(slot)
+        disk.removals.append((block.index.namespace_id, block.key, slot))
+        block.disk_slot = NO_SLOT
+
+    def _lose(self, block: Block) -> None:
+        """`block` and everything under it can no longer be served.
+
+        Each loses its slots; those nobody pins leave the index at once
+        (leaves first), the rest stay as LOST tombstones until released.
+        Costs a scan of the index, which only corruption or a dirty
+        eviction under pinned tombstones ever pays.
+        """
+        for member in block.index.subtree(block):
+            if member.state == BlockState.LOST:
+                continue
+            self._withdraw(member)
+            self.loading.discard(member)
+            if member.host_slot != NO_SLOT:
+                self._clear_host_slot(member, cold_parent=False)
+            if member.disk_slot != NO_SLOT:
+                self._free_disk_slot(member)
+            member.state = BlockState.LOST
+        for member in block.index.subtree(block):
+            if member.state == BlockState.LOST and member.ref_count == 0 and member.children == 0:
+                self._remove_block(member, cold_parent=False)
+
+    def _bury(self, block: Block) -> None:
+        """Remove a tombstone once nothing pins it and nothing hangs under it."""
+        if block.state == BlockState.LOST and block.ref_count == 0 and block.children == 0:
+            self._remove_block(block, cold_parent=False)
 
     @staticmethod
     def _block_bytes(block: Block) -> int:
@@ -543,7 +897,7 @@ class Engine:
         if (
             block.state == BlockState.SEALED
             and block.ref_count == 0
-            and block.children == 0
+            and block.host_children == 0
             and block.host_slot != NO_SLOT
             and block not in self.host.policy
         ):
@@ -609,34 +963,63 @@ class Engine:
     # ------------------------------------------------------------------
 
     def tier_of(self, block: Block) -> TierId:
-        check(block.host_slot != NO_SLOT, f"{block!r} resides in no tier")
-        return TierId.HOST
+        if block.host_slot != NO_SLOT and block not in self.loading:
+            return TierId.HOST
+        check(block.disk_slot != NO_SLOT, f"{block!r} resides in no tier")
+        return TierId.DISK
 
     def verify(self) -> None:
         """Check every cross-structure invariant (tests call this after each step)."""
         self.host.verify()
         self.leases.verify()
-        resident = 0
-        pinned = 0
-        refs = 0
-        used_bytes = 0
+        disk = self.disk
+        if disk is not None:
+            disk.verify()
+        host_resident = disk_resident = pinned = refs = host_bytes = disk_bytes = 0
         for state in self._namespaces.values():
             state.index.verify()
+            host_children: dict[int, int] = {}
             for block in state.index:
-                check(block.host_slot != NO_SLOT, f"{block!r} is indexed but resides nowhere")
-                check(self.host.owners[block.host_slot] is block, f"{block!r} slot owner mismatch")
-                resident += 1
-                used_bytes += state.block_bytes
+                if block.host_slot != NO_SLOT and block.parent is not None:
+                    host_children[id(block.parent)] = host_children.get(id(block.parent), 0) + 1
+            for block in state.index:
+                check(block.host_children == host_children.get(id(block), 0), f"{block!r} host child count")
+                if block.state == BlockState.LOST:
+                    check(block.host_slot == NO_SLOT and block.disk_slot == NO_SLOT, f"tombstone {block!r} has slots")
+                    check(block.ref_count > 0 or block.children > 0, f"tombstone {block!r} should be gone")
+                else:
+                    check(block.host_slot != NO_SLOT or block.disk_slot != NO_SLOT, f"{block!r} resides nowhere")
+                if block.host_slot != NO_SLOT:
+                    check(self.host.owners[block.host_slot] is block, f"{block!r} slot owner mismatch")
+                    host_resident += 1
+                    host_bytes += state.block_bytes
+                if block.disk_slot != NO_SLOT:
+                    check(disk is not None and disk.owners[block.disk_slot] is block, f"{block!r} disk owner mismatch")
+                    # A durable block's whole prefix is durable (FORMAT.md).
+                    check(block.parent is None or block.parent.disk_slot != NO_SLOT, f"{block!r} durable, parent not")
+                    disk_resident += 1
+                    disk_bytes += state.block_bytes
+                if block in self.loading:
+                    check(block.ref_count > 0 and block.host_slot != NO_SLOT, f"loading {block!r} unpinned")
                 refs += block.ref_count
                 pinned += block.ref_count > 0
                 candidate = (
-                    block.state == BlockState.SEALED and block.ref_count == 0 and block.children == 0
+                    block.state == BlockState.SEALED
+                    and block.ref_count == 0
+                    and block.host_children == 0
+                    and block.host_slot != NO_SLOT
                 )
                 check(
                     (block in self.host.policy) == candidate,
                     f"{block!r} candidate={candidate} but policy membership disagrees",
                 )
-        check(resident == self.host.resident_blocks, "resident blocks disagree with free slots")
-        check(used_bytes == self.host.used_bytes, "host used bytes drifted")
+                if candidate and block.disk_slot == NO_SLOT:
+                    # What host eviction drops must be droppable.
+                    check(block.children == 0 or disk is not None, f"dirty candidate {block!r} has children")
+        check(host_resident == self.host.resident_blocks, "resident blocks disagree with free slots")
+        check(host_bytes == self.host.used_bytes, "host used bytes drifted")
+        if disk is not None:
+            check(disk_bytes == disk.used_bytes, "disk used bytes drifted")
+            check(disk_resident == disk.resident_blocks, "disk resident blocks disagree with its slots")
         check(pinned == self.pinned_blocks, f"pinned count {self.pinned_blocks} but {pinned} pinned")
         check(refs == self.live_handles, f"{self.live_handles} live handles but {refs} references")

@@ -32,12 +32,13 @@ from kvd.invariants import check
 
 
 class PrefixIndex:
-    __slots__ = ("nodes", "name", "block_bytes")
+    __slots__ = ("nodes", "name", "block_bytes", "namespace_id")
 
-    def __init__(self, name: str = "", block_bytes: int = 0) -> None:
+    def __init__(self, name: str = "", block_bytes: int = 0, namespace_id: bytes = b"") -> None:
         self.nodes: dict[bytes, Block] = {}
         self.name = name
         self.block_bytes = block_bytes
+        self.namespace_id = namespace_id
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -115,7 +116,7 @@ class PrefixIndex:
         for key, node in self.nodes.items():
             check(node.key == key, "node stored under a different key")
             check(node.index is self, "node of another index")
-            check(node.state in (BlockState.WRITABLE, BlockState.SEALED), f"{node!r} in the index")
+            check(node.state in (BlockState.WRITABLE, BlockState.SEALED, BlockState.LOST), f"{node!r} in the index")
             check(node.ref_count >= 0, f"{node!r} has a negative ref count")
             parent = node.parent
             if parent is not None:

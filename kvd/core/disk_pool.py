@@ -1,0 +1,106 @@
+"""Slot bookkeeping of the disk tier (the bytes live in kvd.tiers.disk).
+
+Slots are numbered so that consecutive numbers stripe over the drives
+(kvd/tiers/disk/FORMAT.md); `free_slots` hands them out lowest first.
+
+Eviction is CLOCK over the slot array: a reference bit per slot, set when
+the block is read or written, and a hand that clears bits until it finds an
+evictable block with its bit clear. That costs one byte per slot and no
+per-block links, so the index stays small however large the drives are.
+
+A freed slot is not reusable at once: the manifest still has the PUT of its
+previous block. It waits in `quarantine` until the daemon has made a REMOVE
+record for it durable (`confirm_removals`), so a replay after a crash can
+never pair an old record with new bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvd.core.block import Block
+from kvd.invariants import check
+
+
+@dataclass(slots=True)
+class DiskCounters:
+    written: int = 0
+    write_failures: int = 0
+    loaded: int = 0
+    load_failures: int = 0
+    evictions: int = 0
+    recovered: int = 0
+    recovery_dropped: int = 0
+
+
+class DiskPool:
+    def __init__(self, slot_count: int, slot_bytes: int) -> None:
+        check(slot_count > 0 and slot_bytes > 0, "disk pool needs slots")
+        self.slot_count = slot_count
+        self.slot_bytes = slot_bytes
+        self.free_slots: list[int] = list(range(slot_count - 1, -1, -1))
+        self.owners: list[Block | None] = [None] * slot_count
+        self.referenced = bytearray(slot_count)
+        self.hand = 0
+        # Slots whose block is being written (owner set, block.disk_slot not yet).
+        self.writing: set[int] = set()
+        # (namespace id, key, slot) freed but not yet journalled as removed.
+        self.removals: list[tuple[bytes, bytes, int]] = []
+        self.quarantine: set[int] = set()
+        self.used_bytes = 0
+        self.counters = DiskCounters()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.slot_count * self.slot_bytes
+
+    @property
+    def resident_blocks(self) -> int:
+        return self.slot_count - len(self.free_slots) - len(self.quarantine) - len(self.writing)
+
+    def take_free(self) -> int | None:
+        return self.free_slots.pop() if self.free_slots else None
+
+    def touch(self, slot: int) -> None:
+        self.referenced[slot] = 1
+
+    def victim(self, evictable: Callable[[Block], bool]) -> Block | None:
+        """The next block CLOCK evicts, or None if no block may go.
+
+        Two sweeps at most: the first may only clear reference bits.
+        """
+        owners = self.owners
+        for _ in range(2 * self.slot_count):
+            slot = self.hand
+            self.hand = (slot + 1) % self.slot_count
+            block = owners[slot]
+            if block is None or slot in self.writing or not evictable(block):
+                continue
+            if self.referenced[slot]:
+                self.referenced[slot] = 0
+                continue
+            return block
+        return None
+
+    def confirm_removals(self, slots: list[int]) -> None:
+        """The REMOVE records of these slots are durable: they may be reused."""
+        for slot in slots:
+            if slot in self.quarantine:
+                self.quarantine.discard(slot)
+                self.free_slots.append(slot)
+            else:
+                # Taken straight over by a new write after its eviction.
+                check(self.owners[slot] is not None, f"disk slot {slot} was not awaiting removal")
+
+    def verify(self) -> None:
+        free = set(self.free_slots)
+        check(len(free) == len(self.free_slots), "disk slot listed free twice")
+        check(not (free & self.quarantine), "disk slot both free and quarantined")
+        for slot in free | self.quarantine:
+            check(self.owners[slot] is None, f"free disk slot {slot} has an owner")
+        for slot in self.writing:
+            check(self.owners[slot] is not None, f"disk slot {slot} written for nobody")
+        for slot, owner in enumerate(self.owners):
+            if owner is not None and slot not in self.writing:
+                check(owner.disk_slot == slot, f"{owner!r} does not know its disk slot {slot}")
