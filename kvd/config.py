@@ -68,6 +68,23 @@ class HostConfig:
 
 
 @dataclass(slots=True)
+class DiskSettings:
+    # One directory per drive; empty: no disk tier.
+    directories: list[str] = field(default_factory=list)
+    capacity_bytes: int = 16 << 30  # per directory
+    slot_bytes: int = 2 << 20
+    segment_bytes: int = 1 << 30
+    # "strict" (fsync every write batch), "group" (every group_commit_ms) or "none".
+    fsync: str = "strict"
+    group_commit_ms: int = 10
+    write_batch_blocks: int = 64
+    queue_depth: int = 128
+    # "auto" (io_uring when available), "uring" or "fallback".
+    io_engine: str = "auto"
+    manifest_max_bytes: int = 64 << 20
+
+
+@dataclass(slots=True)
 class LeaseConfig:
     default_ms: int = 30_000
     max_ms: int = 600_000
@@ -88,6 +105,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     host: HostConfig = field(default_factory=HostConfig)
+    disk: DiskSettings = field(default_factory=DiskSettings)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -118,6 +136,13 @@ class Config:
             )
         if self.host.policy not in ("lru",):
             raise ConfigError("host.policy", f"unknown policy {self.host.policy!r} (known: lru)")
+        if self.disk.directories:
+            if self.disk.fsync not in ("strict", "group", "none"):
+                raise ConfigError("disk.fsync", f"must be strict, group or none, got {self.disk.fsync!r}")
+            if self.disk.io_engine not in ("auto", "uring", "fallback"):
+                raise ConfigError("disk.io_engine", f"must be auto, uring or fallback, got {self.disk.io_engine!r}")
+            for name in ("group_commit_ms", "write_batch_blocks", "queue_depth", "manifest_max_bytes"):
+                _positive(f"disk.{name}", getattr(self.disk, name))
         _positive("leases.default_ms", self.leases.default_ms)
         _positive("leases.max_ms", self.leases.max_ms)
         _positive("leases.max_leases", self.leases.max_leases)
@@ -158,6 +183,13 @@ def _coerce(name: str, kind: type, value: Any) -> Any:
     """Convert a TOML/env/flag value to the field's type, or name the field."""
     if name.endswith("_bytes"):
         return parse_size(name, value)
+    if getattr(kind, "__origin__", None) is list:
+        # TOML gives a list; env and flags give "a,b".
+        if isinstance(value, str):
+            value = [item.strip() for item in value.split(",") if item.strip()]
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise ConfigError(name, f"must be a list of strings, got {value!r}")
+        return list(value)
     if kind is bool:
         if isinstance(value, bool):
             return value

@@ -12,6 +12,10 @@ latency and outcome are observed by the server through `RpcMetrics`.
 | kvd_tier_capacity_bytes | gauge | tier | configured capacity |
 | kvd_tier_pinned_blocks | gauge | tier | blocks pinned by a handle or lease |
 | kvd_tier_evictions_total | counter | tier | blocks evicted to make room |
+| kvd_tier_moves_total | counter | source_tier, target_tier | blocks written to disk / loaded back |
+| kvd_host_demotions_total | counter | | host copies dropped because a disk copy exists |
+| kvd_disk_failures_total | counter | operation | disk blocks that failed to write, load (corrupt or unreadable) or recover |
+| kvd_disk_write_queue | gauge | | sealed blocks waiting for write-through |
 | kvd_blocks_sealed_total | counter | tier | blocks committed |
 | kvd_blocks_aborted_total | counter | tier | reservations aborted or expired unwritten |
 | kvd_blocks_deleted_total | counter | tier | blocks removed by Delete |
@@ -53,22 +57,50 @@ class EngineCollector(Collector):
         host = engine.host
         counters = host.counters
 
-        def tier_gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        disk = engine.disk
+
+        def tier_gauge(name: str, doc: str, host_value: float, disk_value: float | None = None) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, doc, labels=["tier"])
-            family.add_metric(["host"], value)
+            family.add_metric(["host"], host_value)
+            if disk is not None and disk_value is not None:
+                family.add_metric(["disk"], disk_value)
             return family
 
-        def tier_counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        def tier_counter(name: str, doc: str, host_value: float, disk_value: float | None = None) -> CounterMetricFamily:
             family = CounterMetricFamily(name, doc, labels=["tier"])
-            family.add_metric(["host"], value)
+            family.add_metric(["host"], host_value)
+            if disk is not None and disk_value is not None:
+                family.add_metric(["disk"], disk_value)
             return family
 
-        yield tier_gauge("kvd_tier_blocks", "Blocks resident in the tier.", host.resident_blocks)
-        yield tier_gauge("kvd_tier_used_bytes", "Capacity taken by resident blocks (whole slots).", host.occupied_bytes)
-        yield tier_gauge("kvd_tier_payload_bytes", "Bytes of the resident blocks themselves.", host.used_bytes)
-        yield tier_gauge("kvd_tier_capacity_bytes", "Configured capacity of the tier.", host.capacity_bytes)
+        yield tier_gauge("kvd_tier_blocks", "Blocks resident in the tier.", host.resident_blocks,
+                         disk.resident_blocks if disk else None)
+        yield tier_gauge("kvd_tier_used_bytes", "Capacity taken by resident blocks (whole slots).", host.occupied_bytes,
+                         disk.resident_blocks * disk.slot_bytes if disk else None)
+        yield tier_gauge("kvd_tier_payload_bytes", "Bytes of the resident blocks themselves.", host.used_bytes,
+                         disk.used_bytes if disk else None)
+        yield tier_gauge("kvd_tier_capacity_bytes", "Configured capacity of the tier.", host.capacity_bytes,
+                         disk.capacity_bytes if disk else None)
         yield tier_gauge("kvd_tier_pinned_blocks", "Blocks pinned by a handle or lease.", engine.pinned_blocks)
-        yield tier_counter("kvd_tier_evictions", "Blocks evicted to make room.", counters.evictions)
+        yield tier_counter("kvd_tier_evictions", "Blocks evicted to make room.", counters.evictions,
+                           disk.counters.evictions if disk else None)
+        if disk is not None:
+            disk_counters = disk.counters
+            moves = CounterMetricFamily(
+                "kvd_tier_moves", "Blocks moved between tiers.", labels=["source_tier", "target_tier"]
+            )
+            moves.add_metric(["host", "disk"], disk_counters.written)
+            moves.add_metric(["disk", "host"], disk_counters.loaded)
+            yield moves
+            yield CounterMetricFamily("kvd_host_demotions", "Host copies dropped because a disk copy exists.",
+                                      value=counters.demotions)
+            failures = CounterMetricFamily("kvd_disk_failures", "Disk blocks that failed.", labels=["operation"])
+            failures.add_metric(["write"], disk_counters.write_failures)
+            failures.add_metric(["load"], disk_counters.load_failures)
+            failures.add_metric(["recovery_drop"], disk_counters.recovery_dropped)
+            yield failures
+            yield GaugeMetricFamily("kvd_disk_write_queue", "Sealed blocks waiting for write-through.",
+                                    value=len(engine.write_queue))
         yield tier_counter("kvd_blocks_sealed", "Blocks committed.", counters.sealed)
         yield tier_counter("kvd_blocks_aborted", "Reservations aborted or expired unwritten.", counters.aborted)
         yield tier_counter("kvd_blocks_deleted", "Blocks removed by Delete.", counters.deleted)

@@ -213,6 +213,11 @@ class Engine:
         self._namespaces[namespace_id] = state
         return state
 
+    def enable_disk(self, namespace_id: bytes) -> None:
+        """Write this namespace's sealed blocks to the disk tier from now on."""
+        check(self.disk is not None, "no disk tier")
+        self.namespace(namespace_id).index.disk_enabled = True
+
     def namespace(self, namespace_id: bytes) -> NamespaceState:
         if len(namespace_id) != KEY_BYTES:
             raise InvalidArgument(f"namespace_id must be {KEY_BYTES} bytes, got {len(namespace_id)}")
@@ -742,7 +747,7 @@ class Engine:
         check(block.parent is None or block.parent.state == BlockState.SEALED, "seal before the parent")
         block.state = BlockState.SEALED
         self.host.counters.sealed += 1
-        if self.disk is not None:
+        if self.disk is not None and block.index.disk_enabled:
             if len(self.write_queue) < self.write_queue_max:
                 self.write_queue.append(block)
             else:

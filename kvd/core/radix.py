@@ -32,13 +32,15 @@ from kvd.invariants import check
 
 
 class PrefixIndex:
-    __slots__ = ("nodes", "name", "block_bytes", "namespace_id")
+    __slots__ = ("nodes", "name", "block_bytes", "namespace_id", "disk_enabled")
 
     def __init__(self, name: str = "", block_bytes: int = 0, namespace_id: bytes = b"") -> None:
         self.nodes: dict[bytes, Block] = {}
         self.name = name
         self.block_bytes = block_bytes
         self.namespace_id = namespace_id
+        # Whether this namespace's blocks are written to the disk tier.
+        self.disk_enabled = False
 
     def __len__(self) -> int:
         return len(self.nodes)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import grpc
 
 from kvd.core.block import Block
-from kvd.core.engine import TierId
+from kvd.core.engine import Engine, TierId
 from kvd.core.keys import DType, InnerLayout, KvOrder, NamespaceSpec
 from kvd.errors import InvalidArgument, KvdError
 from kvd.v1 import kvd_pb2
@@ -60,13 +60,15 @@ def spec_from_proto(message: kvd_pb2.NamespaceSpec) -> NamespaceSpec:
 _HOST_TIER_BYTE = bytes((int(TierId.HOST),))
 
 
-def tiers(blocks: Sequence[Block]) -> bytes:
-    """One Tier byte per block. Only the host tier exists so far."""
-    return _HOST_TIER_BYTE * len(blocks)
+def tiers(engine: Engine, blocks: Sequence[Block]) -> bytes:
+    """One Tier byte per block."""
+    if engine.disk is None:
+        return _HOST_TIER_BYTE * len(blocks)
+    return bytes(int(engine.tier_of(block)) for block in blocks)
 
 
-def ack_supported(ack: int) -> None:
-    if ack == kvd_pb2.ACK_DURABLE:
+def ack_supported(ack: int, has_disk: bool) -> None:
+    if ack == kvd_pb2.ACK_DURABLE and not has_disk:
         raise InvalidArgument("ack DURABLE needs a disk tier, and this daemon has none configured")
     if ack not in (kvd_pb2.ACK_UNSPECIFIED, kvd_pb2.ACK_ACCEPTED, kvd_pb2.ACK_HOST):
         raise InvalidArgument(f"ack has unknown value {ack}")

@@ -19,15 +19,21 @@ import grpc
 from kvd import __version__
 from kvd.clock import Clock
 from kvd.core.engine import Engine, ReserveStatus
-from kvd.errors import InvalidArgument, KvdError, ResourceExhausted
+from kvd.core.block import BlockState
+from kvd.errors import InvalidArgument, KvdError, ResourceExhausted, Unavailable
 from kvd.metrics import RpcMetrics
 from kvd.server import convert
+from kvd.server.disk_plane import DiskPlane
 from kvd.tiers.host import HostArena
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 Request = TypeVar("Request")
+# How long an ACK_DURABLE Put waits when its call has no deadline.
+DURABLE_WAIT_S = 30.0
+# Inline Gets pin under a lease of their own, never one a client can name.
+INLINE_CLIENT_PREFIX = "inline\x00"
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
@@ -64,9 +70,16 @@ def rpc(method: str) -> Callable[[Handler], Handler]:
 
 class KvdService(kvd_pb2_grpc.KvdServicer):
     def __init__(
-        self, engine: Engine, arena: HostArena, clock: Clock, metrics: RpcMetrics, max_message_bytes: int
+        self,
+        engine: Engine,
+        arena: HostArena,
+        clock: Clock,
+        metrics: RpcMetrics,
+        max_message_bytes: int,
+        disk_plane: DiskPlane | None = None,
     ) -> None:
         self.engine = engine
+        self.disk_plane = disk_plane
         self.arena = arena
         self.clock = clock
         self.metrics = metrics
@@ -80,6 +93,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         spec = convert.spec_from_proto(request.spec)
         known = len(self.engine.namespaces())
         state = self.engine.register_namespace(spec)
+        if self.disk_plane is not None:
+            await self.disk_plane.register_namespace(self.engine, state.namespace_id)
         slot_bytes = self.arena.layout.slot_bytes
         if len(self.engine.namespaces()) > known and state.block_bytes * 2 <= slot_bytes:
             log.warning(
@@ -110,7 +125,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     @rpc("Lookup")
     async def Lookup(self, request, context):
         matched = self.engine.lookup(request.namespace_id, list(request.keys), request.parent_key)
-        return kvd_pb2.LookupResponse(matched=len(matched), tiers=convert.tiers(matched))
+        return kvd_pb2.LookupResponse(matched=len(matched), tiers=convert.tiers(self.engine, matched))
 
     @rpc("Reserve")
     async def Reserve(self, request, context):
@@ -132,7 +147,9 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
 
     @rpc("Commit")
     async def Commit(self, request, context):
-        convert.ack_supported(request.ack)
+        convert.ack_supported(request.ack, self.disk_plane is not None)
+        durable = request.ack == kvd_pb2.ACK_DURABLE
+        blocks = self._lease_blocks(request.client_id, request.lease_id, request.keys) if durable else []
         sealed, aborted = self.engine.commit(
             request.namespace_id,
             request.client_id,
@@ -141,11 +158,36 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             request.abort_keys,
             self.clock.now_ms(),
         )
+        await self._after_seal(blocks, durable, context)
         return kvd_pb2.CommitResponse(sealed=sealed, aborted=aborted)
+
+    def _lease_blocks(self, client_id: str, lease_id: int, keys) -> list:
+        """The blocks a commit will seal (all writable ones when keys is empty)."""
+        try:
+            lease = self.engine.leases.find(lease_id, client_id)
+        except KvdError:
+            return []  # commit reports the precise error
+        wanted = set(keys)
+        return [handle.block for handle in lease.handles if handle.writable and (not wanted or handle.key in wanted)]
+
+    async def _after_seal(self, blocks, durable: bool, context) -> None:
+        """Start the write-through; for ACK_DURABLE, wait until the blocks are on disk."""
+        if self.disk_plane is None:
+            return
+        self.disk_plane.wake()
+        if not durable:
+            return
+        remaining = context.time_remaining()
+        timeout_s = DURABLE_WAIT_S if remaining is None else max(0.0, remaining - 0.05)
+        if not await self.disk_plane.wait_durable(blocks, timeout_s):
+            raise Unavailable(
+                "the blocks are committed in host memory but could not be made durable on disk "
+                "(disk error, disk tier full, or deadline); they may still be written later"
+            )
 
     @rpc("PutInline")
     async def PutInline(self, request, context):
-        convert.ack_supported(request.ack)
+        convert.ack_supported(request.ack, self.disk_plane is not None)
         state = self.engine.namespace(request.namespace_id)
         if len(request.blocks) != len(request.keys):
             raise InvalidArgument(f"{len(request.keys)} keys but {len(request.blocks)} blocks; send one block per key")
@@ -159,46 +201,75 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             request.namespace_id, request.client_id, request.parent_key, request.keys, 0, now_ms
         )
         sealed = 0
+        durable = request.ack == kvd_pb2.ACK_DURABLE
+        blocks = []
         if result.lease is not None:
             # Reserve, copy and seal without an await in between: no other
             # request can observe the half-written blocks.
             for position, status in enumerate(result.statuses):
                 if status == ReserveStatus.RESERVED:
                     self.arena.write(result.slots[position], request.blocks[position])
+            blocks = [handle.block for handle in result.lease.handles] if durable else []
             sealed, _ = self.engine.commit(
                 request.namespace_id, request.client_id, result.lease.lease_id, [], [], now_ms
             )
+        if durable:
+            # Blocks that already existed must be durable too.
+            blocks += [
+                block
+                for block in (state.index.get(key) for key in request.keys)
+                if block is not None and block not in blocks and block.state == BlockState.SEALED
+            ]
+        await self._after_seal(blocks, durable, context)
         return kvd_pb2.PutInlineResponse(statuses=[int(status) for status in result.statuses], sealed=sealed)
 
-    @rpc("Get")
-    async def Get(self, request, context):
-        if request.inline:
-            state = self.engine.namespace(request.namespace_id)
-            matched = self.engine.peek(request.namespace_id, list(request.keys), request.parent_key)
-            response_bytes = len(matched) * (state.block_bytes + 8)
-            if response_bytes > self.max_message_bytes:
-                raise ResourceExhausted(
-                    f"an inline Get of {len(matched)} blocks is {response_bytes} bytes, over the "
-                    f"{self.max_message_bytes}-byte message limit; ask for at most "
-                    f"{max(1, self.max_message_bytes // (state.block_bytes + 8) - 1)} keys per call"
-                )
-            blocks = [self.arena.read(block.host_slot, state.block_bytes) for block in matched]
-            return kvd_pb2.GetResponse(matched=len(matched), blocks=blocks, tiers=convert.tiers(matched))
-        lease, matched = self.engine.get(
+    async def _pinned_prefix(self, request, client_id: str) -> tuple[object, list, bytes]:
+        """begin_get + disk reads: (lease, servable blocks, their tiers before the Get)."""
+        plan = self.engine.begin_get(
             request.namespace_id,
-            request.client_id,
+            client_id,
             list(request.keys),
             request.lease_ms,
             self.clock.now_ms(),
             request.parent_key,
         )
+        tiers = convert.tiers(self.engine, plan.matched)
+        if plan.loads or plan.waits:
+            try:
+                await self.disk_plane.complete_get(plan)
+            except BaseException:
+                if plan.lease is not None and not plan.lease.ended:
+                    self.engine.leases.close(plan.lease)
+                raise
+        return plan.lease, plan.matched, tiers[: len(plan.matched)]
+
+    @rpc("Get")
+    async def Get(self, request, context):
+        if request.inline:
+            state = self.engine.namespace(request.namespace_id)
+            # Pinned under a private lease while the bytes are copied out.
+            lease, matched, tiers = await self._pinned_prefix(request, INLINE_CLIENT_PREFIX + request.client_id)
+            try:
+                response_bytes = len(matched) * (state.block_bytes + 8)
+                if response_bytes > self.max_message_bytes:
+                    raise ResourceExhausted(
+                        f"an inline Get of {len(matched)} blocks is {response_bytes} bytes, over the "
+                        f"{self.max_message_bytes}-byte message limit; ask for at most "
+                        f"{max(1, self.max_message_bytes // (state.block_bytes + 8) - 1)} keys per call"
+                    )
+                blocks = [self.arena.read(block.host_slot, state.block_bytes) for block in matched]
+            finally:
+                if lease is not None and not lease.ended:
+                    self.engine.leases.close(lease)
+            return kvd_pb2.GetResponse(matched=len(matched), blocks=blocks, tiers=tiers)
+        lease, matched, tiers = await self._pinned_prefix(request, request.client_id)
         slot_bytes = self.arena.layout.slot_bytes
         return kvd_pb2.GetResponse(
             matched=len(matched),
             lease_id=lease.lease_id if lease else 0,
             lease_deadline_ms=lease.deadline_ms if lease else 0,
             offsets=[block.host_slot * slot_bytes for block in matched],
-            tiers=convert.tiers(matched),
+            tiers=tiers,
         )
 
     @rpc("Release")
@@ -234,7 +305,21 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                     pinned_blocks=engine.pinned_blocks,
                     evictions=host.counters.evictions,
                 )
-            ],
+            ]
+            + (
+                [
+                    kvd_pb2.TierStats(
+                        tier=kvd_pb2.TIER_DISK,
+                        blocks=engine.disk.resident_blocks,
+                        bytes_used=engine.disk.resident_blocks * engine.disk.slot_bytes,
+                        capacity_bytes=engine.disk.capacity_bytes,
+                        evictions=engine.disk.counters.evictions,
+                        payload_bytes=engine.disk.used_bytes,
+                    )
+                ]
+                if engine.disk is not None
+                else []
+            ),
             namespaces=[
                 kvd_pb2.NamespaceStats(
                     namespace_id=state.namespace_id,

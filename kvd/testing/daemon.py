@@ -42,6 +42,8 @@ def to_toml(values: dict[str, Any], prefix: str = "") -> str:
             scalars.append(f"{key} = {'true' if value else 'false'}")
         elif isinstance(value, (int, float)):
             scalars.append(f"{key} = {value}")
+        elif isinstance(value, (list, tuple)):
+            scalars.append(f"{key} = {json.dumps([str(item) for item in value])}")
         else:
             scalars.append(f"{key} = {json.dumps(str(value))}")
     text = "\n".join(scalars) + "\n"

@@ -102,6 +102,11 @@ class HostArena:
     def offset(self, slot: int) -> int:
         return slot * self.layout.slot_bytes
 
+    def address(self, slot: int) -> int:
+        """Virtual address of a slot in this process (for native I/O)."""
+        check(0 <= slot < self.layout.slot_count, "slot out of range")
+        return self.array.ctypes.data + slot * self.layout.slot_bytes
+
     def write(self, slot: int, payload: bytes | memoryview) -> None:
         check(len(payload) <= self.layout.slot_bytes, "payload larger than a slot")
         start = self.offset(slot)

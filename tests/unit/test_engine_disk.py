@@ -36,6 +36,7 @@ class Plane:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.ns = engine.register_namespace(SPEC).namespace_id
+        engine.enable_disk(self.ns)
         self.host: dict[int, bytes] = {}
         self.disk: dict[int, bytes] = {}
         self.corrupt: set[int] = set()

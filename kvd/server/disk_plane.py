@@ -1,0 +1,328 @@
+"""The daemon's disk data plane: moves blocks between the arena and the drives.
+
+The engine (kvd.core) decides which block goes where; the disk tier
+(kvd.tiers.disk) moves bytes and keeps the records. This module runs them
+together:
+
+  * one dedicated I/O thread owns the DiskTier (every call into it happens
+    there); the event loop owns the engine (every call into it happens on
+    the loop, between awaits);
+  * a writer task drains the engine's write-through queue in batches:
+    removals of evicted blocks are made durable first, then the data, then
+    the PUT records (the tier's write order);
+  * Get: blocks only on disk are read layer by layer straight into the
+    host slots the engine gave them, checksums verified; a block that fails
+    is lost (engine.finish_loads) and never served;
+  * a Put that asked for ACK_DURABLE waits until its blocks are written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvd.config import DiskSettings
+from kvd.core.block import Block, BlockState
+from kvd.core.engine import DiskLoad, DiskWrite, Engine, GetPlan
+from kvd.tiers.disk.journal import FsyncPolicy
+from kvd.tiers.disk.layout import DiskConfig
+from kvd.tiers.disk.tier import DiskRecovery, DiskTier
+from kvd.tiers.host import HostArena
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.05
+
+
+@dataclass(slots=True)
+class DiskPlaneCounters:
+    batches: int = 0
+    removal_failures: int = 0
+    durable_waits: int = 0
+    durable_wait_failures: int = 0
+    recovery: dict = field(default_factory=dict)
+
+
+def disk_config(settings: DiskSettings) -> DiskConfig:
+    return DiskConfig(
+        directories=tuple(settings.directories),
+        capacity_bytes=settings.capacity_bytes,
+        slot_bytes=settings.slot_bytes,
+        segment_bytes=settings.segment_bytes,
+        fsync_policy=FsyncPolicy(settings.fsync),
+        queue_depth=settings.queue_depth,
+        io_engine=settings.io_engine,
+    )
+
+
+class DiskPlane:
+    def __init__(self, settings: DiskSettings, arena: HostArena) -> None:
+        self.settings = settings
+        self.config = disk_config(settings)
+        self.arena = arena
+        self.engine: Engine | None = None
+        self.tier: DiskTier | None = None
+        self.counters = DiskPlaneCounters()
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-disk")
+        self._wake = asyncio.Event()
+        self._loads: dict[Block, asyncio.Future] = {}
+        self._durable: dict[Block, list[asyncio.Future]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+
+    @property
+    def slot_count(self) -> int:
+        return self.config.slot_count
+
+    async def _run(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._io, function, *args)
+
+    # -- start ----------------------------------------------------------
+
+    async def open(self) -> DiskRecovery:
+        """Open the drives (in the I/O thread); O(records), no data read."""
+
+        def open_tier() -> tuple[DiskTier, DiskRecovery]:
+            tier = DiskTier(self.config)
+            return tier, tier.open()
+
+        self.tier, recovery = await self._run(open_tier)
+        return recovery
+
+    async def recover(self, engine: Engine, recovery: DiskRecovery) -> int:
+        """Index what the drives hold; journal removals of what was dropped."""
+        self.engine = engine
+        indexed = 0
+        for namespace_id, entry in recovery.namespaces.items():
+            if entry.spec is None:
+                log.warning("disk namespace with an unreadable spec left alone", extra={"namespace": namespace_id.hex()})
+                continue
+            state = engine.register_namespace(entry.spec)
+            if self.tier.accepts(entry.spec):
+                engine.enable_disk(state.namespace_id)
+            records = recovery.blocks.get(namespace_id, [])
+            indexed += engine.recover(
+                namespace_id,
+                [(record.key, record.parent_key if any(record.parent_key) else b"", record.location) for record in records],
+            )
+        await self._journal_removals()
+        self.counters.recovery = {
+            "records": recovery.records,
+            "indexed": indexed,
+            "dropped_at_open": recovery.dropped.total,
+            "truncated_bytes": recovery.truncated_bytes,
+        }
+        return indexed
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._writer(), name="disk-writer"))
+        if self.config.fsync_policy == FsyncPolicy.GROUP:
+            self._tasks.append(asyncio.create_task(self._group_commit(), name="disk-group-commit"))
+
+    async def register_namespace(self, engine: Engine, namespace_id: bytes) -> None:
+        """Persist a namespace on the drives and start writing its blocks, if the tier takes them."""
+        state = engine.namespace(namespace_id)
+        if state.index.disk_enabled:
+            return
+        admission = self.tier.accepts(state.spec)
+        if not admission:
+            log.warning(
+                "namespace stays in host memory only",
+                extra={"model_id": state.spec.model_id, "reason": admission.reason},
+            )
+            return
+        await self._run(self.tier.register_namespace, namespace_id, state.spec.encode())
+        engine.enable_disk(namespace_id)
+
+    # -- writes ---------------------------------------------------------
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _writer(self) -> None:
+        engine = self.engine
+        while not self._closing:
+            writes = engine.pick_writes(self.settings.write_batch_blocks)
+            if not writes:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
+                except TimeoutError:
+                    pass
+                continue
+            removals = engine.take_disk_removals()
+            ok, failed_removals = await self._run(self._write_batch, removals, self._write_work(writes))
+            self.counters.batches += 1
+            engine.finish_writes(writes, ok)
+            engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed_removals])
+            self._resolve_durable(writes)
+
+    def _write_work(self, writes: Sequence[DiskWrite]) -> list[tuple[bytes, int, int, list[tuple[int, tuple]]]]:
+        """Loop thread: what to write, as plain data, grouped by namespace."""
+        groups: dict[bytes, list[tuple[int, tuple]]] = {}
+        for position, write in enumerate(writes):
+            block = write.block
+            item = (
+                block.key,
+                block.parent.key if block.parent is not None else b"",
+                write.disk_slot,
+                self.arena.address(write.host_slot),
+            )
+            groups.setdefault(block.index.namespace_id, []).append((position, item))
+        work = []
+        for namespace_id, items in groups.items():
+            spec = self.engine.namespace(namespace_id).spec
+            work.append((namespace_id, spec.layer_bytes, spec.num_layers, items))
+        return work
+
+    def _write_batch(self, removals, work) -> tuple[list[bool], set[int]]:
+        """I/O thread: removals first (durable), then the blocks, per namespace."""
+        failed_removals = self._remove_sync(removals)
+        ok = [False] * sum(len(items) for *_, items in work)
+        for namespace_id, layer_bytes, num_layers, items in work:
+            # A slot whose REMOVE failed may still be on record: never overwrite it.
+            usable = [(position, item) for position, item in items if item[2] not in failed_removals]
+            if not usable:
+                continue
+            results = self.tier.write_blocks(namespace_id, layer_bytes, num_layers, [item for _, item in usable])
+            for (position, _), good in zip(usable, results):
+                ok[position] = bool(good)
+        self.tier.compact_if_needed(self.settings.manifest_max_bytes)
+        return ok, failed_removals
+
+    def _remove_sync(self, removals: list[tuple[bytes, bytes, int]]) -> set[int]:
+        """I/O thread: journal removals; returns the slots whose REMOVE failed."""
+        failed: set[int] = set()
+        by_namespace: dict[bytes, list[tuple[bytes, int]]] = {}
+        for namespace_id, key, slot in removals:
+            by_namespace.setdefault(namespace_id, []).append((key, slot))
+        for namespace_id, items in by_namespace.items():
+            results = self.tier.remove_blocks(namespace_id, items)
+            failed.update(slot for (_, slot), good in zip(items, results) if not good)
+        self.counters.removal_failures += len(failed)
+        return failed
+
+    async def _journal_removals(self) -> None:
+        removals = self.engine.take_disk_removals()
+        if removals:
+            failed = await self._run(self._remove_sync, removals)
+            self.engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed])
+
+    async def _group_commit(self) -> None:
+        interval_s = self.settings.group_commit_ms / 1000.0
+        while not self._closing:
+            await asyncio.sleep(interval_s)
+            await self._run(self.tier.sync)
+
+    def _resolve_durable(self, writes: Sequence[DiskWrite]) -> None:
+        for write in writes:
+            waiters = self._durable.pop(write.block, [])
+            durable = write.block.disk_slot == write.disk_slot
+            for future in waiters:
+                if not future.done():
+                    future.set_result(durable)
+
+    async def wait_durable(self, blocks: Sequence[Block], timeout_s: float) -> bool:
+        """True once every block has a durable copy; False if one failed or time ran out."""
+        self.counters.durable_waits += 1
+        futures = []
+        loop = asyncio.get_running_loop()
+        for block in blocks:
+            if block.disk_slot != -1:
+                continue
+            if block.state != BlockState.SEALED or not block.index.disk_enabled:
+                self.counters.durable_wait_failures += 1
+                return False
+            future = loop.create_future()
+            self._durable.setdefault(block, []).append(future)
+            futures.append(future)
+        self.wake()
+        if not futures:
+            return True
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*futures), timeout_s)
+        except TimeoutError:
+            self.counters.durable_wait_failures += 1
+            return False
+        if not all(results):
+            self.counters.durable_wait_failures += 1
+        return all(results)
+
+    # -- reads ----------------------------------------------------------
+
+    async def complete_get(self, plan: GetPlan) -> list[Block]:
+        """Run the plan's disk reads (or wait for other Gets' reads); the servable prefix."""
+        engine = self.engine
+        loop = asyncio.get_running_loop()
+        if plan.loads:
+            mine = {load.block: loop.create_future() for load in plan.loads}
+            self._loads.update(mine)
+            try:
+                ok = await self._run(self._read_batch, self._read_work(plan.loads))
+            except BaseException:
+                ok = [False] * len(plan.loads)
+                raise
+            finally:
+                engine.finish_loads(plan.loads, ok)
+                for load, good in zip(plan.loads, ok):
+                    future = self._loads.pop(load.block, None)
+                    if future is not None and not future.done():
+                        future.set_result(bool(good))
+            await self._journal_removals()
+        if plan.waits:
+            waiting = [self._loads[block] for block in plan.waits if block in self._loads]
+            if waiting:
+                await asyncio.gather(*waiting)
+        return engine.settle_get(plan)
+
+    def _read_work(self, loads: Sequence[DiskLoad]) -> list[tuple[bytes, int, int, list[tuple[int, int, int]]]]:
+        """Loop thread: what to read, as plain data, grouped by namespace."""
+        groups: dict[bytes, list[tuple[int, int, int]]] = {}
+        for position, load in enumerate(loads):
+            groups.setdefault(load.block.index.namespace_id, []).append(
+                (position, load.disk_slot, self.arena.address(load.host_slot))
+            )
+        work = []
+        for namespace_id, items in groups.items():
+            spec = self.engine.namespace(namespace_id).spec
+            work.append((namespace_id, spec.layer_bytes, spec.num_layers, items))
+        return work
+
+    def _read_batch(self, work) -> list[bool]:
+        """I/O thread: layer-wise reads into the host slots, checksums verified."""
+        ok = [False] * sum(len(items) for *_, items in work)
+        for namespace_id, layer_bytes, num_layers, items in work:
+            requests = [
+                (self.tier.key_of(slot), slot, address, self.tier.layer_checksums_of(slot))
+                for _, slot, address in items
+            ]
+            results = self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests)
+            for (position, _, _), good in zip(items, results):
+                ok[position] = bool(good)
+        return ok
+
+    # -- stop -----------------------------------------------------------
+
+    async def close(self, flush_timeout_s: float) -> None:
+        """Write what is queued (within the time given), sync, and close the drives."""
+        engine = self.engine
+        deadline = asyncio.get_running_loop().time() + flush_timeout_s
+        while engine is not None and engine.write_queue and asyncio.get_running_loop().time() < deadline:
+            self.wake()
+            await asyncio.sleep(IDLE_POLL_S)
+        self._closing = True
+        self.wake()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if self.tier is not None:
+            await self._run(self.tier.sync)
+            await self._run(self.tier.close)
+        self._io.shutdown(wait=True)
