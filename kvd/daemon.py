@@ -30,7 +30,6 @@ from kvd.clock import Clock, MonotonicClock
 from kvd.config import Config, parse_address
 from kvd.core.engine import Engine, EngineLimits
 from kvd.metrics import make_registry
-from kvd.server.disk_plane import DiskPlane
 from kvd.server.service import KvdService
 from kvd.tiers.host import ArenaLayout, HostArena, remove_stale_segments
 from kvd.v1 import kvd_pb2_grpc
@@ -90,7 +89,7 @@ class Daemon:
         self.clock = clock or MonotonicClock()
         self.arena: HostArena | None = None
         self.engine: Engine | None = None
-        self.disk_plane: DiskPlane | None = None
+        self.disk_plane = None  # kvd.server.disk_plane.DiskPlane when a disk tier is configured
         self.server: grpc.aio.Server | None = None
         self.health: health.aio.HealthServicer | None = None
         self._metrics_server = None
@@ -110,6 +109,8 @@ class Daemon:
         self.arena = HostArena(layout, prefault=config.host.prefault, huge_pages=config.host.huge_pages)
         recovery = None
         if config.disk.directories:
+            from kvd.server.disk_plane import DiskPlane
+
             self.disk_plane = DiskPlane(config.disk, self.arena)
             started = time.monotonic()
             recovery = await self.disk_plane.open()

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -23,9 +23,11 @@ from kvd.core.block import BlockState
 from kvd.errors import InvalidArgument, KvdError, ResourceExhausted, Unavailable
 from kvd.metrics import RpcMetrics
 from kvd.server import convert
-from kvd.server.disk_plane import DiskPlane
 from kvd.tiers.host import HostArena
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvd.server.disk_plane import DiskPlane
 
 log = logging.getLogger(__name__)
 
