@@ -113,14 +113,21 @@ def release(session: Session, lease_ids: list[int]) -> Op:
             raise
 
 
-def put(session: Session, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes) -> Op:
-    """Store the blocks not yet stored; returns how many were written."""
+def put(
+    session: Session, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes, durable: bool = False
+) -> Op:
+    """Store the blocks not yet stored; returns how many were written.
+
+    durable: return only once the blocks this call wrote are on disk
+    (ACK_DURABLE); blocks that were already stored are left as they are.
+    """
+    ack = kvd_pb2.ACK_DURABLE if durable else kvd_pb2.ACK_HOST
     rows = _wire.as_rows(namespace, blocks, len(keys))
     if not keys:
         return 0
     yield from connect(session)
     if session.arena is None:
-        return (yield from _put_inline(session, namespace, keys, rows, parent_key))
+        return (yield from _put_inline(session, namespace, keys, rows, parent_key, ack))
     response = yield (
         "Reserve",
         kvd_pb2.ReserveRequest(
@@ -142,13 +149,15 @@ def put(session: Session, namespace: Namespace, keys: Sequence[bytes], blocks: A
     yield (
         "Commit",
         kvd_pb2.CommitRequest(
-            namespace_id=namespace.namespace_id, client_id=session.client_id, lease_id=response.lease_id
+            namespace_id=namespace.namespace_id, client_id=session.client_id, lease_id=response.lease_id, ack=ack
         ),
     )
     return stop - start
 
 
-def _put_inline(session: Session, namespace: Namespace, keys: Sequence[bytes], rows: np.ndarray, parent_key: bytes) -> Op:
+def _put_inline(
+    session: Session, namespace: Namespace, keys: Sequence[bytes], rows: np.ndarray, parent_key: bytes, ack: int
+) -> Op:
     batch = _wire.inline_batch_blocks(namespace, session.info.max_message_bytes)
     written = 0
     for start in range(0, len(keys), batch):
@@ -161,6 +170,7 @@ def _put_inline(session: Session, namespace: Namespace, keys: Sequence[bytes], r
                 parent_key=keys[start - 1] if start else parent_key,
                 keys=keys[start:stop],
                 blocks=[row.tobytes() for row in rows[start:stop]],
+                ack=ack,
             ),
         )
         written += response.sealed

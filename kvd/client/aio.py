@@ -54,8 +54,10 @@ class AsyncClient(_ops.ClientBase):
     async def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> LookupResult:
         return await self._run(_ops.lookup(self.session, namespace, keys, parent_key))
 
-    async def put(self, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes = b"") -> int:
-        return await self._run(_ops.put(self.session, namespace, keys, blocks, parent_key))
+    async def put(
+        self, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes = b"", durable: bool = False
+    ) -> int:
+        return await self._run(_ops.put(self.session, namespace, keys, blocks, parent_key, durable))
 
     async def get_numpy(
         self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""

@@ -60,9 +60,11 @@ class Client(_ops.ClientBase):
     def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> LookupResult:
         return self._run(_ops.lookup(self.session, namespace, keys, parent_key))
 
-    def put(self, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes = b"") -> int:
+    def put(
+        self, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes = b"", durable: bool = False
+    ) -> int:
         """Store the blocks of `keys` not yet stored; returns how many were written."""
-        return self._run(_ops.put(self.session, namespace, keys, blocks, parent_key))
+        return self._run(_ops.put(self.session, namespace, keys, blocks, parent_key, durable))
 
     def get_numpy(
         self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""
