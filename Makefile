@@ -6,15 +6,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvd-installed
-# Debian packages: none are needed to run or test yet; the benchmarks
-# compare against redis-server.
-APT_PACKAGES ?=
-BENCH_APT_PACKAGES := redis-server
+BUILT_STAMP := $(VENV)/.kvd-built
+# Debian packages: liburing-dev to build the native I/O engine (kvd._native);
+# the benchmarks also compare against redis-server and fio.
+APT_PACKAGES ?= liburing-dev
+BENCH_APT_PACKAGES := redis-server fio
+NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint bench proto proto-check apt clean
+.PHONY: setup run test lint bench proto proto-check apt clean native-debug native-sanitize
 
-setup: $(STAMP)
+setup: $(BUILT_STAMP)
 
 # Install the Debian packages in APT_PACKAGES that are missing.
 apt:
@@ -30,8 +32,30 @@ $(STAMP): pyproject.toml requirements.txt | apt
 	# The CPU build of torch, installed alone so nothing pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -r requirements.txt
-	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
+
+# The package itself, editable. Building it compiles kvd._native from
+# native/ (setup.py), again whenever a C source changes.
+$(BUILT_STAMP): $(STAMP) pyproject.toml $(NATIVE_SOURCES)
+	$(PIP) install -q --no-deps -e .
+	touch $(BUILT_STAMP)
+
+# kvd._native rebuilt in place with -O0 -g, then tests/native. The debug
+# build stays for gdb until the next `make setup` (the stamp is dropped).
+native-debug: setup
+	rm -f $(BUILT_STAMP)
+	KVD_NATIVE_DEBUG=1 $(PIP) install -q --no-deps -e .
+	$(PY) -m pytest -q -p no:cacheprovider tests/native
+
+# The same under AddressSanitizer and UBSan. Python is not instrumented,
+# so libasan is preloaded; its leak checker is off (the interpreter keeps
+# memory until exit by design).
+native-sanitize: setup
+	rm -f $(BUILT_STAMP)
+	KVD_NATIVE_SANITIZE=1 $(PIP) install -q --no-deps -e .
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  $(PY) -m pytest -q -p no:cacheprovider tests/native
 
 run: setup
 	$(VENV)/bin/kvd serve
@@ -60,4 +84,4 @@ proto-check: setup
 	done; rm -rf $$tmp
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache kvd/_native*.so

@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "lookup": ([], ["--calls", "200"]),
     "host_tier": ([], ["--rounds", "3", "--batch-mib", "128", "--capacity-mib", "256", "--inline-rounds", "1"]),
     "ttft": ([], ["--prompt-tokens", "1024", "--repeats", "1"]),
+    "io_engine": ([], ["--file-mib", "256", "--rounds", "2"]),
 }
 
 

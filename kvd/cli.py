@@ -1,4 +1,4 @@
-"""The `kvd` command: serve, status, config."""
+"""The `kvd` command: serve, status, config, inspect, fsck."""
 
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_disk(args: argparse.Namespace) -> int:
+    from kvd.tiers.disk.fsck import main
+
+    return main(args.command, args.directories, repair=getattr(args, "repair", False))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvd", description="kvd: a per-node KV-cache store for LLM inference.")
     parser.add_argument("--version", action="version", version=f"kvd {__version__}")
@@ -89,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.set_defaults(handler=cmd_status)
+
+    inspect = commands.add_parser("inspect", help="show disk tier directories: identity, segments, namespaces")
+    inspect.add_argument("directories", nargs="+", metavar="DIR", help="disk tier drive directories")
+    inspect.set_defaults(handler=cmd_disk)
+
+    fsck = commands.add_parser("fsck", help="read and verify every block of a disk tier (daemon stopped)")
+    fsck.add_argument("directories", nargs="+", metavar="DIR", help="all drive directories, in configured order")
+    fsck.add_argument("--repair", action="store_true", help="append REMOVE records for corrupt or unreadable blocks")
+    fsck.set_defaults(handler=cmd_disk)
     return parser
 
 

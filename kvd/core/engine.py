@@ -107,6 +107,8 @@ class GetPlan:
     loads: list[DiskLoad] = field(default_factory=list)
     # Blocks another Get is loading already; wait for it, then settle.
     waits: list[Block] = field(default_factory=list)
+    # Cut short because no host slot could be freed (all pinned).
+    starved: bool = False
 
 
 @dataclass(slots=True)
@@ -306,6 +308,7 @@ class Engine:
             slot = self._allocate_host_slot()
             if slot == NO_SLOT:
                 self._cut_plan(plan, position)
+                plan.starved = True
                 break
             self._set_host_slot(block, slot)
             self.loading.add(block)
@@ -332,6 +335,19 @@ class Engine:
                 # chained under it.
                 disk.counters.load_failures += 1
                 self._lose(block)
+
+    def abandon_get(self, plan: GetPlan) -> None:
+        """Drop a plan whose loads were never started: slots back, pins released."""
+        for load in plan.loads:
+            block = load.block
+            if block in self.loading:
+                self.loading.discard(block)
+                self._clear_host_slot(block, cold_parent=False)
+        plan.loads = []
+        if plan.lease is not None and not plan.lease.ended:
+            self.leases.close(plan.lease)
+        plan.lease = None
+        plan.matched = []
 
     def settle_get(self, plan: GetPlan) -> list[Block]:
         """The servable prefix of a plan whose loads have all finished."""

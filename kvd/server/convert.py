@@ -70,5 +70,5 @@ def tiers(engine: Engine, blocks: Sequence[Block]) -> bytes:
 def ack_supported(ack: int, has_disk: bool) -> None:
     if ack == kvd_pb2.ACK_DURABLE and not has_disk:
         raise InvalidArgument("ack DURABLE needs a disk tier, and this daemon has none configured")
-    if ack not in (kvd_pb2.ACK_UNSPECIFIED, kvd_pb2.ACK_ACCEPTED, kvd_pb2.ACK_HOST):
+    if ack not in (kvd_pb2.ACK_UNSPECIFIED, kvd_pb2.ACK_ACCEPTED, kvd_pb2.ACK_HOST, kvd_pb2.ACK_DURABLE):
         raise InvalidArgument(f"ack has unknown value {ack}")

@@ -72,6 +72,9 @@ class DiskPlane:
         self._durable: dict[Block, list[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        # Set whenever no write batch is in flight (its pins are released).
+        self.writes_idle = asyncio.Event()
+        self.writes_idle.set()
 
     @property
     def slot_count(self) -> int:
@@ -154,7 +157,11 @@ class DiskPlane:
                     pass
                 continue
             removals = engine.take_disk_removals()
-            ok, failed_removals = await self._run(self._write_batch, removals, self._write_work(writes))
+            self.writes_idle.clear()
+            try:
+                ok, failed_removals = await self._run(self._write_batch, removals, self._write_work(writes))
+            finally:
+                self.writes_idle.set()
             self.counters.batches += 1
             engine.finish_writes(writes, ok)
             engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed_removals])
@@ -258,25 +265,45 @@ class DiskPlane:
         engine = self.engine
         loop = asyncio.get_running_loop()
         if plan.loads:
-            mine = {load.block: loop.create_future() for load in plan.loads}
-            self._loads.update(mine)
+            self._loads.update({load.block: loop.create_future() for load in plan.loads})
+            reading = loop.run_in_executor(self._io, self._read_batch, self._read_work(plan.loads))
             try:
-                ok = await self._run(self._read_batch, self._read_work(plan.loads))
-            except BaseException:
-                ok = [False] * len(plan.loads)
+                # Shielded: if this Get is cancelled, the I/O thread still
+                # writes into the host slots, so they stay pinned until it is
+                # done; the callback then finishes the loads and unpins.
+                await asyncio.shield(reading)
+            except asyncio.CancelledError:
+                reading.add_done_callback(lambda done: self._finish_loads(plan, done, close_lease=True))
                 raise
-            finally:
-                engine.finish_loads(plan.loads, ok)
-                for load, good in zip(plan.loads, ok):
-                    future = self._loads.pop(load.block, None)
-                    if future is not None and not future.done():
-                        future.set_result(bool(good))
+            except Exception:
+                self._finish_loads(plan, reading, close_lease=True)
+                raise
+            self._finish_loads(plan, reading, close_lease=False)
             await self._journal_removals()
         if plan.waits:
             waiting = [self._loads[block] for block in plan.waits if block in self._loads]
-            if waiting:
-                await asyncio.gather(*waiting)
+            try:
+                if waiting:
+                    await asyncio.gather(*(asyncio.shield(future) for future in waiting))
+            except BaseException:
+                if plan.lease is not None and not plan.lease.ended:
+                    engine.leases.close(plan.lease)
+                raise
         return engine.settle_get(plan)
+
+    def _finish_loads(self, plan: GetPlan, reading: asyncio.Future, *, close_lease: bool) -> None:
+        """Loop thread: record the reads' outcome (a failed read is a lost block)."""
+        if reading.cancelled() or reading.exception() is not None:
+            ok = [False] * len(plan.loads)
+        else:
+            ok = reading.result()
+        self.engine.finish_loads(plan.loads, ok)
+        for load, good in zip(plan.loads, ok):
+            future = self._loads.pop(load.block, None)
+            if future is not None and not future.done():
+                future.set_result(bool(good))
+        if close_lease and plan.lease is not None and not plan.lease.ended:
+            self.engine.leases.close(plan.lease)
 
     def _read_work(self, loads: Sequence[DiskLoad]) -> list[tuple[bytes, int, int, list[tuple[int, int, int]]]]:
         """Loop thread: what to read, as plain data, grouped by namespace."""

@@ -129,16 +129,21 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         matched = self.engine.lookup(request.namespace_id, list(request.keys), request.parent_key)
         return kvd_pb2.LookupResponse(matched=len(matched), tiers=convert.tiers(self.engine, matched))
 
+    async def _reserve(self, request, lease_ms: int):
+        """engine.reserve, waiting once for an in-flight disk write batch to
+        unpin the host tier if that is all that stands in the way."""
+        arguments = (request.namespace_id, request.client_id, request.parent_key, list(request.keys), lease_ms)
+        try:
+            return self.engine.reserve(*arguments, self.clock.now_ms())
+        except ResourceExhausted:
+            if self.disk_plane is None or self.disk_plane.writes_idle.is_set():
+                raise
+        await self.disk_plane.writes_idle.wait()
+        return self.engine.reserve(*arguments, self.clock.now_ms())
+
     @rpc("Reserve")
     async def Reserve(self, request, context):
-        result = self.engine.reserve(
-            request.namespace_id,
-            request.client_id,
-            request.parent_key,
-            list(request.keys),
-            request.lease_ms,
-            self.clock.now_ms(),
-        )
+        result = await self._reserve(request, request.lease_ms)
         slot_bytes = self.arena.layout.slot_bytes
         return kvd_pb2.ReserveResponse(
             lease_id=result.lease.lease_id if result.lease else 0,
@@ -198,10 +203,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 raise InvalidArgument(
                     f"blocks[{position}] is {len(payload)} bytes; this namespace's blocks are {state.block_bytes} bytes"
                 )
+        result = await self._reserve(request, 0)
         now_ms = self.clock.now_ms()
-        result = self.engine.reserve(
-            request.namespace_id, request.client_id, request.parent_key, request.keys, 0, now_ms
-        )
         sealed = 0
         durable = request.ack == kvd_pb2.ACK_DURABLE
         blocks = []
@@ -227,22 +230,29 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
 
     async def _pinned_prefix(self, request, client_id: str) -> tuple[object, list, bytes]:
         """begin_get + disk reads: (lease, servable blocks, their tiers before the Get)."""
-        plan = self.engine.begin_get(
-            request.namespace_id,
-            client_id,
-            list(request.keys),
-            request.lease_ms,
-            self.clock.now_ms(),
-            request.parent_key,
-        )
+
+        def begin():
+            return self.engine.begin_get(
+                request.namespace_id,
+                client_id,
+                list(request.keys),
+                request.lease_ms,
+                self.clock.now_ms(),
+                request.parent_key,
+            )
+
+        plan = begin()
+        if plan.starved and self.disk_plane is not None and not self.disk_plane.writes_idle.is_set():
+            # The host tier is pinned by a write batch in flight: once it is
+            # done its blocks can be demoted, so try once more then.
+            self.engine.abandon_get(plan)
+            await self.disk_plane.writes_idle.wait()
+            plan = begin()
         tiers = convert.tiers(self.engine, plan.matched)
         if plan.loads or plan.waits:
-            try:
-                await self.disk_plane.complete_get(plan)
-            except BaseException:
-                if plan.lease is not None and not plan.lease.ended:
-                    self.engine.leases.close(plan.lease)
-                raise
+            # On failure complete_get ends the lease itself, once no read
+            # into the pinned slots is still running.
+            await self.disk_plane.complete_get(plan)
         return plan.lease, plan.matched, tiers[: len(plan.matched)]
 
     @rpc("Get")

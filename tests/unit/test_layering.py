@@ -9,12 +9,16 @@ PACKAGE = Path(__file__).parents[2] / "kvd"
 
 # layer -> kvd modules it must never import (prefix match)
 FORBIDDEN = {
-    "kvd.core": ["kvd.tiers", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.metrics", "kvd.v1", "kvd.testing"],
+    "kvd.core": ["kvd.tiers", "kvd.io", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.metrics", "kvd.v1",
+                 "kvd.testing"],
+    # Native adapters: below the tiers, beside the core.
+    "kvd.io": ["kvd.tiers", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.metrics", "kvd.v1",
+               "kvd.testing"],
     "kvd.tiers": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.v1", "kvd.testing"],
     "kvd.metrics": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing"],
     "kvd.server": ["kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing"],
     "kvd.daemon": ["kvd.cli", "kvd.client", "kvd.testing"],
-    "kvd.client": ["kvd.server", "kvd.daemon", "kvd.tiers", "kvd.cli", "kvd.metrics", "kvd.testing"],
+    "kvd.client": ["kvd.server", "kvd.daemon", "kvd.tiers", "kvd.io", "kvd.cli", "kvd.metrics", "kvd.testing"],
     "kvd.errors": ["kvd."],
     "kvd.invariants": ["kvd."],
     "kvd.clock": ["kvd."],
@@ -65,3 +69,21 @@ def test_only_the_edges_import_generated_code():
     )
     allowed_prefixes = ("kvd.server.", "kvd.client.", "kvd.daemon", "kvd.testing.")
     assert importers and all(name.startswith(allowed_prefixes) for name in importers), importers
+
+
+def imports_native(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(alias.name.startswith("kvd._native") for alias in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (
+            (node.module or "").startswith("kvd._native")
+            or (node.module == "kvd" and any(alias.name == "_native" for alias in node.names))
+        ):
+            return True
+    return False
+
+
+def test_only_kvd_io_uring_imports_the_native_module():
+    """kvd._native has one importer, so nothing bypasses kvd.io's checks and fallback."""
+    importers = sorted(module_name(path) for path in PACKAGE.rglob("*.py") if imports_native(path))
+    assert importers == ["kvd.io.uring"], importers

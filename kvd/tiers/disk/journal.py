@@ -40,6 +40,7 @@ class RecordType(enum.IntEnum):
     PUT = 2
     REMOVE = 3
     SNAPSHOT_END = 4
+    NAMESPACE = 5  # only in a drive's NAMESPACES registry (registry.py), never in a manifest
 
 
 class FsyncPolicy(enum.Enum):
@@ -246,15 +247,17 @@ class Manifest:
 
     @property
     def path(self) -> Path:
-        return self.directory / f"{MANIFEST_PREFIX}{self.number:06d}"
+        return self._path_of(self.number)
+
+    def _path_of(self, number: int) -> Path:
+        return self.directory / f"{MANIFEST_PREFIX}{number:06d}"
 
     def open(self) -> ReplayReport:
         """Replay the live manifest (or start an empty one)."""
         report = ReplayReport()
         current = self.fs.read(self.directory / CURRENT)
         if current is None:
-            self.number = 1
-            self._publish(self._snapshot_bytes())
+            self._publish(1, self._snapshot_bytes())
             report.manifest = self.path.name
             return report
         name = current.decode(errors="replace").strip()
@@ -318,21 +321,31 @@ class Manifest:
         return value
 
     def append(self, records: Iterable[Record]) -> None:
-        """Append edits; under STRICT they are durable when this returns."""
-        data = bytearray()
+        """Append edits; under STRICT they are durable when this returns.
+
+        `live` changes only once the write (and, under STRICT, the sync)
+        succeeded. On failure the file is cut back to its last good end, so
+        a half-written frame never sits in front of later appends.
+        """
+        records = list(records)
+        data = b"".join(record.encode() for record in records)
+        if not data:
+            return
+        try:
+            self.fs.append(self.path, data)
+            if self.policy == FsyncPolicy.STRICT:
+                self.fs.fsync(self.path)
+        except OSError:
+            self.fs.truncate(self.path, self.size_bytes)
+            raise
+        self.size_bytes += len(data)
+        if self.policy != FsyncPolicy.STRICT:
+            self.unsynced_bytes += len(data)
         for record in records:
-            data += record.encode()
             if isinstance(record, PutRecord):
                 self.live[(record.namespace_id, record.key)] = record
             else:
                 self.live.pop((record.namespace_id, record.key), None)
-        if not data:
-            return
-        self.fs.append(self.path, bytes(data))
-        self.size_bytes += len(data)
-        self.unsynced_bytes += len(data)
-        if self.policy == FsyncPolicy.STRICT:
-            self.sync()
 
     def sync(self) -> None:
         """Make every appended edit durable (GROUP calls this on a timer)."""
@@ -350,19 +363,24 @@ class Manifest:
     def compact(self) -> None:
         """Rewrite the live blocks into a new manifest and switch CURRENT to it."""
         old_path = self.path
-        self.number += 1
-        self._publish(self._snapshot_bytes())
+        self._publish(self.number + 1, self._snapshot_bytes())
         self.fs.remove(old_path)
 
-    def _publish(self, snapshot: bytes) -> None:
-        """Write the manifest, make it durable, then point CURRENT at it."""
-        self.fs.write_new(self.path, snapshot)
-        self.fs.fsync(self.path)
+    def _publish(self, number: int, snapshot: bytes) -> None:
+        """Write manifest `number`, make it durable, then point CURRENT at it.
+
+        Only then does this object switch to it: if any step fails, appends
+        keep going to the manifest CURRENT still names.
+        """
+        path = self._path_of(number)
+        self.fs.write_new(path, snapshot)
+        self.fs.fsync(path)
         temporary = self.directory / (CURRENT + ".tmp")
-        self.fs.write_new(temporary, f"{self.path.name}\n".encode())
+        self.fs.write_new(temporary, f"{path.name}\n".encode())
         self.fs.fsync(temporary)
         self.fs.rename(temporary, self.directory / CURRENT)
         self.fs.fsync_directory(self.directory)
+        self.number = number
         self.size_bytes = len(snapshot)
         self.unsynced_bytes = 0
 

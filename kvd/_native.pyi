@@ -1,0 +1,64 @@
+"""Type stub of kvd._native, built from native/module.c (see native/uring_batch.h).
+
+Callers use kvd.io.open_engine; only kvd.io.uring imports this module.
+Arrays are anything with the buffer protocol, 1-D and C-contiguous, with
+the item sizes given (numpy arrays of the named dtypes).
+"""
+
+from typing_extensions import Buffer
+
+OP_READ: int
+OP_WRITE: int
+OP_FSYNC: int
+MAX_QUEUE_DEPTH: int
+MAX_BATCHES: int
+MAX_BATCH_ENTRIES: int
+MAX_FAULTS: int
+MAX_FILES: int
+MAX_BUFFERS: int
+
+class Ring:
+    """One io_uring with its batches in flight. Raises OSError on ring failures."""
+
+    def __init__(self, queue_depth: int, max_batches: int) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def batches_in_flight(self) -> int: ...
+    def register_files(self, fds: Buffer, /) -> None:
+        """int32 file descriptors; replaces the table; empty clears it."""
+    def register_buffers(self, addresses: Buffer, lengths: Buffer, /) -> None:
+        """uint64 addresses and lengths of disjoint regions; replaces the table."""
+    def submit(
+        self,
+        op: int,
+        file_index: Buffer,
+        offset: Buffer,
+        length: Buffer,
+        address: Buffer,
+        results: Buffer,
+        /,
+    ) -> int:
+        """int32, int64, uint32, uint64 arrays of one length; results: writable int64,
+        filled by the time wait() returns. Returns the batch id."""
+    def wait(self, batch_id: int, /) -> None:
+        """Blocks with the GIL released; KeyError for a batch not in flight."""
+    def fsync(self, file_index: int, datasync: bool, /) -> int:
+        """0 or -errno, after every entry submitted before it."""
+    def add_fault(
+        self,
+        op: int,
+        file_index: int,
+        offset_begin: int,
+        offset_end: int,
+        error: int,
+        short_bytes: int,
+        count: int,
+        /,
+    ) -> None: ...
+    def clear_faults(self) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None:
+        """Drains the I/O the kernel holds, cancels the rest; idempotent."""

@@ -1,0 +1,343 @@
+"""Where a disk slot's bytes live, and which drives belong together.
+
+This module owns the arithmetic of the disk tier and the IDENTITY file of
+each drive directory; it does no data I/O.
+
+Slots are numbered globally and dealt out to the drives like cards, so a
+caller that allocates slot numbers in order stripes round-robin:
+
+    global slot s  ->  drive s % D,  local slot s // D
+    local slot l   ->  segment l // slots_per_segment,
+                       offset (l % slots_per_segment) * slot_bytes
+
+    drive 0: seg-000000.kvd [ s0 | s2 | s4 | ... ]  seg-000001.kvd [ ... ]
+    drive 1: seg-000000.kvd [ s1 | s3 | s5 | ... ]  seg-000001.kvd [ ... ]
+
+A block occupies the first num_layers * layer_bytes of its slot, layer i at
+slot offset i * layer_bytes. The tier takes a namespace only when layer_bytes
+is a multiple of 4096, so every layer is one aligned O_DIRECT extent that
+goes straight between the drive and the host arena, with no bounce buffer.
+
+IDENTITY (JSON, written once: temp file, fsync, rename, fsync the directory)
+names the format, the geometry and the drive set. A directory whose IDENTITY
+disagrees with the configuration is refused, never read as something it is
+not: a wrong slot size or drive order would pair records with the wrong bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvd.errors import ConfigError, FailedPrecondition
+from kvd.invariants import check
+from kvd.tiers.disk.journal import FsyncPolicy
+
+FORMAT_MAGIC = "kvd-disk"
+FORMAT_VERSION = 1
+IDENTITY = "IDENTITY"
+NAMESPACES = "NAMESPACES"
+SEGMENT_PREFIX = "seg-"
+SEGMENT_SUFFIX = ".kvd"
+ALIGN_BYTES = 4096
+
+# Limits: each bounds a table the tier allocates at open.
+MAX_DRIVES = 64
+MAX_SEGMENTS_PER_DRIVE = 1 << 16
+MAX_QUEUE_DEPTH = 4096
+MAX_SLOT_BYTES = 1 << 30  # a block is written as one I/O entry, which kvd.io caps at 1 GiB
+
+
+class DiskIdentityError(FailedPrecondition):
+    """A drive directory that must not be read: its IDENTITY disagrees."""
+
+    def __init__(self, directory: Path, field: str, message: str, file: str = IDENTITY) -> None:
+        super().__init__(f"disk directory {directory}: {file} field {field!r}: {message}")
+        self.directory = Path(directory)
+        self.field = field
+        self.file = file
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Whether a namespace's blocks may go to disk, and if not, why."""
+
+    accepted: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.accepted
+
+
+@dataclass(frozen=True, slots=True)
+class DiskConfig:
+    """The disk tier's settings; `validate()` names the first wrong field."""
+
+    directories: tuple[Path, ...]
+    capacity_bytes: int  # per drive, a whole number of segments
+    slot_bytes: int = 1 << 20
+    segment_bytes: int = 1 << 30
+    fsync_policy: FsyncPolicy = FsyncPolicy.STRICT
+    queue_depth: int = 128
+    io_engine: str = "auto"  # kvd.io.engine.open_engine kind
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "directories", tuple(Path(d) for d in self.directories))
+        self.validate()
+
+    def validate(self) -> None:
+        if not 1 <= len(self.directories) <= MAX_DRIVES:
+            raise ConfigError("disk.directories", f"needs 1 to {MAX_DRIVES} directories, got {len(self.directories)}")
+        resolved = [os.path.realpath(d) for d in self.directories]
+        if len(set(resolved)) != len(resolved):
+            raise ConfigError("disk.directories", "the same directory is listed twice")
+        for name, value in (("slot_bytes", self.slot_bytes), ("segment_bytes", self.segment_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % ALIGN_BYTES:
+                raise ConfigError(f"disk.{name}", f"must be a positive multiple of {ALIGN_BYTES}, got {value!r}")
+        if self.slot_bytes > MAX_SLOT_BYTES:
+            raise ConfigError("disk.slot_bytes", f"must be at most {MAX_SLOT_BYTES}")
+        if self.segment_bytes % self.slot_bytes:
+            raise ConfigError("disk.segment_bytes", f"must be a multiple of slot_bytes ({self.slot_bytes})")
+        if (
+            not isinstance(self.capacity_bytes, int)
+            or self.capacity_bytes <= 0
+            or self.capacity_bytes % self.segment_bytes
+        ):
+            raise ConfigError(
+                "disk.capacity_bytes", f"must be a positive multiple of segment_bytes ({self.segment_bytes})"
+            )
+        if self.capacity_bytes // self.segment_bytes > MAX_SEGMENTS_PER_DRIVE:
+            raise ConfigError("disk.capacity_bytes", f"more than {MAX_SEGMENTS_PER_DRIVE} segments per drive")
+        if not isinstance(self.fsync_policy, FsyncPolicy):
+            raise ConfigError("disk.fsync_policy", f"must be one of {[p.value for p in FsyncPolicy]}")
+        if not 1 <= self.queue_depth <= MAX_QUEUE_DEPTH:
+            raise ConfigError("disk.queue_depth", f"must be in [1, {MAX_QUEUE_DEPTH}]")
+
+    @property
+    def drive_count(self) -> int:
+        return len(self.directories)
+
+    @property
+    def segments_per_drive(self) -> int:
+        return self.capacity_bytes // self.segment_bytes
+
+    @property
+    def slots_per_segment(self) -> int:
+        return self.segment_bytes // self.slot_bytes
+
+    @property
+    def slots_per_drive(self) -> int:
+        return self.segments_per_drive * self.slots_per_segment
+
+    @property
+    def slot_count(self) -> int:
+        return self.slots_per_drive * self.drive_count
+
+    @property
+    def file_count(self) -> int:
+        return self.segments_per_drive * self.drive_count
+
+    def admit(self, layer_bytes: int, num_layers: int) -> Admission:
+        if layer_bytes <= 0 or layer_bytes % ALIGN_BYTES:
+            return Admission(False, f"layer_bytes {layer_bytes} is not a multiple of {ALIGN_BYTES}")
+        if num_layers <= 0 or num_layers * layer_bytes > self.slot_bytes:
+            return Admission(
+                False, f"block of {num_layers} x {layer_bytes} bytes does not fit a {self.slot_bytes}-byte disk slot"
+            )
+        return Admission(True)
+
+
+# ----------------------------------------------------------------------
+# Slot numbering
+
+
+@dataclass(frozen=True, slots=True)
+class SlotPlace:
+    drive: int
+    segment: int
+    offset: int  # byte offset of the slot inside its segment file
+    file_index: int  # position of the segment file in the I/O engine's table
+
+
+def file_index(config: DiskConfig, drive: int, segment: int) -> int:
+    """Segment files are registered drive-major: drive 0's segments first."""
+    return drive * config.segments_per_drive + segment
+
+
+def locate(config: DiskConfig, slot: int) -> SlotPlace:
+    check(0 <= slot < config.slot_count, f"disk slot {slot} out of range [0, {config.slot_count})")
+    drive = slot % config.drive_count
+    local = slot // config.drive_count
+    segment, index = divmod(local, config.slots_per_segment)
+    return SlotPlace(drive, segment, index * config.slot_bytes, file_index(config, drive, segment))
+
+
+def locate_many(config: DiskConfig, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(drive, file index, offset) of each slot, as arrays; one call per batch."""
+    slots = np.asarray(slots, dtype=np.int64)
+    if slots.size:
+        check(int(slots.min()) >= 0 and int(slots.max()) < config.slot_count, "disk slot out of range")
+    drives = slots % config.drive_count
+    local = slots // config.drive_count
+    segments = local // config.slots_per_segment
+    offsets = (local % config.slots_per_segment) * config.slot_bytes
+    return drives, drives * config.segments_per_drive + segments, offsets
+
+
+def slot_of(config: DiskConfig, drive: int, segment: int, offset: int) -> int:
+    """Inverse of locate (tests and fsck messages)."""
+    local = segment * config.slots_per_segment + offset // config.slot_bytes
+    return local * config.drive_count + drive
+
+
+def segment_name(segment: int) -> str:
+    return f"{SEGMENT_PREFIX}{segment:06d}{SEGMENT_SUFFIX}"
+
+
+def segment_number(name: str) -> int | None:
+    if not (name.startswith(SEGMENT_PREFIX) and name.endswith(SEGMENT_SUFFIX)):
+        return None
+    digits = name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)]
+    return int(digits) if digits.isdigit() else None
+
+
+# ----------------------------------------------------------------------
+# IDENTITY
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    set_uuid: str
+    drive_index: int
+    drive_count: int
+    slot_bytes: int
+    segment_bytes: int
+    magic: str = FORMAT_MAGIC
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        fields = {
+            "magic": self.magic,
+            "format_version": self.format_version,
+            "set_uuid": self.set_uuid,
+            "drive_index": self.drive_index,
+            "drive_count": self.drive_count,
+            "slot_bytes": self.slot_bytes,
+            "segment_bytes": self.segment_bytes,
+        }
+        return (json.dumps(fields, indent=2, sort_keys=True) + "\n").encode()
+
+    @staticmethod
+    def from_json(directory: Path, data: bytes) -> Identity:
+        """Parse, refusing anything but a kvd-disk IDENTITY of this version."""
+        try:
+            fields = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise DiskIdentityError(directory, "magic", f"not a kvd-disk IDENTITY (unreadable JSON: {error})") from None
+        if not isinstance(fields, dict) or fields.get("magic") != FORMAT_MAGIC:
+            found = fields.get("magic") if isinstance(fields, dict) else None
+            raise DiskIdentityError(directory, "magic", f"expected {FORMAT_MAGIC!r}, found {found!r}")
+        if fields.get("format_version") != FORMAT_VERSION:
+            raise DiskIdentityError(
+                directory,
+                "format_version",
+                f"this kvd reads version {FORMAT_VERSION}, the directory has {fields.get('format_version')!r}",
+            )
+        values = {}
+        for name, kind in (
+            ("set_uuid", str),
+            ("drive_index", int),
+            ("drive_count", int),
+            ("slot_bytes", int),
+            ("segment_bytes", int),
+        ):
+            value = fields.get(name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise DiskIdentityError(directory, name, f"missing or not a {kind.__name__}: {value!r}")
+            values[name] = value
+        return Identity(**values)
+
+    def expect(self, directory: Path, expected: Identity) -> None:
+        """Raise naming the first field in which this identity differs."""
+        for name, meaning in (
+            ("slot_bytes", "the configured disk.slot_bytes"),
+            ("segment_bytes", "the configured disk.segment_bytes"),
+            ("drive_count", "the number of configured disk.directories"),
+            ("drive_index", "this directory's position in disk.directories (drives reordered?)"),
+            ("set_uuid", "the drive set of the other directories"),
+        ):
+            found, wanted = getattr(self, name), getattr(expected, name)
+            if found != wanted:
+                raise DiskIdentityError(directory, name, f"directory has {found!r}, but {meaning} is {wanted!r}")
+
+
+def read_identity(directory: Path) -> Identity | None:
+    path = Path(directory) / IDENTITY
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    return Identity.from_json(Path(directory), data)
+
+
+def write_identity(directory: Path, identity: Identity) -> None:
+    """Publish IDENTITY atomically: a crash leaves no file or the whole file."""
+    directory = Path(directory)
+    temporary = directory / (IDENTITY + ".tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, identity.to_json())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(temporary, directory / IDENTITY)
+    fsync_directory(directory)
+
+
+def fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def new_set_uuid() -> str:
+    return str(uuid.uuid4())
+
+
+def identities_for(config: DiskConfig, found: list[Identity | None]) -> tuple[list[Identity], list[int]]:
+    """The identity every drive must have, and which drives still need one.
+
+    Either no drive has an IDENTITY (a new set: a fresh uuid), or the ones
+    that do agree on one set and each sits at its own position. A drive
+    without IDENTITY joins that set only when its directory is empty (a
+    replaced drive, or a crash while the set was being created): anything
+    already in it was written by something else.
+    """
+    existing = [identity for identity in found if identity is not None]
+    set_uuid = existing[0].set_uuid if existing else new_set_uuid()
+    expected = [
+        Identity(set_uuid, index, config.drive_count, config.slot_bytes, config.segment_bytes)
+        for index in range(config.drive_count)
+    ]
+    missing = []
+    for index, (directory, identity) in enumerate(zip(config.directories, found, strict=True)):
+        if identity is None:
+            leftovers = [name for name in os.listdir(directory) if name != IDENTITY + ".tmp"]
+            if leftovers:
+                raise DiskIdentityError(
+                    directory,
+                    "magic",
+                    f"no IDENTITY, but the directory is not empty (it holds {sorted(leftovers)[:3]}); "
+                    "refusing to put a drive of the disk tier among files kvd did not write",
+                )
+            missing.append(index)
+        else:
+            identity.expect(directory, expected[index])
+    return expected, missing

@@ -1,0 +1,919 @@
+"""The disk tier's bytes: segment files on one or more drives.
+
+This module owns everything that touches the drives: IDENTITY, segment
+files, O_DIRECT reads and writes through the batched I/O engine (kvd.io),
+layer checksums, the per-drive manifests (journal.Manifest) and namespace
+registries. Which block sits in which slot, eviction and promotion are the
+engine's (kvd.core); this tier only moves the bytes and keeps the records
+that let a restart find them again. See FORMAT.md for the layout.
+
+Threading: every method is synchronous and blocks on I/O. A DiskTier is
+meant to be owned by ONE dedicated I/O thread of the daemon and called from
+that thread only (the native ring refuses concurrent callers); the event
+loop hands it work and takes results back. No asyncio here.
+
+The rule everything serves: the tier may lose a block, but it never reports
+a wrong one as good.
+
+  * write: checksum each layer from the source memory, write, fdatasync the
+    segment files, then append the PUT records (fsync per policy). A block
+    is reported durable only if every step succeeded.
+  * read: verify every layer's crc32c against the record before the block
+    counts as read; a block with any bad layer is a miss.
+  * reuse: a slot's REMOVE is synced before new bytes go into that slot.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import enum
+import errno
+import logging
+import os
+import resource
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+import crc32c
+import numpy as np
+
+from kvd.core.keys import KEY_BYTES, NamespaceSpec
+from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvd.invariants import check
+from kvd.tiers.disk.journal import (
+    CURRENT,
+    ROOT_PARENT,
+    FileSystem,
+    FsyncPolicy,
+    Manifest,
+    OsFileSystem,
+    PutRecord,
+    RemoveRecord,
+    ReplayReport,
+)
+from kvd.tiers.disk.layout import (
+    ALIGN_BYTES,
+    IDENTITY,
+    Admission,
+    DiskConfig,
+    DiskIdentityError,
+    file_index,
+    fsync_directory,
+    identities_for,
+    locate_many,
+    read_identity,
+    segment_name,
+    write_identity,
+)
+from kvd.tiers.disk.registry import NamespaceEntry, NamespaceRegistry, RegistryReport, decode_spec
+
+log = logging.getLogger(__name__)
+
+# How read_blocks hands progress to its caller: (layer, ok mask of all blocks).
+LayerCallback = Callable[[int, np.ndarray], None]
+WriteItem = tuple[bytes, bytes, int, int]  # key, parent key (b"" for a root), slot, source address
+ReadItem = tuple[bytes, int, int, Sequence[int]]  # key, slot, destination address, layer checksums
+
+
+# ----------------------------------------------------------------------
+# Results
+
+
+@dataclass(slots=True)
+class DroppedCounts:
+    """PUT records found at open that were not kept, by reason."""
+
+    out_of_range: int = 0  # slot beyond the configured capacity, or on another drive
+    missing_segment: int = 0  # its segment file is missing, or too short to hold it
+    unknown_namespace: int = 0  # no registry on any drive knows its namespace
+    malformed: int = 0  # layer count does not match its namespace, or the shape no longer fits a slot
+    duplicate_slot: int = 0  # an older record for a slot a newer one also claims
+
+    @property
+    def total(self) -> int:
+        return self.out_of_range + self.missing_segment + self.unknown_namespace + self.malformed + self.duplicate_slot
+
+
+@dataclass(slots=True)
+class DiskRecovery:
+    """What open() found; no block data was read to find it."""
+
+    # namespace id -> its live PUT records; record.location is the global slot.
+    blocks: dict[bytes, list[PutRecord]] = field(default_factory=dict)
+    namespaces: dict[bytes, NamespaceEntry] = field(default_factory=dict)
+    records: int = 0  # manifest frames replayed, all drives
+    truncated_bytes: int = 0  # torn manifest/registry tails cut off, all drives
+    dropped: DroppedCounts = field(default_factory=DroppedCounts)
+    created_drives: list[int] = field(default_factory=list)  # got a new IDENTITY now
+    missing_segments: list[Path] = field(default_factory=list)
+    short_segments: list[Path] = field(default_factory=list)
+    manifests: list[ReplayReport] = field(default_factory=list)
+    registries: list[RegistryReport] = field(default_factory=list)
+
+    @property
+    def block_count(self) -> int:
+        return sum(len(records) for records in self.blocks.values())
+
+
+@dataclass(slots=True)
+class DiskStats:
+    bytes_written: int = 0
+    bytes_read: int = 0
+    submissions: int = 0  # batches handed to the I/O engine
+    fsyncs: int = 0  # segment fdatasyncs
+    blocks_written: int = 0  # reported durable
+    blocks_read: int = 0  # every layer read and verified
+    write_failures: int = 0  # blocks
+    read_failures: int = 0  # blocks
+    checksum_failures: int = 0  # layers read in full whose crc32c did not match
+    errors: dict[str, int] = field(default_factory=dict)  # by kind: EIO, ENOSPC, short_read, fsync_EIO, manifest, ...
+
+    def count_error(self, kind: str, amount: int = 1) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + amount
+
+
+class ReadFailure(enum.IntEnum):
+    """Why read_blocks said False for a block (its first failure)."""
+
+    NONE = 0
+    IO_ERROR = 1  # the engine returned -errno for a layer
+    SHORT_READ = 2  # fewer bytes than a layer (e.g. the segment was truncated)
+    CHECKSUM = 3  # read in full, but a layer's crc32c differs from its record
+    MISSING_SEGMENT = 4  # the segment file was missing at open (read-only tiers)
+
+
+def _error_kind(result: int, short: str) -> str:
+    if result >= 0:
+        return short
+    return errno.errorcode.get(-result, f"errno_{-result}")
+
+
+# ----------------------------------------------------------------------
+# A read-only file system for inspecting directories without touching them
+
+
+class ReadOnlyFileSystem:
+    """Reads through; turns the repairs replay would make into no-ops.
+
+    Manifest.open truncates a torn tail and removes stale manifests; inspect
+    and fsck (without --repair) must look without changing anything.
+    """
+
+    def __init__(self) -> None:
+        self._os = OsFileSystem()
+
+    def read(self, path: Path) -> bytes | None:
+        return self._os.read(path)
+
+    def list(self, directory: Path) -> list[str]:
+        return self._os.list(directory)
+
+    def truncate(self, path: Path, size: int) -> None:
+        pass
+
+    def fsync(self, path: Path) -> None:
+        pass
+
+    def remove(self, path: Path) -> None:
+        pass
+
+    def write_new(self, path: Path, data: bytes) -> None:
+        check(False, f"read-only disk tier tried to write {path}")
+
+    def append(self, path: Path, data: bytes) -> None:
+        check(False, f"read-only disk tier tried to append to {path}")
+
+    def rename(self, source: Path, target: Path) -> None:
+        check(False, f"read-only disk tier tried to rename {source}")
+
+    def fsync_directory(self, path: Path) -> None:
+        check(False, f"read-only disk tier tried to sync directory {path}")
+
+
+# ----------------------------------------------------------------------
+# Memory at an address
+
+_CHAR_ARRAYS: dict[int, type] = {}
+
+
+def memory_at(address: int, length: int) -> ctypes.Array:
+    """A zero-copy buffer over `length` bytes at `address` (for crc32c)."""
+    array_type = _CHAR_ARRAYS.get(length)
+    if array_type is None:
+        array_type = _CHAR_ARRAYS.setdefault(length, ctypes.c_char * length)
+    return array_type.from_address(address)
+
+
+def layer_checksums(address: int, layer_bytes: int, num_layers: int) -> tuple[int, ...]:
+    return tuple(crc32c.crc32c(memory_at(address + layer * layer_bytes, layer_bytes)) for layer in range(num_layers))
+
+
+# ----------------------------------------------------------------------
+# The tier
+
+
+class DiskTier:
+    """The byte side of the disk tier; see the module docstring for threading."""
+
+    def __init__(
+        self,
+        config: DiskConfig,
+        *,
+        engine: object | None = None,
+        fs: FileSystem | None = None,
+        read_only: bool = False,
+    ) -> None:
+        self.config = config
+        self.read_only = read_only
+        # Manifests and registries go through `fs` (crash tests swap it);
+        # segment data always goes through the I/O engine.
+        self._fs: FileSystem = ReadOnlyFileSystem() if read_only else (fs or OsFileSystem())
+        self._engine = engine
+        self._owns_engine = engine is None
+        self._op_read = 0
+        self._op_write = 1
+        self.stats = DiskStats()
+        self.namespaces: dict[bytes, NamespaceEntry] = {}
+        self._manifests: list[Manifest] = []
+        self._registries: list[NamespaceRegistry] = []
+        self._fds: list[int] = []
+        self._file_present = np.ones(config.file_count, dtype=bool)
+        self._placeholder_fd = -1
+        self._file_sizes = np.zeros(config.file_count, dtype=np.int64)
+        # slot -> the record of the live block in it.
+        self._owners: dict[int, PutRecord] = {}
+        # Per drive: slots whose REMOVE was appended but not yet synced (GROUP).
+        self._unsynced_removals: list[set[int]] = [set() for _ in config.directories]
+        # Per drive: why it takes no more writes (its manifest could not be
+        # appended or synced, so the log's tail is no longer trustworthy).
+        self.failed_drives: dict[int, str] = {}
+        self._opened = False
+        self._closed = False
+
+    # -- admission ------------------------------------------------------
+
+    def accepts(self, spec: NamespaceSpec) -> Admission:
+        """Whether blocks of `spec` can go to disk, and if not, why."""
+        return self.config.admit(spec.layer_bytes, spec.num_layers)
+
+    # -- open -------------------------------------------------------------
+
+    def open(self) -> DiskRecovery:
+        """Validate or create the drives, replay the manifests; reads no block data.
+
+        Raises DiskIdentityError for a directory that belongs to something
+        else. Damage that only loses blocks (torn tails, missing or short
+        segments) is repaired and counted in the returned DiskRecovery.
+        """
+        check(not self._opened, "disk tier opened twice")
+        self._opened = True
+        try:
+            return self._open()
+        except BaseException:
+            self.close()  # release whatever files and engine were opened
+            raise
+
+    def _open(self) -> DiskRecovery:
+        recovery = DiskRecovery()
+        fresh = self._open_identities(recovery)
+        self._open_registries(recovery)
+        self._inspect_segments(recovery, fresh)
+        for drive, directory in enumerate(self.config.directories):
+            manifest = Manifest(directory, self.config.fsync_policy, self._fs)
+            if self.read_only and self._fs.read(directory / CURRENT) is None:
+                report = ReplayReport()  # nothing written yet; nothing to replay
+            else:
+                report = manifest.open()
+            self._manifests.append(manifest)
+            recovery.manifests.append(report)
+            recovery.records += report.records
+            recovery.truncated_bytes += report.truncated_bytes
+        self._keep_valid_records(recovery)
+        if not self.read_only:
+            self._complete_segments(recovery)
+        self._open_files()
+        self._start_engine()
+        log.info(
+            "disk tier open",
+            extra={
+                "drives": self.config.drive_count,
+                "blocks": recovery.block_count,
+                "dropped": recovery.dropped.total,
+                "truncated_bytes": recovery.truncated_bytes,
+            },
+        )
+        return recovery
+
+    def _open_identities(self, recovery: DiskRecovery) -> set[int]:
+        found = []
+        for directory in self.config.directories:
+            if not self.read_only:
+                # No parents: a missing mount point must fail, not become a
+                # directory on the root file system.
+                directory.mkdir(exist_ok=True)
+            elif not directory.is_dir():
+                raise DiskIdentityError(directory, "magic", "no such directory", file="")
+            found.append(read_identity(directory))
+        if self.read_only:
+            for directory, identity in zip(self.config.directories, found, strict=True):
+                if identity is None:
+                    raise DiskIdentityError(directory, "magic", "missing: not a kvd disk directory")
+        expected, missing = identities_for(self.config, found)
+        for drive in missing:
+            (self.config.directories[drive] / (IDENTITY + ".tmp")).unlink(missing_ok=True)
+            write_identity(self.config.directories[drive], expected[drive])
+            recovery.created_drives.append(drive)
+        return set(missing)
+
+    def _open_registries(self, recovery: DiskRecovery) -> None:
+        for directory in self.config.directories:
+            registry = NamespaceRegistry(directory, self._fs, read_only=self.read_only)
+            report = registry.open()
+            recovery.registries.append(report)
+            recovery.truncated_bytes += report.truncated_bytes
+            self._registries.append(registry)
+            for namespace_id, entry in registry.entries.items():
+                known = self.namespaces.setdefault(namespace_id, entry)
+                if known.encoding != entry.encoding:
+                    raise DiskIdentityError(
+                        directory, "namespace_id", f"{namespace_id.hex()[:16]} differs from another drive's", file="NAMESPACES"
+                    )
+        if not self.read_only:
+            # A crash inside register_namespace can leave some drives without
+            # an entry the others have; complete it so every drive is whole.
+            for registry in self._registries:
+                for entry in self.namespaces.values():
+                    registry.add(entry)
+        recovery.namespaces = dict(self.namespaces)
+
+    def _segment_path(self, drive: int, segment: int) -> Path:
+        return self.config.directories[drive] / segment_name(segment)
+
+    def _inspect_segments(self, recovery: DiskRecovery, fresh: set[int]) -> None:
+        for drive in range(self.config.drive_count):
+            for segment in range(self.config.segments_per_drive):
+                path = self._segment_path(drive, segment)
+                index = file_index(self.config, drive, segment)
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError:
+                    size = -1
+                    if drive not in fresh:
+                        recovery.missing_segments.append(path)
+                else:
+                    if size < self.config.segment_bytes:
+                        recovery.short_segments.append(path)
+                self._file_sizes[index] = size
+
+    def _keep_valid_records(self, recovery: DiskRecovery) -> None:
+        """Drop (and count) every live record that cannot be read back right."""
+        dropped = recovery.dropped
+        for drive, manifest in enumerate(self._manifests):
+            doomed: list[tuple[bytes, bytes]] = []
+            for record in manifest.live.values():
+                reason = self._record_problem(drive, record)
+                if reason is not None:
+                    setattr(dropped, reason, getattr(dropped, reason) + 1)
+                    doomed.append((record.namespace_id, record.key))
+                    continue
+                slot = record.location
+                older = self._owners.get(slot)
+                if older is not None:
+                    # Two live records claim one slot: only the newer one's
+                    # bytes can be there. (Never after a correct REMOVE.)
+                    dropped.duplicate_slot += 1
+                    if older.sequence > record.sequence:
+                        doomed.append((record.namespace_id, record.key))
+                        continue
+                    doomed.append((older.namespace_id, older.key))
+                self._owners[slot] = record
+            for identity in doomed:
+                manifest.live.pop(identity, None)
+            if doomed and not self.read_only:
+                # A snapshot without them, durable before any of their slots
+                # (or a re-created segment) can take new bytes.
+                manifest.compact()
+        for manifest in self._manifests:
+            for record in manifest.live.values():
+                recovery.blocks.setdefault(record.namespace_id, []).append(record)
+        check(len(self._owners) == recovery.block_count, "a kept record lost its slot")
+
+    def _record_problem(self, drive: int, record: PutRecord) -> str | None:
+        config = self.config
+        slot = record.location
+        if not 0 <= slot < config.slot_count or slot % config.drive_count != drive:
+            return "out_of_range"
+        entry = self.namespaces.get(record.namespace_id)
+        if entry is None:
+            return "unknown_namespace"
+        layers = len(record.layer_checksums)
+        if entry.spec is not None:
+            if layers != entry.spec.num_layers or not config.admit(entry.spec.layer_bytes, layers):
+                return "malformed"
+            extent_bytes = layers * entry.spec.layer_bytes
+        else:
+            extent_bytes = config.slot_bytes  # shape unknown: the whole slot must be there
+        # locate() without its per-call checks: this runs once per record.
+        segment, index = divmod(slot // config.drive_count, config.slots_per_segment)
+        size = int(self._file_sizes[file_index(config, drive, segment)])
+        if size < index * config.slot_bytes + extent_bytes:
+            return "missing_segment"
+        return None
+
+    def _complete_segments(self, recovery: DiskRecovery) -> None:
+        """Create missing segments and extend short ones to full length."""
+        for drive in range(self.config.drive_count):
+            created = False
+            for segment in range(self.config.segments_per_drive):
+                index = file_index(self.config, drive, segment)
+                if self._file_sizes[index] >= self.config.segment_bytes:
+                    continue
+                path = self._segment_path(drive, segment)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                try:
+                    os.posix_fallocate(fd, 0, self.config.segment_bytes)
+                    os.fsync(fd)
+                except OSError as error:
+                    raise ResourceExhausted(
+                        f"disk directory {self.config.directories[drive]}: cannot preallocate {path.name} "
+                        f"({self.config.segment_bytes} bytes; disk.capacity_bytes is per drive): {error}"
+                    ) from None
+                finally:
+                    os.close(fd)
+                created = created or self._file_sizes[index] < 0
+                self._file_sizes[index] = self.config.segment_bytes
+            if created:
+                fsync_directory(self.config.directories[drive])
+
+    def _open_files(self) -> None:
+        needed = self.config.file_count + 64
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < needed:
+            if hard != resource.RLIM_INFINITY and hard < needed:
+                raise FailedPrecondition(
+                    f"the disk tier needs {self.config.file_count} open segment files but RLIMIT_NOFILE is {hard}; "
+                    "raise the limit or disk.segment_bytes"
+                )
+            resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+        flags = (os.O_RDONLY if self.read_only else os.O_RDWR) | os.O_DIRECT | os.O_CLOEXEC
+        placeholder = -1
+        for drive in range(self.config.drive_count):
+            for segment in range(self.config.segments_per_drive):
+                index = file_index(self.config, drive, segment)
+                if self._file_sizes[index] < 0:
+                    # Missing (read-only open): no kept record points here and
+                    # reads of it are refused before submission, but the
+                    # engine's file table needs a descriptor in every place.
+                    if placeholder < 0:
+                        placeholder = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                        self._placeholder_fd = placeholder
+                    self._fds.append(placeholder)
+                    self._file_present[index] = False
+                    continue
+                path = self._segment_path(drive, segment)
+                try:
+                    self._fds.append(os.open(path, flags))
+                except OSError as error:
+                    if error.errno == errno.EINVAL:
+                        raise FailedPrecondition(
+                            f"disk directory {self.config.directories[drive]}: its file system does not support O_DIRECT"
+                        ) from None
+                    raise
+
+    def _start_engine(self) -> None:
+        from kvd.io.engine import Op, open_engine
+
+        self._op_read, self._op_write = Op.READ, Op.WRITE
+        if self._engine is None:
+            self._engine = open_engine(kind=self.config.io_engine, queue_depth=self.config.queue_depth)
+        self._engine.register_files(np.array(self._fds, dtype=np.int32))
+
+    # -- namespaces -------------------------------------------------------
+
+    def register_namespace(self, namespace_id: bytes, spec_encoding: bytes) -> NamespaceEntry:
+        """Record a namespace on every drive; durable when this returns.
+
+        Idempotent. InvalidArgument if the encoding is not a spec whose
+        digest is `namespace_id`.
+        """
+        self._check_writable()
+        try:
+            spec = decode_spec(spec_encoding)
+        except InvalidArgument as error:
+            raise InvalidArgument(f"cannot register namespace {namespace_id.hex()[:16]}: {error.message}") from None
+        if spec.namespace_id() != namespace_id:
+            raise InvalidArgument(f"namespace {namespace_id.hex()[:16]} is not the digest of the spec given")
+        entry = NamespaceEntry(namespace_id, spec_encoding, spec)
+        known = self.namespaces.get(namespace_id)
+        if known is not None:
+            if known.encoding != spec_encoding:
+                raise InvalidArgument(f"namespace {namespace_id.hex()[:16]} is on disk with another spec encoding")
+            return known
+        for registry in self._registries:
+            registry.add(entry)
+        self.namespaces[namespace_id] = entry
+        return entry
+
+    def _spec_for(self, namespace_id: bytes, layer_bytes: int, num_layers: int) -> None:
+        entry = self.namespaces.get(namespace_id)
+        check(entry is not None, f"namespace {namespace_id.hex()[:16]} used before register_namespace")
+        check(
+            entry.spec is not None
+            and entry.spec.layer_bytes == layer_bytes
+            and entry.spec.num_layers == num_layers,
+            "layer shape differs from the registered namespace",
+        )
+        admission = self.config.admit(layer_bytes, num_layers)
+        check(admission.accepted, admission.reason)
+
+    # -- write ------------------------------------------------------------
+
+    def write_blocks(
+        self, namespace_id: bytes, layer_bytes: int, num_layers: int, items: Sequence[WriteItem]
+    ) -> list[bool]:
+        """Write blocks into their slots and journal them; per-item durable.
+
+        items: (key, parent key or b"" for a root, slot, source address of
+        the block, layer-major, 4 KiB aligned). A slot must be free: never
+        written, or its block removed. Failures (EIO, ENOSPC, short writes,
+        a failed fdatasync or manifest append) are False, never exceptions.
+        """
+        self._check_writable()
+        self._spec_for(namespace_id, layer_bytes, num_layers)
+        count = len(items)
+        if count == 0:
+            return []
+        config = self.config
+        block_bytes = layer_bytes * num_layers
+        keys = [item[0] for item in items]
+        parents = [item[1] or ROOT_PARENT for item in items]
+        slots = np.fromiter((item[2] for item in items), dtype=np.int64, count=count)
+        sources = np.fromiter((item[3] for item in items), dtype=np.uint64, count=count)
+        check(all(len(key) == KEY_BYTES for key in keys), "block keys are 32 bytes")
+        check(all(len(parent) == KEY_BYTES for parent in parents), "parent keys are 32 bytes (or b'' for a root)")
+        check(len(np.unique(slots)) == count, "a slot appears twice in one write")
+        check(not np.any(sources % ALIGN_BYTES), "source addresses must be 4 KiB aligned for O_DIRECT")
+        check(all(int(slot) not in self._owners for slot in slots), "writing into a slot whose block was not removed")
+        drives, files, offsets = locate_many(config, slots)
+        ok = np.array([int(drive) not in self.failed_drives for drive in drives], dtype=bool)
+        if not ok.all():
+            self.stats.count_error("drive_failed", int((~ok).sum()))
+        for drive in np.unique(drives[ok]).tolist():
+            pending = self._unsynced_removals[drive]
+            if pending and not pending.isdisjoint(slots[drives == drive].tolist()):
+                # The REMOVE of a slot's previous block must be durable before
+                # new bytes go into that slot (FORMAT.md, write order).
+                self._sync_drive(drive)
+                ok &= np.array([int(d) not in self.failed_drives for d in drives], dtype=bool)
+        # Checksums come from the source, before the write: if the source
+        # changes under us the record disagrees with the disk and the block
+        # reads back as corrupt (a miss), never as wrong bytes.
+        checksums = [layer_checksums(int(source), layer_bytes, num_layers) for source in sources]
+        chosen = np.nonzero(ok)[0]
+        if chosen.size:
+            # The block's layers are contiguous in the slot and in the source:
+            # one extent per block, every block of the call in one batch.
+            results = self._transfer(
+                self._op_write, files[chosen], offsets[chosen], block_bytes, sources[chosen]
+            )
+            for position, result in zip(chosen.tolist(), results.tolist(), strict=True):
+                if result == block_bytes:
+                    self.stats.bytes_written += block_bytes
+                else:
+                    ok[position] = False
+                    self.stats.count_error(_error_kind(result, "short_write"))
+        for index in np.unique(files[ok]).tolist():
+            result = self._fdatasync(index)
+            if result != 0:
+                ok[files == index] = False
+                self.stats.count_error("fsync_" + _error_kind(result, "fsync"))
+        for drive in np.unique(drives[ok]).tolist():
+            members = np.nonzero(ok & (drives == drive))[0].tolist()
+            manifest = self._manifests[drive]
+            records = [
+                PutRecord(manifest.sequence(), namespace_id, keys[i], parents[i], int(slots[i]), checksums[i])
+                for i in members
+            ]
+            if self._append(drive, records):
+                for record in records:
+                    self._owners[record.location] = record
+            else:
+                ok[members] = False
+        written = int(ok.sum())
+        self.stats.blocks_written += written
+        self.stats.write_failures += count - written
+        return ok.tolist()
+
+    def _transfer(
+        self, op: int, files: np.ndarray, offsets: np.ndarray, length: int, addresses: np.ndarray
+    ) -> np.ndarray:
+        """One batch through the engine; waited before returning."""
+        batch = self._submit(op, files, offsets, length, addresses)
+        return self._engine.wait(batch)
+
+    def _submit(self, op: int, files: np.ndarray, offsets: np.ndarray, length: int, addresses: np.ndarray) -> int:
+        count = len(files)
+        self.stats.submissions += 1
+        return self._engine.submit(
+            op,
+            np.ascontiguousarray(files, dtype=np.int32),
+            np.ascontiguousarray(offsets, dtype=np.int64),
+            np.full(count, length, dtype=np.uint32),
+            np.ascontiguousarray(addresses, dtype=np.uint64),
+        )
+
+    def _fdatasync(self, index: int) -> int:
+        self.stats.fsyncs += 1
+        try:
+            self._engine.fsync(index, datasync=True)
+        except OSError as error:
+            return -(error.errno or errno.EIO)
+        return 0
+
+    def _append(self, drive: int, records: Sequence[PutRecord | RemoveRecord]) -> bool:
+        """Append to a drive's manifest; on failure take the drive out of writes.
+
+        After a failed append the file may end in a partial frame, and a
+        failed fsync may have lost pages: anything appended after that could
+        be cut off at replay. So the drive takes no more writes until the
+        daemon reopens the tier (replay then repairs the tail).
+        """
+        manifest = self._manifests[drive]
+        # A failed append leaves the manifest's live map and file as they
+        # were (Manifest.append cuts a partial frame back off).
+        try:
+            manifest.append(records)
+        except OSError as error:
+            self._fail_drive(drive, f"manifest append failed: {error}")
+            return False
+        return True
+
+    def _fail_drive(self, drive: int, reason: str) -> None:
+        if drive not in self.failed_drives:
+            log.error("disk drive taken out of writes", extra={"drive": drive, "reason": reason})
+            self.failed_drives[drive] = reason
+        self.stats.count_error("manifest")
+
+    # -- read -------------------------------------------------------------
+
+    def read_blocks(
+        self,
+        namespace_id: bytes,
+        layer_bytes: int,
+        num_layers: int,
+        items: Sequence[ReadItem],
+        on_layer: LayerCallback | None = None,
+        *,
+        failures: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Read blocks layer by layer, verifying each layer; per-block ok mask.
+
+        items: (key, slot, destination address, the layer checksums of its
+        record). For each layer, ONE batch of N extents: O(L) submissions.
+        The next layer is in flight while this one is verified.
+        on_layer(layer, ok) is called after layer `layer` of every block is
+        verified; ok[i] is True while block i's layers 0..layer are good.
+        A False block's destination holds garbage; never use it.
+        failures, if given (int8, one per item), receives each block's
+        ReadFailure code (fsck tells corrupt blocks from unreadable ones).
+        """
+        self._check_open()
+        self._spec_for(namespace_id, layer_bytes, num_layers)
+        count = len(items)
+        ok = np.ones(count, dtype=bool)
+        reasons = np.zeros(count, dtype=np.int8) if failures is None else failures
+        check(reasons.shape == (count,) and reasons.dtype == np.int8, "failures must be int8, one per item")
+        reasons[:] = ReadFailure.NONE
+        if count == 0:
+            return ok
+        slots = np.fromiter((item[1] for item in items), dtype=np.int64, count=count)
+        destinations = np.fromiter((item[2] for item in items), dtype=np.uint64, count=count)
+        expected = np.array([tuple(item[3]) for item in items], dtype=np.int64).reshape(count, -1)
+        check(expected.shape[1] == num_layers, "every read item needs one checksum per layer")
+        check(not np.any(destinations % ALIGN_BYTES), "destination addresses must be 4 KiB aligned for O_DIRECT")
+        check(all(self._holds(item[1], namespace_id, item[0]) for item in items),
+              "reading a slot that does not hold the block asked for")
+        _, files, offsets = locate_many(self.config, slots)
+        # A segment missing at a read-only open: its blocks were dropped, but
+        # a caller may still ask (fsck of an explicit slot list).
+        present = self._file_present[files]
+        if not present.all():
+            ok &= present
+            reasons[~present] = ReadFailure.MISSING_SEGMENT
+            self.stats.count_error("missing_segment", int((~present).sum()))
+
+        # (layer, batch id, positions) in layer order; at most two in flight.
+        flights: collections.deque[tuple[int, int, np.ndarray]] = collections.deque()
+
+        def submit(layer: int) -> None:
+            chosen = np.nonzero(ok)[0]  # blocks already failed are not read further
+            if chosen.size == 0:
+                return
+            shift = layer * layer_bytes
+            batch = self._submit(
+                self._op_read, files[chosen], offsets[chosen] + shift, layer_bytes, destinations[chosen] + np.uint64(shift)
+            )
+            flights.append((layer, batch, chosen))
+
+        try:
+            submit(0)
+            for layer in range(num_layers):
+                if layer + 1 < num_layers:
+                    submit(layer + 1)  # the drive works on the next layer while this one is verified
+                if flights and flights[0][0] == layer:
+                    _, batch, chosen = flights.popleft()
+                    results = self._engine.wait(batch)
+                    self._verify_layer(layer, layer_bytes, chosen, results, destinations, expected, ok, reasons)
+                if on_layer is not None:
+                    on_layer(layer, ok.copy())
+        finally:
+            # Never return while the kernel may still write into the caller's memory.
+            while flights:
+                self._engine.wait(flights.popleft()[1])
+        good = int(ok.sum())
+        self.stats.blocks_read += good
+        self.stats.read_failures += count - good
+        return ok
+
+    def _verify_layer(
+        self,
+        layer: int,
+        layer_bytes: int,
+        chosen: np.ndarray,
+        results: np.ndarray,
+        destinations: np.ndarray,
+        expected: np.ndarray,
+        ok: np.ndarray,
+        reasons: np.ndarray,
+    ) -> None:
+        shift = layer * layer_bytes
+        for position, result in zip(chosen.tolist(), np.asarray(results).tolist(), strict=True):
+            if result != layer_bytes:
+                if ok[position]:
+                    self.stats.count_error(_error_kind(result, "short_read"))
+                    reasons[position] = ReadFailure.IO_ERROR if result < 0 else ReadFailure.SHORT_READ
+                ok[position] = False
+                continue
+            self.stats.bytes_read += layer_bytes
+            if not ok[position]:
+                continue  # already failed on an earlier layer; read only because it was in flight
+            checksum = crc32c.crc32c(memory_at(int(destinations[position]) + shift, layer_bytes))
+            if checksum != expected[position, layer]:
+                ok[position] = False
+                reasons[position] = ReadFailure.CHECKSUM
+                self.stats.checksum_failures += 1
+
+    # -- remove -----------------------------------------------------------
+
+    def remove_blocks(self, namespace_id: bytes, keys_and_slots: Sequence[tuple[bytes, int]]) -> list[bool]:
+        """Journal the removal of blocks; their slots may then be written again.
+
+        Under STRICT the REMOVE records are durable when this returns; under
+        GROUP at the next sync(), and write_blocks syncs first if it is
+        handed one of these slots before then. False: the drive's manifest
+        failed; the slot stays unusable until the tier is reopened.
+        """
+        self._check_writable()
+        count = len(keys_and_slots)
+        ok = np.ones(count, dtype=bool)
+        by_drive: dict[int, list[int]] = {}
+        for position, (key, slot) in enumerate(keys_and_slots):
+            check(
+                self._holds(slot, namespace_id, key),
+                f"removing key {key.hex()[:16]} from slot {slot}, which does not hold it",
+            )
+            by_drive.setdefault(slot % self.config.drive_count, []).append(position)
+        for drive, members in sorted(by_drive.items()):
+            if drive in self.failed_drives:
+                ok[members] = False
+                continue
+            manifest = self._manifests[drive]
+            records = [RemoveRecord(manifest.sequence(), namespace_id, keys_and_slots[i][0]) for i in members]
+            if not self._append(drive, records):
+                ok[members] = False
+                continue
+            slots = [keys_and_slots[i][1] for i in members]
+            for slot in slots:
+                del self._owners[slot]
+            if self.config.fsync_policy == FsyncPolicy.GROUP:
+                self._unsynced_removals[drive].update(slots)
+        return ok.tolist()
+
+    # -- maintenance --------------------------------------------------------
+
+    def sync(self) -> None:
+        """Make every appended record durable (GROUP: the daemon's timer calls this)."""
+        self._check_open()
+        for drive in range(self.config.drive_count):
+            if drive not in self.failed_drives:
+                self._sync_drive(drive)
+
+    def _sync_drive(self, drive: int) -> None:
+        try:
+            self._manifests[drive].sync()
+        except OSError as error:
+            self._fail_drive(drive, f"manifest fsync failed: {error}")
+            return
+        self._unsynced_removals[drive].clear()
+
+    def compact_if_needed(self, max_bytes: int) -> int:
+        """Rewrite each manifest larger than max_bytes as a snapshot; how many were."""
+        self._check_writable()
+        compacted = 0
+        for drive, manifest in enumerate(self._manifests):
+            if drive in self.failed_drives or manifest.size_bytes <= max_bytes:
+                continue
+            try:
+                manifest.compact()
+            except OSError as error:
+                # compact() has already moved on to the new manifest's name;
+                # appends there would be invisible behind the old CURRENT.
+                self._fail_drive(drive, f"manifest compaction failed: {error}")
+                continue
+            self._unsynced_removals[drive].clear()  # the snapshot is durable
+            compacted += 1
+        return compacted
+
+    def _holds(self, slot: int, namespace_id: bytes, key: bytes) -> bool:
+        record = self._owners.get(slot)
+        return record is not None and record.namespace_id == namespace_id and record.key == key
+
+    def record_of(self, slot: int) -> PutRecord | None:
+        """The live record of a slot, None if the slot is free."""
+        return self._owners.get(slot)
+
+    def key_of(self, slot: int) -> bytes:
+        record = self._owners.get(slot)
+        check(record is not None, f"disk slot {slot} holds no block")
+        return record.key
+
+    def layer_checksums_of(self, slot: int) -> tuple[int, ...]:
+        record = self._owners.get(slot)
+        check(record is not None, f"disk slot {slot} holds no block")
+        return record.layer_checksums
+
+    def manifest_bytes(self) -> list[int]:
+        return [manifest.size_bytes for manifest in self._manifests]
+
+    def live_records(self) -> list[PutRecord]:
+        """Every live block's record, all drives (fsck walks these)."""
+        return [record for manifest in self._manifests for record in manifest.live.values()]
+
+    def engine_stats(self) -> dict[str, int]:
+        return dict(self._engine.stats) if self._engine is not None else {}
+
+    def register_buffers(self, regions: Sequence[tuple[int, int]]) -> None:
+        """Pass (address, nbytes) regions, e.g. the host arena, to the I/O
+        engine to register: only a speed-up (the kernel skips pinning pages
+        per I/O); OSError when the kernel refuses (RLIMIT_MEMLOCK)."""
+        self._check_open()
+        self._engine.register_buffers(regions)
+
+    @property
+    def engine(self) -> object:
+        """The I/O engine (tests inject faults through it)."""
+        return self._engine
+
+    def close(self) -> None:
+        """Sync what the policy syncs, stop the engine, close the files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._opened and not self.read_only:
+            for drive in range(len(self._manifests)):
+                if drive not in self.failed_drives:
+                    self._sync_drive(drive)
+        if self._engine is not None and self._owns_engine:
+            self._engine.close()
+        for fd in set(self._fds):
+            os.close(fd)
+        self._fds = []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- checks -------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        check(self._opened and not self._closed, "disk tier is not open")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        check(not self.read_only, "disk tier opened read-only")
+
+    def verify(self) -> None:
+        """Cross-check the slot map against the manifests (tests call it)."""
+        owners: dict[int, PutRecord] = {}
+        for drive, manifest in enumerate(self._manifests):
+            for identity, record in manifest.live.items():
+                check(identity == (record.namespace_id, record.key), "manifest live map keyed wrongly")
+                check(record.location % self.config.drive_count == drive, "record on the wrong drive")
+                check(record.location not in owners, f"slot {record.location} held twice")
+                owners[record.location] = record
+        check(owners == self._owners, "slot owners differ from the manifests")

@@ -1,0 +1,413 @@
+/*
+ * kvd._native: a thin CPython binding of uring_batch.
+ *
+ * It only converts arguments (buffer-protocol arrays, never numpy's C API,
+ * so the build needs no numpy headers), releases the GIL around anything
+ * that can block, and keeps each batch's results buffer exported until the
+ * batch is waited or the ring closed, so completions never land in freed
+ * memory. Argument checking for callers lives in kvd/io/uring.py; checks
+ * here protect memory only. Errors from the ring become OSError.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "uring_batch.h"
+
+typedef struct {
+    PyObject_HEAD
+    struct kvd_ring ring;
+    /* Set while a call runs with the GIL released: a second thread calling
+     * in would race on the ring, so it gets an exception instead. */
+    int busy;
+    Py_buffer *results;  /* per slot, exported while the slot is in flight */
+    char *holding;       /* per slot: results[slot] is exported */
+} RingObject;
+
+static PyObject *raise_error(int negative_errno) {
+    errno = -negative_errno;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+/* Claims the ring for one call; fails when closed or used concurrently. */
+static int claim(RingObject *self) {
+    if (!self->ring.open) {
+        PyErr_SetString(PyExc_ValueError, "the ring is closed");
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "kvd._native.Ring used from two threads at once");
+        return -1;
+    }
+    self->busy = 1;
+    return 0;
+}
+
+static void release_results(RingObject *self, uint32_t slot) {
+    if (self->holding != NULL && self->holding[slot]) {
+        PyBuffer_Release(&self->results[slot]);
+        self->holding[slot] = 0;
+    }
+}
+
+/* A 1-D C-contiguous buffer of `itemsize`-byte items; returns its length or -1. */
+static Py_ssize_t get_array(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, int writable,
+                            const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(object, view, flags) < 0) return -1;
+    if (view->itemsize != itemsize || view->ndim > 1) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a 1-D array of %zd-byte items", name, itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return view->len / itemsize;
+}
+
+static int ring_init(RingObject *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"queue_depth", "max_batches", NULL};
+    unsigned int queue_depth;
+    unsigned int max_batches;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "II", keywords, &queue_depth, &max_batches)) return -1;
+    if (self->ring.open || self->results != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Ring.__init__ called twice");
+        return -1;
+    }
+    if (max_batches == 0 || max_batches > KVD_MAX_BATCHES) {
+        PyErr_SetString(PyExc_ValueError, "max_batches out of range");
+        return -1;
+    }
+    self->results = PyMem_Calloc(max_batches, sizeof *self->results);
+    self->holding = PyMem_Calloc(max_batches, sizeof *self->holding);
+    if (self->results == NULL || self->holding == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int error = kvd_ring_open(&self->ring, queue_depth, max_batches);
+    if (error < 0) {
+        raise_error(error);
+        return -1;
+    }
+    return 0;
+}
+
+static void ring_release_all(RingObject *self) {
+    if (self->holding == NULL) return;
+    for (uint32_t slot = 0; slot < self->ring.max_batches; slot++) release_results(self, slot);
+}
+
+static void ring_dealloc(RingObject *self) {
+    /* Draining needs no Python state; the GIL stays held (it is short:
+     * only I/O the kernel already holds is waited for). */
+    kvd_ring_close(&self->ring);
+    ring_release_all(self);
+    PyMem_Free(self->results);
+    PyMem_Free(self->holding);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *ring_close(RingObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!self->ring.open) Py_RETURN_NONE;
+    if (claim(self) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    kvd_ring_close(&self->ring); /* keeps max_batches, which sizes the results table */
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    ring_release_all(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_register_files(RingObject *self, PyObject *fds_object) {
+    Py_buffer view;
+    Py_ssize_t count = get_array(fds_object, &view, sizeof(int32_t), 0, "fds");
+    if (count < 0) return NULL;
+    if (claim(self) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    int error = kvd_ring_register_files(&self->ring, view.buf, (uint32_t)count);
+    self->busy = 0;
+    PyBuffer_Release(&view);
+    if (error < 0) return raise_error(error);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_register_buffers(RingObject *self, PyObject *args) {
+    PyObject *address_object;
+    PyObject *length_object;
+    if (!PyArg_ParseTuple(args, "OO", &address_object, &length_object)) return NULL;
+    Py_buffer addresses;
+    Py_buffer lengths;
+    Py_ssize_t count = get_array(address_object, &addresses, sizeof(uint64_t), 0, "addresses");
+    if (count < 0) return NULL;
+    if (get_array(length_object, &lengths, sizeof(uint64_t), 0, "lengths") != count) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "addresses and lengths differ in length");
+            PyBuffer_Release(&lengths);
+        }
+        PyBuffer_Release(&addresses);
+        return NULL;
+    }
+    struct kvd_region *regions = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof *regions);
+    if (regions == NULL) {
+        PyBuffer_Release(&addresses);
+        PyBuffer_Release(&lengths);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        regions[i].address = ((const uint64_t *)addresses.buf)[i];
+        regions[i].length = ((const uint64_t *)lengths.buf)[i];
+    }
+    PyBuffer_Release(&addresses);
+    PyBuffer_Release(&lengths);
+    if (claim(self) < 0) {
+        PyMem_Free(regions);
+        return NULL;
+    }
+    int error = kvd_ring_register_buffers(&self->ring, regions, (uint32_t)count);
+    self->busy = 0;
+    PyMem_Free(regions);
+    if (error < 0) return raise_error(error);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_submit(RingObject *self, PyObject *args) {
+    int op;
+    PyObject *objects[5];
+    if (!PyArg_ParseTuple(args, "iOOOOO", &op, &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) {
+        return NULL;
+    }
+    /* file_index int32, offset int64, length uint32, address uint64, results int64 (writable) */
+    static const Py_ssize_t itemsizes[5] = {4, 8, 4, 8, 8};
+    static const char *names[5] = {"file_index", "offset", "length", "address", "results"};
+    Py_buffer views[5];
+    Py_ssize_t count = -1;
+    int taken = 0;
+    for (; taken < 5; taken++) {
+        Py_ssize_t length = get_array(objects[taken], &views[taken], itemsizes[taken], taken == 4, names[taken]);
+        if (length < 0) goto fail;
+        if (taken > 0 && length != count) {
+            PyErr_SetString(PyExc_ValueError, "batch arrays differ in length");
+            PyBuffer_Release(&views[taken]);
+            goto fail;
+        }
+        count = length;
+    }
+    if ((size_t)count > KVD_MAX_BATCH_ENTRIES) {
+        PyErr_SetString(PyExc_ValueError, "batch too large");
+        goto fail;
+    }
+    struct kvd_entry *entries = malloc((count > 0 ? (size_t)count : 1) * sizeof *entries);
+    if (entries == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (claim(self) < 0) {
+        free(entries);
+        goto fail;
+    }
+    const int32_t *file_index = views[0].buf;
+    const int64_t *offset = views[1].buf;
+    const uint32_t *length = views[2].buf;
+    const uint64_t *address = views[3].buf;
+    uint64_t id = 0;
+    uint32_t slot = 0;
+    int error;
+    /* The exports keep every array alive and unresized while unlocked. */
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        entries[i].address = address[i];
+        entries[i].offset = offset[i];
+        entries[i].length = length[i];
+        entries[i].file_index = file_index[i];
+    }
+    error = kvd_ring_submit(&self->ring, op, entries, views[4].buf, (uint32_t)count, &id, &slot);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    for (int i = 0; i < 4; i++) PyBuffer_Release(&views[i]);
+    if (error < 0) {
+        free(entries);
+        PyBuffer_Release(&views[4]);
+        return raise_error(error);
+    }
+    /* The results export is held until wait() or close(). */
+    self->results[slot] = views[4];
+    self->holding[slot] = 1;
+    return PyLong_FromUnsignedLongLong(id);
+
+fail:
+    for (int i = 0; i < taken; i++) PyBuffer_Release(&views[i]);
+    return NULL;
+}
+
+static PyObject *ring_wait(RingObject *self, PyObject *id_object) {
+    unsigned long long id = PyLong_AsUnsignedLongLong(id_object);
+    if (id == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (claim(self) < 0) return NULL;
+    int slot = kvd_ring_slot_of(&self->ring, id);
+    if (slot < 0) {
+        self->busy = 0;
+        PyErr_Format(PyExc_KeyError, "no batch %llu in flight", id);
+        return NULL;
+    }
+    int error;
+    Py_BEGIN_ALLOW_THREADS
+    error = kvd_ring_wait(&self->ring, id);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (error < 0) return raise_error(error);
+    release_results(self, (uint32_t)slot);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_fsync(RingObject *self, PyObject *args) {
+    int file_index;
+    int datasync;
+    if (!PyArg_ParseTuple(args, "ip", &file_index, &datasync)) return NULL;
+    if (claim(self) < 0) return NULL;
+    int64_t result = 0;
+    int error;
+    Py_BEGIN_ALLOW_THREADS
+    error = kvd_ring_fsync(&self->ring, file_index, datasync, &result);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (error < 0) return raise_error(error);
+    return PyLong_FromLongLong(result);
+}
+
+static PyObject *ring_add_fault(RingObject *self, PyObject *args) {
+    struct kvd_fault fault;
+    long long short_bytes;
+    long long count;
+    memset(&fault, 0, sizeof fault);
+    if (!PyArg_ParseTuple(args, "iiLLiLL", &fault.op, &fault.file_index, &fault.offset_begin, &fault.offset_end,
+                          &fault.error, &short_bytes, &count)) {
+        return NULL;
+    }
+    if (count <= 0 || count > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "count out of range");
+        return NULL;
+    }
+    fault.short_bytes = short_bytes;
+    fault.remaining = (uint32_t)count;
+    if (claim(self) < 0) return NULL;
+    int error = kvd_ring_add_fault(&self->ring, &fault);
+    self->busy = 0;
+    if (error < 0) return raise_error(error);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_clear_faults(RingObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (claim(self) < 0) return NULL;
+    kvd_ring_clear_faults(&self->ring);
+    self->busy = 0;
+    Py_RETURN_NONE;
+}
+
+static int set_counter(PyObject *dict, const char *key, uint64_t value) {
+    PyObject *number = PyLong_FromUnsignedLongLong(value);
+    if (number == NULL) return -1;
+    int error = PyDict_SetItemString(dict, key, number);
+    Py_DECREF(number);
+    return error;
+}
+
+static PyObject *ring_stats(RingObject *self, PyObject *Py_UNUSED(ignored)) {
+    const struct kvd_stats *stats = &self->ring.stats;
+    PyObject *dict = PyDict_New();
+    if (dict == NULL) return NULL;
+    if (set_counter(dict, "entries", stats->entries) < 0 || set_counter(dict, "batches", stats->batches) < 0 ||
+        set_counter(dict, "fsyncs", stats->fsyncs) < 0 || set_counter(dict, "enter_calls", stats->enter_calls) < 0 ||
+        set_counter(dict, "submit_calls", stats->submit_calls) < 0 ||
+        set_counter(dict, "bytes_read", stats->bytes_read) < 0 ||
+        set_counter(dict, "bytes_written", stats->bytes_written) < 0 ||
+        set_counter(dict, "errors", stats->errors) < 0 ||
+        set_counter(dict, "short_transfers", stats->short_transfers) < 0 ||
+        set_counter(dict, "faults_injected", stats->faults_injected) < 0 ||
+        set_counter(dict, "fixed_buffer_entries", stats->fixed_buffer_entries) < 0) {
+        Py_DECREF(dict);
+        return NULL;
+    }
+    return dict;
+}
+
+static PyObject *ring_get_closed(RingObject *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(!self->ring.open);
+}
+
+static PyObject *ring_get_queue_depth(RingObject *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLong(self->ring.queue_depth);
+}
+
+static PyObject *ring_get_batches_in_flight(RingObject *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLong(self->ring.open ? self->ring.active_batches : 0);
+}
+
+/* METH_O / METH_NOARGS functions take two arguments already; METH_VARARGS
+ * ones too. The cast through void (*)(void) tells gcc the type pun is meant. */
+#define METHOD(function) ((PyCFunction)(void (*)(void))(function))
+
+static PyMethodDef ring_methods[] = {
+    {"register_files", METHOD(ring_register_files), METH_O, "register_files(fds: int32 array) -> None"},
+    {"register_buffers", METHOD(ring_register_buffers), METH_VARARGS,
+     "register_buffers(addresses: uint64 array, lengths: uint64 array) -> None"},
+    {"submit", METHOD(ring_submit), METH_VARARGS,
+     "submit(op, file_index, offset, length, address, results) -> batch id"},
+    {"wait", METHOD(ring_wait), METH_O, "wait(batch_id) -> None; results are in the array given to submit"},
+    {"fsync", METHOD(ring_fsync), METH_VARARGS, "fsync(file_index, datasync) -> 0 or -errno"},
+    {"add_fault", METHOD(ring_add_fault), METH_VARARGS,
+     "add_fault(op, file_index, offset_begin, offset_end, error, short_bytes, count) -> None"},
+    {"clear_faults", METHOD(ring_clear_faults), METH_NOARGS, "clear_faults() -> None"},
+    {"stats", METHOD(ring_stats), METH_NOARGS, "stats() -> dict of counters"},
+    {"close", METHOD(ring_close), METH_NOARGS, "close() -> None; drains in-flight I/O; idempotent"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef ring_getset[] = {
+    {"closed", (getter)ring_get_closed, NULL, NULL, NULL},
+    {"queue_depth", (getter)ring_get_queue_depth, NULL, NULL, NULL},
+    {"batches_in_flight", (getter)ring_get_batches_in_flight, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvd._native.Ring",
+    .tp_doc = "One io_uring and its batches in flight (see native/uring_batch.h).",
+    .tp_basicsize = sizeof(RingObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ring_init,
+    .tp_dealloc = (destructor)ring_dealloc,
+    .tp_methods = ring_methods,
+    .tp_getset = ring_getset,
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvd._native",
+    .m_doc = "Batched io_uring I/O for kvd (see native/README.md).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&RingType) < 0) return NULL;
+    PyObject *module = PyModule_Create(&native_module);
+    if (module == NULL) return NULL;
+    if (PyModule_AddObjectRef(module, "Ring", (PyObject *)&RingType) < 0 ||
+        PyModule_AddIntConstant(module, "OP_READ", KVD_OP_READ) < 0 ||
+        PyModule_AddIntConstant(module, "OP_WRITE", KVD_OP_WRITE) < 0 ||
+        PyModule_AddIntConstant(module, "OP_FSYNC", KVD_OP_FSYNC) < 0 ||
+        PyModule_AddIntConstant(module, "MAX_QUEUE_DEPTH", KVD_MAX_QUEUE_DEPTH) < 0 ||
+        PyModule_AddIntConstant(module, "MAX_BATCHES", KVD_MAX_BATCHES) < 0 ||
+        PyModule_AddIntConstant(module, "MAX_BATCH_ENTRIES", KVD_MAX_BATCH_ENTRIES) < 0 ||
+        PyModule_AddIntConstant(module, "MAX_FAULTS", KVD_MAX_FAULTS) < 0 ||
+        PyModule_AddIntConstant(module, "MAX_FILES", KVD_MAX_FILES) < 0 ||
+        PyModule_AddIntConstant(module, "MAX_BUFFERS", KVD_MAX_BUFFERS) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

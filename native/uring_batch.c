@@ -1,0 +1,466 @@
+/*
+ * uring_batch.c: the ring, submission of a batch, reaping. See the header
+ * for the model; this file keeps two invariants:
+ *
+ *   in_kernel <= queue_depth       so the SQ never runs out of SQEs and the
+ *                                  CQ (2 x SQ entries) can never overflow;
+ *   a slot's id != 0 exactly while its batch is in flight, and its
+ *   entries/results stay valid until then.
+ */
+#include "uring_batch.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+
+/* Stays on in release builds: a broken invariant here means completions
+ * could be written into the wrong caller's memory, so stop at once. */
+#define KVD_CHECK(condition)                                                              \
+    do {                                                                                  \
+        if (!(condition)) kvd_check_failed(#condition, __FILE__, __LINE__);              \
+    } while (0)
+
+static void kvd_check_failed(const char *condition, const char *file, int line) {
+    fprintf(stderr, "kvd uring_batch: invariant violated: %s (%s:%d)\n", condition, file, line);
+    abort();
+}
+
+/* io_uring_enter results that mean "call again", not "the ring is broken". */
+static int transient(int error) {
+    return error == -EINTR || error == -EAGAIN || error == -EBUSY;
+}
+
+int kvd_ring_open(struct kvd_ring *ring, uint32_t queue_depth, uint32_t max_batches) {
+    memset(ring, 0, sizeof *ring);
+    if (queue_depth == 0 || queue_depth > KVD_MAX_QUEUE_DEPTH) return -EINVAL;
+    if (max_batches == 0 || max_batches > KVD_MAX_BATCHES) return -EINVAL;
+    ring->batches = calloc(max_batches, sizeof *ring->batches);
+    ring->pending = calloc(max_batches, sizeof *ring->pending);
+    if (ring->batches == NULL || ring->pending == NULL) {
+        free(ring->batches);
+        free(ring->pending);
+        return -ENOMEM;
+    }
+    int error = io_uring_queue_init(queue_depth, &ring->uring, 0);
+    if (error < 0) {
+        free(ring->batches);
+        free(ring->pending);
+        ring->batches = NULL;
+        ring->pending = NULL;
+        return error;
+    }
+    ring->open = 1;
+    ring->queue_depth = queue_depth;
+    ring->max_batches = max_batches;
+    ring->next_id = 1;
+    return 0;
+}
+
+/* ---- completion ------------------------------------------------------ */
+
+/* The one place a result is recorded, for real and injected completions. */
+static void complete_entry(struct kvd_ring *ring, struct kvd_batch *batch, uint32_t index, int64_t result) {
+    KVD_CHECK(index < batch->count);
+    KVD_CHECK(batch->completed < batch->count);
+    batch->results[index] = result;
+    batch->completed++;
+    if (result < 0) {
+        ring->stats.errors++;
+        return;
+    }
+    if (batch->op == KVD_OP_READ) ring->stats.bytes_read += (uint64_t)result;
+    if (batch->op == KVD_OP_WRITE) ring->stats.bytes_written += (uint64_t)result;
+    if (batch->op != KVD_OP_FSYNC && (uint64_t)result < batch->entries[index].length) {
+        ring->stats.short_transfers++;
+    }
+}
+
+/* Consumes every CQE that is ready; never blocks. */
+static void reap(struct kvd_ring *ring) {
+    struct io_uring_cqe *cqe;
+    unsigned head;
+    unsigned seen = 0;
+    io_uring_for_each_cqe(&ring->uring, head, cqe) {
+        uint64_t user_data = io_uring_cqe_get_data64(cqe);
+        uint32_t slot = (uint32_t)(user_data >> 32);
+        uint32_t index = (uint32_t)user_data;
+        KVD_CHECK(slot < ring->max_batches);
+        struct kvd_batch *batch = &ring->batches[slot];
+        KVD_CHECK(batch->id != 0);
+        complete_entry(ring, batch, index, cqe->res);
+        seen++;
+    }
+    io_uring_cq_advance(&ring->uring, seen);
+    KVD_CHECK(seen <= ring->in_kernel);
+    ring->in_kernel -= seen;
+}
+
+/* ---- submission ------------------------------------------------------ */
+
+/* Index of the registered region holding [address, address + length), or -1. */
+static int find_region(const struct kvd_ring *ring, uint64_t address, uint64_t length) {
+    uint32_t low = 0;
+    uint32_t high = ring->region_count;
+    while (low < high) { /* first region starting after `address` */
+        uint32_t middle = low + (high - low) / 2;
+        if (ring->regions[middle].address <= address) low = middle + 1;
+        else high = middle;
+    }
+    if (low == 0) return -1;
+    const struct kvd_region *region = &ring->regions[low - 1];
+    uint64_t offset = address - region->address;
+    if (offset > region->length || length > region->length - offset) return -1;
+    return (int)(low - 1);
+}
+
+static void prepare(struct kvd_ring *ring, struct io_uring_sqe *sqe, uint32_t slot, uint32_t index) {
+    struct kvd_batch *batch = &ring->batches[slot];
+    struct kvd_entry *entry = &batch->entries[index];
+    if (batch->op == KVD_OP_FSYNC) {
+        io_uring_prep_fsync(sqe, entry->file_index, batch->fsync_flags);
+        sqe->flags |= IOSQE_IO_DRAIN;
+    } else {
+        void *buffer = (void *)(uintptr_t)entry->address;
+        /* Empty entries stay plain: they pin nothing, and a zero-length
+         * fixed read at a region's very end is a corner not worth having. */
+        int region = entry->transfer_length > 0 ? find_region(ring, entry->address, entry->transfer_length) : -1;
+        int write = batch->op == KVD_OP_WRITE;
+        if (region >= 0) {
+            if (write) io_uring_prep_write_fixed(sqe, entry->file_index, buffer, entry->transfer_length,
+                                                 (uint64_t)entry->offset, region);
+            else io_uring_prep_read_fixed(sqe, entry->file_index, buffer, entry->transfer_length,
+                                          (uint64_t)entry->offset, region);
+            ring->stats.fixed_buffer_entries++;
+        } else {
+            if (write) io_uring_prep_write(sqe, entry->file_index, buffer, entry->transfer_length,
+                                           (uint64_t)entry->offset);
+            else io_uring_prep_read(sqe, entry->file_index, buffer, entry->transfer_length,
+                                    (uint64_t)entry->offset);
+        }
+    }
+    sqe->flags |= IOSQE_FIXED_FILE;
+    io_uring_sqe_set_data64(sqe, ((uint64_t)slot << 32) | index);
+}
+
+/* Prepares SQEs from the pending FIFO until the queue depth is reached.
+ * Entries with an injected error complete here, without an SQE. */
+static void fill(struct kvd_ring *ring) {
+    while (ring->pending_count > 0) {
+        uint32_t slot = ring->pending[ring->pending_head];
+        struct kvd_batch *batch = &ring->batches[slot];
+        while (batch->next < batch->count) {
+            uint32_t index = batch->next;
+            struct kvd_entry *entry = &batch->entries[index];
+            if (entry->fault_errno > 0) {
+                batch->next++;
+                complete_entry(ring, batch, index, -(int64_t)entry->fault_errno);
+                continue;
+            }
+            if (ring->in_kernel == ring->queue_depth) return;
+            struct io_uring_sqe *sqe = io_uring_get_sqe(&ring->uring);
+            KVD_CHECK(sqe != NULL); /* in_kernel < queue_depth <= SQ entries */
+            prepare(ring, sqe, slot, index);
+            batch->next++;
+            ring->in_kernel++;
+        }
+        ring->pending_head = (ring->pending_head + 1) % ring->max_batches;
+        ring->pending_count--;
+    }
+}
+
+/* Hands prepared SQEs to the kernel without waiting. Failures are left
+ * for the next wait, which enters the kernel again and reports them. */
+static void flush(struct kvd_ring *ring) {
+    if (io_uring_sq_ready(&ring->uring) == 0) return;
+    ring->stats.enter_calls++;
+    ring->stats.submit_calls++;
+    (void)io_uring_submit(&ring->uring);
+}
+
+static int rule_matches(const struct kvd_fault *rule, int32_t op, const struct kvd_entry *entry) {
+    return rule->remaining > 0 && rule->op == op &&
+           (rule->file_index < 0 || rule->file_index == entry->file_index) &&
+           entry->offset >= rule->offset_begin && entry->offset < rule->offset_end;
+}
+
+/* First matching rule wins; rules are consumed in entry order. */
+static void apply_faults(struct kvd_ring *ring, int32_t op, struct kvd_entry *entries, uint32_t count) {
+    if (ring->fault_count == 0) return;
+    for (uint32_t i = 0; i < count; i++) {
+        for (uint32_t r = 0; r < ring->fault_count; r++) {
+            struct kvd_fault *rule = &ring->faults[r];
+            if (!rule_matches(rule, op, &entries[i])) continue;
+            rule->remaining--;
+            ring->stats.faults_injected++;
+            if (rule->error > 0) entries[i].fault_errno = rule->error;
+            else if ((uint64_t)rule->short_bytes < entries[i].transfer_length)
+                entries[i].transfer_length = (uint32_t)rule->short_bytes;
+            break;
+        }
+    }
+}
+
+/* Starts a batch: fault rules, a slot, the pending FIFO, then as many
+ * SQEs as the queue depth allows, handed over in one io_uring_enter. */
+static int start_batch(struct kvd_ring *ring, int32_t op, uint32_t fsync_flags, struct kvd_entry *entries,
+                       int64_t *results, uint32_t count, uint64_t *id_out, uint32_t *slot_out) {
+    if (!ring->open) return -EBADF;
+    if (count > KVD_MAX_BATCH_ENTRIES) return -E2BIG;
+    if (count > 0 && entries == NULL) return -EINVAL;
+    if (ring->active_batches == ring->max_batches) return -EAGAIN;
+    for (uint32_t i = 0; i < count; i++) {
+        if (entries[i].file_index < 0 || (uint32_t)entries[i].file_index >= ring->file_count) return -EBADF;
+        if (entries[i].offset < 0) return -EINVAL;
+    }
+    uint32_t slot = 0;
+    while (ring->batches[slot].id != 0) slot++; /* a free slot exists: active < max */
+    KVD_CHECK(slot < ring->max_batches);
+
+    for (uint32_t i = 0; i < count; i++) {
+        entries[i].transfer_length = entries[i].length;
+        entries[i].fault_errno = 0;
+    }
+    apply_faults(ring, op, entries, count);
+
+    struct kvd_batch *batch = &ring->batches[slot];
+    memset(batch, 0, sizeof *batch);
+    batch->id = ring->next_id++;
+    batch->entries = entries;
+    /* The slot's own result cell: valid for as long as the ring is open,
+     * even if the caller's frame is gone (fsync after a failed drive). */
+    batch->results = results != NULL ? results : &batch->own_result;
+    batch->count = count;
+    batch->op = op;
+    batch->fsync_flags = fsync_flags;
+    ring->active_batches++;
+    if (op == KVD_OP_FSYNC) {
+        ring->stats.fsyncs++;
+    } else {
+        ring->stats.batches++;
+        ring->stats.entries += count;
+    }
+    if (count > 0) {
+        KVD_CHECK(ring->pending_count < ring->max_batches);
+        ring->pending[(ring->pending_head + ring->pending_count) % ring->max_batches] = slot;
+        ring->pending_count++;
+    }
+    fill(ring);
+    flush(ring);
+    *id_out = batch->id;
+    *slot_out = slot;
+    return 0;
+}
+
+int kvd_ring_submit(struct kvd_ring *ring, int32_t op, struct kvd_entry *entries, int64_t *results,
+                    uint32_t count, uint64_t *id_out, uint32_t *slot_out) {
+    if (op != KVD_OP_READ && op != KVD_OP_WRITE) return -EINVAL;
+    if (count > 0 && results == NULL) return -EINVAL;
+    return start_batch(ring, op, 0, entries, results, count, id_out, slot_out);
+}
+
+int kvd_ring_slot_of(const struct kvd_ring *ring, uint64_t id) {
+    if (id == 0 || !ring->open) return -ENOENT;
+    for (uint32_t slot = 0; slot < ring->max_batches; slot++) {
+        if (ring->batches[slot].id == id) return (int)slot;
+    }
+    return -ENOENT;
+}
+
+/* Reaps (and keeps submitting) until the batch in `slot` is complete. */
+static int drive(struct kvd_ring *ring, uint32_t slot) {
+    struct kvd_batch *batch = &ring->batches[slot];
+    for (;;) {
+        reap(ring);
+        fill(ring);
+        if (batch->completed == batch->count) {
+            flush(ring); /* entries of later batches prepared above */
+            return 0;
+        }
+        /* Not complete: fill() stopped at a full queue, so the kernel holds
+         * entries (of this batch, or of batches ahead of it in the FIFO). */
+        KVD_CHECK(ring->in_kernel > 0);
+        uint32_t outstanding = batch->next - batch->completed; /* its entries in the kernel */
+        KVD_CHECK(outstanding <= ring->in_kernel);
+        /* How many completions to sleep for. All of the batch is in the
+         * kernel: all of it (one wake-up instead of one per entry; others'
+         * completions may wake us early, then we loop). Some of it still
+         * waits for room: half the queue, so refills go in chunks while
+         * the device keeps at least half the queue depth busy. */
+        uint32_t wanted = outstanding;
+        if (batch->next < batch->count) wanted = ring->in_kernel / 2 > 0 ? ring->in_kernel / 2 : 1;
+        ring->stats.enter_calls++;
+        if (io_uring_sq_ready(&ring->uring) > 0) ring->stats.submit_calls++;
+        int error = io_uring_submit_and_wait(&ring->uring, wanted);
+        if (error < 0 && !transient(error)) return error;
+    }
+}
+
+static void release_slot(struct kvd_ring *ring, uint32_t slot) {
+    struct kvd_batch *batch = &ring->batches[slot];
+    KVD_CHECK(batch->id != 0 && batch->completed == batch->count);
+    free(batch->entries);
+    memset(batch, 0, sizeof *batch);
+    ring->active_batches--;
+}
+
+int kvd_ring_wait(struct kvd_ring *ring, uint64_t id) {
+    int slot = kvd_ring_slot_of(ring, id);
+    if (slot < 0) return slot;
+    int error = drive(ring, (uint32_t)slot);
+    if (error < 0) return error;
+    release_slot(ring, (uint32_t)slot);
+    return 0;
+}
+
+int kvd_ring_fsync(struct kvd_ring *ring, int32_t file_index, int datasync, int64_t *result) {
+    struct kvd_entry *entry = calloc(1, sizeof *entry);
+    if (entry == NULL) return -ENOMEM;
+    entry->file_index = file_index;
+    uint64_t id;
+    uint32_t slot;
+    uint32_t flags = datasync ? IORING_FSYNC_DATASYNC : 0;
+    int error = start_batch(ring, KVD_OP_FSYNC, flags, entry, NULL, 1, &id, &slot);
+    if (error < 0) {
+        free(entry);
+        return error;
+    }
+    error = drive(ring, slot);
+    if (error < 0) return error;
+    *result = ring->batches[slot].own_result;
+    release_slot(ring, slot);
+    return 0;
+}
+
+/* ---- tables ---------------------------------------------------------- */
+
+int kvd_ring_register_files(struct kvd_ring *ring, const int32_t *fds, uint32_t count) {
+    if (!ring->open) return -EBADF;
+    if (ring->active_batches > 0) return -EBUSY;
+    if (count > KVD_MAX_FILES) return -E2BIG;
+    if (ring->file_count > 0) {
+        int error = io_uring_unregister_files(&ring->uring);
+        if (error < 0) return error;
+        ring->file_count = 0;
+    }
+    if (count == 0) return 0;
+    int error = io_uring_register_files(&ring->uring, fds, count);
+    if (error < 0) return error;
+    ring->file_count = count;
+    return 0;
+}
+
+static int compare_regions(const void *left, const void *right) {
+    const struct kvd_region *a = left;
+    const struct kvd_region *b = right;
+    return (a->address > b->address) - (a->address < b->address);
+}
+
+int kvd_ring_register_buffers(struct kvd_ring *ring, const struct kvd_region *regions, uint32_t count) {
+    if (!ring->open) return -EBADF;
+    if (ring->active_batches > 0) return -EBUSY;
+    if (count > KVD_MAX_BUFFERS) return -E2BIG;
+    struct kvd_region *sorted = NULL;
+    struct iovec *vectors = NULL;
+    if (count > 0) {
+        sorted = malloc(count * sizeof *sorted);
+        vectors = malloc(count * sizeof *vectors);
+        if (sorted == NULL || vectors == NULL) {
+            free(sorted);
+            free(vectors);
+            return -ENOMEM;
+        }
+        memcpy(sorted, regions, count * sizeof *sorted);
+        qsort(sorted, count, sizeof *sorted, compare_regions);
+        for (uint32_t i = 0; i < count; i++) {
+            int empty = sorted[i].length == 0 || sorted[i].address == 0;
+            int wraps = sorted[i].address + sorted[i].length < sorted[i].address;
+            int overlaps = i > 0 && sorted[i - 1].address + sorted[i - 1].length > sorted[i].address;
+            if (empty || wraps || overlaps) {
+                free(sorted);
+                free(vectors);
+                return -EINVAL;
+            }
+            vectors[i].iov_base = (void *)(uintptr_t)sorted[i].address;
+            vectors[i].iov_len = sorted[i].length;
+        }
+    }
+    if (ring->region_count > 0) {
+        int error = io_uring_unregister_buffers(&ring->uring);
+        if (error < 0) {
+            free(sorted);
+            free(vectors);
+            return error;
+        }
+    }
+    free(ring->regions);
+    ring->regions = NULL;
+    ring->region_count = 0;
+    if (count == 0) return 0;
+    int error = io_uring_register_buffers(&ring->uring, vectors, count);
+    free(vectors);
+    if (error < 0) {
+        free(sorted);
+        return error;
+    }
+    ring->regions = sorted;
+    ring->region_count = count;
+    return 0;
+}
+
+int kvd_ring_add_fault(struct kvd_ring *ring, const struct kvd_fault *fault) {
+    if (!ring->open) return -EBADF;
+    int op_known = fault->op == KVD_OP_READ || fault->op == KVD_OP_WRITE || fault->op == KVD_OP_FSYNC;
+    int one_effect = (fault->error > 0) != (fault->short_bytes >= 0);
+    if (!op_known || !one_effect || fault->remaining == 0 || fault->offset_begin > fault->offset_end) {
+        return -EINVAL;
+    }
+    /* Spent rules make room for new ones; order among live rules is kept. */
+    uint32_t live = 0;
+    for (uint32_t r = 0; r < ring->fault_count; r++) {
+        if (ring->faults[r].remaining > 0) ring->faults[live++] = ring->faults[r];
+    }
+    ring->fault_count = live;
+    if (ring->fault_count == KVD_MAX_FAULTS) return -ENOSPC;
+    ring->faults[ring->fault_count++] = *fault;
+    return 0;
+}
+
+void kvd_ring_clear_faults(struct kvd_ring *ring) {
+    ring->fault_count = 0;
+}
+
+void kvd_ring_close(struct kvd_ring *ring) {
+    if (!ring->open) return;
+    /* Entries the kernel never saw: cancel them without I/O. */
+    while (ring->pending_count > 0) {
+        uint32_t slot = ring->pending[ring->pending_head];
+        struct kvd_batch *batch = &ring->batches[slot];
+        while (batch->next < batch->count) {
+            complete_entry(ring, batch, batch->next, -ECANCELED);
+            batch->next++;
+        }
+        ring->pending_head = (ring->pending_head + 1) % ring->max_batches;
+        ring->pending_count--;
+    }
+    /* Entries the kernel holds may still write into caller buffers: wait. */
+    while (ring->in_kernel > 0) {
+        reap(ring);
+        if (ring->in_kernel == 0) break;
+        ring->stats.enter_calls++;
+        int error = io_uring_submit_and_wait(&ring->uring, 1);
+        if (error < 0 && !transient(error)) break; /* cannot drain; exiting the ring cancels */
+    }
+    for (uint32_t slot = 0; slot < ring->max_batches; slot++) {
+        free(ring->batches[slot].entries);
+    }
+    io_uring_queue_exit(&ring->uring);
+    free(ring->batches);
+    free(ring->pending);
+    free(ring->regions);
+    ring->batches = NULL;
+    ring->pending = NULL;
+    ring->regions = NULL;
+    ring->open = 0;
+}

@@ -1,0 +1,48 @@
+"""Builds kvd._native, the io_uring batch engine, from native/.
+
+Everything else about the package is in pyproject.toml; this file only
+exists because the compiler flags depend on the environment:
+
+    KVD_NATIVE_DEBUG=1      -O0 -g (step through it in gdb)
+    KVD_NATIVE_SANITIZE=1   -O1 -g with AddressSanitizer and UBSan; Python
+                            itself is not instrumented, so run it with
+                            libasan preloaded (`make native-sanitize` does)
+
+Release builds use -O2. Every build treats warnings as errors. The build
+needs gcc and liburing (Debian: liburing-dev; `make setup` installs it).
+"""
+
+from __future__ import annotations
+
+import os
+
+from setuptools import Extension, setup
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def native_extension() -> Extension:
+    compile_args = ["-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"]
+    link_args: list[str] = []
+    if _flag("KVD_NATIVE_SANITIZE"):
+        sanitizers = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
+        compile_args += ["-O1", "-g", *sanitizers]
+        link_args += sanitizers
+    elif _flag("KVD_NATIVE_DEBUG"):
+        compile_args += ["-O0", "-g"]
+    else:
+        compile_args += ["-O2"]
+    return Extension(
+        "kvd._native",
+        sources=["native/module.c", "native/uring_batch.c"],
+        depends=["native/uring_batch.h"],
+        include_dirs=["native"],
+        libraries=["uring"],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+    )
+
+
+setup(ext_modules=[native_extension()])

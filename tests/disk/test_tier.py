@@ -1,0 +1,480 @@
+"""DiskTier on real O_DIRECT files: round trips, striping, recovery, faults."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from kvd.core.keys import DType, NamespaceSpec
+from kvd.errors import InvalidArgument
+from kvd.invariants import InvariantError
+from kvd.io import Op
+from kvd.tiers.disk.journal import FsyncPolicy, OsFileSystem
+from kvd.tiers.disk.layout import locate, segment_name
+from kvd.tiers.disk.tier import DiskTier, ReadFailure
+from tests.disk.conftest import (
+    BLOCK_BYTES,
+    LAYER_BYTES,
+    LAYERS,
+    NAMESPACE,
+    SEGMENT_BYTES,
+    SLOT_BYTES,
+    SPEC,
+    arena_address,
+    expected_bytes,
+    host_bytes,
+    key,
+    make_config,
+    open_tier,
+    read,
+    records_by_slot,
+    write,
+)
+
+
+def segment_path(config, slot: int):
+    place = locate(config, slot)
+    return config.directories[place.drive] / segment_name(place.segment), place.offset
+
+
+def raw_block(config, slot: int) -> bytes:
+    path, offset = segment_path(config, slot)
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        return handle.read(BLOCK_BYTES)
+
+
+def test_round_trip_is_bit_exact_through_a_host_arena(drives, arena, io_engine):
+    config = make_config(drives, engine=io_engine)
+    tier, recovery = open_tier(config)
+    assert recovery.created_drives == [0, 1] and recovery.block_count == 0
+    blocks = {slot: 100 + slot for slot in range(10)}
+    assert write(tier, arena, blocks) == [True] * 10
+    layers_seen = []
+    ok = read(tier, arena, list(blocks), on_layer=lambda layer, mask: layers_seen.append((layer, mask.tolist())))
+    assert ok.tolist() == [True] * 10
+    for i, seed in enumerate(blocks.values()):
+        assert host_bytes(arena, 32 + i) == expected_bytes(seed)
+    assert layers_seen == [(layer, [True] * 10) for layer in range(LAYERS)]
+    # One write batch, and one read batch per layer: O(L), not O(N*L).
+    assert tier.stats.submissions == 1 + LAYERS
+    assert tier.stats.bytes_written == tier.stats.bytes_read == 10 * BLOCK_BYTES
+    assert tier.engine_stats()["entries"] == 10 + 10 * LAYERS
+    tier.verify()
+    tier.close()
+
+
+def test_consecutive_slots_alternate_drives(drives, arena):
+    config = make_config(drives)
+    tier, _ = open_tier(config)
+    blocks = {slot: 7 + slot for slot in range(6)}
+    assert all(write(tier, arena, blocks))
+    tier.close()
+    for slot, seed in blocks.items():
+        place = locate(config, slot)
+        assert place.drive == slot % 2 and place.offset == (slot // 2) * SLOT_BYTES
+        assert raw_block(config, slot) == expected_bytes(seed)
+    # Slot 128 is local slot 64 of drive 0: the first slot of its second segment.
+    assert locate(config, 128).segment == 1 and locate(config, 128).offset == 0
+
+
+def test_reopen_recovers_exactly_the_written_blocks(drives, arena):
+    config = make_config(drives)
+    tier, _ = open_tier(config)
+    parent = key(999)
+    assert all(write(tier, arena, {slot: 200 + slot for slot in range(0, 16, 3)}, parent=parent))
+    assert all(write(tier, arena, {40: 240, 41: 241}))
+    assert tier.remove_blocks(NAMESPACE, [(key(203), 3), (key(240), 40)]) == [True, True]
+    before = records_by_slot(tier)
+    tier.close()
+
+    tier, recovery = open_tier(config)
+    assert recovery.dropped.total == 0 and recovery.truncated_bytes == 0
+    assert recovery.created_drives == [] and recovery.missing_segments == []
+    recovered = {record.location: record for record in recovery.blocks[NAMESPACE]}
+    assert recovered == before
+    assert sorted(recovered) == [0, 6, 9, 12, 15, 41]
+    assert recovered[0].parent_key == parent and recovered[41].parent_key == bytes(32)
+    # The namespace registry came back too, decoded, before anyone registered it.
+    assert recovery.namespaces[NAMESPACE].spec == SPEC
+    slots = sorted(recovered)
+    assert read(tier, arena, slots).all()
+    for i, slot in enumerate(slots):
+        assert host_bytes(arena, 32 + i) == expected_bytes(recovered[slot].key[0] | recovered[slot].key[1] << 8)
+    tier.verify()
+    tier.close()
+
+
+def test_a_removed_slot_takes_a_new_block(drives, arena):
+    for policy in FsyncPolicy:
+        config = make_config([d / policy.value for d in drives], policy=policy)
+        for directory in config.directories:
+            directory.parent.mkdir(exist_ok=True)
+        tier, _ = open_tier(config)
+        assert all(write(tier, arena, {4: 1, 5: 2}))
+        with pytest.raises(InvariantError, match="not removed"):
+            write(tier, arena, {4: 3})
+        assert tier.remove_blocks(NAMESPACE, [(key(1), 4)]) == [True]
+        errors_before = tier.stats.errors.copy()
+        assert write(tier, arena, {4: 3}) == [True]
+        assert tier.stats.errors == errors_before
+        assert read(tier, arena, [4, 5]).all() and host_bytes(arena, 32) == expected_bytes(3)
+        tier.close()
+        tier, recovery = open_tier(config)
+        assert {r.location: r.key for r in recovery.blocks[NAMESPACE]} == {4: key(3), 5: key(2)}
+        tier.close()
+
+
+def test_group_policy_syncs_a_removal_before_reusing_its_slot(drives, arena):
+    config = make_config(drives, policy=FsyncPolicy.GROUP)
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {2: 1, 3: 2}))
+    manifest = tier._manifests[0]
+    assert manifest.unsynced_bytes > 0  # GROUP leaves the PUTs to sync()
+    tier.sync()
+    assert manifest.unsynced_bytes == 0
+    tier.remove_blocks(NAMESPACE, [(key(1), 2)])
+    assert manifest.unsynced_bytes > 0
+    assert write(tier, arena, {2: 5}) == [True]
+    # The REMOVE was made durable before new bytes went into slot 2; only
+    # the new PUT waits for the timer.
+    assert manifest.unsynced_bytes == len(records_by_slot(tier)[2].encode())
+    tier.close()
+
+
+def test_accepts_says_why_not():
+    from kvd.tiers.disk.layout import DiskConfig
+
+    config = DiskConfig(("/nonexistent-a",), capacity_bytes=SEGMENT_BYTES, slot_bytes=SLOT_BYTES,
+                        segment_bytes=SEGMENT_BYTES)
+    tier = DiskTier(config)
+    assert tier.accepts(SPEC)
+    odd = NamespaceSpec("m", num_layers=2, num_kv_heads=3, head_dim=10, block_tokens=4, kv_dtype=DType.FLOAT16)
+    verdict = tier.accepts(odd)
+    assert not verdict and "not a multiple of 4096" in verdict.reason
+    big = NamespaceSpec("m", num_layers=64, num_kv_heads=8, head_dim=128, block_tokens=16)
+    verdict = tier.accepts(big)
+    assert not verdict and "does not fit" in verdict.reason
+
+
+def test_register_namespace_checks_the_digest(drives):
+    tier, _ = open_tier(make_config(drives))
+    other = NamespaceSpec("other", num_layers=1, num_kv_heads=1, head_dim=1024, block_tokens=1)
+    with pytest.raises(InvalidArgument, match="not the digest"):
+        tier.register_namespace(NAMESPACE, other.encode())
+    with pytest.raises(InvalidArgument, match="cannot register"):
+        tier.register_namespace(NAMESPACE, SPEC.encode()[:-3])
+    tier.register_namespace(other.namespace_id(), other.encode())
+    tier.register_namespace(other.namespace_id(), other.encode())  # idempotent
+    tier.close()
+    tier, recovery = open_tier(make_config(drives))
+    assert {entry.spec for entry in recovery.namespaces.values()} == {SPEC, other}
+    assert all(r.records == 2 for r in recovery.registries)  # each drive, once each
+    tier.close()
+
+
+def test_using_an_unregistered_namespace_is_a_programmer_error(drives, arena):
+    tier, _ = open_tier(make_config(drives))
+    with pytest.raises(InvariantError, match="before register_namespace"):
+        tier.write_blocks(bytes(32), LAYER_BYTES, LAYERS, [(key(1), b"", 0, arena_address(arena, 0))])
+    with pytest.raises(InvariantError, match="aligned"):
+        tier.write_blocks(NAMESPACE, LAYER_BYTES, LAYERS, [(key(1), b"", 0, arena_address(arena, 0) + 512)])
+    tier.close()
+
+
+# ----------------------------------------------------------------------
+# Corruption and damaged segments
+
+
+def flip_byte(config, slot: int, position: int) -> None:
+    path, offset = segment_path(config, slot)
+    with open(path, "r+b") as handle:
+        handle.seek(offset + position)
+        value = handle.read(1)[0]
+        handle.seek(offset + position)
+        handle.write(bytes([value ^ 0x40]))
+
+
+def test_a_flipped_byte_fails_that_block_only(drives, arena):
+    config = make_config(drives)
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {slot: 50 + slot for slot in range(8)}))
+    tier.close()
+    flip_byte(config, 5, LAYER_BYTES + 123)  # inside layer 1 of slot 5
+
+    tier, recovery = open_tier(config)
+    assert recovery.block_count == 8  # no data is read at open
+    masks = []
+    reasons = np.zeros(8, dtype=np.int8)
+    ok = read(tier, arena, list(range(8)), on_layer=lambda layer, mask: masks.append(mask[5]), failures=reasons)
+    assert ok.tolist() == [True] * 5 + [False] + [True] * 2
+    assert masks == [True, False, False]  # layer 0 was good, layer 1 was not
+    assert reasons.tolist() == [0] * 5 + [ReadFailure.CHECKSUM] + [0] * 2
+    assert tier.stats.checksum_failures == 1
+    for i in (0, 1, 2, 3, 4, 6, 7):
+        assert host_bytes(arena, 32 + i) == expected_bytes(50 + i)
+    tier.close()
+
+
+def test_a_truncated_segment_drops_its_blocks_at_open(drives, arena):
+    config = make_config(drives)
+    tier, _ = open_tier(config)
+    # Drive 1 holds the odd slots; slots 1 and 3 are its local slots 0 and 1.
+    assert all(write(tier, arena, {0: 10, 1: 11, 3: 13, 5: 15}))
+    tier.close()
+    path, offset = segment_path(config, 3)
+    os.truncate(path, offset + LAYER_BYTES)  # slot 3 keeps only its first layer
+
+    tier, recovery = open_tier(config)
+    assert recovery.short_segments == [path]
+    assert recovery.dropped.missing_segment == 2  # slots 3 and 5
+    assert sorted(r.location for r in recovery.blocks[NAMESPACE]) == [0, 1]
+    assert os.path.getsize(path) == SEGMENT_BYTES  # extended back, durable drop first
+    assert read(tier, arena, [0, 1]).all()
+    assert host_bytes(arena, 33) == expected_bytes(11)
+    # The slots are usable again.
+    assert all(write(tier, arena, {3: 23}))
+    tier.close()
+    tier, recovery = open_tier(config)
+    assert sorted(r.location for r in recovery.blocks[NAMESPACE]) == [0, 1, 3]
+    assert recovery.dropped.total == 0
+    tier.close()
+
+
+def test_a_deleted_segment_drops_its_blocks_and_comes_back_empty(drives, arena):
+    config = make_config(drives)
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {0: 1, 1: 2, 129: 3}))  # 129: drive 1, segment 1
+    tier.close()
+    path, _ = segment_path(config, 129)
+    path.unlink()
+
+    tier, recovery = open_tier(config)
+    assert recovery.missing_segments == [path] and recovery.dropped.missing_segment == 1
+    assert sorted(r.location for r in recovery.blocks[NAMESPACE]) == [0, 1]
+    assert path.stat().st_size == SEGMENT_BYTES
+    tier.close()
+
+
+def test_a_segment_truncated_while_open_fails_reads_not_lies(drives, arena):
+    config = make_config(drives)
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {0: 1, 2: 2, 4: 3}))
+    path, offset = segment_path(config, 2)
+    os.truncate(path, offset + LAYER_BYTES + 4096)  # slot 2: layer 0 whole, layer 1 half
+    reasons = np.zeros(3, dtype=np.int8)
+    ok = read(tier, arena, [0, 2, 4], failures=reasons)
+    assert ok.tolist() == [True, False, False]
+    assert reasons.tolist() == [0, ReadFailure.SHORT_READ, ReadFailure.SHORT_READ]
+    assert tier.stats.errors == {"short_read": 2}
+    tier.close()
+
+
+def test_recovery_drops_records_beyond_a_smaller_capacity(drives, arena):
+    config = make_config(drives, segments=2)
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {0: 1, 128: 2, 255: 3}))  # 128, 255: second segments
+    tier.close()
+    smaller = make_config(drives, segments=1)
+    tier, recovery = open_tier(smaller)
+    assert recovery.dropped.out_of_range == 2
+    assert [r.location for r in recovery.blocks[NAMESPACE]] == [0]
+    tier.close()
+
+
+# ----------------------------------------------------------------------
+# Faults through the I/O engine
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind"),
+    [({"errno": errno.EIO}, "EIO"), ({"errno": errno.ENOSPC}, "ENOSPC"), ({"short_bytes": 4096}, "short_write")],
+)
+def test_write_faults_fail_only_the_blocks_they_hit(drives, arena, io_engine, fault, kind):
+    config = make_config(drives, engine=io_engine)
+    tier, _ = open_tier(config)
+    place = locate(config, 3)
+    tier.engine.inject_fault(Op.WRITE, file_index=place.file_index, offset_range=(place.offset, place.offset + 1),
+                             **fault)
+    assert write(tier, arena, {slot: slot for slot in range(6)}) == [True, True, True, False, True, True]
+    assert tier.stats.errors == {kind: 1} and tier.stats.write_failures == 1
+    assert 3 not in records_by_slot(tier)
+    tier.verify()
+    # The failed slot is still free and takes the block on a retry.
+    assert write(tier, arena, {3: 3}) == [True]
+    tier.close()
+    tier, recovery = open_tier(config)
+    assert sorted(r.location for r in recovery.blocks[NAMESPACE]) == list(range(6))
+    assert read(tier, arena, list(range(6))).all()
+    tier.close()
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason", "kind"),
+    [({"errno": errno.EIO}, ReadFailure.IO_ERROR, "EIO"), ({"short_bytes": 0}, ReadFailure.SHORT_READ, "short_read")],
+)
+def test_read_faults_fail_only_the_blocks_they_hit(drives, arena, io_engine, fault, reason, kind):
+    config = make_config(drives, engine=io_engine)
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {slot: slot for slot in range(6)}))
+    place = locate(config, 2)
+    layer_2 = place.offset + 2 * LAYER_BYTES
+    tier.engine.inject_fault(Op.READ, file_index=place.file_index, offset_range=(layer_2, layer_2 + 1), **fault)
+    reasons = np.zeros(6, dtype=np.int8)
+    masks = []
+    ok = read(tier, arena, list(range(6)), failures=reasons, on_layer=lambda layer, mask: masks.append(mask[2]))
+    assert ok.tolist() == [True, True, False, True, True, True]
+    assert masks == [True, True, False]
+    assert reasons[2] == reason and tier.stats.errors == {kind: 1}
+    assert tier.stats.read_failures == 1 and tier.stats.checksum_failures == 0
+    tier.close()
+
+
+def test_a_failed_fdatasync_fails_the_blocks_of_that_file(drives, arena, io_engine):
+    config = make_config(drives, engine=io_engine)
+    tier, _ = open_tier(config)
+    tier.engine.inject_fault(Op.FSYNC, file_index=locate(config, 1).file_index, errno=errno.EIO)
+    assert write(tier, arena, {0: 0, 1: 1, 2: 2, 3: 3}) == [True, False, True, False]
+    assert tier.stats.errors == {"fsync_EIO": 1}
+    assert sorted(records_by_slot(tier)) == [0, 2]
+    tier.close()
+
+
+class FailingAppends(OsFileSystem):
+    """Manifest appends fail with EIO once armed (a drive dying under the log)."""
+
+    armed = False
+
+    def append(self, path, data):
+        if self.armed and path.name.startswith("MANIFEST"):
+            raise OSError(errno.EIO, "injected")
+        super().append(path, data)
+
+
+def test_a_failed_manifest_append_takes_the_drive_out_of_writes(drives, arena):
+    config = make_config(drives)
+    fs = FailingAppends()
+    tier, _ = open_tier(config, fs=fs)
+    assert all(write(tier, arena, {0: 0, 1: 1}))
+    fs.armed = True
+    assert write(tier, arena, {2: 2, 3: 3}) == [False, False]
+    assert set(tier.failed_drives) == {0, 1} and tier.stats.errors["manifest"] == 2
+    tier.verify()  # the live map was rolled back to what the log holds
+    fs.armed = False
+    # A failed drive takes no more writes, even though appends work again.
+    assert write(tier, arena, {4: 4}) == [False]
+    assert tier.stats.errors["drive_failed"] == 1
+    assert read(tier, arena, [0, 1]).all()  # reads still work
+    tier.close()
+    tier, recovery = open_tier(config)
+    assert sorted(r.location for r in recovery.blocks[NAMESPACE]) == [0, 1]
+    assert tier.failed_drives == {}
+    tier.close()
+
+
+def test_compaction_keeps_exactly_the_live_blocks(drives, arena):
+    config = make_config(drives)
+    tier, _ = open_tier(config)
+    for round_number in range(5):
+        assert all(write(tier, arena, {slot: 10 * round_number + slot for slot in range(4)}))
+        if round_number < 4:
+            tier.remove_blocks(NAMESPACE, [(key(10 * round_number + slot), slot) for slot in range(4)])
+    sizes = tier.manifest_bytes()
+    assert tier.compact_if_needed(max(sizes) + 1) == 0
+    assert tier.compact_if_needed(0) == 2
+    assert all(after < before for after, before in zip(tier.manifest_bytes(), sizes, strict=True))
+    live = records_by_slot(tier)
+    tier.close()
+    tier, recovery = open_tier(config)
+    assert {r.location: r for r in recovery.blocks[NAMESPACE]} == live
+    assert read(tier, arena, list(range(4))).all()
+    tier.close()
+
+
+class Spy:
+    """Records the order of engine and manifest operations of one write."""
+
+    def __init__(self, events: list, engine) -> None:
+        self._events = events
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def submit(self, op, *arrays):
+        self._events.append(("submit", Op(op).name))
+        return self._engine.submit(op, *arrays)
+
+    def wait(self, batch):
+        self._events.append(("wait", None))
+        return self._engine.wait(batch)
+
+    def fsync(self, index, datasync=True):
+        self._events.append(("fdatasync", index))
+        return self._engine.fsync(index, datasync=datasync)
+
+
+class SpyFs(OsFileSystem):
+    def __init__(self, events: list) -> None:
+        self._events = events
+
+    def append(self, path, data):
+        self._events.append(("append", path.parent.name))
+        super().append(path, data)
+
+    def fsync(self, path):
+        self._events.append(("fsync", path.parent.name))
+        super().fsync(path)
+
+
+def test_data_is_durable_before_the_record_that_points_to_it(drives, arena):
+    from kvd.io import open_engine
+
+    events: list = []
+    config = make_config(drives)
+    engine = open_engine("fallback")
+    tier, _ = open_tier(config, engine=Spy(events, engine), fs=SpyFs(events))
+    events.clear()
+    assert all(write(tier, arena, {0: 1, 1: 2, 2: 3, 130: 4}))  # 130: drive 0, segment 1
+    assert events == [
+        ("submit", "WRITE"),
+        ("wait", None),
+        ("fdatasync", 0),  # drive 0 segment 0
+        ("fdatasync", 1),  # drive 0 segment 1
+        ("fdatasync", 2),  # drive 1 segment 0
+        ("append", "nvme0"),
+        ("fsync", "nvme0"),  # STRICT: synced before write_blocks returns
+        ("append", "nvme1"),
+        ("fsync", "nvme1"),
+    ]
+    tier.close()
+    engine.close()
+
+
+def test_records_of_slots_are_looked_up_for_reads(drives, arena):
+    tier, _ = open_tier(make_config(drives))
+    assert all(write(tier, arena, {9: 4}))
+    record = tier.record_of(9)
+    assert tier.key_of(9) == key(4) == record.key
+    assert tier.layer_checksums_of(9) == record.layer_checksums and len(record.layer_checksums) == LAYERS
+    assert tier.record_of(8) is None
+    with pytest.raises(InvariantError, match="does not hold"):
+        tier.read_blocks(NAMESPACE, LAYER_BYTES, LAYERS, [(key(5), 9, arena_address(arena, 40), record.layer_checksums)])
+    tier.close()
+
+
+def test_a_failing_layer_callback_leaves_no_read_in_flight(drives, arena):
+    tier, _ = open_tier(make_config(drives))
+    assert all(write(tier, arena, {0: 1, 1: 2}))
+
+    def give_up(layer, mask):
+        raise RuntimeError("consumer went away")
+
+    with pytest.raises(RuntimeError):
+        read(tier, arena, [0, 1], on_layer=give_up)
+    assert tier.engine.batches_in_flight == 0  # the next layer's batch was waited
+    assert read(tier, arena, [0, 1]).all()
+    tier.close()

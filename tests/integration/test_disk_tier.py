@@ -1,0 +1,148 @@
+"""The disk tier through a real daemon: write-through, restore, restart, corruption."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvd.client import Client
+from kvd.core.keys import DType, NamespaceSpec
+from kvd.testing.daemon import run_daemon, start_daemon
+from kvd.v1 import kvd_pb2
+
+# 4 layers x 16 KiB: every layer is one 4 KiB-aligned extent on disk.
+SPEC = NamespaceSpec(model_id="disk-model", num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=16,
+                     kv_dtype=DType.FLOAT32)
+HOST_SLOTS = 16
+
+
+def disk_config(tmp_path: Path, **disk) -> dict:
+    settings = {
+        "directories": [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")],
+        "capacity_bytes": 8 << 20,
+        "slot_bytes": 64 << 10,
+        "segment_bytes": 4 << 20,
+        "fsync": "strict",
+        "write_batch_blocks": 4,
+    }
+    settings.update(disk)
+    return {"host": {"capacity_bytes": HOST_SLOTS * (64 << 10), "slot_bytes": 64 << 10}, "disk": settings}
+
+
+def blocks_for(count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((count, *SPEC.block_shape), dtype=np.float32)
+
+
+def metric_samples(url: str) -> dict[str, float]:
+    samples = {}
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def test_blocks_evicted_from_host_come_back_from_disk(tmp_path):
+    with run_daemon(tmp_path / "d", config=disk_config(tmp_path)) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        first = namespace.keys(np.arange(12 * 16))
+        first_blocks = blocks_for(12, seed=1)
+        assert client.put(namespace, first, first_blocks, durable=True) == 12
+        # Twice the host tier's size of other blocks push the first ones out.
+        for round_ in range(2):
+            keys = namespace.keys(np.arange(HOST_SLOTS * 16) + 10**6 * (round_ + 1))
+            client.put(namespace, keys, blocks_for(HOST_SLOTS, seed=10 + round_))
+        lookup = client.lookup(namespace, first)
+        assert lookup.matched == 12
+        assert set(lookup.tiers) == {kvd_pb2.TIER_DISK}
+        assert np.array_equal(client.get_numpy(namespace, first), first_blocks)
+        # Now in the host tier again.
+        assert set(client.lookup(namespace, first).tiers) == {kvd_pb2.TIER_HOST}
+        samples = metric_samples(daemon.metrics_url)
+        assert samples['kvd_tier_moves_total{source_tier="disk",target_tier="host"}'] >= 12
+        assert samples['kvd_disk_failures_total{operation="load"}'] == 0
+
+
+def test_durable_blocks_survive_a_restart_and_kill(tmp_path):
+    directory = tmp_path / "d"
+    config = disk_config(tmp_path)
+    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        keys = namespace.keys(np.arange(12 * 16))
+        blocks = blocks_for(12, seed=2)
+        assert client.put(namespace, keys, blocks, durable=True) == 12
+    # A clean restart, then a SIGKILL, then another start: nothing durable is lost.
+    for stop in (signal.SIGTERM, signal.SIGKILL):
+        daemon = start_daemon(directory, config=config)
+        try:
+            with Client(daemon.unix_target) as client:
+                namespace = client.register_namespace(SPEC)
+                lookup = client.lookup(namespace, keys)
+                assert lookup.matched == 12 and set(lookup.tiers) == {kvd_pb2.TIER_DISK}
+                assert np.array_equal(client.get_numpy(namespace, keys), blocks)
+        finally:
+            daemon.stop(stop)
+
+
+def test_a_corrupted_block_is_never_served(tmp_path):
+    directory = tmp_path / "d"
+    config = disk_config(tmp_path)
+    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        keys = namespace.keys(np.arange(6 * 16))
+        blocks = blocks_for(6, seed=3)
+        client.put(namespace, keys, blocks, durable=True)
+    # Flip bytes everywhere on the drives where block 3's first layer sits:
+    # find it by content, as a failing drive would scramble it.
+    needle = blocks[3].reshape(-1).view(np.uint8)[:4096].tobytes()
+    flipped = 0
+    for segment in sorted(set(tmp_path.glob("nvme*/**/seg-*"))):
+        data = bytearray(segment.read_bytes())
+        position = data.find(needle)
+        if position >= 0:
+            data[position + 100] ^= 0xFF
+            segment.write_bytes(bytes(data))
+            flipped += 1
+    assert flipped == 1
+    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        got = client.get_numpy(namespace, keys)
+        # Blocks 0..2 are good; block 3 is corrupt, so it and all after it are misses.
+        assert got.shape[0] == 3
+        assert np.array_equal(got, blocks[:3])
+        assert client.lookup(namespace, keys).matched == 3
+        samples = metric_samples(daemon.metrics_url)
+        assert samples['kvd_disk_failures_total{operation="load"}'] == 1
+        # What was lost can be put again, and is then served.
+        assert client.put(namespace, keys, blocks, durable=True) == 3
+        assert np.array_equal(client.get_numpy(namespace, keys), blocks)
+
+
+def test_durable_ack_without_disk_tier_is_refused(tmp_path):
+    import grpc
+
+    with run_daemon(tmp_path) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        with pytest.raises(grpc.RpcError) as raised:
+            client.put(namespace, namespace.keys(np.arange(16)), blocks_for(1, 0), durable=True)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "needs a disk tier" in raised.value.details()
+
+
+def test_status_shows_the_disk_tier(tmp_path):
+    import subprocess
+    import sys
+
+    with run_daemon(tmp_path / "d", config=disk_config(tmp_path)) as daemon:
+        result = subprocess.run([sys.executable, "-m", "kvd", "status", "--target", daemon.unix_target, "--json"],
+                                capture_output=True, text=True, timeout=60, check=False)
+        status = json.loads(result.stdout)
+        disk = [tier for tier in status["tiers"] if tier["tier"] == "disk"]
+        assert disk and disk[0]["capacity_bytes"] == 2 * (8 << 20)
+    assert os.path.isdir(tmp_path / "nvme0")
