@@ -74,6 +74,12 @@ class DiskSettings:
     capacity_bytes: int = 16 << 30  # per directory
     slot_bytes: int = 2 << 20
     segment_bytes: int = 1 << 30
+    # "back": write a block to disk only when the host tier runs short of
+    # free slots (or a Put asks for ACK_DURABLE), so short-lived blocks never
+    # cost SSD writes; "through": write every sealed block at once.
+    write_mode: str = "back"
+    # Write-back starts when free host slots drop to this fraction.
+    write_back_headroom: float = 0.1
     # "strict" (fsync every write batch), "group" (every group_commit_ms) or "none".
     fsync: str = "strict"
     group_commit_ms: int = 10
@@ -139,6 +145,10 @@ class Config:
         if self.disk.directories:
             if self.disk.fsync not in ("strict", "group", "none"):
                 raise ConfigError("disk.fsync", f"must be strict, group or none, got {self.disk.fsync!r}")
+            if self.disk.write_mode not in ("back", "through"):
+                raise ConfigError("disk.write_mode", f"must be back or through, got {self.disk.write_mode!r}")
+            if not 0.0 < self.disk.write_back_headroom < 1.0:
+                raise ConfigError("disk.write_back_headroom", "must be between 0 and 1")
             if self.disk.io_engine not in ("auto", "uring", "fallback"):
                 raise ConfigError("disk.io_engine", f"must be auto, uring or fallback, got {self.disk.io_engine!r}")
             for name in ("group_commit_ms", "write_batch_blocks", "queue_depth", "manifest_max_bytes"):

@@ -72,6 +72,7 @@ class DiskPlane:
         self._durable: dict[Block, list[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self._draining = False
         # Set whenever no write batch is in flight (its pins are released).
         self.writes_idle = asyncio.Event()
         self.writes_idle.set()
@@ -145,10 +146,19 @@ class DiskPlane:
     def wake(self) -> None:
         self._wake.set()
 
+    def _should_write(self) -> bool:
+        """Write-through always writes; write-back only under host pressure,
+        when a Put waits for durability, or while draining at shutdown."""
+        if self.settings.write_mode == "through" or self._durable or self._draining:
+            return True
+        host = self.engine.host
+        headroom = max(self.settings.write_batch_blocks, int(host.slot_count * self.settings.write_back_headroom))
+        return len(host.free_slots) <= headroom
+
     async def _writer(self) -> None:
         engine = self.engine
         while not self._closing:
-            writes = engine.pick_writes(self.settings.write_batch_blocks)
+            writes = engine.pick_writes(self.settings.write_batch_blocks) if self._should_write() else []
             if not writes:
                 self._wake.clear()
                 try:
@@ -336,6 +346,8 @@ class DiskPlane:
     async def close(self, flush_timeout_s: float) -> None:
         """Write what is queued (within the time given), sync, and close the drives."""
         engine = self.engine
+        # Write-back blocks still only in memory get the grace period too.
+        self._draining = True
         deadline = asyncio.get_running_loop().time() + flush_timeout_s
         while engine is not None and engine.write_queue and asyncio.get_running_loop().time() < deadline:
             self.wake()

@@ -146,3 +146,33 @@ def test_status_shows_the_disk_tier(tmp_path):
         disk = [tier for tier in status["tiers"] if tier["tier"] == "disk"]
         assert disk and disk[0]["capacity_bytes"] == 2 * (8 << 20)
     assert os.path.isdir(tmp_path / "nvme0")
+
+
+@pytest.mark.parametrize("mode", ["back", "through"])
+def test_write_modes(tmp_path, mode):
+    """Write-through writes every block; write-back waits for host pressure."""
+    import time
+
+    config = disk_config(tmp_path, write_mode=mode, write_back_headroom=0.25)
+    with run_daemon(tmp_path / "d", config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        few = namespace.keys(np.arange(4 * 16))
+        client.put(namespace, few, blocks_for(4, seed=5))  # 4 of 16 host slots: no pressure
+        deadline = time.monotonic() + 5
+        written = 0
+        while time.monotonic() < deadline:
+            written = metric_samples(daemon.metrics_url)['kvd_tier_moves_total{source_tier="host",target_tier="disk"}']
+            if mode == "through" and written == 4:
+                break
+            time.sleep(0.1)
+        assert written == (4 if mode == "through" else 0)
+        # Fill the host tier: now write-back has to make room on disk too.
+        more = namespace.keys(np.arange(HOST_SLOTS * 16) + 10**6)
+        client.put(namespace, more, blocks_for(HOST_SLOTS, seed=6))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            written = metric_samples(daemon.metrics_url)['kvd_tier_moves_total{source_tier="host",target_tier="disk"}']
+            if written >= 4:
+                break
+            time.sleep(0.1)
+        assert written >= 4
