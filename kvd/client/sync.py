@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
-from kvd.client import _ops
+from kvd.client import _ops, _wire
+from kvd.errors import FailedPrecondition
 from kvd.client._wire import LookupResult, Namespace
 from kvd.core.keys import NamespaceSpec
 from kvd.v1 import kvd_pb2
@@ -71,6 +73,50 @@ class Client(_ops.ClientBase):
     ) -> np.ndarray:
         """The stored prefix of `keys` as (matched, *block_shape); into `out` if given."""
         return self._run(_ops.get_numpy(self.session, namespace, keys, out, parent_key))
+
+    def get_layers(
+        self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """Yield (layers_ready, blocks) as the stored prefix lands, layer by layer.
+
+        blocks is (matched, *block_shape), a view of `out` (or of a new
+        array) in which layers [0, layers_ready) of every block are filled;
+        use only the newest one: `matched` can shrink if a block read from
+        disk turns out corrupt. Needs the shared-memory arena. One numpy copy
+        per layer, whatever the number of blocks.
+        """
+        self._run(_ops.connect(self.session))
+        arena = self.session.arena
+        if arena is None:
+            raise FailedPrecondition("get_layers needs the daemon's shared-memory arena; use get_numpy")
+        stream = self._stub.GetLayers(
+            kvd_pb2.GetRequest(
+                namespace_id=namespace.namespace_id,
+                client_id=self.client_id,
+                keys=keys,
+                lease_ms=self.session.lease_ms,
+                parent_key=parent_key,
+            ),
+            timeout=self.timeout_s,
+        )
+        first = next(stream)
+        matched = first.matched
+        rows = _wire.output_rows(namespace, matched, out)
+        slots = arena.slot_indices(first.offsets)
+        layer_bytes = namespace.layer_bytes
+        copied = 0
+        try:
+            for message in itertools.chain([first], stream):
+                matched = min(matched, message.matched)
+                while copied < message.layers_ready:
+                    low, high = copied * layer_bytes, (copied + 1) * layer_bytes
+                    np.take(arena.slots[:, low:high], slots[:matched], axis=0, out=rows[:matched, low:high], mode="clip")
+                    copied += 1
+                yield copied, _wire.blocks_to_output(namespace, rows, matched)
+        finally:
+            stream.cancel()
+            if first.lease_id:
+                self._run(_ops.release(self.session, [first.lease_id]))
 
     def get_tensor(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> Any:
         """The stored prefix of `keys` as a CPU torch tensor of the namespace dtype."""

@@ -270,13 +270,22 @@ class DiskPlane:
 
     # -- reads ----------------------------------------------------------
 
-    async def complete_get(self, plan: GetPlan) -> list[Block]:
-        """Run the plan's disk reads (or wait for other Gets' reads); the servable prefix."""
+    async def complete_get(self, plan: GetPlan, on_layer=None) -> list[Block]:
+        """Run the plan's disk reads (or wait for other Gets' reads); the servable prefix.
+
+        on_layer(layer, ok), if given, is called on the loop each time layer
+        `layer` of every loaded block has landed and been verified; ok[i]
+        says whether plan.loads[i] is still good.
+        """
         engine = self.engine
         loop = asyncio.get_running_loop()
         if plan.loads:
             self._loads.update({load.block: loop.create_future() for load in plan.loads})
-            reading = loop.run_in_executor(self._io, self._read_batch, self._read_work(plan.loads))
+            progress = None
+            if on_layer is not None:
+                def progress(layer: int, ok) -> None:  # I/O thread
+                    loop.call_soon_threadsafe(on_layer, layer, ok)
+            reading = loop.run_in_executor(self._io, self._read_batch, self._read_work(plan.loads), progress)
             try:
                 # Shielded: if this Get is cancelled, the I/O thread still
                 # writes into the host slots, so they stay pinned until it is
@@ -328,15 +337,27 @@ class DiskPlane:
             work.append((namespace_id, spec.layer_bytes, spec.num_layers, items))
         return work
 
-    def _read_batch(self, work) -> list[bool]:
+    def _read_batch(self, work, progress=None) -> list[bool]:
         """I/O thread: layer-wise reads into the host slots, checksums verified."""
-        ok = [False] * sum(len(items) for *_, items in work)
+        total = sum(len(items) for *_, items in work)
+        ok = [False] * total
         for namespace_id, layer_bytes, num_layers, items in work:
             requests = [
                 (self.tier.key_of(slot), slot, address, self.tier.layer_checksums_of(slot))
                 for _, slot, address in items
             ]
-            results = self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests)
+            on_layer = None
+            if progress is not None:
+                positions = [position for position, _, _ in items]
+
+                def on_layer(layer: int, layer_ok, positions=positions) -> None:
+                    # Per-load mask in plan order (one namespace per Get).
+                    mask = [True] * total
+                    for position, good in zip(positions, layer_ok):
+                        mask[position] = bool(good)
+                    progress(layer, mask)
+
+            results = self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests, on_layer)
             for (position, _, _), good in zip(items, results):
                 ok[position] = bool(good)
         return ok

@@ -8,6 +8,7 @@ anything else is a bug and surfaces as INTERNAL with a logged traceback.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -228,8 +229,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         await self._after_seal(blocks, durable, context)
         return kvd_pb2.PutInlineResponse(statuses=[int(status) for status in result.statuses], sealed=sealed)
 
-    async def _pinned_prefix(self, request, client_id: str) -> tuple[object, list, bytes]:
-        """begin_get + disk reads: (lease, servable blocks, their tiers before the Get)."""
+    async def _begin_get(self, request, client_id: str):
+        """engine.begin_get, retried once after an in-flight write batch if starved."""
 
         def begin():
             return self.engine.begin_get(
@@ -248,6 +249,11 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             self.engine.abandon_get(plan)
             await self.disk_plane.writes_idle.wait()
             plan = begin()
+        return plan
+
+    async def _pinned_prefix(self, request, client_id: str) -> tuple[object, list, bytes]:
+        """begin_get + disk reads: (lease, servable blocks, their tiers before the Get)."""
+        plan = await self._begin_get(request, client_id)
         tiers = convert.tiers(self.engine, plan.matched)
         if plan.loads or plan.waits:
             # On failure complete_get ends the lease itself, once no read
@@ -283,6 +289,71 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             offsets=[block.host_slot * slot_bytes for block in matched],
             tiers=tiers,
         )
+
+    async def GetLayers(self, request, context):
+        """Server-streaming Get: one message per layer landed (see the proto)."""
+        metrics = self.metrics
+        metrics.in_flight.inc()
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            async for message in self._get_layers(request):
+                yield message
+        except KvdError as error:
+            code = error.code
+            await context.abort(convert.status_of(error), error.message)
+        finally:
+            metrics.in_flight.dec()
+            metrics.duration.labels("GetLayers").observe(time.perf_counter() - started)
+            metrics.total.labels("GetLayers", code).inc()
+
+    async def _get_layers(self, request):
+        state = self.engine.namespace(request.namespace_id)
+        layers = state.spec.num_layers
+        plan = await self._begin_get(request, request.client_id)
+        matched = list(plan.matched)
+        slot_bytes = self.arena.layout.slot_bytes
+        pending = bool(plan.loads or plan.waits)
+        lease = plan.lease
+        yield kvd_pb2.GetLayersResponse(
+            matched=len(matched),
+            layers_ready=0 if pending else layers,
+            lease_id=lease.lease_id if lease else 0,
+            lease_deadline_ms=lease.deadline_ms if lease else 0,
+            offsets=[block.host_slot * slot_bytes for block in matched],
+            tiers=convert.tiers(self.engine, matched),
+        )
+        if not pending:
+            return
+        position_of = {id(load.block): matched.index(load.block) for load in plan.loads}
+        updates: asyncio.Queue = asyncio.Queue()
+
+        def on_layer(layer: int, ok) -> None:
+            updates.put_nowait((layer, ok))
+
+        # On failure complete_get ends the lease itself, once no read into
+        # the pinned slots is still running.
+        getting = asyncio.ensure_future(self.disk_plane.complete_get(plan, on_layer))
+        servable = len(matched)
+        try:
+            while not getting.done() or not updates.empty():
+                waiter = asyncio.ensure_future(updates.get())
+                await asyncio.wait({waiter, getting}, return_when=asyncio.FIRST_COMPLETED)
+                if not waiter.done():
+                    waiter.cancel()
+                    continue
+                layer, ok = waiter.result()
+                for load, good in zip(plan.loads, ok):
+                    if not good:
+                        servable = min(servable, position_of[id(load.block)])
+                if plan.waits:
+                    continue  # another Get is loading some blocks: only the end counts
+                yield kvd_pb2.GetLayersResponse(matched=servable, layers_ready=layer + 1)
+            served = await getting
+        finally:
+            if not getting.done():
+                getting.cancel()
+        yield kvd_pb2.GetLayersResponse(matched=min(servable, len(served)), layers_ready=layers)
 
     @rpc("Release")
     async def Release(self, request, context):

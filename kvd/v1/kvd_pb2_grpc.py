@@ -69,6 +69,11 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.GetRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.GetResponse.FromString,
                 _registered_method=True)
+        self.GetLayers = channel.unary_stream(
+                '/kvd.v1.Kvd/GetLayers',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.GetRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.GetLayersResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvd.v1.Kvd/Release',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.ReleaseRequest.SerializeToString,
@@ -136,6 +141,14 @@ class KvdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLayers(self, request, context):
+        """Shared-memory Get that reports each layer as it lands in the arena, so a
+        client can start on layer 0 while later layers are still being read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -197,6 +210,11 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.GetRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.GetResponse.SerializeToString,
+            ),
+            'GetLayers': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetLayers,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.GetRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.GetLayersResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -408,6 +426,33 @@ class Kvd:
             '/kvd.v1.Kvd/Get',
             kvd_dot_v1_dot_kvd__pb2.GetRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.GetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.v1.Kvd/GetLayers',
+            kvd_dot_v1_dot_kvd__pb2.GetRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.GetLayersResponse.FromString,
             options,
             channel_credentials,
             insecure,
