@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "host_tier": ([], ["--rounds", "3", "--batch-mib", "128", "--capacity-mib", "256", "--inline-rounds", "1"]),
     "ttft": ([], ["--prompt-tokens", "1024", "--repeats", "1"]),
     "io_engine": ([], ["--file-mib", "256", "--rounds", "2"]),
+    "disk_restore": ([], ["--total-mib", "512", "--rounds", "2", "--store-rounds", "2"]),
 }
 
 
