@@ -14,7 +14,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint bench proto proto-check apt clean native-debug native-sanitize
+.PHONY: setup run test lint bench proto proto-check apt clean native-debug native-sanitize crash-long
 
 setup: $(BUILT_STAMP)
 
@@ -62,6 +62,11 @@ run: setup
 
 test: setup proto-check lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The daemon crash test (SIGKILL under a durable Put stream) with many more
+# kills than `make test` runs; KVD_CRASH_SEED picks another run.
+crash-long: setup
+	KVD_CRASH_ROUNDS=$${KVD_CRASH_ROUNDS:-60} $(PY) -m pytest -q -p no:cacheprovider tests/crash/test_daemon_crash.py
 
 # Undefined names, unused imports, syntax errors (generated code excluded).
 lint: setup

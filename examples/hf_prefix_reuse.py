@@ -18,6 +18,10 @@ weights, so nothing is downloaded and both runs get identical weights.
     kvd serve --state-dir /tmp/kvd &   # or any running daemon
     python examples/hf_prefix_reuse.py --target unix:///tmp/kvd/kvd.sock --role store
     python examples/hf_prefix_reuse.py --target unix:///tmp/kvd/kvd.sock --role restore --repeats 3
+
+With a disk tier configured, `--durable` makes the store run return only
+once its blocks are on disk, so the daemon can be restarted (or killed)
+between the two runs and the restore run reads the prefix from disk.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvd.client import Client
 from kvd.client.hf import blocks_to_cache, cache_to_blocks, spec_from_config
 from kvd.core.keys import NamespaceSpec
+from kvd.v1 import kvd_pb2
 
 VOCAB = 1000
+TIER_NAMES = {kvd_pb2.TIER_HOST: "host", kvd_pb2.TIER_DISK: "disk"}
 
 
 def build_model(seed: int) -> LlamaForCausalLM:
@@ -111,7 +117,8 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         ns = client.register_namespace(spec)
         keys = ns.keys(prompt.tolist())
         start = time.perf_counter()
-        written = client.put(ns, keys, blocks)
+        # durable: returns only once the blocks are on kvd's disk tier.
+        written = client.put(ns, keys, blocks, durable=args.durable)
         put_s = time.perf_counter() - start
         shared_memory = client.uses_shared_memory
 
@@ -121,6 +128,7 @@ def run_store(args: argparse.Namespace) -> dict[str, Any]:
         "weights_digest": weights_digest(model),
         "blocks": int(blocks.shape[0]),
         "blocks_written": int(written),
+        "durable": args.durable,
         "block_bytes": spec.block_bytes,
         "blocks_digest": tensor_digest(blocks),
         "prefill_s": prefill_s,
@@ -143,6 +151,9 @@ def run_restore(args: argparse.Namespace) -> dict[str, Any]:
 
     with Client(args.target, use_shared_memory=args.shared_memory) as client:
         ns = client.register_namespace(spec)
+        # Where the prefix is before the first Get (host memory, or disk
+        # after a daemon restart); outside the timed runs.
+        lookup = client.lookup(ns, ns.keys(request.tolist()))
         restore_times, full_times = [], []
         for _ in range(args.repeats):
             # Restored TTFT: everything a serving engine would do for this
@@ -182,6 +193,8 @@ def run_restore(args: argparse.Namespace) -> dict[str, Any]:
         "shared_memory": shared_memory,
         "weights_digest": weights_digest(model),
         "requested_blocks": len(keys),
+        "lookup_matched": lookup.matched,
+        "lookup_tiers": [TIER_NAMES.get(tier, str(tier)) for tier in lookup.tiers],
         "restored_blocks": int(fetched.shape[0]),
         "restored_tokens": matched_tokens,
         "fetched_digest": tensor_digest(fetched),
@@ -228,6 +241,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("auto", "on", "off"),
         default="auto",
         help="off forces block bytes inline over gRPC",
+    )
+    parser.add_argument(
+        "--durable", action="store_true", help="store: put with durable=True (needs a daemon with a disk tier)"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")

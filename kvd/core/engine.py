@@ -751,6 +751,10 @@ class Engine:
     # ------------------------------------------------------------------
     # In-process handles (tests, simulator, future tiers)
 
+    def pin(self, block: Block) -> BlockHandle:
+        """A read handle on one sealed block (e.g. while a Put waits for its disk copy)."""
+        return self._acquire(block)
+
     def acquire(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[BlockHandle]:
         """Read handles for the stored prefix of `keys`; the caller releases them."""
         matched = self.namespace(namespace_id).index.match(keys)

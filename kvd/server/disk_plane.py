@@ -159,6 +159,7 @@ class DiskPlane:
         engine = self.engine
         while not self._closing:
             writes = engine.pick_writes(self.settings.write_batch_blocks) if self._should_write() else []
+            self._fail_unwritable_waits(writes)
             if not writes:
                 self._wake.clear()
                 try:
@@ -243,30 +244,55 @@ class DiskPlane:
                     future.set_result(durable)
 
     async def wait_durable(self, blocks: Sequence[Block], timeout_s: float) -> bool:
-        """True once every block has a durable copy; False if one failed or time ran out."""
+        """True once every block has a durable copy; False if one failed or time ran out.
+
+        The blocks waited for stay pinned meanwhile: otherwise host eviction
+        could drop one before the writer reaches it, and the Put would wait
+        for a write that never comes.
+        """
         self.counters.durable_waits += 1
         futures = []
+        pins = []
         loop = asyncio.get_running_loop()
-        for block in blocks:
-            if block.disk_slot != -1:
-                continue
-            if block.state != BlockState.SEALED or not block.index.disk_enabled:
+        try:
+            for block in blocks:
+                if block.disk_slot != -1:
+                    continue
+                if block.state != BlockState.SEALED or not block.index.disk_enabled:
+                    self.counters.durable_wait_failures += 1
+                    return False
+                pins.append(self.engine.pin(block))
+                future = loop.create_future()
+                self._durable.setdefault(block, []).append(future)
+                futures.append(future)
+            self.wake()
+            if not futures:
+                return True
+            try:
+                results = await asyncio.wait_for(asyncio.gather(*futures), timeout_s)
+            except TimeoutError:
                 self.counters.durable_wait_failures += 1
                 return False
-            future = loop.create_future()
-            self._durable.setdefault(block, []).append(future)
-            futures.append(future)
-        self.wake()
-        if not futures:
-            return True
-        try:
-            results = await asyncio.wait_for(asyncio.gather(*futures), timeout_s)
-        except TimeoutError:
-            self.counters.durable_wait_failures += 1
-            return False
+        finally:
+            for pin in pins:
+                pin.release()
         if not all(results):
             self.counters.durable_wait_failures += 1
         return all(results)
+
+    def _fail_unwritable_waits(self, writes: Sequence[DiskWrite]) -> None:
+        """Fail the durable waits on blocks that will never be written: neither
+        picked now nor still queued (dropped because their parent has no
+        durable copy, lost, or never queued), instead of at their deadline."""
+        if not self._durable:
+            return
+        picked = {write.block for write in writes}
+        queued = set(self.engine.write_queue)
+        for block in [block for block in self._durable if block.disk_slot == -1]:
+            if block not in picked and block not in queued:
+                for future in self._durable.pop(block):
+                    if not future.done():
+                        future.set_result(False)
 
     # -- reads ----------------------------------------------------------
 

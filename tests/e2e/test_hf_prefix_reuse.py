@@ -13,11 +13,18 @@ blocks.  Every claim is checked on data the processes wrote out:
 
 Run once with block bytes through the shared-memory arena and once inline
 over gRPC.
+
+Then the same across a daemon restart: the store process puts durably into
+a daemon with a disk tier, the daemon is stopped with SIGTERM (or killed
+with SIGKILL) and started again on the same drives, and the restore process
+finds the prefix on disk only (Lookup says TIER_DISK for every block) and
+must meet the same three claims.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvd.testing.daemon import run_daemon
+from kvd.testing.daemon import run_daemon, start_daemon
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "hf_prefix_reuse.py"
@@ -35,7 +42,9 @@ SUFFIX_TOKENS = 24
 BLOCK_BYTES = 4 * 2 * 2 * BLOCK_TOKENS * 64 * 4
 
 
-def _run_role(role: str, target: str, prompt_tokens: int, seed: int, shared_memory: str, out: Path) -> dict:
+def _run_role(
+    role: str, target: str, prompt_tokens: int, seed: int, shared_memory: str, out: Path, durable: bool = False
+) -> dict:
     cmd = [
         sys.executable,
         str(EXAMPLE),
@@ -50,6 +59,8 @@ def _run_role(role: str, target: str, prompt_tokens: int, seed: int, shared_memo
     ]  # fmt: skip
     if role == "restore":
         cmd += ["--save-logits", str(out / "logits.pt")]
+    if durable:
+        cmd += ["--durable"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"{role} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return json.loads((out / f"{role}.json").read_text())[role]
@@ -72,6 +83,58 @@ def test_restored_prefix_matches_in_memory_cache(tmp_path: Path, shared_memory: 
         store = _run_role("store", daemon.unix_target, prompt_tokens, seed, shared_memory, tmp_path)
         restore = _run_role("restore", daemon.unix_target, prompt_tokens, seed, shared_memory, tmp_path)
 
+    _check_restore(store, restore, tmp_path, shared_memory, prompt_tokens)
+    # No disk tier: the prefix was in host memory when the restore began.
+    assert restore["lookup_tiers"] == ["host"] * (prompt_tokens // BLOCK_TOKENS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stop", "shared_memory", "prompt_tokens"),
+    [
+        # A drained restart: whole blocks through the shared-memory arena.
+        pytest.param(signal.SIGTERM, "on", 1024, id="sigterm-shared-memory"),
+        # A kill right after the durable Put returned, with a partial last
+        # block, inline over gRPC (PutInline and inline Get from disk).
+        pytest.param(signal.SIGKILL, "off", 1030, id="sigkill-inline-grpc"),
+    ],
+)
+def test_durable_prefix_is_restored_from_disk_after_a_restart(
+    tmp_path: Path, stop: signal.Signals, shared_memory: str, prompt_tokens: int
+) -> None:
+    """The store run puts durably; the daemon stops (SIGTERM) or dies (SIGKILL)
+    and starts again on the same drives with an empty host tier; the restore
+    run then finds the whole prefix on disk only and restores it exactly."""
+    config = {
+        "host": {"capacity_bytes": 16 << 20, "slot_bytes": BLOCK_BYTES},
+        "disk": {
+            "directories": [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")],
+            "capacity_bytes": 16 << 20,
+            "slot_bytes": BLOCK_BYTES,
+            "segment_bytes": 4 << 20,
+            "fsync": "strict",
+        },
+    }
+    seed = 12
+    directory = tmp_path / "daemon"
+    daemon = start_daemon(directory, config=config)
+    try:
+        store = _run_role("store", daemon.unix_target, prompt_tokens, seed, shared_memory, tmp_path, durable=True)
+    finally:
+        code = daemon.stop(stop)
+    assert code == (0 if stop == signal.SIGTERM else -signal.SIGKILL), daemon.log()[-4000:]
+    with run_daemon(directory, config=config) as daemon:
+        restore = _run_role("restore", daemon.unix_target, prompt_tokens, seed, shared_memory, tmp_path)
+
+    n_blocks = prompt_tokens // BLOCK_TOKENS
+    assert store["durable"] is True
+    # Every block of the prefix was on disk, and only there, before the Get.
+    assert restore["lookup_matched"] == n_blocks
+    assert restore["lookup_tiers"] == ["disk"] * n_blocks
+    _check_restore(store, restore, tmp_path, shared_memory, prompt_tokens)
+
+
+def _check_restore(store: dict, restore: dict, out: Path, shared_memory: str, prompt_tokens: int) -> None:
     n_blocks = prompt_tokens // BLOCK_TOKENS
     restored_tokens = n_blocks * BLOCK_TOKENS
     # Both processes built the same model from the seed (otherwise nothing
@@ -92,7 +155,7 @@ def test_restored_prefix_matches_in_memory_cache(tmp_path: Path, shared_memory: 
     # its in-memory reference below starts from the stored state exactly.
     assert restore["own_blocks_digest"] == store["blocks_digest"]
 
-    logits = torch.load(tmp_path / "logits.pt")
+    logits = torch.load(out / "logits.pt")
     restored, own, full = logits["restored"], logits["own_cache"], logits["full"]
     rest = prompt_tokens + SUFFIX_TOKENS - restored_tokens
     assert restored.dtype == own.dtype == full.dtype == torch.float32
