@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvd.config import DiskSettings
 from kvd.core.block import Block, BlockState
 from kvd.core.engine import DiskLoad, DiskWrite, Engine, GetPlan
+from kvd.io.engine import Op
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import DiskConfig
 from kvd.tiers.disk.tier import DiskRecovery, DiskTier
@@ -35,6 +38,20 @@ from kvd.tiers.host import HostArena
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05
+# Fault injection for tests of the whole daemon: "write:EIO:1000,read:EIO:5"
+# makes the I/O engine fail that many matching entries with that errno.
+FAULTS_ENV = "KVD_INJECT_IO_FAULTS"
+
+
+def parse_fault_rules(text: str) -> list[tuple[Op, int, int]]:
+    rules = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        op_name, errno_name, count_text = (item.split(":") + ["1"])[:3]
+        error_number = getattr(errno, errno_name.upper(), None)
+        if op_name.upper() not in Op.__members__ or error_number is None or not count_text.isdigit():
+            raise ValueError(f"{FAULTS_ENV}: cannot parse {item!r} (want op:ERRNO[:count])")
+        rules.append((Op[op_name.upper()], error_number, int(count_text)))
+    return rules
 
 
 @dataclass(slots=True)
@@ -91,7 +108,11 @@ class DiskPlane:
 
         def open_tier() -> tuple[DiskTier, DiskRecovery]:
             tier = DiskTier(self.config)
-            return tier, tier.open()
+            recovery = tier.open()
+            for rule in parse_fault_rules(os.environ.get(FAULTS_ENV, "")):
+                log.warning("injecting disk faults (testing only)", extra={"rule": repr(rule)})
+                tier.engine.inject_fault(rule[0], errno=rule[1], count=rule[2])
+            return tier, recovery
 
         self.tier, recovery = await self._run(open_tier)
         return recovery

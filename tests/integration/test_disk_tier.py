@@ -204,3 +204,49 @@ def test_layers_arrive_in_order_from_disk(tmp_path):
         steps = [(ready, got.shape[0]) for ready, got in client.get_layers(namespace, keys)]
         assert steps == [(SPEC.num_layers, 8)]
         assert client.stats().leases == 0
+
+
+def test_disk_errors_become_misses_and_the_daemon_keeps_serving(tmp_path):
+    """EIO on every disk write, then on every disk read (injected through the
+    I/O engine): durable Puts fail precisely, nothing wrong is served, the
+    host tier keeps working and the error metrics count what happened."""
+    import grpc
+
+    directory = tmp_path / "d"
+    config = disk_config(tmp_path)
+    keys_and_blocks = []
+    with run_daemon(directory, config=config, env={"KVD_INJECT_IO_FAULTS": "write:EIO:100000"}) as daemon, \
+            Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        keys = namespace.keys(np.arange(4 * 16))
+        blocks = blocks_for(4, seed=7)
+        with pytest.raises(grpc.RpcError) as raised:
+            client.put(namespace, keys, blocks, durable=True)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "could not be made durable" in raised.value.details()
+        # Still in host memory, served bit-exact.
+        assert np.array_equal(client.get_numpy(namespace, keys), blocks)
+        samples = metric_samples(daemon.metrics_url)
+        assert samples['kvd_disk_failures_total{operation="write"}'] >= 1
+        assert samples['kvd_tier_blocks{tier="disk"}'] == 0
+    # A healthy run stores blocks durably ...
+    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        keys = namespace.keys(np.arange(6 * 16) + 5000)
+        blocks = blocks_for(6, seed=8)
+        client.put(namespace, keys, blocks, durable=True)
+        keys_and_blocks = (keys, blocks)
+    # ... and a run whose reads all fail serves none of them, and no wrong byte.
+    with run_daemon(directory, config=config, env={"KVD_INJECT_IO_FAULTS": "read:EIO:100000"}) as daemon, \
+            Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        keys, blocks = keys_and_blocks
+        assert client.lookup(namespace, keys).matched == 6
+        assert client.get_numpy(namespace, keys).shape[0] == 0
+        samples = metric_samples(daemon.metrics_url)
+        assert samples['kvd_disk_failures_total{operation="load"}'] >= 1
+        # The daemon still serves new blocks from memory.
+        fresh = namespace.keys(np.arange(2 * 16) + 9000)
+        fresh_blocks = blocks_for(2, seed=9)
+        client.put(namespace, fresh, fresh_blocks)
+        assert np.array_equal(client.get_numpy(namespace, fresh), fresh_blocks)
