@@ -150,27 +150,46 @@ def test_sigkill_mid_write_loop_keeps_every_acknowledged_block(drives, arena, tm
     rng = random.Random(5)
     acked: dict[int, int] = {}
     for round_number in range(3):
-        child = subprocess.Popen(
-            [sys.executable, str(script), *map(str, drives), str(100000 * (round_number + 1))],
-            stdout=subprocess.PIPE, text=True, cwd=REPO,
-        )
+        child_errors = tmp_path / f"child-{round_number}.stderr"
+        with open(child_errors, "wb") as errors:
+            child = subprocess.Popen(
+                [sys.executable, str(script), *map(str, drives), str(100000 * (round_number + 1))],
+                stdout=subprocess.PIPE, stderr=errors, text=True, cwd=REPO,
+            )
+
+        def next_line() -> str:
+            line = child.stdout.readline()
+            # An empty line means the writer died: say why, not just "unpack".
+            assert line, f"writer exited early ({child.poll()}):\n{child_errors.read_text()[-3000:]}"
+            return line
+
+        maybe: set[int] = set()
+
+        def follow(line: str) -> None:
+            nonlocal maybe
+            kind, *fields = line.split()
+            if kind in ("W", "R"):
+                maybe = {int(field.split(":")[0]) for field in fields}
+            elif kind == "w":
+                acked.update({int(s): int(v) for s, v in (field.split(":") for field in fields)})
+                maybe = set()
+            elif kind == "r":
+                for field in fields:
+                    del acked[int(field)]
+                maybe = set()
+
         try:
-            assert child.stdout.readline() == "ready\n"
-            maybe: set[int] = set()
+            assert next_line() == "ready\n"
             # Kill after a random number of acknowledgements, mid-operation.
             for _ in range(rng.randrange(20, 80)):
-                kind, *fields = child.stdout.readline().split()
-                if kind in ("W", "R"):
-                    maybe = {int(field.split(":")[0]) for field in fields}
-                elif kind == "w":
-                    acked.update({int(s): int(v) for s, v in (field.split(":") for field in fields)})
-                    maybe = set()
-                elif kind == "r":
-                    for field in fields:
-                        del acked[int(field)]
-                    maybe = set()
+                follow(next_line())
             os.kill(child.pid, signal.SIGKILL)
             child.wait(timeout=10)
+            # The writer ran ahead of this reader: whatever it reported
+            # before it died happened, so account for it too.
+            for line in child.stdout:
+                if line.endswith("\n"):
+                    follow(line)
         finally:
             if child.poll() is None:
                 child.kill()
