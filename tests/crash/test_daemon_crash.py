@@ -256,7 +256,9 @@ def test_sigkill_during_durable_put_stream(tmp_path):
                 phases = {"start_s": time.monotonic() - started}
                 checked = check_store(daemon, history, rng, everything=False)
                 phases["check_s"] = time.monotonic() - started - phases["start_s"]
-                (control / f"go-{round_}").write_text(daemon.unix_target)
+                # Atomically: a writer that sees the file must see its content.
+                (control / f"go-{round_}.tmp").write_text(daemon.unix_target)
+                (control / f"go-{round_}.tmp").rename(control / f"go-{round_}")
                 wait_for_writers(control, writers, round_, "ack", 30.0)
                 phases["first_acks_s"] = time.monotonic() - started - phases["start_s"] - phases["check_s"]
                 time.sleep(rng.uniform(*KILL_AFTER_S))
