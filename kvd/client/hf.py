@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from kvd.core.keys import InnerLayout, KvOrder, NamespaceSpec
 from kvd.client.tensors import dtype_of_torch, torch_dtype
+from kvd.core.keys import InnerLayout, KvOrder, NamespaceSpec
 from kvd.errors import InvalidArgument
 
 __all__ = [

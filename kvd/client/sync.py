@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 
 from kvd.client import _ops, _wire
-from kvd.errors import FailedPrecondition
 from kvd.client._wire import LookupResult, Namespace
 from kvd.core.keys import NamespaceSpec
+from kvd.errors import FailedPrecondition
 from kvd.v1 import kvd_pb2
 
 

@@ -19,8 +19,8 @@ import grpc
 
 from kvd import __version__
 from kvd.clock import Clock
-from kvd.core.engine import Engine, ReserveStatus
 from kvd.core.block import BlockState
+from kvd.core.engine import Engine, ReserveStatus
 from kvd.errors import InvalidArgument, KvdError, ResourceExhausted, Unavailable
 from kvd.metrics import RpcMetrics
 from kvd.server import convert

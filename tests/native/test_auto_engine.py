@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from kvd.io import open_engine, uring_unavailable_reason
-
 from tests.native.conftest import allow_fallback
 
 

@@ -13,7 +13,6 @@ import pytest
 
 from kvd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvd.io import STATS_KEYS, Op, address_of, aligned_empty, open_engine
-
 from tests.native.conftest import ENGINE_KINDS
 
 BLOCK = 4096

@@ -10,7 +10,6 @@ import pytest
 from kvd.errors import InvalidArgument, ResourceExhausted
 from kvd.io import Op, address_of, aligned_empty
 from kvd.io.engine import MAX_FAULT_RULES
-
 from tests.native.conftest import ENGINE_KINDS
 
 BLOCK = 4096

@@ -17,7 +17,6 @@ by a prefix match of its chain, and engine.verify() holds. A rejected call
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, event, settings
@@ -36,6 +35,7 @@ from kvd.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from kvd.testing.engine_snapshot import snapshot
 
 SLOTS = 6
 MAX_LEASES = 4
@@ -75,28 +75,6 @@ class MLease:
     # leases hold sealed keys only.
     handles: list[list] = field(default_factory=list)
     parent: bytes | None = None
-
-
-def snapshot(engine: Engine) -> dict:
-    host = engine.host
-    return {
-        "indexes": {
-            s.namespace_id: {
-                k: (b.state, b.ref_count, b.children, b.host_slot, b.parent and b.parent.key)
-                for k, b in s.index.nodes.items()
-            }
-            for s in engine.namespaces()
-        },
-        "policy": [b.key for b in host.policy.order()],
-        "free": list(host.free_slots),
-        "used": host.used_bytes,
-        "counters": dataclasses.astuple(host.counters),
-        "handles": (engine.live_handles, engine.pinned_blocks, engine.leaked_handles),
-        "leases": {
-            lease.lease_id: (lease.deadline_ms, [(h.key, h.released, h.writable) for h in lease.handles])
-            for lease in engine.leases
-        },
-    }
 
 
 class EngineMachine(RuleBasedStateMachine):

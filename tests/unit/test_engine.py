@@ -30,6 +30,7 @@ from kvd.errors import (
     ResourceExhausted,
 )
 from kvd.invariants import InvariantError
+from kvd.testing.engine_snapshot import snapshot
 
 R, E, F, N = ReserveStatus.RESERVED, ReserveStatus.EXISTS, ReserveStatus.IN_FLIGHT, ReserveStatus.NO_SPACE
 
@@ -66,36 +67,6 @@ class Checked:
                 self.engine.verify()
 
         return call
-
-
-def snapshot(engine: Engine) -> dict:
-    """Everything a rejected call must leave untouched."""
-    host = engine.host
-    return {
-        "indexes": {
-            state.namespace_id: {
-                key: (block.state, block.ref_count, block.children, block.host_slot, block.parent and block.parent.key)
-                for key, block in state.index.nodes.items()
-            }
-            for state in engine.namespaces()
-        },
-        "policy": [block.key for block in host.policy.order()],
-        "free": list(host.free_slots),
-        "owners": [owner and owner.key for owner in host.owners],
-        "used": host.used_bytes,
-        "counters": dataclasses.astuple(host.counters),
-        "handles": (engine.live_handles, engine.pinned_blocks, engine.leaked_handles),
-        "leases": {
-            lease.lease_id: (
-                lease.kind,
-                lease.client_id,
-                lease.deadline_ms,
-                [(h.key, h.released, h.writable) for h in lease.handles],
-                lease.parent_handle and lease.parent_handle.key,
-            )
-            for lease in engine.leases
-        },
-    }
 
 
 def rejected(engine: Checked, error: type[KvdError], method: str, *args, match: str | None = None) -> KvdError:

@@ -1,0 +1,61 @@
+"""A comparable picture of an Engine's whole state, for tests.
+
+A rejected call must leave the engine exactly as it was: tests take a
+snapshot before the call and compare it with one taken after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvd.core.engine import Engine
+
+
+def snapshot(engine: Engine) -> dict:
+    """Everything a rejected call must leave untouched."""
+    host = engine.host
+    disk = engine.disk
+    return {
+        "indexes": {
+            state.namespace_id: {
+                key: (
+                    block.state,
+                    block.ref_count,
+                    block.children,
+                    block.host_children,
+                    block.host_slot,
+                    block.disk_slot,
+                    block.parent and block.parent.key,
+                )
+                for key, block in state.index.nodes.items()
+            }
+            for state in engine.namespaces()
+        },
+        "policy": [block.key for block in host.policy.order()],
+        "free": list(host.free_slots),
+        "owners": [owner and owner.key for owner in host.owners],
+        "used": host.used_bytes,
+        "counters": dataclasses.astuple(host.counters),
+        "disk": None
+        if disk is None
+        else (
+            list(disk.free_slots),
+            sorted(disk.quarantine),
+            sorted(disk.writing),
+            list(disk.removals),
+            disk.used_bytes,
+            dataclasses.astuple(disk.counters),
+        ),
+        "write_queue": [block.key for block in engine.write_queue],
+        "handles": (engine.live_handles, engine.pinned_blocks, engine.leaked_handles),
+        "leases": {
+            lease.lease_id: (
+                lease.kind,
+                lease.client_id,
+                lease.deadline_ms,
+                [(h.key, h.released, h.writable) for h in lease.handles],
+                lease.parent_handle and lease.parent_handle.key,
+            )
+            for lease in engine.leases
+        },
+    }
