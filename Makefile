@@ -7,9 +7,10 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvd-installed
 BUILT_STAMP := $(VENV)/.kvd-built
-# Debian packages: liburing-dev to build the native I/O engine (kvd._native);
+# Debian packages: liburing-dev and libisal-dev (crc32c) to build the native
+# I/O engine (kvd._native);
 # the benchmarks also compare against redis-server and fio.
-APT_PACKAGES ?= liburing-dev
+APT_PACKAGES ?= liburing-dev libisal-dev
 BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
 PYTEST_ARGS ?=

@@ -9,7 +9,8 @@ exists because the compiler flags depend on the environment:
                             libasan preloaded (`make native-sanitize` does)
 
 Release builds use -O2. Every build treats warnings as errors. The build
-needs gcc and liburing (Debian: liburing-dev; `make setup` installs it).
+needs gcc, liburing and Intel ISA-L (Debian: liburing-dev, libisal-dev;
+`make setup` installs them).
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ def native_extension() -> Extension:
         compile_args += ["-O2"]
     return Extension(
         "kvd._native",
-        sources=["native/module.c", "native/uring_batch.c"],
-        depends=["native/uring_batch.h"],
+        sources=["native/module.c", "native/uring_batch.c", "native/checksum.c"],
+        depends=["native/uring_batch.h", "native/checksum.h"],
         include_dirs=["native"],
-        libraries=["uring"],
+        libraries=["uring", "isal"],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     )

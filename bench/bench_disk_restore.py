@@ -15,11 +15,15 @@ restore the header of every layer object in the arena is overwritten.
 
 Restore contenders, interleaved round by round (the order rotates):
 
-* kvd restore: `DiskTier.read_blocks` of all blocks into the arena, layer
-  by layer (one batch of N extents per layer), crc32c of every layer
-  object verified. Checked on every round: every block True, the tier
-  counted every block read and verified and no checksum failure, and the
-  header of every layer object is the one written.
+* kvd restore: `DiskTier.read_blocks` of all blocks into the arena, in
+  layer order: one batch of N extents per group of layers, each extent
+  whole layers of one block of about disk.read_extent_bytes (512 KiB by
+  default: 8 layers of 64 KiB at 16 tokens, 1 layer of 1 MiB at 256), the
+  crc32c of every layer object computed by the engine as it reaps
+  (Intel ISA-L, GIL released) and compared. Checked on every round: every
+  block True, the tier counted every block read and verified and no
+  checksum failure, and the header of every layer object is the one
+  written.
 * fio: `fio --rw=read --direct=1 --bs=1M --iodepth=32 --ioengine=io_uring`
   over a file of the same size on the same file system (its own I/O
   time, without its start-up).
@@ -28,10 +32,10 @@ Restore contenders, interleaved round by round (the order rotates):
   is generous: many peers read into bytes and copy). Its page cache is
   dropped (posix_fadvise DONTNEED) before every round.
 * for information, three reads through kvd.io without checksums, to
-  separate the costs: "kvd engine only", the same layer-wise batches
+  separate the costs: "kvd engine only", the same batches of extents
   through the tier's own engine (the verification's cost is the gap to
   kvd restore); "kvd engine blocks", every block as one extent in one
-  batch (the cost of small layer objects is the gap between the two);
+  batch (the cost of reading in layer order is the gap between the two);
   "kvd.io seq 1M", fio's file and access pattern (1 MiB, sequential,
   queue depth 32) through kvd.io into the same arena (on the development
   VM fio reached between about half of it and all of it, run to run).
@@ -47,7 +51,8 @@ blocks are removed (not timed).
 Reported: median and best GiB/s, CPU per GiB and per restored object
 (getrusage of this process, user and system, object = one layer of one
 block), user CPU without the crc32c of the object (a crc-only pass over
-the same objects after every kvd round, not timed with it), tier
+the same objects, through the same native function, after every kvd
+round, not timed with it), tier
 submissions per restore (batches handed to the engine) and the engine's
 io_uring_enter calls; ratios of medians and the median of round-by-round
 ratios; how much of the verification the reads hide. When a target is
@@ -57,7 +62,7 @@ the wall time is split into engine wait, submit, verification and crc32c.
 
 Targets (per granularity, on medians): restore >= 0.85x fio, >= 3x
 naive; <= 1 us CPU per restored object; submissions per restore O(layers)
-(exactly num_layers, whatever the block count); checksums verified in
+(at most num_layers, whatever the block count); checksums verified in
 every measured run (and a wrong checksum is caught, checked once).
 
 The development VM's disk is shared, its host caches even O_DIRECT reads,
@@ -67,7 +72,7 @@ not drive figures and drift by 2x within minutes; compare within one run.
 
 Run:  .venv/bin/python bench/bench_disk_restore.py [--total-mib 2048] [--block-tokens 16 256]
           [--rounds 5] [--store-rounds 5] [--store-batch-blocks 64] [--drives 2] [--queue-depth 32]
-          [--dir /tmp] [--no-fio] [--no-naive] [--profile]
+          [--tier-queue-depth 128] [--read-extent-kib 512] [--dir /tmp] [--no-fio] [--no-naive] [--profile]
 """
 
 from __future__ import annotations
@@ -93,14 +98,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import crc32c
 from _common import fmt_ratio, progress, ratio, report, warn_if_busy, write_result
 
+from kvd.config import DiskSettings
 from kvd.core.keys import DType, NamespaceSpec
 from kvd.io import Op, open_engine
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import DiskConfig, locate_many
-from kvd.tiers.disk.tier import DiskTier, memory_at
+from kvd.io.checksum import crc32c_chunks
+from kvd.tiers.disk.tier import DiskTier
 from kvd.tiers.host import ArenaLayout, HostArena
 
 NUM_LAYERS = 32
@@ -187,12 +193,10 @@ class Blocks:
         self.objects[:, :, :HEADER_BYTES] = self.expected_headers
 
     def crc_pass(self) -> tuple[float, float]:
-        """crc32c of every layer object, the way the tier verifies: (wall, cpu) seconds."""
-        layer_bytes = self.layer_bytes
+        """crc32c of every layer object with the engine's function (ISA-L): (wall, cpu) seconds."""
+        addresses = np.array(self.addresses, dtype=np.uint64)
         cpu0, t0 = cpu_seconds(), time.perf_counter()
-        for address in self.addresses:
-            for layer in range(self.num_layers):
-                crc32c.crc32c(memory_at(address + layer * layer_bytes, layer_bytes))
+        crc32c_chunks(addresses, self.layer_bytes, self.num_layers)
         return time.perf_counter() - t0, cpu_seconds() - cpu0
 
     def close(self) -> None:
@@ -204,18 +208,22 @@ class Blocks:
 # kvd
 
 
-def disk_config(directories: list[Path], blocks: Blocks, policy: FsyncPolicy, queue_depth: int) -> DiskConfig:
+def disk_config(directories: list[Path], blocks: Blocks, policy: FsyncPolicy, queue_depth: int,
+                read_extent_bytes: int) -> DiskConfig:
     per_drive = -(-blocks.count // len(directories)) * blocks.block_bytes
     capacity = -(-per_drive // SEGMENT_BYTES) * SEGMENT_BYTES
     return DiskConfig(
         directories=tuple(directories), capacity_bytes=capacity, slot_bytes=blocks.block_bytes,
         segment_bytes=SEGMENT_BYTES, fsync_policy=policy, queue_depth=queue_depth, io_engine="auto",
+        read_extent_bytes=read_extent_bytes,
     )
 
 
-def open_tier(root: Path, drives: int, blocks: Blocks, policy: FsyncPolicy, queue_depth: int) -> DiskTier:
+def open_tier(root: Path, drives: int, blocks: Blocks, policy: FsyncPolicy, queue_depth: int,
+              read_extent_bytes: int = 512 << 10) -> DiskTier:
     root.mkdir(parents=True, exist_ok=True)
-    tier = DiskTier(disk_config([root / f"drive{d}" for d in range(drives)], blocks, policy, queue_depth))
+    tier = DiskTier(disk_config([root / f"drive{d}" for d in range(drives)], blocks, policy, queue_depth,
+                                read_extent_bytes))
     tier.open()
     tier.register_namespace(blocks.namespace_id, blocks.spec.encode())
     return tier
@@ -285,7 +293,7 @@ class KvdRestore:
 
 
 class KvdEngineOnly:
-    """The same layer batches through the tier's engine, no checksums (information only)."""
+    """The restore's batches (same groups of layers) through the tier's engine, no checksums (information only)."""
 
     name = "kvd engine only"
 
@@ -296,24 +304,28 @@ class KvdEngineOnly:
         self.files = files.astype(np.int32)
         self.offsets = offsets.astype(np.int64)
         self.addresses = np.array(blocks.addresses, dtype=np.uint64)
-        self.lengths = np.full(blocks.count, blocks.layer_bytes, dtype=np.uint32)
+        self.width = max(1, min(blocks.num_layers, tier.config.read_extent_bytes // blocks.layer_bytes))
 
     def run(self) -> dict[str, Any]:
         b = self.blocks
         b.poison()
         engine0 = self.engine.stats
         (user0, sys0), t0 = cpu_split(), time.perf_counter()
+        firsts = list(range(0, b.num_layers, self.width))
 
-        def submit(layer: int) -> int:
-            shift = layer * b.layer_bytes
-            return self.engine.submit(Op.READ, self.files, self.offsets + shift, self.lengths,
-                                      self.addresses + np.uint64(shift))
+        def submit(first: int) -> tuple[int, int]:
+            shift = first * b.layer_bytes
+            extent = (min(first + self.width, b.num_layers) - first) * b.layer_bytes
+            lengths = np.full(b.count, extent, dtype=np.uint32)
+            return self.engine.submit(Op.READ, self.files, self.offsets + shift, lengths,
+                                      self.addresses + np.uint64(shift)), extent
 
         bad = 0
         in_flight = submit(0)
-        for layer in range(b.num_layers):
-            following = submit(layer + 1) if layer + 1 < b.num_layers else None
-            bad += int(np.count_nonzero(self.engine.wait(in_flight) != b.layer_bytes))
+        for position in range(len(firsts)):
+            following = submit(firsts[position + 1]) if position + 1 < len(firsts) else None
+            batch, extent = in_flight
+            bad += int(np.count_nonzero(self.engine.wait(batch) != extent))
             in_flight = following
         seconds = time.perf_counter() - t0
         user1, sys1 = cpu_split()
@@ -633,12 +645,11 @@ def profile_restore(restore: KvdRestore, title: str) -> tuple[str, dict[str, flo
         "wall_seconds_profiled": wall,
         "engine_wait_seconds": cumulative("engine.py", "wait"),  # blocked on the drive (GIL released)
         "engine_submit_seconds": cumulative("engine.py", "submit"),  # checks + io_uring_enter
-        "verify_layer_seconds": cumulative("tier.py", "_verify_layer"),  # drive idles unless a layer is queued
-        "crc32c_seconds": cumulative("~", "crc32c"),
+        # The crc32c runs inside the engine's wait (C, GIL released); this is the comparison only.
+        "verify_group_seconds": cumulative("tier.py", "_verify_group"),
     }
-    breakdown["verify_minus_crc_seconds"] = breakdown["verify_layer_seconds"] - breakdown["crc32c_seconds"]
     breakdown["other_seconds"] = wall - breakdown["engine_wait_seconds"] - breakdown["engine_submit_seconds"] - \
-        breakdown["verify_layer_seconds"]
+        breakdown["verify_group_seconds"]
     text = buffer.getvalue()
     report(text)
     report(f"where the time goes ({title}, under cProfile, which inflates Python-side time): "
@@ -668,8 +679,8 @@ def restore_checks(result: dict[str, Any]) -> dict[str, bool | None]:
         else r["restore_vs_naive"] >= TARGET_VS_NAIVE,
         f"CPU <= {TARGET_CPU_US_PER_OBJECT:g} us per restored object": kvd["cpu_us_per_object"]
         <= TARGET_CPU_US_PER_OBJECT,
-        "submissions per restore O(layers) (== num_layers)": all(
-            s["submissions"] == result["layers"] for s in kvd["samples"]),
+        "submissions per restore O(layers) (<= num_layers)": all(
+            s["submissions"] <= result["layers"] for s in kvd["samples"]),
         "checksums verified in every measured run": all(s["checksums_verified"] for s in kvd["samples"])
         and result["checksum_control_caught"],
     }
@@ -694,7 +705,8 @@ def run_granularity(args: argparse.Namespace, block_tokens: int, root: Path, fio
     }
     try:
         # -- restore ---------------------------------------------------------
-        tier = open_tier(directory / "kvd", args.drives, blocks, FsyncPolicy.STRICT, args.queue_depth)
+        tier = open_tier(directory / "kvd", args.drives, blocks, FsyncPolicy.STRICT, args.tier_queue_depth,
+                         args.read_extent_kib << 10)
         out["engine_kind"] = getattr(tier.engine, "kind", "?")
         batch_blocks = args.store_batch_blocks
         progress(f"{label}: writing the blocks to the disk tier ({out['engine_kind']} engine)")
@@ -758,7 +770,7 @@ def run_granularity(args: argparse.Namespace, block_tokens: int, root: Path, fio
 
         # -- store -----------------------------------------------------------
         progress(f"{label}: store, {batch_blocks} blocks ({batch_blocks * spec.block_bytes >> 20} MiB) per write_blocks")
-        stores = [KvdStore(directory / f"store-{policy.value}", args.drives, blocks, policy, args.queue_depth,
+        stores = [KvdStore(directory / f"store-{policy.value}", args.drives, blocks, policy, args.tier_queue_depth,
                            batch_blocks) for policy in (FsyncPolicy.STRICT, FsyncPolicy.GROUP, FsyncPolicy.NONE)]
         contenders = list(stores) + ([fio_write] if fio_write is not None else [])
         try:
@@ -788,7 +800,12 @@ def main() -> int:
     parser.add_argument("--store-batch-blocks", type=int, default=64,
                         help="blocks per write_blocks call (the daemon's disk.write_batch_blocks default)")
     parser.add_argument("--drives", type=int, default=2, help="tier directories (all on --dir's file system)")
-    parser.add_argument("--queue-depth", type=int, default=32, help="the tier's and fio's queue depth")
+    parser.add_argument("--queue-depth", type=int, default=32, help="fio's queue depth (and kvd.io seq 1M's)")
+    defaults = DiskSettings()
+    parser.add_argument("--tier-queue-depth", type=int, default=defaults.queue_depth,
+                        help="the tier's queue depth (default: the daemon's disk.queue_depth)")
+    parser.add_argument("--read-extent-kib", type=int, default=defaults.read_extent_bytes >> 10,
+                        help="the tier's restore extent (default: the daemon's disk.read_extent_bytes)")
     parser.add_argument("--dir", default=None, help="where the files go (default: the system temp dir)")
     parser.add_argument("--no-fio", action="store_true")
     parser.add_argument("--no-naive", action="store_true")
@@ -825,7 +842,8 @@ def main() -> int:
 
     # -- report -----------------------------------------------------------------
     report(f"== disk-tier restore: {args.total_mib} MiB per restore, {NUM_LAYERS} layers, bf16, "
-           f"{args.drives} tier directories, queue depth {args.queue_depth}, {args.rounds} rounds (store "
+           f"{args.drives} tier directories, tier queue depth {args.tier_queue_depth} and extents of about "
+           f"{args.read_extent_kib} KiB, fio queue depth {args.queue_depth}, {args.rounds} rounds (store "
            f"{args.store_rounds}) ==")
     report(f"{'tok/block':>9} {'contender':<18} {'GiB/s':>6} {'best':>6} {'CPU ms/GiB':>10} {'CPU us/obj':>10} "
            f"{'user':>7} {'sys':>7} {'user-crc':>8} {'submits':>7} {'enters':>6}")
@@ -882,7 +900,7 @@ def main() -> int:
         "results": results,
         "targets": targets,
         "target": (f"per granularity: restore >= {TARGET_VS_FIO}x fio and >= {TARGET_VS_NAIVE:g}x naive (median GiB/s), "
-                   f"<= {TARGET_CPU_US_PER_OBJECT:g} us CPU per restored object, submissions per restore == num_layers, "
+                   f"<= {TARGET_CPU_US_PER_OBJECT:g} us CPU per restored object, submissions per restore <= num_layers, "
                    "checksums verified in every measured run"),
         "pass": passed,
         "notes": "the VM's host caches O_DIRECT reads and the data set fits the page cache: compare within one run",

@@ -85,6 +85,10 @@ class DiskSettings:
     group_commit_ms: int = 10
     write_batch_blocks: int = 64
     queue_depth: int = 128
+    # Restores read each block in extents of whole layers of about this
+    # many bytes: larger is nearer the drive's bandwidth, smaller delivers
+    # the first layers sooner.
+    read_extent_bytes: int = 512 << 10
     # "auto" (io_uring when available), "uring" or "fallback".
     io_engine: str = "auto"
     manifest_max_bytes: int = 64 << 20
@@ -151,7 +155,8 @@ class Config:
                 raise ConfigError("disk.write_back_headroom", "must be between 0 and 1")
             if self.disk.io_engine not in ("auto", "uring", "fallback"):
                 raise ConfigError("disk.io_engine", f"must be auto, uring or fallback, got {self.disk.io_engine!r}")
-            for name in ("group_commit_ms", "write_batch_blocks", "queue_depth", "manifest_max_bytes"):
+            for name in ("group_commit_ms", "write_batch_blocks", "queue_depth", "manifest_max_bytes",
+                         "read_extent_bytes"):
                 _positive(f"disk.{name}", getattr(self.disk, name))
         _positive("leases.default_ms", self.leases.default_ms)
         _positive("leases.max_ms", self.leases.max_ms)

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "checksum.h"
 #include "uring_batch.h"
 
 typedef struct {
@@ -25,6 +26,8 @@ typedef struct {
     int busy;
     Py_buffer *results;  /* per slot, exported while the slot is in flight */
     char *holding;       /* per slot: results[slot] is exported */
+    Py_buffer *checksums;     /* per slot: a read batch's checksum cells, */
+    char *holding_checksums;  /* exported likewise when it asked for them */
 } RingObject;
 
 static PyObject *raise_error(int negative_errno) {
@@ -50,6 +53,10 @@ static void release_results(RingObject *self, uint32_t slot) {
     if (self->holding != NULL && self->holding[slot]) {
         PyBuffer_Release(&self->results[slot]);
         self->holding[slot] = 0;
+    }
+    if (self->holding_checksums != NULL && self->holding_checksums[slot]) {
+        PyBuffer_Release(&self->checksums[slot]);
+        self->holding_checksums[slot] = 0;
     }
 }
 
@@ -81,7 +88,10 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kwargs) {
     }
     self->results = PyMem_Calloc(max_batches, sizeof *self->results);
     self->holding = PyMem_Calloc(max_batches, sizeof *self->holding);
-    if (self->results == NULL || self->holding == NULL) {
+    self->checksums = PyMem_Calloc(max_batches, sizeof *self->checksums);
+    self->holding_checksums = PyMem_Calloc(max_batches, sizeof *self->holding_checksums);
+    if (self->results == NULL || self->holding == NULL || self->checksums == NULL ||
+        self->holding_checksums == NULL) {
         PyErr_NoMemory();
         return -1;
     }
@@ -105,6 +115,8 @@ static void ring_dealloc(RingObject *self) {
     ring_release_all(self);
     PyMem_Free(self->results);
     PyMem_Free(self->holding);
+    PyMem_Free(self->checksums);
+    PyMem_Free(self->holding_checksums);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -176,8 +188,20 @@ static PyObject *ring_register_buffers(RingObject *self, PyObject *args) {
 static PyObject *ring_submit(RingObject *self, PyObject *args) {
     int op;
     PyObject *objects[5];
-    if (!PyArg_ParseTuple(args, "iOOOOO", &op, &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) {
+    PyObject *checksums_object = Py_None;
+    unsigned int chunk = 0;
+    if (!PyArg_ParseTuple(args, "iOOOOO|OI", &op, &objects[0], &objects[1], &objects[2], &objects[3], &objects[4],
+                          &checksums_object, &chunk)) {
         return NULL;
+    }
+    Py_buffer checksum_view;
+    struct kvd_checksums checksums = {NULL, 0, chunk};
+    int with_checksums = checksums_object != Py_None;
+    if (with_checksums) {
+        Py_ssize_t cells = get_array(checksums_object, &checksum_view, 4, 1, "checksums");
+        if (cells < 0) return NULL;
+        checksums.values = checksum_view.buf;
+        checksums.capacity = (uint64_t)cells;
     }
     /* file_index int32, offset int64, length uint32, address uint64, results int64 (writable) */
     static const Py_ssize_t itemsizes[5] = {4, 8, 4, 8, 8};
@@ -223,22 +247,29 @@ static PyObject *ring_submit(RingObject *self, PyObject *args) {
         entries[i].length = length[i];
         entries[i].file_index = file_index[i];
     }
-    error = kvd_ring_submit(&self->ring, op, entries, views[4].buf, (uint32_t)count, &id, &slot);
+    error = kvd_ring_submit(&self->ring, op, entries, views[4].buf, (uint32_t)count,
+                            with_checksums ? &checksums : NULL, &id, &slot);
     Py_END_ALLOW_THREADS
     self->busy = 0;
     for (int i = 0; i < 4; i++) PyBuffer_Release(&views[i]);
     if (error < 0) {
         free(entries);
         PyBuffer_Release(&views[4]);
+        if (with_checksums) PyBuffer_Release(&checksum_view);
         return raise_error(error);
     }
-    /* The results export is held until wait() or close(). */
+    /* The results (and checksums) exports are held until wait() or close(). */
     self->results[slot] = views[4];
     self->holding[slot] = 1;
+    if (with_checksums) {
+        self->checksums[slot] = checksum_view;
+        self->holding_checksums[slot] = 1;
+    }
     return PyLong_FromUnsignedLongLong(id);
 
 fail:
     for (int i = 0; i < taken; i++) PyBuffer_Release(&views[i]);
+    if (with_checksums) PyBuffer_Release(&checksum_view);
     return NULL;
 }
 
@@ -326,7 +357,8 @@ static PyObject *ring_stats(RingObject *self, PyObject *Py_UNUSED(ignored)) {
         set_counter(dict, "errors", stats->errors) < 0 ||
         set_counter(dict, "short_transfers", stats->short_transfers) < 0 ||
         set_counter(dict, "faults_injected", stats->faults_injected) < 0 ||
-        set_counter(dict, "fixed_buffer_entries", stats->fixed_buffer_entries) < 0) {
+        set_counter(dict, "fixed_buffer_entries", stats->fixed_buffer_entries) < 0 ||
+        set_counter(dict, "checksum_chunks", stats->checksum_chunks) < 0) {
         Py_DECREF(dict);
         return NULL;
     }
@@ -385,11 +417,55 @@ static PyTypeObject RingType = {
     .tp_getset = ring_getset,
 };
 
+/* crc32c_chunks(addresses, chunk, chunks, out): for each address i,
+ * out[i * chunks + j] = crc32c of `chunk` bytes at addresses[i] + j * chunk.
+ * The caller vouches for the memory (kvd/io/checksum.py checks nothing it
+ * cannot: the addresses come from the daemon's own arena). */
+static PyObject *native_crc32c_chunks(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *addresses_object;
+    PyObject *out_object;
+    unsigned long long chunk;
+    unsigned int chunks;
+    if (!PyArg_ParseTuple(args, "OKIO", &addresses_object, &chunk, &chunks, &out_object)) return NULL;
+    Py_buffer addresses_view;
+    Py_buffer out_view;
+    Py_ssize_t count = get_array(addresses_object, &addresses_view, 8, 0, "addresses");
+    if (count < 0) return NULL;
+    Py_ssize_t cells = get_array(out_object, &out_view, 4, 1, "out");
+    if (cells < 0) {
+        PyBuffer_Release(&addresses_view);
+        return NULL;
+    }
+    if ((unsigned long long)cells != (unsigned long long)count * chunks) {
+        PyBuffer_Release(&addresses_view);
+        PyBuffer_Release(&out_view);
+        PyErr_SetString(PyExc_ValueError, "out must hold len(addresses) * chunks cells");
+        return NULL;
+    }
+    const uint64_t *addresses = addresses_view.buf;
+    uint32_t *out = out_view.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        kvd_crc32c_chunks((const void *)(uintptr_t)addresses[i], chunk, chunks, out + (size_t)i * chunks);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&addresses_view);
+    PyBuffer_Release(&out_view);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef native_functions[] = {
+    {"crc32c_chunks", native_crc32c_chunks, METH_VARARGS,
+     "crc32c_chunks(addresses: uint64 array, chunk, chunks, out: uint32 array) -> None"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "kvd._native",
-    .m_doc = "Batched io_uring I/O for kvd (see native/README.md).",
+    .m_doc = "Batched io_uring I/O and crc32c for kvd (see native/README.md).",
     .m_size = -1,
+    .m_methods = native_functions,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {

@@ -9,6 +9,8 @@
  */
 #include "uring_batch.h"
 
+#include "checksum.h"
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,17 +40,18 @@ int kvd_ring_open(struct kvd_ring *ring, uint32_t queue_depth, uint32_t max_batc
     if (max_batches == 0 || max_batches > KVD_MAX_BATCHES) return -EINVAL;
     ring->batches = calloc(max_batches, sizeof *ring->batches);
     ring->pending = calloc(max_batches, sizeof *ring->pending);
-    if (ring->batches == NULL || ring->pending == NULL) {
-        free(ring->batches);
-        free(ring->pending);
-        return -ENOMEM;
+    ring->to_checksum = calloc(queue_depth, sizeof *ring->to_checksum);
+    int error = -ENOMEM;
+    if (ring->batches != NULL && ring->pending != NULL && ring->to_checksum != NULL) {
+        error = io_uring_queue_init(queue_depth, &ring->uring, 0);
     }
-    int error = io_uring_queue_init(queue_depth, &ring->uring, 0);
     if (error < 0) {
         free(ring->batches);
         free(ring->pending);
+        free(ring->to_checksum);
         ring->batches = NULL;
         ring->pending = NULL;
+        ring->to_checksum = NULL;
         return error;
     }
     ring->open = 1;
@@ -74,7 +77,28 @@ static void complete_entry(struct kvd_ring *ring, struct kvd_batch *batch, uint3
     if (batch->op == KVD_OP_WRITE) ring->stats.bytes_written += (uint64_t)result;
     if (batch->op != KVD_OP_FSYNC && (uint64_t)result < batch->entries[index].length) {
         ring->stats.short_transfers++;
+    } else if (batch->checksums.values != NULL) {
+        /* Read in full: checksummed by drive() once the queue is refilled.
+         * Only reaped entries get here, at most in_kernel <= queue_depth
+         * between two drive() passes. */
+        KVD_CHECK(ring->to_checksum_count < ring->queue_depth);
+        ring->to_checksum[ring->to_checksum_count++] = ((uint64_t)(batch - ring->batches) << 32) | index;
     }
+}
+
+/* Checksums of the entries read in full since the last call. */
+static void checksum_completed(struct kvd_ring *ring) {
+    for (uint32_t k = 0; k < ring->to_checksum_count; k++) {
+        uint64_t item = ring->to_checksum[k];
+        struct kvd_batch *batch = &ring->batches[item >> 32];
+        KVD_CHECK(batch->id != 0 && batch->checksums.values != NULL);
+        const struct kvd_entry *entry = &batch->entries[(uint32_t)item];
+        uint32_t chunks = entry->length / batch->checksums.chunk;
+        kvd_crc32c_chunks((const void *)(uintptr_t)entry->address, batch->checksums.chunk, chunks,
+                          batch->checksums.values + entry->checksum_index);
+        ring->stats.checksum_chunks += chunks;
+    }
+    ring->to_checksum_count = 0;
 }
 
 /* Consumes every CQE that is ready; never blocks. */
@@ -205,7 +229,8 @@ static void apply_faults(struct kvd_ring *ring, int32_t op, struct kvd_entry *en
 /* Starts a batch: fault rules, a slot, the pending FIFO, then as many
  * SQEs as the queue depth allows, handed over in one io_uring_enter. */
 static int start_batch(struct kvd_ring *ring, int32_t op, uint32_t fsync_flags, struct kvd_entry *entries,
-                       int64_t *results, uint32_t count, uint64_t *id_out, uint32_t *slot_out) {
+                       int64_t *results, uint32_t count, const struct kvd_checksums *checksums,
+                       uint64_t *id_out, uint32_t *slot_out) {
     if (!ring->open) return -EBADF;
     if (count > KVD_MAX_BATCH_ENTRIES) return -E2BIG;
     if (count > 0 && entries == NULL) return -EINVAL;
@@ -213,6 +238,16 @@ static int start_batch(struct kvd_ring *ring, int32_t op, uint32_t fsync_flags, 
     for (uint32_t i = 0; i < count; i++) {
         if (entries[i].file_index < 0 || (uint32_t)entries[i].file_index >= ring->file_count) return -EBADF;
         if (entries[i].offset < 0) return -EINVAL;
+    }
+    if (checksums != NULL) {
+        if (op != KVD_OP_READ || checksums->values == NULL || checksums->chunk == 0) return -EINVAL;
+        uint64_t cells = 0;
+        for (uint32_t i = 0; i < count; i++) {
+            if (entries[i].length % checksums->chunk != 0) return -EINVAL;
+            entries[i].checksum_index = cells;
+            cells += entries[i].length / checksums->chunk;
+        }
+        if (cells > checksums->capacity) return -EINVAL;
     }
     uint32_t slot = 0;
     while (ring->batches[slot].id != 0) slot++; /* a free slot exists: active < max */
@@ -234,6 +269,7 @@ static int start_batch(struct kvd_ring *ring, int32_t op, uint32_t fsync_flags, 
     batch->count = count;
     batch->op = op;
     batch->fsync_flags = fsync_flags;
+    if (checksums != NULL) batch->checksums = *checksums;
     ring->active_batches++;
     if (op == KVD_OP_FSYNC) {
         ring->stats.fsyncs++;
@@ -254,10 +290,11 @@ static int start_batch(struct kvd_ring *ring, int32_t op, uint32_t fsync_flags, 
 }
 
 int kvd_ring_submit(struct kvd_ring *ring, int32_t op, struct kvd_entry *entries, int64_t *results,
-                    uint32_t count, uint64_t *id_out, uint32_t *slot_out) {
+                    uint32_t count, const struct kvd_checksums *checksums, uint64_t *id_out,
+                    uint32_t *slot_out) {
     if (op != KVD_OP_READ && op != KVD_OP_WRITE) return -EINVAL;
     if (count > 0 && results == NULL) return -EINVAL;
-    return start_batch(ring, op, 0, entries, results, count, id_out, slot_out);
+    return start_batch(ring, op, 0, entries, results, count, checksums, id_out, slot_out);
 }
 
 int kvd_ring_slot_of(const struct kvd_ring *ring, uint64_t id) {
@@ -274,6 +311,10 @@ static int drive(struct kvd_ring *ring, uint32_t slot) {
     for (;;) {
         reap(ring);
         fill(ring);
+        if (ring->to_checksum_count > 0) {
+            flush(ring); /* the drive works on the refilled queue meanwhile */
+            checksum_completed(ring);
+        }
         if (batch->completed == batch->count) {
             flush(ring); /* entries of later batches prepared above */
             return 0;
@@ -321,7 +362,7 @@ int kvd_ring_fsync(struct kvd_ring *ring, int32_t file_index, int datasync, int6
     uint64_t id;
     uint32_t slot;
     uint32_t flags = datasync ? IORING_FSYNC_DATASYNC : 0;
-    int error = start_batch(ring, KVD_OP_FSYNC, flags, entry, NULL, 1, &id, &slot);
+    int error = start_batch(ring, KVD_OP_FSYNC, flags, entry, NULL, 1, NULL, &id, &slot);
     if (error < 0) {
         free(entry);
         return error;
@@ -444,9 +485,11 @@ void kvd_ring_close(struct kvd_ring *ring) {
         ring->pending_head = (ring->pending_head + 1) % ring->max_batches;
         ring->pending_count--;
     }
-    /* Entries the kernel holds may still write into caller buffers: wait. */
+    /* Entries the kernel holds may still write into caller buffers: wait.
+     * Their batches are abandoned, so nothing is checksummed any more. */
     while (ring->in_kernel > 0) {
         reap(ring);
+        ring->to_checksum_count = 0;
         if (ring->in_kernel == 0) break;
         ring->stats.enter_calls++;
         int error = io_uring_submit_and_wait(&ring->uring, 1);
@@ -459,8 +502,10 @@ void kvd_ring_close(struct kvd_ring *ring) {
     free(ring->batches);
     free(ring->pending);
     free(ring->regions);
+    free(ring->to_checksum);
     ring->batches = NULL;
     ring->pending = NULL;
     ring->regions = NULL;
+    ring->to_checksum = NULL;
     ring->open = 0;
 }

@@ -27,6 +27,13 @@
  * READ_FIXED/WRITE_FIXED (the kernel skips pinning its pages per I/O),
  * any other entry a plain READ/WRITE.
  *
+ * Checksums: a read batch may ask for the crc32c of what it read, per
+ * `chunk` bytes of each entry (a layer of a block, say). They are computed
+ * in wait(), as completions are reaped and after the freed queue entries
+ * have been refilled and handed to the kernel, so the drive keeps working
+ * while the CPU checksums. Only entries read in full get checksums; the
+ * others keep whatever their cells held (their result says why).
+ *
  * Fault injection (for tests): rules checked at submit time, in entry
  * order, make matching entries complete with -errno without doing I/O,
  * or transfer fewer bytes than asked. The results still come back through
@@ -64,6 +71,15 @@ struct kvd_entry {
     /* Set by kvd_ring_submit, from the fault rules: */
     uint32_t transfer_length; /* bytes handed to the kernel (< length under a short fault) */
     int32_t fault_errno;      /* > 0: complete with -fault_errno, no I/O */
+    uint64_t checksum_index;  /* its first cell in the batch's checksums */
+};
+
+/* Where a read batch's checksums go: entry i, read in full, fills
+ * values[k .. k + length_i / chunk) with k = sum of length_j / chunk, j < i. */
+struct kvd_checksums {
+    uint32_t *values;
+    uint64_t capacity;        /* cells at values; must hold every entry's */
+    uint32_t chunk;           /* > 0; every entry's length is a multiple */
 };
 
 struct kvd_fault {
@@ -88,6 +104,7 @@ struct kvd_stats {
     uint64_t short_transfers;      /* entries completed with 0 <= result < length */
     uint64_t faults_injected;
     uint64_t fixed_buffer_entries; /* entries that used a registered buffer */
+    uint64_t checksum_chunks;      /* crc32c values computed for reads */
 };
 
 struct kvd_batch {
@@ -100,6 +117,7 @@ struct kvd_batch {
     int32_t op;
     uint32_t fsync_flags;
     int64_t own_result;       /* results of an fsync batch */
+    struct kvd_checksums checksums; /* values == NULL: none asked for */
 };
 
 struct kvd_region {
@@ -122,6 +140,8 @@ struct kvd_ring {
     uint32_t file_count;
     struct kvd_region *regions;       /* sorted by address, disjoint */
     uint32_t region_count;
+    uint64_t *to_checksum;            /* reaped entries (slot << 32 | index) awaiting */
+    uint32_t to_checksum_count;       /* their checksums; <= queue_depth */
     struct kvd_fault faults[KVD_MAX_FAULTS];
     uint32_t fault_count;
     struct kvd_stats stats;
@@ -146,10 +166,14 @@ void kvd_ring_clear_faults(struct kvd_ring *ring);
 
 /* A read or write batch. Takes ownership of `entries` (malloc'd, `count`
  * long) on success only.
- * `results` must stay valid until the batch is waited or the ring closed.
+ * `results` must stay valid until the batch is waited or the ring closed,
+ * and so must checksums->values when `checksums` is given (reads only;
+ * NULL: none). -EINVAL when a length is not a multiple of the chunk or the
+ * cells are too few.
  * On success *id_out names the batch and *slot_out is its slot. */
 int kvd_ring_submit(struct kvd_ring *ring, int32_t op, struct kvd_entry *entries, int64_t *results,
-                    uint32_t count, uint64_t *id_out, uint32_t *slot_out);
+                    uint32_t count, const struct kvd_checksums *checksums, uint64_t *id_out,
+                    uint32_t *slot_out);
 
 /* Slot of a batch in flight, or -ENOENT. */
 int kvd_ring_slot_of(const struct kvd_ring *ring, uint64_t id);

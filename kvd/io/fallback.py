@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
+import crc32c
 import numpy as np
 
 from kvd.errors import ResourceExhausted
@@ -38,6 +39,7 @@ class _Tally:
     bytes_moved: int = 0
     errors: int = 0
     short_transfers: int = 0
+    checksum_chunks: int = 0
 
 
 @dataclass(slots=True)
@@ -46,8 +48,18 @@ class _Flight:
     futures: list[Future[_Tally]]
 
 
+def _checksum_entry(batch: Batch, first: int, buffer: ctypes.Array, tally: _Tally) -> None:
+    """The crc32c of each checksum_chunk bytes of a fully read entry, into cells from `first`."""
+    assert batch.checksums is not None
+    chunk = batch.checksum_chunk
+    view = memoryview(buffer).cast("B")
+    for j in range(len(view) // chunk):
+        batch.checksums[first + j] = crc32c.crc32c(view[j * chunk:(j + 1) * chunk])
+        tally.checksum_chunks += 1
+
+
 def _run_slice(op: Op, fds: tuple[int, ...], batch: Batch, transfer_length: np.ndarray, fault_errno: np.ndarray,
-               results: np.ndarray, start: int, stop: int) -> _Tally:
+               first_cells: np.ndarray | None, results: np.ndarray, start: int, stop: int) -> _Tally:
     """Entries [start, stop) of one batch, one system call each (a worker thread)."""
     tally = _Tally()
     for index in range(start, stop):
@@ -76,6 +88,8 @@ def _run_slice(op: Op, fds: tuple[int, ...], batch: Batch, transfer_length: np.n
         tally.bytes_moved += done
         if done < requested:
             tally.short_transfers += 1
+        elif first_cells is not None:
+            _checksum_entry(batch, int(first_cells[index]), buffer, tally)
     return tally
 
 
@@ -122,10 +136,14 @@ class FallbackEngine(EngineBase):
                     fault_errno[index] = rule.error
                 else:
                     transfer_length[index] = min(int(transfer_length[index]), rule.short_bytes)
+        first_cells = None
+        if batch.checksums is not None:  # entry i's first cell: the cells of the entries before it
+            cells = (batch.length // batch.checksum_chunk).astype(np.int64)
+            first_cells = np.cumsum(cells) - cells
         slice_entries = max(1, -(-count // self.threads))
         futures = [
-            self._pool.submit(_run_slice, batch.op, self._fds, batch, transfer_length, fault_errno, results,
-                              start, min(start + slice_entries, count))
+            self._pool.submit(_run_slice, batch.op, self._fds, batch, transfer_length, fault_errno, first_cells,
+                              results, start, min(start + slice_entries, count))
             for start in range(0, count, slice_entries)
         ]
         batch_id = self._next_id
@@ -146,6 +164,7 @@ class FallbackEngine(EngineBase):
         self._counters["bytes_read" if op == Op.READ else "bytes_written"] += tally.bytes_moved
         self._counters["errors"] += tally.errors
         self._counters["short_transfers"] += tally.short_transfers
+        self._counters["checksum_chunks"] += tally.checksum_chunks
 
     def _fsync(self, file_index: int, datasync: bool) -> int:
         # Like the drained io_uring fsync: after every write already submitted.

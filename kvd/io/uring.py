@@ -64,7 +64,11 @@ class UringEngine(EngineBase):
         self._ring.register_buffers(addresses, lengths)
 
     def _submit(self, batch: Batch, results: np.ndarray) -> int:
-        return self._ring.submit(int(batch.op), batch.file_index, batch.offset, batch.length, batch.address, results)
+        if batch.checksums is None:
+            return self._ring.submit(int(batch.op), batch.file_index, batch.offset, batch.length, batch.address,
+                                     results)
+        return self._ring.submit(int(batch.op), batch.file_index, batch.offset, batch.length, batch.address,
+                                 results, batch.checksums, batch.checksum_chunk)
 
     def _wait(self, batch_id: int) -> None:
         self._ring.wait(batch_id)

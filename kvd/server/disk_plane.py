@@ -72,6 +72,7 @@ def disk_config(settings: DiskSettings) -> DiskConfig:
         fsync_policy=FsyncPolicy(settings.fsync),
         queue_depth=settings.queue_depth,
         io_engine=settings.io_engine,
+        read_extent_bytes=settings.read_extent_bytes,
     )
 
 

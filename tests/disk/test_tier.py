@@ -47,8 +47,9 @@ def raw_block(config, slot: int) -> bytes:
         return handle.read(BLOCK_BYTES)
 
 
-def test_round_trip_is_bit_exact_through_a_host_arena(drives, arena, io_engine):
-    config = make_config(drives, engine=io_engine)
+@pytest.mark.parametrize("extent_layers", [1, 2, LAYERS])
+def test_round_trip_is_bit_exact_through_a_host_arena(drives, arena, io_engine, extent_layers):
+    config = make_config(drives, engine=io_engine, read_extent_bytes=extent_layers * LAYER_BYTES)
     tier, recovery = open_tier(config)
     assert recovery.created_drives == [0, 1] and recovery.block_count == 0
     blocks = {slot: 100 + slot for slot in range(10)}
@@ -59,11 +60,39 @@ def test_round_trip_is_bit_exact_through_a_host_arena(drives, arena, io_engine):
     for i, seed in enumerate(blocks.values()):
         assert host_bytes(arena, 32 + i) == expected_bytes(seed)
     assert layers_seen == [(layer, [True] * 10) for layer in range(LAYERS)]
-    # One write batch, and one read batch per layer: O(L), not O(N*L).
-    assert tier.stats.submissions == 1 + LAYERS
+    # One write batch, and one read batch per group of extent_layers
+    # layers: O(L), not O(N*L).
+    groups = -(-LAYERS // extent_layers)
+    assert tier.stats.submissions == 1 + groups
     assert tier.stats.bytes_written == tier.stats.bytes_read == 10 * BLOCK_BYTES
-    assert tier.engine_stats()["entries"] == 10 + 10 * LAYERS
+    engine_stats = tier.engine_stats()
+    assert engine_stats["entries"] == 10 + 10 * groups
+    assert engine_stats["checksum_chunks"] == 10 * LAYERS  # every layer checksummed by the engine
     tier.verify()
+    tier.close()
+
+
+def test_a_corrupt_layer_inside_an_extent_fails_its_block_from_that_layer_on(drives, arena, io_engine):
+    """Layer 1 of a block is bad, read in one extent with layers 0 and 2:
+    on_layer reports the block good for layer 0 and bad from layer 1."""
+    config = make_config(drives, engine=io_engine, read_extent_bytes=LAYERS * LAYER_BYTES)
+    tier, _ = open_tier(config)
+    assert write(tier, arena, {slot: 7 + slot for slot in range(4)}) == [True] * 4
+    path, offset = segment_path(config, 2)
+    with open(path, "r+b") as handle:
+        handle.seek(offset + LAYER_BYTES + 123)
+        byte = handle.read(1)
+        handle.seek(offset + LAYER_BYTES + 123)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    layers_seen = []
+    failures = np.zeros(4, dtype=np.int8)
+    ok = read(tier, arena, [0, 1, 2, 3], failures=failures,
+              on_layer=lambda layer, mask: layers_seen.append((layer, mask.tolist())))
+    assert ok.tolist() == [True, True, False, True]
+    assert failures.tolist() == [ReadFailure.NONE, ReadFailure.NONE, ReadFailure.CHECKSUM, ReadFailure.NONE]
+    assert layers_seen[0] == (0, [True, True, True, True])
+    assert all(mask == [True, True, False, True] for layer, mask in layers_seen[1:])
+    assert tier.stats.checksum_failures == 1
     tier.close()
 
 
@@ -316,18 +345,21 @@ def test_write_faults_fail_only_the_blocks_they_hit(drives, arena, io_engine, fa
     ("fault", "reason", "kind"),
     [({"errno": errno.EIO}, ReadFailure.IO_ERROR, "EIO"), ({"short_bytes": 0}, ReadFailure.SHORT_READ, "short_read")],
 )
-def test_read_faults_fail_only_the_blocks_they_hit(drives, arena, io_engine, fault, reason, kind):
-    config = make_config(drives, engine=io_engine)
+@pytest.mark.parametrize("extent_layers", [1, LAYERS])
+def test_read_faults_fail_only_the_blocks_they_hit(drives, arena, io_engine, fault, reason, kind, extent_layers):
+    """The fault hits the extent holding layer 2 of block 2: read per layer,
+    layers 0 and 1 were good; read as one extent, none of it is."""
+    config = make_config(drives, engine=io_engine, read_extent_bytes=extent_layers * LAYER_BYTES)
     tier, _ = open_tier(config)
     assert all(write(tier, arena, {slot: slot for slot in range(6)}))
     place = locate(config, 2)
-    layer_2 = place.offset + 2 * LAYER_BYTES
-    tier.engine.inject_fault(Op.READ, file_index=place.file_index, offset_range=(layer_2, layer_2 + 1), **fault)
+    extent = place.offset + (2 // extent_layers) * extent_layers * LAYER_BYTES
+    tier.engine.inject_fault(Op.READ, file_index=place.file_index, offset_range=(extent, extent + 1), **fault)
     reasons = np.zeros(6, dtype=np.int8)
     masks = []
     ok = read(tier, arena, list(range(6)), failures=reasons, on_layer=lambda layer, mask: masks.append(mask[2]))
     assert ok.tolist() == [True, True, False, True, True, True]
-    assert masks == [True, True, False]
+    assert masks == ([True, True, False] if extent_layers == 1 else [False, False, False])
     assert reasons[2] == reason and tier.stats.errors == {kind: 1}
     assert tier.stats.read_failures == 1 and tier.stats.checksum_failures == 0
     tier.close()

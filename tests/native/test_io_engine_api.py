@@ -339,3 +339,41 @@ def test_os_errors_reach_the_results(kind, make_engine, tmp_path):
         assert results.tolist() == [-errno.EBADF]
     finally:
         os.close(fd)
+
+
+def test_read_checksums_per_chunk(rig):
+    """Two entries of 3 and 1 blocks, checksummed per 4 KiB: cells follow entry order."""
+    import crc32c
+
+    engine, files, initial, memory = rig
+    base = address_of(memory)
+    cells = np.zeros(4, dtype=np.uint32)
+    file_index = np.array([0, 1], dtype=np.int32)
+    offset = np.array([5 * BLOCK, 9 * BLOCK])
+    length = np.array([3 * BLOCK, BLOCK])
+    address = np.uint64(base) + np.array([0, 8 * BLOCK], dtype=np.uint64)
+    results = engine.wait(engine.submit(Op.READ, file_index, offset, length, address,
+                                        checksums=cells, checksum_chunk=BLOCK))
+    assert results.tolist() == [3 * BLOCK, BLOCK]
+    expected = [crc32c.crc32c(initial[0][(5 + j) * BLOCK:(6 + j) * BLOCK]) for j in range(3)]
+    expected.append(crc32c.crc32c(initial[1][9 * BLOCK:10 * BLOCK]))
+    assert cells.tolist() == expected
+    assert engine.stats["checksum_chunks"] == 4
+
+
+def test_bad_checksum_requests_raise_before_anything_is_submitted(rig):
+    engine, _, _, memory = rig
+    arrays = blocks(2, base=address_of(memory))
+    bad = [
+        ({"checksums": np.zeros(2, dtype=np.uint32)}, "checksum_chunk must be"),  # no chunk
+        ({"checksum_chunk": BLOCK}, "without a checksums array"),
+        ({"checksums": np.zeros(1, dtype=np.uint32), "checksum_chunk": BLOCK}, "needs 2"),
+        ({"checksums": np.zeros(2, dtype=np.int64), "checksum_chunk": BLOCK}, "uint32"),
+        ({"checksums": np.zeros(2, dtype=np.uint32), "checksum_chunk": 3000}, "multiple of checksum_chunk"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(InvalidArgument, match=message):
+            engine.submit(Op.READ, *arrays, **kwargs)
+    with pytest.raises(InvalidArgument, match="only read batches"):
+        engine.submit(Op.WRITE, *arrays, checksums=np.zeros(2, dtype=np.uint32), checksum_chunk=BLOCK)
+    assert engine.batches_in_flight == 0 and engine.stats["entries"] == 0

@@ -13,7 +13,9 @@ awkward cases: reads past the end of a file (short or empty), writes that
 extend a file, an end of file that is not block aligned, zero-length
 entries, misaligned O_DIRECT entries (-EINVAL), batches larger than the
 queue depth, registered buffers (odd seeds), and every fault kind (EIO,
-ENOSPC, short transfers aligned or not, short to zero bytes).
+ENOSPC, short transfers aligned or not, short to zero bytes). Read batches
+whose lengths allow it often ask for per-4 KiB checksums; both engines'
+cells must match each other and an independent crc32c of what was read.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import errno
 import os
 from dataclasses import dataclass
 
+import crc32c
 import numpy as np
 import pytest
 
@@ -38,6 +41,8 @@ INITIAL_SIZES = [1 << 20, (1 << 20) - 1000, 256 << 10]  # file 1 ends mid-block
 MAX_STEP_ENTRIES = 48
 ARENA_BYTES = MAX_STEP_ENTRIES * CHUNK_BYTES + 4096  # a slot per entry, +slack for misalignment
 STEPS = 24
+CHECKSUM_CHUNK = 4096
+UNTOUCHED = 0xDEADBEEF  # cells of entries not read in full must keep it
 
 
 @dataclass
@@ -117,6 +122,22 @@ def random_fault(rng: np.random.Generator) -> dict:
     return {"op": op, **fault}
 
 
+def check_checksums(arena: np.ndarray, arrays: dict[str, np.ndarray], results: np.ndarray,
+                    cells: np.ndarray) -> None:
+    """Cells of full reads hold the crc32c of each chunk read; others are untouched."""
+    first = 0
+    for memory, length, result in zip(arrays["memory"].tolist(), arrays["length"].tolist(), results.tolist(),
+                                      strict=True):
+        count = length // CHECKSUM_CHUNK
+        if result == length:
+            expected = [crc32c.crc32c(arena[memory + j * CHECKSUM_CHUNK:memory + (j + 1) * CHECKSUM_CHUNK])
+                        for j in range(count)]
+        else:
+            expected = [UNTOUCHED] * count
+        assert cells[first:first + count].tolist() == expected
+        first += count
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_random_batches_match_the_oracle(seed, make_engine, make_files):
     rng = np.random.default_rng(seed)
@@ -145,21 +166,33 @@ def test_random_batches_match_the_oracle(seed, make_engine, make_files):
         sizes = [os.fstat(fd).st_size for fd in oracle.files.fds]
         assert sizes == [os.fstat(fd).st_size for fd in native.files.fds]
         batches = plan_step(rng, sizes)
+        wanted = [op == Op.READ and not np.any(arrays["length"] % CHECKSUM_CHUNK) and rng.random() < 0.7
+                  for op, arrays in batches]
+        # Each side's own cells, written by its engine until the batch is waited.
+        cells = [[np.full(int((arrays["length"] // CHECKSUM_CHUNK).sum()), UNTOUCHED, dtype=np.uint32)
+                  if want else None for (_, arrays), want in zip(batches, wanted, strict=True)] for _ in sides]
         ids = [[side.engine.submit(op, arrays["file_index"], arrays["offset"], arrays["length"],
-                                   arrays["memory"] + np.uint64(side.base))
-                for op, arrays in batches] for side in sides]
+                                   arrays["memory"] + np.uint64(side.base), checksums=out,
+                                   checksum_chunk=CHECKSUM_CHUNK if out is not None else 0)
+                for (op, arrays), out in zip(batches, side_cells, strict=True)]
+               for side, side_cells in zip(sides, cells, strict=True)]
         order = rng.permutation(len(batches))
         for position in order:
             got = native.engine.wait(ids[0][position])
             want = oracle.engine.wait(ids[1][position])
             np.testing.assert_array_equal(got, want, err_msg=f"seed {seed} step {step} batch {position}")
+            if wanted[position]:
+                np.testing.assert_array_equal(cells[0][position], cells[1][position],
+                                              err_msg=f"seed {seed} step {step} batch {position}: checksums")
+                check_checksums(native.arena, batches[position][1], got, cells[0][position])
         assert native.engine.batches_in_flight == oracle.engine.batches_in_flight == 0
         assert np.array_equal(native.arena, oracle.arena), f"seed {seed} step {step}: read bytes differ"
 
     assert native.files.contents() == oracle.files.contents()
     native_stats, oracle_stats = native.engine.stats, oracle.engine.stats
     # The system-call counts differ by design (that is the point); the I/O does not.
-    for key in ("entries", "batches", "bytes_read", "bytes_written", "errors", "short_transfers", "faults_injected"):
+    for key in ("entries", "batches", "bytes_read", "bytes_written", "errors", "short_transfers", "faults_injected",
+                "checksum_chunks"):
         assert native_stats[key] == oracle_stats[key], key
     assert native_stats["submit_calls"] <= oracle_stats["submit_calls"]
     assert (native_stats["fixed_buffer_entries"] > 0) == bool(seed % 2)

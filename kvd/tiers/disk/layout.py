@@ -85,6 +85,10 @@ class DiskConfig:
     fsync_policy: FsyncPolicy = FsyncPolicy.STRICT
     queue_depth: int = 128
     io_engine: str = "auto"  # kvd.io.engine.open_engine kind
+    # A restore reads each block in extents of whole layers, about this
+    # long (at least one layer): bigger extents are closer to the drive's
+    # sequential bandwidth, smaller ones hand the first layers over sooner.
+    read_extent_bytes: int = 512 << 10
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directories", tuple(Path(d) for d in self.directories))
@@ -117,6 +121,8 @@ class DiskConfig:
             raise ConfigError("disk.fsync_policy", f"must be one of {[p.value for p in FsyncPolicy]}")
         if not 1 <= self.queue_depth <= MAX_QUEUE_DEPTH:
             raise ConfigError("disk.queue_depth", f"must be in [1, {MAX_QUEUE_DEPTH}]")
+        if not isinstance(self.read_extent_bytes, int) or not 0 < self.read_extent_bytes <= MAX_SLOT_BYTES:
+            raise ConfigError("disk.read_extent_bytes", f"must be in [1, {MAX_SLOT_BYTES}]")
 
     @property
     def drive_count(self) -> int:

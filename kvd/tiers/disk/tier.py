@@ -26,7 +26,6 @@ a wrong one as good.
 from __future__ import annotations
 
 import collections
-import ctypes
 import enum
 import errno
 import logging
@@ -37,12 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-import crc32c
 import numpy as np
 
 from kvd.core.keys import KEY_BYTES, NamespaceSpec
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.invariants import check
+from kvd.io.checksum import crc32c_chunks
 from kvd.tiers.disk.journal import (
     CURRENT,
     ROOT_PARENT,
@@ -191,24 +190,6 @@ class ReadOnlyFileSystem:
 
     def fsync_directory(self, path: Path) -> None:
         check(False, f"read-only disk tier tried to sync directory {path}")
-
-
-# ----------------------------------------------------------------------
-# Memory at an address
-
-_CHAR_ARRAYS: dict[int, type] = {}
-
-
-def memory_at(address: int, length: int) -> ctypes.Array:
-    """A zero-copy buffer over `length` bytes at `address` (for crc32c)."""
-    array_type = _CHAR_ARRAYS.get(length)
-    if array_type is None:
-        array_type = _CHAR_ARRAYS.setdefault(length, ctypes.c_char * length)
-    return array_type.from_address(address)
-
-
-def layer_checksums(address: int, layer_bytes: int, num_layers: int) -> tuple[int, ...]:
-    return tuple(crc32c.crc32c(memory_at(address + layer * layer_bytes, layer_bytes)) for layer in range(num_layers))
 
 
 # ----------------------------------------------------------------------
@@ -570,8 +551,9 @@ class DiskTier:
                 ok &= np.array([int(d) not in self.failed_drives for d in drives], dtype=bool)
         # Checksums come from the source, before the write: if the source
         # changes under us the record disagrees with the disk and the block
-        # reads back as corrupt (a miss), never as wrong bytes.
-        checksums = [layer_checksums(int(source), layer_bytes, num_layers) for source in sources]
+        # reads back as corrupt (a miss), never as wrong bytes. One native
+        # call for every layer of every block.
+        checksums = crc32c_chunks(sources, layer_bytes, num_layers)
         chosen = np.nonzero(ok)[0]
         if chosen.size:
             # The block's layers are contiguous in the slot and in the source:
@@ -594,7 +576,8 @@ class DiskTier:
             members = np.nonzero(ok & (drives == drive))[0].tolist()
             manifest = self._manifests[drive]
             records = [
-                PutRecord(manifest.sequence(), namespace_id, keys[i], parents[i], int(slots[i]), checksums[i])
+                PutRecord(manifest.sequence(), namespace_id, keys[i], parents[i], int(slots[i]),
+                          tuple(checksums[i].tolist()))
                 for i in members
             ]
             if self._append(drive, records):
@@ -614,7 +597,8 @@ class DiskTier:
         batch = self._submit(op, files, offsets, length, addresses)
         return self._engine.wait(batch)
 
-    def _submit(self, op: int, files: np.ndarray, offsets: np.ndarray, length: int, addresses: np.ndarray) -> int:
+    def _submit(self, op: int, files: np.ndarray, offsets: np.ndarray, length: int, addresses: np.ndarray,
+                **checksums: object) -> int:
         count = len(files)
         self.stats.submissions += 1
         return self._engine.submit(
@@ -623,6 +607,7 @@ class DiskTier:
             np.ascontiguousarray(offsets, dtype=np.int64),
             np.full(count, length, dtype=np.uint32),
             np.ascontiguousarray(addresses, dtype=np.uint64),
+            **checksums,
         )
 
     def _fdatasync(self, index: int) -> int:
@@ -669,13 +654,17 @@ class DiskTier:
         *,
         failures: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Read blocks layer by layer, verifying each layer; per-block ok mask.
+        """Read blocks in layer order, verifying each layer; per-block ok mask.
 
         items: (key, slot, destination address, the layer checksums of its
-        record). For each layer, ONE batch of N extents: O(L) submissions.
-        The next layer is in flight while this one is verified.
-        on_layer(layer, ok) is called after layer `layer` of every block is
-        verified; ok[i] is True while block i's layers 0..layer are good.
+        record). Layers are read in groups: one extent of `width` layers per
+        block (about config.read_extent_bytes), ONE batch of N extents per
+        group, so O(L) submissions at most. The next group is in flight
+        while this one is checked; the engine computes every layer's crc32c
+        as it is reaped, and this method compares whole arrays.
+        on_layer(layer, ok) is called, in layer order, once layer `layer` of
+        every block is verified; ok[i] is True while block i's layers
+        0..layer are good.
         A False block's destination holds garbage; never use it.
         failures, if given (int8, one per item), receives each block's
         ReadFailure code (fsck tells corrupt blocks from unreadable ones).
@@ -705,30 +694,48 @@ class DiskTier:
             reasons[~present] = ReadFailure.MISSING_SEGMENT
             self.stats.count_error("missing_segment", int((~present).sum()))
 
-        # (layer, batch id, positions) in layer order; at most two in flight.
-        flights: collections.deque[tuple[int, int, np.ndarray]] = collections.deque()
+        # Each block is read in extents of `width` whole layers: one batch per
+        # group of layers, every block in it, so O(L / width) submissions.
+        width = max(1, min(num_layers, self.config.read_extent_bytes // layer_bytes))
+        groups = [(first, min(first + width, num_layers)) for first in range(0, num_layers, width)]
+        # (group, batch id, positions, checksum cells) in order; at most two in flight.
+        flights: collections.deque[tuple[int, int, np.ndarray, np.ndarray]] = collections.deque()
 
-        def submit(layer: int) -> None:
+        def submit(group: int) -> None:
             chosen = np.nonzero(ok)[0]  # blocks already failed are not read further
             if chosen.size == 0:
                 return
-            shift = layer * layer_bytes
+            first, stop = groups[group]
+            shift = first * layer_bytes
+            # The engine checksums every layer as it lands (the GIL released,
+            # the drive kept busy meanwhile); this thread only compares.
+            cells = np.empty(chosen.size * (stop - first), dtype=np.uint32)
             batch = self._submit(
-                self._op_read, files[chosen], offsets[chosen] + shift, layer_bytes, destinations[chosen] + np.uint64(shift)
+                self._op_read, files[chosen], offsets[chosen] + shift, (stop - first) * layer_bytes,
+                destinations[chosen] + np.uint64(shift), checksums=cells, checksum_chunk=layer_bytes,
             )
-            flights.append((layer, batch, chosen))
+            flights.append((group, batch, chosen, cells))
 
         try:
             submit(0)
-            for layer in range(num_layers):
-                if layer + 1 < num_layers:
-                    submit(layer + 1)  # the drive works on the next layer while this one is verified
-                if flights and flights[0][0] == layer:
-                    _, batch, chosen = flights.popleft()
+            for group, (first, stop) in enumerate(groups):
+                if group + 1 < len(groups):
+                    submit(group + 1)  # the drive works on the next group while this one is checked
+                good_through = None
+                if flights and flights[0][0] == group:
+                    _, batch, chosen, cells = flights.popleft()
                     results = self._engine.wait(batch)
-                    self._verify_layer(layer, layer_bytes, chosen, results, destinations, expected, ok, reasons)
-                if on_layer is not None:
-                    on_layer(layer, ok.copy())
+                    good_through = self._verify_group(
+                        first, stop, layer_bytes, chosen, results, cells, expected, ok, reasons
+                    )
+                for layer in range(first, stop) if on_layer is not None else ():
+                    mask = ok.copy()
+                    if good_through is not None:
+                        mask[good_through[0]] = good_through[1][:, layer - first]
+                    on_layer(layer, mask)
+                if good_through is not None:
+                    chosen, good = good_through
+                    ok[chosen] = good[:, -1]
         finally:
             # Never return while the kernel may still write into the caller's memory.
             while flights:
@@ -738,33 +745,41 @@ class DiskTier:
         self.stats.read_failures += count - good
         return ok
 
-    def _verify_layer(
+    def _verify_group(
         self,
-        layer: int,
+        first: int,
+        stop: int,
         layer_bytes: int,
         chosen: np.ndarray,
         results: np.ndarray,
-        destinations: np.ndarray,
+        cells: np.ndarray,
         expected: np.ndarray,
         ok: np.ndarray,
         reasons: np.ndarray,
-    ) -> None:
-        shift = layer * layer_bytes
-        for position, result in zip(chosen.tolist(), np.asarray(results).tolist(), strict=True):
-            if result != layer_bytes:
-                if ok[position]:
-                    self.stats.count_error(_error_kind(result, "short_read"))
-                    reasons[position] = ReadFailure.IO_ERROR if result < 0 else ReadFailure.SHORT_READ
-                ok[position] = False
-                continue
-            self.stats.bytes_read += layer_bytes
-            if not ok[position]:
-                continue  # already failed on an earlier layer; read only because it was in flight
-            checksum = crc32c.crc32c(memory_at(int(destinations[position]) + shift, layer_bytes))
-            if checksum != expected[position, layer]:
-                ok[position] = False
-                reasons[position] = ReadFailure.CHECKSUM
-                self.stats.checksum_failures += 1
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Check layers first..stop-1 of the chosen blocks, without a Python loop over them.
+
+        Returns (chosen, good) where good[k, j] says block chosen[k] is good
+        through layer first + j; records why a block failed, and counts.
+        `ok` itself is left for the caller to update after on_layer.
+        """
+        extent = (stop - first) * layer_bytes
+        results = np.asarray(results)
+        full = results == extent
+        self.stats.bytes_read += int(full.sum()) * extent
+        matches = cells.reshape(-1, stop - first) == expected[chosen, first:stop]
+        matches &= full[:, None]
+        good = np.logical_and.accumulate(matches, axis=1)
+        was_ok = ok[chosen]
+        for position, result in zip(chosen[~full & was_ok].tolist(), results[~full & was_ok].tolist(), strict=True):
+            self.stats.count_error(_error_kind(result, "short_read"))
+            reasons[position] = ReadFailure.IO_ERROR if result < 0 else ReadFailure.SHORT_READ
+        corrupt = full & was_ok & ~good[:, -1]
+        if corrupt.any():
+            reasons[chosen[corrupt]] = ReadFailure.CHECKSUM
+            self.stats.checksum_failures += int((~matches[corrupt]).sum())
+        good &= was_ok[:, None]
+        return chosen, good
 
     # -- remove -----------------------------------------------------------
 
