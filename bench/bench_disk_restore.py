@@ -661,11 +661,11 @@ def checksum_control(restore: KvdRestore) -> bool:
     """Once, not timed: a record checksum that disagrees must turn its block False."""
     b, tier = restore.blocks, restore.tier
     key, slot, address, checksums = restore.items[0]
-    wrong = list(checksums)
-    wrong[b.num_layers // 2] ^= 0x1
+    wrong = bytearray(checksums)
+    wrong[4 * (b.num_layers // 2)] ^= 0x1  # one layer's checksum, off by one bit
     failures0 = tier.stats.checksum_failures
     ok = tier.read_blocks(b.namespace_id, b.layer_bytes, b.num_layers,
-                          [(key, slot, address, tuple(wrong))] + restore.items[1:4])
+                          [(key, slot, address, bytes(wrong))] + restore.items[1:4])
     return ok.tolist() == [False, True, True, True] and tier.stats.checksum_failures == failures0 + 1
 
 

@@ -491,7 +491,7 @@ def test_records_of_slots_are_looked_up_for_reads(drives, arena):
     assert all(write(tier, arena, {9: 4}))
     record = tier.record_of(9)
     assert tier.key_of(9) == key(4) == record.key
-    assert tier.layer_checksums_of(9) == record.layer_checksums and len(record.layer_checksums) == LAYERS
+    assert tier.layer_checksums_of(9) == record.layer_checksums and record.layer_count == LAYERS
     assert tier.record_of(8) is None
     with pytest.raises(InvariantError, match="does not hold"):
         tier.read_blocks(NAMESPACE, LAYER_BYTES, LAYERS, [(key(5), 9, arena_address(arena, 40), record.layer_checksums)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import struct
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def key(number: int) -> bytes:
 def put(manifest: Manifest, number: int, layers: int = 3) -> PutRecord:
     return PutRecord(
         manifest.sequence(), NAMESPACE, key(number), ROOT_PARENT if number == 0 else key(number - 1),
-        location=number * 7, layer_checksums=tuple(range(number, number + layers)),
+        location=number * 7, layer_checksums=struct.pack(f"<{layers}I", *range(number, number + layers)),
     )
 
 
@@ -45,7 +46,7 @@ def remove(manifest: Manifest, number: int) -> RemoveRecord:
 
 
 def test_frames_round_trip_and_records_decode():
-    record = PutRecord(5, NAMESPACE, key(1), key(0), location=(1 << 56) | (2 << 32) | 3, layer_checksums=(1, 2, 2**32 - 1))
+    record = PutRecord(5, NAMESPACE, key(1), key(0), location=(1 << 56) | (2 << 32) | 3, layer_checksums=struct.pack("<3I", 1, 2, 2**32 - 1))
     removal = RemoveRecord(6, NAMESPACE, key(1))
     data = record.encode() + removal.encode() + encode_frame(RecordType.SNAPSHOT_BEGIN, b"\0" * 8)
     frames, valid = decode_frames(data)
@@ -57,7 +58,7 @@ def test_frames_round_trip_and_records_decode():
 
 def test_every_truncation_and_bit_flip_yields_a_prefix_of_the_records():
     """A damaged log never yields a record that was not written, in order."""
-    records = [PutRecord(n, NAMESPACE, key(n), key(n - 1), n, (n,) * (n % 4)) for n in range(1, 9)]
+    records = [PutRecord(n, NAMESPACE, key(n), key(n - 1), n, struct.pack("<I", n) * (n % 4)) for n in range(1, 9)]
     encoded = [record.encode() for record in records]
     data = b"".join(encoded)
     boundaries = [0]

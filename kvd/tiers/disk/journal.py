@@ -98,13 +98,24 @@ class PutRecord:
     key: bytes
     parent_key: bytes  # ROOT_PARENT for a root block
     location: int
-    layer_checksums: tuple[int, ...]
+    # crc32c of each layer, packed as u32 little-endian: 4 bytes a layer,
+    # which is how the frame stores them and far smaller in memory than a
+    # tuple of ints (the tier keeps one record per block on disk).
+    layer_checksums: bytes
+
+    @property
+    def layer_count(self) -> int:
+        return len(self.layer_checksums) // 4
+
+    def checksum_values(self) -> tuple[int, ...]:
+        return struct.unpack(f"<{self.layer_count}I", self.layer_checksums)
 
     def encode(self) -> bytes:
+        check(len(self.layer_checksums) % 4 == 0, "layer checksums are packed u32s")
         head = _PUT_HEAD.pack(
-            self.sequence, self.namespace_id, self.key, self.parent_key, self.location, len(self.layer_checksums)
+            self.sequence, self.namespace_id, self.key, self.parent_key, self.location, self.layer_count
         )
-        return encode_frame(RecordType.PUT, head + struct.pack(f"<{len(self.layer_checksums)}I", *self.layer_checksums))
+        return encode_frame(RecordType.PUT, head + self.layer_checksums)
 
     @staticmethod
     def decode(payload: bytes) -> PutRecord | None:
@@ -113,8 +124,7 @@ class PutRecord:
         sequence, namespace_id, key, parent_key, location, layers = _PUT_HEAD.unpack_from(payload)
         if len(payload) != _PUT_HEAD.size + 4 * layers:
             return None
-        checksums = struct.unpack_from(f"<{layers}I", payload, _PUT_HEAD.size)
-        return PutRecord(sequence, namespace_id, key, parent_key, location, checksums)
+        return PutRecord(sequence, namespace_id, key, parent_key, location, payload[_PUT_HEAD.size:])
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,7 +74,8 @@ log = logging.getLogger(__name__)
 # How read_blocks hands progress to its caller: (layer, ok mask of all blocks).
 LayerCallback = Callable[[int, np.ndarray], None]
 WriteItem = tuple[bytes, bytes, int, int]  # key, parent key (b"" for a root), slot, source address
-ReadItem = tuple[bytes, int, int, Sequence[int]]  # key, slot, destination address, layer checksums
+# key, slot, destination address, layer checksums (packed u32le, as in PutRecord)
+ReadItem = tuple[bytes, int, int, bytes]
 
 
 # ----------------------------------------------------------------------
@@ -390,7 +391,7 @@ class DiskTier:
         entry = self.namespaces.get(record.namespace_id)
         if entry is None:
             return "unknown_namespace"
-        layers = len(record.layer_checksums)
+        layers = record.layer_count
         if entry.spec is not None:
             if layers != entry.spec.num_layers or not config.admit(entry.spec.layer_bytes, layers):
                 return "malformed"
@@ -577,7 +578,7 @@ class DiskTier:
             manifest = self._manifests[drive]
             records = [
                 PutRecord(manifest.sequence(), namespace_id, keys[i], parents[i], int(slots[i]),
-                          tuple(checksums[i].tolist()))
+                          checksums[i].astype("<u4").tobytes())
                 for i in members
             ]
             if self._append(drive, records):
@@ -680,8 +681,8 @@ class DiskTier:
             return ok
         slots = np.fromiter((item[1] for item in items), dtype=np.int64, count=count)
         destinations = np.fromiter((item[2] for item in items), dtype=np.uint64, count=count)
-        expected = np.array([tuple(item[3]) for item in items], dtype=np.int64).reshape(count, -1)
-        check(expected.shape[1] == num_layers, "every read item needs one checksum per layer")
+        check(all(len(item[3]) == 4 * num_layers for item in items), "every read item needs one checksum per layer")
+        expected = np.frombuffer(b"".join(item[3] for item in items), dtype="<u4").reshape(count, num_layers)
         check(not np.any(destinations % ALIGN_BYTES), "destination addresses must be 4 KiB aligned for O_DIRECT")
         check(all(self._holds(item[1], namespace_id, item[0]) for item in items),
               "reading a slot that does not hold the block asked for")
@@ -865,7 +866,7 @@ class DiskTier:
         check(record is not None, f"disk slot {slot} holds no block")
         return record.key
 
-    def layer_checksums_of(self, slot: int) -> tuple[int, ...]:
+    def layer_checksums_of(self, slot: int) -> bytes:
         record = self._owners.get(slot)
         check(record is not None, f"disk slot {slot} holds no block")
         return record.layer_checksums
