@@ -38,19 +38,32 @@ from kvd.tiers.host import HostArena
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05
-# Fault injection for tests of the whole daemon: "write:EIO:1000,read:EIO:5"
-# makes the I/O engine fail that many matching entries with that errno.
+# Fault injection for tests of the whole daemon: "write:ENOSPC:1000,read:EIO:5"
+# makes the I/O engine fail that many matching entries with that errno;
+# "read:SHORT:5" makes them transfer 0 bytes, a short read, as past the end
+# of a truncated segment.
 FAULTS_ENV = "KVD_INJECT_IO_FAULTS"
+SHORT = "SHORT"
 
 
-def parse_fault_rules(text: str) -> list[tuple[Op, int, int]]:
+@dataclass(frozen=True, slots=True)
+class FaultRule:
+    op: Op
+    count: int
+    error: int | None = None  # errno, or None for a short transfer
+    short_bytes: int | None = None
+
+
+def parse_fault_rules(text: str) -> list[FaultRule]:
     rules = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        op_name, errno_name, count_text = (item.split(":") + ["1"])[:3]
-        error_number = getattr(errno, errno_name.upper(), None)
-        if op_name.upper() not in Op.__members__ or error_number is None or not count_text.isdigit():
-            raise ValueError(f"{FAULTS_ENV}: cannot parse {item!r} (want op:ERRNO[:count])")
-        rules.append((Op[op_name.upper()], error_number, int(count_text)))
+        op_name, kind, count_text = (item.split(":") + ["1"])[:3]
+        error_number = getattr(errno, kind.upper(), None)
+        if (op_name.upper() not in Op.__members__ or (error_number is None and kind.upper() != SHORT)
+                or not count_text.isdigit()):
+            raise ValueError(f"{FAULTS_ENV}: cannot parse {item!r} (want op:ERRNO[:count] or op:SHORT[:count])")
+        rules.append(FaultRule(Op[op_name.upper()], int(count_text), error_number,
+                               None if error_number is not None else 0))
     return rules
 
 
@@ -112,7 +125,10 @@ class DiskPlane:
             recovery = tier.open()
             for rule in parse_fault_rules(os.environ.get(FAULTS_ENV, "")):
                 log.warning("injecting disk faults (testing only)", extra={"rule": repr(rule)})
-                tier.engine.inject_fault(rule[0], errno=rule[1], count=rule[2])
+                if rule.error is not None:
+                    tier.engine.inject_fault(rule.op, errno=rule.error, count=rule.count)
+                else:
+                    tier.engine.inject_fault(rule.op, short_bytes=rule.short_bytes, count=rule.count)
             return tier, recovery
 
         self.tier, recovery = await self._run(open_tier)
@@ -287,6 +303,8 @@ class DiskPlane:
                 future = loop.create_future()
                 self._durable.setdefault(block, []).append(future)
                 futures.append(future)
+            # Durability was asked for: written whatever the admission filter says.
+            self.engine.require_durable([pin.block for pin in pins])
             self.wake()
             if not futures:
                 return True

@@ -206,16 +206,18 @@ def test_layers_arrive_in_order_from_disk(tmp_path):
         assert client.stats().leases == 0
 
 
-def test_disk_errors_become_misses_and_the_daemon_keeps_serving(tmp_path):
-    """EIO on every disk write, then on every disk read (injected through the
-    I/O engine): durable Puts fail precisely, nothing wrong is served, the
-    host tier keeps working and the error metrics count what happened."""
+@pytest.mark.parametrize(("write_fault", "read_fault"), [("EIO", "EIO"), ("ENOSPC", "SHORT")])
+def test_disk_errors_become_misses_and_the_daemon_keeps_serving(tmp_path, write_fault, read_fault):
+    """A fault on every disk write, then on every disk read (injected through
+    the I/O engine: EIO, a full drive, short reads): durable Puts fail
+    precisely, nothing wrong is served, the host tier keeps working and the
+    error metrics count what happened."""
     import grpc
 
     directory = tmp_path / "d"
     config = disk_config(tmp_path)
     keys_and_blocks = []
-    with run_daemon(directory, config=config, env={"KVD_INJECT_IO_FAULTS": "write:EIO:100000"}) as daemon, \
+    with run_daemon(directory, config=config, env={"KVD_INJECT_IO_FAULTS": f"write:{write_fault}:100000"}) as daemon, \
             Client(daemon.unix_target) as client:
         namespace = client.register_namespace(SPEC)
         keys = namespace.keys(np.arange(4 * 16))
@@ -237,7 +239,7 @@ def test_disk_errors_become_misses_and_the_daemon_keeps_serving(tmp_path):
         client.put(namespace, keys, blocks, durable=True)
         keys_and_blocks = (keys, blocks)
     # ... and a run whose reads all fail serves none of them, and no wrong byte.
-    with run_daemon(directory, config=config, env={"KVD_INJECT_IO_FAULTS": "read:EIO:100000"}) as daemon, \
+    with run_daemon(directory, config=config, env={"KVD_INJECT_IO_FAULTS": f"read:{read_fault}:100000"}) as daemon, \
             Client(daemon.unix_target) as client:
         namespace = client.register_namespace(SPEC)
         keys, blocks = keys_and_blocks
@@ -250,3 +252,39 @@ def test_disk_errors_become_misses_and_the_daemon_keeps_serving(tmp_path):
         fresh_blocks = blocks_for(2, seed=9)
         client.put(namespace, fresh, fresh_blocks)
         assert np.array_equal(client.get_numpy(namespace, fresh), fresh_blocks)
+
+
+def test_a_vanished_drive_directory_costs_only_its_blocks(tmp_path):
+    """One drive's directory disappears under a running daemon (a drive
+    pulled, a mount gone): durable Puts that need it fail precisely, what
+    is served stays bit-exact, and a restart serves the rest from disk."""
+    import shutil
+
+    import grpc
+
+    directory = tmp_path / "d"
+    config = disk_config(tmp_path)
+    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        keys = namespace.keys(np.arange(6 * 16))
+        blocks = blocks_for(6, seed=3)
+        client.put(namespace, keys, blocks, durable=True)
+        shutil.rmtree(tmp_path / "nvme1")
+        assert np.array_equal(client.get_numpy(namespace, keys), blocks)
+        more = namespace.keys(np.arange(4 * 16) + 1000)
+        more_blocks = blocks_for(4, seed=4)
+        with pytest.raises(grpc.RpcError) as raised:
+            client.put(namespace, more, more_blocks, durable=True)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert np.array_equal(client.get_numpy(namespace, more), more_blocks)  # host memory still serves
+        samples = metric_samples(daemon.metrics_url)
+        assert samples['kvd_disk_failures_total{operation="write"}'] >= 1
+    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        for stored_keys, stored in ((keys, blocks), (more, more_blocks)):
+            got = client.get_numpy(namespace, stored_keys)
+            # Blocks on the lost drive are gone, and with them every block
+            # after them in the chain; what comes back is a bit-exact prefix.
+            assert got.shape[0] < stored.shape[0]
+            assert np.array_equal(got, stored[: got.shape[0]])
+        assert client.get_numpy(namespace, keys).shape[0] >= 1  # block 0 lives on drive 0
