@@ -20,7 +20,7 @@ Each N is measured in a fresh subprocess twice: once under tracemalloc (exact
 Python allocations) and once without it for RSS (tracemalloc's own traces
 would swamp RSS). RSS includes allocator slack and is a cross-check only.
 
-Run:  .venv/bin/python bench/bench_index_memory.py [--sizes 100000 1000000] [--chain 64]
+Run:  .venv/bin/python bench/bench_index_memory.py [--sizes 100000 1000000] [--chain 64] [--policy lru|s3fifo]
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _allocated(size: int) -> int:
     return (size + 15) // 16 * 16 if 0 < size <= 512 else size
 
 
-def _measure_child(blocks: int, chain: int, mode: str) -> dict:
+def _measure_child(blocks: int, chain: int, mode: str, policy: str) -> dict:
     """Runs in a fresh interpreter: build, insert, measure, report JSON on stdout."""
     from kvd.core.block import BlockState
     from kvd.core.engine import Engine, EngineLimits
@@ -89,7 +89,7 @@ def _measure_child(blocks: int, chain: int, mode: str) -> dict:
     if use_tracemalloc:
         tracemalloc.start(1)
     before_engine = current("before_engine")
-    engine = Engine(host_slot_count=blocks, host_slot_bytes=spec.block_bytes, limits=limits)
+    engine = Engine(host_slot_count=blocks, host_slot_bytes=spec.block_bytes, limits=limits, policy=policy)
     state = engine.register_namespace(spec)
     namespace_id = state.namespace_id
     after_engine = current("after_engine")
@@ -140,6 +140,7 @@ def _measure_child(blocks: int, chain: int, mode: str) -> dict:
 
     result = {
         "mode": mode,
+        "policy": policy,
         "blocks": blocks,
         "chain": chain,
         "insert_seconds": insert_seconds,
@@ -159,8 +160,9 @@ def _measure_child(blocks: int, chain: int, mode: str) -> dict:
     return result
 
 
-def _run_child(blocks: int, chain: int, mode: str) -> dict:
-    command = [sys.executable, __file__, "--child", mode, "--sizes", str(blocks), "--chain", str(chain)]
+def _run_child(blocks: int, chain: int, mode: str, policy: str) -> dict:
+    command = [sys.executable, __file__, "--child", mode, "--sizes", str(blocks), "--chain", str(chain),
+               "--policy", policy]
     completed = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO_ROOT)
     if completed.stderr:
         sys.stderr.write(completed.stderr)
@@ -203,11 +205,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--chain", type=int, default=64, help="blocks per chain (one reserve+commit each)")
+    parser.add_argument("--policy", choices=("lru", "s3fifo"), default="lru", help="host eviction policy")
     parser.add_argument("--child", choices=("tracemalloc", "rss"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child:
-        print(json.dumps(_measure_child(args.sizes[0], args.chain, args.child)))
+        print(json.dumps(_measure_child(args.sizes[0], args.chain, args.child, args.policy)))
         return 0
 
     warn_if_busy()
@@ -227,8 +230,8 @@ def main() -> int:
     runs = []
     for blocks in args.sizes:
         for mode in ("tracemalloc", "rss"):
-            progress(f"N={blocks:,}: measuring with {mode} (chains of {args.chain})")
-            runs.append(_run_child(blocks, args.chain, mode))
+            progress(f"N={blocks:,}: measuring with {mode} (chains of {args.chain}, {args.policy} policy)")
+            runs.append(_run_child(blocks, args.chain, mode, args.policy))
 
     report("")
     report("per-block growth (insert = after inserts - after engine build; +pool = also the host pool's")
@@ -284,6 +287,7 @@ def main() -> int:
                    "max_bytes_per_block": TARGET_BYTES_PER_BLOCK},
         "pass": all_pass,
         "chain": args.chain,
+        "policy": args.policy,
         "breakdown": breakdown,
         "results": results,
         "raw_runs": runs,

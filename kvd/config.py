@@ -23,6 +23,13 @@ from kvd.errors import ConfigError
 
 ENV_PREFIX = "KVD_"
 
+# The registries of kvd.core.policy (this module imports nothing from the
+# core; tests/unit/test_policies.py checks the two agree).
+HOST_POLICIES = ("lru", "s3fifo")
+DISK_POLICIES = ("clock",)
+PROMOTION_POLICIES = ("always",)
+ADMISSION_MIN_HITS_MAX = 255
+
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -64,6 +71,8 @@ class HostConfig:
     slot_bytes: int = 2 << 20
     prefault: bool = True
     huge_pages: bool = False
+    # Eviction: "lru", or "s3fifo" (scan-resistant: blocks used once leave
+    # before blocks used again). Must match HOST_POLICIES.
     policy: str = "lru"
 
 
@@ -89,9 +98,26 @@ class DiskSettings:
     # many bytes: larger is nearer the drive's bandwidth, smaller delivers
     # the first layers sooner.
     read_extent_bytes: int = 512 << 10
+    # Order of the disk's jobs: "slack" (restores, then prefetches, then
+    # write-back in chunks of write_chunk_blocks between reads) or "fifo"
+    # (arrival order, whole write batches; for comparison).
+    io_schedule: str = "slack"
+    write_chunk_blocks: int = 8
+    # While more than write_backlog_blocks wait for write-back under host
+    # pressure, writes get one job in every write_share + 1 even if reads wait.
+    write_backlog_blocks: int = 256
+    write_share: int = 4
     # "auto" (io_uring when available), "uring" or "fallback".
     io_engine: str = "auto"
     manifest_max_bytes: int = 64 << 20
+    # Eviction of disk slots: "clock".
+    policy: str = "clock"
+    # Write a block to disk only once it has been seen (sealed, served by a
+    # Get, or Put again) this many times; 1 writes every block. ACK_DURABLE
+    # Puts are written regardless. Saves SSD writes on one-off blocks.
+    admission_min_hits: int = 1
+    # Whether a Get's disk hit is read into host memory: "always".
+    promotion: str = "always"
 
 
 @dataclass(slots=True)
@@ -100,6 +126,16 @@ class LeaseConfig:
     max_ms: int = 600_000
     max_leases: int = 65_536
     sweep_interval_ms: int = 500
+
+
+@dataclass(slots=True)
+class EventsConfig:
+    # The ring of recent KV events kept for WatchEvents resumes, shared by
+    # every namespace: at most this many events and this many keys in all.
+    ring_events: int = 65_536
+    ring_keys: int = 262_144
+    # Concurrent WatchEvents streams (each also holds one gRPC stream).
+    max_subscribers: int = 32
 
 
 @dataclass(slots=True)
@@ -117,6 +153,7 @@ class Config:
     host: HostConfig = field(default_factory=HostConfig)
     disk: DiskSettings = field(default_factory=DiskSettings)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
@@ -144,8 +181,14 @@ class Config:
                 "host.capacity_bytes",
                 f"{self.host.capacity_bytes} is smaller than one slot ({self.host.slot_bytes} bytes)",
             )
-        if self.host.policy not in ("lru",):
-            raise ConfigError("host.policy", f"unknown policy {self.host.policy!r} (known: lru)")
+        _one_of("host.policy", self.host.policy, HOST_POLICIES)
+        _one_of("disk.policy", self.disk.policy, DISK_POLICIES)
+        _one_of("disk.promotion", self.disk.promotion, PROMOTION_POLICIES)
+        if not 1 <= self.disk.admission_min_hits <= ADMISSION_MIN_HITS_MAX:
+            raise ConfigError(
+                "disk.admission_min_hits",
+                f"must be 1..{ADMISSION_MIN_HITS_MAX} (1 writes every block), got {self.disk.admission_min_hits}",
+            )
         if self.disk.directories:
             if self.disk.fsync not in ("strict", "group", "none"):
                 raise ConfigError("disk.fsync", f"must be strict, group or none, got {self.disk.fsync!r}")
@@ -153,10 +196,12 @@ class Config:
                 raise ConfigError("disk.write_mode", f"must be back or through, got {self.disk.write_mode!r}")
             if not 0.0 < self.disk.write_back_headroom < 1.0:
                 raise ConfigError("disk.write_back_headroom", "must be between 0 and 1")
+            if self.disk.io_schedule not in ("slack", "fifo"):
+                raise ConfigError("disk.io_schedule", f"must be slack or fifo, got {self.disk.io_schedule!r}")
             if self.disk.io_engine not in ("auto", "uring", "fallback"):
                 raise ConfigError("disk.io_engine", f"must be auto, uring or fallback, got {self.disk.io_engine!r}")
             for name in ("group_commit_ms", "write_batch_blocks", "queue_depth", "manifest_max_bytes",
-                         "read_extent_bytes"):
+                         "read_extent_bytes", "write_chunk_blocks", "write_backlog_blocks", "write_share"):
                 _positive(f"disk.{name}", getattr(self.disk, name))
         _positive("leases.default_ms", self.leases.default_ms)
         _positive("leases.max_ms", self.leases.max_ms)
@@ -164,10 +209,23 @@ class Config:
         _positive("leases.sweep_interval_ms", self.leases.sweep_interval_ms)
         if self.leases.default_ms > self.leases.max_ms:
             raise ConfigError("leases.default_ms", f"exceeds leases.max_ms ({self.leases.max_ms})")
+        for name in ("ring_events", "ring_keys", "max_subscribers"):
+            _positive(f"events.{name}", getattr(self.events, name))
+        if self.events.max_subscribers >= self.server.max_concurrent_rpcs:
+            raise ConfigError(
+                "events.max_subscribers",
+                f"must be below server.max_concurrent_rpcs ({self.server.max_concurrent_rpcs}): "
+                "every subscriber holds an RPC open",
+            )
         if self.log.level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError("log.level", f"must be debug, info, warning or error, got {self.log.level!r}")
         if self.log.format not in ("json", "text"):
             raise ConfigError("log.format", f"must be json or text, got {self.log.format!r}")
+
+
+def _one_of(name: str, value: str, known: tuple[str, ...]) -> None:
+    if value not in known:
+        raise ConfigError(name, f"unknown policy {value!r} (known: {', '.join(known)})")
 
 
 def _positive(name: str, value: int | float) -> None:

@@ -4,10 +4,11 @@ Start:  stale arenas removed -> arena created and pre-faulted -> engine ->
         gRPC listeners (unix socket 0600, TCP) -> health SERVING ->
         metrics endpoint -> lease sweeper -> READY logged (and sd_notify).
 Stop (SIGTERM/SIGINT, or `Daemon.shutdown()`; idempotent):
-        health NOT_SERVING -> listeners stop accepting and in-flight RPCs
-        get `grace_period_s` to finish -> every lease ends -> metrics
-        endpoint stops -> arena unlinked and unmapped. A second signal
-        during the drain cuts the grace period short.
+        health NOT_SERVING -> event streams end (UNAVAILABLE) -> listeners
+        stop accepting and in-flight RPCs get `grace_period_s` to finish
+        -> every lease ends -> metrics endpoint stops -> arena unlinked
+        and unmapped. A second signal during the drain cuts the grace
+        period short.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from kvd import __version__
 from kvd.clock import Clock, MonotonicClock
 from kvd.config import Config, parse_address
 from kvd.core.engine import Engine, EngineLimits
+from kvd.core.events import EventLog
+from kvd.core.policy import DiskPolicies
 from kvd.metrics import make_registry
 from kvd.server.service import KvdService
 from kvd.tiers.host import ArenaLayout, HostArena, remove_stale_segments
@@ -91,6 +94,7 @@ class Daemon:
         self.engine: Engine | None = None
         self.disk_plane = None  # kvd.server.disk_plane.DiskPlane when a disk tier is configured
         self.server: grpc.aio.Server | None = None
+        self.service: KvdService | None = None
         self.health: health.aio.HealthServicer | None = None
         self._metrics_server = None
         self._sweeper: asyncio.Task | None = None
@@ -131,6 +135,12 @@ class Daemon:
             ),
             disk_slot_count=self.disk_plane.slot_count if self.disk_plane else 0,
             disk_slot_bytes=config.disk.slot_bytes,
+            events=EventLog(config.events.ring_events, config.events.ring_keys),
+            disk_policies=DiskPolicies(
+                eviction=config.disk.policy,
+                admission_min_hits=config.disk.admission_min_hits,
+                promotion=config.disk.promotion,
+            ),
         )
         if self.disk_plane is not None:
             indexed = await self.disk_plane.recover(self.engine, recovery)
@@ -143,10 +153,11 @@ class Daemon:
             ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.server.max_concurrent_rpcs)
-        service = KvdService(
-            self.engine, self.arena, self.clock, rpc_metrics, config.server.max_message_bytes, self.disk_plane
+        self.service = KvdService(
+            self.engine, self.arena, self.clock, rpc_metrics, config.server.max_message_bytes, self.disk_plane,
+            max_subscribers=config.events.max_subscribers,
         )
-        kvd_pb2_grpc.add_KvdServicer_to_server(service, self.server)
+        kvd_pb2_grpc.add_KvdServicer_to_server(self.service, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 
@@ -234,6 +245,10 @@ class Daemon:
         log.info("draining", extra={"grace_period_s": self.config.server.grace_period_s})
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
+        if self.service is not None:
+            # Event streams never finish on their own: end them now rather
+            # than at the end of the grace period.
+            self.service.end_streams()
         if self.server is not None:
             await self.server.stop(self.config.server.grace_period_s)
         if self._sweeper is not None:

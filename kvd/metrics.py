@@ -2,7 +2,8 @@
 
 Gauges and totals that the engine already counts are read at scrape time by
 `EngineCollector` (the engine stays free of prometheus_client); per-RPC
-latency and outcome are observed by the server through `RpcMetrics`.
+latency and outcome, and the KV event streams' subscribers and forced
+resyncs, are observed by the server through `RpcMetrics`.
 
 | metric | type | labels | meaning |
 |---|---|---|---|
@@ -16,6 +17,7 @@ latency and outcome are observed by the server through `RpcMetrics`.
 | kvd_host_demotions_total | counter | | host copies dropped because a disk copy exists |
 | kvd_disk_failures_total | counter | operation | disk blocks that failed to write, load (corrupt or unreadable) or recover |
 | kvd_disk_write_queue | gauge | | sealed blocks waiting for write-through |
+| kvd_disk_admission_rejected_total | counter | | blocks dropped from host memory unwritten because the disk admission filter (disk.admission_min_hits) never admitted them |
 | kvd_blocks_sealed_total | counter | tier | blocks committed |
 | kvd_blocks_aborted_total | counter | tier | reservations aborted or expired unwritten |
 | kvd_blocks_deleted_total | counter | tier | blocks removed by Delete |
@@ -26,6 +28,11 @@ latency and outcome are observed by the server through `RpcMetrics`.
 | kvd_leases_expired_total | counter | | leases ended by their deadline |
 | kvd_block_handles | gauge | | live block handles |
 | kvd_leaked_handles_total | counter | | handles collected unreleased (a bug) |
+| kvd_events_total | counter | kind | KV events published (stored, removed, tier_changed); one event carries a batch of keys |
+| kvd_event_keys_total | counter | kind | block keys those events carried |
+| kvd_event_ring_keys | gauge | | keys held by the ring of recent events |
+| kvd_event_subscribers | gauge | | open WatchEvents streams |
+| kvd_event_resyncs_total | counter | reason | subscribers told to resynchronise (sequence_too_old, subscriber_too_slow, instance_changed) |
 | kvd_rpc_duration_seconds | histogram | method | server-side RPC latency |
 | kvd_rpc_total | counter | method, code | RPCs by outcome |
 | kvd_rpc_in_flight | gauge | | RPCs being handled |
@@ -39,6 +46,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvd.core.events import EventKind
 
 if TYPE_CHECKING:
     from kvd.core.engine import Engine
@@ -101,6 +110,11 @@ class EngineCollector(Collector):
             yield failures
             yield GaugeMetricFamily("kvd_disk_write_queue", "Sealed blocks waiting for write-through.",
                                     value=len(engine.write_queue))
+            yield CounterMetricFamily(
+                "kvd_disk_admission_rejected",
+                "Blocks dropped from host memory unwritten: the disk admission filter never admitted them.",
+                value=disk_counters.admission_rejected,
+            )
         yield tier_counter("kvd_blocks_sealed", "Blocks committed.", counters.sealed)
         yield tier_counter("kvd_blocks_aborted", "Reservations aborted or expired unwritten.", counters.aborted)
         yield tier_counter("kvd_blocks_deleted", "Blocks removed by Delete.", counters.deleted)
@@ -118,6 +132,17 @@ class EngineCollector(Collector):
         yield blocks
         yield lookups
         yield gets
+
+        events = engine.events
+        published = CounterMetricFamily("kvd_events", "KV events published.", labels=["kind"])
+        published_keys = CounterMetricFamily("kvd_event_keys", "Block keys carried by KV events.", labels=["kind"])
+        for kind in EventKind:
+            published.add_metric([kind.name.lower()], events.published_events[kind])
+            published_keys.add_metric([kind.name.lower()], events.published_keys[kind])
+        yield published
+        yield published_keys
+        yield GaugeMetricFamily("kvd_event_ring_keys", "Keys held by the ring of recent KV events.",
+                                value=events.retained_keys)
 
         yield GaugeMetricFamily("kvd_leases", "Open leases.", value=len(engine.leases))
         yield CounterMetricFamily("kvd_leases_expired", "Leases ended by their deadline.", value=engine.leases.expired_total)
@@ -138,6 +163,10 @@ class RpcMetrics:
         )
         self.total = Counter("kvd_rpc", "RPCs by method and status code.", ["method", "code"], registry=registry)
         self.in_flight = Gauge("kvd_rpc_in_flight", "RPCs being handled.", registry=registry)
+        self.event_subscribers = Gauge("kvd_event_subscribers", "Open WatchEvents streams.", registry=registry)
+        self.event_resyncs = Counter(
+            "kvd_event_resyncs", "Subscribers told to resynchronise, by reason.", ["reason"], registry=registry
+        )
 
 
 def make_registry(engine: Engine) -> tuple[CollectorRegistry, RpcMetrics]:

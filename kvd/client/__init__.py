@@ -16,10 +16,18 @@ one block is contiguous; inner is (block_tokens, kv_heads, head_dim) or
 (kv_heads, block_tokens, head_dim) as the namespace's inner_layout says.
 Payloads move through the daemon's shared-memory arena when the client can
 map it (same host, same user) and inline over gRPC otherwise.
+
+KV events (stored / removed / tier-changed, for KV-aware routers):
+`client.event_snapshot(ns)` and `client.watch_events(ns, from_sequence)`,
+with `BlockMirror` to keep a copy of a namespace; see kvd.client.events.
 """
 
 from kvd.client._wire import LookupResult, Namespace
 from kvd.client.aio import AsyncClient
+from kvd.client.events import BlockMirror, EventKind, EventSnapshot, KvEvent, ResyncRequired
 from kvd.client.sync import Client
 
-__all__ = ["AsyncClient", "Client", "LookupResult", "Namespace"]
+__all__ = [
+    "AsyncClient", "BlockMirror", "Client", "EventKind", "EventSnapshot", "KvEvent", "LookupResult", "Namespace",
+    "ResyncRequired",
+]

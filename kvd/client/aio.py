@@ -10,6 +10,7 @@ import numpy as np
 
 from kvd.client import _ops
 from kvd.client._wire import LookupResult, Namespace
+from kvd.client.events import AsyncEventWatch, EventSnapshot, SnapshotParts, snapshot_request, watch_request
 from kvd.core.keys import NamespaceSpec
 from kvd.v1 import kvd_pb2
 
@@ -75,3 +76,15 @@ class AsyncClient(_ops.ClientBase):
 
     async def stats(self) -> kvd_pb2.StatsResponse:
         return await self._run(_ops.stats(self.session))
+
+    async def watch_events(self, namespace: Namespace, from_sequence: int = 0, instance_id: str = "") -> AsyncEventWatch:
+        """As Client.watch_events; iterate the result with `async for`."""
+        call = self._stub.WatchEvents(watch_request(namespace, from_sequence, instance_id))
+        return await AsyncEventWatch(call).start()
+
+    async def event_snapshot(self, namespace: Namespace) -> EventSnapshot:
+        """As Client.event_snapshot."""
+        parts = SnapshotParts()
+        async for message in self._stub.EventSnapshot(snapshot_request(namespace), timeout=self.timeout_s):
+            parts.add(message)
+        return parts.result()

@@ -11,6 +11,7 @@ import numpy as np
 
 from kvd.client import _ops, _wire
 from kvd.client._wire import LookupResult, Namespace
+from kvd.client.events import EventSnapshot, EventWatch, SnapshotParts, snapshot_request, watch_request
 from kvd.core.keys import NamespaceSpec
 from kvd.errors import FailedPrecondition
 from kvd.v1 import kvd_pb2
@@ -130,3 +131,24 @@ class Client(_ops.ClientBase):
 
     def stats(self) -> kvd_pb2.StatsResponse:
         return self._run(_ops.stats(self.session))
+
+    def watch_events(self, namespace: Namespace, from_sequence: int = 0, instance_id: str = "") -> EventWatch:
+        """Subscribe to the namespace's KV events: an iterator of KvEvent.
+
+        Returns once the daemon has registered the subscription: from then on
+        every event from `from_sequence` (0: only events after this call) is
+        delivered in order, without gaps. `instance_id` (from a snapshot or an
+        earlier watch) makes the daemon refuse sequence numbers of another
+        instance. Raises ResyncRequired, here or while iterating, when events
+        were missed: take a new event_snapshot and watch from its sequence + 1
+        (see kvd.client.events). The stream has no deadline; close the watch,
+        or use it in a `with` block, to end it.
+        """
+        return EventWatch(self._stub.WatchEvents(watch_request(namespace, from_sequence, instance_id)))
+
+    def event_snapshot(self, namespace: Namespace) -> EventSnapshot:
+        """The blocks the namespace serves and their tiers, right after event `sequence`."""
+        parts = SnapshotParts()
+        for message in self._stub.EventSnapshot(snapshot_request(namespace), timeout=self.timeout_s):
+            parts.add(message)
+        return parts.result()

@@ -3,10 +3,11 @@
 Slots are numbered so that consecutive numbers stripe over the drives
 (kvd/tiers/disk/FORMAT.md); `free_slots` hands them out lowest first.
 
-Eviction is CLOCK over the slot array: a reference bit per slot, set when
-the block is read or written, and a hand that clears bits until it finds an
-evictable block with its bit clear. That costs one byte per slot and no
-per-block links, so the index stays small however large the drives are.
+The pool also holds the disk tier's policies (kvd.core.policy): victim
+selection over the slot array (`eviction`, CLOCK by default: one byte per
+slot and no per-block links, so the index stays small however large the
+drives are), the admission filter that decides which blocks are written at
+all, and whether a disk hit is promoted into host memory.
 
 A freed slot is not reusable at once: the manifest still has the PUT of its
 previous block. It waits in `quarantine` until the daemon has made a REMOVE
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvd.core.block import Block
+from kvd.core.policy import DiskPolicies, make_promotion, make_slot_policy
+from kvd.core.policy.admission import AdmissionFilter
 from kvd.invariants import check
 
 
@@ -32,17 +35,22 @@ class DiskCounters:
     evictions: int = 0
     recovered: int = 0
     recovery_dropped: int = 0
+    # Dirty blocks dropped by host eviction because the admission filter
+    # never let them be written.
+    admission_rejected: int = 0
 
 
 class DiskPool:
-    def __init__(self, slot_count: int, slot_bytes: int) -> None:
+    def __init__(self, slot_count: int, slot_bytes: int, policies: DiskPolicies | None = None) -> None:
         check(slot_count > 0 and slot_bytes > 0, "disk pool needs slots")
+        policies = policies or DiskPolicies()
         self.slot_count = slot_count
         self.slot_bytes = slot_bytes
         self.free_slots: list[int] = list(range(slot_count - 1, -1, -1))
         self.owners: list[Block | None] = [None] * slot_count
-        self.referenced = bytearray(slot_count)
-        self.hand = 0
+        self.eviction = make_slot_policy(policies.eviction, slot_count)
+        self.admission = AdmissionFilter.for_slots(policies.admission_min_hits, slot_count)
+        self.promotion = make_promotion(policies.promotion)
         # Slots whose block is being written (owner set, block.disk_slot not yet).
         self.writing: set[int] = set()
         # (namespace id, key, slot) freed but not yet journalled as removed.
@@ -63,25 +71,11 @@ class DiskPool:
         return self.free_slots.pop() if self.free_slots else None
 
     def touch(self, slot: int) -> None:
-        self.referenced[slot] = 1
+        self.eviction.touch(slot)
 
     def victim(self, evictable: Callable[[Block], bool]) -> Block | None:
-        """The next block CLOCK evicts, or None if no block may go.
-
-        Two sweeps at most: the first may only clear reference bits.
-        """
-        owners = self.owners
-        for _ in range(2 * self.slot_count):
-            slot = self.hand
-            self.hand = (slot + 1) % self.slot_count
-            block = owners[slot]
-            if block is None or slot in self.writing or not evictable(block):
-                continue
-            if self.referenced[slot]:
-                self.referenced[slot] = 0
-                continue
-            return block
-        return None
+        """The next block to evict (none being written), or None if no block may go."""
+        return self.eviction.victim(self.owners, self.writing, evictable)
 
     def confirm_removals(self, slots: list[int]) -> None:
         """The REMOVE records of these slots are durable: they may be reused."""
@@ -94,6 +88,8 @@ class DiskPool:
                 check(self.owners[slot] is not None, f"disk slot {slot} was not awaiting removal")
 
     def verify(self) -> None:
+        self.eviction.verify()
+        self.admission.verify()
         free = set(self.free_slots)
         check(len(free) == len(self.free_slots), "disk slot listed free twice")
         check(not (free & self.quarantine), "disk slot both free and quarantined")

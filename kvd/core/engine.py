@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
 from kvd.core.disk_pool import DiskPool
+from kvd.core.events import EventLog
 from kvd.core.keys import KEY_BYTES, NamespaceSpec
 from kvd.core.lease import Lease, LeaseKind, LeaseTable
-from kvd.core.policy import EvictionPolicy, make_policy
+from kvd.core.policy import DiskPolicies, EvictionPolicy, make_policy
 from kvd.core.radix import PrefixIndex
 from kvd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvd.invariants import check
@@ -177,10 +178,12 @@ class Engine:
         disk_slot_count: int = 0,
         disk_slot_bytes: int = 0,
         write_queue_max: int = 65536,
+        events: EventLog | None = None,
+        disk_policies: DiskPolicies | None = None,
     ) -> None:
         self.limits = limits or EngineLimits()
-        self.host = HostPool(host_slot_count, host_slot_bytes, make_policy(policy))
-        self.disk = DiskPool(disk_slot_count, disk_slot_bytes) if disk_slot_count else None
+        self.host = HostPool(host_slot_count, host_slot_bytes, make_policy(policy, host_slot_count))
+        self.disk = DiskPool(disk_slot_count, disk_slot_bytes, disk_policies) if disk_slot_count else None
         # Sealed blocks waiting to be written to disk, in seal order, so a
         # parent is always written no later than its children.
         self.write_queue: deque[Block] = deque()
@@ -193,6 +196,8 @@ class Engine:
         self.live_handles = 0
         self.leaked_handles = 0
         self.pinned_blocks = 0
+        # Stored / removed / tier-changed events for KV-aware routers.
+        self.events = events if events is not None else EventLog()
 
     # ------------------------------------------------------------------
     # Namespaces
@@ -296,6 +301,7 @@ class Engine:
         if not matched:
             return GetPlan(None, matched)
         self._touch_prefix(matched)
+        self._note_sightings(matched)
         lease = self.leases.open(LeaseKind.READ, client_id, namespace_id, deadline_ms)
         lease.handles = [self._acquire(block) for block in matched]
         plan = GetPlan(lease, matched)
@@ -305,6 +311,9 @@ class Engine:
                 continue
             if block.host_slot != NO_SLOT:
                 continue
+            if not self.disk.promotion.promote(block):
+                self._cut_plan(plan, position)
+                break
             slot = self._allocate_host_slot()
             if slot == NO_SLOT:
                 self._cut_plan(plan, position)
@@ -330,6 +339,7 @@ class Engine:
             self.loading.discard(block)
             if good:
                 disk.counters.loaded += 1
+                self.events.tier_changed(block.index.namespace_id, block.key, TierId.HOST)
             else:
                 # Corrupt or unreadable: never served, and neither is anything
                 # chained under it.
@@ -380,8 +390,13 @@ class Engine:
         queue = self.write_queue
         while queue and len(picks) < limit:
             block = queue[0]
-            if block.state != BlockState.SEALED or block.disk_slot != NO_SLOT or block.host_slot == NO_SLOT:
-                queue.popleft()  # gone, already durable, or no bytes to write
+            if (
+                block.state != BlockState.SEALED
+                or block.disk_slot != NO_SLOT
+                or block.host_slot == NO_SLOT
+                or block in picked
+            ):
+                queue.popleft()  # gone, already durable, no bytes to write, or queued twice
                 continue
             parent = block.parent
             if parent is not None and parent.disk_slot == NO_SLOT and parent not in picked:
@@ -430,6 +445,30 @@ class Engine:
 
     def confirm_disk_removals(self, slots: Sequence[int]) -> None:
         self.disk.confirm_removals(list(slots))
+
+    def require_durable(self, blocks: Iterable[Block]) -> None:
+        """A client asked for these blocks to be durable (ACK_DURABLE): queue
+        whatever of their prefixes the admission filter turned away, parents
+        first. Blocks it admitted were queued when they qualified."""
+        disk = self.disk
+        if disk is None or not disk.admission.active:
+            return
+        seen: set[Block] = set()
+        for block in blocks:
+            chain = []
+            node: Block | None = block
+            while node is not None and node.disk_slot == NO_SLOT and node not in seen:
+                seen.add(node)
+                chain.append(node)
+                node = node.parent
+            for member in reversed(chain):
+                if (
+                    member.state == BlockState.SEALED
+                    and member.host_slot != NO_SLOT
+                    and member.index.disk_enabled
+                    and not disk.admission.admits(member.key)
+                ):
+                    self._queue_write(member)
 
     def _allocate_disk_slot(self) -> int | None:
         disk = self.disk
@@ -499,6 +538,7 @@ class Engine:
                 disk.owners[slot] = block
                 disk.used_bytes += state.block_bytes
                 recovered += 1
+                self.events.stored(namespace_id, [key], parent_key, TierId.DISK)
             if start in pending:
                 # Its chain reached a key neither indexed nor recorded.
                 parent_key, slot = pending.pop(start)
@@ -529,6 +569,7 @@ class Engine:
         state.get_hits += len(matched)
         state.get_misses += len(keys) - len(matched)
         self._touch_prefix(matched)
+        self._note_sightings(matched)
         return matched
 
     # ------------------------------------------------------------------
@@ -593,7 +634,9 @@ class Engine:
                         f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
                     )
             self._check_lease_room()
-        self._touch_prefix([index.nodes[key] for key in keys[:first_missing]])
+        existing = [index.nodes[key] for key in keys[:first_missing]]
+        self._touch_prefix(existing)
+        self._note_sightings(existing)  # a Put of stored blocks: seen again
 
         lease: Lease | None = None
         if in_flight:
@@ -695,8 +738,14 @@ class Engine:
             if not handle.released:
                 handle.release()
                 aborted += 1
+        sealed_keys = []
         for position in sorted(to_seal):
             lease.handles[position].seal()
+            sealed_keys.append(lease.handles[position].key)
+        if sealed_keys:
+            # One chain: its first block's parent is sealed already.
+            first = lease.handles[min(to_seal)].block.parent
+            self.events.stored(namespace_id, sealed_keys, first.key if first is not None else b"", TierId.HOST)
         if not any(handle.writable for handle in lease.handles):
             self.leases.close(lease)
         return len(to_seal), aborted
@@ -767,11 +816,14 @@ class Engine:
         check(block.parent is None or block.parent.state == BlockState.SEALED, "seal before the parent")
         block.state = BlockState.SEALED
         self.host.counters.sealed += 1
-        if self.disk is not None and block.index.disk_enabled:
-            if len(self.write_queue) < self.write_queue_max:
-                self.write_queue.append(block)
-            else:
-                self.write_queue_dropped += 1
+        if self.disk is not None and block.index.disk_enabled and self.disk.admission.record(block.key):
+            self._queue_write(block)
+
+    def _queue_write(self, block: Block) -> None:
+        if len(self.write_queue) < self.write_queue_max:
+            self.write_queue.append(block)
+        else:
+            self.write_queue_dropped += 1
 
     def _drop_reference(self, block: Block, *, writer: bool) -> None:
         self.live_handles -= 1
@@ -827,7 +879,11 @@ class Engine:
             # A durable copy exists: only the host copy goes.
             self._clear_host_slot(victim, cold_parent=True)
             host.counters.demotions += 1
+            self.events.tier_changed(victim.index.namespace_id, victim.key, TierId.DISK)
         elif victim.children == 0:
+            if self.disk is not None and victim.index.disk_enabled and not self.disk.admission.admits(victim.key):
+                # Dropped, never written: the admission filter turned it away.
+                self.disk.counters.admission_rejected += 1
             self._remove_block(victim, cold_parent=True)
         else:
             # Dirty with descendants that are gone from every tier but still
@@ -840,6 +896,9 @@ class Engine:
     def _remove_block(self, block: Block, *, cold_parent: bool) -> None:
         """Take a childless, unpinned block out of its index and its slot."""
         check(block.ref_count == 0, f"removal of pinned {block!r}")
+        if block.state == BlockState.SEALED:
+            # Writable blocks were never announced; tombstones were when lost.
+            self.events.removed(block.index.namespace_id, block.key)
         self._withdraw(block)
         if block.host_slot != NO_SLOT:
             self._clear_host_slot(block, cold_parent=cold_parent)
@@ -898,6 +957,8 @@ class Engine:
         for member in block.index.subtree(block):
             if member.state == BlockState.LOST:
                 continue
+            if member.state == BlockState.SEALED:
+                self.events.removed(member.index.namespace_id, member.key)
             self._withdraw(member)
             self.loading.discard(member)
             if member.host_slot != NO_SLOT:
@@ -931,6 +992,17 @@ class Engine:
     def _withdraw(self, block: Block) -> None:
         if block in self.host.policy:
             self.host.policy.remove(block)
+
+    def _note_sightings(self, matched: Sequence[Block]) -> None:
+        """A Get or a repeated Put saw these blocks (one chain): tell the disk
+        admission filter, and queue for writing those that just qualified."""
+        disk = self.disk
+        if disk is None or not matched or not disk.admission.active or not matched[0].index.disk_enabled:
+            return
+        for position in disk.admission.record_many([block.key for block in matched]):
+            block = matched[position]
+            if block.host_slot != NO_SLOT and block.disk_slot == NO_SLOT:
+                self._queue_write(block)
 
     def _touch_prefix(self, matched: Sequence[Block]) -> None:
         # Only a prefix's last block can be a leaf, so only it can be a
@@ -997,6 +1069,7 @@ class Engine:
         """Check every cross-structure invariant (tests call this after each step)."""
         self.host.verify()
         self.leases.verify()
+        self.events.verify()
         disk = self.disk
         if disk is not None:
             disk.verify()

@@ -13,6 +13,7 @@ import grpc
 
 from kvd.core.block import Block
 from kvd.core.engine import Engine, TierId
+from kvd.core.events import Event
 from kvd.core.keys import DType, InnerLayout, KvOrder, NamespaceSpec
 from kvd.errors import InvalidArgument, KvdError
 from kvd.v1 import kvd_pb2
@@ -65,6 +66,17 @@ def tiers(engine: Engine, blocks: Sequence[Block]) -> bytes:
     if engine.disk is None:
         return _HOST_TIER_BYTE * len(blocks)
     return bytes(int(engine.tier_of(block)) for block in blocks)
+
+
+def event_message(event: Event) -> kvd_pb2.KvEvent:
+    return kvd_pb2.KvEvent(
+        kind=int(event.kind),
+        sequence=event.sequence,
+        namespace_id=event.namespace_id,
+        keys=event.keys,
+        parent_key=event.parent_key,
+        tier=event.tier,
+    )
 
 
 def ack_supported(ack: int, has_disk: bool) -> None:

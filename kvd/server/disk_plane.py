@@ -6,7 +6,10 @@ together:
 
   * one dedicated I/O thread owns the DiskTier (every call into it happens
     there); the event loop owns the engine (every call into it happens on
-    the loop, between awaits);
+    the loop, between awaits). The thread takes its jobs in the order the
+    I/O schedule (kvd.core.io_schedule, disk.io_schedule) picks: restores
+    for Gets first, then prefetches, then write-back, which goes out in
+    small jobs (disk.write_chunk_blocks) in the gaps between reads;
   * a writer task drains the engine's write-through queue in batches:
     removals of evicted blocks are made durable first, then the data, then
     the PUT records (the tier's write order);
@@ -19,7 +22,6 @@ together:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import errno
 import logging
 import os
@@ -29,7 +31,9 @@ from dataclasses import dataclass, field
 from kvd.config import DiskSettings
 from kvd.core.block import Block, BlockState
 from kvd.core.engine import DiskLoad, DiskWrite, Engine, GetPlan
+from kvd.core.io_schedule import IoClass, IoSchedule
 from kvd.io.engine import Op
+from kvd.server.io_executor import ScheduledExecutor
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import DiskConfig
 from kvd.tiers.disk.tier import DiskRecovery, DiskTier
@@ -97,7 +101,8 @@ class DiskPlane:
         self.engine: Engine | None = None
         self.tier: DiskTier | None = None
         self.counters = DiskPlaneCounters()
-        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-disk")
+        self._io = ScheduledExecutor(IoSchedule(settings.io_schedule, write_share=settings.write_share,
+                                                backlog_limit=settings.write_backlog_blocks))
         self._wake = asyncio.Event()
         self._loads: dict[Block, asyncio.Future] = {}
         self._durable: dict[Block, list[asyncio.Future]] = {}
@@ -112,8 +117,13 @@ class DiskPlane:
     def slot_count(self) -> int:
         return self.config.slot_count
 
-    async def _run(self, function, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._io, function, *args)
+    async def _run(self, function, *args, io_class: IoClass = IoClass.CONTROL):
+        return await self._io.run(io_class, function, *args)
+
+    @property
+    def io(self) -> ScheduledExecutor:
+        """The I/O thread and its schedule (queue lengths and times for metrics)."""
+        return self._io
 
     # -- start ----------------------------------------------------------
 
@@ -193,9 +203,14 @@ class DiskPlane:
         headroom = max(self.settings.write_batch_blocks, int(host.slot_count * self.settings.write_back_headroom))
         return len(host.free_slots) <= headroom
 
+    def _update_backlog(self) -> None:
+        """Tell the schedule how many blocks wait for write-back while memory needs them written."""
+        self._io.backlog = len(self.engine.write_queue) if self._should_write() else 0
+
     async def _writer(self) -> None:
         engine = self.engine
         while not self._closing:
+            self._update_backlog()
             writes = engine.pick_writes(self.settings.write_batch_blocks) if self._should_write() else []
             self._fail_unwritable_waits(writes)
             if not writes:
@@ -208,7 +223,7 @@ class DiskPlane:
             removals = engine.take_disk_removals()
             self.writes_idle.clear()
             try:
-                ok, failed_removals = await self._run(self._write_batch, removals, self._write_work(writes))
+                ok, failed_removals = await self._write(removals, self._write_work(writes))
             finally:
                 self.writes_idle.set()
             self.counters.batches += 1
@@ -234,20 +249,35 @@ class DiskPlane:
             work.append((namespace_id, spec.layer_bytes, spec.num_layers, items))
         return work
 
-    def _write_batch(self, removals, work) -> tuple[list[bool], set[int]]:
-        """I/O thread: removals first (durable), then the blocks, per namespace."""
-        failed_removals = self._remove_sync(removals)
+    async def _write(self, removals, work) -> tuple[list[bool], set[int]]:
+        """Removals first (durable), then the blocks, then compaction if due.
+
+        Under the slack schedule the blocks go in jobs of at most
+        disk.write_chunk_blocks, each queued when the previous one is done,
+        so a restore waits for one chunk at most. Under fifo the whole batch
+        is one job, in arrival order with the reads: the behaviour the
+        scheduler replaced, kept as the benchmark's baseline.
+        """
+        failed_removals = await self._run(self._remove_sync, removals) if removals else set()
         ok = [False] * sum(len(items) for *_, items in work)
+        chunk_blocks = len(ok) if self.settings.io_schedule == "fifo" else self.settings.write_chunk_blocks
+        pieces = []
         for namespace_id, layer_bytes, num_layers, items in work:
             # A slot whose REMOVE failed may still be on record: never overwrite it.
             usable = [(position, item) for position, item in items if item[2] not in failed_removals]
-            if not usable:
-                continue
-            results = self.tier.write_blocks(namespace_id, layer_bytes, num_layers, [item for _, item in usable])
-            for (position, _), good in zip(usable, results):
-                ok[position] = bool(good)
-        self.tier.compact_if_needed(self.settings.manifest_max_bytes)
+            for start in range(0, len(usable), chunk_blocks):
+                pieces.append((namespace_id, layer_bytes, num_layers, usable[start:start + chunk_blocks]))
+        for piece in pieces:
+            self._update_backlog()
+            for position, good in await self._run(self._write_piece, *piece, io_class=IoClass.WRITE):
+                ok[position] = good
+        await self._run(self.tier.compact_if_needed, self.settings.manifest_max_bytes)
         return ok, failed_removals
+
+    def _write_piece(self, namespace_id, layer_bytes, num_layers, items) -> list[tuple[int, bool]]:
+        """I/O thread: one write job; (position in the batch, durable) per block."""
+        results = self.tier.write_blocks(namespace_id, layer_bytes, num_layers, [item for _, item in items])
+        return [(position, bool(good)) for (position, _), good in zip(items, results, strict=True)]
 
     def _remove_sync(self, removals: list[tuple[bytes, bytes, int]]) -> set[int]:
         """I/O thread: journal removals; returns the slots whose REMOVE failed."""
@@ -351,7 +381,8 @@ class DiskPlane:
             if on_layer is not None:
                 def progress(layer: int, ok) -> None:  # I/O thread
                     loop.call_soon_threadsafe(on_layer, layer, ok)
-            reading = loop.run_in_executor(self._io, self._read_batch, self._read_work(plan.loads), progress)
+            work = self._read_work(plan.loads)
+            reading = asyncio.wrap_future(self._io.submit(IoClass.RESTORE, self._read_batch, work, progress))
             try:
                 # Shielded: if this Get is cancelled, the I/O thread still
                 # writes into the host slots, so they stay pinned until it is

@@ -9,10 +9,11 @@ anything else is a bug and surfaces as INTERNAL with a logged traceback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -37,34 +38,61 @@ Request = TypeVar("Request")
 DURABLE_WAIT_S = 30.0
 # Inline Gets pin under a lease of their own, never one a client can name.
 INLINE_CLIENT_PREFIX = "inline\x00"
+# Events a subscriber takes from the ring at a time: what it holds while
+# a slow client keeps it waiting (at most this many x MAX_EVENT_KEYS keys).
+WATCH_READ_EVENTS = 8
+# Blocks per EventSnapshot message: about 70 bytes each on the wire.
+SNAPSHOT_PART_BLOCKS = 16384
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+StreamHandler = Callable[[Any, Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+
+@contextlib.asynccontextmanager
+async def _measured(metrics: RpcMetrics, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Measure one RPC and map operating errors to their gRPC status."""
+    metrics.in_flight.inc()
+    started = time.perf_counter()
+    code = "OK"
+    try:
+        yield
+    except KvdError as error:
+        code = error.code
+        await context.abort(convert.status_of(error), error.message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        code = "INTERNAL"
+        log.exception("internal error in %s", method)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the daemon log")
+    finally:
+        metrics.in_flight.dec()
+        metrics.duration.labels(method).observe(time.perf_counter() - started)
+        metrics.total.labels(method, code).inc()
 
 
 def rpc(method: str) -> Callable[[Handler], Handler]:
-    """Measure an RPC and map operating errors to their gRPC status."""
+    """A unary handler, measured, with operating errors mapped to their status."""
 
     def decorate(handler: Handler) -> Handler:
         @functools.wraps(handler)
         async def wrapper(self: KvdService, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            metrics = self.metrics
-            metrics.in_flight.inc()
-            started = time.perf_counter()
-            code = "OK"
-            try:
+            async with _measured(self.metrics, method, context):
                 return await handler(self, request, context)
-            except KvdError as error:
-                code = error.code
-                await context.abort(convert.status_of(error), error.message)
-            except grpc.aio.AbortError:
-                raise
-            except Exception:
-                code = "INTERNAL"
-                log.exception("internal error in %s", method)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the daemon log")
-            finally:
-                metrics.in_flight.dec()
-                metrics.duration.labels(method).observe(time.perf_counter() - started)
-                metrics.total.labels(method, code).inc()
+
+        return wrapper
+
+    return decorate
+
+
+def stream_rpc(method: str) -> Callable[[StreamHandler], StreamHandler]:
+    """The same for a server-streaming handler (an async generator)."""
+
+    def decorate(handler: StreamHandler) -> StreamHandler:
+        @functools.wraps(handler)
+        async def wrapper(self: KvdService, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async with _measured(self.metrics, method, context):
+                async for message in handler(self, request, context):
+                    yield message
 
         return wrapper
 
@@ -80,6 +108,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         metrics: RpcMetrics,
         max_message_bytes: int,
         disk_plane: DiskPlane | None = None,
+        max_subscribers: int = 32,
     ) -> None:
         self.engine = engine
         self.disk_plane = disk_plane
@@ -88,6 +117,13 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         self.started_ms = clock.now_ms()
+        self.max_subscribers = max_subscribers
+        self._subscribers = 0
+        self._draining = False
+        # Set, and replaced by a fresh one, whenever events are published:
+        # idle subscribers wait on it.
+        self._events_published = asyncio.Event()
+        self._publish_scheduled = False
 
     @rpc("RegisterNamespace")
     async def RegisterNamespace(self, request, context):
@@ -290,22 +326,11 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             tiers=tiers,
         )
 
+    @stream_rpc("GetLayers")
     async def GetLayers(self, request, context):
         """Server-streaming Get: one message per layer landed (see the proto)."""
-        metrics = self.metrics
-        metrics.in_flight.inc()
-        started = time.perf_counter()
-        code = "OK"
-        try:
-            async for message in self._get_layers(request):
-                yield message
-        except KvdError as error:
-            code = error.code
-            await context.abort(convert.status_of(error), error.message)
-        finally:
-            metrics.in_flight.dec()
-            metrics.duration.labels("GetLayers").observe(time.perf_counter() - started)
-            metrics.total.labels("GetLayers", code).inc()
+        async for message in self._get_layers(request):
+            yield message
 
     async def _get_layers(self, request):
         state = self.engine.namespace(request.namespace_id)
@@ -369,6 +394,123 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     async def Delete(self, request, context):
         deleted, pinned = self.engine.delete(request.namespace_id, request.keys)
         return kvd_pb2.DeleteResponse(deleted=deleted, pinned=pinned)
+
+    # ------------------------------------------------------------------
+    # KV events (kvd.core.events): WatchEvents and EventSnapshot
+    #
+    # A subscriber is a cursor into the engine's shared ring of recent
+    # events, never a queue of its own: however slow its client, it holds at
+    # most WATCH_READ_EVENTS events, plus what gRPC's flow-control window
+    # buffers. When its next event has left the ring it is sent
+    # RESYNC_REQUIRED and its stream ends: the client takes a snapshot and
+    # watches again, the same path as a resume from a too-old sequence.
+
+    @stream_rpc("WatchEvents")
+    async def WatchEvents(self, request, context):
+        events = self.engine.events
+        namespace_id = self.engine.namespace(request.namespace_id).namespace_id
+        if self._draining:
+            raise Unavailable("kvd is draining; watch again once it is back, from a new snapshot")
+        if self._subscribers >= self.max_subscribers:
+            raise ResourceExhausted(f"too many event subscribers (max {self.max_subscribers}); close a watch first")
+        last = events.last_sequence(namespace_id)
+        if request.instance_id and request.instance_id != self.arena.instance_id:
+            yield self._resync(namespace_id, last, kvd_pb2.RESYNC_REASON_INSTANCE_CHANGED)
+            return
+        if request.from_sequence > last + 1:
+            raise InvalidArgument(
+                f"from_sequence {request.from_sequence} is ahead of this namespace's newest event {last}; "
+                f"watch from at most {last + 1}, or from 0 for new events only"
+            )
+        next_sequence = request.from_sequence or last + 1
+        if next_sequence < events.first_sequence(namespace_id):
+            yield self._resync(namespace_id, last, kvd_pb2.RESYNC_REASON_SEQUENCE_TOO_OLD)
+            return
+        self._subscribe(+1)
+        try:
+            yield kvd_pb2.KvEvent(
+                kind=kvd_pb2.KV_EVENT_KIND_WATCHING,
+                sequence=next_sequence - 1,
+                namespace_id=namespace_id,
+                instance_id=self.arena.instance_id,
+            )
+            while True:
+                published = self._events_published
+                if self._draining:
+                    raise Unavailable("kvd is draining; watch again once it is back, from a new snapshot")
+                batch = events.read(namespace_id, next_sequence, WATCH_READ_EVENTS)
+                if batch is None:
+                    yield self._resync(
+                        namespace_id, events.last_sequence(namespace_id), kvd_pb2.RESYNC_REASON_SUBSCRIBER_TOO_SLOW
+                    )
+                    return
+                if not batch:
+                    await published.wait()
+                    continue
+                for event in batch:
+                    yield convert.event_message(event)
+                next_sequence = batch[-1].sequence + 1
+        finally:
+            self._subscribe(-1)
+
+    @stream_rpc("EventSnapshot")
+    async def EventSnapshot(self, request, context):
+        engine = self.engine
+        state = engine.namespace(request.namespace_id)
+        # Taken whole, with no await in between: exactly the blocks served
+        # after event `sequence`, parents first (the index keeps insertion
+        # order, and a parent is never removed before its children).
+        sequence = engine.events.last_sequence(state.namespace_id)
+        blocks = [block for block in state.index if block.state == BlockState.SEALED]
+        keys = [block.key for block in blocks]
+        parent_keys = [block.parent.key if block.parent is not None else b"" for block in blocks]
+        tiers = convert.tiers(engine, blocks)
+        del blocks
+        for start in range(0, max(len(keys), 1), SNAPSHOT_PART_BLOCKS):
+            stop = start + SNAPSHOT_PART_BLOCKS
+            yield kvd_pb2.EventSnapshotResponse(
+                instance_id=self.arena.instance_id,
+                sequence=sequence,
+                block_count=len(keys),
+                keys=keys[start:stop],
+                parent_keys=parent_keys[start:stop],
+                tiers=tiers[start:stop],
+            )
+
+    def end_streams(self) -> None:
+        """Drain: end every WatchEvents stream (UNAVAILABLE) and refuse new ones."""
+        self._draining = True
+        self._events_published.set()
+
+    def _resync(self, namespace_id: bytes, sequence: int, reason: int) -> kvd_pb2.KvEvent:
+        self.metrics.event_resyncs.labels(kvd_pb2.ResyncReason.Name(reason)[len("RESYNC_REASON_"):].lower()).inc()
+        return kvd_pb2.KvEvent(
+            kind=kvd_pb2.KV_EVENT_KIND_RESYNC_REQUIRED,
+            sequence=sequence,
+            namespace_id=namespace_id,
+            instance_id=self.arena.instance_id,
+            resync_reason=reason,
+        )
+
+    def _subscribe(self, change: int) -> None:
+        self._subscribers += change
+        self.metrics.event_subscribers.inc(change)
+        # The engine calls back only while someone listens: without
+        # subscribers events are published lazily, by the next reader.
+        self.engine.events.listener = self._on_event_opened if self._subscribers else None
+
+    def _on_event_opened(self) -> None:
+        # Called inside an engine call, on the loop: publish once this turn
+        # of the loop is over, so one turn's changes go out together.
+        if not self._publish_scheduled:
+            self._publish_scheduled = True
+            asyncio.get_running_loop().call_soon(self._publish_events)
+
+    def _publish_events(self) -> None:
+        self._publish_scheduled = False
+        self.engine.events.flush()
+        published, self._events_published = self._events_published, asyncio.Event()
+        published.set()
 
     @rpc("Stats")
     async def Stats(self, request, context):

@@ -48,6 +48,8 @@ def snapshot(engine: Engine) -> dict:
         ),
         "write_queue": [block.key for block in engine.write_queue],
         "handles": (engine.live_handles, engine.pinned_blocks, engine.leaked_handles),
+        # A rejected call announces nothing either.
+        "events": (list(engine.events.published_events), engine.events.open_key_count),
         "leases": {
             lease.lease_id: (
                 lease.kind,

@@ -51,6 +51,22 @@ class ReserveStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESERVE_STATUS_EXISTS: _ClassVar[ReserveStatus]
     RESERVE_STATUS_IN_FLIGHT: _ClassVar[ReserveStatus]
     RESERVE_STATUS_NO_SPACE: _ClassVar[ReserveStatus]
+
+class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_STORED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_REMOVED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_TIER_CHANGED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_WATCHING: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_RESYNC_REQUIRED: _ClassVar[KvEventKind]
+
+class ResyncReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESYNC_REASON_UNSPECIFIED: _ClassVar[ResyncReason]
+    RESYNC_REASON_SEQUENCE_TOO_OLD: _ClassVar[ResyncReason]
+    RESYNC_REASON_SUBSCRIBER_TOO_SLOW: _ClassVar[ResyncReason]
+    RESYNC_REASON_INSTANCE_CHANGED: _ClassVar[ResyncReason]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -78,6 +94,16 @@ RESERVE_STATUS_RESERVED: ReserveStatus
 RESERVE_STATUS_EXISTS: ReserveStatus
 RESERVE_STATUS_IN_FLIGHT: ReserveStatus
 RESERVE_STATUS_NO_SPACE: ReserveStatus
+KV_EVENT_KIND_UNSPECIFIED: KvEventKind
+KV_EVENT_KIND_STORED: KvEventKind
+KV_EVENT_KIND_REMOVED: KvEventKind
+KV_EVENT_KIND_TIER_CHANGED: KvEventKind
+KV_EVENT_KIND_WATCHING: KvEventKind
+KV_EVENT_KIND_RESYNC_REQUIRED: KvEventKind
+RESYNC_REASON_UNSPECIFIED: ResyncReason
+RESYNC_REASON_SEQUENCE_TOO_OLD: ResyncReason
+RESYNC_REASON_SUBSCRIBER_TOO_SLOW: ResyncReason
+RESYNC_REASON_INSTANCE_CHANGED: ResyncReason
 
 class NamespaceSpec(_message.Message):
     __slots__ = ("model_id", "model_revision", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "block_tokens", "inner_layout", "kv_order", "tp_rank", "tp_size", "pp_stage", "pp_size", "lora_id", "tenant_salt", "hash_scheme")
@@ -392,3 +418,55 @@ class StatsResponse(_message.Message):
     leases: int
     leases_expired: int
     def __init__(self, version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leases_expired: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("namespace_id", "from_sequence", "instance_id")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    from_sequence: int
+    instance_id: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., from_sequence: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("kind", "sequence", "namespace_id", "keys", "parent_key", "tier", "instance_id", "resync_reason")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_REASON_FIELD_NUMBER: _ClassVar[int]
+    kind: KvEventKind
+    sequence: int
+    namespace_id: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_key: bytes
+    tier: Tier
+    instance_id: str
+    resync_reason: ResyncReason
+    def __init__(self, kind: _Optional[_Union[KvEventKind, str]] = ..., sequence: _Optional[int] = ..., namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent_key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., instance_id: _Optional[str] = ..., resync_reason: _Optional[_Union[ResyncReason, str]] = ...) -> None: ...
+
+class EventSnapshotRequest(_message.Message):
+    __slots__ = ("namespace_id",)
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    def __init__(self, namespace_id: _Optional[bytes] = ...) -> None: ...
+
+class EventSnapshotResponse(_message.Message):
+    __slots__ = ("instance_id", "sequence", "block_count", "keys", "parent_keys", "tiers")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    sequence: int
+    block_count: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tiers: bytes
+    def __init__(self, instance_id: _Optional[str] = ..., sequence: _Optional[int] = ..., block_count: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent_keys: _Optional[_Iterable[bytes]] = ..., tiers: _Optional[bytes] = ...) -> None: ...

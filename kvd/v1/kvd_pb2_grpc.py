@@ -94,6 +94,16 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvd.v1.Kvd/WatchEvents',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.KvEvent.FromString,
+                _registered_method=True)
+        self.EventSnapshot = channel.unary_stream(
+                '/kvd.v1.Kvd/EventSnapshot',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.EventSnapshotRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.EventSnapshotResponse.FromString,
+                _registered_method=True)
 
 
 class KvdServicer:
@@ -173,6 +183,22 @@ class KvdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """Stored / removed / tier-changed events of one namespace, live, from
+        from_sequence on (see KvEventKind).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EventSnapshot(self, request, context):
+        """The blocks a namespace serves, with their tiers, consistent with one
+        event sequence number.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +261,16 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.StatsRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.StatsResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.KvEvent.SerializeToString,
+            ),
+            'EventSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.EventSnapshot,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.EventSnapshotRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.EventSnapshotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -561,6 +597,60 @@ class Kvd:
             '/kvd.v1.Kvd/Stats',
             kvd_dot_v1_dot_kvd__pb2.StatsRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.v1.Kvd/WatchEvents',
+            kvd_dot_v1_dot_kvd__pb2.WatchEventsRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.KvEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EventSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.v1.Kvd/EventSnapshot',
+            kvd_dot_v1_dot_kvd__pb2.EventSnapshotRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.EventSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

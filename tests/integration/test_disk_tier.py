@@ -48,8 +48,10 @@ def metric_samples(url: str) -> dict[str, float]:
     return samples
 
 
-def test_blocks_evicted_from_host_come_back_from_disk(tmp_path):
-    with run_daemon(tmp_path / "d", config=disk_config(tmp_path)) as daemon, Client(daemon.unix_target) as client:
+@pytest.mark.parametrize("schedule", ["slack", "fifo"])
+def test_blocks_evicted_from_host_come_back_from_disk(tmp_path, schedule):
+    config = disk_config(tmp_path, io_schedule=schedule, write_chunk_blocks=3)
+    with run_daemon(tmp_path / "d", config=config) as daemon, Client(daemon.unix_target) as client:
         namespace = client.register_namespace(SPEC)
         first = namespace.keys(np.arange(12 * 16))
         first_blocks = blocks_for(12, seed=1)
@@ -67,6 +69,26 @@ def test_blocks_evicted_from_host_come_back_from_disk(tmp_path):
         samples = metric_samples(daemon.metrics_url)
         assert samples['kvd_tier_moves_total{source_tier="disk",target_tier="host"}'] >= 12
         assert samples['kvd_disk_failures_total{operation="load"}'] == 0
+
+
+def test_admission_filter_spares_the_disk_but_not_durable_puts(tmp_path):
+    """disk.admission_min_hits = 3: blocks Put once are dropped from host
+    memory unwritten (and counted); an ACK_DURABLE Put is written anyway."""
+    config = disk_config(tmp_path, admission_min_hits=3)
+    config["host"]["policy"] = "s3fifo"
+    with run_daemon(tmp_path / "d", config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        kept = namespace.keys(np.arange(6 * 16))
+        kept_blocks = blocks_for(6, seed=4)
+        assert client.put(namespace, kept, kept_blocks, durable=True) == 6
+        for round_ in range(2):
+            keys = namespace.keys(np.arange(HOST_SLOTS * 16) + 10**6 * (round_ + 1))
+            client.put(namespace, keys, blocks_for(HOST_SLOTS, seed=20 + round_))
+        samples = metric_samples(daemon.metrics_url)
+        assert samples['kvd_tier_moves_total{source_tier="host",target_tier="disk"}'] == 6
+        assert samples["kvd_disk_admission_rejected_total"] >= HOST_SLOTS
+        assert client.lookup(namespace, kept).matched == 6
+        assert np.array_equal(client.get_numpy(namespace, kept), kept_blocks)
 
 
 def test_durable_blocks_survive_a_restart_and_kill(tmp_path):

@@ -78,9 +78,13 @@ class MLease:
 
 
 class EngineMachine(RuleBasedStateMachine):
+    # The host eviction policy; nothing here depends on which.
+    POLICY = "lru"
+
     def __init__(self) -> None:
         super().__init__()
         self.engine = Engine(
+            policy=self.POLICY,
             host_slot_count=SLOTS,
             host_slot_bytes=64,
             limits=EngineLimits(max_leases=MAX_LEASES, lease_ms_default=LEASE_DEFAULT, lease_ms_max=LEASE_MAX),
@@ -543,10 +547,19 @@ class EngineMachine(RuleBasedStateMachine):
         ), "with nothing pinned, every leaf is an eviction candidate"
 
 
-EngineMachine.TestCase.settings = settings(
+MACHINE_SETTINGS = settings(
     max_examples=300,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+EngineMachine.TestCase.settings = MACHINE_SETTINGS
 TestEngineStateMachine = EngineMachine.TestCase
+
+
+class S3FifoEngineMachine(EngineMachine):
+    POLICY = "s3fifo"
+
+
+S3FifoEngineMachine.TestCase.settings = MACHINE_SETTINGS
+TestEngineStateMachineS3Fifo = S3FifoEngineMachine.TestCase

@@ -1,10 +1,11 @@
 """The engine with a disk tier: write-through, demotion, loads, loss, recovery.
 
 Keys come from a one-token-per-block namespace, so a string names a chain
-(K("abc") = keys of "a", "ab", "abc"). A small simulated data plane (`Plane`)
-moves fake block contents between host slots and disk slots exactly as the
-daemon moves bytes, so the tests can check the one property that matters:
-whatever a Get serves is the block that was Put under that key.
+(K("abc") = keys of "a", "ab", "abc"). A small simulated data plane (`Plane`,
+built on the simulator's kvd.sim.plane) moves fake block contents between
+host slots and disk slots exactly as the daemon moves bytes, so the tests
+can check the one property that matters: whatever a Get serves is the block
+that was Put under that key.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import random
 import pytest
 
 from kvd.core.block import NO_SLOT, BlockState
-from kvd.core.engine import Engine, TierId
+from kvd.core.engine import Engine, ReserveStatus, TierId
 from kvd.core.keys import NamespaceSpec, chain_keys
+from kvd.core.policy import DiskPolicies
+from kvd.core.policy.promotion import AlwaysPromote
 from kvd.errors import KvdError
+from kvd.sim.plane import SlotContents
 
 SPEC = NamespaceSpec(model_id="disk-test", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
 LONG = 10_000
@@ -30,23 +34,20 @@ def k(chain: str) -> bytes:
     return K(chain)[-1]
 
 
-class Plane:
-    """Fake bytes: host and disk slots hold the key of the block written there."""
+class Plane(SlotContents):
+    """Fake bytes (kvd.sim.plane) behind one namespace with a disk tier."""
 
     def __init__(self, engine: Engine) -> None:
+        super().__init__()
         self.engine = engine
         self.ns = engine.register_namespace(SPEC).namespace_id
         engine.enable_disk(self.ns)
-        self.host: dict[int, bytes] = {}
-        self.disk: dict[int, bytes] = {}
         self.corrupt: set[int] = set()
 
     def put(self, chain: str, client: str = "w") -> int:
         keys = K(chain)
         result = self.engine.reserve(self.ns, client, b"", keys, LONG, 0)
-        for key, slot in zip(keys, result.slots):
-            if slot != NO_SLOT:
-                self.host[slot] = key
+        self.fill(keys, result.slots)
         if result.lease is None:
             return 0
         sealed, _ = self.engine.commit(self.ns, client, result.lease.lease_id, [], [], 0)
@@ -58,37 +59,21 @@ class Plane:
         # As the daemon must: journal the removals of evicted blocks before
         # new bytes go into their slots.
         self.journal_removals()
-        ok = []
-        for write in writes:
-            good = write.block.key not in fail
-            if good:
-                self.disk[write.disk_slot] = self.host[write.host_slot]
-            ok.append(good)
-        self.engine.finish_writes(writes, ok)
+        self.engine.finish_writes(writes, self.write(writes, fail))
         self.journal_removals()
         # What the engine accepted as durable (a child whose parent failed
         # in the same batch is not, whatever its own write said).
         return sum(write.block.disk_slot == write.disk_slot for write in writes)
 
     def journal_removals(self) -> None:
-        removals = self.engine.take_disk_removals()
-        for _, _, slot in removals:
-            self.disk.pop(slot, None)
-        self.engine.confirm_disk_removals([slot for _, _, slot in removals])
+        super().journal_removals(self.engine)
 
     def get(self, chain: str, client: str = "r") -> list[bytes]:
         """A whole Get: plan, load from 'disk', settle, copy out, release."""
         plan = self.engine.begin_get(self.ns, client, K(chain), LONG, 0)
-        ok = []
-        for load in plan.loads:
-            good = load.disk_slot not in self.corrupt
-            if good:
-                self.host[load.host_slot] = self.disk[load.disk_slot]
-            ok.append(good)
-        self.engine.finish_loads(plan.loads, ok)
+        self.engine.finish_loads(plan.loads, self.load(plan.loads, self.corrupt))
         self.journal_removals()
-        served = self.engine.settle_get(plan)
-        contents = [self.host[block.host_slot] for block in served]
+        contents = self.served(self.engine.settle_get(plan))
         if plan.lease is not None:
             self.engine.release(client, [plan.lease.lease_id])
         return contents
@@ -200,13 +185,21 @@ def test_recovery_rebuilds_the_index_and_drops_orphans(engine_factory):
     assert engine.disk.counters.recovery_dropped == 2
 
 
+POLICY_VARIANTS = {
+    "lru": {},
+    "s3fifo": {"policy": "s3fifo"},
+    "admit-after-2": {"disk_policies": DiskPolicies(admission_min_hits=2)},
+}
+
+
+@pytest.mark.parametrize("variant", POLICY_VARIANTS)
 @pytest.mark.parametrize("seed", range(25))
-def test_random_operations_never_serve_a_wrong_block(engine_factory, seed):
+def test_random_operations_never_serve_a_wrong_block(engine_factory, seed, variant):
     """Puts, flushes (some failing), Gets (some loads corrupt), deletes and
     lease expiry in random order: every served block is the one put under
     its key, and the engine's invariants hold after every step."""
     rng = random.Random(seed)
-    engine = engine_factory(5, 64, disk_slot_count=7, disk_slot_bytes=64)
+    engine = engine_factory(5, 64, disk_slot_count=7, disk_slot_bytes=64, **POLICY_VARIANTS[variant])
     plane = Plane(engine)
     chains = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 5))) for _ in range(12)]
     for _ in range(120):
@@ -242,3 +235,98 @@ def test_random_operations_never_serve_a_wrong_block(engine_factory, seed):
     engine.verify()
     assert engine.live_handles == 0 and engine.pinned_blocks == 0
     assert all(block.state != BlockState.LOST for block in engine.namespace(plane.ns).index)
+
+
+# ----------------------------------------------------------------------
+# Disk admission (disk.admission_min_hits) and promotion (disk.promotion)
+
+
+@pytest.fixture
+def picky(engine_factory):
+    """Blocks go to disk only once seen twice."""
+    engine = engine_factory(4, 64, disk_slot_count=6, disk_slot_bytes=64,
+                            disk_policies=DiskPolicies(admission_min_hits=2))
+    return Plane(engine)
+
+
+def durable(plane: Plane, chain: str) -> list[bool]:
+    return [block.disk_slot != NO_SLOT for block in plane.engine.lookup(plane.ns, K(chain))]
+
+
+def test_with_min_hits_2_a_block_is_written_once_it_is_used_again(picky):
+    assert picky.put("abc") == 3
+    assert list(picky.engine.write_queue) == [] and picky.flush() == 0
+    picky.engine.lookup(picky.ns, K("abc"))  # a Lookup is not a use
+    assert picky.flush() == 0
+    assert picky.get("ab") == K("ab")  # a Get is: a and ab qualify, parents first
+    assert [block.key for block in picky.engine.write_queue] == K("ab")
+    assert picky.flush() == 2
+    assert durable(picky, "abc") == [True, True, False]
+    # A Put of a stored block is a use too.
+    assert picky.engine.reserve(picky.ns, "w", b"", K("abc"), LONG, 0).statuses[-1] == ReserveStatus.EXISTS
+    assert picky.flush() == 1
+    assert durable(picky, "abc") == [True, True, True]
+    assert picky.engine.disk.counters.admission_rejected == 0
+
+
+def test_blocks_the_filter_turned_away_are_dropped_by_eviction_and_counted(picky):
+    picky.put("ab")
+    picky.put("xy")
+    assert picky.flush() == 0
+    picky.put("pq")  # the host tier is full: ab goes, tail first, unwritten
+    assert picky.engine.lookup(picky.ns, K("ab")) == []
+    assert picky.engine.disk.counters.admission_rejected == 2
+    assert picky.engine.host.counters.demotions == 0 and picky.engine.disk.resident_blocks == 0
+
+
+def test_dirty_blocks_the_filter_admitted_are_not_counted_as_turned_away(plane):
+    plane.put("abcd")  # admitted (min_hits 1) but never flushed
+    plane.put("wx")
+    assert len(plane.engine.lookup(plane.ns, K("abcd"))) == 2
+    assert plane.engine.disk.counters.admission_rejected == 0
+
+
+def test_a_durable_request_writes_what_the_filter_turned_away(picky):
+    picky.put("abc")
+    assert picky.flush() == 0
+    leaf = picky.engine.lookup(picky.ns, K("abc"))[-1]
+    picky.engine.require_durable([leaf])  # ACK_DURABLE: the whole prefix, parents first
+    assert [block.key for block in picky.engine.write_queue] == K("abc")
+    assert picky.flush() == 3
+    picky.engine.require_durable([leaf])  # durable already: nothing to queue
+    assert list(picky.engine.write_queue) == []
+
+
+def test_a_block_queued_twice_is_written_once(picky):
+    picky.put("a")
+    picky.engine.require_durable(picky.engine.lookup(picky.ns, K("a")))
+    assert picky.get("a") == K("a")  # qualifies now: queued again
+    assert [block.key for block in picky.engine.write_queue] == K("a") * 2
+    assert picky.flush() == 1
+    assert picky.engine.disk.resident_blocks == 1 and not picky.engine.write_queue
+
+
+def test_require_durable_queues_nothing_with_the_filter_off(plane):
+    plane.put("abc")  # queued at seal
+    plane.engine.require_durable(plane.engine.lookup(plane.ns, K("abc")))
+    assert [block.key for block in plane.engine.write_queue] == K("abc")
+
+
+class NeverPromote:
+    name = "never"
+
+    def promote(self, block) -> bool:
+        return False
+
+
+def test_a_declined_promotion_cuts_the_get_before_the_block(plane):
+    plane.put("abcd")
+    plane.flush()
+    plane.put("wx")  # c and d demoted: only on disk
+    assert tiers(plane, "abcd") == [TierId.HOST, TierId.HOST, TierId.DISK, TierId.DISK]
+    plane.engine.disk.promotion = NeverPromote()
+    plan = plane.engine.begin_get(plane.ns, "r", K("abcd"), LONG, 0)
+    assert plan.matched == plane.engine.lookup(plane.ns, K("ab")) and not plan.loads and not plan.starved
+    plane.engine.release("r", [plan.lease.lease_id])
+    plane.engine.disk.promotion = AlwaysPromote()
+    assert plane.get("abcd") == K("abcd")

@@ -22,6 +22,8 @@ FORBIDDEN = {
     "kvd.errors": ["kvd."],
     "kvd.invariants": ["kvd."],
     "kvd.clock": ["kvd."],
+    # The simulator drives the engine the way the daemon does, in-process.
+    "kvd.sim": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.tiers", "kvd.io", "kvd.v1", "kvd.testing"],
 }
 # The core is pure: no transport, no clocks, no randomness, no threads, no I/O.
 CORE_FORBIDDEN_STDLIB = {"asyncio", "grpc", "os", "time", "random", "threading", "socket", "mmap"}
@@ -59,6 +61,18 @@ def test_layers_import_downwards_only():
                 if imported.split(".")[0] in CORE_FORBIDDEN_STDLIB:
                     violations.append(f"{name} imports {imported} (the core is pure)")
     assert violations == []
+
+
+def test_nothing_in_the_package_imports_the_simulator():
+    def simulator(name: str) -> bool:
+        return name == "kvd.sim" or name.startswith("kvd.sim.")
+
+    importers = sorted(
+        module_name(path)
+        for path in PACKAGE.rglob("*.py")
+        if not simulator(module_name(path)) and any(simulator(name) for name in imports_of(path))
+    )
+    assert importers == []
 
 
 def test_only_the_edges_import_generated_code():

@@ -170,10 +170,10 @@ def corruptions():
         b["c"].policy_prev = b["a"]
 
     def wrong_length(policy, b):
-        policy._length += 1
+        policy._list.length += 1
 
     def wrong_tail(policy, b):
-        policy._tail = b["b"]
+        policy._list.tail = b["b"]
 
     def cycle(policy, b):
         b["c"].policy_next = b["a"]

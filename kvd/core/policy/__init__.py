@@ -1,19 +1,33 @@
-"""Eviction policies: which unpinned block gives up its slot next.
+"""Tiering policies: mechanism is in the engine and the pools, policy here.
 
-Mechanism is separate from policy. A tier tells its policy when a block
-becomes an eviction candidate (`admit`), when it stops being one (`remove`),
-and when a candidate is used (`touch`); the tier asks `victim()` when it
-needs a slot. A block is a candidate exactly while it is sealed, unpinned
-(ref_count 0), a leaf of the prefix index (no children) and resident in the
-tier: prefixes are evicted from the tail inward, so whatever stays cached is
-still reachable by a prefix match.
+One module per policy, chosen per tier in the config:
+
+| config | interface | modules |
+|---|---|---|
+| host.policy | `EvictionPolicy`: which host candidate gives up its slot | lru.py, s3fifo.py |
+| disk.policy | `SlotEvictionPolicy`: which disk slot is reused | clock.py |
+| disk.admission_min_hits | `AdmissionFilter`: which blocks are written to disk | admission.py |
+| disk.promotion | `PromotionPolicy`: whether a Get's disk hit comes into host memory | promotion.py |
+
+Host eviction: a tier tells its policy when a block becomes an eviction
+candidate (`admit`), when it stops being one (`remove`), and when a
+candidate is used (`touch`); the tier asks `victim()` when it needs a slot
+and evicts that block at once. A block is a candidate exactly while it is
+sealed, unpinned (ref_count 0), resident, and without a child resident in
+the tier: prefixes are evicted from the tail inward, so whatever stays
+cached is still reachable by a prefix match.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvd.core.block import Block
+
+if TYPE_CHECKING:
+    from kvd.core.policy.promotion import PromotionPolicy
 
 
 class EvictionPolicy(Protocol):
@@ -24,7 +38,7 @@ class EvictionPolicy(Protocol):
         ...
 
     def remove(self, block: Block) -> None:
-        """`block` is no longer a candidate (pinned, got a child, or gone)."""
+        """`block` is no longer a candidate (evicted, pinned, got a child, or gone)."""
         ...
 
     def touch(self, block: Block) -> None:
@@ -35,6 +49,10 @@ class EvictionPolicy(Protocol):
         """The next candidate to evict, without removing it; None if none."""
         ...
 
+    def order(self) -> list[Block]:
+        """Every candidate (for tests and snapshots)."""
+        ...
+
     def __contains__(self, block: Block) -> bool: ...
 
     def __len__(self) -> int: ...
@@ -42,10 +60,58 @@ class EvictionPolicy(Protocol):
     def verify(self) -> None: ...
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    from kvd.core.policy.lru import LruPolicy
+class SlotEvictionPolicy(Protocol):
+    """Victim selection over a tier's slot array (no per-block links)."""
 
-    policies = {"lru": LruPolicy}
-    if name not in policies:
-        raise ValueError(f"unknown eviction policy {name!r} (known: {', '.join(sorted(policies))})")
-    return policies[name]()
+    name: str
+
+    def touch(self, slot: int) -> None:
+        """The block in `slot` was read or written."""
+        ...
+
+    def victim(
+        self, owners: Sequence[Block | None], busy: Container[int], evictable: Callable[[Block], bool]
+    ) -> Block | None:
+        """A block to evict: owns a slot not in `busy` and is `evictable`; None if none."""
+        ...
+
+    def verify(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DiskPolicies:
+    """The disk tier's policies (config: disk.policy, disk.admission_min_hits, disk.promotion)."""
+
+    eviction: str = "clock"
+    # Write a block to disk once it has been seen this many times; 1: all.
+    admission_min_hits: int = 1
+    promotion: str = "always"
+
+
+T = TypeVar("T")
+
+
+def _choose(kind: str, name: str, factories: dict[str, Callable[[], T]]) -> T:
+    if name not in factories:
+        raise ValueError(f"unknown {kind} policy {name!r} (known: {', '.join(sorted(factories))})")
+    return factories[name]()
+
+
+def make_policy(name: str, slot_count: int = 1024) -> EvictionPolicy:
+    """The host eviction policy `name` for a tier of `slot_count` slots."""
+    from kvd.core.policy.lru import LruPolicy
+    from kvd.core.policy.s3fifo import S3FifoPolicy
+
+    return _choose("eviction", name, {"lru": LruPolicy, "s3fifo": lambda: S3FifoPolicy(slot_count)})
+
+
+def make_slot_policy(name: str, slot_count: int) -> SlotEvictionPolicy:
+    from kvd.core.policy.clock import ClockPolicy
+
+    return _choose("disk eviction", name, {"clock": lambda: ClockPolicy(slot_count)})
+
+
+def make_promotion(name: str) -> PromotionPolicy:
+    from kvd.core.policy.promotion import AlwaysPromote
+
+    return _choose("promotion", name, {"always": AlwaysPromote})

@@ -1,0 +1,110 @@
+"""The disk tier's I/O thread, taking its jobs in the order an IoSchedule picks.
+
+Every call into the DiskTier happens on this one thread (the native ring is
+single-threaded). Callers on the event loop hand it jobs with an urgency
+class and await the result:
+
+    executor = ScheduledExecutor(IoSchedule("slack"))
+    ok = await executor.run(IoClass.RESTORE, tier.read_blocks, ...)
+
+The loop keeps `backlog` up to date (blocks waiting for write-back), which
+the schedule uses to give writes their bounded share when memory is
+filling up. Queue lengths, waits and run times per class are counted for
+metrics and `kvd status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvd.core.io_schedule import IoClass, IoJob, IoSchedule
+
+
+@dataclass(slots=True)
+class ClassTimes:
+    jobs: int = 0
+    wait_seconds: float = 0.0  # queued, not yet running
+    run_seconds: float = 0.0
+    max_wait_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Work:
+    function: Callable[..., Any]
+    args: tuple
+    future: concurrent.futures.Future
+    queued_at: float
+
+
+@dataclass(slots=True)
+class ExecutorStats:
+    by_class: dict[str, ClassTimes] = field(default_factory=lambda: {c.name.lower(): ClassTimes() for c in IoClass})
+
+
+class ScheduledExecutor:
+    def __init__(self, schedule: IoSchedule, *, name: str = "kvd-disk") -> None:
+        self.schedule = schedule
+        self.backlog = 0  # set by the event loop; read by the I/O thread (an int: no lock needed)
+        self.stats = ExecutorStats()
+        self._condition = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, io_class: IoClass, function: Callable[..., Any], *args: Any,
+               nbytes: int = 0) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._condition:
+            if self._closed:
+                raise RuntimeError("the disk I/O thread is shut down")
+            self.schedule.push(IoJob(io_class, _Work(function, args, future, time.perf_counter()), nbytes))
+            self._condition.notify()
+        return future
+
+    async def run(self, io_class: IoClass, function: Callable[..., Any], *args: Any, nbytes: int = 0) -> Any:
+        return await asyncio.wrap_future(self.submit(io_class, function, *args, nbytes=nbytes))
+
+    def queued(self) -> dict[str, int]:
+        with self._condition:
+            return {c.name.lower(): self.schedule.queued(c) for c in IoClass}
+
+    def _loop(self) -> None:
+        while True:
+            with self._condition:
+                job = self.schedule.pop(self.backlog)
+                while job is None:
+                    if self._closed:
+                        return
+                    self._condition.wait()
+                    job = self.schedule.pop(self.backlog)
+            work: _Work = job.payload
+            if not work.future.set_running_or_notify_cancel():
+                continue
+            started = time.perf_counter()
+            try:
+                result = work.function(*work.args)
+            except BaseException as error:  # handed to the awaiting caller
+                work.future.set_exception(error)
+            else:
+                work.future.set_result(result)
+            finished = time.perf_counter()
+            times = self.stats.by_class[job.io_class.name.lower()]
+            waited = started - work.queued_at
+            times.jobs += 1
+            times.wait_seconds += waited
+            times.max_wait_seconds = max(times.max_wait_seconds, waited)
+            times.run_seconds += finished - started
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Run what is queued, then stop the thread."""
+        with self._condition:
+            self._closed = True
+            self._condition.notify()
+        if wait:
+            self._thread.join()

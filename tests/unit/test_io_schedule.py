@@ -1,0 +1,124 @@
+"""The disk job schedule: urgency order, writes in the gaps, the bounded share, FIFO."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd.core.io_schedule import IoClass, IoJob, IoSchedule
+from kvd.invariants import InvariantError
+from kvd.server.io_executor import ScheduledExecutor
+
+R, P, W, C = IoClass.RESTORE, IoClass.PREFETCH, IoClass.WRITE, IoClass.CONTROL
+
+
+def fill(schedule: IoSchedule, classes: list[IoClass]) -> None:
+    for index, io_class in enumerate(classes):
+        schedule.push(IoJob(io_class, payload=index))
+
+
+def drain(schedule: IoSchedule, backlog: int = 0) -> list[tuple[IoClass, int]]:
+    order = []
+    while (job := schedule.pop(backlog)) is not None:
+        order.append((job.io_class, job.payload))
+    return order
+
+
+def test_slack_runs_control_then_restores_then_prefetches_then_writes():
+    schedule = IoSchedule("slack")
+    fill(schedule, [W, P, R, W, C, R, P])
+    assert drain(schedule) == [(C, 4), (R, 2), (R, 5), (P, 1), (P, 6), (W, 0), (W, 3)]
+    assert schedule.counters.deferred_writes == 4 and schedule.counters.forced_writes == 0
+    assert schedule.counters.dispatched == {"control": 1, "restore": 2, "prefetch": 2, "write": 2}
+
+
+def test_fifo_keeps_arrival_order_except_control():
+    schedule = IoSchedule("fifo")
+    fill(schedule, [W, P, R, W, C, R])
+    assert drain(schedule) == [(C, 4), (W, 0), (P, 1), (R, 2), (W, 3), (R, 5)]
+
+
+def test_a_full_backlog_gives_writes_one_job_in_every_write_share_plus_one():
+    schedule = IoSchedule("slack", write_share=3, backlog_limit=10)
+    fill(schedule, [W] * 3 + [R] * 9)
+    order = [io_class for io_class, _ in drain(schedule, backlog=10)]
+    assert order == [R, R, R, W, R, R, R, W, R, R, R, W]
+    assert schedule.counters.forced_writes == 2  # the last write found no read waiting
+    # Below the bound, reads always go first.
+    schedule = IoSchedule("slack", write_share=3, backlog_limit=10)
+    fill(schedule, [W] * 3 + [R] * 9)
+    assert [io_class for io_class, _ in drain(schedule, backlog=9)] == [R] * 9 + [W] * 3
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(InvariantError):
+        IoSchedule("lifo")
+    with pytest.raises(InvariantError):
+        IoSchedule("slack", write_share=0)
+    schedule = IoSchedule()
+    job = schedule.push(IoJob(R))
+    with pytest.raises(InvariantError):
+        schedule.push(job)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    mode=st.sampled_from(["slack", "fifo"]),
+    steps=st.lists(st.one_of(st.sampled_from(list(IoClass)), st.integers(0, 20)), max_size=60),
+    write_share=st.integers(1, 4),
+)
+def test_every_job_runs_exactly_once_and_within_a_class_in_arrival_order(mode, steps, write_share):
+    """Pushes (a class) and pops (an int: the backlog) interleaved at random."""
+    schedule = IoSchedule(mode, write_share=write_share, backlog_limit=10)
+    pushed, popped = [], []
+    for step in steps:
+        if isinstance(step, IoClass):
+            pushed.append(schedule.push(IoJob(step, payload=len(pushed))))
+        else:
+            job = schedule.pop(step)
+            if job is not None:
+                popped.append(job)
+                if mode == "slack" and job.io_class == IoClass.WRITE and step < 10:
+                    # Below the bound a write runs only when no read waits.
+                    assert schedule.queued(R) == schedule.queued(P) == 0
+    popped += [job for job in iter(lambda: schedule.pop(0), None)]
+    assert sorted(job.payload for job in popped) == list(range(len(pushed)))
+    for io_class in IoClass:
+        sequence = [job.sequence for job in popped if job.io_class == io_class]
+        assert sequence == sorted(sequence)
+    assert len(schedule) == 0
+
+
+def test_the_executor_runs_jobs_in_schedule_order_on_one_thread():
+    executor = ScheduledExecutor(IoSchedule("slack"))
+    gate = threading.Event()
+    ran: list[str] = []
+    threads: set[int] = set()
+
+    def job(name: str) -> str:
+        threads.add(threading.get_ident())
+        if name == "first":
+            gate.wait(10)
+        ran.append(name)
+        return name
+
+    first = executor.submit(W, job, "first")  # holds the thread while the rest queue up
+    time.sleep(0.05)
+    futures = [executor.submit(io_class, job, name) for io_class, name in
+               [(W, "write"), (P, "prefetch"), (R, "restore"), (C, "control")]]
+    assert executor.queued() == {"control": 1, "restore": 1, "prefetch": 1, "write": 1}
+    gate.set()
+    assert [f.result(10) for f in [first, *futures]] == ["first", "write", "prefetch", "restore", "control"]
+    assert ran == ["first", "control", "restore", "prefetch", "write"]
+    assert len(threads) == 1
+    failing = executor.submit(R, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.result(10)
+    executor.shutdown()
+    assert executor.stats.by_class["restore"].jobs == 2
+    with pytest.raises(RuntimeError):
+        executor.submit(R, job, "late")
