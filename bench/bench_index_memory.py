@@ -16,11 +16,18 @@ Two figures are reported per N:
     (owners list entry, the slot-number int objects). Reported for
     information, with its own verdict.
 
+The engine's KV event ring (kvd.core.events) keeps references to the keys
+of recent events, up to events.ring_keys in all (262,144 by default): a
+fixed bound, not a per-block cost, so the per-block figures are taken with
+a one-key ring, and one more run at the largest N with the default ring
+reports what the ring adds (about 8 B per key it holds).
+
 Each N is measured in a fresh subprocess twice: once under tracemalloc (exact
 Python allocations) and once without it for RSS (tracemalloc's own traces
 would swamp RSS). RSS includes allocator slack and is a cross-check only.
 
 Run:  .venv/bin/python bench/bench_index_memory.py [--sizes 100000 1000000] [--chain 64] [--policy lru|s3fifo]
+          [--no-ring-run]
 """
 
 from __future__ import annotations
@@ -63,10 +70,11 @@ def _allocated(size: int) -> int:
     return (size + 15) // 16 * 16 if 0 < size <= 512 else size
 
 
-def _measure_child(blocks: int, chain: int, mode: str, policy: str) -> dict:
+def _measure_child(blocks: int, chain: int, mode: str, policy: str, ring_keys: int) -> dict:
     """Runs in a fresh interpreter: build, insert, measure, report JSON on stdout."""
     from kvd.core.block import BlockState
     from kvd.core.engine import Engine, EngineLimits
+    from kvd.core.events import EventLog
 
     spec = _spec()
     limits = EngineLimits()
@@ -89,7 +97,9 @@ def _measure_child(blocks: int, chain: int, mode: str, policy: str) -> dict:
     if use_tracemalloc:
         tracemalloc.start(1)
     before_engine = current("before_engine")
-    engine = Engine(host_slot_count=blocks, host_slot_bytes=spec.block_bytes, limits=limits, policy=policy)
+    events = EventLog(ring_keys=ring_keys) if ring_keys else EventLog()
+    engine = Engine(host_slot_count=blocks, host_slot_bytes=spec.block_bytes, limits=limits, policy=policy,
+                    events=events)
     state = engine.register_namespace(spec)
     namespace_id = state.namespace_id
     after_engine = current("after_engine")
@@ -160,9 +170,10 @@ def _measure_child(blocks: int, chain: int, mode: str, policy: str) -> dict:
     return result
 
 
-def _run_child(blocks: int, chain: int, mode: str, policy: str) -> dict:
+def _run_child(blocks: int, chain: int, mode: str, policy: str, ring_keys: int = 1) -> dict:
+    """ring_keys: the event ring's key bound (1: the ring kept out of the figure; 0: the default)."""
     command = [sys.executable, __file__, "--child", mode, "--sizes", str(blocks), "--chain", str(chain),
-               "--policy", policy]
+               "--policy", policy, "--ring-keys", str(ring_keys)]
     completed = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO_ROOT)
     if completed.stderr:
         sys.stderr.write(completed.stderr)
@@ -206,11 +217,13 @@ def main() -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--chain", type=int, default=64, help="blocks per chain (one reserve+commit each)")
     parser.add_argument("--policy", choices=("lru", "s3fifo"), default="lru", help="host eviction policy")
+    parser.add_argument("--no-ring-run", action="store_true", help="skip the run with the default event ring")
     parser.add_argument("--child", choices=("tracemalloc", "rss"), help=argparse.SUPPRESS)
+    parser.add_argument("--ring-keys", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child:
-        print(json.dumps(_measure_child(args.sizes[0], args.chain, args.child, args.policy)))
+        print(json.dumps(_measure_child(args.sizes[0], args.chain, args.child, args.policy, args.ring_keys)))
         return 0
 
     warn_if_busy()
@@ -282,7 +295,21 @@ def main() -> int:
         for site in traced["top_allocation_sites"]:
             report(f"    {site['bytes_per_block']:8.1f} B/block  {site['count']:>9,} objs  {site['site']}")
 
+    ring = None
+    if not args.no_ring_run:
+        blocks = max(args.sizes)
+        progress(f"N={blocks:,}: with the default event ring (tracemalloc)")
+        with_ring = _run_child(blocks, args.chain, "tracemalloc", args.policy, ring_keys=0)
+        without = next(r for r in runs if r["blocks"] == blocks and r["mode"] == "tracemalloc")
+        added = (with_ring["rounded_insert_bytes_per_block"] - without["rounded_insert_bytes_per_block"]) * blocks
+        ring = {"blocks": blocks, "bytes_per_block_with_ring": with_ring["rounded_insert_bytes_per_block"],
+                "ring_bytes": added}
+        report("")
+        report(f"with the default event ring at N={blocks:,}: {ring['bytes_per_block_with_ring']:.1f} B/block; the "
+               f"ring adds {added / (1 << 20):.1f} MiB, a fixed bound (events.ring_keys), not a per-block cost")
+
     write_result("bench_index_memory", {
+        "event_ring": ring,
         "target": {"metric": "memory growth per block from inserts (tracemalloc, pymalloc size classes)",
                    "max_bytes_per_block": TARGET_BYTES_PER_BLOCK},
         "pass": all_pass,
