@@ -145,7 +145,10 @@ class Rig:
 async def run_mode(rig: Rig, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """`args.restores` back-to-back restores, with the write-back stream unless mode is 'alone'."""
     schedule_mode = "fifo" if mode == "fifo" else "slack"
-    executor = ScheduledExecutor(IoSchedule(schedule_mode))
+    settings = DiskSettings()
+    executor = ScheduledExecutor(IoSchedule(schedule_mode, write_share=settings.write_share,
+                                            backlog_limit=settings.write_backlog_blocks,
+                                            anticipation_s=settings.write_anticipation_ms / 1000.0))
     executor.backlog = 10**9 if mode == "slack, backlog full" else 0
     stop = asyncio.Event()
     written_blocks = 0
@@ -157,7 +160,8 @@ async def run_mode(rig: Rig, mode: str, args: argparse.Namespace) -> dict[str, A
             await executor.run(IoClass.CONTROL, rig.remove_written)
             items = rig.write_items(0, args.write_batch_blocks)
             for start in range(0, len(items), chunk):
-                written_blocks += await executor.run(IoClass.WRITE, rig.write, items[start:start + chunk])
+                piece = items[start:start + chunk]
+                written_blocks += await executor.run(IoClass.WRITE, rig.write, piece, nbytes=len(piece) * rig.block_bytes)
 
     writer = None if mode == "alone" else asyncio.create_task(write_back())
     await asyncio.sleep(0.05 if writer is not None else 0)  # the stream is under way
@@ -166,7 +170,7 @@ async def run_mode(rig: Rig, mode: str, args: argparse.Namespace) -> dict[str, A
     try:
         for _ in range(args.restores):
             t0 = time.perf_counter()
-            good = await executor.run(IoClass.RESTORE, rig.restore)
+            good = await executor.run(IoClass.RESTORE, rig.restore, nbytes=rig.restore_blocks * rig.block_bytes)
             latencies.append(time.perf_counter() - t0)
             if good != rig.restore_blocks:
                 raise RuntimeError(f"{mode}: restore verified only {good}/{rig.restore_blocks} blocks")

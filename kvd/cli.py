@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(config)
     config.set_defaults(handler=cmd_config)
 
-    status = commands.add_parser("status", help="show a running daemon's tiers, namespaces and leases")
+    status = commands.add_parser("status", help="show a running daemon's tiers, disk I/O, leases and pins, events and namespaces")
     status.add_argument("--target", help="unix:///path/kvd.sock or host:port (default: from --state-dir)")
     status.add_argument("--state-dir", default="state", help="state_dir of the daemon (default: state)")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")

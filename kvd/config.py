@@ -71,6 +71,12 @@ class HostConfig:
     slot_bytes: int = 2 << 20
     prefault: bool = True
     huge_pages: bool = False
+    # Watermarks, as fractions of the host slots: from high_watermark
+    # occupied on, dirty blocks are written back (write_mode = "back") and
+    # durable ones demoted in the background until low_watermark, so Puts
+    # find free slots instead of evicting.
+    high_watermark: float = 0.9
+    low_watermark: float = 0.8
     # Eviction: "lru", or "s3fifo" (scan-resistant: blocks used once leave
     # before blocks used again). Must match HOST_POLICIES.
     policy: str = "lru"
@@ -87,8 +93,6 @@ class DiskSettings:
     # free slots (or a Put asks for ACK_DURABLE), so short-lived blocks never
     # cost SSD writes; "through": write every sealed block at once.
     write_mode: str = "back"
-    # Write-back starts when free host slots drop to this fraction.
-    write_back_headroom: float = 0.1
     # "strict" (fsync every write batch), "group" (every group_commit_ms) or "none".
     fsync: str = "strict"
     group_commit_ms: int = 10
@@ -107,6 +111,14 @@ class DiskSettings:
     # pressure, writes get one job in every write_share + 1 even if reads wait.
     write_backlog_blocks: int = 256
     write_share: int = 4
+    # Under slack, a write that would start within this long after a read
+    # ended waits that long for another read first (0: never waits).
+    write_anticipation_ms: float = 2.0
+    # Prefetch: at most this many blocks read ahead of a Get in flight at a
+    # time (a Prefetch beyond it is cut short, not refused), in jobs of at
+    # most prefetch_chunk_blocks, so a restore waits for one job at most.
+    prefetch_max_blocks: int = 256
+    prefetch_chunk_blocks: int = 16
     # "auto" (io_uring when available), "uring" or "fallback".
     io_engine: str = "auto"
     manifest_max_bytes: int = 64 << 20
@@ -125,6 +137,11 @@ class LeaseConfig:
     default_ms: int = 30_000
     max_ms: int = 600_000
     max_leases: int = 65_536
+    # Blocks one client (one client_id) may pin through its open leases at
+    # once: Gets and Reserves past it get RESOURCE_EXHAUSTED. The default
+    # is above most arenas' slot counts, so it binds only where set: set it
+    # to a share of the host slots to keep one client from pinning them all.
+    max_pins_per_client: int = 65_536
     sweep_interval_ms: int = 500
 
 
@@ -182,6 +199,12 @@ class Config:
                 f"{self.host.capacity_bytes} is smaller than one slot ({self.host.slot_bytes} bytes)",
             )
         _one_of("host.policy", self.host.policy, HOST_POLICIES)
+        if not 0.0 < self.host.low_watermark < self.host.high_watermark <= 1.0:
+            raise ConfigError(
+                "host.low_watermark",
+                f"need 0 < low_watermark ({self.host.low_watermark}) < high_watermark "
+                f"({self.host.high_watermark}) <= 1",
+            )
         _one_of("disk.policy", self.disk.policy, DISK_POLICIES)
         _one_of("disk.promotion", self.disk.promotion, PROMOTION_POLICIES)
         if not 1 <= self.disk.admission_min_hits <= ADMISSION_MIN_HITS_MAX:
@@ -194,18 +217,20 @@ class Config:
                 raise ConfigError("disk.fsync", f"must be strict, group or none, got {self.disk.fsync!r}")
             if self.disk.write_mode not in ("back", "through"):
                 raise ConfigError("disk.write_mode", f"must be back or through, got {self.disk.write_mode!r}")
-            if not 0.0 < self.disk.write_back_headroom < 1.0:
-                raise ConfigError("disk.write_back_headroom", "must be between 0 and 1")
+            if not 0.0 <= self.disk.write_anticipation_ms <= 1000.0:
+                raise ConfigError("disk.write_anticipation_ms", f"must be in [0, 1000], got {self.disk.write_anticipation_ms}")
             if self.disk.io_schedule not in ("slack", "fifo"):
                 raise ConfigError("disk.io_schedule", f"must be slack or fifo, got {self.disk.io_schedule!r}")
             if self.disk.io_engine not in ("auto", "uring", "fallback"):
                 raise ConfigError("disk.io_engine", f"must be auto, uring or fallback, got {self.disk.io_engine!r}")
             for name in ("group_commit_ms", "write_batch_blocks", "queue_depth", "manifest_max_bytes",
-                         "read_extent_bytes", "write_chunk_blocks", "write_backlog_blocks", "write_share"):
+                         "read_extent_bytes", "write_chunk_blocks", "write_backlog_blocks", "write_share",
+                         "prefetch_max_blocks", "prefetch_chunk_blocks"):
                 _positive(f"disk.{name}", getattr(self.disk, name))
         _positive("leases.default_ms", self.leases.default_ms)
         _positive("leases.max_ms", self.leases.max_ms)
         _positive("leases.max_leases", self.leases.max_leases)
+        _positive("leases.max_pins_per_client", self.leases.max_pins_per_client)
         _positive("leases.sweep_interval_ms", self.leases.sweep_interval_ms)
         if self.leases.default_ms > self.leases.max_ms:
             raise ConfigError("leases.default_ms", f"exceeds leases.max_ms ({self.leases.max_ms})")

@@ -2,7 +2,9 @@
 
 Start:  stale arenas removed -> arena created and pre-faulted -> engine ->
         gRPC listeners (unix socket 0600, TCP) -> health SERVING ->
-        metrics endpoint -> lease sweeper -> READY logged (and sd_notify).
+        metrics endpoint -> lease sweeper -> READY logged (and sd_notify:
+        READY=1 only once disk recovery is done and the listeners answer;
+        then WATCHDOG=1 every half WATCHDOG_USEC while the event loop runs).
 Stop (SIGTERM/SIGINT, or `Daemon.shutdown()`; idempotent):
         health NOT_SERVING -> event streams end (UNAVAILABLE) -> listeners
         stop accepting and in-flight RPCs get `grace_period_s` to finish
@@ -32,7 +34,7 @@ from kvd.config import Config, parse_address
 from kvd.core.engine import Engine, EngineLimits
 from kvd.core.events import EventLog
 from kvd.core.policy import DiskPolicies
-from kvd.metrics import make_registry
+from kvd.metrics import DiskIoMetrics, make_registry
 from kvd.server.service import KvdService
 from kvd.tiers.host import ArenaLayout, HostArena, remove_stale_segments
 from kvd.v1 import kvd_pb2_grpc
@@ -86,6 +88,17 @@ def sd_notify(state: str) -> bool:
     return True
 
 
+def watchdog_interval_s(environ: dict[str, str] | None = None) -> float | None:
+    """Seconds between WATCHDOG=1 keep-alives: half of systemd's WATCHDOG_USEC
+    (sd_watchdog_enabled's rule), or None when no watchdog watches this process."""
+    environ = os.environ if environ is None else environ
+    usec = environ.get("WATCHDOG_USEC", "")
+    pid = environ.get("WATCHDOG_PID", "")
+    if not usec.isdigit() or int(usec) == 0 or (pid and pid != str(os.getpid())):
+        return None
+    return int(usec) / 2_000_000
+
+
 class Daemon:
     def __init__(self, config: Config, clock: Clock | None = None) -> None:
         self.config = config
@@ -98,6 +111,7 @@ class Daemon:
         self.health: health.aio.HealthServicer | None = None
         self._metrics_server = None
         self._sweeper: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._stopped = False
         self.bound_tcp_port: int | None = None
@@ -115,6 +129,7 @@ class Daemon:
         if config.disk.directories:
             from kvd.server.disk_plane import DiskPlane
 
+            sd_notify("STATUS=recovering the disk tier")
             self.disk_plane = DiskPlane(config.disk, self.arena)
             started = time.monotonic()
             recovery = await self.disk_plane.open()
@@ -128,10 +143,13 @@ class Daemon:
             host_slot_count=layout.slot_count,
             host_slot_bytes=layout.slot_bytes,
             policy=config.host.policy,
+            high_watermark=config.host.high_watermark,
+            low_watermark=config.host.low_watermark,
             limits=EngineLimits(
                 lease_ms_default=config.leases.default_ms,
                 lease_ms_max=config.leases.max_ms,
                 max_leases=config.leases.max_leases,
+                max_pins_per_client=config.leases.max_pins_per_client,
             ),
             disk_slot_count=self.disk_plane.slot_count if self.disk_plane else 0,
             disk_slot_bytes=config.disk.slot_bytes,
@@ -147,6 +165,9 @@ class Daemon:
             log.info("disk tier recovered", extra={"indexed_blocks": indexed})
             self.disk_plane.start()
         registry, rpc_metrics = make_registry(self.engine)
+        if self.disk_plane is not None:
+            disk_metrics = DiskIoMetrics(registry, self.disk_plane.io.queued, self.disk_plane.io_bytes)
+            self.disk_plane.io.on_job = disk_metrics.observe_job
         options = [
             ("grpc.max_receive_message_length", config.server.max_message_bytes),
             ("grpc.max_send_message_length", config.server.max_message_bytes),
@@ -203,6 +224,12 @@ class Daemon:
             },
         )
         sd_notify("READY=1\nSTATUS=serving")
+        interval_s = watchdog_interval_s()
+        if interval_s is not None:
+            # Sent from the event loop, so a loop that stops turning (a
+            # blocking call, a deadlock) stops the keep-alives and systemd
+            # restarts the daemon. They go on through the drain.
+            self._watchdog = asyncio.create_task(self._keep_alive(interval_s), name="watchdog")
 
     def _write_endpoints(self, state_dir: Path) -> None:
         """Record where this instance listens, for `kvd status` and tests."""
@@ -216,6 +243,11 @@ class Daemon:
         temporary = state_dir / "endpoints.json.tmp"
         temporary.write_text(json.dumps(endpoints))
         temporary.replace(state_dir / "endpoints.json")
+
+    async def _keep_alive(self, interval_s: float) -> None:
+        while True:
+            sd_notify("WATCHDOG=1")
+            await asyncio.sleep(interval_s)
 
     async def _sweep_leases(self) -> None:
         interval_s = self.config.leases.sweep_interval_ms / 1000.0
@@ -251,12 +283,7 @@ class Daemon:
             self.service.end_streams()
         if self.server is not None:
             await self.server.stop(self.config.server.grace_period_s)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            try:
-                await self._sweeper
-            except asyncio.CancelledError:
-                pass
+        await _cancelled(self._sweeper)
         leases = self.engine.close_all_leases() if self.engine is not None else 0
         if self.disk_plane is not None:
             # Queued write-through gets what is left of the grace period.
@@ -271,10 +298,22 @@ class Daemon:
         if socket_path is not None:
             socket_path.unlink(missing_ok=True)
         (Path(self.config.state_dir) / "endpoints.json").unlink(missing_ok=True)
+        await _cancelled(self._watchdog)
         log.info(
             "stopped",
             extra={"leases_closed": leases, "drain_s": round(time.monotonic() - started, 3)},
         )
+
+
+async def _cancelled(task: asyncio.Task | None) -> None:
+    """Cancel a background task of the daemon and wait until it has ended."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
 
 
 async def _serve(config: Config) -> None:

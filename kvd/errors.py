@@ -47,6 +47,11 @@ class ResourceExhausted(KvdError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class PinCapExceeded(ResourceExhausted):
+    """A client asked to pin more blocks than leases.max_pins_per_client
+    allows it: only releasing its own leases makes room."""
+
+
 class Unavailable(KvdError):
     code = "UNAVAILABLE"
 

@@ -3,7 +3,17 @@
 Gauges and totals that the engine already counts are read at scrape time by
 `EngineCollector` (the engine stays free of prometheus_client); per-RPC
 latency and outcome, and the KV event streams' subscribers and forced
-resyncs, are observed by the server through `RpcMetrics`.
+resyncs, are observed by the server through `RpcMetrics`. With a disk
+tier, `DiskIoMetrics` reads the I/O thread's queues and byte totals at
+scrape time and is handed each disk job's wait and run time as it ends.
+The Stats RPC returns every sample too (StatsRequest.include_metrics), so
+`kvd status` shows the numbers Prometheus scrapes.
+
+Hits and misses by tier: a Get key is looked for in host memory, then on
+disk. A host miss is a page fault: the key was then a disk hit (read back
+into host memory) or a disk miss (stored nowhere). So, with a disk tier,
+host misses = disk hits + disk misses, and host hits + disk hits = the
+Get hits of kvd_get_blocks_total.
 
 | metric | type | labels | meaning |
 |---|---|---|---|
@@ -12,20 +22,36 @@ resyncs, are observed by the server through `RpcMetrics`.
 | kvd_tier_payload_bytes | gauge | tier | bytes of the resident blocks themselves |
 | kvd_tier_capacity_bytes | gauge | tier | configured capacity |
 | kvd_tier_pinned_blocks | gauge | tier | blocks pinned by a handle or lease |
-| kvd_tier_evictions_total | counter | tier | blocks evicted to make room |
+| kvd_tier_evictions_total | counter | tier | blocks evicted on demand, to free a slot for another block |
+| kvd_tier_evicted_blocks_total | counter | tier, reason | blocks that left a tier to make room, by reason: host demoted (on demand; its disk copy stays), demoted_background (above the high watermark), dropped (no disk copy: gone from every tier), not_admitted (dropped: the disk admission filter never admitted it); disk dropped (no host copy: gone from every tier), host_copy_kept (only the disk copy went) |
+| kvd_tier_hits_total | counter | tier | Get keys served from the tier: host (resident), disk (read back into host memory) |
+| kvd_tier_misses_total | counter | tier | Get keys the tier did not hold: for host, page faults (served from disk, or stored nowhere); for disk, keys stored nowhere |
 | kvd_tier_moves_total | counter | source_tier, target_tier | blocks written to disk / loaded back |
 | kvd_host_demotions_total | counter | | host copies dropped because a disk copy exists |
 | kvd_disk_failures_total | counter | operation | disk blocks that failed to write, load (corrupt or unreadable) or recover |
-| kvd_disk_write_queue | gauge | | sealed blocks waiting for write-through |
+| kvd_disk_write_queue | gauge | | write backlog: sealed blocks queued to be written to disk (write-back or write-through) |
 | kvd_disk_admission_rejected_total | counter | | blocks dropped from host memory unwritten because the disk admission filter (disk.admission_min_hits) never admitted them |
+| kvd_disk_queue_jobs | gauge | class | disk jobs queued, not yet running, by I/O class (restore, prefetch, write, control) |
+| kvd_disk_io_bytes_total | counter | operation | bytes read from (read) and written to (write) the drives |
+| kvd_disk_job_wait_seconds | histogram | class | time a disk job waited in its queue before it ran |
+| kvd_disk_job_run_seconds | histogram | class | time a disk job ran: restore and prefetch jobs are one read_blocks batch, write jobs one write_blocks chunk; control is the rest (journal removals, syncs, compaction) |
 | kvd_blocks_sealed_total | counter | tier | blocks committed |
 | kvd_blocks_aborted_total | counter | tier | reservations aborted or expired unwritten |
 | kvd_blocks_deleted_total | counter | tier | blocks removed by Delete |
+| kvd_prefetch_blocks_total | counter | result | Prefetch keys: queued (read from disk), already_in_host, already_loading (a read was in flight), refused (a limit was reached), missing (not stored) |
+| kvd_prefetch_used_total | counter | | prefetched blocks a Get then matched |
+| kvd_prefetch_wasted_total | counter | | prefetched blocks that left host memory before any Get used them (evicted, deleted, failed their read); useful ratio = used / (used + wasted) |
+| kvd_prefetch_in_flight_blocks | gauge | | prefetch reads queued or running (at most disk.prefetch_max_blocks) |
 | kvd_namespace_blocks | gauge | namespace, model | blocks indexed per namespace |
 | kvd_lookup_blocks_total | counter | namespace, result | Lookup keys found (hit) or not (miss) |
 | kvd_get_blocks_total | counter | namespace, result | Get keys served (hit) or not (miss) |
 | kvd_leases | gauge | | open leases |
-| kvd_leases_expired_total | counter | | leases ended by their deadline |
+| kvd_leases_expired_total | counter | | leases ended by their deadline (how the leases of a client that died are reclaimed) |
+| kvd_lease_pinned_blocks | gauge | | block pins held through leases (a block two leases pin counts twice) |
+| kvd_lease_clients | gauge | | clients (client ids) holding pins through leases |
+| kvd_lease_client_pinned_blocks_max | gauge | | the most blocks one client pins through its leases |
+| kvd_lease_client_pin_cap_blocks | gauge | | the cap on that, leases.max_pins_per_client |
+| kvd_lease_pin_cap_rejections_total | counter | | Gets and Reserves refused (RESOURCE_EXHAUSTED) because they would take a client past the cap |
 | kvd_block_handles | gauge | | live block handles |
 | kvd_leaked_handles_total | counter | | handles collected unreleased (a bug) |
 | kvd_events_total | counter | kind | KV events published (stored, removed, tier_changed); one event carries a batch of keys |
@@ -40,7 +66,7 @@ resyncs, are observed by the server through `RpcMetrics`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -55,6 +81,10 @@ if TYPE_CHECKING:
 # RPCs here take from tens of microseconds (Lookup) to tens of milliseconds
 # (inline transfers of large batches).
 RPC_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+# Disk jobs take from tens of microseconds (a journal append, a small write
+# chunk) to seconds (a large restore behind a busy drive).
+DISK_JOB_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                      1.0, 2.5, 10.0)
 
 
 class EngineCollector(Collector):
@@ -91,8 +121,22 @@ class EngineCollector(Collector):
         yield tier_gauge("kvd_tier_capacity_bytes", "Configured capacity of the tier.", host.capacity_bytes,
                          disk.capacity_bytes if disk else None)
         yield tier_gauge("kvd_tier_pinned_blocks", "Blocks pinned by a handle or lease.", engine.pinned_blocks)
-        yield tier_counter("kvd_tier_evictions", "Blocks evicted to make room.", counters.evictions,
+        yield tier_counter("kvd_tier_evictions", "Blocks evicted on demand, to free a slot.", counters.evictions,
                            disk.counters.evictions if disk else None)
+        yield tier_counter("kvd_tier_hits", "Get keys served from the tier.", counters.hits,
+                           disk.counters.hits if disk else None)
+        yield tier_counter("kvd_tier_misses", "Get keys the tier did not hold (host: page faults).", counters.misses,
+                           disk.counters.misses if disk else None)
+        evicted = CounterMetricFamily("kvd_tier_evicted_blocks", "Blocks that left a tier to make room, by reason.",
+                                      labels=["tier", "reason"])
+        evicted.add_metric(["host", "demoted"], counters.demotions - counters.background_demotions)
+        evicted.add_metric(["host", "demoted_background"], counters.background_demotions)
+        evicted.add_metric(["host", "dropped"], counters.dropped)
+        if disk is not None:
+            evicted.add_metric(["host", "not_admitted"], disk.counters.admission_rejected)
+            evicted.add_metric(["disk", "dropped"], disk.counters.dropped)
+            evicted.add_metric(["disk", "host_copy_kept"], disk.counters.evictions - disk.counters.dropped)
+        yield evicted
         if disk is not None:
             disk_counters = disk.counters
             moves = CounterMetricFamily(
@@ -118,6 +162,20 @@ class EngineCollector(Collector):
         yield tier_counter("kvd_blocks_sealed", "Blocks committed.", counters.sealed)
         yield tier_counter("kvd_blocks_aborted", "Reservations aborted or expired unwritten.", counters.aborted)
         yield tier_counter("kvd_blocks_deleted", "Blocks removed by Delete.", counters.deleted)
+
+        prefetch = engine.prefetch_counters
+        prefetch_blocks = CounterMetricFamily("kvd_prefetch_blocks", "Prefetch keys by result.", labels=["result"])
+        for result, value in (("queued", prefetch.queued), ("already_in_host", prefetch.in_host),
+                              ("already_loading", prefetch.loading), ("refused", prefetch.refused),
+                              ("missing", prefetch.missing)):
+            prefetch_blocks.add_metric([result], value)
+        yield prefetch_blocks
+        yield CounterMetricFamily("kvd_prefetch_used", "Prefetched blocks a Get then matched.", value=prefetch.used)
+        yield CounterMetricFamily("kvd_prefetch_wasted",
+                                  "Prefetched blocks that left host memory before any Get used them.",
+                                  value=prefetch.wasted)
+        yield GaugeMetricFamily("kvd_prefetch_in_flight_blocks", "Prefetch reads queued or running.",
+                                value=engine.prefetch_in_flight)
 
         blocks = GaugeMetricFamily("kvd_namespace_blocks", "Blocks indexed per namespace.", labels=["namespace", "model"])
         lookups = CounterMetricFamily("kvd_lookup_blocks", "Lookup keys by result.", labels=["namespace", "result"])
@@ -146,6 +204,16 @@ class EngineCollector(Collector):
 
         yield GaugeMetricFamily("kvd_leases", "Open leases.", value=len(engine.leases))
         yield CounterMetricFamily("kvd_leases_expired", "Leases ended by their deadline.", value=engine.leases.expired_total)
+        leases = engine.leases
+        yield GaugeMetricFamily("kvd_lease_pinned_blocks", "Block pins held through leases.", value=leases.pinned_total)
+        yield GaugeMetricFamily("kvd_lease_clients", "Clients holding pins through leases.",
+                                value=leases.pinning_clients())
+        yield GaugeMetricFamily("kvd_lease_client_pinned_blocks_max", "The most blocks one client pins through leases.",
+                                value=leases.max_client_pins())
+        yield GaugeMetricFamily("kvd_lease_client_pin_cap_blocks", "Cap on the blocks one client may pin.",
+                                value=leases.max_pins_per_client)
+        yield CounterMetricFamily("kvd_lease_pin_cap_rejections", "Requests refused by the per-client pin cap.",
+                                  value=leases.pin_cap_rejections)
         yield GaugeMetricFamily("kvd_block_handles", "Live block handles.", value=engine.live_handles)
         yield CounterMetricFamily(
             "kvd_leaked_handles", "Block handles collected while still holding a reference.", value=engine.leaked_handles
@@ -154,6 +222,8 @@ class EngineCollector(Collector):
 
 class RpcMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        # The registry these belong to: the Stats RPC returns its samples.
+        self.registry = registry
         self.duration = Histogram(
             "kvd_rpc_duration_seconds",
             "Server-side RPC latency.",
@@ -167,6 +237,53 @@ class RpcMetrics:
         self.event_resyncs = Counter(
             "kvd_event_resyncs", "Subscribers told to resynchronise, by reason.", ["reason"], registry=registry
         )
+
+
+class DiskIoCollector(Collector):
+    """Disk queue depths and byte totals, read when scraped."""
+
+    def __init__(self, queued_jobs: Callable[[], Mapping[str, int]], io_bytes: Callable[[], tuple[int, int]]) -> None:
+        self._queued_jobs = queued_jobs
+        self._io_bytes = io_bytes
+
+    def collect(self) -> Iterator[Metric]:
+        queued = GaugeMetricFamily("kvd_disk_queue_jobs", "Disk jobs queued, not yet running, by I/O class.",
+                                   labels=["class"])
+        for io_class, count in self._queued_jobs().items():
+            queued.add_metric([io_class], count)
+        yield queued
+        read_bytes, written_bytes = self._io_bytes()
+        io_bytes = CounterMetricFamily("kvd_disk_io_bytes", "Bytes read from and written to the drives.",
+                                       labels=["operation"])
+        io_bytes.add_metric(["read"], read_bytes)
+        io_bytes.add_metric(["write"], written_bytes)
+        yield io_bytes
+
+
+class DiskIoMetrics:
+    """The disk I/O thread's metrics.
+
+    queued_jobs() gives the jobs queued per I/O class and io_bytes() the
+    bytes (read, written) so far; both are called at scrape time, from the
+    scraping thread. observe_job is called by the I/O thread as each job
+    ends (prometheus_client's histograms take their own lock).
+    """
+
+    def __init__(self, registry: CollectorRegistry, queued_jobs: Callable[[], Mapping[str, int]],
+                 io_bytes: Callable[[], tuple[int, int]]) -> None:
+        registry.register(DiskIoCollector(queued_jobs, io_bytes))
+        self.job_wait = Histogram("kvd_disk_job_wait_seconds", "Time a disk job waited in its queue.", ["class"],
+                                  buckets=DISK_JOB_BUCKETS_S, registry=registry)
+        self.job_run = Histogram("kvd_disk_job_run_seconds", "Time a disk job ran.", ["class"],
+                                 buckets=DISK_JOB_BUCKETS_S, registry=registry)
+        for io_class in queued_jobs():
+            # Every class is exported, at zero, before its first job.
+            self.job_wait.labels(io_class)
+            self.job_run.labels(io_class)
+
+    def observe_job(self, io_class: str, wait_s: float, run_s: float) -> None:
+        self.job_wait.labels(io_class).observe(wait_s)
+        self.job_run.labels(io_class).observe(run_s)
 
 
 def make_registry(engine: Engine) -> tuple[CollectorRegistry, RpcMetrics]:

@@ -8,6 +8,7 @@
                                                      head_dim=128, block_tokens=16, kv_dtype=DType.BFLOAT16))
         keys = ns.keys(token_ids)                 # chained keys of the full blocks
         hit = client.lookup(ns, keys).matched     # longest stored prefix
+        client.prefetch(ns, keys)                 # read what is only on disk into memory, ahead of the Get
         client.put(ns, keys, blocks)              # (len(keys), *ns.spec.block_shape), the namespace dtype
         kv = client.get_tensor(ns, keys)          # (matched, *block_shape) torch tensor
 
@@ -22,12 +23,12 @@ KV events (stored / removed / tier-changed, for KV-aware routers):
 with `BlockMirror` to keep a copy of a namespace; see kvd.client.events.
 """
 
-from kvd.client._wire import LookupResult, Namespace
+from kvd.client._wire import LookupResult, Namespace, PrefetchResult
 from kvd.client.aio import AsyncClient
 from kvd.client.events import BlockMirror, EventKind, EventSnapshot, KvEvent, ResyncRequired
 from kvd.client.sync import Client
 
 __all__ = [
     "AsyncClient", "BlockMirror", "Client", "EventKind", "EventSnapshot", "KvEvent", "LookupResult", "Namespace",
-    "ResyncRequired",
+    "PrefetchResult", "ResyncRequired",
 ]

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 from kvd.client import _wire
-from kvd.client._wire import ArenaMapping, LookupResult, Namespace
+from kvd.client._wire import ArenaMapping, LookupResult, Namespace, PrefetchResult
 from kvd.core.keys import NamespaceSpec
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
@@ -102,6 +102,15 @@ def lookup(session: Session, namespace: Namespace, keys: Sequence[bytes], parent
         kvd_pb2.LookupRequest(namespace_id=namespace.namespace_id, keys=keys, parent_key=parent_key),
     )
     return LookupResult(response.matched, list(response.tiers))
+
+
+def prefetch(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes, wait: bool) -> Op:
+    response = yield (
+        "Prefetch",
+        kvd_pb2.PrefetchRequest(namespace_id=namespace.namespace_id, keys=keys, parent_key=parent_key, wait=wait),
+    )
+    return PrefetchResult(response.matched, response.in_host, response.loading, response.queued, response.refused,
+                          response.missing, response.limit, response.loaded)
 
 
 def release(session: Session, lease_ids: list[int]) -> Op:

@@ -77,6 +77,24 @@ class LookupResult:
     tiers: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    """What a Prefetch found: each of the `matched` stored blocks is in exactly
+    one of in_host, loading, queued and refused; `missing` keys are stored in
+    no tier. `limit` (a kvd.v1.PrefetchLimit value, 0 when nothing was
+    refused) says why blocks were refused. `loaded`: with wait=True, how many
+    queued blocks were read and verified (the rest failed and were dropped)."""
+
+    matched: int
+    in_host: int
+    loading: int
+    queued: int
+    refused: int
+    missing: int
+    limit: int
+    loaded: int
+
+
 def spec_message(spec: NamespaceSpec) -> kvd_pb2.NamespaceSpec:
     return kvd_pb2.NamespaceSpec(
         model_id=spec.model_id,

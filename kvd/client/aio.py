@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 
 from kvd.client import _ops
-from kvd.client._wire import LookupResult, Namespace
+from kvd.client._wire import LookupResult, Namespace, PrefetchResult
 from kvd.client.events import AsyncEventWatch, EventSnapshot, SnapshotParts, snapshot_request, watch_request
 from kvd.core.keys import NamespaceSpec
 from kvd.v1 import kvd_pb2
@@ -54,6 +54,12 @@ class AsyncClient(_ops.ClientBase):
 
     async def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> LookupResult:
         return await self._run(_ops.lookup(self.session, namespace, keys, parent_key))
+
+    async def prefetch(
+        self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"", wait: bool = False
+    ) -> PrefetchResult:
+        """As Client.prefetch: read a prefix from disk into host memory ahead of a Get."""
+        return await self._run(_ops.prefetch(self.session, namespace, keys, parent_key, wait))
 
     async def put(
         self, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes = b"", durable: bool = False

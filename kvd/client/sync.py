@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 
 from kvd.client import _ops, _wire
-from kvd.client._wire import LookupResult, Namespace
+from kvd.client._wire import LookupResult, Namespace, PrefetchResult
 from kvd.client.events import EventSnapshot, EventWatch, SnapshotParts, snapshot_request, watch_request
 from kvd.core.keys import NamespaceSpec
 from kvd.errors import FailedPrecondition
@@ -62,6 +62,21 @@ class Client(_ops.ClientBase):
 
     def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> LookupResult:
         return self._run(_ops.lookup(self.session, namespace, keys, parent_key))
+
+    def prefetch(
+        self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"", wait: bool = False
+    ) -> PrefetchResult:
+        """Ask for the stored prefix of `keys` to be read from disk into host memory ahead of a Get.
+
+        Returns as soon as the daemon has queued the reads (wait=False), or
+        once they are done (wait=True). Blocks only on disk are read at a
+        lower priority than Gets; a Get of one still being read waits for
+        it and gets verified bytes. At most disk.prefetch_max_blocks reads
+        are in flight in the daemon: past that the rest is refused, which
+        is not an error (see PrefetchResult). Without a disk tier nothing
+        needs reading and the result only reports what is stored.
+        """
+        return self._run(_ops.prefetch(self.session, namespace, keys, parent_key, wait))
 
     def put(
         self, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes = b"", durable: bool = False

@@ -38,6 +38,13 @@ class DiskCounters:
     # Dirty blocks dropped by host eviction because the admission filter
     # never let them be written.
     admission_rejected: int = 0
+    # Of `evictions`: victims with no host copy, gone from every tier (the
+    # others keep serving from host memory).
+    dropped: int = 0
+    # Get keys the host tier lacked that were found here (read back into
+    # host memory), and that were found in no tier.
+    hits: int = 0
+    misses: int = 0
 
 
 class DiskPool:

@@ -51,6 +51,15 @@ class TierId(enum.IntEnum):
     REMOTE = 4
 
 
+class PrefetchLimit(enum.IntEnum):
+    """Why a prefetch left blocks only on disk; values match kvd.v1.PrefetchLimit."""
+
+    NONE = 0
+    IN_FLIGHT = 1  # the bound on prefetch reads in flight was reached
+    HOST_FULL = 2  # no host slot could be freed but by dropping a block held nowhere else
+    PROMOTION = 3  # the promotion policy declined the block
+
+
 @dataclass(frozen=True, slots=True)
 class EngineLimits:
     max_batch_keys: int = 65536
@@ -58,6 +67,8 @@ class EngineLimits:
     lease_ms_max: int = 600_000
     max_leases: int = 65536
     max_namespaces: int = 1024
+    # Blocks one client may pin through its open leases at once.
+    max_pins_per_client: int = 65536
 
 
 @dataclass(slots=True, eq=False)
@@ -97,6 +108,9 @@ class DiskLoad:
     block: Block
     host_slot: int
     disk_slot: int
+    # A prefetch's own pin on the block while it loads (a Get's loads are
+    # pinned by its lease); finish_prefetch releases it.
+    handle: BlockHandle | None = None
 
 
 @dataclass(slots=True)
@@ -110,16 +124,61 @@ class GetPlan:
     waits: list[Block] = field(default_factory=list)
     # Cut short because no host slot could be freed (all pinned).
     starved: bool = False
+    # What begin_get counted (Engine._count_get), taken back by abandon_get
+    # so that a Get retried after a starved plan counts its keys once.
+    counted: tuple[NamespaceState, int, int, int] | None = None
+
+
+@dataclass(slots=True)
+class PrefetchPlan:
+    """A Prefetch: what it found of the stored prefix and the disk reads it queued.
+
+    Every matched block is counted once: in_host, loading (another read of
+    it is in flight), queued (one of `loads`) or refused (`limit` says why).
+    """
+
+    loads: list[DiskLoad] = field(default_factory=list)
+    matched: int = 0
+    missing: int = 0
+    in_host: int = 0
+    loading: int = 0
+    refused: int = 0
+    limit: PrefetchLimit = PrefetchLimit.NONE
+
+
+@dataclass(slots=True)
+class PrefetchCounters:
+    """Per-block outcomes of Prefetch requests, then of the blocks they read."""
+
+    queued: int = 0
+    in_host: int = 0
+    loading: int = 0
+    missing: int = 0
+    refused: int = 0
+    # Prefetched blocks a Get then matched, and those that left host memory
+    # first (evicted, demoted, deleted, or dropped because their read failed).
+    used: int = 0
+    wasted: int = 0
 
 
 @dataclass(slots=True)
 class HostCounters:
     demotions: int = 0
-    evictions: int = 0
+    evictions: int = 0  # on demand: a slot was needed and none was free
+    # Host copies of durable blocks dropped ahead of need, above the high
+    # watermark (also counted in demotions).
+    background_demotions: int = 0
     reserved: int = 0
     sealed: int = 0
     aborted: int = 0
     deleted: int = 0
+    # Victims of on-demand eviction with no disk copy, gone from every tier
+    # (the admission filter's rejects are counted apart, in DiskCounters).
+    dropped: int = 0
+    # Get keys found resident in the host tier, and not (page faults: read
+    # back from disk, or found nowhere).
+    hits: int = 0
+    misses: int = 0
 
 
 class HostPool:
@@ -130,11 +189,18 @@ class HostPool:
     discoverable as long as possible.
     """
 
-    def __init__(self, slot_count: int, slot_bytes: int, policy: EvictionPolicy) -> None:
+    def __init__(self, slot_count: int, slot_bytes: int, policy: EvictionPolicy, *,
+                 high_watermark: float = 0.9, low_watermark: float = 0.8) -> None:
         check(slot_count > 0 and slot_bytes > 0, "host pool needs slots")
+        check(0.0 < low_watermark < high_watermark <= 1.0, "host watermarks need 0 < low < high <= 1")
         self.slot_count = slot_count
         self.slot_bytes = slot_bytes
         self.policy = policy
+        # Reclaim (write back, then demote) from when occupancy reaches the
+        # high watermark until it is back at the low one.
+        self.high_slots = max(1, int(slot_count * high_watermark))
+        self.low_slots = min(self.high_slots - 1, int(slot_count * low_watermark)) if self.high_slots > 1 else 0
+        self.reclaiming = False
         # Popped from the end: slot 0 is handed out first. The int objects
         # are made here, once, and move between this stack and blocks.
         self.free_slots: list[int] = list(range(slot_count - 1, -1, -1))
@@ -180,9 +246,12 @@ class Engine:
         write_queue_max: int = 65536,
         events: EventLog | None = None,
         disk_policies: DiskPolicies | None = None,
+        high_watermark: float = 0.9,
+        low_watermark: float = 0.8,
     ) -> None:
         self.limits = limits or EngineLimits()
-        self.host = HostPool(host_slot_count, host_slot_bytes, make_policy(policy, host_slot_count))
+        self.host = HostPool(host_slot_count, host_slot_bytes, make_policy(policy, host_slot_count),
+                             high_watermark=high_watermark, low_watermark=low_watermark)
         self.disk = DiskPool(disk_slot_count, disk_slot_bytes, disk_policies) if disk_slot_count else None
         # Sealed blocks waiting to be written to disk, in seal order, so a
         # parent is always written no later than its children.
@@ -191,7 +260,15 @@ class Engine:
         self.write_queue_dropped = 0
         # Blocks whose host slot is being filled from disk.
         self.loading: set[Block] = set()
-        self.leases = LeaseTable(self.limits.max_leases)
+        # Prefetched blocks no Get has used yet, from the moment their read
+        # is queued until a Get matches them (used) or they leave host
+        # memory (wasted). A side set rather than a flag on Block: the
+        # record is exactly 128 B and one more slot costs 16 B per block.
+        # Each member has a host slot, so it holds at most host.slot_count.
+        self.prefetched: set[Block] = set()
+        self.prefetch_in_flight = 0
+        self.prefetch_counters = PrefetchCounters()
+        self.leases = LeaseTable(self.limits.max_leases, self.limits.max_pins_per_client)
         self._namespaces: dict[bytes, NamespaceState] = {}
         self.live_handles = 0
         self.leaked_handles = 0
@@ -296,15 +373,16 @@ class Engine:
         matched = self._match(state, keys, parent_key)
         if matched:
             self._check_lease_room()
-        state.get_hits += len(matched)
-        state.get_misses += len(keys) - len(matched)
+            self.leases.check_pin_room(client_id, len(matched))
+        counted = self._count_get(state, len(keys), matched)
         if not matched:
-            return GetPlan(None, matched)
+            return GetPlan(None, matched, counted=counted)
         self._touch_prefix(matched)
         self._note_sightings(matched)
         lease = self.leases.open(LeaseKind.READ, client_id, namespace_id, deadline_ms)
         lease.handles = [self._acquire(block) for block in matched]
-        plan = GetPlan(lease, matched)
+        self.leases.charge(lease, len(lease.handles))
+        plan = GetPlan(lease, matched, counted=counted)
         for position, block in enumerate(matched):
             if block in self.loading:
                 plan.waits.append(block)
@@ -323,6 +401,7 @@ class Engine:
             self.loading.add(block)
             self.disk.touch(block.disk_slot)
             plan.loads.append(DiskLoad(block, slot, block.disk_slot))
+        self._note_prefetch_use(plan.matched)
         return plan
 
     def finish_loads(self, loads: Sequence[DiskLoad], ok: Sequence[bool]) -> None:
@@ -337,6 +416,12 @@ class Engine:
                 continue
             check(block.host_slot == load.host_slot, f"{block!r} loads into another slot")
             self.loading.discard(block)
+            if block.state == BlockState.LOST:
+                # Lost while this read was in flight (an ancestor's read
+                # failed): its host slot is free only now that nothing
+                # writes into it any more.
+                self._clear_host_slot(block, cold_parent=False)
+                continue
             if good:
                 disk.counters.loaded += 1
                 self.events.tier_changed(block.index.namespace_id, block.key, TierId.HOST)
@@ -358,15 +443,116 @@ class Engine:
             self.leases.close(plan.lease)
         plan.lease = None
         plan.matched = []
+        if plan.counted is not None:
+            self._tally_get(*plan.counted, sign=-1)
+            plan.counted = None
 
     def settle_get(self, plan: GetPlan) -> list[Block]:
         """The servable prefix of a plan whose loads have all finished."""
         for position, block in enumerate(plan.matched):
             check(block not in self.loading, "settle_get before the loads finished")
-            if block.state != BlockState.SEALED:
+            # No host slot: a prefetch this Get waited for was dropped unread.
+            if block.state != BlockState.SEALED or block.host_slot == NO_SLOT:
                 self._cut_plan(plan, position)
                 break
         return plan.matched
+
+    # ------------------------------------------------------------------
+    # Prefetch: disk reads ahead of a Get, with no lease
+
+    def begin_prefetch(
+        self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"", max_in_flight: int = 0
+    ) -> PrefetchPlan:
+        """Plan reads into host memory of the blocks of `keys`' stored prefix only on disk.
+
+        Like begin_get, but for a client that will Get the prefix later: no
+        lease, no hit counted. Each block read gets a host slot now and is
+        pinned by its load's own handle until finish_prefetch. A Get of it
+        meanwhile finds it in `loading` and waits for that read. At most
+        `max_in_flight` prefetch loads are outstanding at a time; from the
+        first disk-only block past that bound, or that no host slot can be
+        found for, or that the promotion policy declines, the rest are
+        refused (`limit` says why). Without a disk tier every stored block
+        is in host memory and nothing is read.
+        """
+        state = self.namespace(namespace_id)
+        self._check_keys(keys, "keys")
+        check(max_in_flight >= 0, "max_in_flight must not be negative")
+        matched = self._match(state, keys, parent_key)
+        plan = PrefetchPlan(matched=len(matched), missing=len(keys) - len(matched))
+        # Pinned while slots are found, so that making room never evicts a
+        # block of this very prefix; unpinned, they rejoin the eviction
+        # order as just used (as after a Get).
+        pins = [self._acquire(block) for block in matched]
+        for block in matched:
+            if block in self.loading:
+                plan.loading += 1
+            elif block.host_slot != NO_SLOT:
+                plan.in_host += 1
+            elif plan.limit != PrefetchLimit.NONE or not self._queue_prefetch(block, plan, max_in_flight):
+                plan.refused += 1
+        for pin in reversed(pins):
+            pin.release()
+        counters = self.prefetch_counters
+        counters.queued += len(plan.loads)
+        counters.in_host += plan.in_host
+        counters.loading += plan.loading
+        counters.refused += plan.refused
+        counters.missing += plan.missing
+        return plan
+
+    def _queue_prefetch(self, block: Block, plan: PrefetchPlan, max_in_flight: int) -> bool:
+        """Give a disk-only block a host slot and a load in `plan`; False (and plan.limit) if it cannot."""
+        if self.prefetch_in_flight >= max_in_flight:
+            plan.limit = PrefetchLimit.IN_FLIGHT
+            return False
+        if not self.disk.promotion.promote(block):
+            plan.limit = PrefetchLimit.PROMOTION
+            return False
+        # A prefetch is a guess: to make room it may demote a block that has
+        # a disk copy, but never drop one that exists in host memory only.
+        victim = None if self.host.free_slots else self.host.policy.victim()
+        slot = NO_SLOT if victim is not None and victim.disk_slot == NO_SLOT else self._allocate_host_slot()
+        if slot == NO_SLOT:
+            plan.limit = PrefetchLimit.HOST_FULL
+            return False
+        self._set_host_slot(block, slot)
+        self.loading.add(block)
+        self.disk.touch(block.disk_slot)
+        self.prefetched.add(block)
+        self.prefetch_in_flight += 1
+        plan.loads.append(DiskLoad(block, slot, block.disk_slot, self._acquire(block)))
+        return True
+
+    def finish_prefetch(self, loads: Sequence[DiskLoad], ok: Sequence[bool]) -> None:
+        """Prefetch reads done (as finish_loads), then unpinned: good blocks stay
+        in host memory as ordinary eviction candidates, bad ones are lost."""
+        self.finish_loads(loads, ok)
+        for load in loads:
+            check(load.handle is not None, "a prefetch load without its pin")
+            self.prefetch_in_flight -= 1
+            load.handle.release()
+
+    def abandon_prefetch(self, loads: Sequence[DiskLoad]) -> None:
+        """Drop prefetch loads whose reads never started: slots back (counted
+        as wasted), pins released; the blocks stay on disk."""
+        for load in loads:
+            block = load.block
+            check(block in self.loading and load.handle is not None, f"{block!r} is no prefetch load")
+            self.loading.discard(block)
+            self._clear_host_slot(block, cold_parent=False)
+            self.prefetch_in_flight -= 1
+            load.handle.release()
+
+    def _note_prefetch_use(self, matched: Sequence[Block]) -> None:
+        """A Get matched these blocks: prefetched ones were worth it."""
+        prefetched = self.prefetched
+        if not prefetched:
+            return
+        for block in matched:
+            if block in prefetched:
+                prefetched.remove(block)
+                self.prefetch_counters.used += 1
 
     # ------------------------------------------------------------------
     # Disk tier: write-through, removals, recovery
@@ -488,6 +674,7 @@ class Engine:
         if victim.host_slot != NO_SLOT:
             self._free_disk_slot(victim)
         else:
+            disk.counters.dropped += 1
             self._remove_block(victim, cold_parent=False)
         # Reused at once: the caller journals take_disk_removals() before it
         # writes the new bytes (see pick_writes).
@@ -555,6 +742,7 @@ class Engine:
         lease = plan.lease
         for handle in reversed(lease.handles[position:]):
             handle.release()
+        self.leases.refund(lease, len(lease.handles) - position)
         del lease.handles[position:]
         del plan.matched[position:]
         if not lease.handles:
@@ -566,8 +754,7 @@ class Engine:
         state = self.namespace(namespace_id)
         self._check_keys(keys, "keys")
         matched = self._match(state, keys, parent_key)
-        state.get_hits += len(matched)
-        state.get_misses += len(keys) - len(matched)
+        self._count_get(state, len(keys), matched)
         self._touch_prefix(matched)
         self._note_sightings(matched)
         return matched
@@ -634,6 +821,8 @@ class Engine:
                         f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
                     )
             self._check_lease_room()
+            # At most every missing key, and the parent pinned under them.
+            self.leases.check_pin_room(client_id, len(keys) - first_missing + (parent is not None))
         existing = [index.nodes[key] for key in keys[:first_missing]]
         self._touch_prefix(existing)
         self._note_sightings(existing)  # a Put of stored blocks: seen again
@@ -666,6 +855,7 @@ class Engine:
             statuses.append(ReserveStatus.RESERVED)
             slots.append(slot)
             parent = node
+        self.leases.charge(lease, len(lease.handles) + (lease.parent_handle is not None))
         if not lease.handles:
             self.leases.close(lease)
             raise ResourceExhausted(
@@ -738,6 +928,7 @@ class Engine:
             if not handle.released:
                 handle.release()
                 aborted += 1
+        self.leases.refund(lease, aborted)
         sealed_keys = []
         for position in sorted(to_seal):
             lease.handles[position].seal()
@@ -866,7 +1057,50 @@ class Engine:
         self.live_handles += 1
         return BlockHandle(self, block, writer=True)
 
+    # ------------------------------------------------------------------
+    # Watermarks: reclaim host memory ahead of need
+
+    def host_reclaiming(self) -> bool:
+        """Whether host memory should be reclaimed now (hysteresis between the watermarks).
+
+        True from when the resident blocks reach the high watermark until
+        they are back down to the low one. While it is True the daemon
+        writes dirty blocks back (pick_writes) and demotes durable ones
+        (demote_to_low_watermark), so a Put finds free slots instead of
+        evicting, and no block is dropped that the disk could have kept.
+        """
+        host = self.host
+        resident = host.resident_blocks
+        if resident >= host.high_slots:
+            host.reclaiming = True
+        elif resident <= host.low_slots:
+            host.reclaiming = False
+        return host.reclaiming
+
+    def demote_to_low_watermark(self, limit: int | None = None) -> int:
+        """Drop host copies of durable blocks, in eviction order, down to the low watermark.
+
+        Stops at the first candidate without a disk copy: that one must be
+        written back first (or, without a disk tier, be evicted on demand
+        when a slot is needed: dropping blocks early would only lose hits).
+        Returns the number demoted (at most `limit`).
+        """
+        host = self.host
+        demoted = 0
+        while host.resident_blocks > host.low_slots and (limit is None or demoted < limit):
+            victim = host.policy.victim()
+            if victim is None or victim.disk_slot == NO_SLOT:
+                break
+            self._clear_host_slot(victim, cold_parent=True)
+            host.counters.demotions += 1
+            host.counters.background_demotions += 1
+            self.events.tier_changed(victim.index.namespace_id, victim.key, TierId.DISK)
+            demoted += 1
+        self.host_reclaiming()
+        return demoted
+
     def _allocate_host_slot(self) -> int:
+        """A free host slot, evicting the policy's victim if none is free; NO_SLOT if nothing can go."""
         host = self.host
         if host.free_slots:
             return host.free_slots.pop()
@@ -884,10 +1118,13 @@ class Engine:
             if self.disk is not None and victim.index.disk_enabled and not self.disk.admission.admits(victim.key):
                 # Dropped, never written: the admission filter turned it away.
                 self.disk.counters.admission_rejected += 1
+            else:
+                host.counters.dropped += 1
             self._remove_block(victim, cold_parent=True)
         else:
             # Dirty with descendants that are gone from every tier but still
             # pinned as tombstones: the whole subtree goes.
+            host.counters.dropped += 1
             self._lose(victim)
         host.counters.evictions += 1
         check(bool(host.free_slots), "eviction freed no host slot")
@@ -924,6 +1161,9 @@ class Engine:
     def _clear_host_slot(self, block: Block, *, cold_parent: bool) -> None:
         slot = block.host_slot
         check(slot != NO_SLOT and self.host.owners[slot] is block, "host slot owner mismatch")
+        if self.prefetched and block in self.prefetched:
+            self.prefetched.remove(block)
+            self.prefetch_counters.wasted += 1
         self._withdraw(block)
         self.host.owners[slot] = None
         self.host.free_slots.append(slot)
@@ -960,8 +1200,11 @@ class Engine:
             if member.state == BlockState.SEALED:
                 self.events.removed(member.index.namespace_id, member.key)
             self._withdraw(member)
-            self.loading.discard(member)
-            if member.host_slot != NO_SLOT:
+            # A member being loaded keeps its host slot until its read is
+            # over (finish_loads frees it): the disk thread may still be
+            # writing into it, so handing it to another block now could
+            # corrupt that block. Its loader pins it, so it stays a tombstone.
+            if member.host_slot != NO_SLOT and member not in self.loading:
                 self._clear_host_slot(member, cold_parent=False)
             if member.disk_slot != NO_SLOT:
                 self._free_disk_slot(member)
@@ -1046,6 +1289,31 @@ class Engine:
         if not client_id or len(client_id) > 128:
             raise InvalidArgument("client_id must be 1..128 characters")
 
+    def _count_get(self, state: NamespaceState, requested: int,
+                   matched: Sequence[Block]) -> tuple[NamespaceState, int, int, int]:
+        """Count a Get's keys per namespace and per tier; returns what it counted.
+
+        A key is looked for in the host tier, then on disk: one resident in
+        host memory is a host hit; any other is a host miss (a page fault),
+        then a disk hit if it was matched (read back, or being read back
+        for another Get) or a disk miss if it was not found at all.
+        """
+        in_host = len(matched)
+        if self.disk is not None:
+            in_host = sum(1 for block in matched if block.host_slot != NO_SLOT and block not in self.loading)
+        counted = (state, requested, len(matched), in_host)
+        self._tally_get(*counted, sign=1)
+        return counted
+
+    def _tally_get(self, state: NamespaceState, requested: int, matched: int, in_host: int, *, sign: int) -> None:
+        state.get_hits += sign * matched
+        state.get_misses += sign * (requested - matched)
+        if self.disk is not None:
+            self.disk.counters.hits += sign * (matched - in_host)
+            self.disk.counters.misses += sign * (requested - matched)
+        self.host.counters.hits += sign * in_host
+        self.host.counters.misses += sign * (requested - in_host)
+
     def _check_lease_room(self) -> None:
         if self.leases.full():
             raise ResourceExhausted(f"too many open leases (max {self.leases.max_leases}); release some first")
@@ -1083,7 +1351,8 @@ class Engine:
             for block in state.index:
                 check(block.host_children == host_children.get(id(block), 0), f"{block!r} host child count")
                 if block.state == BlockState.LOST:
-                    check(block.host_slot == NO_SLOT and block.disk_slot == NO_SLOT, f"tombstone {block!r} has slots")
+                    check((block.host_slot == NO_SLOT or block in self.loading) and block.disk_slot == NO_SLOT,
+                          f"tombstone {block!r} has slots")
                     check(block.ref_count > 0 or block.children > 0, f"tombstone {block!r} should be gone")
                 else:
                     check(block.host_slot != NO_SLOT or block.disk_slot != NO_SLOT, f"{block!r} resides nowhere")
@@ -1121,3 +1390,11 @@ class Engine:
             check(disk_resident == disk.resident_blocks, "disk resident blocks disagree with its slots")
         check(pinned == self.pinned_blocks, f"pinned count {self.pinned_blocks} but {pinned} pinned")
         check(refs == self.live_handles, f"{self.live_handles} live handles but {refs} references")
+        check(0 <= self.prefetch_in_flight <= len(self.loading), f"{self.prefetch_in_flight} prefetch loads in flight")
+        prefetch = self.prefetch_counters
+        check(prefetch.queued == prefetch.used + prefetch.wasted + len(self.prefetched),
+              "every prefetched block is used, wasted, or still waiting for a Get")
+        for block in self.prefetched:
+            # A lost block being read still has its slot, until the read ends.
+            check(block.host_slot != NO_SLOT and (block.state == BlockState.SEALED or block in self.loading),
+                  f"prefetched {block!r} not in host memory")

@@ -5,6 +5,20 @@ releases it, when its deadline passes (the client died or forgot), or when
 the daemon drains. Ending a lease releases its handles; for a write lease
 that aborts every block not yet sealed. Nothing stays pinned forever: every
 lease has a deadline, and the deadline has an upper bound.
+
+"The client died" is known only through the deadline: a client id is a
+name the client chooses, not a connection, and a lease outlives the call
+that took it (the client copies out, then releases), so there is no
+connection whose end the daemon could take for the client's death. A
+client that is killed keeps its pins until its leases' deadlines pass
+(leases.default_ms, 30 s by default, at most leases.max_ms); the daemon's
+sweeper then ends them and their blocks can be evicted again. Clients that
+read or write for longer renew their leases.
+
+Each client's pins are counted (`pins_of`): the blocks its open leases pin,
+a write lease's pinned parent included. A request that would take a client
+past `max_pins_per_client` is refused before anything changes, so one
+client cannot pin the whole host tier while others wait.
 """
 
 from __future__ import annotations
@@ -14,7 +28,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from kvd.core.block import Block, BlockHandle
-from kvd.errors import NotFound, PermissionDenied
+from kvd.errors import NotFound, PermissionDenied, PinCapExceeded
 from kvd.invariants import check
 
 
@@ -36,6 +50,9 @@ class Lease:
     # the prefix being extended cannot be evicted while the client writes.
     parent_handle: BlockHandle | None = None
     ended: bool = False
+    # Blocks this lease pins (its unreleased handles, parent included),
+    # charged to its client in LeaseTable.pins_of.
+    pinned: int = 0
 
     def blocks(self) -> list[Block]:
         return [handle.block for handle in self.handles if not handle.released]
@@ -54,13 +71,20 @@ class Lease:
 class LeaseTable:
     """Live leases by id, with a deadline heap for expiry."""
 
-    def __init__(self, max_leases: int) -> None:
+    def __init__(self, max_leases: int, max_pins_per_client: int = 65536) -> None:
         check(max_leases > 0, "max_leases must be positive")
+        check(max_pins_per_client > 0, "max_pins_per_client must be positive")
         self.max_leases = max_leases
+        self.max_pins_per_client = max_pins_per_client
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[int, int]] = []  # (deadline_ms, lease_id), lazily pruned
         self._next_id = 1
         self.expired_total = 0
+        # Blocks pinned per client, over its open leases; clients at 0 are
+        # dropped, so the dict holds only clients that pin something.
+        self._client_pins: dict[str, int] = {}
+        self.pinned_total = 0
+        self.pin_cap_rejections = 0
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -79,6 +103,48 @@ class LeaseTable:
         heapq.heappush(self._deadlines, (deadline_ms, lease.lease_id))
         return lease
 
+    def pins_of(self, client_id: str) -> int:
+        """Blocks the open leases of `client_id` pin."""
+        return self._client_pins.get(client_id, 0)
+
+    def pinning_clients(self) -> int:
+        return len(self._client_pins)
+
+    def max_client_pins(self) -> int:
+        """The most blocks any one client pins (O(clients); for metrics)."""
+        return max(self._client_pins.values(), default=0)
+
+    def check_pin_room(self, client_id: str, count: int) -> None:
+        """Raise PinCapExceeded (RESOURCE_EXHAUSTED) if pinning `count` more blocks would take
+        `client_id` past the cap. Callers check before changing anything."""
+        held = self._client_pins.get(client_id, 0)
+        if held + count > self.max_pins_per_client:
+            self.pin_cap_rejections += 1
+            raise PinCapExceeded(
+                f"client {client_id!r} pins {held} blocks through its leases; {count} more would pass the cap "
+                f"of {self.max_pins_per_client} blocks per client (leases.max_pins_per_client): release leases first"
+            )
+
+    def charge(self, lease: Lease, count: int) -> None:
+        """`lease` took `count` more pins."""
+        check(count >= 0 and not lease.ended, "charge of a negative count or an ended lease")
+        if count:
+            lease.pinned += count
+            self.pinned_total += count
+            self._client_pins[lease.client_id] = self._client_pins.get(lease.client_id, 0) + count
+
+    def refund(self, lease: Lease, count: int) -> None:
+        """`lease` released `count` of its pins."""
+        check(0 <= count <= lease.pinned, f"refund of {count} pins from a lease holding {lease.pinned}")
+        if count:
+            lease.pinned -= count
+            self.pinned_total -= count
+            remaining = self._client_pins[lease.client_id] - count
+            if remaining:
+                self._client_pins[lease.client_id] = remaining
+            else:
+                del self._client_pins[lease.client_id]
+
     def find(self, lease_id: int, client_id: str) -> Lease:
         """The live lease `lease_id` owned by `client_id`, or a precise error."""
         lease = self._leases.get(lease_id)
@@ -95,6 +161,7 @@ class LeaseTable:
     def close(self, lease: Lease) -> None:
         check(self._leases.get(lease.lease_id) is lease, "close of a lease not in the table")
         del self._leases[lease.lease_id]
+        self.refund(lease, lease.pinned)
         lease.end()
 
     def expire(self, now_ms: int) -> list[Lease]:
@@ -128,6 +195,14 @@ class LeaseTable:
         return len(leases)
 
     def verify(self) -> None:
+        client_pins: dict[str, int] = {}
         for lease_id, lease in self._leases.items():
             check(lease.lease_id == lease_id, "lease stored under a wrong id")
             check(not lease.ended, "ended lease still in the table")
+            held = sum(not handle.released for handle in lease.handles)
+            held += lease.parent_handle is not None and not lease.parent_handle.released
+            check(lease.pinned == held, f"lease {lease_id} charged {lease.pinned} pins but holds {held}")
+            if lease.pinned:
+                client_pins[lease.client_id] = client_pins.get(lease.client_id, 0) + lease.pinned
+        check(client_pins == self._client_pins, "pins per client drifted from the leases")
+        check(self.pinned_total == sum(client_pins.values()), "pinned total drifted from the leases")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import grpc
 
 from kvd.core.block import Block
-from kvd.core.engine import Engine, TierId
+from kvd.core.engine import Engine, PrefetchPlan, TierId
 from kvd.core.events import Event
 from kvd.core.keys import DType, InnerLayout, KvOrder, NamespaceSpec
 from kvd.errors import InvalidArgument, KvdError
@@ -84,3 +84,27 @@ def ack_supported(ack: int, has_disk: bool) -> None:
         raise InvalidArgument("ack DURABLE needs a disk tier, and this daemon has none configured")
     if ack not in (kvd_pb2.ACK_UNSPECIFIED, kvd_pb2.ACK_ACCEPTED, kvd_pb2.ACK_HOST, kvd_pb2.ACK_DURABLE):
         raise InvalidArgument(f"ack has unknown value {ack}")
+
+
+def prefetch_response(plan: PrefetchPlan, loaded: int) -> kvd_pb2.PrefetchResponse:
+    return kvd_pb2.PrefetchResponse(
+        matched=plan.matched,
+        in_host=plan.in_host,
+        loading=plan.loading,
+        queued=len(plan.loads),
+        refused=plan.refused,
+        missing=plan.missing,
+        limit=int(plan.limit),
+        loaded=loaded,
+    )
+
+
+def metric_samples(registry) -> list[kvd_pb2.MetricSample]:
+    """Every sample of a prometheus_client registry, as /metrics has them
+    (less the _created timestamps of counters and histograms)."""
+    return [
+        kvd_pb2.MetricSample(name=sample.name, labels=sample.labels, value=sample.value)
+        for family in registry.collect()
+        for sample in family.samples
+        if not sample.name.endswith("_created")
+    ]

@@ -22,6 +22,7 @@ together:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import logging
 import os
@@ -30,8 +31,9 @@ from dataclasses import dataclass, field
 
 from kvd.config import DiskSettings
 from kvd.core.block import Block, BlockState
-from kvd.core.engine import DiskLoad, DiskWrite, Engine, GetPlan
+from kvd.core.engine import DiskLoad, DiskWrite, Engine, GetPlan, PrefetchPlan
 from kvd.core.io_schedule import IoClass, IoSchedule
+from kvd.errors import Unavailable
 from kvd.io.engine import Op
 from kvd.server.io_executor import ScheduledExecutor
 from kvd.tiers.disk.journal import FsyncPolicy
@@ -102,9 +104,14 @@ class DiskPlane:
         self.tier: DiskTier | None = None
         self.counters = DiskPlaneCounters()
         self._io = ScheduledExecutor(IoSchedule(settings.io_schedule, write_share=settings.write_share,
-                                                backlog_limit=settings.write_backlog_blocks))
+                                                backlog_limit=settings.write_backlog_blocks,
+                                                anticipation_s=settings.write_anticipation_ms / 1000.0))
         self._wake = asyncio.Event()
         self._loads: dict[Block, asyncio.Future] = {}
+        # Blocks being prefetched -> their read job, to promote it when a Get
+        # waits for one; and the tasks that see each Prefetch's reads done.
+        self._prefetch_reads: dict[Block, concurrent.futures.Future] = {}
+        self._prefetches: set[asyncio.Task] = set()
         self._durable: dict[Block, list[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
         self._closing = False
@@ -112,18 +119,26 @@ class DiskPlane:
         # Set whenever no write batch is in flight (its pins are released).
         self.writes_idle = asyncio.Event()
         self.writes_idle.set()
+        # Set after every write batch: what a Get short of host slots waits for.
+        self._batch_done = asyncio.Event()
+        self._starved_gets = 0  # Gets waiting for write-back: the writer writes meanwhile
 
     @property
     def slot_count(self) -> int:
         return self.config.slot_count
 
-    async def _run(self, function, *args, io_class: IoClass = IoClass.CONTROL):
-        return await self._io.run(io_class, function, *args)
+    async def _run(self, function, *args, io_class: IoClass = IoClass.CONTROL, nbytes: int = 0):
+        return await self._io.run(io_class, function, *args, nbytes=nbytes)
 
     @property
     def io(self) -> ScheduledExecutor:
         """The I/O thread and its schedule (queue lengths and times for metrics)."""
         return self._io
+
+    def io_bytes(self) -> tuple[int, int]:
+        """Bytes (read, written) through the drives so far (for metrics; any thread)."""
+        stats = self.tier.stats if self.tier is not None else None
+        return (stats.bytes_read, stats.bytes_written) if stats is not None else (0, 0)
 
     # -- start ----------------------------------------------------------
 
@@ -195,13 +210,17 @@ class DiskPlane:
         self._wake.set()
 
     def _should_write(self) -> bool:
-        """Write-through always writes; write-back only under host pressure,
-        when a Put waits for durability, or while draining at shutdown."""
-        if self.settings.write_mode == "through" or self._durable or self._draining:
+        """Write-through always writes; write-back only while host memory is
+        being reclaimed (from the high watermark down to the low one), when a
+        Put waits for durability, or while draining at shutdown."""
+        if self.settings.write_mode == "through" or self._durable or self._draining or self._starved_gets:
             return True
-        host = self.engine.host
-        headroom = max(self.settings.write_batch_blocks, int(host.slot_count * self.settings.write_back_headroom))
-        return len(host.free_slots) <= headroom
+        return self.engine.host_reclaiming()
+
+    def _reclaim(self) -> None:
+        """Above the high watermark: demote durable blocks down to the low one."""
+        if self.engine.host_reclaiming():
+            self.engine.demote_to_low_watermark()
 
     def _update_backlog(self) -> None:
         """Tell the schedule how many blocks wait for write-back while memory needs them written."""
@@ -210,6 +229,7 @@ class DiskPlane:
     async def _writer(self) -> None:
         engine = self.engine
         while not self._closing:
+            self._reclaim()
             self._update_backlog()
             writes = engine.pick_writes(self.settings.write_batch_blocks) if self._should_write() else []
             self._fail_unwritable_waits(writes)
@@ -227,9 +247,31 @@ class DiskPlane:
             finally:
                 self.writes_idle.set()
             self.counters.batches += 1
+            self._batch_done.set()
             engine.finish_writes(writes, ok)
             engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed_removals])
             self._resolve_durable(writes)
+
+    async def wait_for_write_back(self, timeout_s: float) -> bool:
+        """Wake the writer and wait for its next batch to finish (False after timeout_s).
+
+        A Get that found host memory full of blocks not yet written waits
+        here: once they are on disk, their host copies can make room. False
+        at once when nothing is queued for writing or being written.
+        """
+        if not self.engine.write_queue and self.writes_idle.is_set():
+            return False
+        self._batch_done.clear()
+        self._starved_gets += 1
+        self.wake()
+        try:
+            await asyncio.wait_for(self._batch_done.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            self._starved_gets -= 1
+        self._reclaim()
+        return True
 
     def _write_work(self, writes: Sequence[DiskWrite]) -> list[tuple[bytes, int, int, list[tuple[int, tuple]]]]:
         """Loop thread: what to write, as plain data, grouped by namespace."""
@@ -269,7 +311,9 @@ class DiskPlane:
                 pieces.append((namespace_id, layer_bytes, num_layers, usable[start:start + chunk_blocks]))
         for piece in pieces:
             self._update_backlog()
-            for position, good in await self._run(self._write_piece, *piece, io_class=IoClass.WRITE):
+            _, layer_bytes, num_layers, items = piece
+            nbytes = len(items) * layer_bytes * num_layers
+            for position, good in await self._run(self._write_piece, *piece, io_class=IoClass.WRITE, nbytes=nbytes):
                 ok[position] = good
         await self._run(self.tier.compact_if_needed, self.settings.manifest_max_bytes)
         return ok, failed_removals
@@ -375,6 +419,9 @@ class DiskPlane:
         """
         engine = self.engine
         loop = asyncio.get_running_loop()
+        # A Get now waits for these prefetches: they are restores from here on.
+        for read in dict.fromkeys(filter(None, map(self._prefetch_reads.get, plan.waits))):
+            self._io.promote(read, IoClass.RESTORE)
         if plan.loads:
             self._loads.update({load.block: loop.create_future() for load in plan.loads})
             progress = None
@@ -382,7 +429,9 @@ class DiskPlane:
                 def progress(layer: int, ok) -> None:  # I/O thread
                     loop.call_soon_threadsafe(on_layer, layer, ok)
             work = self._read_work(plan.loads)
-            reading = asyncio.wrap_future(self._io.submit(IoClass.RESTORE, self._read_batch, work, progress))
+            nbytes = sum(load.block.index.block_bytes for load in plan.loads)
+            reading = asyncio.wrap_future(self._io.submit(IoClass.RESTORE, self._read_batch, work, progress,
+                                                          nbytes=nbytes))
             try:
                 # Shielded: if this Get is cancelled, the I/O thread still
                 # writes into the host slots, so they stay pinned until it is
@@ -409,17 +458,18 @@ class DiskPlane:
 
     def _finish_loads(self, plan: GetPlan, reading: asyncio.Future, *, close_lease: bool) -> None:
         """Loop thread: record the reads' outcome (a failed read is a lost block)."""
-        if reading.cancelled() or reading.exception() is not None:
-            ok = [False] * len(plan.loads)
-        else:
-            ok = reading.result()
+        ok = _read_outcome(reading, len(plan.loads))
         self.engine.finish_loads(plan.loads, ok)
-        for load, good in zip(plan.loads, ok):
+        self._resolve_loads(plan.loads, ok)
+        if close_lease and plan.lease is not None and not plan.lease.ended:
+            self.engine.leases.close(plan.lease)
+
+    def _resolve_loads(self, loads: Sequence[DiskLoad], ok: Sequence[bool]) -> None:
+        """Tell the Gets waiting for these loads how they went."""
+        for load, good in zip(loads, ok):
             future = self._loads.pop(load.block, None)
             if future is not None and not future.done():
                 future.set_result(bool(good))
-        if close_lease and plan.lease is not None and not plan.lease.ended:
-            self.engine.leases.close(plan.lease)
 
     def _read_work(self, loads: Sequence[DiskLoad]) -> list[tuple[bytes, int, int, list[tuple[int, int, int]]]]:
         """Loop thread: what to read, as plain data, grouped by namespace."""
@@ -459,6 +509,75 @@ class DiskPlane:
                 ok[position] = bool(good)
         return ok
 
+    # -- prefetch ---------------------------------------------------------
+
+    def prefetch(
+        self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes
+    ) -> tuple[PrefetchPlan, asyncio.Task | None]:
+        """Plan a Prefetch and queue its reads; returns without waiting for them.
+
+        The reads go to the I/O thread as PREFETCH jobs of at most
+        disk.prefetch_chunk_blocks blocks, behind restores. Everything a Get
+        of these blocks needs is in place before this returns: the blocks
+        are `loading` in the engine and their futures are in `_loads`. Each
+        job's blocks are finished (verified ones kept, then unpinned) as
+        soon as that job is done, so a Get waits for its own blocks' job
+        only. The task, if any, ends once every job has, with the number of
+        blocks read and verified.
+        """
+        if self._draining:
+            raise Unavailable("kvd is draining; no new disk reads are queued")
+        plan = self.engine.begin_prefetch(namespace_id, keys, parent_key, self.settings.prefetch_max_blocks)
+        if not plan.loads:
+            return plan, None
+        loop = asyncio.get_running_loop()
+        step = self.settings.prefetch_chunk_blocks
+        jobs_done = []
+        for start in range(0, len(plan.loads), step):
+            loads = plan.loads[start:start + step]
+            try:
+                read = self._io.submit(IoClass.PREFETCH, self._read_batch, self._read_work(loads))
+            except RuntimeError:  # the I/O thread is shut down: nothing read, nothing lost
+                self.engine.abandon_prefetch(plan.loads[start:])
+                break
+            self._loads.update({load.block: loop.create_future() for load in loads})
+            self._prefetch_reads.update(dict.fromkeys([load.block for load in loads], read))
+            job_done = loop.create_future()
+            # Called in the I/O thread (or here, if already done): hop to the loop.
+            read.add_done_callback(lambda read, loads=loads, job_done=job_done: loop.call_soon_threadsafe(
+                self._finish_prefetch, loads, read, job_done))
+            jobs_done.append(job_done)
+        task = asyncio.ensure_future(self._prefetched(jobs_done, len(plan.loads)))
+        self._prefetches.add(task)
+        task.add_done_callback(self._prefetches.discard)
+        return plan, task
+
+    def _finish_prefetch(self, loads: list[DiskLoad], read: concurrent.futures.Future,
+                         job_done: asyncio.Future) -> None:
+        """Loop thread: one prefetch job is over; verified blocks stay in host memory, unpinned."""
+        for load in loads:
+            self._prefetch_reads.pop(load.block, None)
+        if read.cancelled():
+            # Dropped unread at shutdown: the blocks stay on disk only.
+            self.engine.abandon_prefetch(loads)
+            ok = [False] * len(loads)
+        else:
+            ok = _read_outcome(read, len(loads))
+            self.engine.finish_prefetch(loads, ok)
+        self._resolve_loads(loads, ok)
+        if not job_done.done():
+            # Still stored: a good read under a corrupt parent is lost too.
+            job_done.set_result(sum(load.block.state == BlockState.SEALED and load.block.host_slot == load.host_slot
+                                    for load in loads))
+
+    async def _prefetched(self, jobs_done: list[asyncio.Future], queued: int) -> int:
+        """Blocks read and verified once every job of one Prefetch is over."""
+        loaded = sum(await asyncio.gather(*jobs_done))
+        if loaded < queued and not self._closing:
+            # Blocks whose read failed were dropped: journal their removal.
+            await self._journal_removals()
+        return loaded
+
     # -- stop -----------------------------------------------------------
 
     async def close(self, flush_timeout_s: float) -> None:
@@ -470,6 +589,12 @@ class DiskPlane:
         while engine is not None and engine.write_queue and asyncio.get_running_loop().time() < deadline:
             self.wake()
             await asyncio.sleep(IDLE_POLL_S)
+        if self._prefetches:
+            # Prefetch reads get what is left of the time too; those still
+            # queued then are dropped unread (their blocks stay on disk).
+            await asyncio.wait(set(self._prefetches), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+            for read in list(self._prefetch_reads.values()):
+                read.cancel()
         self._closing = True
         self.wake()
         for task in self._tasks:
@@ -483,3 +608,10 @@ class DiskPlane:
             await self._run(self.tier.sync)
             await self._run(self.tier.close)
         self._io.shutdown(wait=True)
+
+
+def _read_outcome(reading: asyncio.Future | concurrent.futures.Future, count: int) -> list[bool]:
+    """Per-block outcome of a read job: all failed if it raised or never ran."""
+    if reading.cancelled() or reading.exception() is not None:
+        return [False] * count
+    return reading.result()

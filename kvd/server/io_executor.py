@@ -10,7 +10,8 @@ class and await the result:
 The loop keeps `backlog` up to date (blocks waiting for write-back), which
 the schedule uses to give writes their bounded share when memory is
 filling up. Queue lengths, waits and run times per class are counted for
-metrics and `kvd status`.
+metrics and `kvd status`; `on_job`, if set, is called on the I/O thread
+with each job's class, wait and run time (seconds) as it ends.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.core.io_schedule import IoClass, IoJob, IoSchedule
+from kvd.core.io_schedule import READS, IoClass, IoJob, IoSchedule
 
 
 @dataclass(slots=True)
@@ -52,6 +53,8 @@ class ScheduledExecutor:
         self.schedule = schedule
         self.backlog = 0  # set by the event loop; read by the I/O thread (an int: no lock needed)
         self.stats = ExecutorStats()
+        # (class name, wait_s, run_s) per job, on the I/O thread; must not raise.
+        self.on_job: Callable[[str, float, float], None] | None = None
         self._condition = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -70,6 +73,11 @@ class ScheduledExecutor:
     async def run(self, io_class: IoClass, function: Callable[..., Any], *args: Any, nbytes: int = 0) -> Any:
         return await asyncio.wrap_future(self.submit(io_class, function, *args, nbytes=nbytes))
 
+    def promote(self, future: concurrent.futures.Future, io_class: IoClass) -> bool:
+        """Move the queued job of `future` into the more urgent `io_class` (IoSchedule.promote)."""
+        with self._condition:
+            return self.schedule.promote(lambda job: job.payload.future is future, io_class)
+
     def queued(self) -> dict[str, int]:
         with self._condition:
             return {c.name.lower(): self.schedule.queued(c) for c in IoClass}
@@ -77,29 +85,49 @@ class ScheduledExecutor:
     def _loop(self) -> None:
         while True:
             with self._condition:
-                job = self.schedule.pop(self.backlog)
+                job = self.schedule.pop(self.backlog, time.perf_counter())
                 while job is None:
-                    if self._closed:
+                    hold_until = self.schedule.write_hold_until
+                    if hold_until is not None:
+                        # A write held back for a read that may follow: wait
+                        # for one (a submit wakes us) or for the hold to end.
+                        self._condition.wait(max(0.0, hold_until - time.perf_counter()))
+                    elif self._closed:
                         return
-                    self._condition.wait()
-                    job = self.schedule.pop(self.backlog)
+                    else:
+                        self._condition.wait()
+                    job = self.schedule.pop(self.backlog, time.perf_counter())
             work: _Work = job.payload
             if not work.future.set_running_or_notify_cancel():
                 continue
             started = time.perf_counter()
+            error: BaseException | None = None
+            result = None
             try:
                 result = work.function(*work.args)
-            except BaseException as error:  # handed to the awaiting caller
-                work.future.set_exception(error)
-            else:
-                work.future.set_result(result)
+            except BaseException as caught:  # handed to the awaiting caller
+                error = caught
             finished = time.perf_counter()
-            times = self.stats.by_class[job.io_class.name.lower()]
+            with self._condition:
+                self.schedule.job_done(job.io_class, finished - started)
+                if job.io_class in READS:
+                    self.schedule.read_done(finished)
+            # Counted before the caller learns the outcome, so whoever
+            # reads the metrics after a job sees it.
+            class_name = job.io_class.name.lower()
+            times = self.stats.by_class[class_name]
             waited = started - work.queued_at
             times.jobs += 1
             times.wait_seconds += waited
             times.max_wait_seconds = max(times.max_wait_seconds, waited)
             times.run_seconds += finished - started
+            if self.on_job is not None:
+                self.on_job(class_name, waited, finished - started)
+            if error is not None:
+                work.future.set_exception(error)
+                del error  # no reference cycle through the traceback
+            else:
+                work.future.set_result(result)
 
     def shutdown(self, wait: bool = True) -> None:
         """Run what is queued, then stop the thread."""

@@ -22,7 +22,7 @@ from kvd import __version__
 from kvd.clock import Clock
 from kvd.core.block import BlockState
 from kvd.core.engine import Engine, ReserveStatus
-from kvd.errors import InvalidArgument, KvdError, ResourceExhausted, Unavailable
+from kvd.errors import InvalidArgument, KvdError, PinCapExceeded, ResourceExhausted, Unavailable
 from kvd.metrics import RpcMetrics
 from kvd.server import convert
 from kvd.tiers.host import HostArena
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 Request = TypeVar("Request")
 # How long an ACK_DURABLE Put waits when its call has no deadline.
 DURABLE_WAIT_S = 30.0
+# A Get short of host slots waits this long for one write-back batch, then takes what it can.
+STARVED_GET_WAIT_S = 5.0
 # Inline Gets pin under a lease of their own, never one a client can name.
 INLINE_CLIENT_PREFIX = "inline\x00"
 # Events a subscriber takes from the ring at a time: what it holds while
@@ -172,6 +174,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         arguments = (request.namespace_id, request.client_id, request.parent_key, list(request.keys), lease_ms)
         try:
             return self.engine.reserve(*arguments, self.clock.now_ms())
+        except PinCapExceeded:
+            raise  # the disk writer frees none of this client's pins
         except ResourceExhausted:
             if self.disk_plane is None or self.disk_plane.writes_idle.is_set():
                 raise
@@ -279,11 +283,17 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             )
 
         plan = begin()
-        if plan.starved and self.disk_plane is not None and not self.disk_plane.writes_idle.is_set():
-            # The host tier is pinned by a write batch in flight: once it is
-            # done its blocks can be demoted, so try once more then.
+        if self.disk_plane is None:
+            return plan
+        # Host memory is held by blocks waiting for write-back (or pinned by
+        # a write batch in flight): each batch that reaches disk lets their
+        # copies make room, so try again after each, while that helps.
+        deadline = asyncio.get_running_loop().time() + STARVED_GET_WAIT_S
+        while plan.starved:
+            left = deadline - asyncio.get_running_loop().time()
             self.engine.abandon_get(plan)
-            await self.disk_plane.writes_idle.wait()
+            if left <= 0 or not await self.disk_plane.wait_for_write_back(left):
+                return begin()
             plan = begin()
         return plan
 
@@ -394,6 +404,21 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     async def Delete(self, request, context):
         deleted, pinned = self.engine.delete(request.namespace_id, request.keys)
         return kvd_pb2.DeleteResponse(deleted=deleted, pinned=pinned)
+
+    @rpc("Prefetch")
+    async def Prefetch(self, request, context):
+        """Queue disk reads of a prefix a Get will want (see the proto); returns at once unless `wait`."""
+        keys = list(request.keys)
+        if self.disk_plane is None:
+            # Every stored block is in host memory: report, read nothing.
+            plan, reading = self.engine.begin_prefetch(request.namespace_id, keys, request.parent_key), None
+        else:
+            plan, reading = self.disk_plane.prefetch(request.namespace_id, keys, request.parent_key)
+        loaded = 0
+        if request.wait and reading is not None:
+            # Shielded: if this call is cancelled, the reads go on.
+            loaded = await asyncio.shield(reading)
+        return convert.prefetch_response(plan, loaded)
 
     # ------------------------------------------------------------------
     # KV events (kvd.core.events): WatchEvents and EventSnapshot
@@ -558,4 +583,5 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             ],
             leases=len(engine.leases),
             leases_expired=engine.leases.expired_total,
+            metrics=convert.metric_samples(self.metrics.registry) if request.include_metrics else [],
         )

@@ -1,8 +1,20 @@
-"""`kvd status`: fetch Stats from a running daemon and render a table."""
+"""`kvd status`: fetch Stats from a running daemon and render it readably.
+
+The daemon answers Stats with its summary (tiers, namespaces, leases) and,
+asked for them, every metric sample it exports (StatsRequest
+.include_metrics). So the hits and misses by tier, the evictions by
+reason, the moves between tiers, the disk I/O queues, bytes and
+latencies, the pins and the events shown here are the very numbers
+Prometheus scrapes from /metrics, whichever listener `kvd status` reached
+and even with the metrics endpoint off. A section whose metrics the daemon
+does not export (no disk tier, no prefetch, an older daemon) is left out.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +23,58 @@ import grpc
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 TIER_NAMES = {kvd_pb2.TIER_DEVICE: "device", kvd_pb2.TIER_HOST: "host", kvd_pb2.TIER_DISK: "disk", kvd_pb2.TIER_REMOTE: "remote"}
+PREFETCH_PREFIX = "kvd_prefetch_"
+
+Labels = dict[str, str]
+
+
+class Samples:
+    """Metric samples by name, with label filters and histogram quantiles."""
+
+    def __init__(self, samples: Iterable[tuple[str, Labels, float]]) -> None:
+        self._by_name: dict[str, list[tuple[Labels, float]]] = {}
+        for name, labels, value in samples:
+            self._by_name.setdefault(name, []).append((dict(labels), value))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def matching(self, name: str, labels: Labels | None = None) -> list[tuple[Labels, float]]:
+        """The samples of `name` whose labels include `labels`."""
+        wanted = (labels or {}).items()
+        return [(have, value) for have, value in self._by_name.get(name, []) if wanted <= have.items()]
+
+    def value(self, name: str, labels: Labels | None = None) -> float | None:
+        """The sum of the matching samples; None if there is none."""
+        found = self.matching(name, labels)
+        return sum(value for _, value in found) if found else None
+
+    def by_label(self, name: str, label: str, labels: Labels | None = None) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for have, value in self.matching(name, labels):
+            totals[have.get(label, "")] = totals.get(have.get(label, ""), 0.0) + value
+        return totals
+
+    def quantile(self, name: str, q: float, labels: Labels | None = None) -> float | None:
+        """The q-quantile of histogram `name`, interpolated linearly inside its
+        bucket as PromQL's histogram_quantile does; None before any observation."""
+        buckets = sorted((float(have["le"]), count) for have, count in self.matching(name + "_bucket", labels))
+        if not buckets or buckets[-1][1] == 0:
+            return None
+        rank = q * buckets[-1][1]
+        lower_bound, lower_count = 0.0, 0.0
+        for bound, count in buckets:
+            if count >= rank:
+                if math.isinf(bound):
+                    return lower_bound  # above the largest finite bucket: its bound is all we know
+                if count == lower_count:
+                    return bound
+                return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+            lower_bound, lower_count = bound, count
+        return lower_bound
 
 
 def resolve_target(target: str | None, state_dir: str) -> str:
@@ -30,9 +94,33 @@ def fetch_status(target: str, timeout_s: float = 5.0) -> dict[str, Any]:
     with grpc.insecure_channel(target) as channel:
         stub = kvd_pb2_grpc.KvdStub(channel)
         try:
-            response = stub.Stats(kvd_pb2.StatsRequest(), timeout=timeout_s)
+            response = stub.Stats(kvd_pb2.StatsRequest(include_metrics=True), timeout=timeout_s)
         except grpc.RpcError as error:
             raise ConnectionError(f"cannot reach kvd at {target}: {error.code().name}: {error.details()}") from None
+    return status_from_response(target, response)
+
+
+def status_from_response(target: str, response: kvd_pb2.StatsResponse) -> dict[str, Any]:
+    """The status as plain data (what `kvd status --json` prints)."""
+    samples = Samples((sample.name, dict(sample.labels), sample.value) for sample in response.metrics)
+    tiers = []
+    for tier in response.tiers:
+        name = TIER_NAMES.get(tier.tier, str(tier.tier))
+        only = {"tier": name}
+        tiers.append(
+            {
+                "tier": name,
+                "blocks": tier.blocks,
+                "used_bytes": tier.bytes_used,
+                "payload_bytes": tier.payload_bytes,
+                "capacity_bytes": tier.capacity_bytes,
+                "pinned_blocks": tier.pinned_blocks,
+                "evictions": tier.evictions,
+                "hits": _count(samples.value("kvd_tier_hits_total", only)),
+                "misses": _count(samples.value("kvd_tier_misses_total", only)),
+                "evicted": _counts(samples.by_label("kvd_tier_evicted_blocks_total", "reason", only)),
+            }
+        )
     return {
         "target": target,
         "version": response.version,
@@ -40,18 +128,15 @@ def fetch_status(target: str, timeout_s: float = 5.0) -> dict[str, Any]:
         "uptime_s": response.uptime_s,
         "leases": response.leases,
         "leases_expired": response.leases_expired,
-        "tiers": [
-            {
-                "tier": TIER_NAMES.get(tier.tier, str(tier.tier)),
-                "blocks": tier.blocks,
-                "used_bytes": tier.bytes_used,
-                "payload_bytes": tier.payload_bytes,
-                "capacity_bytes": tier.capacity_bytes,
-                "pinned_blocks": tier.pinned_blocks,
-                "evictions": tier.evictions,
-            }
-            for tier in response.tiers
+        "tiers": tiers,
+        "moves": [
+            {"source_tier": labels["source_tier"], "target_tier": labels["target_tier"], "blocks": int(value)}
+            for labels, value in samples.matching("kvd_tier_moves_total")
         ],
+        "pins": _pins(samples),
+        "disk_io": _disk_io(samples),
+        "events": _events(samples),
+        "prefetch": _prefetch(samples),
         "namespaces": [
             {
                 "namespace_id": namespace.namespace_id.hex(),
@@ -66,6 +151,81 @@ def fetch_status(target: str, timeout_s: float = 5.0) -> dict[str, Any]:
     }
 
 
+def _count(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _counts(values: dict[str, float]) -> dict[str, int]:
+    return {key: int(value) for key, value in sorted(values.items())}
+
+
+def _pins(samples: Samples) -> dict[str, int] | None:
+    if "kvd_lease_pinned_blocks" not in samples:
+        return None
+    return {
+        "pinned_blocks": _count(samples.value("kvd_lease_pinned_blocks")),
+        "clients": _count(samples.value("kvd_lease_clients")),
+        "client_max_blocks": _count(samples.value("kvd_lease_client_pinned_blocks_max")),
+        "cap_blocks": _count(samples.value("kvd_lease_client_pin_cap_blocks")),
+        "cap_rejections": _count(samples.value("kvd_lease_pin_cap_rejections_total")),
+    }
+
+
+def _disk_io(samples: Samples) -> dict[str, Any] | None:
+    if "kvd_disk_queue_jobs" not in samples:
+        return None
+    classes = []
+    for io_class, queued in samples.by_label("kvd_disk_queue_jobs", "class").items():
+        only = {"class": io_class}
+        jobs = samples.value("kvd_disk_job_run_seconds_count", only) or 0.0
+        run_sum = samples.value("kvd_disk_job_run_seconds_sum", only) or 0.0
+        classes.append(
+            {
+                "class": io_class,
+                "queued": int(queued),
+                "jobs": int(jobs),
+                "wait_p50_s": samples.quantile("kvd_disk_job_wait_seconds", 0.5, only),
+                "wait_p99_s": samples.quantile("kvd_disk_job_wait_seconds", 0.99, only),
+                "run_p50_s": samples.quantile("kvd_disk_job_run_seconds", 0.5, only),
+                "run_p99_s": samples.quantile("kvd_disk_job_run_seconds", 0.99, only),
+                "run_mean_s": run_sum / jobs if jobs else None,
+            }
+        )
+    return {
+        "read_bytes": _count(samples.value("kvd_disk_io_bytes_total", {"operation": "read"})),
+        "written_bytes": _count(samples.value("kvd_disk_io_bytes_total", {"operation": "write"})),
+        "write_backlog_blocks": _count(samples.value("kvd_disk_write_queue")),
+        "failures": _counts(samples.by_label("kvd_disk_failures_total", "operation")),
+        "classes": classes,
+    }
+
+
+def _events(samples: Samples) -> dict[str, Any] | None:
+    if "kvd_events_total" not in samples:
+        return None
+    return {
+        "subscribers": _count(samples.value("kvd_event_subscribers")),
+        "published": _counts(samples.by_label("kvd_events_total", "kind")),
+        "keys": _counts(samples.by_label("kvd_event_keys_total", "kind")),
+        "resyncs": _counts(samples.by_label("kvd_event_resyncs_total", "reason")),
+    }
+
+
+def _prefetch(samples: Samples) -> dict[str, Any] | None:
+    """Every kvd_prefetch_* sample, and the share of settled prefetches a Get used."""
+    values = {}
+    for name in samples.names():
+        if name.startswith(PREFETCH_PREFIX):
+            for labels, value in samples.matching(name):
+                label_text = ",".join(f"{key}={labels[key]}" for key in sorted(labels))
+                values[name[len(PREFETCH_PREFIX):] + (f"[{label_text}]" if label_text else "")] = value
+    if not values:
+        return None
+    used, wasted = samples.value("kvd_prefetch_used_total"), samples.value("kvd_prefetch_wasted_total")
+    settled = (used or 0.0) + (wasted or 0.0)
+    return {"samples": values, "useful_ratio": used / settled if used is not None and settled else None}
+
+
 def human_bytes(count: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(count) < 1024 or unit == "TiB":
@@ -74,26 +234,46 @@ def human_bytes(count: float) -> str:
     raise AssertionError("unreachable")
 
 
+def human_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def _number(value: int | float | None) -> str:
+    return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _listing(values: dict[str, int | float]) -> str:
+    return ", ".join(f"{key} {_number(value)}" for key, value in values.items()) or "none"
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
-    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(headers, widths))]
+    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(headers, widths)).rstrip()]
     lines.append("  ".join("-" * width for width in widths))
-    lines.extend("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) for row in rows)
+    lines.extend("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
     return "\n".join(lines)
 
 
-def render_status(status: dict[str, Any]) -> str:
-    parts = [
-        f"kvd {status['version']}  instance {status['instance_id']}  up {status['uptime_s']:.0f}s  "
-        f"at {status['target']}",
-        f"leases open {status['leases']}, expired {status['leases_expired']}",
-        "",
-    ]
-    tier_rows = []
+def _section(title: str, lines: list[str]) -> list[str]:
+    """`title` before the first line, the others indented under it."""
+    width = 10
+    return [(title if index == 0 else "").ljust(width) + line for index, line in enumerate(lines)]
+
+
+def _tier_table(status: dict[str, Any]) -> str:
+    rows = []
     for tier in status["tiers"]:
         capacity = tier["capacity_bytes"]
         fill = 100.0 * tier["used_bytes"] / capacity if capacity else 0.0
-        tier_rows.append(
+        hits, misses = tier.get("hits"), tier.get("misses")
+        requests = (hits or 0) + (misses or 0)
+        rows.append(
             [
                 tier["tier"],
                 str(tier["blocks"]),
@@ -102,10 +282,76 @@ def render_status(status: dict[str, Any]) -> str:
                 human_bytes(capacity),
                 f"{fill:.1f}%",
                 str(tier["pinned_blocks"]),
+                _number(hits),
+                _number(misses),
+                f"{100.0 * hits / requests:.1f}%" if hits is not None and requests else "-",
                 str(tier["evictions"]),
             ]
         )
-    parts.append(_table(["tier", "blocks", "used", "payload", "capacity", "fill", "pinned", "evictions"], tier_rows))
+    headers = ["tier", "blocks", "used", "payload", "capacity", "fill", "pinned", "hits", "misses", "hit rate",
+               "evictions"]
+    return _table(headers, rows)
+
+
+def _disk_io_lines(disk_io: dict[str, Any]) -> list[str]:
+    lines = [
+        f"read {human_bytes(disk_io['read_bytes'] or 0)}, written {human_bytes(disk_io['written_bytes'] or 0)}; "
+        f"write backlog {_number(disk_io['write_backlog_blocks'])} blocks; "
+        f"failed blocks: {_listing(disk_io['failures'])}"
+    ]
+    rows = [
+        [
+            entry["class"],
+            str(entry["queued"]),
+            str(entry["jobs"]),
+            human_seconds(entry["wait_p50_s"]),
+            human_seconds(entry["wait_p99_s"]),
+            human_seconds(entry["run_p50_s"]),
+            human_seconds(entry["run_p99_s"]),
+            human_seconds(entry["run_mean_s"]),
+        ]
+        for entry in disk_io["classes"]
+    ]
+    headers = ["class", "queued", "jobs", "wait p50", "wait p99", "run p50", "run p99", "run mean"]
+    return lines + _table(headers, rows).splitlines()
+
+
+def render_status(status: dict[str, Any]) -> str:
+    parts = [
+        f"kvd {status['version']}  instance {status['instance_id']}  up {status['uptime_s']:.0f}s  "
+        f"at {status['target']}",
+        "",
+        _tier_table(status),
+        "",
+    ]
+    evicted = [f"{tier['tier']}: {_listing(tier['evicted'])}" for tier in status["tiers"] if tier.get("evicted")]
+    parts += _section("evicted", evicted)
+    moves = status.get("moves") or []
+    if moves:
+        parts += _section("moved", [", ".join(f"{move['source_tier']} -> {move['target_tier']} {move['blocks']}"
+                                              for move in moves)])
+    if status.get("disk_io"):
+        parts += ["", *_section("disk I/O", _disk_io_lines(status["disk_io"]))]
+    parts.append("")
+    parts += _section("leases", [f"open {status['leases']}, expired {status['leases_expired']}"])
+    pins = status.get("pins")
+    if pins:
+        parts += _section("pins", [
+            f"{pins['pinned_blocks']} blocks pinned through leases by {pins['clients']} clients; "
+            f"most by one client {pins['client_max_blocks']} (cap {pins['cap_blocks']}); "
+            f"refused by the cap {pins['cap_rejections']}"
+        ])
+    events = status.get("events")
+    if events:
+        parts += _section("events", [
+            f"subscribers {_number(events['subscribers'])}; published {_listing(events['published'])}; "
+            f"resyncs {_listing(events['resyncs'])}"
+        ])
+    prefetch = status.get("prefetch")
+    if prefetch:
+        ratio = prefetch["useful_ratio"]
+        useful = f"; useful {100.0 * ratio:.1f}% (used / (used + wasted))" if ratio is not None else ""
+        parts += _section("prefetch", [_listing(prefetch["samples"]) + useful])
     parts.append("")
     namespace_rows = []
     for namespace in status["namespaces"]:

@@ -57,7 +57,11 @@ def snapshot(engine: Engine) -> dict:
                 lease.deadline_ms,
                 [(h.key, h.released, h.writable) for h in lease.handles],
                 lease.parent_handle and lease.parent_handle.key,
+                lease.pinned,
             )
             for lease in engine.leases
         },
+        # Pins charged per client (the table's verify() ties them to the leases).
+        "pins": (engine.leases.pinned_total, {lease.client_id: engine.leases.pins_of(lease.client_id)
+                                              for lease in engine.leases}),
     }

@@ -67,6 +67,13 @@ class ResyncReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESYNC_REASON_SEQUENCE_TOO_OLD: _ClassVar[ResyncReason]
     RESYNC_REASON_SUBSCRIBER_TOO_SLOW: _ClassVar[ResyncReason]
     RESYNC_REASON_INSTANCE_CHANGED: _ClassVar[ResyncReason]
+
+class PrefetchLimit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFETCH_LIMIT_UNSPECIFIED: _ClassVar[PrefetchLimit]
+    PREFETCH_LIMIT_IN_FLIGHT: _ClassVar[PrefetchLimit]
+    PREFETCH_LIMIT_HOST_FULL: _ClassVar[PrefetchLimit]
+    PREFETCH_LIMIT_PROMOTION: _ClassVar[PrefetchLimit]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -104,6 +111,10 @@ RESYNC_REASON_UNSPECIFIED: ResyncReason
 RESYNC_REASON_SEQUENCE_TOO_OLD: ResyncReason
 RESYNC_REASON_SUBSCRIBER_TOO_SLOW: ResyncReason
 RESYNC_REASON_INSTANCE_CHANGED: ResyncReason
+PREFETCH_LIMIT_UNSPECIFIED: PrefetchLimit
+PREFETCH_LIMIT_IN_FLIGHT: PrefetchLimit
+PREFETCH_LIMIT_HOST_FULL: PrefetchLimit
+PREFETCH_LIMIT_PROMOTION: PrefetchLimit
 
 class NamespaceSpec(_message.Message):
     __slots__ = ("model_id", "model_revision", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "block_tokens", "inner_layout", "kv_order", "tp_rank", "tp_size", "pp_stage", "pp_size", "lora_id", "tenant_salt", "hash_scheme")
@@ -364,8 +375,27 @@ class DeleteResponse(_message.Message):
     def __init__(self, deleted: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_metrics",)
+    INCLUDE_METRICS_FIELD_NUMBER: _ClassVar[int]
+    include_metrics: bool
+    def __init__(self, include_metrics: _Optional[bool] = ...) -> None: ...
+
+class MetricSample(_message.Message):
+    __slots__ = ("name", "labels", "value")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    labels: _containers.ScalarMap[str, str]
+    value: float
+    def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "blocks", "bytes_used", "capacity_bytes", "pinned_blocks", "evictions", "payload_bytes")
@@ -402,7 +432,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., model_id: _Optional[str] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "instance_id", "uptime_s", "tiers", "namespaces", "leases", "leases_expired")
+    __slots__ = ("version", "instance_id", "uptime_s", "tiers", "namespaces", "leases", "leases_expired", "metrics")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +440,7 @@ class StatsResponse(_message.Message):
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     version: str
     instance_id: str
     uptime_s: float
@@ -417,7 +448,8 @@ class StatsResponse(_message.Message):
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     leases: int
     leases_expired: int
-    def __init__(self, version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leases_expired: _Optional[int] = ...) -> None: ...
+    metrics: _containers.RepeatedCompositeFieldContainer[MetricSample]
+    def __init__(self, version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., metrics: _Optional[_Iterable[_Union[MetricSample, _Mapping]]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("namespace_id", "from_sequence", "instance_id")
@@ -470,3 +502,35 @@ class EventSnapshotResponse(_message.Message):
     parent_keys: _containers.RepeatedScalarFieldContainer[bytes]
     tiers: bytes
     def __init__(self, instance_id: _Optional[str] = ..., sequence: _Optional[int] = ..., block_count: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent_keys: _Optional[_Iterable[bytes]] = ..., tiers: _Optional[bytes] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "parent_key", "wait")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_key: bytes
+    wait: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent_key: _Optional[bytes] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("matched", "in_host", "loading", "queued", "refused", "missing", "limit", "loaded")
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    IN_HOST_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    matched: int
+    in_host: int
+    loading: int
+    queued: int
+    refused: int
+    missing: int
+    limit: PrefetchLimit
+    loaded: int
+    def __init__(self, matched: _Optional[int] = ..., in_host: _Optional[int] = ..., loading: _Optional[int] = ..., queued: _Optional[int] = ..., refused: _Optional[int] = ..., missing: _Optional[int] = ..., limit: _Optional[_Union[PrefetchLimit, str]] = ..., loaded: _Optional[int] = ...) -> None: ...

@@ -104,6 +104,11 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.EventSnapshotRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.EventSnapshotResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvd.v1.Kvd/Prefetch',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class KvdServicer:
@@ -199,6 +204,14 @@ class KvdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Read blocks a client expects to Get soon from disk into host memory
+        (see PrefetchRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -271,6 +284,11 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.EventSnapshot,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.EventSnapshotRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.EventSnapshotResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -651,6 +669,33 @@ class Kvd:
             '/kvd.v1.Kvd/EventSnapshot',
             kvd_dot_v1_dot_kvd__pb2.EventSnapshotRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.EventSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/Prefetch',
+            kvd_dot_v1_dot_kvd__pb2.PrefetchRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

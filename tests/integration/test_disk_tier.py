@@ -39,6 +39,38 @@ def blocks_for(count: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((count, *SPEC.block_shape), dtype=np.float32)
 
 
+def flip_first_layer_byte(tmp_path: Path, block: np.ndarray) -> int:
+    """Flip a byte of `block`'s first layer wherever the drives under
+    tmp_path hold it (found by content, as a failing drive would scramble
+    it); returns how many copies were flipped."""
+    needle = block.reshape(-1).view(np.uint8)[:4096].tobytes()
+    flipped = 0
+    for segment in sorted(set(tmp_path.glob("nvme*/**/seg-*"))):
+        data = bytearray(segment.read_bytes())
+        position = data.find(needle)
+        if position >= 0:
+            data[position + 100] ^= 0xFF
+            segment.write_bytes(bytes(data))
+            flipped += 1
+    return flipped
+
+
+def stored_with_a_corrupt_block(tmp_path: Path, seed: int) -> tuple[Path, dict, list[bytes], np.ndarray]:
+    """Six blocks made durable by one daemon run, then block 3 corrupted on
+    the drives while no daemon runs: (daemon directory, config, keys, blocks
+    as they were Put)."""
+    directory = tmp_path / "d"
+    config = disk_config(tmp_path)
+    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        keys = namespace.keys(np.arange(6 * 16))
+        blocks = blocks_for(6, seed=seed)
+        client.put(namespace, keys, blocks, durable=True)
+    # Flip bytes everywhere on the drives where block 3's first layer sits.
+    assert flip_first_layer_byte(tmp_path, blocks[3]) == 1
+    return directory, config, keys, blocks
+
+
 def metric_samples(url: str) -> dict[str, float]:
     samples = {}
     for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
@@ -113,25 +145,7 @@ def test_durable_blocks_survive_a_restart_and_kill(tmp_path):
 
 
 def test_a_corrupted_block_is_never_served(tmp_path):
-    directory = tmp_path / "d"
-    config = disk_config(tmp_path)
-    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
-        namespace = client.register_namespace(SPEC)
-        keys = namespace.keys(np.arange(6 * 16))
-        blocks = blocks_for(6, seed=3)
-        client.put(namespace, keys, blocks, durable=True)
-    # Flip bytes everywhere on the drives where block 3's first layer sits:
-    # find it by content, as a failing drive would scramble it.
-    needle = blocks[3].reshape(-1).view(np.uint8)[:4096].tobytes()
-    flipped = 0
-    for segment in sorted(set(tmp_path.glob("nvme*/**/seg-*"))):
-        data = bytearray(segment.read_bytes())
-        position = data.find(needle)
-        if position >= 0:
-            data[position + 100] ^= 0xFF
-            segment.write_bytes(bytes(data))
-            flipped += 1
-    assert flipped == 1
+    directory, config, keys, blocks = stored_with_a_corrupt_block(tmp_path, seed=3)
     with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
         namespace = client.register_namespace(SPEC)
         got = client.get_numpy(namespace, keys)
@@ -175,7 +189,8 @@ def test_write_modes(tmp_path, mode):
     """Write-through writes every block; write-back waits for host pressure."""
     import time
 
-    config = disk_config(tmp_path, write_mode=mode, write_back_headroom=0.25)
+    config = disk_config(tmp_path, write_mode=mode)
+    config["host"].update(high_watermark=0.75, low_watermark=0.5)
     with run_daemon(tmp_path / "d", config=config) as daemon, Client(daemon.unix_target) as client:
         namespace = client.register_namespace(SPEC)
         few = namespace.keys(np.arange(4 * 16))
@@ -310,3 +325,29 @@ def test_a_vanished_drive_directory_costs_only_its_blocks(tmp_path):
             assert got.shape[0] < stored.shape[0]
             assert np.array_equal(got, stored[: got.shape[0]])
         assert client.get_numpy(namespace, keys).shape[0] >= 1  # block 0 lives on drive 0
+
+
+def test_watermarks_keep_puts_from_evicting_and_lose_nothing(tmp_path):
+    """Write-back with the default watermarks (0.9 / 0.8 of 16 host slots):
+    a stream of Puts far larger than host memory finds free slots, because
+    the daemon writes back and demotes in the background; every block comes
+    back bit-exact, from host memory or from disk."""
+    import time
+
+    with run_daemon(tmp_path / "d", config=disk_config(tmp_path)) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        stored = []
+        for batch in range(20):  # 40 blocks, 2.5x the host tier
+            keys = namespace.keys(np.arange(2 * 16) + 10_000 * batch)
+            blocks = blocks_for(2, seed=100 + batch)
+            client.put(namespace, keys, blocks)
+            stored.append((keys, blocks))
+            time.sleep(0.15)  # an engine between requests
+        samples = metric_samples(daemon.metrics_url)
+        assert samples['kvd_tier_evictions_total{tier="host"}'] <= 2, "Puts had to evict on demand"
+        assert samples["kvd_host_demotions_total"] >= 20
+        assert samples['kvd_tier_blocks{tier="host"}'] <= 15
+        for keys, blocks in stored:
+            assert np.array_equal(client.get_numpy(namespace, keys), blocks)
+            time.sleep(0.15)  # loads refill host memory; reclaiming keeps up between requests
+        assert metric_samples(daemon.metrics_url)['kvd_tier_evicted_blocks_total{reason="dropped",tier="host"}'] == 0

@@ -20,6 +20,7 @@ from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.core.policy import DiskPolicies
 from kvd.core.policy.promotion import AlwaysPromote
 from kvd.errors import KvdError
+from kvd.invariants import InvariantError
 from kvd.sim.plane import SlotContents
 
 SPEC = NamespaceSpec(model_id="disk-test", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
@@ -330,3 +331,37 @@ def test_a_declined_promotion_cuts_the_get_before_the_block(plane):
     plane.engine.release("r", [plan.lease.lease_id])
     plane.engine.disk.promotion = AlwaysPromote()
     assert plane.get("abcd") == K("abcd")
+
+
+def test_watermarks_reclaim_with_hysteresis_and_puts_then_evict_nothing(engine_factory):
+    """10 host slots, watermarks 0.8 / 0.5: from 8 resident blocks on the
+    host reclaims (writes back, demotes durable blocks) down to 5, and stays
+    reclaiming until it gets there; a Put after that takes free slots."""
+    plane = Plane(engine_factory(10, 64, disk_slot_count=32, disk_slot_bytes=64,
+                                 high_watermark=0.8, low_watermark=0.5))
+    engine = plane.engine
+    plane.put("abcdefg")  # 7 of 10
+    assert not engine.host_reclaiming()
+    plane.put("abcdefgh")  # 8: the high watermark
+    assert engine.host_reclaiming()
+    # Nothing is durable yet: demotion stops at the first dirty candidate.
+    assert engine.demote_to_low_watermark() == 0 and engine.host_reclaiming()
+    assert plane.flush() == 8
+    assert engine.demote_to_low_watermark() == 3  # 8 -> 5, from the tail of the chain inward
+    assert engine.host.resident_blocks == 5 and not engine.host_reclaiming()
+    assert tiers(plane, "abcdefgh") == [TierId.HOST] * 5 + [TierId.DISK] * 3
+    assert engine.host.counters.background_demotions == 3
+    # Back below high: no reclaiming at 7 resident, though above low.
+    plane.put("xy")
+    assert engine.host.resident_blocks == 7 and not engine.host_reclaiming()
+    evictions = engine.host.counters.evictions
+    plane.put("xyz")
+    assert engine.host.counters.evictions == evictions  # a free slot, no eviction on demand
+    plane.flush()
+    assert plane.get("abcdefgh") == K("abcdefgh")  # demoted blocks come back bit-exact
+    engine.verify()
+
+
+def test_watermarks_are_checked(engine_factory):
+    with pytest.raises(InvariantError, match="watermarks"):
+        engine_factory(10, 64, high_watermark=0.5, low_watermark=0.5)

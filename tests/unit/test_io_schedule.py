@@ -42,16 +42,31 @@ def test_fifo_keeps_arrival_order_except_control():
     assert drain(schedule) == [(C, 4), (W, 0), (P, 1), (R, 2), (W, 3), (R, 5)]
 
 
-def test_a_full_backlog_gives_writes_one_job_in_every_write_share_plus_one():
-    schedule = IoSchedule("slack", write_share=3, backlog_limit=10)
+def run_all(schedule: IoSchedule, backlog: int, seconds: dict[IoClass, float]) -> list[IoClass]:
+    """Pop and 'run' every job, reporting each class's run time as job_done."""
+    order = []
+    while (job := schedule.pop(backlog)) is not None:
+        order.append(job.io_class)
+        schedule.job_done(job.io_class, seconds[job.io_class])
+    return order
+
+
+def test_a_full_backlog_gives_writes_a_share_of_the_drive_time():
+    """write_share 4: each second of reads earns a quarter second of writes
+    while reads wait; a write may go once the credit is positive and costs
+    what it ran. Reads of 0.1 s and writes of 0.05 s: a write after every
+    two reads; writes of 0.1 s: one after every four."""
+    schedule = IoSchedule("slack", write_share=4, backlog_limit=10)
+    fill(schedule, [W] * 3 + [R] * 6)
+    assert run_all(schedule, 10, {R: 0.1, W: 0.05}) == [R, W, R, R, W, R, R, W, R]
+    schedule = IoSchedule("slack", write_share=4, backlog_limit=10)
+    fill(schedule, [W] * 2 + [R] * 8)
+    assert run_all(schedule, 10, {R: 0.1, W: 0.1}) == [R, W, R, R, R, R, W, R, R, R]
+    assert schedule.counters.forced_writes == 2
+    # Below the bound, reads always go first, and nothing is saved up for later.
+    schedule = IoSchedule("slack", write_share=4, backlog_limit=10)
     fill(schedule, [W] * 3 + [R] * 9)
-    order = [io_class for io_class, _ in drain(schedule, backlog=10)]
-    assert order == [R, R, R, W, R, R, R, W, R, R, R, W]
-    assert schedule.counters.forced_writes == 2  # the last write found no read waiting
-    # Below the bound, reads always go first.
-    schedule = IoSchedule("slack", write_share=3, backlog_limit=10)
-    fill(schedule, [W] * 3 + [R] * 9)
-    assert [io_class for io_class, _ in drain(schedule, backlog=9)] == [R] * 9 + [W] * 3
+    assert run_all(schedule, 9, {R: 0.1, W: 0.05}) == [R] * 9 + [W] * 3
 
 
 def test_bad_settings_are_refused():
@@ -122,3 +137,39 @@ def test_the_executor_runs_jobs_in_schedule_order_on_one_thread():
     assert executor.stats.by_class["restore"].jobs == 2
     with pytest.raises(RuntimeError):
         executor.submit(R, job, "late")
+
+
+def test_a_write_waits_briefly_after_a_read_for_another_read():
+    """Anticipation: within anticipation_s of a read's end a write is held
+    back (unless the backlog is full); after that, or with a read queued
+    meanwhile, the schedule goes on as before."""
+    schedule = IoSchedule("slack", backlog_limit=10, anticipation_s=0.002)
+    fill(schedule, [W])
+    schedule.read_done(1.000)
+    assert schedule.pop(0, now=1.001) is None and schedule.write_hold_until == pytest.approx(1.002)
+    schedule.push(IoJob(R, payload="late read"))
+    assert schedule.pop(0, now=1.0015).payload == "late read"  # the read that came in the hold
+    schedule.read_done(1.010)
+    assert schedule.pop(10, now=1.011).io_class == W  # a full backlog does not wait
+    fill(schedule, [W])
+    schedule.read_done(1.020)
+    assert schedule.pop(0, now=1.0225).io_class == W and schedule.write_hold_until is None
+    assert len(schedule) == 0
+    # fifo never holds anything back.
+    fifo = IoSchedule("fifo", anticipation_s=0.002)
+    fill(fifo, [W])
+    fifo.read_done(1.0)
+    assert fifo.pop(0, now=1.0).io_class == W
+
+
+def test_the_executor_holds_a_write_for_a_read_that_follows():
+    executor = ScheduledExecutor(IoSchedule("slack", anticipation_s=0.2))
+    ran: list[str] = []
+    executor.submit(R, ran.append, "read 1").result(10)
+    write = executor.submit(W, ran.append, "write")
+    time.sleep(0.02)
+    read = executor.submit(R, ran.append, "read 2")
+    read.result(10)
+    write.result(10)
+    executor.shutdown()
+    assert ran == ["read 1", "read 2", "write"]
