@@ -10,12 +10,15 @@ BUILT_STAMP := $(VENV)/.kvd-built
 # Debian packages: liburing-dev and libisal-dev (crc32c) to build the native
 # I/O engine (kvd._native);
 # the benchmarks also compare against redis-server and fio.
+# tests/deploy also run kubectl (kustomize; not in Debian's repositories:
+# the build machines' image has it, any kubectl >= 1.27 will do) and
+# systemd-analyze (Debian: systemd), both already on the build machines.
 APT_PACKAGES ?= liburing-dev libisal-dev
 BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint bench proto proto-check apt clean native-debug native-sanitize crash-long
+.PHONY: setup run test lint bench proto proto-check apt clean native-debug native-sanitize crash-long sim-long docs
 
 setup: $(BUILT_STAMP)
 
@@ -68,6 +71,25 @@ test: setup proto-check lint
 # kills than `make test` runs; KVD_CRASH_SEED picks another run.
 crash-long: setup
 	KVD_CRASH_ROUNDS=$${KVD_CRASH_ROUNDS:-60} $(PY) -m pytest -q -p no:cacheprovider tests/crash/test_daemon_crash.py
+
+# The simulator (python -m kvd.sim) over many more seeds and longer traces
+# than `make test` runs: every policy, two host capacities, write-back and
+# write-through, faulty disk I/O, invariants checked after every step. The
+# first failing seed stops it and prints the command that reproduces it.
+# SIM_FIRST_SEED, SIM_SEEDS and SIM_REQUESTS pick another run.
+sim-long: setup
+	@first=$${SIM_FIRST_SEED:-1}; count=$${SIM_SEEDS:-20}; \
+	for seed in $$(seq $$first $$((first + count - 1))); do \
+	  mode=$$( [ $$((seed % 2)) = 0 ] && echo back || echo through ); \
+	  echo "== seed $$seed ($$((seed - first + 1))/$$count), write-$$mode"; \
+	  $(PY) -m kvd.sim --seed $$seed --requests $${SIM_REQUESTS:-400} --host-capacity 6,24 --disk-capacity 96 \
+	    --write-mode $$mode --fault-rate 0.02 || exit 1; \
+	done
+
+# Rewrite the generated sections of docs/operations.md (configuration and
+# metrics reference); tests/deploy/test_operations_docs.py fails when stale.
+docs: setup
+	$(PY) tools/gen_operations_docs.py
 
 # Undefined names, unused imports, syntax errors (generated code excluded).
 lint: setup
