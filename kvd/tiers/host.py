@@ -7,6 +7,11 @@
       ^ a block occupies the first block_bytes of one slot, layer-major:
         [layer 0: K V][layer 1: K V]...
 
+The daemon holds an exclusive flock on the segment for as long as it runs,
+so a later daemon can tell a live arena from one left by a killed process
+even when the pid in the name is reused (in a container kvd is always pid
+1).
+
 Which slot holds which block is decided by the engine (kvd.core.engine.
 HostPool); this module only creates, maps, pre-faults and removes the
 segment, and copies bytes for the inline (non-shared-memory) path.
@@ -16,6 +21,7 @@ themselves, so payload bytes never pass through the daemon.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -63,6 +69,8 @@ class HostArena:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         fd = os.open(self.path, flags, 0o600)
         try:
+            # Held until close() (or the process dies): "this arena is alive".
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(fd, 0o600)  # whatever the umask said
             os.ftruncate(fd, layout.arena_bytes)
             self._mmap = mmap.mmap(fd, layout.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -70,7 +78,7 @@ class HostArena:
             os.close(fd)
             self.path.unlink(missing_ok=True)
             raise
-        os.close(fd)
+        self._lock_fd = fd
         if huge_pages:
             self._advise_huge_pages()
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
@@ -123,6 +131,7 @@ class HostArena:
             return
         self._closed = True
         self.path.unlink(missing_ok=True)
+        os.close(self._lock_fd)  # releases the flock
         self.slots = self.array = None  # type: ignore[assignment]
         try:
             self._mmap.close()
@@ -132,7 +141,13 @@ class HostArena:
 
 
 def remove_stale_segments(directory: Path = SHM_DIR) -> list[str]:
-    """Unlink arenas left by kvd processes that no longer exist (kill -9)."""
+    """Unlink arenas left by kvd processes that no longer run (kill -9, a crashed container).
+
+    An arena is stale when nobody holds its flock and the pid in its name
+    is gone or is this process's own (a container restarted as pid 1
+    again). The pid rule keeps arenas of a live daemon from before the
+    flock, which holds none.
+    """
     removed = []
     uid = os.getuid()
     for path in directory.glob(f"{SHM_PREFIX}*-*"):
@@ -140,12 +155,27 @@ def remove_stale_segments(directory: Path = SHM_DIR) -> list[str]:
         if not pid_text.isdigit():
             continue
         try:
-            if path.stat().st_uid != uid:
+            if path.stat().st_uid != uid or _locked(path):
                 continue
-            os.kill(int(pid_text), 0)
+            if int(pid_text) != os.getpid():
+                os.kill(int(pid_text), 0)
+                continue  # a live process that holds no lock: leave it be
         except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
+            pass
         except (PermissionError, FileNotFoundError):
             continue
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
     return removed
+
+
+def _locked(path: Path) -> bool:
+    """Whether a live daemon holds the arena's flock (FileNotFoundError if it is gone)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock taken just now
+    return False

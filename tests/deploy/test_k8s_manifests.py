@@ -19,7 +19,6 @@ Validators:
 from __future__ import annotations
 
 import re
-import shlex
 import shutil
 import subprocess
 import tomllib
@@ -189,7 +188,7 @@ def test_volumes_hold_what_the_toml_names(rendered):
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
     mounts = {mount["mountPath"]: volumes[mount["name"]] for mount in container["volumeMounts"]}
     # --config names the ConfigMap's key where the ConfigMap is mounted.
-    words = shlex.split(container["command"][-1]) if container.get("command") else container["args"]
+    words = [*container.get("command", []), *container.get("args", [])]
     config_file = Path(words[words.index("--config") + 1])
     assert mounts[str(config_file.parent)]["configMap"]["name"] == rendered["ConfigMap"]["metadata"]["name"]
     assert config_file.name in rendered["ConfigMap"]["data"]
