@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from kvd import __version__
-from kvd.errors import ConfigError
+from kvd.errors import ConfigError, KvdError
 
 
 def _parse_sets(pairs: list[str]) -> dict[str, str]:
@@ -113,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except ConfigError as error:
         print(f"kvd: {error}", file=sys.stderr)
+        return 2
+    except KvdError as error:
+        # What the daemon found wrong at start-up (a disk directory written
+        # for another layout, no O_DIRECT, a drive too small): a restart
+        # will not fix it, so the same exit code as a config error.
+        print(f"kvd: cannot start: {error}", file=sys.stderr)
         return 2
     except ConnectionError as error:
         print(f"kvd: {error}", file=sys.stderr)

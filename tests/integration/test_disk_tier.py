@@ -351,3 +351,28 @@ def test_watermarks_keep_puts_from_evicting_and_lose_nothing(tmp_path):
             assert np.array_equal(client.get_numpy(namespace, keys), blocks)
             time.sleep(0.15)  # loads refill host memory; reclaiming keeps up between requests
         assert metric_samples(daemon.metrics_url)['kvd_tier_evicted_blocks_total{reason="dropped",tier="host"}'] == 0
+
+
+def test_a_disk_directory_of_another_layout_stops_the_daemon_with_a_clear_message(tmp_path):
+    """Exit 2 (systemd's RestartPreventExitStatus), the directory and field
+    named, no traceback; the drive is left as it was."""
+    import subprocess
+    import sys
+
+    directory = tmp_path / "d"
+    with run_daemon(directory, config=disk_config(tmp_path)):
+        pass
+    identity = (tmp_path / "nvme0" / "IDENTITY").read_bytes()
+    config_path = tmp_path / "other.toml"
+    config_path.write_text(
+        f'state_dir = "{tmp_path / "state2"}"\n[server]\ntcp_address = ""\n[metrics]\naddress = ""\n'
+        f'[host]\ncapacity_bytes = "4MiB"\nslot_bytes = "64KiB"\n'
+        f'[disk]\ndirectories = ["{tmp_path / "nvme0"}", "{tmp_path / "nvme1"}"]\n'
+        f'capacity_bytes = "8MiB"\nslot_bytes = "128KiB"\nsegment_bytes = "4MiB"\n'
+    )
+    result = subprocess.run([sys.executable, "-m", "kvd", "serve", "--config", str(config_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "kvd: cannot start: disk directory" in result.stderr and "slot_bytes" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "nvme0" / "IDENTITY").read_bytes() == identity
