@@ -1,0 +1,69 @@
+"""Fake bytes: what each host and disk slot would hold, moved as the daemon moves bytes.
+
+Every slot holds the key of the block whose bytes were written there. A
+writer fills its reserved host slots, write-back copies host slots to disk
+slots, a Get copies disk slots into the host slots the engine chose, and a
+journalled removal empties a disk slot. Whatever the engine then serves can
+be checked against the one property that matters: a Get returns the block
+that was Put under that key, or nothing, never another block.
+
+The unit tests of the engine's disk tier and the simulator share this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+
+from kvd.core.block import NO_SLOT, Block
+from kvd.core.engine import DiskLoad, DiskWrite, Engine
+from kvd.invariants import check
+
+
+class SlotContents:
+    def __init__(self) -> None:
+        self.host: dict[int, bytes] = {}
+        self.disk: dict[int, bytes] = {}
+
+    def fill(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """A writer wrote its reserved host slots (NO_SLOT: not reserved)."""
+        for key, slot in zip(keys, slots):
+            if slot != NO_SLOT:
+                self.host[slot] = key
+
+    def write(self, writes: Sequence[DiskWrite], failing: Container[bytes] = ()) -> list[bool]:
+        """Copy host slots to disk slots; blocks whose key is in `failing` fail."""
+        ok = []
+        for write in writes:
+            good = write.block.key not in failing
+            if good:
+                self.disk[write.disk_slot] = self.host[write.host_slot]
+            ok.append(good)
+        return ok
+
+    def load(self, loads: Sequence[DiskLoad], corrupt: Container[int] = ()) -> list[bool]:
+        """Copy disk slots into host slots; disk slots in `corrupt` read back bad."""
+        ok = []
+        for load in loads:
+            good = load.disk_slot not in corrupt
+            if good:
+                self.host[load.host_slot] = self.disk[load.disk_slot]
+            ok.append(good)
+        return ok
+
+    def drop(self, removals: Sequence[tuple[bytes, bytes, int]]) -> list[int]:
+        """Journal removals (namespace id, key, disk slot): the slots, to confirm."""
+        for _, _, slot in removals:
+            self.disk.pop(slot, None)
+        return [slot for _, _, slot in removals]
+
+    def journal_removals(self, engine: Engine) -> None:
+        """Make the engine's pending disk removals durable, at once."""
+        engine.confirm_disk_removals(self.drop(engine.take_disk_removals()))
+
+    def served(self, blocks: Sequence[Block]) -> list[bytes]:
+        """What a client copies out of the host slots of `blocks`."""
+        return [self.host.get(block.host_slot, b"") for block in blocks]
+
+    def check_served(self, blocks: Sequence[Block]) -> None:
+        for block, content in zip(blocks, self.served(blocks)):
+            check(content == block.key, f"served {block!r} holds the bytes of another block")

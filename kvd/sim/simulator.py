@@ -1,0 +1,685 @@
+"""The deterministic simulator: the real engine, driven by a trace in simulated time.
+
+One `Simulator` runs one configuration (policy, host and disk capacity)
+over one trace. Time is an integer count of microseconds that only the
+event queue moves; the engine sees it as the injected `ManualClock`. No
+thread, no wall clock, no unseeded randomness: a seed and a configuration
+give the same run, event for event, on every machine.
+
+A request goes through the engine as a client of the daemon would:
+
+    arrival        lookup the prompt's keys (records each block's tier),
+                   begin_get: pin the stored prefix, plan its disk loads
+    reads done     finish_loads, settle_get: the servable prefix, checked
+                   against the fake bytes; then reserve the rest (Put)
+    prefill done   write the reserved slots, commit, release the Get lease
+    decode done    Put the reply's blocks (reserve + commit at once)
+
+A client that crashes (the trace says which) stops after its reserve and
+holds its leases until they expire. Beside the requests, the drive runs
+disk loads first, then write-back batches (pick_writes / finish_writes,
+under host pressure as the daemon's write-back does, or every sealed block
+in write-through) and removal journals, each taking its modelled time.
+
+A step is one event. After every step (`verify_every`) the engine's own
+verify() runs, and so do the simulator's invariants (`check_invariants`).
+Any failure is raised as SimFailure, which names the seed and the step.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kvd.clock import ManualClock
+from kvd.config import DiskSettings, HostConfig, LeaseConfig
+from kvd.core.block import NO_SLOT, BlockState
+from kvd.core.engine import DiskWrite, Engine, EngineLimits, GetPlan, ReserveStatus, TierId
+from kvd.core.io_schedule import IoSchedule
+from kvd.core.keys import NamespaceSpec, chain_keys
+from kvd.core.policy import DiskPolicies
+from kvd.errors import ResourceExhausted
+from kvd.invariants import check
+from kvd.sim.disk import DiskOp, DiskOpKind, DiskSpec, ModelledDisk
+from kvd.sim.plane import SlotContents
+from kvd.sim.traces import Request, TraceConfig, TraceGenerator
+
+_DISK_DEFAULTS = DiskSettings()
+_HOST_DEFAULTS = HostConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    seed: int = 0
+    requests: int = 500
+    policy: str = "lru"
+    host_blocks: int = 32
+    # 0: no disk tier.
+    disk_blocks: int = 256
+    # Every tenant's model: Llama-3-8B-shaped KV in bf16 (128 KiB a token),
+    # in 256-token blocks (LMCache's chunk size) of 32 MiB.
+    block_tokens: int = 256
+    num_layers: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    write_mode: str = _DISK_DEFAULTS.write_mode
+    # Host watermarks (fractions of host_blocks): reclaim from high to low.
+    high_watermark: float = _HOST_DEFAULTS.high_watermark
+    low_watermark: float = _HOST_DEFAULTS.low_watermark
+    # Smaller than the daemon's default: the simulated host tiers are small.
+    write_batch_blocks: int = 16
+    io_schedule: str = _DISK_DEFAULTS.io_schedule
+    write_chunk_blocks: int = _DISK_DEFAULTS.write_chunk_blocks
+    write_share: int = _DISK_DEFAULTS.write_share
+    write_backlog_blocks: int = _DISK_DEFAULTS.write_backlog_blocks
+    # Write a block to disk only once it was seen this many times.
+    admission_min_hits: int = _DISK_DEFAULTS.admission_min_hits
+    lease_ms: int = LeaseConfig().default_ms
+    # A Get that finds host memory full of blocks not yet written waits for
+    # write-back batches this long, as the daemon does (STARVED_GET_WAIT_S).
+    starved_get_wait_ms: int = 5_000
+    # The inference engine: how fast it computes what was not cached.
+    prefill_tokens_per_s: float = 16_000.0
+    decode_us_per_token: int = 25_000
+    # Share of disk block reads and writes that fail (reads: corrupt bytes).
+    fault_rate: float = 0.0
+    verify_every: int = 1
+    disk: DiskSpec = field(default_factory=DiskSpec)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+
+    def validate(self) -> None:
+        check(self.requests >= 1 and self.host_blocks >= 1 and self.disk_blocks >= 0, "sizes must be positive")
+        check(self.write_mode in ("back", "through"), f"write_mode must be back or through, got {self.write_mode!r}")
+        check(self.write_chunk_blocks >= 1, "write_chunk_blocks must be positive")
+        check(0.0 <= self.fault_rate < 1.0, "fault_rate must be in [0, 1)")
+        check(self.verify_every >= 1 and self.write_batch_blocks >= 1, "verify_every and batch must be positive")
+        self.trace.validate()
+
+    def namespace_spec(self, tenant: int) -> NamespaceSpec:
+        return NamespaceSpec(
+            model_id="sim/llama-3-8b", num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, block_tokens=self.block_tokens, tenant_salt=f"tenant-{tenant}".encode(),
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        return self.namespace_spec(0).block_bytes
+
+
+@dataclass(slots=True)
+class RunStats:
+    """What one run measured. Blocks count a prompt's full blocks; tokens
+    count every prompt token, so the uncacheable tail is a miss."""
+
+    block_tokens: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    prompt_blocks: int = 0
+    host_hit_blocks: int = 0
+    disk_hit_blocks: int = 0
+    miss_blocks: int = 0
+    # Gets cut short: no host slot to load into, a load failed, or a lease
+    # table with no room.
+    get_starved: int = 0
+    get_refused: int = 0
+    lost_blocks: int = 0
+    # Puts: blocks reserved, being written by another request, without room.
+    put_reserved: int = 0
+    put_in_flight: int = 0
+    put_no_space: int = 0
+    put_refused: int = 0
+    clients_crashed: int = 0
+    leases_expired: int = 0
+    steps: int = 0
+    simulated_us: int = 0
+    ttft_mean_ms: float = 0.0
+    ttft_p99_ms: float = 0.0
+    host_evictions: int = 0
+    host_demotions: int = 0
+    disk_evictions: int = 0
+    disk_written_blocks: int = 0
+    disk_loaded_blocks: int = 0
+    disk_read_bytes: int = 0
+    disk_write_bytes: int = 0
+    disk_busy_share: float = 0.0
+    read_wait_mean_us: float = 0.0
+
+    def share(self, part: str, weight: str) -> float:
+        """Share of the prompts' `weight` ("tokens" or "blocks") that was `part` ("host", "disk" or "miss")."""
+        blocks = {"host": self.host_hit_blocks, "disk": self.disk_hit_blocks, "miss": self.miss_blocks}[part]
+        if weight == "blocks":
+            return blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+        if not self.prompt_tokens:
+            return 0.0
+        if part == "miss":
+            hit_blocks = self.host_hit_blocks + self.disk_hit_blocks
+            return (self.prompt_tokens - hit_blocks * self.block_tokens) / self.prompt_tokens
+        return blocks * self.block_tokens / self.prompt_tokens
+
+
+@dataclass(slots=True)
+class RunResult:
+    config: SimConfig
+    stats: RunStats
+
+    def to_dict(self) -> dict:
+        stats = asdict(self.stats)
+        for weight in ("tokens", "blocks"):
+            for part in ("host", "disk", "miss"):
+                stats[f"{part}_share_{weight}"] = self.stats.share(part, weight)
+        config = self.config
+        return {
+            "policy": config.policy,
+            "host_blocks": config.host_blocks,
+            "host_bytes": config.host_blocks * config.block_bytes,
+            "disk_blocks": config.disk_blocks,
+            "disk_bytes": config.disk_blocks * config.block_bytes,
+            "stats": stats,
+        }
+
+
+class SimFailure(Exception):
+    """An invariant broke (or the engine raised) at a given step of a seeded run."""
+
+    def __init__(self, config: SimConfig, step: int, event: str, cause: BaseException) -> None:
+        super().__init__(f"seed {config.seed}, step {step} ({event}): {type(cause).__name__}: {cause}")
+        self.config = config
+        self.step = step
+        self.event = event
+        self.cause = cause
+
+
+@dataclass(slots=True, eq=False)
+class WriteBatch:
+    """One round of write-back, as the daemon runs it: the removals it took
+    are journalled first, then the blocks go in chunks, one job each."""
+
+    writes: list[DiskWrite]
+    ok: list[bool]
+    chunk_blocks: int
+    next_chunk: int = 0
+
+
+class EventKind(enum.IntEnum):
+    ARRIVAL = 1
+    DISK_DONE = 2
+    PREFILL_DONE = 3
+    DECODE_DONE = 4
+    STARVED_TIMEOUT = 5
+
+
+@dataclass(slots=True, eq=False)
+class Flow:
+    """One request on its way through the engine."""
+
+    request: Request
+    namespace: int
+    keys: list[bytes]
+    client_id: str
+    tiers: list[TierId] = field(default_factory=list)
+    plan: GetPlan | None = None
+    # The last read operation this request waits for (its own or another's).
+    wait_op: int = 0
+    # Until when a starved Get may wait for write-back to make room.
+    starved_deadline_us: int = 0
+    waiting_write_back: bool = False
+    hit_blocks: int = 0
+    read_lease: int = 0
+    write_lease: int = 0
+    # (host slot, key) of each reserved block.
+    reserved: list[tuple[int, bytes]] = field(default_factory=list)
+
+
+class Simulator:
+    def __init__(self, config: SimConfig, *, progress: Callable[[int, int], None] | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.progress = progress
+        self.clock = ManualClock(0)
+        self.now_us = 0
+        block_bytes = config.block_bytes
+        self.engine = Engine(
+            host_slot_count=config.host_blocks,
+            host_slot_bytes=block_bytes,
+            policy=config.policy,
+            limits=EngineLimits(lease_ms_default=config.lease_ms, lease_ms_max=max(config.lease_ms, 600_000)),
+            disk_slot_count=config.disk_blocks,
+            disk_slot_bytes=block_bytes,
+            disk_policies=DiskPolicies(admission_min_hits=config.admission_min_hits),
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+        )
+        self.specs = [config.namespace_spec(tenant) for tenant in range(config.trace.tenants)]
+        self.namespace_ids = [self.engine.register_namespace(spec).namespace_id for spec in self.specs]
+        self.disk: ModelledDisk | None = None
+        if config.disk_blocks:
+            schedule = IoSchedule(config.io_schedule, write_share=config.write_share,
+                                  backlog_limit=config.write_backlog_blocks)
+            self.disk = ModelledDisk(config.disk, schedule)
+            for namespace_id in self.namespace_ids:
+                self.engine.enable_disk(namespace_id)
+        self.contents = SlotContents()
+        # Faults are drawn apart from the trace, which every policy shares.
+        self.faults = random.Random(config.seed)
+        self.trace = iter(TraceGenerator(config.seed, config.trace))
+        self.events: list[tuple[int, int, EventKind, object]] = []
+        self._sequence = 0
+        self.step = 0
+        self.arrivals = 0
+        # What the simulator expects of the engine, to compare after each step:
+        # open lease id -> deadline, hit counters per namespace, keys loading
+        # -> the read operation loading them, write-back in flight.
+        self.leases: dict[int, int] = {}
+        self.expected_counters = [[0, 0, 0, 0] for _ in self.specs]
+        self.loading: dict[bytes, int] = {}
+        self.read_waiters: list[tuple[int, int, Flow]] = []
+        self.batch: WriteBatch | None = None
+        # Gets starved of host slots, waiting for a write-back batch.
+        self.starved: list[Flow] = []
+        self.ttft_us: list[int] = []
+        self.stats = RunStats(block_tokens=config.block_tokens)
+
+    # ------------------------------------------------------------------
+    # The event loop
+
+    def run(self) -> RunResult:
+        self._schedule_next_arrival()
+        while self.events:
+            time_us, _, kind, payload = heapq.heappop(self.events)
+            self._run_step(kind.name.lower(), lambda: self._handle(time_us, kind, payload))
+        self._run_step("final expiry", self._finish)
+        return RunResult(self.config, self._summary())
+
+    def _run_step(self, event: str, action: Callable[[], None]) -> None:
+        self.step += 1
+        try:
+            action()
+            if self.step % self.config.verify_every == 0:
+                self.check_invariants()
+        except Exception as error:
+            # Deliberately broad: whatever broke, a simulator's report must
+            # name the seed and the step that reproduce it. Nothing is
+            # swallowed: the run ends here.
+            raise SimFailure(self.config, self.step, event, error) from error
+
+    def _handle(self, time_us: int, kind: EventKind, payload: object) -> None:
+        self._advance(time_us)
+        if kind == EventKind.ARRIVAL:
+            self._arrive(payload)
+            self._schedule_next_arrival()
+        elif kind == EventKind.DISK_DONE:
+            self._disk_done(payload)
+        elif kind == EventKind.PREFILL_DONE:
+            self._prefill_done(payload)
+        elif kind == EventKind.DECODE_DONE:
+            self._decode_done(payload)
+        elif payload.waiting_write_back:
+            # Waited long enough: one last try, served with what it gets.
+            self.starved.remove(payload)
+            payload.waiting_write_back = False
+            self._begin_get(payload, final=True)
+        self._pump_disk()
+
+    def _schedule(self, time_us: int, kind: EventKind, payload: object) -> None:
+        check(time_us >= self.now_us, "an event scheduled in the past")
+        # The sequence number breaks ties: events at one instant run in the
+        # order they were scheduled.
+        heapq.heappush(self.events, (time_us, self._sequence, kind, payload))
+        self._sequence += 1
+
+    def _schedule_next_arrival(self) -> None:
+        if self.arrivals < self.config.requests:
+            request = next(self.trace)
+            self._schedule(max(request.arrival_us, self.now_us), EventKind.ARRIVAL, request)
+            self.arrivals += 1
+            if self.progress is not None:
+                self.progress(self.arrivals, self.config.requests)
+
+    def _advance(self, time_us: int) -> None:
+        check(time_us >= self.now_us, "simulated time went back")
+        self.now_us = time_us
+        self.clock.advance(time_us // 1000 - self.clock.now_ms())
+        now_ms = self.clock.now_ms()
+        due = [lease_id for lease_id, deadline_ms in self.leases.items() if deadline_ms <= now_ms]
+        expired = self.engine.expire(now_ms)
+        check(expired == len(due), f"{expired} leases expired at {now_ms} ms, expected {len(due)}")
+        for lease_id in due:
+            del self.leases[lease_id]
+        self.stats.leases_expired += expired
+
+    # ------------------------------------------------------------------
+    # A request
+
+    def _arrive(self, request: Request) -> None:
+        engine = self.engine
+        namespace_id = self.namespace_ids[request.tenant]
+        keys = chain_keys(self.specs[request.tenant], request.prompt)
+        flow = Flow(request, request.tenant, keys, f"client-{request.request_id}")
+        flow.starved_deadline_us = self.now_us + self.config.starved_get_wait_ms * 1000
+        counters = self.expected_counters[request.tenant]
+        matched = engine.lookup(namespace_id, keys)
+        counters[0] += len(matched)
+        counters[1] += len(keys) - len(matched)
+        self._begin_get(flow, final=False)
+
+    def _begin_get(self, flow: Flow, *, final: bool) -> None:
+        """begin_get, as the daemon's Get runs it: a plan starved of host slots
+        by blocks waiting for write-back is dropped, and tried again after
+        each write batch, until `starved_get_wait_ms` has passed."""
+        engine = self.engine
+        namespace_id = self.namespace_ids[flow.namespace]
+        keys = flow.keys
+        # What a lookup would see now, without its side effects.
+        matched = engine.namespace(namespace_id).index.match(keys)
+        flow.tiers = [engine.tier_of(block) for block in matched]
+        try:
+            plan = engine.begin_get(namespace_id, flow.client_id, keys, self.config.lease_ms, self.clock.now_ms())
+        except ResourceExhausted:
+            self.stats.get_refused += 1
+            self._settle(flow)
+            return
+        counters = self.expected_counters[flow.namespace]
+        counters[2] += len(matched)
+        counters[3] += len(keys) - len(matched)
+        # begin_get sees the index as it is at this instant, cut at most (no
+        # host slot for a disk block, or a block the policy keeps on disk).
+        check([block.key for block in plan.matched] == [block.key for block in matched[: len(plan.matched)]],
+              "begin_get matched another prefix than the index holds")
+        if plan.starved and self.disk is not None and not final:
+            engine.abandon_get(plan)  # which takes back what begin_get counted
+            counters[2] -= len(matched)
+            counters[3] -= len(keys) - len(matched)
+            write_back_pending = bool(engine.write_queue) or self.batch is not None
+            if self.now_us < flow.starved_deadline_us and write_back_pending:
+                flow.waiting_write_back = True
+                self.starved.append(flow)
+                self._schedule(flow.starved_deadline_us, EventKind.STARVED_TIMEOUT, flow)
+            else:
+                self._begin_get(flow, final=True)
+            return
+        flow.plan = plan
+        if plan.lease is not None:
+            self.leases[plan.lease.lease_id] = plan.lease.deadline_ms
+            flow.read_lease = plan.lease.lease_id
+        if plan.loads:
+            operation = self.disk.op(
+                DiskOpKind.READ, sum(load.block.index.block_bytes for load in plan.loads), self.now_us
+            )
+            operation.loads = list(plan.loads)
+            self.disk.submit(operation)
+            for load in plan.loads:
+                self.loading[load.block.key] = operation.op_id
+            flow.wait_op = operation.op_id
+        for block in plan.waits:
+            flow.wait_op = max(flow.wait_op, self.loading[block.key])
+        if flow.wait_op:
+            heapq.heappush(self.read_waiters, (flow.wait_op, flow.request.request_id, flow))
+        else:
+            self._settle(flow)
+
+    def _settle(self, flow: Flow) -> None:
+        """The Get is served (what could be); then the rest is reserved."""
+        engine = self.engine
+        stats = self.stats
+        request = flow.request
+        plan = flow.plan
+        served = []
+        if plan is not None:
+            if plan.lease is None or not plan.lease.ended:
+                served = engine.settle_get(plan)
+                self.contents.check_served(served)
+            # else the lease ran out while the loads were queued: nothing served.
+            if plan.lease is None and flow.read_lease:
+                del self.leases[flow.read_lease]  # cut to nothing: closed
+                flow.read_lease = 0
+            if len(served) < len(flow.tiers):
+                stats.get_starved += 1
+        flow.hit_blocks = len(served)
+        host_hits = sum(tier == TierId.HOST for tier in flow.tiers[: len(served)])
+        stats.requests += 1
+        stats.prompt_tokens += len(request.prompt)
+        stats.prompt_blocks += len(flow.keys)
+        stats.host_hit_blocks += host_hits
+        stats.disk_hit_blocks += len(served) - host_hits
+        stats.miss_blocks += len(flow.keys) - len(served)
+        self._reserve(flow)
+        if request.client_crashes:
+            # Dies holding its leases; they expire.
+            stats.clients_crashed += 1
+            return
+        missing_tokens = len(request.prompt) - flow.hit_blocks * self.config.block_tokens
+        prefill_us = int(missing_tokens * 1_000_000 / self.config.prefill_tokens_per_s)
+        self._schedule(self.now_us + prefill_us, EventKind.PREFILL_DONE, flow)
+
+    def _reserve(self, flow: Flow) -> None:
+        keys = flow.keys
+        namespace_id = self.namespace_ids[flow.namespace]
+        try:
+            result = self.engine.reserve(namespace_id, flow.client_id, b"", keys, self.config.lease_ms,
+                                         self.clock.now_ms())
+        except ResourceExhausted:
+            self.stats.put_refused += 1
+            return
+        self.stats.put_reserved += result.statuses.count(ReserveStatus.RESERVED)
+        self.stats.put_in_flight += result.statuses.count(ReserveStatus.IN_FLIGHT)
+        self.stats.put_no_space += result.statuses.count(ReserveStatus.NO_SPACE)
+        if result.lease is not None:
+            self.leases[result.lease.lease_id] = result.lease.deadline_ms
+            flow.write_lease = result.lease.lease_id
+            flow.reserved = [(slot, key) for key, slot in zip(keys, result.slots) if slot != NO_SLOT]
+
+    def _prefill_done(self, flow: Flow) -> None:
+        engine = self.engine
+        if flow.write_lease in self.leases:
+            self._commit(flow)
+        if flow.read_lease in self.leases:
+            engine.release(flow.client_id, [flow.read_lease])
+            del self.leases[flow.read_lease]
+        self.ttft_us.append(self.now_us - flow.request.arrival_us)
+        reply_us = len(flow.request.reply) * self.config.decode_us_per_token
+        self._schedule(self.now_us + reply_us, EventKind.DECODE_DONE, flow)
+
+    def _decode_done(self, flow: Flow) -> None:
+        """Store the reply's full blocks too: a chat's next turn starts with them."""
+        request = flow.request
+        spec = self.specs[request.tenant]
+        tokens = np.concatenate([request.prompt, request.reply])
+        done = len(flow.keys) * spec.block_tokens
+        parent = flow.keys[-1] if flow.keys else None
+        flow.keys = flow.keys + chain_keys(spec, tokens[done:], parent=parent)
+        flow.write_lease = 0
+        self._reserve(flow)
+        if flow.write_lease:
+            self._commit(flow)
+
+    def _commit(self, flow: Flow) -> None:
+        """The writer filled its reserved slots: seal them all."""
+        # The client wrote into these slots all along, so they must still be
+        # its blocks': a slot handed to another block meanwhile would hold
+        # the bytes of two blocks at once.
+        owners = self.engine.host.owners
+        for slot, key in flow.reserved:
+            owner = owners[slot]
+            check(owner is not None and owner.key == key,
+                  f"host slot {slot} was reserved for a writer still writing it, and now belongs to {owner!r}")
+        self.contents.fill([key for _, key in flow.reserved], [slot for slot, _ in flow.reserved])
+        sealed, aborted = self.engine.commit(
+            self.namespace_ids[flow.namespace], flow.client_id, flow.write_lease, [], [], self.clock.now_ms()
+        )
+        check((sealed, aborted) == (len(flow.reserved), 0), f"commit sealed {sealed} and aborted {aborted}")
+        del self.leases[flow.write_lease]
+
+    # ------------------------------------------------------------------
+    # The drive
+
+    def _pump_disk(self) -> None:
+        """Queue write-back and removal journals as the daemon does; start the next job."""
+        disk = self.disk
+        if disk is None:
+            return
+        engine = self.engine
+        if engine.host_reclaiming():  # as the daemon's writer does on each turn
+            engine.demote_to_low_watermark()
+        should_write = self._should_write()
+        if self.batch is None and should_write:
+            writes = engine.pick_writes(self.config.write_batch_blocks)
+            if writes:
+                # Whole batches under fifo, chunks between reads under slack.
+                chunk = len(writes) if self.config.io_schedule == "fifo" else self.config.write_chunk_blocks
+                self.batch = WriteBatch(writes, [False] * len(writes), chunk)
+                # As the daemon must: journal the removals of evicted blocks
+                # before new bytes go into their slots.
+                removals = engine.take_disk_removals()
+                if removals:
+                    self._submit_journal(removals, self.batch)
+                else:
+                    self._submit_chunk(self.batch)
+        if disk.idle and engine.disk.removals:
+            # Removals of lost, deleted or evicted blocks, in slack time.
+            self._submit_journal(engine.take_disk_removals(), None)
+        backlog = len(engine.write_queue) if should_write else 0
+        operation = disk.start_next(self.now_us, backlog)
+        if operation is not None:
+            self._schedule(operation.done_us, EventKind.DISK_DONE, operation)
+
+    def _submit_journal(self, removals: list[tuple[bytes, bytes, int]], batch: WriteBatch | None) -> None:
+        operation = self.disk.op(DiskOpKind.JOURNAL, 0, self.now_us)
+        operation.removals = removals
+        operation.batch = batch
+        self.disk.submit(operation)
+
+    def _submit_chunk(self, batch: WriteBatch) -> None:
+        writes = batch.writes[batch.next_chunk : batch.next_chunk + batch.chunk_blocks]
+        operation = self.disk.op(DiskOpKind.WRITE, sum(w.block.index.block_bytes for w in writes), self.now_us)
+        operation.writes = writes
+        operation.batch = batch
+        self.disk.submit(operation)
+
+    def _should_write(self) -> bool:
+        """The daemon's rule: write-through always; write-back while host
+        memory is reclaimed (high watermark down to low) or a Get waits for it."""
+        return self.config.write_mode == "through" or bool(self.starved) or self.engine.host_reclaiming()
+
+    def _disk_done(self, operation: DiskOp) -> None:
+        engine = self.engine
+        self.disk.complete(operation, self.now_us)
+        # Removals are confirmed once their journal is durable, before any
+        # write of their batch begins: a write that then fails quarantines
+        # its slot again, for its own removal.
+        engine.confirm_disk_removals(self.contents.drop(operation.removals))
+        if operation.kind == DiskOpKind.READ:
+            corrupt = {load.disk_slot for load in operation.loads if self._fault()}
+            ok = self.contents.load(operation.loads, corrupt)
+            engine.finish_loads(operation.loads, ok)
+            self.stats.lost_blocks += ok.count(False)
+            for load in operation.loads:
+                del self.loading[load.block.key]
+            while self.read_waiters and self.read_waiters[0][0] <= operation.op_id:
+                _, _, flow = heapq.heappop(self.read_waiters)
+                self._settle(flow)
+            return
+        batch = operation.batch
+        if batch is None:
+            return
+        if operation.kind == DiskOpKind.WRITE:
+            failing = {write.block.key for write in operation.writes if self._fault()}
+            batch.ok[batch.next_chunk : batch.next_chunk + len(operation.writes)] = self.contents.write(
+                operation.writes, failing
+            )
+            batch.next_chunk += len(operation.writes)
+        if batch.next_chunk < len(batch.writes):
+            self._submit_chunk(batch)
+            return
+        engine.finish_writes(batch.writes, batch.ok)
+        self.batch = None
+        # Starved Gets try again once a batch is on disk, after a reclaim
+        # (as the daemon's wait_for_write_back does).
+        if self.starved:
+            if engine.host_reclaiming():
+                engine.demote_to_low_watermark()
+            waiting, self.starved = self.starved, []
+            for flow in waiting:
+                flow.waiting_write_back = False
+                self._begin_get(flow, final=False)
+
+    def _fault(self) -> bool:
+        return self.config.fault_rate > 0 and self.faults.random() < self.config.fault_rate
+
+    # ------------------------------------------------------------------
+    # Invariants
+
+    def check_invariants(self) -> None:
+        """The engine's own checks, then what the simulator knows it must hold."""
+        engine = self.engine
+        engine.verify()
+        check(engine.leaked_handles == 0, f"{engine.leaked_handles} block handles leaked")
+        live = {lease.lease_id for lease in engine.leases}
+        check(live == set(self.leases), f"open leases {sorted(live)} but expected {sorted(self.leases)}")
+        # Every reference is held by a lease or by a write in flight.
+        held = sum(
+            not handle.released
+            for lease in engine.leases
+            for handle in (*lease.handles, lease.parent_handle)
+            if handle is not None
+        )
+        if self.batch is not None:
+            held += sum(not write.handle.released for write in self.batch.writes)
+        check(held == engine.live_handles, f"{engine.live_handles} live handles, {held} held by leases and writes")
+        check({block.key for block in engine.loading} == set(self.loading), "blocks loading disagree with the reads")
+        for tenant, namespace_id in enumerate(self.namespace_ids):
+            state = engine.namespace(namespace_id)
+            counters = [state.lookup_hits, state.lookup_misses, state.get_hits, state.get_misses]
+            check(counters == self.expected_counters[tenant], f"hit counters {counters} of tenant {tenant} drifted")
+            self._check_contents(state.index)
+        stats = self.stats
+        check(stats.host_hit_blocks + stats.disk_hit_blocks + stats.miss_blocks == stats.prompt_blocks,
+              "host hits + disk hits + misses is not every prompt block")
+
+    def _check_contents(self, index) -> None:
+        """May lose, never lie: every servable copy holds its own block's bytes."""
+        host, disk = self.contents.host, self.contents.disk
+        loading = self.engine.loading
+        for block in index:
+            if block.state != BlockState.SEALED:
+                continue
+            if block.host_slot != NO_SLOT and block not in loading:
+                check(host.get(block.host_slot) == block.key, f"host slot of {block!r} holds another block")
+            if block.disk_slot != NO_SLOT:
+                check(disk.get(block.disk_slot) == block.key, f"disk slot of {block!r} holds another block")
+
+    def _finish(self) -> None:
+        """Past every deadline: all leases gone, nothing pinned, nothing leaked."""
+        engine = self.engine
+        check(not self.read_waiters and self.batch is None and not self.starved,
+              "requests still waiting after the last event")
+        self._advance(self.now_us + engine.limits.lease_ms_max * 1000 + 1000)
+        check(not self.leases and engine.live_handles == 0 and engine.pinned_blocks == 0,
+              "blocks still pinned after every lease expired")
+
+    def _summary(self) -> RunStats:
+        stats = self.stats
+        engine = self.engine
+        stats.steps = self.step
+        stats.simulated_us = self.now_us
+        if self.ttft_us:
+            ttft = np.array(self.ttft_us, dtype=np.int64)
+            stats.ttft_mean_ms = round(float(ttft.mean()) / 1000, 3)
+            stats.ttft_p99_ms = round(float(np.percentile(ttft, 99)) / 1000, 3)
+        stats.host_evictions = engine.host.counters.evictions
+        stats.host_demotions = engine.host.counters.demotions
+        if engine.disk is not None:
+            stats.disk_evictions = engine.disk.counters.evictions
+            stats.disk_written_blocks = engine.disk.counters.written
+            stats.disk_loaded_blocks = engine.disk.counters.loaded
+        if self.disk is not None:
+            traffic = self.disk.traffic
+            stats.disk_read_bytes = traffic.read_bytes
+            stats.disk_write_bytes = traffic.write_bytes
+            stats.disk_busy_share = round(traffic.busy_us / max(1, self.now_us), 6)
+            stats.read_wait_mean_us = round(traffic.read_wait_us / max(1, traffic.read_ops), 3)
+        return stats

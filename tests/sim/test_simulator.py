@@ -1,0 +1,250 @@
+"""The simulator: fixed seeds through the real engine, its report, its failure output.
+
+The seeded runs are small and hostile: a host tier of a few blocks, faulty
+disk reads and writes, clients that crash holding leases that expire
+during the run. The simulator checks the engine's invariants and its own
+after every step; a seed that breaks one fails here with its seed.
+`make sim-long` runs many more seeds, longer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvd.core.io_schedule import IoSchedule
+from kvd.core.keys import NamespaceSpec, chain_keys
+from kvd.core.policy import make_policy
+from kvd.sim.__main__ import main, reproduce_command
+from kvd.sim.disk import DiskOpKind, DiskSpec, ModelledDisk
+from kvd.sim.plane import SlotContents
+from kvd.sim.report import policy_names, sweep, table, write_json
+from kvd.sim.simulator import SimConfig, Simulator
+from kvd.sim.traces import TraceConfig
+
+REPO = Path(__file__).parents[2]
+POLICIES = policy_names()
+HOSTILE_TRACE = dataclasses.replace(TraceConfig(), client_crash_share=0.1)
+
+
+def small(seed: int, **changes) -> SimConfig:
+    config = SimConfig(
+        seed=seed, requests=150, host_blocks=6, disk_blocks=40, block_tokens=256, fault_rate=0.03,
+        lease_ms=2_000, trace=HOSTILE_TRACE,
+    )
+    return dataclasses.replace(config, **changes)
+
+
+# (seed, policy, write mode, disk blocks): every policy, both write modes,
+# and a host-only engine.
+SEEDS = [
+    (seed, POLICIES[seed % len(POLICIES)], ("back", "through")[seed // 2 % 2], 0 if seed == 4 else 40)
+    for seed in range(1, 9)
+]
+
+
+@pytest.mark.parametrize(("seed", "policy", "write_mode", "disk_blocks"), SEEDS)
+def test_a_seed_holds_every_invariant_after_every_step(seed, policy, write_mode, disk_blocks):
+    config = small(seed, policy=policy, write_mode=write_mode, disk_blocks=disk_blocks)
+    stats = Simulator(config).run().stats
+    assert stats.requests == config.requests
+    assert stats.steps > 2 * config.requests  # every request is several steps
+    for weight in ("tokens", "blocks"):
+        assert sum(stats.share(part, weight) for part in ("host", "disk", "miss")) == pytest.approx(1.0)
+    # The run went where it was meant to: evictions, expiry, disk traffic.
+    assert stats.host_evictions > 0 and stats.leases_expired > 0 and stats.clients_crashed > 0
+    assert stats.host_hit_blocks > 0
+    if disk_blocks:
+        assert stats.disk_hit_blocks > 0 and stats.disk_written_blocks > 0
+
+
+def test_faults_lose_blocks_and_nothing_wrong_is_served():
+    stats = Simulator(small(22, fault_rate=0.2)).run().stats
+    assert stats.lost_blocks > 0
+    assert stats.disk_hit_blocks > 0
+
+
+# Found by the simulator (e.g. `make sim-long`, seeds 8 and 14):
+# Engine._lose (a disk load that fails) frees the host slots of every block
+# under the lost one, including WRITABLE blocks a writer reserved under a
+# disk-only parent and is still writing. The slot goes to the next reserve
+# or load while the first writer still writes into it: two blocks' bytes in
+# one slot. Remove the mark once the engine keeps a writer's slot until its
+# handle is released.
+WRITER_SLOT_BUG = "engine: a failed load frees the host slots of blocks their writer still holds"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=WRITER_SLOT_BUG)
+def test_a_writers_slot_stays_its_own_when_a_load_of_its_parent_fails(engine_factory):
+    spec = NamespaceSpec(model_id="writer-slot", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
+    engine = engine_factory(2, 64, disk_slot_count=8, disk_slot_bytes=64)
+    ns = engine.register_namespace(spec).namespace_id
+    engine.enable_disk(ns)
+    contents = SlotContents()
+
+    def keys(text: str) -> list[bytes]:
+        return chain_keys(spec, [ord(char) for char in text])
+
+    def put_durably(text: str) -> None:
+        result = engine.reserve(ns, "w", b"", keys(text), 10_000, 0)
+        contents.fill(keys(text), result.slots)
+        engine.commit(ns, "w", result.lease.lease_id, [], [], 0)
+        writes = engine.pick_writes(10)
+        engine.finish_writes(writes, contents.write(writes))
+
+    try:
+        put_durably("a")
+        put_durably("x")
+        put_durably("y")  # two host slots: "a" is on disk only now
+        writer = engine.reserve(ns, "writer", b"", keys("ab"), 10_000, 0)  # "b" under disk-only "a"
+        slot = writer.slots[1]
+        plan = engine.begin_get(ns, "reader", keys("a"), 10_000, 0)
+        assert [load.block.key for load in plan.loads] == keys("a")
+        engine.finish_loads(plan.loads, [False])  # "a" reads back corrupt: lost, "b" with it
+        assert engine.settle_get(plan) == []
+        owner = engine.host.owners[slot]
+        assert owner is not None and owner.key == keys("ab")[1], "the writer's slot was freed under it"
+    finally:
+        engine.close_all_leases()
+
+
+def report_json(tmp_path: Path, seed: int) -> str:
+    base = small(seed, requests=40)
+    results = sweep(base, POLICIES, [6, 12])
+    path = tmp_path / f"report-{seed}.json"
+    write_json(path, base, results)
+    assert len(table(base, results).splitlines()) == 4 + len(POLICIES) * 2
+    return path.read_text()
+
+
+def test_the_same_seed_gives_the_same_report_and_another_seed_another(tmp_path):
+    first = report_json(tmp_path, 31)
+    assert report_json(tmp_path, 31) == first
+    assert report_json(tmp_path, 32) != first
+    runs = json.loads(first)["runs"]
+    assert [(run["policy"], run["host_blocks"]) for run in runs] == [(p, h) for p in POLICIES for h in (6, 12)]
+
+
+def test_the_report_lists_every_registered_policy():
+    assert "lru" in POLICIES and len(POLICIES) == len(set(POLICIES))
+    for name in POLICIES:
+        assert make_policy(name).name == name
+
+
+def run_sim(preamble: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """`python -m kvd.sim ARGV` in a fresh interpreter, after `preamble` ran."""
+    code = "\n".join([
+        "import runpy, sys",
+        preamble,
+        f"sys.argv = ['kvd.sim', *{argv!r}]",
+        "runpy.run_module('kvd.sim', run_name='__main__', alter_sys=True)",
+    ])
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+ARGV = ["--seed", "7", "--requests", "30", "--policy", "lru", "--host-capacity", "8", "--disk-capacity", "48",
+        "--quiet"]
+
+
+def failure_lines(process: subprocess.CompletedProcess) -> tuple[str, str]:
+    assert process.returncode == 1, process.stderr[-2000:]
+    failed = [line for line in process.stderr.splitlines() if line.startswith("kvd.sim: FAILED")]
+    reproduce = [line for line in process.stderr.splitlines() if line.startswith("reproduce: ")]
+    assert len(failed) == 1 and len(reproduce) == 1, process.stderr[-2000:]
+    return failed[0], reproduce[0].removeprefix("reproduce: ")
+
+
+# The engine forgets to make released blocks eviction candidates.
+BROKEN_ENGINE = "from kvd.core.engine import Engine\nEngine._maybe_admit = lambda self, block, *, cold: None"
+
+
+def test_a_broken_engine_is_caught_with_its_seed_and_reproduced_by_the_printed_command():
+    failed, command = failure_lines(run_sim(BROKEN_ENGINE, ARGV))
+    assert failed.startswith("kvd.sim: FAILED at seed 7, step ")
+    assert "policy membership" in failed or "InvariantError" in failed
+    words = shlex.split(command)
+    assert words[:5] == ["python", "-m", "kvd.sim", "--seed", "7"]
+    # The printed command fails the same way at the same step.
+    again, _ = failure_lines(run_sim(BROKEN_ENGINE, words[3:] + ["--quiet"]))
+    assert again == failed
+    # And the unbroken engine passes the same run.
+    assert run_sim("", ARGV).returncode == 0
+
+
+# The data plane serves the neighbouring disk slot's bytes.
+LYING_DISK = """
+from kvd.sim.plane import SlotContents
+def load(self, loads, corrupt=()):
+    for load in loads:
+        self.host[load.host_slot] = self.disk.get(load.disk_slot + 1, b"")
+    return [True] * len(loads)
+SlotContents.load = load
+"""
+
+
+def test_a_wrong_block_served_is_caught():
+    failed, _ = failure_lines(run_sim(LYING_DISK, ARGV))
+    assert "seed 7" in failed and "holds the bytes of another block" in failed
+
+
+def test_the_plot_is_a_png_and_the_json_has_every_run(tmp_path, capsys):
+    plot, results = tmp_path / "hit.png", tmp_path / "hit.json"
+    argv = ["--seed", "3", "--requests", "25", "--host-capacity", "4,8", "--disk-capacity", "32",
+            "--plot", str(plot), "--json", str(results)]
+    assert main(argv) == 0
+    data = plot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 400 and height > 200
+    assert data[-8:-4] == b"IEND"
+    document = json.loads(results.read_text())
+    assert document["seed"] == 3 and len(document["runs"]) == 2 * len(POLICIES)
+    out, err = capsys.readouterr()
+    assert "| policy | host blocks |" in out and "plot: " in out
+    # Progress goes to stderr, a line per quarter of each run when not a terminal.
+    assert f"run {2 * len(POLICIES)}/{2 * len(POLICIES)}" in err and "request 25/25" in err
+
+
+def test_the_reproduce_command_names_every_setting_that_differs():
+    config = small(9, policy=POLICIES[-1], write_mode="through")
+    words = shlex.split(reproduce_command(config))
+    flags = dict(zip(words[3::2], words[4::2]))
+    assert flags["--seed"] == "9" and flags["--policy"] == POLICIES[-1] and flags["--write-mode"] == "through"
+    assert flags["--host-capacity"] == "6" and flags["--disk-capacity"] == "40" and flags["--verify-every"] == "1"
+
+
+@pytest.mark.parametrize(("mode", "order"), [("slack", ["journal", "read", "write"]),
+                                           ("fifo", ["journal", "write", "read"])])
+def test_the_modelled_disk_runs_the_daemons_schedule_and_charges_latency_plus_bandwidth(mode, order):
+    spec = DiskSpec(read_bytes_per_s=1_000_000, write_bytes_per_s=500_000, read_latency_us=10, write_latency_us=5,
+                    journal_latency_us=100)
+    disk = ModelledDisk(spec, IoSchedule(mode))
+    running = disk.op(DiskOpKind.WRITE, 1_000, 0)
+    disk.submit(running)
+    assert disk.start_next(0, backlog=0) is running and running.done_us == 5 + 2_000
+    queued = {"write": disk.op(DiskOpKind.WRITE, 1_000, 50), "read": disk.op(DiskOpKind.READ, 2_000, 100),
+              "journal": disk.op(DiskOpKind.JOURNAL, 0, 150)}
+    queued["journal"].removals = [(b"", b"", 1)]
+    for operation in queued.values():
+        disk.submit(operation)
+    assert disk.start_next(100, backlog=0) is None  # one operation at a time
+    disk.complete(running, 2_005)
+    ran, now_us = [], 2_005
+    while (operation := disk.start_next(now_us, backlog=0)) is not None:
+        ran.append(operation.kind.value)
+        now_us = operation.done_us
+        disk.complete(operation, now_us)
+    assert ran == order and disk.idle
+    assert queued["journal"].done_us - queued["journal"].start_us == 5 + 100
+    assert queued["read"].done_us - queued["read"].start_us == 10 + 2_000
+    assert disk.traffic.read_wait_us == queued["read"].start_us - 100
+    with pytest.raises(AssertionError):
+        disk.complete(running, 2_005)
