@@ -18,7 +18,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint bench proto proto-check apt clean native-debug native-sanitize crash-long sim-long docs
+.PHONY: setup run test lint bench proto proto-check apt clean native-debug native-sanitize crash-long sim-long fuzz-long soak-long docs
 
 setup: $(BUILT_STAMP)
 
@@ -71,6 +71,23 @@ test: setup proto-check lint
 # kills than `make test` runs; KVD_CRASH_SEED picks another run.
 crash-long: setup
 	KVD_CRASH_ROUNDS=$${KVD_CRASH_ROUNDS:-60} $(PY) -m pytest -q -p no:cacheprovider tests/crash/test_daemon_crash.py
+
+# The fuzzers (tests/fuzz: Hypothesis-generated, malformed and raw-byte
+# requests to every RPC of one daemon; atheris, coverage-guided, on the
+# request handlers in process) with many more inputs than `make test` runs;
+# KVD_FUZZ_EXAMPLES sets the examples per Hypothesis fuzzer, KVD_ATHERIS_RUNS
+# the atheris inputs.
+fuzz-long: setup
+	KVD_FUZZ_EXAMPLES=$${KVD_FUZZ_EXAMPLES:-5000} KVD_ATHERIS_RUNS=$${KVD_ATHERIS_RUNS:-300000} \
+	  $(PY) -m pytest -q -s -p no:cacheprovider tests/fuzz
+
+# The soak test (tests/soak: client processes under SIGKILL, disk faults,
+# SIGTERM under load) for minutes, printing progress every 5 s;
+# KVD_SOAK_SECONDS and KVD_SOAK_FAULT_SECONDS set its two load phases,
+# KVD_SOAK_WORKERS the client processes.
+soak-long: setup
+	KVD_SOAK_SECONDS=$${KVD_SOAK_SECONDS:-300} KVD_SOAK_FAULT_SECONDS=$${KVD_SOAK_FAULT_SECONDS:-120} \
+	  KVD_SOAK_PROGRESS=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/soak
 
 # The simulator (python -m kvd.sim) over many more seeds and longer traces
 # than `make test` runs: every policy, two host capacities, write-back and

@@ -1,9 +1,10 @@
-"""The `kvd` command: serve, status, config, inspect, fsck."""
+"""The `kvd` command: serve, status, health, config, token, inspect, fsck."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -53,11 +54,52 @@ def cmd_status(args: argparse.Namespace) -> int:
     from kvd.server.status import fetch_status, render_status, resolve_target
 
     target = resolve_target(args.target, args.state_dir)
-    status = fetch_status(target, timeout_s=args.timeout)
+    token = None
+    if args.token_file:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as error:
+            raise ConnectionError(f"cannot read the token file {args.token_file}: {error.strerror}") from None
+    token = token or os.environ.get("KVD_TOKEN") or None
+    status = fetch_status(target, timeout_s=args.timeout, token=token, tls_ca_file=args.tls_ca_file)
     if args.json:
         print(json.dumps(status, indent=2))
     else:
         print(render_status(status))
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the daemon's gRPC health service says SERVING (no token needed): for exec probes."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvd.server.status import open_channel, resolve_target
+
+    target = resolve_target(args.target, args.state_dir)
+    with open_channel(target, args.tls_ca_file) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="kvd.v1.Kvd"), timeout=args.timeout)
+        except grpc.RpcError as error:
+            raise ConnectionError(f"cannot reach kvd at {target}: {error.code().name}: {error.details()}") from None
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    print(status)
+    return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    """A new random bearer token, and the SHA-256 the tenants file takes."""
+    import hashlib
+    import secrets
+
+    token = secrets.token_urlsafe(32)
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    if args.json:
+        print(json.dumps({"token": token, "token_sha256": digest}))
+    else:
+        print(f"token        {token}")
+        print(f"token_sha256 {digest}")
     return 0
 
 
@@ -94,7 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--state-dir", default="state", help="state_dir of the daemon (default: state)")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--token-file", type=Path,
+                        help="file holding an admin tenant's bearer token (auth.mode = token; default: $KVD_TOKEN)")
+    status.add_argument("--tls-ca-file", help="PEM CAs to trust, for a TCP --target with TLS")
     status.set_defaults(handler=cmd_status)
+
+    health = commands.add_parser("health", help="exit 0 when the daemon serves (its gRPC health service); no token needed")
+    health.add_argument("--target", help="unix:///path/kvd.sock or host:port (default: from --state-dir)")
+    health.add_argument("--state-dir", default="state", help="state_dir of the daemon (default: state)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    health.add_argument("--tls-ca-file", help="PEM CAs to trust, for a TCP --target with TLS")
+    health.set_defaults(handler=cmd_health)
+
+    token = commands.add_parser("token", help="make a random bearer token and the token_sha256 of the tenants file")
+    token.add_argument("--json", action="store_true", help="print JSON")
+    token.set_defaults(handler=cmd_token)
 
     inspect = commands.add_parser("inspect", help="show disk tier directories: identity, segments, namespaces")
     inspect.add_argument("directories", nargs="+", metavar="DIR", help="disk tier drive directories")

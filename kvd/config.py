@@ -57,6 +57,16 @@ class ServerConfig:
     max_message_bytes: int = 64 << 20
     max_concurrent_rpcs: int = 256
     grace_period_s: float = 10.0
+    # Group (a name or a number) allowed to use the unix socket: it is then
+    # mode 0660 and owned by that group. "": mode 0600, its owner only.
+    unix_socket_group: str = ""
+    # TLS on the TCP listener: PEM certificate chain and private key files,
+    # both or neither. The unix socket never uses TLS.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # With TLS: a PEM bundle of the CAs that client certificates must chain
+    # to. Set, TLS is mutual: a client without a valid certificate is refused.
+    tls_client_ca_file: str = ""
 
 
 @dataclass(slots=True)
@@ -156,6 +166,17 @@ class EventsConfig:
 
 
 @dataclass(slots=True)
+class AuthConfig:
+    # "none": every client may do everything (whoever can open the unix
+    # socket or reach the TCP port); "token": every call carries a tenant's
+    # bearer token, and tenants see only their own namespaces and blocks.
+    mode: str = "none"
+    # With mode = "token": the TOML or JSON (*.json) file that defines the
+    # tenants: name, token_sha256 or token_env, namespaces, quotas, admin.
+    tenants_file: str = ""
+
+
+@dataclass(slots=True)
 class LogConfig:
     level: str = "info"
     # "json" (one object per line) or "text".
@@ -171,6 +192,7 @@ class Config:
     disk: DiskSettings = field(default_factory=DiskSettings)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
@@ -190,6 +212,17 @@ class Config:
                 parse_address(name, address)
         if not self.server.unix_socket and not self.server.tcp_address:
             raise ConfigError("server.unix_socket", "both listeners are disabled; enable at least one")
+        if bool(self.server.tls_cert_file) != bool(self.server.tls_key_file):
+            missing = "server.tls_key_file" if self.server.tls_cert_file else "server.tls_cert_file"
+            raise ConfigError(missing, "TLS needs both server.tls_cert_file and server.tls_key_file")
+        if self.server.tls_cert_file and not self.server.tcp_address:
+            raise ConfigError("server.tls_cert_file", "TLS is for the TCP listener, and server.tcp_address is \"\"")
+        if self.server.tls_client_ca_file and not self.server.tls_cert_file:
+            raise ConfigError("server.tls_client_ca_file", "mutual TLS needs server.tls_cert_file and tls_key_file")
+        if self.auth.mode not in ("none", "token"):
+            raise ConfigError("auth.mode", f"must be none or token, got {self.auth.mode!r}")
+        if self.auth.mode == "token" and not self.auth.tenants_file:
+            raise ConfigError("auth.tenants_file", "auth.mode = \"token\" needs a tenants file")
         _positive("host.slot_bytes", self.host.slot_bytes)
         if self.host.slot_bytes % 4096:
             raise ConfigError("host.slot_bytes", f"must be a multiple of 4096, got {self.host.slot_bytes}")
@@ -391,3 +424,130 @@ def load(
 
 def to_dict(config: Config) -> dict[str, Any]:
     return dataclasses.asdict(config)
+
+
+# ----------------------------------------------------------------------
+# Tenants (auth.mode = "token")
+#
+# The tenants file, TOML, or JSON when its name ends in .json:
+#
+#     [[tenants]]
+#     name = "team-a"                      # [A-Za-z0-9][A-Za-z0-9_.-]{0,63}
+#     token_sha256 = "9f86d08..."          # SHA-256 of the token, hex; a list while rotating
+#     token_env = "KVD_TOKEN_TEAM_A"       # and/or: an environment variable holding the token
+#     namespaces = ["meta-llama/*"]        # model ids it may register (glob patterns; "*": any)
+#     host_bytes = "8GiB"                  # host memory quota (0 or absent: none)
+#     disk_bytes = "200GiB"                # disk quota (0 or absent: none)
+#     admin = false                        # may call administrative RPCs (Stats)
+#
+# Tokens themselves are never stored in the file and never printed: errors
+# name the tenant and the key, never a value.
+
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# A token from the environment must be at least this long (`kvd token` makes
+# 43 characters: 32 random bytes).
+MIN_TOKEN_CHARS = 16
+_TENANT_KEYS = ("name", "token_sha256", "token_env", "namespaces", "host_bytes", "disk_bytes", "admin")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSettings:
+    name: str
+    # SHA-256 digests of the tenant's tokens (more than one while rotating).
+    token_digests: tuple[bytes, ...] = field(repr=False)
+    # Glob patterns over model ids (fnmatch, case-sensitive); "*" is any.
+    namespaces: tuple[str, ...] = ()
+    host_bytes: int = 0
+    disk_bytes: int = 0
+    admin: bool = False
+
+
+def load_tenants(path: str | Path, env: dict[str, str] | None = None) -> list[TenantSettings]:
+    """The tenants of the tenants file; ConfigError naming the tenant and key of any mistake."""
+    import json
+
+    env = os.environ if env is None else env
+    field_name = "auth.tenants_file"
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ConfigError(field_name, f"cannot read {path}: {error.strerror}") from None
+    try:
+        document = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as error:
+        kind = "JSON" if str(path).endswith(".json") else "TOML"
+        raise ConfigError(field_name, f"{path} is not valid {kind}: {error}") from None
+    if not isinstance(document, dict) or set(document) != {"tenants"} or not isinstance(document["tenants"], list):
+        raise ConfigError(field_name, f"{path} must hold exactly one list, `tenants` ([[tenants]] tables in TOML)")
+    tenants: list[TenantSettings] = []
+    owner_of_digest: dict[bytes, str] = {}
+    for position, entry in enumerate(document["tenants"]):
+        tenant = _tenant(f"{path}: tenants[{position}]", entry, env)
+        if any(other.name == tenant.name for other in tenants):
+            raise ConfigError(field_name, f"{path}: tenant {tenant.name!r} is defined twice")
+        for digest in tenant.token_digests:
+            if digest in owner_of_digest:
+                raise ConfigError(
+                    field_name, f"{path}: tenants {owner_of_digest[digest]!r} and {tenant.name!r} share a token"
+                )
+            owner_of_digest[digest] = tenant.name
+        tenants.append(tenant)
+    if not tenants:
+        raise ConfigError(field_name, f"{path} defines no tenant: with auth.mode = \"token\" nobody could connect")
+    return tenants
+
+
+def _tenant(where: str, entry: Any, env: dict[str, str]) -> TenantSettings:
+    import hashlib
+
+    def fail(message: str) -> ConfigError:
+        return ConfigError("auth.tenants_file", f"{where}: {message}")
+
+    if not isinstance(entry, dict):
+        raise fail("must be a table")
+    name = entry.get("name")
+    if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
+        raise fail(f"name must match {TENANT_NAME.pattern}, got {name!r}")
+    where = f"{where} ({name})"
+    if "token" in entry:
+        raise fail("has a plain `token`: store its SHA-256 as token_sha256 (`kvd token` prints both), "
+                   "or name an environment variable that holds it with token_env")
+    unknown = sorted(set(entry) - set(_TENANT_KEYS))
+    if unknown:
+        raise fail(f"unknown key {unknown[0]!r} (known: {', '.join(_TENANT_KEYS)})")
+    hashes = entry.get("token_sha256", [])
+    if isinstance(hashes, str):
+        hashes = [hashes]
+    if not isinstance(hashes, list):
+        raise fail("token_sha256 must be a hex string or a list of them")
+    digests = []
+    for value in hashes:
+        if not isinstance(value, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", value):
+            raise fail("token_sha256 must be 64 hex digits (the SHA-256 of the token)")
+        digests.append(bytes.fromhex(value))
+    variable = entry.get("token_env")
+    if variable is not None:
+        if not isinstance(variable, str) or not variable:
+            raise fail("token_env must name an environment variable")
+        token = env.get(variable, "")
+        if len(token) < MIN_TOKEN_CHARS:
+            state = "is not set" if not token else f"holds fewer than {MIN_TOKEN_CHARS} characters"
+            raise fail(f"token_env: the environment variable {variable} {state}")
+        digests.append(hashlib.sha256(token.encode()).digest())
+    if not digests:
+        raise fail("has no token: set token_sha256 or token_env")
+    if len(set(digests)) != len(digests):
+        raise fail("lists the same token twice")
+    namespaces = entry.get("namespaces")
+    if not isinstance(namespaces, list) or not all(isinstance(item, str) and item for item in namespaces):
+        raise fail('namespaces must be a list of model ids or glob patterns (["*"] for any; [] for none)')
+    quotas = {}
+    for key in ("host_bytes", "disk_bytes"):
+        value = parse_size(f"{where}: {key}", entry.get(key, 0))
+        if value < 0:
+            raise fail(f"{key} must not be negative")
+        quotas[key] = value
+    admin = entry.get("admin", False)
+    if not isinstance(admin, bool):
+        raise fail("admin must be true or false")
+    return TenantSettings(name, tuple(digests), tuple(namespaces), quotas["host_bytes"], quotas["disk_bytes"], admin)

@@ -1,7 +1,10 @@
 """Daemon lifecycle: start every part in order, drain and stop in reverse.
 
-Start:  stale arenas removed -> arena created and pre-faulted -> engine ->
-        gRPC listeners (unix socket 0600, TCP) -> health SERVING ->
+Start:  tenants file and TLS files read -> stale arenas removed -> arena
+        created and pre-faulted -> engine -> gRPC listeners (unix socket
+        0600, or 0660 for server.unix_socket_group; TCP, with TLS if
+        configured; auth.mode = "token": every Kvd call authenticated by
+        kvd.server.auth) -> health SERVING ->
         metrics endpoint -> lease sweeper -> READY logged (and sd_notify:
         READY=1 only once disk recovery is done and the listeners answer;
         then WATCHDOG=1 every half WATCHDOG_USEC while the event loop runs).
@@ -30,14 +33,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvd import __version__
 from kvd.clock import Clock, MonotonicClock
-from kvd.config import Config, parse_address
+from kvd.config import Config, ConfigError, ServerConfig, TenantSettings, load_tenants, parse_address
 from kvd.core.engine import Engine, EngineLimits
 from kvd.core.events import EventLog
 from kvd.core.policy import DiskPolicies
+from kvd.core.quota import TenantQuota
 from kvd.metrics import DiskIoMetrics, make_registry
+from kvd.server.auth import FAILURE_REASONS, AuthInterceptor, TokenTable
+from kvd.server.registration import add_kvd_service
 from kvd.server.service import KvdService
 from kvd.tiers.host import ArenaLayout, HostArena, remove_stale_segments
-from kvd.v1 import kvd_pb2_grpc
 
 log = logging.getLogger("kvd.daemon")
 
@@ -118,6 +123,10 @@ class Daemon:
 
     async def start(self) -> None:
         config = self.config
+        # Tenants and TLS files first: a mistake in them stops the start
+        # before anything is created.
+        tenants: list[TenantSettings] = load_tenants(config.auth.tenants_file) if config.auth.mode == "token" else []
+        tls = _tls_credentials(config.server)
         state_dir = Path(config.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         stale = remove_stale_segments()
@@ -159,6 +168,7 @@ class Daemon:
                 admission_min_hits=config.disk.admission_min_hits,
                 promotion=config.disk.promotion,
             ),
+            tenant_quotas=[TenantQuota(tenant.name, tenant.host_bytes, tenant.disk_bytes) for tenant in tenants],
         )
         if self.disk_plane is not None:
             indexed = await self.disk_plane.recover(self.engine, recovery)
@@ -173,12 +183,22 @@ class Daemon:
             ("grpc.max_send_message_length", config.server.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.server.max_concurrent_rpcs)
+        interceptors = []
+        if config.auth.mode == "token":
+            for reason in FAILURE_REASONS:
+                rpc_metrics.auth_failures.labels(reason)  # exported at 0 from the start
+            interceptors.append(
+                AuthInterceptor(TokenTable(tenants), lambda reason: rpc_metrics.auth_failures.labels(reason).inc())
+            )
+        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.server.max_concurrent_rpcs,
+                                      interceptors=interceptors)
         self.service = KvdService(
             self.engine, self.arena, self.clock, rpc_metrics, config.server.max_message_bytes, self.disk_plane,
-            max_subscribers=config.events.max_subscribers,
+            max_subscribers=config.events.max_subscribers, auth_required=config.auth.mode == "token",
         )
-        kvd_pb2_grpc.add_KvdServicer_to_server(self.service, self.server)
+        # Bytes that are not a valid request message get INVALID_ARGUMENT, not UNKNOWN.
+        add_kvd_service(self.service, self.server,
+                        lambda method: rpc_metrics.total.labels(method, "INVALID_ARGUMENT").inc())
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 
@@ -193,13 +213,19 @@ class Daemon:
             finally:
                 os.umask(previous_umask)
         if config.server.tcp_address:
-            port = self.server.add_insecure_port(config.server.tcp_address)
+            if tls is not None:
+                port = self.server.add_secure_port(config.server.tcp_address, tls)
+            else:
+                port = self.server.add_insecure_port(config.server.tcp_address)
             if port == 0:
                 raise OSError(f"cannot listen on {config.server.tcp_address}")
             self.bound_tcp_port = port
         await self.server.start()
         if socket_path is not None:
             os.chmod(socket_path, 0o600)
+            if config.server.unix_socket_group:
+                _give_socket_to_group(socket_path, config.server.unix_socket_group)
+        _log_exposure(config, tenants)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
@@ -302,6 +328,72 @@ class Daemon:
         log.info(
             "stopped",
             extra={"leases_closed": leases, "drain_s": round(time.monotonic() - started, 3)},
+        )
+
+
+def _tls_credentials(server: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS (mutual with a client CA) for the TCP listener, or None; ConfigError naming an unreadable file."""
+    if not server.tls_cert_file:
+        return None
+
+    def read(name: str, path: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as error:
+            raise ConfigError(f"server.{name}", f"cannot read {path}: {error.strerror}") from None
+
+    chain = read("tls_cert_file", server.tls_cert_file)
+    key = read("tls_key_file", server.tls_key_file)
+    client_ca = read("tls_client_ca_file", server.tls_client_ca_file) if server.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+def _give_socket_to_group(path: Path, group: str) -> None:
+    """Mode 0660 and group `group` (a name or a number) for the unix socket."""
+    import grp
+
+    try:
+        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError("server.unix_socket_group", f"no group named {group!r}") from None
+    try:
+        os.chown(path, -1, gid)
+    except PermissionError:
+        raise ConfigError(
+            "server.unix_socket_group", f"cannot give the socket to group {group!r}: kvd's user must be a member of it"
+        ) from None
+    os.chmod(path, 0o660)
+
+
+def _log_exposure(config: Config, tenants: list[TenantSettings]) -> None:
+    """One line on who may call kvd, and a warning where that is anyone on a network."""
+    server = config.server
+    tls = "mutual" if server.tls_client_ca_file else ("on" if server.tls_cert_file else "off")
+    log.info(
+        "access",
+        extra={
+            "auth_mode": config.auth.mode,
+            "tenants": ",".join(tenant.name for tenant in tenants),
+            "admins": ",".join(tenant.name for tenant in tenants if tenant.admin),
+            "tcp_tls": tls if server.tcp_address else "",
+            "unix_socket_group": server.unix_socket_group,
+        },
+    )
+    if not server.tcp_address:
+        return
+    host, _ = parse_address("server.tcp_address", server.tcp_address)
+    if host in ("127.0.0.1", "::1", "localhost"):
+        return
+    if config.auth.mode == "none":
+        log.warning(
+            "TCP listener is not on loopback and auth.mode is none: whoever reaches it can read and write every block",
+            extra={"tcp_address": server.tcp_address},
+        )
+    elif not server.tls_cert_file:
+        log.warning(
+            "TCP listener is not on loopback and has no TLS: bearer tokens and blocks cross the network in clear",
+            extra={"tcp_address": server.tcp_address},
         )
 
 

@@ -43,6 +43,12 @@ class PermissionDenied(KvdError):
     code = "PERMISSION_DENIED"
 
 
+class Unauthenticated(KvdError):
+    """No credentials, or credentials kvd does not know (auth.mode = "token")."""
+
+    code = "UNAUTHENTICATED"
+
+
 class ResourceExhausted(KvdError):
     code = "RESOURCE_EXHAUSTED"
 

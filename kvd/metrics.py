@@ -59,6 +59,11 @@ Get hits of kvd_get_blocks_total.
 | kvd_event_ring_keys | gauge | | keys held by the ring of recent events |
 | kvd_event_subscribers | gauge | | open WatchEvents streams |
 | kvd_event_resyncs_total | counter | reason | subscribers told to resynchronise (sequence_too_old, subscriber_too_slow, instance_changed) |
+| kvd_tenant_used_bytes | gauge | tenant, tier | capacity a tenant's blocks take (whole slots; auth.mode = "token"): host counts blocks being written or read back, disk blocks being written |
+| kvd_tenant_quota_bytes | gauge | tenant, tier | a tenant's quota, where one is set |
+| kvd_tenant_quota_refusals_total | counter | tenant, tier | host: Puts refused (RESOURCE_EXHAUSTED) for the tenant's host quota; disk: blocks left unwritten for its disk quota |
+| kvd_tenant_quota_evictions_total | counter | tenant, tier | the tenant's own blocks evicted to keep it within its quota (host: evicted or demoted for its Puts; disk: their disk copies replaced by its newer blocks) |
+| kvd_auth_failures_total | counter | reason | calls refused by authentication: missing_token, unknown_token (UNAUTHENTICATED), not_admin (PERMISSION_DENIED) |
 | kvd_rpc_duration_seconds | histogram | method | server-side RPC latency |
 | kvd_rpc_total | counter | method, code | RPCs by outcome |
 | kvd_rpc_in_flight | gauge | | RPCs being handled |
@@ -214,10 +219,42 @@ class EngineCollector(Collector):
                                 value=leases.max_pins_per_client)
         yield CounterMetricFamily("kvd_lease_pin_cap_rejections", "Requests refused by the per-client pin cap.",
                                   value=leases.pin_cap_rejections)
+        yield from _tenant_metrics(engine)
         yield GaugeMetricFamily("kvd_block_handles", "Live block handles.", value=engine.live_handles)
         yield CounterMetricFamily(
             "kvd_leaked_handles", "Block handles collected while still holding a reference.", value=engine.leaked_handles
         )
+
+
+def _tenant_metrics(engine: Engine) -> Iterator[Metric]:
+    """Usage, quotas and quota outcomes per tenant: one label value per tenant
+    configured (or recovered from disk), so the cardinality stays bounded."""
+    if not engine.tenants:
+        return
+    tiers = ("host", "disk") if engine.disk is not None else ("host",)
+    used = GaugeMetricFamily("kvd_tenant_used_bytes", "Capacity a tenant's blocks take.", labels=["tenant", "tier"])
+    quota_bytes = GaugeMetricFamily("kvd_tenant_quota_bytes", "A tenant's quota.", labels=["tenant", "tier"])
+    refusals = CounterMetricFamily("kvd_tenant_quota_refusals", "Puts refused (host) and blocks left unwritten "
+                                   "(disk) for a tenant's quota.", labels=["tenant", "tier"])
+    evictions = CounterMetricFamily("kvd_tenant_quota_evictions", "A tenant's blocks evicted to keep it within "
+                                    "its quota.", labels=["tenant", "tier"])
+    for name, quota in sorted(engine.tenants.items()):
+        counters = quota.counters
+        values = {
+            "host": (quota.host_used_bytes, quota.host_limit_bytes, counters.host_refused, counters.host_evicted),
+            "disk": (quota.disk_used_bytes, quota.disk_limit_bytes, counters.disk_refused, counters.disk_evicted),
+        }
+        for tier in tiers:
+            used_value, limit, refused, evicted = values[tier]
+            used.add_metric([name, tier], used_value)
+            if limit:
+                quota_bytes.add_metric([name, tier], limit)
+            refusals.add_metric([name, tier], refused)
+            evictions.add_metric([name, tier], evicted)
+    yield used
+    yield quota_bytes
+    yield refusals
+    yield evictions
 
 
 class RpcMetrics:
@@ -236,6 +273,9 @@ class RpcMetrics:
         self.event_subscribers = Gauge("kvd_event_subscribers", "Open WatchEvents streams.", registry=registry)
         self.event_resyncs = Counter(
             "kvd_event_resyncs", "Subscribers told to resynchronise, by reason.", ["reason"], registry=registry
+        )
+        self.auth_failures = Counter(
+            "kvd_auth_failures", "Calls refused by authentication, by reason.", ["reason"], registry=registry
         )
 
 

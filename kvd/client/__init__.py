@@ -18,11 +18,17 @@ one block is contiguous; inner is (block_tokens, kv_heads, head_dim) or
 Payloads move through the daemon's shared-memory arena when the client can
 map it (same host, same user) and inline over gRPC otherwise.
 
+A daemon with auth.mode = "token" wants a tenant's token: `Client(target,
+token=...)` (default: $KVD_TOKEN); a TCP listener with TLS wants
+`tls=TlsConfig(ca_file=..., cert_file=..., key_file=...)` (the last two for
+mutual TLS).
+
 KV events (stored / removed / tier-changed, for KV-aware routers):
 `client.event_snapshot(ns)` and `client.watch_events(ns, from_sequence)`,
 with `BlockMirror` to keep a copy of a namespace; see kvd.client.events.
 """
 
+from kvd.client._ops import TlsConfig
 from kvd.client._wire import LookupResult, Namespace, PrefetchResult
 from kvd.client.aio import AsyncClient
 from kvd.client.events import BlockMirror, EventKind, EventSnapshot, KvEvent, ResyncRequired
@@ -30,5 +36,5 @@ from kvd.client.sync import Client
 
 __all__ = [
     "AsyncClient", "BlockMirror", "Client", "EventKind", "EventSnapshot", "KvEvent", "LookupResult", "Namespace",
-    "PrefetchResult", "ResyncRequired",
+    "PrefetchResult", "ResyncRequired", "TlsConfig",
 ]

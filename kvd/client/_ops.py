@@ -8,8 +8,10 @@ the same decisions and differ only in how they call a stub.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,6 +26,8 @@ Call = tuple[str, Any]
 Op = Generator[Call, Any, Any]
 
 CHANNEL_MESSAGE_BYTES = 1 << 30
+# The bearer token when a client is given none (a daemon with auth.mode = "token").
+TOKEN_ENV = "KVD_TOKEN"
 CONTINUING = (kvd_pb2.RESERVE_STATUS_RESERVED, kvd_pb2.RESERVE_STATUS_EXISTS)
 
 
@@ -34,6 +38,47 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", CHANNEL_MESSAGE_BYTES),
         ("grpc.max_send_message_length", CHANNEL_MESSAGE_BYTES),
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """TLS to a daemon's TCP listener (server.tls_cert_file), as PEM files.
+
+    ca_file: the CAs to trust (None: the system's). cert_file and key_file:
+    this client's certificate chain and key, for a daemon that requires
+    them (server.tls_client_ca_file). server_name: the name to check the
+    daemon's certificate for, when it is not the target's host.
+    """
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("TlsConfig needs both cert_file and key_file, or neither")
+        return grpc.ssl_channel_credentials(read(self.ca_file), read(self.key_file), read(self.cert_file))
+
+    def options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def channel_arguments(tls: TlsConfig | None) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
+    """(credentials or None for a plaintext channel, channel options)."""
+    if tls is None:
+        return None, channel_options()
+    return tls.credentials(), channel_options() + tls.options()
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata every call carries: the bearer token, if any (else $KVD_TOKEN)."""
+    if token is None:
+        token = os.environ.get(TOKEN_ENV) or None
+    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 @dataclass(slots=True)
@@ -65,11 +110,14 @@ class ClientBase:
         use_shared_memory: bool | None = None,
         timeout_s: float = 30.0,
         lease_ms: int = 0,
+        token: str | None = None,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self.session = Session(client_id or _wire.new_client_id(), use_shared_memory, lease_ms)
         self._stub = kvd_pb2_grpc.KvdStub(channel)
+        # Sent with every call; never logged or shown (repr, errors).
+        self._metadata = call_metadata(token)
 
     @property
     def client_id(self) -> str:

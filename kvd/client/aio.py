@@ -18,8 +18,12 @@ from kvd.v1 import kvd_pb2
 class AsyncClient(_ops.ClientBase):
     """The asyncio twin of kvd.client.Client; same arguments, same methods, awaited."""
 
-    def __init__(self, target: str, **options: Any) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=_ops.channel_options())
+    def __init__(self, target: str, *, tls: _ops.TlsConfig | None = None, **options: Any) -> None:
+        credentials, channel_options = _ops.channel_arguments(tls)
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=channel_options)
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=channel_options)
         super().__init__(target, self._channel, **options)
 
     async def _run(self, op: _ops.Op) -> Any:
@@ -28,7 +32,8 @@ class AsyncClient(_ops.ClientBase):
             while True:
                 method, request = call
                 try:
-                    response = await getattr(self._stub, method)(request, timeout=self.timeout_s)
+                    response = await getattr(self._stub, method)(request, timeout=self.timeout_s,
+                                                                 metadata=self._metadata)
                 except grpc.RpcError as error:
                     call = op.throw(error)
                 else:
@@ -85,12 +90,13 @@ class AsyncClient(_ops.ClientBase):
 
     async def watch_events(self, namespace: Namespace, from_sequence: int = 0, instance_id: str = "") -> AsyncEventWatch:
         """As Client.watch_events; iterate the result with `async for`."""
-        call = self._stub.WatchEvents(watch_request(namespace, from_sequence, instance_id))
+        call = self._stub.WatchEvents(watch_request(namespace, from_sequence, instance_id), metadata=self._metadata)
         return await AsyncEventWatch(call).start()
 
     async def event_snapshot(self, namespace: Namespace) -> EventSnapshot:
         """As Client.event_snapshot."""
         parts = SnapshotParts()
-        async for message in self._stub.EventSnapshot(snapshot_request(namespace), timeout=self.timeout_s):
+        async for message in self._stub.EventSnapshot(snapshot_request(namespace), timeout=self.timeout_s,
+                                                      metadata=self._metadata):
             parts.add(message)
         return parts.result()

@@ -23,10 +23,16 @@ class Client(_ops.ClientBase):
     `target`: "unix:///path/kvd.sock" or "host:port". `use_shared_memory`:
     None maps the daemon's arena when it can and falls back to inline bytes;
     True requires the arena; False never maps it. Every RPC has `timeout_s`.
+    `token`: a tenant's bearer token, for a daemon with auth.mode = "token"
+    (default: $KVD_TOKEN). `tls`: a TlsConfig, for a TCP listener with TLS.
     """
 
-    def __init__(self, target: str, **options: Any) -> None:
-        self._channel = grpc.insecure_channel(target, options=_ops.channel_options())
+    def __init__(self, target: str, *, tls: _ops.TlsConfig | None = None, **options: Any) -> None:
+        credentials, channel_options = _ops.channel_arguments(tls)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=channel_options)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
         super().__init__(target, self._channel, **options)
 
     def _run(self, op: _ops.Op) -> Any:
@@ -35,7 +41,7 @@ class Client(_ops.ClientBase):
             while True:
                 method, request = call
                 try:
-                    response = getattr(self._stub, method)(request, timeout=self.timeout_s)
+                    response = getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
                 except grpc.RpcError as error:
                     call = op.throw(error)
                 else:
@@ -114,6 +120,7 @@ class Client(_ops.ClientBase):
                 parent_key=parent_key,
             ),
             timeout=self.timeout_s,
+            metadata=self._metadata,
         )
         first = next(stream)
         matched = first.matched
@@ -159,11 +166,14 @@ class Client(_ops.ClientBase):
         (see kvd.client.events). The stream has no deadline; close the watch,
         or use it in a `with` block, to end it.
         """
-        return EventWatch(self._stub.WatchEvents(watch_request(namespace, from_sequence, instance_id)))
+        return EventWatch(
+            self._stub.WatchEvents(watch_request(namespace, from_sequence, instance_id), metadata=self._metadata)
+        )
 
     def event_snapshot(self, namespace: Namespace) -> EventSnapshot:
         """The blocks the namespace serves and their tiers, right after event `sequence`."""
         parts = SnapshotParts()
-        for message in self._stub.EventSnapshot(snapshot_request(namespace), timeout=self.timeout_s):
+        for message in self._stub.EventSnapshot(snapshot_request(namespace), timeout=self.timeout_s,
+                                                metadata=self._metadata):
             parts.add(message)
         return parts.result()

@@ -28,6 +28,7 @@ from kvd.core.events import EventLog
 from kvd.core.keys import KEY_BYTES, NamespaceSpec
 from kvd.core.lease import Lease, LeaseKind, LeaseTable
 from kvd.core.policy import DiskPolicies, EvictionPolicy, make_policy
+from kvd.core.quota import QuotaExceeded, TenantQuota
 from kvd.core.radix import PrefixIndex
 from kvd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvd.invariants import check
@@ -60,6 +61,12 @@ class PrefetchLimit(enum.IntEnum):
     PROMOTION = 3  # the promotion policy declined the block
 
 
+# The longest client id: a client's own id has at most 128 characters; the
+# server puts its tenant's name (64 at most) and a separator in front, and
+# an inline Get's private prefix in front of that (kvd.server.auth).
+MAX_CLIENT_ID_CHARS = 256
+
+
 @dataclass(frozen=True, slots=True)
 class EngineLimits:
     max_batch_keys: int = 65536
@@ -81,6 +88,11 @@ class NamespaceState:
     lookup_misses: int = 0
     get_hits: int = 0
     get_misses: int = 0
+    # The id its clients know it by: the digest of the spec they sent,
+    # without the tenant (== namespace_id for a namespace of no tenant).
+    public_id: bytes = b""
+    # Its tenant's usage and quota (None: no tenant).
+    quota: TenantQuota | None = None
 
 
 @dataclass(slots=True)
@@ -233,6 +245,16 @@ class HostPool:
                 check(owner.state != BlockState.REMOVED, f"removed {owner!r} owns slot {slot}")
 
 
+def namespace_not_found(namespace_id: bytes) -> NotFound:
+    """The one error for a namespace the caller cannot use, whether or not anyone registered it."""
+    return NotFound(f"namespace {namespace_id.hex()[:16]}... is not registered; call RegisterNamespace first")
+
+
+def _disk_evictable(block: Block) -> bool:
+    # An index leaf only, so a durable block's prefix stays durable.
+    return block.ref_count == 0 and block.children == 0 and block.state == BlockState.SEALED
+
+
 class Engine:
     def __init__(
         self,
@@ -248,6 +270,7 @@ class Engine:
         disk_policies: DiskPolicies | None = None,
         high_watermark: float = 0.9,
         low_watermark: float = 0.8,
+        tenant_quotas: Sequence[TenantQuota] = (),
     ) -> None:
         self.limits = limits or EngineLimits()
         self.host = HostPool(host_slot_count, host_slot_bytes, make_policy(policy, host_slot_count),
@@ -270,6 +293,12 @@ class Engine:
         self.prefetch_counters = PrefetchCounters()
         self.leases = LeaseTable(self.limits.max_leases, self.limits.max_pins_per_client)
         self._namespaces: dict[bytes, NamespaceState] = {}
+        # (tenant, the id its clients know) -> namespace: how the daemon
+        # finds a tenant's namespace, and only that tenant's.
+        self._public: dict[tuple[str, bytes], NamespaceState] = {}
+        # Usage and quotas of the configured tenants (and of tenants whose
+        # namespaces were recovered from disk: those have no limits).
+        self.tenants: dict[str, TenantQuota] = {quota.name: quota for quota in tenant_quotas}
         self.live_handles = 0
         self.leaked_handles = 0
         self.pinned_blocks = 0
@@ -280,7 +309,12 @@ class Engine:
     # Namespaces
 
     def register_namespace(self, spec: NamespaceSpec) -> NamespaceState:
-        """Register (idempotently) the cache identity `spec`."""
+        """Register (idempotently) the cache identity `spec`.
+
+        A spec with a tenant (kvd.core.keys) is that tenant's namespace: its
+        blocks are charged to the tenant's quota, and tenant_namespace finds
+        it for that tenant only.
+        """
         spec.validate()
         namespace_id = spec.namespace_id()
         existing = self._namespaces.get(namespace_id)
@@ -293,8 +327,35 @@ class Engine:
                 f"a block of this namespace is {spec.block_bytes} bytes, larger than the host slot "
                 f"of {self.host.slot_bytes} bytes; use fewer tokens per block or raise host.slot_bytes"
             )
-        state = NamespaceState(namespace_id, spec, spec.block_bytes, PrefixIndex(spec.model_id, spec.block_bytes, namespace_id))
+        quota = self.tenant_quota(spec.tenant) if spec.tenant else None
+        public_id = spec.without_tenant().namespace_id() if spec.tenant else namespace_id
+        state = NamespaceState(
+            namespace_id, spec, spec.block_bytes, PrefixIndex(spec.model_id, spec.block_bytes, namespace_id, quota),
+            public_id=public_id, quota=quota,
+        )
         self._namespaces[namespace_id] = state
+        self._public[(spec.tenant, public_id)] = state
+        return state
+
+    def tenant_quota(self, tenant: str) -> TenantQuota:
+        """The usage and quota of `tenant` (one with no limits if it is not configured)."""
+        check(bool(tenant), "the empty tenant has no quota")
+        quota = self.tenants.get(tenant)
+        if quota is None:
+            quota = self.tenants[tenant] = TenantQuota(tenant)
+        return quota
+
+    def tenant_namespace(self, tenant: str, public_id: bytes) -> NamespaceState:
+        """The namespace `tenant` knows as `public_id` ("": the namespaces of no tenant).
+
+        Another tenant's namespace is NOT_FOUND exactly like one nobody
+        registered, so its existence is not revealed.
+        """
+        if len(public_id) != KEY_BYTES:
+            raise InvalidArgument(f"namespace_id must be {KEY_BYTES} bytes, got {len(public_id)}")
+        state = self._public.get((tenant, public_id))
+        if state is None:
+            raise namespace_not_found(public_id)
         return state
 
     def enable_disk(self, namespace_id: bytes) -> None:
@@ -307,7 +368,7 @@ class Engine:
             raise InvalidArgument(f"namespace_id must be {KEY_BYTES} bytes, got {len(namespace_id)}")
         state = self._namespaces.get(namespace_id)
         if state is None:
-            raise NotFound(f"namespace {namespace_id.hex()[:16]}... is not registered; call RegisterNamespace first")
+            raise namespace_not_found(namespace_id)
         return state
 
     def namespaces(self) -> list[NamespaceState]:
@@ -509,6 +570,11 @@ class Engine:
         if not self.disk.promotion.promote(block):
             plan.limit = PrefetchLimit.PROMOTION
             return False
+        quota = block.index.quota
+        if quota is not None and quota.host_excess_bytes(1, self.host.slot_bytes) > 0:
+            # A guess never takes its tenant past its host quota.
+            plan.limit = PrefetchLimit.HOST_FULL
+            return False
         # A prefetch is a guess: to make room it may demote a block that has
         # a disk copy, but never drop one that exists in host memory only.
         victim = None if self.host.free_slots else self.host.policy.victim()
@@ -573,6 +639,7 @@ class Engine:
             return []
         picks: list[DiskWrite] = []
         picked: set[Block] = set()
+        full_tenants: set[TenantQuota] = set()
         queue = self.write_queue
         while queue and len(picks) < limit:
             block = queue[0]
@@ -584,16 +651,34 @@ class Engine:
             ):
                 queue.popleft()  # gone, already durable, no bytes to write, or queued twice
                 continue
+            quota = block.index.quota
+            at_quota = quota is not None and quota.disk_full(disk.slot_bytes)
             parent = block.parent
             if parent is not None and parent.disk_slot == NO_SLOT and parent not in picked:
                 queue.popleft()
-                disk.counters.write_failures += 1
+                if at_quota:
+                    quota.counters.disk_refused += 1  # most likely its parent was, for the same reason
+                else:
+                    disk.counters.write_failures += 1
                 continue
-            slot = self._allocate_disk_slot()
-            if slot is None:
-                break  # full until evictions' removals are journalled
+            if at_quota:
+                # The tenant's own block makes room, never another tenant's; or it is not written.
+                # A tenant found with nothing to give up is not searched again in this call:
+                # each search may sweep every disk slot.
+                slot = None if quota in full_tenants else self._take_own_disk_slot(quota)
+                if slot is None:
+                    full_tenants.add(quota)
+                    queue.popleft()
+                    quota.counters.disk_refused += 1
+                    continue
+            else:
+                slot = self._allocate_disk_slot()
+                if slot is None:
+                    break  # full until evictions' removals are journalled
             queue.popleft()
             disk.owners[slot] = block
+            if quota is not None:
+                quota.disk_used_bytes += disk.slot_bytes
             disk.writing.add(slot)
             picks.append(DiskWrite(block, self._acquire(block), slot, block.host_slot))
             picked.add(block)
@@ -617,6 +702,8 @@ class Engine:
                 disk.counters.written += 1
             else:
                 disk.owners[write.disk_slot] = None
+                if block.index.quota is not None:
+                    block.index.quota.disk_used_bytes -= disk.slot_bytes
                 disk.quarantine.add(write.disk_slot)
                 disk.removals.append((block.index.namespace_id, block.key, write.disk_slot))
                 disk.counters.write_failures += 1
@@ -661,14 +748,23 @@ class Engine:
         slot = disk.take_free()
         if slot is not None:
             return slot
-
-        def evictable(block: Block) -> bool:
-            # An index leaf only, so a durable block's prefix stays durable.
-            return block.ref_count == 0 and block.children == 0 and block.state == BlockState.SEALED
-
-        victim = disk.victim(evictable)
+        victim = disk.victim(_disk_evictable)
         if victim is None:
             return None
+        return self._evict_disk_block(victim)
+
+    def _take_own_disk_slot(self, quota: TenantQuota) -> int | None:
+        """The disk slot of one of the tenant's own blocks (the disk policy's
+        pick among them), evicted for a newer one; None if none may go."""
+        victim = self.disk.victim(lambda block: block.index.quota is quota and _disk_evictable(block))
+        if victim is None:
+            return None
+        quota.counters.disk_evicted += 1
+        return self._evict_disk_block(victim)
+
+    def _evict_disk_block(self, victim: Block) -> int:
+        """Evict `victim`'s disk copy (the block too, if no host copy) and hand out its slot."""
+        disk = self.disk
         disk.counters.evictions += 1
         slot = victim.disk_slot
         if victim.host_slot != NO_SLOT:
@@ -724,6 +820,8 @@ class Engine:
                 block.disk_slot = slot
                 disk.owners[slot] = block
                 disk.used_bytes += state.block_bytes
+                if state.quota is not None:
+                    state.quota.disk_used_bytes += disk.slot_bytes
                 recovered += 1
                 self.events.stored(namespace_id, [key], parent_key, TierId.DISK)
             if start in pending:
@@ -823,6 +921,9 @@ class Engine:
             self._check_lease_room()
             # At most every missing key, and the parent pinned under them.
             self.leases.check_pin_room(client_id, len(keys) - first_missing + (parent is not None))
+            if state.quota is not None:
+                # The last check: past it the request goes ahead.
+                self._make_host_quota_room(state.quota, len(keys) - first_missing, keep=parent)
         existing = [index.nodes[key] for key in keys[:first_missing]]
         self._touch_prefix(existing)
         self._note_sightings(existing)  # a Put of stored blocks: seen again
@@ -1107,6 +1208,14 @@ class Engine:
         victim = host.policy.victim()
         if victim is None:
             return NO_SLOT
+        self._evict_host_block(victim)
+        host.counters.evictions += 1
+        check(bool(host.free_slots), "eviction freed no host slot")
+        return host.free_slots.pop()
+
+    def _evict_host_block(self, victim: Block) -> None:
+        """Free the host slot of `victim`, an eviction candidate."""
+        host = self.host
         # Evicting a host leaf may make its parent one: it goes next in line,
         # so a cold prefix leaves the host tier from its tail inward.
         if victim.disk_slot != NO_SLOT:
@@ -1126,9 +1235,48 @@ class Engine:
             # pinned as tombstones: the whole subtree goes.
             host.counters.dropped += 1
             self._lose(victim)
-        host.counters.evictions += 1
-        check(bool(host.free_slots), "eviction freed no host slot")
-        return host.free_slots.pop()
+
+    def _make_host_quota_room(self, quota: TenantQuota, slots: int, keep: Block | None) -> None:
+        """Before `slots` host slots are reserved for the tenant: evict its own
+        least recently used candidates until they fit its host quota, or raise
+        QuotaExceeded, having changed nothing, if they cannot be made to fit.
+
+        `keep` (the block the reservation extends) is never a victim, nor is
+        a candidate that has children but no disk copy: evicting it would
+        lose its subtree. Other candidates either are leaves (removed) or
+        have a disk copy (demoted, still stored).
+        """
+        slot_bytes = self.host.slot_bytes
+        excess_bytes = quota.host_excess_bytes(slots, slot_bytes)
+        if excess_bytes <= 0:
+            return
+        if slots * slot_bytes > quota.host_limit_bytes:
+            quota.counters.host_refused += 1
+            raise QuotaExceeded(
+                f"tenant {quota.name!r} is over its host quota: this Put needs {slots * slot_bytes} bytes "
+                f"({slots} slots of {slot_bytes} bytes), more than its whole quota of {quota.host_limit_bytes} "
+                "bytes; Put fewer blocks at a time, or raise the tenant's host_bytes quota"
+            )
+        needed = -(-excess_bytes // slot_bytes)
+        victims: list[Block] = []
+        for block in quota.candidates:
+            if block is keep or (block.children and block.disk_slot == NO_SLOT):
+                continue
+            victims.append(block)
+            if len(victims) == needed:
+                break
+        if len(victims) < needed:
+            quota.counters.host_refused += 1
+            raise QuotaExceeded(
+                f"tenant {quota.name!r} is over its host quota: its blocks take {quota.host_used_bytes} of its "
+                f"{quota.host_limit_bytes} bytes of host memory, this Put needs {slots * slot_bytes} more "
+                f"({slots} slots of {slot_bytes} bytes) and only {len(victims) * slot_bytes} bytes of its "
+                "blocks can be evicted (the rest are pinned); release leases, Put fewer blocks at a time, "
+                "Delete blocks, or raise the tenant's host_bytes quota"
+            )
+        for victim in victims:
+            self._evict_host_block(victim)
+            quota.counters.host_evicted += 1
 
     def _remove_block(self, block: Block, *, cold_parent: bool) -> None:
         """Take a childless, unpinned block out of its index and its slot."""
@@ -1153,6 +1301,8 @@ class Engine:
         block.host_slot = slot
         self.host.owners[slot] = block
         self.host.used_bytes += self._block_bytes(block)
+        if block.index.quota is not None:
+            block.index.quota.host_used_bytes += self.host.slot_bytes
         parent = block.parent
         if parent is not None:
             parent.host_children += 1
@@ -1168,6 +1318,8 @@ class Engine:
         self.host.owners[slot] = None
         self.host.free_slots.append(slot)
         self.host.used_bytes -= self._block_bytes(block)
+        if block.index.quota is not None:
+            block.index.quota.host_used_bytes -= self.host.slot_bytes
         block.host_slot = NO_SLOT
         parent = block.parent
         if parent is not None:
@@ -1182,6 +1334,8 @@ class Engine:
         check(disk is not None and disk.owners[slot] is block, "disk slot owner mismatch")
         disk.owners[slot] = None
         disk.used_bytes -= self._block_bytes(block)
+        if block.index.quota is not None:
+            block.index.quota.disk_used_bytes -= disk.slot_bytes
         disk.quarantine.add(slot)
         disk.removals.append((block.index.namespace_id, block.key, slot))
         block.disk_slot = NO_SLOT
@@ -1204,7 +1358,9 @@ class Engine:
             # over (finish_loads frees it): the disk thread may still be
             # writing into it, so handing it to another block now could
             # corrupt that block. Its loader pins it, so it stays a tombstone.
-            if member.host_slot != NO_SLOT and member not in self.loading:
+            # Likewise a writable member: its writer is filling the slot and
+            # keeps it until it lets the block go (commit seals nothing LOST).
+            if member.host_slot != NO_SLOT and member not in self.loading and member.state != BlockState.WRITABLE:
                 self._clear_host_slot(member, cold_parent=False)
             if member.disk_slot != NO_SLOT:
                 self._free_disk_slot(member)
@@ -1231,10 +1387,18 @@ class Engine:
             and block not in self.host.policy
         ):
             self.host.policy.admit(block, cold=cold)
+            quota = block.index.quota
+            if quota is not None and quota.tracks_candidates:
+                quota.candidates[block] = None
+                if cold:
+                    quota.candidates.move_to_end(block, last=False)
 
     def _withdraw(self, block: Block) -> None:
         if block in self.host.policy:
             self.host.policy.remove(block)
+            quota = block.index.quota
+            if quota is not None and quota.tracks_candidates:
+                del quota.candidates[block]
 
     def _note_sightings(self, matched: Sequence[Block]) -> None:
         """A Get or a repeated Put saw these blocks (one chain): tell the disk
@@ -1254,6 +1418,9 @@ class Engine:
             last = matched[-1]
             if last in self.host.policy:
                 self.host.policy.touch(last)
+                quota = last.index.quota
+                if quota is not None and quota.tracks_candidates:
+                    quota.candidates.move_to_end(last)
 
     def _match(self, state: NamespaceState, keys: Sequence[bytes], parent_key: bytes) -> list[Block]:
         if not parent_key:
@@ -1286,8 +1453,8 @@ class Engine:
 
     @staticmethod
     def _check_client(client_id: str) -> None:
-        if not client_id or len(client_id) > 128:
-            raise InvalidArgument("client_id must be 1..128 characters")
+        if not client_id or len(client_id) > MAX_CLIENT_ID_CHARS:
+            raise InvalidArgument(f"client_id must be 1..{MAX_CLIENT_ID_CHARS} characters")
 
     def _count_get(self, state: NamespaceState, requested: int,
                    matched: Sequence[Block]) -> tuple[NamespaceState, int, int, int]:
@@ -1327,6 +1494,38 @@ class Engine:
 
     # ------------------------------------------------------------------
 
+    def _verify_quotas(self) -> None:
+        """Each tenant's usage is the slots its blocks hold; its candidates are the policy's."""
+        if not self.tenants:
+            return
+        host_bytes = dict.fromkeys(self.tenants.values(), 0)
+        disk_bytes = dict.fromkeys(self.tenants.values(), 0)
+        candidates: dict[TenantQuota, list[Block]] = {quota: [] for quota in self.tenants.values()}
+        for owner in self.host.owners:
+            if owner is not None and owner.index.quota is not None:
+                host_bytes[owner.index.quota] += self.host.slot_bytes
+        if self.disk is not None:
+            for owner in self.disk.owners:
+                if owner is not None and owner.index.quota is not None:
+                    disk_bytes[owner.index.quota] += self.disk.slot_bytes
+        for block in self.host.policy.order():
+            if block.index.quota is not None:
+                candidates[block.index.quota].append(block)
+        for quota in self.tenants.values():
+            check(self.tenants.get(quota.name) is quota, f"tenant {quota.name!r} filed twice")
+            check(quota.host_used_bytes == host_bytes[quota], f"tenant {quota.name!r} host usage drifted")
+            check(quota.disk_used_bytes == disk_bytes[quota], f"tenant {quota.name!r} disk usage drifted")
+            if quota.tracks_candidates:
+                check(set(quota.candidates) == set(candidates[quota]),
+                      f"tenant {quota.name!r} candidates differ from the host policy's")
+            else:
+                check(not quota.candidates, f"tenant {quota.name!r} tracks candidates without a host limit")
+        for (tenant, public_id), state in self._public.items():
+            check(self._namespaces.get(state.namespace_id) is state and state.spec.tenant == tenant
+                  and state.public_id == public_id and state.index.quota is state.quota
+                  and (state.quota is None) == (not tenant), f"namespace {public_id.hex()[:16]} filed wrongly")
+        check(len(self._public) == len(self._namespaces), "a namespace is missing from the public map")
+
     def tier_of(self, block: Block) -> TierId:
         if block.host_slot != NO_SLOT and block not in self.loading:
             return TierId.HOST
@@ -1351,7 +1550,9 @@ class Engine:
             for block in state.index:
                 check(block.host_children == host_children.get(id(block), 0), f"{block!r} host child count")
                 if block.state == BlockState.LOST:
-                    check((block.host_slot == NO_SLOT or block in self.loading) and block.disk_slot == NO_SLOT,
+                    # Only a pinned tombstone (a load or a writer still using
+                    # its host slot) keeps that slot.
+                    check((block.host_slot == NO_SLOT or block.ref_count > 0) and block.disk_slot == NO_SLOT,
                           f"tombstone {block!r} has slots")
                     check(block.ref_count > 0 or block.children > 0, f"tombstone {block!r} should be gone")
                 else:
@@ -1384,6 +1585,7 @@ class Engine:
                     # What host eviction drops must be droppable.
                     check(block.children == 0 or disk is not None, f"dirty candidate {block!r} has children")
         check(host_resident == self.host.resident_blocks, "resident blocks disagree with free slots")
+        self._verify_quotas()
         check(host_bytes == self.host.used_bytes, "host used bytes drifted")
         if disk is not None:
             check(disk_bytes == disk.used_bytes, "disk used bytes drifted")

@@ -24,7 +24,13 @@ KEY_SCHEMA_VERSION as u32le, and fields(spec) is one field per spec attribute,
 tagged with the attribute's name, in this order: model_id, model_revision,
 kv_dtype, num_layers, num_kv_heads, head_dim, block_tokens, inner_layout,
 kv_order, tp_rank, tp_size, pp_stage, pp_size, lora_id, tenant_salt,
-hash_scheme (strings UTF-8, integers and enums u32le, the salt raw). salt is
+hash_scheme, then tenant only when it is not empty (strings UTF-8, integers
+and enums u32le, the salt raw). `tenant` is set by the daemon, never by a
+client (the API has no field for it): with auth.mode = "token" each tenant's
+namespaces are the daemon's own copies of the client's spec with the
+tenant's name in it, so two tenants registering identical specs get two
+namespaces, and blocks under identical keys never alias. Left out when
+empty, it changes no namespace id of a spec without a tenant. salt is
 the tenant salt, parent is key[i-1] (root_key for i == 0), tokens are the
 block's token ids as u32le (each must be in [0, 2**32); nothing is wrapped),
 and
@@ -41,7 +47,7 @@ import enum
 import hashlib
 import struct
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -136,6 +142,9 @@ class NamespaceSpec:
     lora_id: str = ""
     tenant_salt: bytes = b""
     hash_scheme: str = HASH_SCHEME
+    # The tenant this namespace belongs to, set by the daemon only (see the
+    # module docstring); "" for none. Clients leave it empty.
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -144,7 +153,7 @@ class NamespaceSpec:
         """Raise InvalidArgument naming the first field that is wrong."""
         if not self.model_id:
             raise InvalidArgument("namespace.model_id must not be empty")
-        for name in ("model_id", "model_revision", "lora_id", "hash_scheme"):
+        for name in ("model_id", "model_revision", "lora_id", "hash_scheme", "tenant"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise InvalidArgument(f"namespace.{name} must be a string")
@@ -218,7 +227,13 @@ class NamespaceSpec:
             _field(b"tenant_salt", self.tenant_salt),
             _field(b"hash_scheme", self.hash_scheme.encode()),
         ]
+        if self.tenant:
+            parts.append(_field(b"tenant", self.tenant.encode()))
         return b"".join(parts)
+
+    def without_tenant(self) -> NamespaceSpec:
+        """The spec as its client sent it: what the client's namespace id digests."""
+        return replace(self, tenant="") if self.tenant else self
 
     def namespace_id(self) -> bytes:
         return hashlib.sha256(_NAMESPACE_DOMAIN + _VERSION + self.encode()).digest()

@@ -32,6 +32,17 @@ from kvd.errors import NotFound, PermissionDenied, PinCapExceeded
 from kvd.invariants import check
 
 
+# A client id "<scope>\x00<name>" belongs to a scope: the server scopes the
+# client ids of each tenant by its name (kvd.server.auth), and a lease of
+# another scope is NOT_FOUND, as if it did not exist. Unscoped ids share "".
+SCOPE_SEPARATOR = "\x00"
+
+
+def scope_of(client_id: str) -> str:
+    scope, separator, _ = client_id.partition(SCOPE_SEPARATOR)
+    return scope if separator else ""
+
+
 class LeaseKind(enum.IntEnum):
     READ = 1
     WRITE = 2
@@ -148,7 +159,8 @@ class LeaseTable:
     def find(self, lease_id: int, client_id: str) -> Lease:
         """The live lease `lease_id` owned by `client_id`, or a precise error."""
         lease = self._leases.get(lease_id)
-        if lease is None:
+        if lease is None or (lease.client_id != client_id and scope_of(lease.client_id) != scope_of(client_id)):
+            # Another scope's (tenant's) lease is not even said to exist.
             raise NotFound(f"lease {lease_id} does not exist (released or expired)")
         if lease.client_id != client_id:
             raise PermissionDenied(f"lease {lease_id} belongs to another client")

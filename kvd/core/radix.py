@@ -26,21 +26,29 @@ Invariants (checked by `verify`):
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from kvd.core.block import Block, BlockState
 from kvd.invariants import check
 
+if TYPE_CHECKING:
+    from kvd.core.quota import TenantQuota
+
 
 class PrefixIndex:
-    __slots__ = ("nodes", "name", "block_bytes", "namespace_id", "disk_enabled")
+    __slots__ = ("nodes", "name", "block_bytes", "namespace_id", "disk_enabled", "quota")
 
-    def __init__(self, name: str = "", block_bytes: int = 0, namespace_id: bytes = b"") -> None:
+    def __init__(self, name: str = "", block_bytes: int = 0, namespace_id: bytes = b"",
+                 quota: TenantQuota | None = None) -> None:
         self.nodes: dict[bytes, Block] = {}
         self.name = name
         self.block_bytes = block_bytes
         self.namespace_id = namespace_id
         # Whether this namespace's blocks are written to the disk tier.
         self.disk_enabled = False
+        # The usage and quota of the tenant whose namespace this is; None
+        # without tenants (kvd.core.quota).
+        self.quota = quota
 
     def __len__(self) -> int:
         return len(self.nodes)

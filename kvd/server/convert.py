@@ -68,11 +68,12 @@ def tiers(engine: Engine, blocks: Sequence[Block]) -> bytes:
     return bytes(int(engine.tier_of(block)) for block in blocks)
 
 
-def event_message(event: Event) -> kvd_pb2.KvEvent:
+def event_message(event: Event, namespace_id: bytes | None = None) -> kvd_pb2.KvEvent:
+    """The event as sent; `namespace_id`: the id its subscriber knows the namespace by."""
     return kvd_pb2.KvEvent(
         kind=int(event.kind),
         sequence=event.sequence,
-        namespace_id=event.namespace_id,
+        namespace_id=event.namespace_id if namespace_id is None else namespace_id,
         keys=event.keys,
         parent_key=event.parent_key,
         tier=event.tier,

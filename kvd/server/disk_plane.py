@@ -248,8 +248,11 @@ class DiskPlane:
                 self.writes_idle.set()
             self.counters.batches += 1
             self._batch_done.set()
-            engine.finish_writes(writes, ok)
+            # The removals were durable before any write started: confirm
+            # them first, so a slot a failed write quarantines (for its own
+            # REMOVE) is not freed again by them.
             engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed_removals])
+            engine.finish_writes(writes, ok)
             self._resolve_durable(writes)
 
     async def wait_for_write_back(self, timeout_s: float) -> bool:
@@ -382,11 +385,15 @@ class DiskPlane:
             self.wake()
             if not futures:
                 return True
-            try:
-                results = await asyncio.wait_for(asyncio.gather(*futures), timeout_s)
-            except TimeoutError:
+            # asyncio.wait, not wait_for(gather(...)): when the call is
+            # cancelled (its client died), wait_for cancels the gather and
+            # never retrieves its CancelledError, which asyncio then logs as
+            # an error. The futures left behind are resolved by the writer.
+            _, pending = await asyncio.wait(futures, timeout=timeout_s)
+            if pending:
                 self.counters.durable_wait_failures += 1
                 return False
+            results = [future.result() for future in futures]
         finally:
             for pin in pins:
                 pin.release()

@@ -4,12 +4,18 @@ Handlers run on the daemon's event loop and call the engine synchronously,
 never awaiting in the middle of a state change, so each engine call is
 atomic. Operating errors (KvdError) become a gRPC status here and only here;
 anything else is a bug and surfaces as INTERNAL with a logged traceback.
+
+Before any handler runs, its request is brought inside the caller's tenant
+(`KvdService._scope`, kvd.server.auth): namespace ids and client ids are
+replaced by the engine's ids of the caller's own. Without auth the caller
+is no tenant, and only namespaces of no tenant are found.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -21,10 +27,20 @@ import grpc
 from kvd import __version__
 from kvd.clock import Clock
 from kvd.core.block import BlockState
-from kvd.core.engine import Engine, ReserveStatus
-from kvd.errors import InvalidArgument, KvdError, PinCapExceeded, ResourceExhausted, Unavailable
+from kvd.core.engine import Engine, ReserveStatus, namespace_not_found
+from kvd.core.quota import QuotaExceeded
+from kvd.errors import (
+    InvalidArgument,
+    KvdError,
+    PermissionDenied,
+    PinCapExceeded,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 from kvd.metrics import RpcMetrics
 from kvd.server import convert
+from kvd.server.auth import CURRENT_TENANT, Tenant, scoped_client_id
 from kvd.tiers.host import HostArena
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
@@ -79,6 +95,7 @@ def rpc(method: str) -> Callable[[Handler], Handler]:
         @functools.wraps(handler)
         async def wrapper(self: KvdService, request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with _measured(self.metrics, method, context):
+                self._scope(request)
                 return await handler(self, request, context)
 
         return wrapper
@@ -93,6 +110,7 @@ def stream_rpc(method: str) -> Callable[[StreamHandler], StreamHandler]:
         @functools.wraps(handler)
         async def wrapper(self: KvdService, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             async with _measured(self.metrics, method, context):
+                self._scope(request)
                 async for message in handler(self, request, context):
                     yield message
 
@@ -111,8 +129,12 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         max_message_bytes: int,
         disk_plane: DiskPlane | None = None,
         max_subscribers: int = 32,
+        auth_required: bool = False,
     ) -> None:
         self.engine = engine
+        # auth.mode = "token": every call must have come through the
+        # AuthInterceptor, which names its tenant (kvd.server.auth).
+        self.auth_required = auth_required
         self.disk_plane = disk_plane
         self.arena = arena
         self.clock = clock
@@ -127,11 +149,50 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         self._events_published = asyncio.Event()
         self._publish_scheduled = False
 
+    def _caller(self) -> Tenant | None:
+        """The tenant of the call being served; None without auth."""
+        tenant = CURRENT_TENANT.get()
+        if tenant is None and self.auth_required:
+            # Fail closed: only a call the interceptor let through has a tenant.
+            raise Unauthenticated("kvd does not know who sent this call")
+        return tenant
+
+    def _scope(self, request) -> None:
+        """Bring a request inside its caller's tenant, before its handler sees it.
+
+        Every request that names a namespace has it resolved within the
+        caller's tenant (kvd.server.auth): its namespace_id becomes the
+        engine's id of the caller's namespace, or the call is NOT_FOUND as
+        for a namespace nobody registered. Every client_id becomes the
+        engine's name of the caller's client. Done here, for every method,
+        so no handler can forget it.
+        """
+        tenant = self._caller()
+        fields = request.DESCRIPTOR.fields_by_name
+        if "namespace_id" in fields:
+            public_id = request.namespace_id
+            state = self.engine.tenant_namespace(tenant.name if tenant is not None else "", public_id)
+            if tenant is not None and not tenant.may_use(state.spec.model_id):
+                # Its model was taken off the tenant's list since it registered it.
+                raise namespace_not_found(public_id)
+            request.namespace_id = state.namespace_id
+        if "client_id" in fields:
+            request.client_id = scoped_client_id(tenant, request.client_id)
+
     @rpc("RegisterNamespace")
     async def RegisterNamespace(self, request, context):
         if not request.HasField("spec"):
             raise InvalidArgument("spec must be set")
         spec = convert.spec_from_proto(request.spec)
+        tenant = self._caller()
+        if tenant is not None:
+            if not tenant.may_use(spec.model_id):
+                raise PermissionDenied(
+                    f"tenant {tenant.name!r} may not use model {spec.model_id!r} "
+                    f"(its namespaces: {', '.join(tenant.namespaces) or 'none'})"
+                )
+            # The tenant's own namespace: never the same as another's (kvd.core.keys).
+            spec = dataclasses.replace(spec, tenant=tenant.name)
         known = len(self.engine.namespaces())
         state = self.engine.register_namespace(spec)
         if self.disk_plane is not None:
@@ -148,7 +209,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 },
             )
         return kvd_pb2.RegisterNamespaceResponse(
-            namespace_id=state.namespace_id, block_bytes=state.block_bytes, layer_bytes=state.spec.layer_bytes
+            namespace_id=state.public_id, block_bytes=state.block_bytes, layer_bytes=state.spec.layer_bytes
         )
 
     @rpc("ArenaInfo")
@@ -174,8 +235,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         arguments = (request.namespace_id, request.client_id, request.parent_key, list(request.keys), lease_ms)
         try:
             return self.engine.reserve(*arguments, self.clock.now_ms())
-        except PinCapExceeded:
-            raise  # the disk writer frees none of this client's pins
+        except (PinCapExceeded, QuotaExceeded):
+            raise  # the disk writer frees none of this client's pins, nor the tenant's quota
         except ResourceExhausted:
             if self.disk_plane is None or self.disk_plane.writes_idle.is_set():
                 raise
@@ -230,7 +291,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         if not await self.disk_plane.wait_durable(blocks, timeout_s):
             raise Unavailable(
                 "the blocks are committed in host memory but could not be made durable on disk "
-                "(disk error, disk tier full, or deadline); they may still be written later"
+                "(disk error, disk tier full, the tenant's disk quota, or deadline); they may still be written later"
             )
 
     @rpc("PutInline")
@@ -433,14 +494,16 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     @stream_rpc("WatchEvents")
     async def WatchEvents(self, request, context):
         events = self.engine.events
-        namespace_id = self.engine.namespace(request.namespace_id).namespace_id
+        state = self.engine.namespace(request.namespace_id)
+        # Events carry the id the client knows (a tenant's differs from the engine's).
+        namespace_id, public_id = state.namespace_id, state.public_id
         if self._draining:
             raise Unavailable("kvd is draining; watch again once it is back, from a new snapshot")
         if self._subscribers >= self.max_subscribers:
             raise ResourceExhausted(f"too many event subscribers (max {self.max_subscribers}); close a watch first")
         last = events.last_sequence(namespace_id)
         if request.instance_id and request.instance_id != self.arena.instance_id:
-            yield self._resync(namespace_id, last, kvd_pb2.RESYNC_REASON_INSTANCE_CHANGED)
+            yield self._resync(public_id, last, kvd_pb2.RESYNC_REASON_INSTANCE_CHANGED)
             return
         if request.from_sequence > last + 1:
             raise InvalidArgument(
@@ -449,14 +512,14 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             )
         next_sequence = request.from_sequence or last + 1
         if next_sequence < events.first_sequence(namespace_id):
-            yield self._resync(namespace_id, last, kvd_pb2.RESYNC_REASON_SEQUENCE_TOO_OLD)
+            yield self._resync(public_id, last, kvd_pb2.RESYNC_REASON_SEQUENCE_TOO_OLD)
             return
         self._subscribe(+1)
         try:
             yield kvd_pb2.KvEvent(
                 kind=kvd_pb2.KV_EVENT_KIND_WATCHING,
                 sequence=next_sequence - 1,
-                namespace_id=namespace_id,
+                namespace_id=public_id,
                 instance_id=self.arena.instance_id,
             )
             while True:
@@ -466,14 +529,14 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 batch = events.read(namespace_id, next_sequence, WATCH_READ_EVENTS)
                 if batch is None:
                     yield self._resync(
-                        namespace_id, events.last_sequence(namespace_id), kvd_pb2.RESYNC_REASON_SUBSCRIBER_TOO_SLOW
+                        public_id, events.last_sequence(namespace_id), kvd_pb2.RESYNC_REASON_SUBSCRIBER_TOO_SLOW
                     )
                     return
                 if not batch:
                     await published.wait()
                     continue
                 for event in batch:
-                    yield convert.event_message(event)
+                    yield convert.event_message(event, public_id)
                 next_sequence = batch[-1].sequence + 1
         finally:
             self._subscribe(-1)
@@ -574,6 +637,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 kvd_pb2.NamespaceStats(
                     namespace_id=state.namespace_id,
                     model_id=state.spec.model_id,
+                    tenant=state.spec.tenant,
                     blocks=len(state.index),
                     block_bytes=state.block_bytes,
                     hits=state.lookup_hits + state.get_hits,

@@ -90,11 +90,21 @@ def resolve_target(target: str | None, state_dir: str) -> str:
     return f"127.0.0.1:{endpoints['tcp_port']}"
 
 
-def fetch_status(target: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    with grpc.insecure_channel(target) as channel:
+def open_channel(target: str, tls_ca_file: str | None = None) -> grpc.Channel:
+    """A channel to `target`: TLS trusting the CAs of `tls_ca_file` if given, else plaintext."""
+    if tls_ca_file:
+        return grpc.secure_channel(target, grpc.ssl_channel_credentials(Path(tls_ca_file).read_bytes()))
+    return grpc.insecure_channel(target)
+
+
+def fetch_status(target: str, timeout_s: float = 5.0, token: str | None = None,
+                 tls_ca_file: str | None = None) -> dict[str, Any]:
+    """Stats of the daemon at `target`; with auth.mode = "token", `token` must be an admin tenant's."""
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    with open_channel(target, tls_ca_file) as channel:
         stub = kvd_pb2_grpc.KvdStub(channel)
         try:
-            response = stub.Stats(kvd_pb2.StatsRequest(include_metrics=True), timeout=timeout_s)
+            response = stub.Stats(kvd_pb2.StatsRequest(include_metrics=True), timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as error:
             raise ConnectionError(f"cannot reach kvd at {target}: {error.code().name}: {error.details()}") from None
     return status_from_response(target, response)
@@ -137,9 +147,11 @@ def status_from_response(target: str, response: kvd_pb2.StatsResponse) -> dict[s
         "disk_io": _disk_io(samples),
         "events": _events(samples),
         "prefetch": _prefetch(samples),
+        "tenants": _tenants(samples),
         "namespaces": [
             {
                 "namespace_id": namespace.namespace_id.hex(),
+                "tenant": namespace.tenant,
                 "model_id": namespace.model_id,
                 "blocks": namespace.blocks,
                 "block_bytes": namespace.block_bytes,
@@ -157,6 +169,21 @@ def _count(value: float | None) -> int | None:
 
 def _counts(values: dict[str, float]) -> dict[str, int]:
     return {key: int(value) for key, value in sorted(values.items())}
+
+
+def _tenants(samples: Samples) -> list[dict[str, Any]]:
+    """Usage, quota and quota outcomes of each tenant, by tier (auth.mode = "token")."""
+    tenants = []
+    for name in sorted(samples.by_label("kvd_tenant_used_bytes", "tenant")):
+        only = {"tenant": name}
+        tenants.append({
+            "tenant": name,
+            "used_bytes": _counts(samples.by_label("kvd_tenant_used_bytes", "tier", only)),
+            "quota_bytes": _counts(samples.by_label("kvd_tenant_quota_bytes", "tier", only)),
+            "refusals": _counts(samples.by_label("kvd_tenant_quota_refusals_total", "tier", only)),
+            "evictions": _counts(samples.by_label("kvd_tenant_quota_evictions_total", "tier", only)),
+        })
+    return tenants
 
 
 def _pins(samples: Samples) -> dict[str, int] | None:
@@ -352,7 +379,16 @@ def render_status(status: dict[str, Any]) -> str:
         ratio = prefetch["useful_ratio"]
         useful = f"; useful {100.0 * ratio:.1f}% (used / (used + wasted))" if ratio is not None else ""
         parts += _section("prefetch", [_listing(prefetch["samples"]) + useful])
+    for tenant in status.get("tenants", []):
+        usage = []
+        for tier, used in tenant["used_bytes"].items():
+            quota = tenant["quota_bytes"].get(tier)
+            usage.append(f"{tier} {human_bytes(used)}" + (f" of {human_bytes(quota)}" if quota else ""))
+        parts += _section("tenant", [f"{tenant['tenant']}: " + ", ".join(usage)
+                                     + f"; quota refusals {_listing(tenant['refusals'])}"
+                                     + f", evictions {_listing(tenant['evictions'])}"])
     parts.append("")
+    tenant_column = any(namespace.get("tenant") for namespace in status["namespaces"])
     namespace_rows = []
     for namespace in status["namespaces"]:
         requests = namespace["hits"] + namespace["misses"]
@@ -360,6 +396,7 @@ def render_status(status: dict[str, Any]) -> str:
         namespace_rows.append(
             [
                 namespace["namespace_id"][:16],
+                *([namespace.get("tenant") or "-"] if tenant_column else []),
                 namespace["model_id"],
                 str(namespace["blocks"]),
                 human_bytes(namespace["block_bytes"]),
@@ -369,7 +406,9 @@ def render_status(status: dict[str, Any]) -> str:
             ]
         )
     if namespace_rows:
-        parts.append(_table(["namespace", "model", "blocks", "block size", "hits", "misses", "hit rate"], namespace_rows))
+        headers = ["namespace", *(["tenant"] if tenant_column else []), "model", "blocks", "block size", "hits",
+                   "misses", "hit rate"]
+        parts.append(_table(headers, namespace_rows))
     else:
         parts.append("no namespaces registered")
     return "\n".join(parts)

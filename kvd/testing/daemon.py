@@ -53,6 +53,21 @@ def to_toml(values: dict[str, Any], prefix: str = "") -> str:
     return text
 
 
+def log_problems(log: str) -> list[str]:
+    """Lines of a daemon log at level error or critical, or with a traceback."""
+    problems = []
+    for line in log.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if "Traceback" in line:
+                problems.append(line)
+            continue
+        if record.get("level", "").lower() in ("error", "critical") or "traceback" in json.dumps(record).lower():
+            problems.append(line)
+    return problems
+
+
 @dataclass
 class DaemonProcess:
     process: subprocess.Popen
@@ -88,6 +103,25 @@ class DaemonProcess:
             if line.startswith(name + " "):
                 return float(line.split()[1])
         return None
+
+    def metric_samples(self, name: str) -> dict[str, float]:
+        """Every sample of metric `name`, keyed by its line up to the value
+        (`kvd_rpc_total{code="OK",method="Get"}`), from the daemon's /metrics."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        samples = {}
+        for line in text.splitlines():
+            if line.startswith((name + "{", name + " ")):
+                key, value = line.rsplit(" ", 1)
+                samples[key] = float(value)
+        return samples
+
+    def rss_bytes(self) -> int:
+        """The daemon's resident set (VmRSS), the shared-memory arena included."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no VmRSS for pid {self.pid}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

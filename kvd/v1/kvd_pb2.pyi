@@ -416,20 +416,22 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace_id", "model_id", "blocks", "block_bytes", "hits", "misses")
+    __slots__ = ("namespace_id", "model_id", "blocks", "block_bytes", "hits", "misses", "tenant")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     model_id: str
     blocks: int
     block_bytes: int
     hits: int
     misses: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., model_id: _Optional[str] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., model_id: _Optional[str] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("version", "instance_id", "uptime_s", "tiers", "namespaces", "leases", "leases_expired", "metrics")

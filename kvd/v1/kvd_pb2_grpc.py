@@ -26,7 +26,15 @@ if _version_not_supported:
 
 
 class KvdStub:
-    """Missing associated documentation comment in .proto file."""
+    """Authentication (auth.mode = "token"): every call carries the metadata
+    `authorization: Bearer <token>` of a tenant. Without it, or with a token
+    the daemon does not know: UNAUTHENTICATED. A tenant sees only its own
+    namespaces: a namespace_id it did not register is NOT_FOUND, exactly as
+    one nobody registered, whoever else uses the same spec and keys; its
+    client_ids are its own too. Stats is administrative: PERMISSION_DENIED
+    for a tenant that is not an admin. A Put over the tenant's host quota is
+    RESOURCE_EXHAUSTED. The gRPC health service needs no token.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -112,7 +120,15 @@ class KvdStub:
 
 
 class KvdServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Authentication (auth.mode = "token"): every call carries the metadata
+    `authorization: Bearer <token>` of a tenant. Without it, or with a token
+    the daemon does not know: UNAUTHENTICATED. A tenant sees only its own
+    namespaces: a namespace_id it did not register is NOT_FOUND, exactly as
+    one nobody registered, whoever else uses the same spec and keys; its
+    client_ids are its own too. Stats is administrative: PERMISSION_DENIED
+    for a tenant that is not an admin. A Put over the tenant's host quota is
+    RESOURCE_EXHAUSTED. The gRPC health service needs no token.
+    """
 
     def RegisterNamespace(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -299,7 +315,15 @@ def add_KvdServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Kvd:
-    """Missing associated documentation comment in .proto file."""
+    """Authentication (auth.mode = "token"): every call carries the metadata
+    `authorization: Bearer <token>` of a tenant. Without it, or with a token
+    the daemon does not know: UNAUTHENTICATED. A tenant sees only its own
+    namespaces: a namespace_id it did not register is NOT_FOUND, exactly as
+    one nobody registered, whoever else uses the same spec and keys; its
+    client_ids are its own too. Stats is administrative: PERMISSION_DENIED
+    for a tenant that is not an admin. A Put over the tenant's host quota is
+    RESOURCE_EXHAUSTED. The gRPC health service needs no token.
+    """
 
     @staticmethod
     def RegisterNamespace(request,

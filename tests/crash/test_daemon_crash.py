@@ -44,7 +44,7 @@ import numpy as np
 import pytest
 
 from kvd.client import Client
-from kvd.testing.daemon import DaemonProcess, run_daemon, start_daemon
+from kvd.testing.daemon import DaemonProcess, log_problems, run_daemon, start_daemon
 from kvd.testing.put_stream import SPEC, blocks_for, read_log
 from kvd.v1 import kvd_pb2
 
@@ -120,20 +120,6 @@ def metric(daemon: DaemonProcess, sample: str) -> float:
         if line.startswith(sample + " "):
             return float(line.split()[-1])
     raise AssertionError(f"no metric sample {sample}")
-
-
-def log_problems(log: str) -> list[str]:
-    problems = []
-    for line in log.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if "Traceback" in line:
-                problems.append(line)
-            continue
-        if record.get("level", "").lower() in ("error", "critical") or "traceback" in json.dumps(record).lower():
-            problems.append(line)
-    return problems
 
 
 def recovery_counts(daemon: DaemonProcess) -> dict:

@@ -210,6 +210,8 @@ def test_resume_replays_and_a_too_old_or_foreign_sequence_asks_for_a_resync(tmp_
         wait_for_metric(daemon, "kvd_event_subscribers", 1)  # the first watch has ended
         with client.watch_events(namespace, from_sequence=18) as watch:
             assert next(watch).sequence == 18
+        # The daemon ends a closed watch's subscription soon, not at once.
+        wait_for_metric(daemon, "kvd_event_subscribers", 1)
         with pytest.raises(ResyncRequired) as raised:
             client.watch_events(namespace, from_sequence=20, instance_id="another-instance")
         assert raised.value.reason == "instance_changed" and raised.value.instance_id == instance_id

@@ -71,18 +71,10 @@ def test_faults_lose_blocks_and_nothing_wrong_is_served():
     assert stats.disk_hit_blocks > 0
 
 
-# Found by the simulator (e.g. `make sim-long`, seeds 8 and 14):
-# Engine._lose (a disk load that fails) frees the host slots of every block
-# under the lost one, including WRITABLE blocks a writer reserved under a
-# disk-only parent and is still writing. The slot goes to the next reserve
-# or load while the first writer still writes into it: two blocks' bytes in
-# one slot. Remove the mark once the engine keeps a writer's slot until its
-# handle is released.
-WRITER_SLOT_BUG = "engine: a failed load frees the host slots of blocks their writer still holds"
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=WRITER_SLOT_BUG)
 def test_a_writers_slot_stays_its_own_when_a_load_of_its_parent_fails(engine_factory):
+    """Found by the simulator: a failed load of a disk-only block freed the
+    host slots of everything under it, including a block a writer had
+    reserved and was still filling; the next reserve got that slot."""
     spec = NamespaceSpec(model_id="writer-slot", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
     engine = engine_factory(2, 64, disk_slot_count=8, disk_slot_bytes=64)
     ns = engine.register_namespace(spec).namespace_id

@@ -684,7 +684,7 @@ def test_release_is_all_or_nothing(env):
     rejected(engine, NotFound, "release", "me", [mine.lease_id, 999])
     rejected(engine, InvalidArgument, "release", "me", [mine.lease_id, mine.lease_id], match="duplicates")
     rejected(engine, InvalidArgument, "release", "", [mine.lease_id], match="client_id")
-    rejected(engine, InvalidArgument, "release", "x" * 129, [mine.lease_id], match="client_id")
+    rejected(engine, InvalidArgument, "release", "x" * 257, [mine.lease_id], match="client_id")
     assert engine.release("me", []) == 0
     assert engine.close_all_leases() == 2
     assert (engine.live_handles, engine.pinned_blocks) == (0, 0)

@@ -96,6 +96,7 @@ FIELD_CHANGES = {
     "pp_size": 2,
     "lora_id": "adapter",
     "tenant_salt": b"tenant",
+    "tenant": "team-a",
 }
 
 

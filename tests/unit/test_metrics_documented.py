@@ -8,6 +8,7 @@ import re
 import kvd.metrics
 from kvd.core.engine import Engine
 from kvd.core.keys import NamespaceSpec
+from kvd.core.quota import TenantQuota
 from kvd.metrics import DiskIoMetrics, make_registry
 
 ROW = re.compile(r"^\| (kvd_\w+) \| (\w+) \|\s*([\w, ]*?)\s*\| .+ \|$")
@@ -27,7 +28,8 @@ def documented() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
     """metric name -> (type, labels) of every family a daemon with a disk tier exports."""
-    engine = Engine(host_slot_count=4, host_slot_bytes=64, disk_slot_count=4, disk_slot_bytes=64)
+    engine = Engine(host_slot_count=4, host_slot_bytes=64, disk_slot_count=4, disk_slot_bytes=64,
+                    tenant_quotas=[TenantQuota("team-a", host_limit_bytes=128)])
     engine.register_namespace(NamespaceSpec(model_id="m", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1))
     registry, rpc = make_registry(engine)
     disk = DiskIoMetrics(registry, lambda: {"restore": 0, "write": 0}, lambda: (0, 0))
@@ -35,6 +37,7 @@ def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
     rpc.duration.labels("Get").observe(0.001)
     rpc.total.labels("Get", "OK").inc()
     rpc.event_resyncs.labels("sequence_too_old").inc()
+    rpc.auth_failures.labels("unknown_token").inc()
     disk.observe_job("restore", 0.001, 0.002)
     families = {}
     for family in registry.collect():

@@ -302,7 +302,7 @@ def corruptions():
         s3["b"].policy_state |= COLD
 
     def candidate_in_ghost(s3):
-        s3.policy._ghost[s3["a"].key] = True
+        s3.policy._ghost[s3["a"].key] = s3["a"].index.namespace_id
 
     def ghost_over_limit(s3):
         for n in range(20):

@@ -59,8 +59,9 @@ Fitting kvd's candidate protocol (kvd.core.policy), the choices made:
 Memory: no per-block cost. The state is one small int (< 32, a cached int
 object) in a slot that fills the Block record to exactly its pymalloc size
 class (bench/bench_index_memory.py). The ghost is an insertion-ordered dict
-of key objects (shared with the block while it is still indexed, as a
-demoted block is), bounded to 90% of the host slots as in the paper: its
+of key objects to their namespace's id (both shared with the block while it
+is still indexed, as a demoted block is; a key alone is not unique, as two
+tenants' namespaces hold their clients' identical keys), bounded to 90% of the host slots as in the paper: its
 size follows the tier's capacity, not the number of indexed blocks.
 """
 
@@ -90,8 +91,10 @@ class S3FifoPolicy:
         check(slot_count > 0, "S3-FIFO needs the host slot count")
         self._small = BlockList()
         self._main = BlockList()
-        # Keys evicted from S, oldest first (values unused).
-        self._ghost: OrderedDict[bytes, bool] = OrderedDict()
+        # Keys evicted from S, oldest first, each with its namespace's id:
+        # keys are unique within a namespace only (tenants' namespaces share
+        # their clients' keys), and a ghost hit is one of the same namespace.
+        self._ghost: OrderedDict[bytes, bytes] = OrderedDict()
         self.ghost_limit = max(1, slot_count * GHOST_PERCENT // 100)
         # What victim() last returned, until the next call of any other kind.
         self._victim: Block | None = None
@@ -106,7 +109,9 @@ class S3FifoPolicy:
         state = block.policy_state
         check(not state & LINKED, "block admitted twice")
         self._victim = None
-        recalled = self._ghost.pop(block.key, False)
+        recalled = self._ghost.get(block.key) == block.index.namespace_id
+        if recalled:
+            del self._ghost[block.key]
         if cold:
             block.policy_state = LINKED | COLD
             self._small.push_head(block)
@@ -126,7 +131,7 @@ class S3FifoPolicy:
         (self._main if state & MAIN else self._small).unlink(block)
         if block is self._victim:
             if not state & MAIN:
-                self._remember(block.key)
+                self._remember(block)
             block.policy_state = 0
         else:
             block.policy_state = state & (FREQUENCY | MAIN)
@@ -171,9 +176,9 @@ class S3FifoPolicy:
             self._victim = head
             return head
 
-    def _remember(self, key: bytes) -> None:
+    def _remember(self, block: Block) -> None:
         ghost = self._ghost
-        ghost[key] = True
+        ghost[block.key] = block.index.namespace_id
         if len(ghost) > self.ghost_limit:
             ghost.popitem(last=False)
 
@@ -210,5 +215,5 @@ class S3FifoPolicy:
             state = block.policy_state
             check(state & (LINKED | MAIN | COLD) == LINKED | MAIN, f"{block!r} in M with state {state:#x}")
         for block in (*small, *main):
-            check(block.key not in ghost, f"candidate {block!r} is also a ghost")
+            check(ghost.get(block.key) != block.index.namespace_id, f"candidate {block!r} is also a ghost")
         check(len(ghost) <= self.ghost_limit, f"ghost holds {len(ghost)} keys, limit {self.ghost_limit}")

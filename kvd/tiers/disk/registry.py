@@ -7,6 +7,10 @@ records (journal.encode_frame, type NAMESPACE):
 
     payload = namespace id (32)  NamespaceSpec.encode() bytes
 
+A tenant's namespace (auth.mode = "token") has its tenant's name in its
+spec, so it is recovered as that tenant's namespace and no other's. A kvd
+that predates tenants cannot decode such a spec and leaves it alone.
+
 A namespace is appended (and fsynced) to every drive's registry before the
 first block of it is written anywhere, so a drive's manifest never names a
 namespace its own registry lacks, barring damage.
@@ -63,7 +67,10 @@ _FIELDS: tuple[tuple[str, Callable[[bytes], object]], ...] = (
     ("lora_id", _text),
     ("tenant_salt", bytes),
     ("hash_scheme", _text),
+    # Encoded only when not empty (a tenant's namespace, auth.mode = "token").
+    ("tenant", _text),
 )
+_OPTIONAL_FIELDS = frozenset({"tenant"})
 
 
 def decode_spec(encoding: bytes) -> NamespaceSpec:
@@ -71,10 +78,14 @@ def decode_spec(encoding: bytes) -> NamespaceSpec:
     values: dict[str, object] = {}
     position = 0
     for name, convert in _FIELDS:
+        if position == len(encoding) and name in _OPTIONAL_FIELDS:
+            break
         if position >= len(encoding):
             raise InvalidArgument(f"namespace encoding ends before field {name!r}")
         tag_length = encoding[position]
         tag = encoding[position + 1 : position + 1 + tag_length]
+        if tag != name.encode() and name in _OPTIONAL_FIELDS:
+            break  # not this optional field: bytes after the last field
         position += 1 + tag_length
         if tag != name.encode():
             raise InvalidArgument(f"namespace encoding has field {tag!r} where {name!r} belongs")

@@ -790,18 +790,29 @@ class DiskTier:
         Under STRICT the REMOVE records are durable when this returns; under
         GROUP at the next sync(), and write_blocks syncs first if it is
         handed one of these slots before then. False: the drive's manifest
-        failed; the slot stays unusable until the tier is reopened.
+        failed; the slot stays unusable until the tier is reopened. A slot
+        no record names (its write failed before the PUT was journalled)
+        needs nothing journalled: True at once.
         """
         self._check_writable()
         count = len(keys_and_slots)
         ok = np.ones(count, dtype=bool)
         by_drive: dict[int, list[int]] = {}
         for position, (key, slot) in enumerate(keys_and_slots):
+            drive = slot % self.config.drive_count
+            if slot not in self._owners and drive not in self.failed_drives:
+                # A write that failed before its PUT was journalled (EIO,
+                # ENOSPC, a short write, a failed fdatasync): the engine
+                # cannot tell that from a failed append and asks for a
+                # REMOVE, but no record names the block. A failed append
+                # fails the drive, so on a working drive nothing is left to
+                # remove: the slot is free.
+                continue
             check(
-                self._holds(slot, namespace_id, key),
+                slot not in self._owners or self._holds(slot, namespace_id, key),
                 f"removing key {key.hex()[:16]} from slot {slot}, which does not hold it",
             )
-            by_drive.setdefault(slot % self.config.drive_count, []).append(position)
+            by_drive.setdefault(drive, []).append(position)
         for drive, members in sorted(by_drive.items()):
             if drive in self.failed_drives:
                 ok[members] = False

@@ -1,0 +1,254 @@
+"""The engine with tenants: per-tenant namespaces, and host and disk quotas.
+
+Keys come from a one-token-per-block namespace, so a string names a chain
+(K("abc") = keys of "a", "ab", "abc"). Every step ends with engine.verify(),
+which recomputes each tenant's usage from the slots and checks its
+candidates against the host policy's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvd.core.block import NO_SLOT
+from kvd.core.engine import Engine, ReserveStatus
+from kvd.core.keys import NamespaceSpec, chain_keys
+from kvd.core.quota import QuotaExceeded, TenantQuota
+from kvd.errors import NotFound, PermissionDenied, ResourceExhausted
+from kvd.testing.engine_snapshot import snapshot
+
+SPEC = NamespaceSpec(model_id="tenant-test", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
+SLOT = 64
+LONG = 10_000
+
+
+def K(chain: str) -> list[bytes]:
+    return chain_keys(SPEC, [ord(ch) for ch in chain])
+
+
+def tenant_spec(tenant: str) -> NamespaceSpec:
+    return dataclasses.replace(SPEC, tenant=tenant)
+
+
+def put(engine: Engine, namespace_id: bytes, chain: str, client: str = "w", parent: str = "") -> int:
+    keys = K(chain)[len(parent):]
+    parent_key = K(parent)[-1] if parent else b""
+    result = engine.reserve(namespace_id, client, parent_key, keys, LONG, 0)
+    if result.lease is None:
+        return 0
+    sealed, _ = engine.commit(namespace_id, client, result.lease.lease_id, [], [], 0)
+    engine.verify()
+    return sealed
+
+
+def stored(engine: Engine, namespace_id: bytes, chain: str) -> int:
+    return len(engine.lookup(namespace_id, K(chain)))
+
+
+def test_identical_specs_of_two_tenants_are_two_namespaces():
+    engine = Engine(host_slot_count=8, host_slot_bytes=SLOT)
+    a = engine.register_namespace(tenant_spec("a"))
+    b = engine.register_namespace(tenant_spec("b"))
+    plain = engine.register_namespace(SPEC)
+    assert len({a.namespace_id, b.namespace_id, plain.namespace_id}) == 3
+    # Clients know all three by the same id: the digest of the spec they sent.
+    assert a.public_id == b.public_id == plain.public_id == SPEC.namespace_id()
+    assert engine.tenant_namespace("a", SPEC.namespace_id()) is a
+    assert engine.tenant_namespace("b", SPEC.namespace_id()) is b
+    assert engine.tenant_namespace("", SPEC.namespace_id()) is plain
+    put(engine, a.namespace_id, "abc")
+    assert stored(engine, a.namespace_id, "abc") == 3
+    assert stored(engine, b.namespace_id, "abc") == stored(engine, plain.namespace_id, "abc") == 0
+    # Another tenant's engine id is no id of this tenant's: the same error as an unknown one.
+    with pytest.raises(NotFound) as foreign:
+        engine.tenant_namespace("b", a.namespace_id)
+    with pytest.raises(NotFound) as unknown:
+        engine.tenant_namespace("b", bytes(32))
+    assert str(foreign.value).replace(a.namespace_id.hex()[:16], "X") == str(unknown.value).replace("0" * 16, "X")
+    with pytest.raises(NotFound):
+        engine.tenant_namespace("c", SPEC.namespace_id())
+    engine.verify()
+
+
+def test_leases_of_another_scope_are_not_found_and_of_another_client_denied():
+    engine = Engine(host_slot_count=8, host_slot_bytes=SLOT)
+    a = engine.register_namespace(tenant_spec("a")).namespace_id
+    put(engine, a, "ab", client="a\x00w")
+    lease, _ = engine.get(a, "a\x00reader", K("ab"), LONG, 0)
+    with pytest.raises(NotFound):
+        engine.release("b\x00reader", [lease.lease_id])
+    with pytest.raises(NotFound):
+        engine.renew("b\x00reader", lease.lease_id, LONG, 0)
+    with pytest.raises(PermissionDenied):
+        engine.release("a\x00other", [lease.lease_id])
+    assert engine.release("a\x00reader", [lease.lease_id]) == 1
+    engine.verify()
+
+
+def host_quota_engine(slots: int, limit_slots: int) -> tuple[Engine, TenantQuota, bytes, bytes]:
+    quota = TenantQuota("a", host_limit_bytes=limit_slots * SLOT)
+    engine = Engine(host_slot_count=slots, host_slot_bytes=SLOT, tenant_quotas=[quota])
+    a = engine.register_namespace(tenant_spec("a")).namespace_id
+    b = engine.register_namespace(tenant_spec("b")).namespace_id
+    return engine, quota, a, b
+
+
+def test_a_put_past_the_host_quota_evicts_the_tenants_own_least_recently_used_blocks():
+    engine, quota, a, b = host_quota_engine(slots=16, limit_slots=4)
+    put(engine, b, "zyx")
+    put(engine, a, "ab")
+    put(engine, a, "cd")
+    assert quota.host_used_bytes == 4 * SLOT
+    engine.lookup(a, K("ab"))  # "ab" is now more recently used than "cd"
+    assert put(engine, a, "e") == 1
+    # One slot made: the tenant's least recently used leaf ("cd"'s tail) went,
+    # the free slots and the other tenant's blocks were not used for it.
+    assert quota.host_used_bytes == 4 * SLOT
+    assert (stored(engine, a, "ab"), stored(engine, a, "cd"), stored(engine, a, "e")) == (2, 1, 1)
+    assert stored(engine, b, "zyx") == 3
+    assert quota.counters.host_evicted == 1
+    assert len(engine.host.free_slots) == 16 - 7
+
+
+def test_a_put_the_quota_cannot_make_room_for_is_refused_and_changes_nothing():
+    engine, quota, a, b = host_quota_engine(slots=16, limit_slots=3)
+    put(engine, a, "abc")
+    lease, _ = engine.get(a, "r", K("abc"), LONG, 0)  # every block of the tenant pinned
+    before = snapshot(engine)
+    with pytest.raises(QuotaExceeded, match=r"tenant 'a' is over its host quota: its blocks take 192 of its 192 "):
+        engine.reserve(a, "w", b"", K("x"), LONG, 0)
+    assert snapshot(engine) == before
+    assert quota.host_used_bytes == 3 * SLOT
+    assert quota.counters.host_refused == 1
+    # A Put larger than the quota itself can never fit.
+    engine.release("r", [lease.lease_id])
+    with pytest.raises(QuotaExceeded, match="needs 256 bytes .4 slots of 64 bytes., more than its whole quota of 192"):
+        engine.reserve(a, "w", b"", K("wxyz"), LONG, 0)
+    # The other tenant, with no quota, is not limited by this one's.
+    assert put(engine, b, "abcdefgh") == 8
+    engine.verify()
+
+
+def test_keys_already_stored_are_not_charged_again_and_the_extended_block_is_kept():
+    engine, quota, a, _ = host_quota_engine(slots=16, limit_slots=3)
+    put(engine, a, "ab")
+    put(engine, a, "x")
+    # Extending "ab" by one needs one slot: "x" goes, not "ab"'s tail, which
+    # the new block hangs under, even though "ab" is older.
+    result = engine.reserve(a, "w", b"", K("abc"), LONG, 0)
+    assert result.statuses == [ReserveStatus.EXISTS, ReserveStatus.EXISTS, ReserveStatus.RESERVED]
+    engine.commit(a, "w", result.lease.lease_id, [], [], 0)
+    assert (stored(engine, a, "abc"), stored(engine, a, "x")) == (3, 0)
+    assert quota.host_used_bytes == 3 * SLOT
+    engine.verify()
+
+
+def test_deletes_and_evictions_give_quota_back():
+    engine, quota, a, b = host_quota_engine(slots=4, limit_slots=3)
+    put(engine, a, "abc")
+    engine.delete(a, [K("abc")[1]])
+    assert quota.host_used_bytes == SLOT
+    assert [block.key for block in quota.candidates] == K("a")
+    # The other tenant fills the arena: global eviction takes the tenant's last block.
+    put(engine, b, "wxyz")
+    assert quota.host_used_bytes == 0 and not quota.candidates
+    engine.verify()
+
+
+def disk_engine(disk_limit_slots: int) -> tuple[Engine, TenantQuota, bytes, bytes]:
+    quota = TenantQuota("a", disk_limit_bytes=disk_limit_slots * SLOT)
+    engine = Engine(host_slot_count=32, host_slot_bytes=SLOT, disk_slot_count=8, disk_slot_bytes=SLOT,
+                    tenant_quotas=[quota])
+    a = engine.register_namespace(tenant_spec("a")).namespace_id
+    b = engine.register_namespace(tenant_spec("b")).namespace_id
+    engine.enable_disk(a)
+    engine.enable_disk(b)
+    return engine, quota, a, b
+
+
+def flush(engine: Engine) -> list[bytes]:
+    """Write what is queued, as the daemon's disk plane would; the keys made durable."""
+    writes = engine.pick_writes(100)
+    removals = engine.take_disk_removals()
+    engine.finish_writes(writes, [True] * len(writes))
+    engine.confirm_disk_removals([slot for _, _, slot in removals])
+    engine.verify()
+    return [write.block.key for write in writes if write.block.disk_slot == write.disk_slot]
+
+
+def test_a_tenant_at_its_disk_quota_replaces_its_own_disk_blocks_never_anothers():
+    engine, quota, a, b = disk_engine(disk_limit_slots=2)
+    put(engine, b, "zy")
+    put(engine, a, "p")
+    put(engine, a, "q")
+    assert len(flush(engine)) == 4
+    assert quota.disk_used_bytes == 2 * SLOT
+    put(engine, a, "r")
+    assert flush(engine) == K("r")
+    # One of the tenant's own blocks gave its disk slot up (its host copy stays).
+    on_disk = [chain for chain in "pqr" if engine.namespace(a).index.get(K(chain)[0]).disk_slot != NO_SLOT]
+    assert len(on_disk) == 2 and "r" in on_disk
+    assert quota.disk_used_bytes == 2 * SLOT
+    assert quota.counters.disk_evicted == 1
+    assert all(engine.namespace(b).index.get(key).disk_slot != NO_SLOT for key in K("zy"))
+
+
+def test_a_block_the_disk_quota_has_no_room_for_is_not_written():
+    engine, quota, a, _ = disk_engine(disk_limit_slots=1)
+    put(engine, a, "p")
+    assert flush(engine) == K("p")
+    # "pq": its only evictable own block would be its parent: nothing can go.
+    put(engine, a, "pq", parent="p")
+    assert flush(engine) == []
+    assert quota.counters.disk_refused == 1
+    assert quota.disk_used_bytes == SLOT
+    # It stays in host memory, served from there.
+    assert stored(engine, a, "pq") == 2
+    assert engine.disk.counters.write_failures == 0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_operations_keep_every_tenants_accounting_exact(seed):
+    import random
+
+    rng = random.Random(seed)
+    quotas = [TenantQuota("a", host_limit_bytes=5 * SLOT, disk_limit_bytes=4 * SLOT),
+              TenantQuota("b", host_limit_bytes=9 * SLOT)]
+    engine = Engine(host_slot_count=12, host_slot_bytes=SLOT, disk_slot_count=10, disk_slot_bytes=SLOT,
+                    tenant_quotas=quotas, policy=rng.choice(["lru", "s3fifo"]))
+    namespaces = []
+    for tenant in ("a", "b", "c"):
+        state = engine.register_namespace(tenant_spec(tenant))
+        engine.enable_disk(state.namespace_id)
+        namespaces.append(state.namespace_id)
+    leases: list[tuple[str, int]] = []
+    for _ in range(300):
+        namespace_id = rng.choice(namespaces)
+        chain = "".join(rng.choice("abc") for _ in range(rng.randint(1, 4)))
+        operation = rng.random()
+        try:
+            if operation < 0.45:
+                put(engine, namespace_id, chain)
+            elif operation < 0.6:
+                plan = engine.begin_get(namespace_id, "r", K(chain), LONG, 0)
+                engine.finish_loads(plan.loads, [True] * len(plan.loads))
+                engine.settle_get(plan)
+                if plan.lease is not None:
+                    leases.append(("r", plan.lease.lease_id))
+            elif operation < 0.7 and leases:
+                client, lease_id = leases.pop(rng.randrange(len(leases)))
+                engine.release(client, [lease_id])
+            elif operation < 0.8:
+                engine.delete(namespace_id, [K(chain)[-1]])
+            elif operation < 0.9:
+                plan = engine.begin_prefetch(namespace_id, K(chain), max_in_flight=4)
+                engine.finish_prefetch(plan.loads, [True] * len(plan.loads))
+            else:
+                flush(engine)
+        except ResourceExhausted:
+            pass  # over a quota, or every host slot pinned by the Gets' leases
+        engine.verify()
+        # Disk quotas are never exceeded (host ones can be, by Gets reading blocks back).
+        assert all(quota.disk_used_bytes <= quota.disk_limit_bytes for quota in quotas if quota.disk_limit_bytes)
