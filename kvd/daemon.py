@@ -120,6 +120,27 @@ class Daemon:
         self._stop = asyncio.Event()
         self._stopped = False
         self.bound_tcp_port: int | None = None
+        self.tokens: TokenTable | None = None
+
+    def reload_tokens(self) -> None:
+        """SIGHUP: re-read the tenants file and take its token digests (rotation without a restart).
+
+        A file that cannot be read, or that changes more than tokens, is
+        refused with an error in the log; the tokens in use stay.
+        """
+        if self.tokens is None:
+            log.warning("SIGHUP ignored: auth.mode is not token")
+            return
+        try:
+            tenants = load_tenants(self.config.auth.tenants_file)
+        except ConfigError as error:
+            log.error("tenants file not reloaded", extra={"reason": str(error)})
+            return
+        refusal = self.tokens.reload(tenants)
+        if refusal is not None:
+            log.error("tenants file not reloaded", extra={"reason": refusal})
+            return
+        log.info("tenant tokens reloaded", extra={"tenants": len(tenants)})
 
     async def start(self) -> None:
         config = self.config
@@ -187,8 +208,9 @@ class Daemon:
         if config.auth.mode == "token":
             for reason in FAILURE_REASONS:
                 rpc_metrics.auth_failures.labels(reason)  # exported at 0 from the start
+            self.tokens = TokenTable(tenants)
             interceptors.append(
-                AuthInterceptor(TokenTable(tenants), lambda reason: rpc_metrics.auth_failures.labels(reason).inc())
+                AuthInterceptor(self.tokens, lambda reason: rpc_metrics.auth_failures.labels(reason).inc())
             )
         self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.server.max_concurrent_rpcs,
                                       interceptors=interceptors)
@@ -414,12 +436,13 @@ async def _serve(config: Config) -> None:
     handled = (signal.SIGTERM, signal.SIGINT)
     for signum in handled:
         loop.add_signal_handler(signum, daemon.request_stop)
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload_tokens)
     try:
         await daemon.start()
         await daemon.wait()
     finally:
         await daemon.shutdown()
-        for signum in handled:
+        for signum in (*handled, signal.SIGHUP):
             loop.remove_signal_handler(signum)
 
 

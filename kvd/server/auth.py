@@ -81,6 +81,27 @@ class TokenTable:
 
     def __init__(self, tenants: Sequence[TenantSettings]) -> None:
         self._entries = [(digest, tenant_of(settings)) for settings in tenants for digest in settings.token_digests]
+        self._tenants = {settings.name: settings for settings in tenants}
+
+    def reload(self, tenants: Sequence[TenantSettings]) -> str | None:
+        """Take new token digests (SIGHUP: token rotation); None, or why nothing changed.
+
+        Only tokens may change: the tenants, their namespaces, quotas and
+        admin flags are wired into the engine and the service at start, so
+        a file that changes them is refused whole and the old tokens stay.
+        """
+        new = {settings.name: settings for settings in tenants}
+        if set(new) != set(self._tenants):
+            return "the set of tenants differs from the one the daemon started with (restart to change it)"
+        for name, settings in new.items():
+            old = self._tenants[name]
+            if (settings.namespaces, settings.host_bytes, settings.disk_bytes, settings.admin) != (
+                    old.namespaces, old.host_bytes, old.disk_bytes, old.admin):
+                return f"tenant {name!r}: only tokens may change without a restart"
+        # One assignment: a call being authenticated sees the old list or the new one.
+        self._entries = [(digest, tenant_of(settings)) for settings in tenants for digest in settings.token_digests]
+        self._tenants = new
+        return None
 
     def __len__(self) -> int:
         return len(self._entries)

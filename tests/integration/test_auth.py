@@ -379,3 +379,52 @@ def test_after_a_restart_a_tenants_disk_blocks_come_back_for_it_alone(tmp_path):
             assert np.array_equal(a.get_numpy(namespace, keys), blocks)
         samples = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
         assert f'kvd_tenant_used_bytes{{tenant="a",tier="disk"}} {3.0 * SLOT_BYTES}' in samples
+
+
+def test_sighup_rotates_tokens_and_refuses_other_changes(tmp_path):
+    """Token rotation without a restart: after SIGHUP the new token works and
+    the old one is unauthenticated. A file that changes more than tokens (a
+    quota here) is refused whole, with an error in the log, and the tokens
+    in use stay."""
+    import signal
+    import time
+
+    new_token_a = "a-rotated-token-for-tenant-a-2f4d"
+    directory = tmp_path / "d"
+    directory.mkdir()
+
+    def lookup_code(target: str, token: str) -> grpc.StatusCode:
+        stub = kvd_pb2_grpc.KvdStub(grpc.insecure_channel(target))
+        try:
+            stub.ArenaInfo(kvd_pb2.ArenaInfoRequest(), metadata=metadata(token), timeout=10)
+        except grpc.RpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+    def wait_for(target: str, token: str, code: grpc.StatusCode) -> None:
+        deadline = time.monotonic() + 10
+        while lookup_code(target, token) != code:
+            assert time.monotonic() < deadline, f"{token[:8]}... never got {code}"
+            time.sleep(0.05)
+
+    with run_daemon(directory, config=auth_config(directory), env={"KVD_TEST_TOKEN_B": TOKEN_B}) as daemon:
+        path = directory / "tenants.toml"
+        assert lookup_code(daemon.unix_target, TOKEN_A) == grpc.StatusCode.OK
+        original = path.read_text()
+        # A quota change too: refused, the old tokens go on working.
+        path.write_text(original.replace(sha(TOKEN_A), sha(new_token_a)).replace(
+            f"host_bytes = {SMALL_QUOTA_SLOTS * SLOT_BYTES}", f"host_bytes = {2 * SMALL_QUOTA_SLOTS * SLOT_BYTES}"))
+        daemon.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "tenants file not reloaded" not in daemon.log():
+            assert time.monotonic() < deadline, "the refusal was not logged"
+            time.sleep(0.05)
+        assert lookup_code(daemon.unix_target, TOKEN_A) == grpc.StatusCode.OK
+        assert lookup_code(daemon.unix_target, new_token_a) == grpc.StatusCode.UNAUTHENTICATED
+        # Only the token: taken.
+        path.write_text(original.replace(sha(TOKEN_A), sha(new_token_a)))
+        daemon.process.send_signal(signal.SIGHUP)
+        wait_for(daemon.unix_target, new_token_a, grpc.StatusCode.OK)
+        assert lookup_code(daemon.unix_target, TOKEN_A) == grpc.StatusCode.UNAUTHENTICATED
+        assert lookup_code(daemon.unix_target, TOKEN_B) == grpc.StatusCode.OK  # other tenants untouched
+        assert new_token_a not in daemon.log() and TOKEN_A not in daemon.log()
