@@ -331,7 +331,7 @@ class KvdEngineOnly:
         user1, sys1 = cpu_split()
         engine1 = self.engine.stats
         if bad or not b.headers_intact():
-            raise RuntimeError(f"engine-only read wrong: {bad} short or failed entries")
+            raise RuntimeError(f"{self.name}: read wrong, {bad} short or failed entries")
         return {
             "seconds": seconds, "cpu_seconds": (user1 - user0) + (sys1 - sys0), "cpu_user_seconds": user1 - user0,
             "cpu_sys_seconds": sys1 - sys0, "objects": b.object_count,
@@ -340,42 +340,17 @@ class KvdEngineOnly:
         }
 
 
-class KvdEngineWholeBlocks:
+class KvdEngineWholeBlocks(KvdEngineOnly):
     """Information only: each block as ONE extent (block_bytes), one batch, no checksums.
 
-    What the same slots could deliver without layer-wise reads: the cost of
-    fine layer objects (64 KiB at 16 tokens/block) shows against this."""
+    What the same slots could deliver without reading in layer order: the
+    cost of layer-ordered groups shows against this."""
 
     name = "kvd engine blocks"
 
     def __init__(self, tier: DiskTier, blocks: Blocks) -> None:
-        self.engine = tier.engine
-        self.blocks = blocks
-        _, files, offsets = locate_many(tier.config, np.arange(blocks.count, dtype=np.int64))
-        self.files = files.astype(np.int32)
-        self.offsets = offsets.astype(np.int64)
-        self.addresses = np.array(blocks.addresses, dtype=np.uint64)
-        self.lengths = np.full(blocks.count, blocks.block_bytes, dtype=np.uint32)
-
-    def run(self) -> dict[str, Any]:
-        b = self.blocks
-        b.poison()
-        engine0 = self.engine.stats
-        (user0, sys0), t0 = cpu_split(), time.perf_counter()
-        results = self.engine.wait(self.engine.submit(Op.READ, self.files, self.offsets, self.lengths,
-                                                      self.addresses))
-        seconds = time.perf_counter() - t0
-        user1, sys1 = cpu_split()
-        engine1 = self.engine.stats
-        bad = int(np.count_nonzero(results != b.block_bytes))
-        if bad or not b.headers_intact():
-            raise RuntimeError(f"whole-block read wrong: {bad} short or failed entries")
-        return {
-            "seconds": seconds, "cpu_seconds": (user1 - user0) + (sys1 - sys0), "cpu_user_seconds": user1 - user0,
-            "cpu_sys_seconds": sys1 - sys0, "objects": b.object_count,
-            "submissions": engine1["batches"] - engine0["batches"],
-            "enter_calls": engine1["enter_calls"] - engine0["enter_calls"],
-        }
+        super().__init__(tier, blocks)
+        self.width = blocks.num_layers  # one group: every layer of a block in one extent
 
 
 class EngineSequential:

@@ -1192,10 +1192,8 @@ class Engine:
             victim = host.policy.victim()
             if victim is None or victim.disk_slot == NO_SLOT:
                 break
-            self._clear_host_slot(victim, cold_parent=True)
-            host.counters.demotions += 1
+            self._evict_host_block(victim)  # durable: only its host copy goes
             host.counters.background_demotions += 1
-            self.events.tier_changed(victim.index.namespace_id, victim.key, TierId.DISK)
             demoted += 1
         self.host_reclaiming()
         return demoted
