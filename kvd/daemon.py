@@ -1,19 +1,22 @@
 """Daemon lifecycle: start every part in order, drain and stop in reverse.
 
-Start:  tenants file and TLS files read -> stale arenas removed -> arena
-        created and pre-faulted -> engine -> gRPC listeners (unix socket
-        0600, or 0660 for server.unix_socket_group; TCP, with TLS if
-        configured; auth.mode = "token": every Kvd call authenticated by
-        kvd.server.auth) -> health SERVING ->
+Start:  tenants file and TLS files read -> arena created (memfd files, one
+        per tenant with auth.mode = "token") and pre-faulted -> engine ->
+        gRPC listeners (unix socket 0600, or 0660 for
+        server.unix_socket_group; TCP, with TLS if configured; auth.mode =
+        "token": every Kvd call authenticated by kvd.server.auth) -> the
+        arena socket next to the unix socket, same mode
+        (kvd.server.arena_socket) -> health SERVING ->
         metrics endpoint -> lease sweeper -> READY logged (and sd_notify:
         READY=1 only once disk recovery is done and the listeners answer;
         then WATCHDOG=1 every half WATCHDOG_USEC while the event loop runs).
 Stop (SIGTERM/SIGINT, or `Daemon.shutdown()`; idempotent):
-        health NOT_SERVING -> event streams end (UNAVAILABLE) -> listeners
-        stop accepting and in-flight RPCs get `grace_period_s` to finish
-        -> every lease ends -> metrics endpoint stops -> arena unlinked
-        and unmapped. A second signal during the drain cuts the grace
-        period short.
+        health NOT_SERVING -> event streams end (UNAVAILABLE) -> the arena
+        socket closes -> listeners stop accepting and in-flight RPCs get
+        `grace_period_s` to finish -> every lease ends -> metrics endpoint
+        stops -> arena files closed and unmapped (clients keep what they
+        mapped). A second signal during the drain cuts the grace period
+        short.
 """
 
 from __future__ import annotations
@@ -31,18 +34,19 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvd import __version__
+from kvd import __version__, arena_protocol
 from kvd.clock import Clock, MonotonicClock
 from kvd.config import Config, ConfigError, ServerConfig, TenantSettings, load_tenants, parse_address
 from kvd.core.engine import Engine, EngineLimits
 from kvd.core.events import EventLog
 from kvd.core.policy import DiskPolicies
 from kvd.core.quota import TenantQuota
-from kvd.metrics import DiskIoMetrics, make_registry
+from kvd.metrics import ArenaCollector, DiskIoMetrics, make_registry
+from kvd.server.arena_socket import ArenaSocket
 from kvd.server.auth import FAILURE_REASONS, AuthInterceptor, TokenTable
 from kvd.server.registration import add_kvd_service
 from kvd.server.service import KvdService
-from kvd.tiers.host import ArenaLayout, HostArena, remove_stale_segments
+from kvd.tiers.host import ArenaLayout, HostArena
 
 log = logging.getLogger("kvd.daemon")
 
@@ -121,6 +125,7 @@ class Daemon:
         self._stopped = False
         self.bound_tcp_port: int | None = None
         self.tokens: TokenTable | None = None
+        self.arena_socket: ArenaSocket | None = None
 
     def reload_tokens(self) -> None:
         """SIGHUP: re-read the tenants file and take its token digests (rotation without a restart).
@@ -150,11 +155,13 @@ class Daemon:
         tls = _tls_credentials(config.server)
         state_dir = Path(config.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
-        stale = remove_stale_segments()
-        if stale:
-            log.info("removed stale arenas", extra={"segments": ",".join(stale)})
         layout = ArenaLayout.from_capacity(config.host.capacity_bytes, config.host.slot_bytes)
-        self.arena = HostArena(layout, prefault=config.host.prefault, huge_pages=config.host.huge_pages)
+        # With tenants, every tenant's slots are in memory of its own (kvd.tiers.host).
+        per_tenant = config.auth.mode == "token"
+        if per_tenant:
+            _check_map_count(layout.slot_count)
+        self.arena = HostArena(layout, prefault=config.host.prefault, huge_pages=config.host.huge_pages,
+                               per_tenant=per_tenant)
         recovery = None
         if config.disk.directories:
             from kvd.server.disk_plane import DiskPlane
@@ -191,6 +198,8 @@ class Daemon:
             ),
             tenant_quotas=[TenantQuota(tenant.name, tenant.host_bytes, tenant.disk_bytes) for tenant in tenants],
         )
+        if per_tenant:
+            self.engine.claim_host_slot = self.arena.claim
         if self.disk_plane is not None:
             indexed = await self.disk_plane.recover(self.engine, recovery)
             log.info("disk tier recovered", extra={"indexed_blocks": indexed})
@@ -212,11 +221,13 @@ class Daemon:
             interceptors.append(
                 AuthInterceptor(self.tokens, lambda reason: rpc_metrics.auth_failures.labels(reason).inc())
             )
+        socket_path = config.unix_socket_path
         self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.server.max_concurrent_rpcs,
                                       interceptors=interceptors)
         self.service = KvdService(
             self.engine, self.arena, self.clock, rpc_metrics, config.server.max_message_bytes, self.disk_plane,
             max_subscribers=config.events.max_subscribers, auth_required=config.auth.mode == "token",
+            arena_socket=str(arena_protocol.socket_path(socket_path.resolve())) if socket_path else "",
         )
         # Bytes that are not a valid request message get INVALID_ARGUMENT, not UNKNOWN.
         add_kvd_service(self.service, self.server,
@@ -224,7 +235,6 @@ class Daemon:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 
-        socket_path = config.unix_socket_path
         if socket_path is not None:
             socket_path.parent.mkdir(parents=True, exist_ok=True)
             socket_path.unlink(missing_ok=True)
@@ -244,9 +254,18 @@ class Daemon:
             self.bound_tcp_port = port
         await self.server.start()
         if socket_path is not None:
-            os.chmod(socket_path, 0o600)
-            if config.server.unix_socket_group:
-                _give_socket_to_group(socket_path, config.server.unix_socket_group)
+            self.arena_socket = ArenaSocket(
+                arena_protocol.socket_path(socket_path.resolve()), self.arena, self.tokens,
+                lambda reason: rpc_metrics.auth_failures.labels(reason).inc(),
+            )
+            self.arena_socket.start()
+            for path in (socket_path, self.arena_socket.path):
+                os.chmod(path, 0o600)
+                if config.server.unix_socket_group:
+                    _give_socket_to_group(path, config.server.unix_socket_group)
+        arena, arena_socket = self.arena, self.arena_socket
+        registry.register(ArenaCollector(lambda: arena_socket.handed_out if arena_socket else 0,
+                                         lambda: arena.reassigned_slots))
         _log_exposure(config, tenants)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -266,7 +285,7 @@ class Daemon:
                 "unix_socket": str(socket_path) if socket_path else "",
                 "tcp_port": self.bound_tcp_port or 0,
                 "metrics_port": getattr(self, "bound_metrics_port", 0),
-                "shm_name": self.arena.shm_name,
+                "per_tenant_arena": per_tenant,
                 "host_slots": layout.slot_count,
                 "host_slot_bytes": layout.slot_bytes,
             },
@@ -286,7 +305,7 @@ class Daemon:
             "unix_socket": str(self.config.unix_socket_path.resolve()) if self.config.unix_socket_path else "",
             "tcp_port": self.bound_tcp_port or 0,
             "metrics_port": getattr(self, "bound_metrics_port", 0),
-            "shm_name": self.arena.shm_name if self.arena else "",
+            "arena_socket": str(self.arena_socket.path) if self.arena_socket else "",
         }
         temporary = state_dir / "endpoints.json.tmp"
         temporary.write_text(json.dumps(endpoints))
@@ -329,6 +348,8 @@ class Daemon:
             # Event streams never finish on their own: end them now rather
             # than at the end of the grace period.
             self.service.end_streams()
+        if self.arena_socket is not None:
+            await self.arena_socket.close()
         if self.server is not None:
             await self.server.stop(self.config.server.grace_period_s)
         await _cancelled(self._sweeper)
@@ -369,6 +390,24 @@ def _tls_credentials(server: ServerConfig) -> grpc.ServerCredentials | None:
     client_ca = read("tls_client_ca_file", server.tls_client_ca_file) if server.tls_client_ca_file else None
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca,
                                        require_client_auth=client_ca is not None)
+
+
+def _check_map_count(slot_count: int) -> None:
+    """A per-tenant arena can take one memory mapping per slot; refuse a
+    layout the kernel's vm.max_map_count could not hold at start, not when
+    a claim fails under load."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return
+    headroom = 4096  # the interpreter's, the libraries', the I/O engine's own mappings
+    if slot_count + headroom > limit:
+        raise ConfigError(
+            "host.slot_bytes",
+            f"with tenants (auth.mode = \"token\") the arena can need one memory mapping per slot: "
+            f"{slot_count} slots and the kernel allows {limit} mappings (vm.max_map_count); "
+            f"use larger slots or raise vm.max_map_count above {slot_count + headroom}",
+        )
 
 
 def _give_socket_to_group(path: Path, group: str) -> None:

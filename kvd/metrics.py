@@ -59,6 +59,8 @@ Get hits of kvd_get_blocks_total.
 | kvd_event_ring_keys | gauge | | keys held by the ring of recent events |
 | kvd_event_subscribers | gauge | | open WatchEvents streams |
 | kvd_event_resyncs_total | counter | reason | subscribers told to resynchronise (sequence_too_old, subscriber_too_slow, instance_changed) |
+| kvd_arena_handouts_total | counter | | arena file descriptors handed to clients over the arena socket (refusals count in kvd_auth_failures_total) |
+| kvd_arena_slot_tenant_changes_total | counter | | host slots moved to another tenant's arena file (auth.mode = "token"): each is a remap in the daemon and the slot's pages punched out of the previous tenant's file |
 | kvd_tenant_used_bytes | gauge | tenant, tier | capacity a tenant's blocks take (whole slots; auth.mode = "token"): host counts blocks being written or read back, disk blocks being written |
 | kvd_tenant_quota_bytes | gauge | tenant, tier | a tenant's quota, where one is set |
 | kvd_tenant_quota_refusals_total | counter | tenant, tier | host: Puts refused (RESOURCE_EXHAUSTED) for the tenant's host quota; disk: blocks left unwritten for its disk quota |
@@ -298,6 +300,20 @@ class DiskIoCollector(Collector):
         io_bytes.add_metric(["read"], read_bytes)
         io_bytes.add_metric(["write"], written_bytes)
         yield io_bytes
+
+
+class ArenaCollector(Collector):
+    """The host arena's counters, read when scraped."""
+
+    def __init__(self, handouts: Callable[[], int], tenant_changes: Callable[[], int]) -> None:
+        self._handouts = handouts
+        self._tenant_changes = tenant_changes
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("kvd_arena_handouts", "Arena file descriptors handed to clients.",
+                                  value=self._handouts())
+        yield CounterMetricFamily("kvd_arena_slot_tenant_changes",
+                                  "Host slots moved to another tenant's arena file.", value=self._tenant_changes())
 
 
 class DiskIoMetrics:

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from kvd import arena_protocol
 from kvd.client import _wire
 from kvd.client._wire import ArenaMapping, LookupResult, Namespace, PrefetchResult
 from kvd.core.keys import NamespaceSpec
@@ -74,10 +75,16 @@ def channel_arguments(tls: TlsConfig | None) -> tuple[grpc.ChannelCredentials | 
     return tls.credentials(), channel_options() + tls.options()
 
 
-def call_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    """The metadata every call carries: the bearer token, if any (else $KVD_TOKEN)."""
+def resolve_token(token: str | None) -> str | None:
+    """The bearer token: the one given, else $KVD_TOKEN, else None."""
     if token is None:
         token = os.environ.get(TOKEN_ENV) or None
+    return token or None
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata every call carries: the bearer token, if any (else $KVD_TOKEN)."""
+    token = resolve_token(token)
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
@@ -88,6 +95,9 @@ class Session:
     client_id: str
     use_shared_memory: bool | None
     lease_ms: int = 0
+    target: str = ""
+    # The bearer token (None: none); never shown.
+    token: str | None = field(default=None, repr=False)
     info: kvd_pb2.ArenaInfoResponse | None = None
     arena: ArenaMapping | None = None
     connected: bool = field(default=False)
@@ -114,7 +124,8 @@ class ClientBase:
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self.session = Session(client_id or _wire.new_client_id(), use_shared_memory, lease_ms)
+        token = resolve_token(token)
+        self.session = Session(client_id or _wire.new_client_id(), use_shared_memory, lease_ms, target, token)
         self._stub = kvd_pb2_grpc.KvdStub(channel)
         # Sent with every call; never logged or shown (repr, errors).
         self._metadata = call_metadata(token)
@@ -131,8 +142,16 @@ def connect(session: Session) -> Op:
     session.connected = True
     if session.use_shared_memory is False:
         return
+    # The arena socket next to the unix socket this client dialled (the
+    # daemon's own path may differ in another mount namespace), else the
+    # one the daemon names.
+    path = arena_protocol.socket_path_for_target(session.target)
+    if path is None and session.info.arena_socket:
+        path = Path(session.info.arena_socket)
     try:
-        session.arena = ArenaMapping(session.info)
+        if path is None:
+            raise OSError("the daemon offers no shared memory (it has no unix socket)")
+        session.arena = ArenaMapping.receive(path, session.token, session.info)
     except OSError:
         if session.use_shared_memory:
             raise

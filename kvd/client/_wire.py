@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kvd import arena_protocol
 from kvd.core.keys import DType, ExtraKey, NamespaceSpec, chain_keys
 from kvd.errors import InvalidArgument
 from kvd.v1 import kvd_pb2
@@ -182,22 +183,27 @@ def _parallel(copy: Callable[[int, int], None], rows: int, total_bytes: int) -> 
 
 
 class ArenaMapping:
-    """A client's mapping of the daemon's host arena."""
+    """A client's mapping of the daemon's host arena (its tenant's file of it)."""
 
-    def __init__(self, info: kvd_pb2.ArenaInfoResponse) -> None:
-        path = Path("/dev/shm") / info.shm_name
-        if "/" in info.shm_name or not info.shm_name:
-            raise InvalidArgument(f"daemon sent a bad arena name {info.shm_name!r}")
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-        try:
-            if os.fstat(fd).st_size != info.arena_bytes:
-                raise OSError(f"{path} is not the daemon's arena (size differs)")
-            self._mmap = mmap.mmap(fd, info.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+    def __init__(self, info: kvd_pb2.ArenaInfoResponse, fd: int) -> None:
+        """Map the arena file `fd` (the caller still owns and closes it)."""
+        if os.fstat(fd).st_size != info.arena_bytes:
+            raise InvalidArgument("the arena socket passed a file that is not the daemon's arena (size differs)")
+        self._mmap = mmap.mmap(fd, info.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.instance_id = info.instance_id
         self.slot_bytes = info.slot_bytes
         self.slots = np.frombuffer(self._mmap, dtype=np.uint8).reshape(info.slot_count, info.slot_bytes)
+
+    @classmethod
+    def receive(cls, path: Path, token: str | None, info: kvd_pb2.ArenaInfoResponse) -> ArenaMapping:
+        """Ask the arena socket at `path` for the arena and map it (kvd.arena_protocol)."""
+        fd, reply = arena_protocol.receive_arena(path, token, info.instance_id)
+        try:
+            if reply.get("arena_bytes") != info.arena_bytes or reply.get("instance_id") != info.instance_id:
+                raise InvalidArgument("the arena socket describes another arena than ArenaInfo did")
+            return cls(info, fd)
+        finally:
+            os.close(fd)
 
     def slot_indices(self, offsets: Sequence[int]) -> np.ndarray:
         """Slot numbers of arena offsets, checked: a bad offset is an error, not a clamp."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
@@ -304,6 +304,10 @@ class Engine:
         self.pinned_blocks = 0
         # Stored / removed / tier-changed events for KV-aware routers.
         self.events = events if events is not None else EventLog()
+        # Called with (slot, tenant name) before a block goes into a host
+        # slot, when each tenant's slots live in memory of its own
+        # (kvd.tiers.host.HostArena.claim); None without tenants.
+        self.claim_host_slot: Callable[[int, str], None] | None = None
 
     # ------------------------------------------------------------------
     # Namespaces
@@ -1296,6 +1300,9 @@ class Engine:
 
     def _set_host_slot(self, block: Block, slot: int) -> None:
         check(block.host_slot == NO_SLOT and self.host.owners[slot] is None, "host slot already taken")
+        if self.claim_host_slot is not None:
+            quota = block.index.quota
+            self.claim_host_slot(slot, quota.name if quota is not None else "")
         block.host_slot = slot
         self.host.owners[slot] = block
         self.host.used_bytes += self._block_bytes(block)

@@ -130,8 +130,11 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         disk_plane: DiskPlane | None = None,
         max_subscribers: int = 32,
         auth_required: bool = False,
+        arena_socket: str = "",
     ) -> None:
         self.engine = engine
+        # Where co-located clients get the arena (kvd.arena_protocol); "": nowhere.
+        self.arena_socket = arena_socket
         # auth.mode = "token": every call must have come through the
         # AuthInterceptor, which names its tenant (kvd.server.auth).
         self.auth_required = auth_required
@@ -216,7 +219,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     async def ArenaInfo(self, request, context):
         layout = self.arena.layout
         return kvd_pb2.ArenaInfoResponse(
-            shm_name=self.arena.shm_name,
+            arena_socket=self.arena_socket,
             arena_bytes=layout.arena_bytes,
             slot_bytes=layout.slot_bytes,
             slot_count=layout.slot_count,

@@ -88,8 +88,8 @@ class DaemonProcess:
         return f"http://127.0.0.1:{self.endpoints['metrics_port']}/metrics"
 
     @property
-    def shm_name(self) -> str:
-        return self.endpoints["shm_name"]
+    def arena_socket(self) -> str:
+        return self.endpoints["arena_socket"]
 
     @property
     def pid(self) -> int:

@@ -1,33 +1,46 @@
-"""The host tier's bytes: one preallocated shared-memory arena.
+"""The host tier's bytes: a preallocated arena of slots in memfd files.
 
-    /dev/shm/kvd-<pid>-<instance>      mode 0600, created O_EXCL
-    +----------+----------+-----+--------------+
-    | slot 0   | slot 1   | ... | slot n-1     |   each slot_bytes long,
-    +----------+----------+-----+--------------+   4 KiB aligned
-      ^ a block occupies the first block_bytes of one slot, layer-major:
-        [layer 0: K V][layer 1: K V]...
+    daemon's view (one contiguous mapping, slot s at s * slot_bytes)
+    +----------+----------+----------+-----+--------------+
+    | slot 0   | slot 1   | slot 2   | ... | slot n-1     |   each slot_bytes,
+    +----------+----------+----------+-----+--------------+   4 KiB aligned
+         |          |          |
+      tenant A   tenant B   tenant A     <- which memfd backs the slot
+      file @0    file @1*sb file @2*sb      (at the same offset in every file)
 
-The daemon holds an exclusive flock on the segment for as long as it runs,
-so a later daemon can tell a live arena from one left by a killed process
-even when the pid in the name is reused (in a container kvd is always pid
-1).
+A block occupies the first block_bytes of one slot, layer-major
+([layer 0: K V][layer 1: K V]...).
+
+There is no name in /dev/shm: the arena lives in anonymous memfd files, and
+a co-located client gets a file descriptor for it over the daemon's arena
+socket (kvd.server.arena_socket), which hands one out only to a client that
+authenticates. So the arena is as private as the token, whatever the
+client's uid, and nothing of it outlives the daemon and its clients.
+
+Isolation between tenants (`per_tenant=True`, auth.mode = "token"): every
+tenant has a file of its own, as large as the arena and sparse, and a slot
+is backed by the file of the tenant whose block it holds. When the engine
+gives a slot to a block of another tenant (`claim`), the daemon maps the
+new tenant's file over that slot (mmap MAP_FIXED, same offset) and punches
+the slot out of the previous tenant's file: that tenant's clients now read
+zeros there, and never the new tenant's bytes, which are in a file they
+were never given. Slots nobody has claimed yet are backed by a spare file.
+Without tenants there is one file, and `claim` is never called.
 
 Which slot holds which block is decided by the engine (kvd.core.engine.
-HostPool); this module only creates, maps, pre-faults and removes the
-segment, and copies bytes for the inline (non-shared-memory) path.
-Co-located clients map the same segment by name and read and write slots
-themselves, so payload bytes never pass through the daemon.
+HostPool); this module only creates, maps, pre-faults and re-backs the
+slots, and copies bytes for the inline (non-shared-memory) path.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import mmap
 import os
 import secrets
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -35,10 +48,31 @@ from kvd.invariants import check
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "kvd-"
 PAGE_BYTES = 4096
 SLOT_ALIGN_BYTES = 4096
+# The tenant of a daemon without auth (and of namespaces that have none).
+DEFAULT_TENANT = ""
+
+# Linux constants the mmap and os modules do not export (x86-64 and arm64 agree).
+_MAP_FIXED = 0x10
+_MAP_POPULATE = 0x8000
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.fallocate.restype = ctypes.c_int
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    if _libc.fallocate(fd, mode, offset, length) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"fallocate: {os.strerror(error)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,53 +93,113 @@ class ArenaLayout:
 
 
 class HostArena:
-    """Owner of the shared-memory segment; `close()` unmaps and unlinks it."""
+    """Owner of the arena's files and of the daemon's mapping; `close()` drops both."""
 
-    def __init__(self, layout: ArenaLayout, *, prefault: bool = True, huge_pages: bool = False) -> None:
+    def __init__(self, layout: ArenaLayout, *, prefault: bool = True, huge_pages: bool = False,
+                 per_tenant: bool = False) -> None:
         self.layout = layout
         self.instance_id = secrets.token_hex(8)
-        self.shm_name = f"{SHM_PREFIX}{os.getpid()}-{self.instance_id}"
-        self.path = SHM_DIR / self.shm_name
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(self.path, flags, 0o600)
-        try:
-            # Held until close() (or the process dies): "this arena is alive".
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.fchmod(fd, 0o600)  # whatever the umask said
-            os.ftruncate(fd, layout.arena_bytes)
-            self._mmap = mmap.mmap(fd, layout.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            self.path.unlink(missing_ok=True)
-            raise
-        self._lock_fd = fd
-        if huge_pages:
-            self._advise_huge_pages()
+        self.per_tenant = per_tenant
+        self._prefault = prefault
+        self._huge_pages = huge_pages
+        # tenant -> its memfd; with tenants, the spare file backs unclaimed slots.
+        self._files: dict[str, int] = {}
+        self._closed = True
+        backing = self._new_file("spare") if per_tenant else self.tenant_fd(DEFAULT_TENANT)
+        self._spare = backing if per_tenant else None
+        # The tenant whose file backs each slot (None: the spare file).
+        self.slot_tenants: list[str | None] = [None if per_tenant else DEFAULT_TENANT] * layout.slot_count
+        self._mmap = mmap.mmap(backing, layout.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._closed = False
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._base = self.array.ctypes.data
         # Rows are slots: the inline path and tests copy with one numpy call.
         self.slots = self.array.reshape(layout.slot_count, layout.slot_bytes)
+        if huge_pages:
+            self._advise_huge_pages(0, layout.arena_bytes)
         if prefault:
             self.prefault()
-        self._closed = False
-        log.info(
-            "host arena created",
-            extra={"shm_name": self.shm_name, "arena_bytes": layout.arena_bytes, "slot_bytes": layout.slot_bytes},
-        )
+        self.reassigned_slots = 0
+        log.info("host arena created", extra={"arena_bytes": layout.arena_bytes, "slot_bytes": layout.slot_bytes,
+                                               "per_tenant": per_tenant})
+
+    # ------------------------------------------------------------------
+    # Files
+
+    def _new_file(self, label: str) -> int:
+        """A sealed memfd the size of the arena: no client can grow or shrink
+        it (a shrink would turn the daemon's reads of its slots into SIGBUS)."""
+        fd = os.memfd_create(f"kvd-arena-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, self.layout.arena_bytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def tenant_fd(self, tenant: str) -> int:
+        """The file of `tenant` (made on first use): what its clients map.
+
+        Without tenants every caller gets the one file. With tenants, the
+        file holds only the slots of that tenant's blocks; all else reads
+        as zeros."""
+        if not self.per_tenant:
+            tenant = DEFAULT_TENANT
+        fd = self._files.get(tenant)
+        if fd is None:
+            fd = self._files[tenant] = self._new_file("tenant" if tenant else "default")
+        return fd
+
+    def claim(self, slot: int, tenant: str) -> None:
+        """Back `slot` with `tenant`'s file, before a block of that tenant goes in it.
+
+        A no-op when it already is. Otherwise the previous tenant's (or the
+        spare) file loses the slot's pages, so its clients can no longer
+        read what was there, and the new file's pages are allocated now
+        (when the arena is pre-faulted) rather than on the first copy."""
+        previous = self.slot_tenants[slot]
+        if previous == tenant:
+            return
+        check(self.per_tenant, "slots change tenant only in a per-tenant arena")
+        slot_bytes = self.layout.slot_bytes
+        offset = slot * slot_bytes
+        fd = self.tenant_fd(tenant)
+        if self._prefault:
+            _fallocate(fd, 0, offset, slot_bytes)
+        flags = mmap.MAP_SHARED | _MAP_FIXED | (_MAP_POPULATE if self._prefault else 0)
+        address = _libc.mmap(self._base + offset, slot_bytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
+        if address in (None, _MAP_FAILED):
+            error = ctypes.get_errno()
+            raise OSError(error, f"mmap of slot {slot} for a tenant: {os.strerror(error)}")
+        check(address == self._base + offset, "MAP_FIXED moved the slot")
+        old_fd = self._spare if previous is None else self._files[previous]
+        _fallocate(old_fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, slot_bytes)
+        if self._huge_pages:
+            self._advise_huge_pages(offset, slot_bytes)
+        self.slot_tenants[slot] = tenant
+        self.reassigned_slots += 1
+
+    def resident_bytes(self, tenant: str | None) -> int:
+        """Memory the file of `tenant` (None: the spare file) holds now."""
+        fd = self._spare if tenant is None else self._files.get(tenant)
+        return 0 if fd is None else os.fstat(fd).st_blocks * 512
+
+    # ------------------------------------------------------------------
 
     def prefault(self) -> None:
         """Touch every page now, so the first Put does not pay page faults
-        and a short /dev/shm fails at start-up instead of with SIGBUS later."""
+        and a host short of memory fails at start-up, not with the OOM
+        killer later."""
         self.array[::PAGE_BYTES] = 0
 
-    def _advise_huge_pages(self) -> None:
+    def _advise_huge_pages(self, offset: int, length: int) -> None:
         advice = getattr(mmap, "MADV_HUGEPAGE", None)
         if advice is None:
             log.warning("huge pages requested but madvise(MADV_HUGEPAGE) is unavailable")
             return
-        try:
-            self._mmap.madvise(advice)
-        except OSError as error:
-            log.warning("huge pages requested but madvise failed: %s", error)
+        if _libc.madvise(self._base + offset, length, advice) != 0:
+            log.warning("huge pages requested but madvise failed: %s", os.strerror(ctypes.get_errno()))
 
     def offset(self, slot: int) -> int:
         return slot * self.layout.slot_bytes
@@ -113,7 +207,7 @@ class HostArena:
     def address(self, slot: int) -> int:
         """Virtual address of a slot in this process (for native I/O)."""
         check(0 <= slot < self.layout.slot_count, "slot out of range")
-        return self.array.ctypes.data + slot * self.layout.slot_bytes
+        return self._base + slot * self.layout.slot_bytes
 
     def write(self, slot: int, payload: bytes | memoryview) -> None:
         check(len(payload) <= self.layout.slot_bytes, "payload larger than a slot")
@@ -126,56 +220,16 @@ class HostArena:
         return self._mmap[start : start + length]
 
     def close(self) -> None:
-        """Idempotent: unlink the name, then drop the mapping."""
-        if getattr(self, "_closed", True):
+        """Idempotent: close the files (clients keep what they mapped), then unmap."""
+        if self._closed:
             return
         self._closed = True
-        self.path.unlink(missing_ok=True)
-        os.close(self._lock_fd)  # releases the flock
+        for fd in {*self._files.values(), *([self._spare] if self._spare is not None else [])}:
+            os.close(fd)
+        self._files.clear()
         self.slots = self.array = None  # type: ignore[assignment]
         try:
             self._mmap.close()
         except BufferError:
             # A view still exports the buffer; the mapping goes with the process.
             log.warning("host arena still referenced at close; unmapping at exit")
-
-
-def remove_stale_segments(directory: Path = SHM_DIR) -> list[str]:
-    """Unlink arenas left by kvd processes that no longer run (kill -9, a crashed container).
-
-    An arena is stale when nobody holds its flock and the pid in its name
-    is gone or is this process's own (a container restarted as pid 1
-    again). The pid rule keeps arenas of a live daemon from before the
-    flock, which holds none.
-    """
-    removed = []
-    uid = os.getuid()
-    for path in directory.glob(f"{SHM_PREFIX}*-*"):
-        pid_text = path.name[len(SHM_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue
-        try:
-            if path.stat().st_uid != uid or _locked(path):
-                continue
-            if int(pid_text) != os.getpid():
-                os.kill(int(pid_text), 0)
-                continue  # a live process that holds no lock: leave it be
-        except ProcessLookupError:
-            pass
-        except (PermissionError, FileNotFoundError):
-            continue
-        path.unlink(missing_ok=True)
-        removed.append(path.name)
-    return removed
-
-
-def _locked(path: Path) -> bool:
-    """Whether a live daemon holds the arena's flock (FileNotFoundError if it is gone)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also drops the lock taken just now
-    return False

@@ -25,8 +25,10 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvd import arena_protocol
 from kvd.client import Client, TlsConfig
 from kvd.core.keys import DType, NamespaceSpec
+from kvd.errors import FailedPrecondition, Unauthenticated
 from kvd.testing.certs import make_certificates
 from kvd.testing.daemon import run_daemon
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
@@ -284,9 +286,80 @@ def test_a_put_past_the_host_quota_is_resource_exhausted_and_changes_nothing(dae
     assert 'kvd_tenant_quota_evictions_total{tenant="small",tier="host"} 1.0' in samples
 
 
-def test_the_socket_and_the_arena_are_owner_only(daemon):
-    assert stat.S_IMODE(os.stat(daemon.endpoints["unix_socket"]).st_mode) == 0o600
-    assert stat.S_IMODE(os.stat(f"/dev/shm/{daemon.shm_name}").st_mode) == 0o600
+def test_the_sockets_are_owner_only(daemon):
+    for path in (daemon.endpoints["unix_socket"], daemon.arena_socket):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_the_arena_socket_hands_a_tenant_its_own_file_and_refuses_others(daemon):
+    path = Path(daemon.arena_socket)
+    for token in (None, WRONG_TOKEN):
+        with pytest.raises(Unauthenticated):
+            arena_protocol.receive_arena(path, token, "")
+    with pytest.raises(FailedPrecondition, match="restarted"):
+        arena_protocol.receive_arena(path, TOKEN_A, "an-instance-long-gone")
+    fd_a, reply = arena_protocol.receive_arena(path, TOKEN_A, "")
+    fd_b, _ = arena_protocol.receive_arena(path, TOKEN_B, "")
+    try:
+        assert os.fstat(fd_a).st_size == reply["arena_bytes"] == 16 << 20
+        # Two files, not two descriptors of one.
+        assert os.fstat(fd_a).st_ino != os.fstat(fd_b).st_ino
+        # Sealed: a client can neither shrink the file under the daemon nor grow it.
+        for size in (0, 32 << 20):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd_a, size)
+    finally:
+        os.close(fd_a)
+        os.close(fd_b)
+    # A request that is not the protocol gets a precise refusal, and the daemon goes on.
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.connect(str(path))
+        raw.sendall(b"GET / HTTP/1.0\n")
+        assert b'"code":"INVALID_ARGUMENT"' in raw.recv(4096)
+    with Client(daemon.unix_target, token=TOKEN_A) as a:
+        assert a.uses_shared_memory
+
+
+def test_shared_memory_slots_that_change_tenant_never_show_the_new_tenants_bytes(tmp_path):
+    """Tenants a and b fill one small arena in turn through shared memory,
+    so every slot moves between them; each client's mapping only ever holds
+    its own tenant's blocks, and zeros where the other's are."""
+    slots = 16
+    config = auth_config(tmp_path, host={"capacity_bytes": slots * SLOT_BYTES})
+    with run_daemon(tmp_path, config=config, env={"KVD_TEST_TOKEN_B": TOKEN_B}) as process, \
+            Client(process.unix_target, token=TOKEN_A, use_shared_memory=True) as a, \
+            Client(process.unix_target, token=TOKEN_B, use_shared_memory=True) as b:
+        clients = {"a": a, "b": b}
+        assert a.uses_shared_memory and b.uses_shared_memory
+        namespaces = {name: client.register_namespace(SMALL_SPEC) for name, client in clients.items()}
+        width = SMALL_SPEC.block_bytes
+        stored: dict[str, set[bytes]] = {"a": set(), "b": set()}
+        for round_number in range(6):
+            writer = "ab"[round_number % 2]
+            keys = namespaces[writer].keys(np.arange(slots * SMALL_SPEC.block_tokens) + 10_000 * round_number)
+            blocks = random_blocks(SMALL_SPEC, slots, seed=round_number)
+            assert clients[writer].put(namespaces[writer], keys, blocks) == slots
+            stored[writer].update(blocks.view(np.uint8).reshape(slots, width)[row].tobytes() for row in range(slots))
+            # The writer's blocks (those the watermarks left) read back bit-exact.
+            found = clients[writer].get_numpy(namespaces[writer], keys)
+            assert found.shape[0] > slots // 2 and np.array_equal(found, blocks[: found.shape[0]])
+            for name, client in clients.items():
+                other = stored["b" if name == "a" else "a"]
+                rows = client.session.arena.slots[:, :width]
+                assert not any(rows[row].tobytes() in other for row in range(slots)), (round_number, name)
+            # The reader who lost its slots sees zeros where they were.
+            loser = "b" if writer == "a" else "a"
+            if round_number:
+                assert not clients[loser].session.arena.slots[:, :width][
+                    [row for row in range(slots) if clients[writer].session.arena.slots[row, :width].any()]
+                ].any()
+        samples = urllib.request.urlopen(process.metrics_url, timeout=10).read().decode()
+        changes = next(float(line.split()[1]) for line in samples.splitlines()
+                       if line.startswith("kvd_arena_slot_tenant_changes_total "))
+        assert changes >= 5 * slots * 0.8  # every round but the first moved (nearly) the whole arena
+        assert "kvd_arena_handouts_total 2.0" in samples
 
 
 def test_no_token_ever_reaches_the_log(daemon):

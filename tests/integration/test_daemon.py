@@ -29,12 +29,27 @@ def kvd_command(*args: str, cwd: Path | None = None, timeout: float = 60) -> sub
     return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
 
 
-def test_shared_memory_and_socket_are_private(daemon):
-    arena = Path("/dev/shm") / daemon.shm_name
-    assert stat.S_IMODE(arena.stat().st_mode) == 0o600
-    socket_path = Path(daemon.endpoints["unix_socket"])
-    assert stat.S_ISSOCK(socket_path.stat().st_mode)
-    assert stat.S_IMODE(socket_path.stat().st_mode) == 0o600
+def arena_files(pid: int) -> list[str]:
+    """The memfd files a process holds open (the arena, by kvd.tiers.host's names)."""
+    fds = Path(f"/proc/{pid}/fd")
+    targets = []
+    for fd in fds.iterdir():
+        try:
+            targets.append(os.readlink(fd))
+        except FileNotFoundError:
+            continue
+    return [target for target in targets if target.startswith("/memfd:kvd-arena")]
+
+
+def test_shared_memory_and_sockets_are_private(daemon):
+    # The arena has no name in /dev/shm that another process could open ...
+    assert not [path for path in Path("/dev/shm").glob("kvd-*") if path.stat().st_uid == os.getuid()]
+    assert arena_files(daemon.pid)
+    # ... only the sockets reach it, and they are the owner's alone.
+    for socket_path in (Path(daemon.endpoints["unix_socket"]), Path(daemon.arena_socket)):
+        assert stat.S_ISSOCK(socket_path.stat().st_mode)
+        assert stat.S_IMODE(socket_path.stat().st_mode) == 0o600
+    assert daemon.arena_socket == daemon.endpoints["unix_socket"] + ".arena"
 
 
 def test_shared_memory_and_inline_paths_agree(daemon):
@@ -200,7 +215,7 @@ def test_config_file_env_and_flags_layer(tmp_path):
 
 def test_sigterm_drains_and_cleans_up(tmp_path):
     daemon = start_daemon(tmp_path)
-    arena = Path("/dev/shm") / daemon.shm_name
+    arena_socket = Path(daemon.arena_socket)
     socket_path = Path(daemon.endpoints["unix_socket"])
     with Client(daemon.unix_target) as client:
         namespace = client.register_namespace(SMALL_SPEC)
@@ -209,9 +224,9 @@ def test_sigterm_drains_and_cleans_up(tmp_path):
         # A lease still open at shutdown is ended by the drain.
         stub_lease = client._stub.Get(kvd_pb2.GetRequest(namespace_id=namespace.namespace_id, client_id="x", keys=keys))
         assert stub_lease.lease_id
-    assert arena.exists()
+    assert arena_socket.exists()
     assert daemon.stop(signal.SIGTERM) == 0
-    assert not arena.exists() and not socket_path.exists()
+    assert not arena_socket.exists() and not socket_path.exists()
     log = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
     messages = [entry["msg"] for entry in log]
     assert "draining" in messages and "stopped" in messages
@@ -219,13 +234,22 @@ def test_sigterm_drains_and_cleans_up(tmp_path):
     assert stopped["leases_closed"] == 1
 
 
-def test_stale_arena_of_a_killed_daemon_is_removed(tmp_path):
+def test_a_killed_daemon_leaves_no_arena_behind_and_its_clients_keep_their_mapping(tmp_path):
+    """The arena is memfd files: SIGKILL leaves nothing to clean up, and a
+    client's mapping stays valid (it reads what it had) until it lets go."""
     first = start_daemon(tmp_path / "first")
-    arena = Path("/dev/shm") / first.shm_name
-    first.stop(signal.SIGKILL)
-    assert arena.exists()  # SIGKILL leaves it behind ...
-    with run_daemon(tmp_path / "second"):
-        assert not arena.exists()  # ... and the next daemon removes it
+    with Client(first.unix_target, timeout_s=5) as client:
+        namespace = client.register_namespace(SMALL_SPEC)
+        keys = namespace.keys(np.arange(4 * 16))
+        blocks = random_blocks(SMALL_SPEC, 4, seed=3)
+        client.put(namespace, keys, blocks)
+        arena = client.session.arena
+        assert arena is not None and arena.slots[: len(blocks), : blocks.shape[1]].any()
+        first.stop(signal.SIGKILL)
+        assert arena.slots[: len(blocks)].sum() > 0  # no SIGBUS: the memory is the client's too now
+    assert not [path for path in Path("/dev/shm").glob(f"kvd-{first.pid}-*")]
+    with run_daemon(tmp_path / "first") as second, Client(second.unix_target) as client:
+        assert client.uses_shared_memory  # the stale sockets were replaced
 
 
 def test_sigterm_under_load_finishes_or_refuses_cleanly(tmp_path):

@@ -1,4 +1,4 @@
-"""The client's view of the arena: scatter/gather against a real shm segment."""
+"""The client's view of the arena: scatter/gather against a real arena file."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ def arena():
     layout = ArenaLayout(slot_bytes=1 << 20, slot_count=40)
     owner = HostArena(layout, prefault=False)
     info = kvd_pb2.ArenaInfoResponse(
-        shm_name=owner.shm_name, arena_bytes=layout.arena_bytes, slot_bytes=layout.slot_bytes,
+        arena_bytes=layout.arena_bytes, slot_bytes=layout.slot_bytes,
         slot_count=layout.slot_count, instance_id=owner.instance_id,
     )
-    mapping = ArenaMapping(info)
+    mapping = ArenaMapping(info, owner.tenant_fd(""))
     yield owner, mapping
     mapping.close()
     owner.close()

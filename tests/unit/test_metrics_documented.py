@@ -9,7 +9,7 @@ import kvd.metrics
 from kvd.core.engine import Engine
 from kvd.core.keys import NamespaceSpec
 from kvd.core.quota import TenantQuota
-from kvd.metrics import DiskIoMetrics, make_registry
+from kvd.metrics import ArenaCollector, DiskIoMetrics, make_registry
 
 ROW = re.compile(r"^\| (kvd_\w+) \| (\w+) \|\s*([\w, ]*?)\s*\| .+ \|$")
 
@@ -33,6 +33,7 @@ def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
     engine.register_namespace(NamespaceSpec(model_id="m", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1))
     registry, rpc = make_registry(engine)
     disk = DiskIoMetrics(registry, lambda: {"restore": 0, "write": 0}, lambda: (0, 0))
+    registry.register(ArenaCollector(lambda: 0, lambda: 0))
     # Labelled metrics of the server export samples once a label is used.
     rpc.duration.labels("Get").observe(0.001)
     rpc.total.labels("Get", "OK").inc()
