@@ -105,9 +105,8 @@ class Harness:
                              limits=EngineLimits(lease_ms_default=2000, lease_ms_max=60_000, max_leases=256,
                                                  max_pins_per_client=32, max_namespaces=16),
                              events=EventLog(256, 4096))
+        # memfd files: libFuzzer's exit() leaves nothing behind.
         self.arena = HostArena(ArenaLayout.from_capacity(SLOTS * SPEC.block_bytes, SPEC.block_bytes), prefault=False)
-        # libFuzzer ends the process with exit(): nothing would unlink it.
-        self.arena.path.unlink(missing_ok=True)
         _, metrics = make_registry(self.engine)
         self.service = KvdService(self.engine, self.arena, self.clock, metrics, 1 << 20)
         self.handlers = method_handlers(self.service, lambda method: None)
