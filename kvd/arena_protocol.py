@@ -29,6 +29,9 @@ from typing import Any
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, PermissionDenied, Unauthenticated
 
 SUFFIX = ".arena"
+# How a FAILED_PRECONDITION about a replaced arena begins: the client maps
+# the new arena and tries once more.
+ARENA_CHANGED = "the arena changed"
 # A request longer than this is refused unread (a token is at most 4 KiB).
 MAX_REQUEST_BYTES = 8192
 MAX_REPLY_BYTES = 4096

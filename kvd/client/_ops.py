@@ -9,7 +9,7 @@ the same decisions and differ only in how they call a stub.
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,6 +158,35 @@ def connect(session: Session) -> Op:
         session.arena = None
 
 
+def arena_changed(error: BaseException) -> bool:
+    """Whether a call failed because the daemon's arena is not the one this client mapped."""
+    return (isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.FAILED_PRECONDITION
+            and (error.details() or "").startswith(arena_protocol.ARENA_CHANGED))
+
+
+def remap(session: Session) -> Op:
+    """Forget the arena of a daemon instance that is gone and map the current one."""
+    session.close()
+    session.connected = False
+    yield from connect(session)
+
+
+def remapping(session: Session, call: Callable[[], Call]) -> Op:
+    """One shared-memory call, made again once after mapping the new arena
+    if the daemon restarted since this client mapped its arena. Without the
+    check the client would write into (or read from) the old instance's
+    memory while the daemon sealed (or served) its own slots."""
+    try:
+        return (yield call())
+    except grpc.RpcError as error:
+        if not arena_changed(error):
+            raise
+    yield from remap(session)
+    if session.arena is None:
+        return None
+    return (yield call())
+
+
 def register_namespace(session: Session, spec: NamespaceSpec) -> Op:
     response = yield ("RegisterNamespace", kvd_pb2.RegisterNamespaceRequest(spec=_wire.spec_message(spec)))
     return _wire.namespace_from(spec, response)
@@ -204,7 +233,7 @@ def put(
     yield from connect(session)
     if session.arena is None:
         return (yield from _put_inline(session, namespace, keys, rows, parent_key, ack))
-    response = yield (
+    response = yield from remapping(session, lambda: (
         "Reserve",
         kvd_pb2.ReserveRequest(
             namespace_id=namespace.namespace_id,
@@ -212,8 +241,11 @@ def put(
             parent_key=parent_key,
             keys=keys,
             lease_ms=session.lease_ms,
+            arena_instance_id=session.arena.instance_id,
         ),
-    )
+    ))
+    if session.arena is None:  # the restarted daemon's arena could not be mapped
+        return (yield from _put_inline(session, namespace, keys, rows, parent_key, ack))
     start, stop = _wire.reserved_run(response.statuses)
     if start == stop:
         return 0
@@ -264,7 +296,7 @@ def get_numpy(
     yield from connect(session)
     if session.arena is None:
         return (yield from _get_inline(session, namespace, keys, out, parent_key))
-    response = yield (
+    response = yield from remapping(session, lambda: (
         "Get",
         kvd_pb2.GetRequest(
             namespace_id=namespace.namespace_id,
@@ -272,8 +304,11 @@ def get_numpy(
             keys=keys,
             lease_ms=session.lease_ms,
             parent_key=parent_key,
+            arena_instance_id=session.arena.instance_id,
         ),
-    )
+    ))
+    if session.arena is None:
+        return (yield from _get_inline(session, namespace, keys, out, parent_key))
     try:
         rows = _wire.output_rows(namespace, response.matched, out)
         if response.matched:

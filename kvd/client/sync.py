@@ -108,21 +108,29 @@ class Client(_ops.ClientBase):
         per layer, whatever the number of blocks.
         """
         self._run(_ops.connect(self.session))
-        arena = self.session.arena
-        if arena is None:
-            raise FailedPrecondition("get_layers needs the daemon's shared-memory arena; use get_numpy")
-        stream = self._stub.GetLayers(
-            kvd_pb2.GetRequest(
-                namespace_id=namespace.namespace_id,
-                client_id=self.client_id,
-                keys=keys,
-                lease_ms=self.session.lease_ms,
-                parent_key=parent_key,
-            ),
-            timeout=self.timeout_s,
-            metadata=self._metadata,
-        )
-        first = next(stream)
+        for attempt in range(2):
+            arena = self.session.arena
+            if arena is None:
+                raise FailedPrecondition("get_layers needs the daemon's shared-memory arena; use get_numpy")
+            stream = self._stub.GetLayers(
+                kvd_pb2.GetRequest(
+                    namespace_id=namespace.namespace_id,
+                    client_id=self.client_id,
+                    keys=keys,
+                    lease_ms=self.session.lease_ms,
+                    parent_key=parent_key,
+                    arena_instance_id=arena.instance_id,
+                ),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
+            )
+            try:
+                first = next(stream)
+                break
+            except grpc.RpcError as error:
+                if attempt or not _ops.arena_changed(error):
+                    raise
+                self._run(_ops.remap(self.session))
         matched = first.matched
         rows = _wire.output_rows(namespace, matched, out)
         slots = arena.slot_indices(first.offsets)

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from kvd import __version__
+from kvd import __version__, arena_protocol
 from kvd.clock import Clock
 from kvd.core.block import BlockState
 from kvd.core.engine import Engine, ReserveStatus, namespace_not_found
 from kvd.core.quota import QuotaExceeded
 from kvd.errors import (
+    FailedPrecondition,
     InvalidArgument,
     KvdError,
     PermissionDenied,
@@ -246,8 +247,18 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         await self.disk_plane.writes_idle.wait()
         return self.engine.reserve(*arguments, self.clock.now_ms())
 
+    def _check_arena(self, request) -> None:
+        """Offsets are only good for the arena of this instance: refuse a client that mapped another."""
+        if request.arena_instance_id and request.arena_instance_id != self.arena.instance_id:
+            raise FailedPrecondition(
+                f"{arena_protocol.ARENA_CHANGED}: the client mapped the arena of daemon instance "
+                f"{request.arena_instance_id[:32]!r}, this is instance {self.arena.instance_id!r} (the daemon "
+                "restarted); call ArenaInfo and map the arena again"
+            )
+
     @rpc("Reserve")
     async def Reserve(self, request, context):
+        self._check_arena(request)
         result = await self._reserve(request, request.lease_ms)
         slot_bytes = self.arena.layout.slot_bytes
         return kvd_pb2.ReserveResponse(
@@ -390,6 +401,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 if lease is not None and not lease.ended:
                     self.engine.leases.close(lease)
             return kvd_pb2.GetResponse(matched=len(matched), blocks=blocks, tiers=tiers)
+        self._check_arena(request)
         lease, matched, tiers = await self._pinned_prefix(request, request.client_id)
         slot_bytes = self.arena.layout.slot_bytes
         return kvd_pb2.GetResponse(
@@ -407,6 +419,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             yield message
 
     async def _get_layers(self, request):
+        self._check_arena(request)
         state = self.engine.namespace(request.namespace_id)
         layers = state.spec.num_layers
         plan = await self._begin_get(request, request.client_id)

@@ -207,18 +207,20 @@ class LookupResponse(_message.Message):
     def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "parent_key", "keys", "lease_ms")
+    __slots__ = ("namespace_id", "client_id", "parent_key", "keys", "lease_ms", "arena_instance_id")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     client_id: str
     parent_key: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ms: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    arena_instance_id: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., arena_instance_id: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "lease_deadline_ms", "statuses", "offsets")
@@ -281,20 +283,22 @@ class PutInlineResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., sealed: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "keys", "lease_ms", "inline", "parent_key")
+    __slots__ = ("namespace_id", "client_id", "keys", "lease_ms", "inline", "parent_key", "arena_instance_id")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    ARENA_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     client_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ms: int
     inline: bool
     parent_key: bytes
-    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., inline: _Optional[bool] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
+    arena_instance_id: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., inline: _Optional[bool] = ..., parent_key: _Optional[bytes] = ..., arena_instance_id: _Optional[str] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("matched", "lease_id", "lease_deadline_ms", "offsets", "blocks", "tiers")
