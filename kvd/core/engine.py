@@ -65,6 +65,9 @@ class PrefetchLimit(enum.IntEnum):
 # server puts its tenant's name (64 at most) and a separator in front, and
 # an inline Get's private prefix in front of that (kvd.server.auth).
 MAX_CLIENT_ID_CHARS = 256
+# How far past the eviction policy's victim a block of the requesting
+# tenant may be taken instead (Engine._allocate_host_slot).
+TENANT_AFFINITY_WINDOW = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,10 +307,13 @@ class Engine:
         self.pinned_blocks = 0
         # Stored / removed / tier-changed events for KV-aware routers.
         self.events = events if events is not None else EventLog()
-        # Called with (slot, tenant name) before a block goes into a host
-        # slot, when each tenant's slots live in memory of its own
-        # (kvd.tiers.host.HostArena.claim); None without tenants.
+        # Per-tenant host memory (kvd.tiers.host.HostArena.claim): called
+        # with (slot, tenant name) when a slot is given to a block of
+        # another tenant than the one whose memory backs it; None without
+        # tenants. See `_allocate_host_slot` for why that should be rare.
         self.claim_host_slot: Callable[[int, str], None] | None = None
+        self.slot_tenants: list[str | None] = [None] * host_slot_count
+        self.slot_tenant_changes = 0
 
     # ------------------------------------------------------------------
     # Namespaces
@@ -457,7 +463,7 @@ class Engine:
             if not self.disk.promotion.promote(block):
                 self._cut_plan(plan, position)
                 break
-            slot = self._allocate_host_slot()
+            slot = self._allocate_host_slot(block.index.tenant)
             if slot == NO_SLOT:
                 self._cut_plan(plan, position)
                 plan.starved = True
@@ -948,7 +954,7 @@ class Engine:
             key = keys[position]
             # Checked missing above; evicting only ever removes keys.
             check(key not in index.nodes, "reserved key appeared in the index during reserve")
-            slot = self._allocate_host_slot()
+            slot = self._allocate_host_slot(index.tenant)
             if slot == NO_SLOT:
                 statuses.extend([ReserveStatus.NO_SPACE] * (len(keys) - position))
                 slots.extend([NO_SLOT] * (len(keys) - position))
@@ -1202,12 +1208,25 @@ class Engine:
         self.host_reclaiming()
         return demoted
 
-    def _allocate_host_slot(self) -> int:
-        """A free host slot, evicting the policy's victim if none is free; NO_SLOT if nothing can go."""
+    def _allocate_host_slot(self, tenant: str | None = None) -> int:
+        """A free host slot, evicting the policy's victim if none is free; NO_SLOT if nothing can go.
+
+        With per-tenant host memory, a slot that changes tenant costs a
+        remap and the zeroing of its pages (milliseconds for 2 MiB; see
+        bench/bench_tenant_arena.py), so for a block of `tenant` the
+        victim may be one of the tenant's own among the next
+        TENANT_AFFINITY_WINDOW candidates instead: a tenant whose blocks
+        are all younger than that takes another's slot, and so grows.
+        """
         host = self.host
         if host.free_slots:
             return host.free_slots.pop()
-        victim = host.policy.victim()
+        if tenant is not None and self.claim_host_slot is not None:
+            slot_tenants = self.slot_tenants
+            victim = host.policy.victim_near(lambda block: slot_tenants[block.host_slot] == tenant,
+                                             TENANT_AFFINITY_WINDOW)
+        else:
+            victim = host.policy.victim()
         if victim is None:
             return NO_SLOT
         self._evict_host_block(victim)
@@ -1301,8 +1320,11 @@ class Engine:
     def _set_host_slot(self, block: Block, slot: int) -> None:
         check(block.host_slot == NO_SLOT and self.host.owners[slot] is None, "host slot already taken")
         if self.claim_host_slot is not None:
-            quota = block.index.quota
-            self.claim_host_slot(slot, quota.name if quota is not None else "")
+            tenant = block.index.tenant
+            if self.slot_tenants[slot] != tenant:
+                self.claim_host_slot(slot, tenant)
+                self.slot_tenants[slot] = tenant
+                self.slot_tenant_changes += 1
         block.host_slot = slot
         self.host.owners[slot] = block
         self.host.used_bytes += self._block_bytes(block)
@@ -1540,6 +1562,10 @@ class Engine:
     def verify(self) -> None:
         """Check every cross-structure invariant (tests call this after each step)."""
         self.host.verify()
+        if self.claim_host_slot is not None:
+            for slot, owner in enumerate(self.host.owners):
+                check(owner is None or self.slot_tenants[slot] == owner.index.tenant,
+                      "a block sits in another tenant's host memory")
         self.leases.verify()
         self.events.verify()
         disk = self.disk

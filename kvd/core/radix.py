@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 class PrefixIndex:
-    __slots__ = ("nodes", "name", "block_bytes", "namespace_id", "disk_enabled", "quota")
+    __slots__ = ("nodes", "name", "block_bytes", "namespace_id", "disk_enabled", "quota", "tenant")
 
     def __init__(self, name: str = "", block_bytes: int = 0, namespace_id: bytes = b"",
                  quota: TenantQuota | None = None) -> None:
@@ -49,6 +49,8 @@ class PrefixIndex:
         # The usage and quota of the tenant whose namespace this is; None
         # without tenants (kvd.core.quota).
         self.quota = quota
+        # Its tenant's name ("": none), whose host memory its blocks go in.
+        self.tenant = quota.name if quota is not None else ""
 
     def __len__(self) -> int:
         return len(self.nodes)

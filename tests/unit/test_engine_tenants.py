@@ -252,3 +252,72 @@ def test_random_operations_keep_every_tenants_accounting_exact(seed):
         engine.verify()
         # Disk quotas are never exceeded (host ones can be, by Gets reading blocks back).
         assert all(quota.disk_used_bytes <= quota.disk_limit_bytes for quota in quotas if quota.disk_limit_bytes)
+
+
+# ----------------------------------------------------------------------
+# Per-tenant host memory: slots that change tenant are costly (a remap and
+# zeroed pages), so a full host tier gives a tenant its own victims where
+# the policy allows (Engine._allocate_host_slot).
+
+
+def single(index: int) -> str:
+    """A one-block chain of its own."""
+    return chr(0x100 + index)
+
+
+def engine_with_claims(slots: int, policy: str) -> tuple[Engine, list[tuple[int, str]]]:
+    engine = Engine(host_slot_count=slots, host_slot_bytes=SLOT, policy=policy)
+    claims: list[tuple[int, str]] = []
+    engine.claim_host_slot = lambda slot, tenant: claims.append((slot, tenant))
+    return engine, claims
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_tenants_taking_turns_in_a_full_host_tier_keep_their_own_slots(policy):
+    engine, claims = engine_with_claims(32, policy)
+    a = engine.register_namespace(tenant_spec("a")).namespace_id
+    b = engine.register_namespace(tenant_spec("b")).namespace_id
+    for index in range(32):
+        assert put(engine, a if index < 16 else b, single(index)) == 1
+    assert len(claims) == 32 and engine.host.free_slots == []
+    for index in range(32, 232):
+        assert put(engine, a if index % 2 else b, single(index)) == 1
+    # Every new block went into a slot of its own tenant's: no slot changed hands.
+    assert len(claims) == 32 == engine.slot_tenant_changes
+    by_tenant = {"a": 0, "b": 0}
+    for block in engine.host.owners:
+        by_tenant[block.index.tenant] += 1
+    assert by_tenant == {"a": 16, "b": 16}
+    # The newest blocks stayed, whatever the policy kept of the rest.
+    assert all(stored(engine, a if index % 2 else b, single(index)) == 1 for index in range(216, 232))
+
+
+def test_a_tenant_without_blocks_or_with_only_young_ones_takes_the_victims_slot():
+    engine, claims = engine_with_claims(128, "lru")
+    a = engine.register_namespace(tenant_spec("a")).namespace_id
+    b = engine.register_namespace(tenant_spec("b")).namespace_id
+    c = engine.register_namespace(tenant_spec("c")).namespace_id
+    for index in range(100):
+        put(engine, b, single(index))
+    for index in range(100, 128):
+        put(engine, a, single(index))
+    claims.clear()
+    # a's oldest block is 100 places from the victim, past the window: b's oldest goes.
+    put(engine, a, single(200))
+    assert claims == [(0, "a")] and stored(engine, b, single(0)) == 0
+    # c has no block at all: it can only take another tenant's slot.
+    put(engine, c, single(201))
+    assert [tenant for _, tenant in claims] == ["a", "c"]
+    # b's own victim is the oldest block: b keeps its slot.
+    put(engine, b, single(202))
+    assert len(claims) == 2 and stored(engine, b, single(2)) == 0
+
+
+def test_without_per_tenant_memory_the_policy_victim_goes_exactly():
+    engine = Engine(host_slot_count=8, host_slot_bytes=SLOT)
+    a = engine.register_namespace(tenant_spec("a")).namespace_id
+    b = engine.register_namespace(tenant_spec("b")).namespace_id
+    for index in range(8):
+        put(engine, b if index < 4 else a, single(index))
+    put(engine, a, single(8))
+    assert stored(engine, b, single(0)) == 0 and stored(engine, a, single(4)) == 1

@@ -10,6 +10,8 @@ next victim, the tail the most recently used.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvd.core.block import Block
 from kvd.core.policy.links import BlockList
 from kvd.invariants import check
@@ -45,6 +47,16 @@ class LruPolicy:
         self._list.push_tail(block)
 
     def victim(self) -> Block | None:
+        return self._list.head
+
+    def victim_near(self, prefer: Callable[[Block], bool], window: int) -> Block | None:
+        block = self._list.head
+        for _ in range(window):
+            if block is None:
+                break
+            if prefer(block):
+                return block
+            block = block.policy_next
         return self._list.head
 
     def order(self) -> list[Block]:

@@ -68,6 +68,7 @@ size follows the tier's capacity, not the number of indexed blocks.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from kvd.core.block import Block
 from kvd.core.policy.links import BlockList
@@ -175,6 +176,20 @@ class S3FifoPolicy:
                 continue
             self._victim = head
             return head
+
+    def victim_near(self, prefer: Callable[[Block], bool], window: int) -> Block | None:
+        """Only blocks no Get has used since they entered their queue qualify:
+        a used one would be moved on, not evicted, when it came to the head."""
+        victim = self.victim()
+        block = victim
+        for _ in range(window):
+            if block is None:
+                break
+            if prefer(block) and not block.policy_state & FREQUENCY:
+                self._victim = block  # evicted as the victim: S's go to the ghost queue
+                return block
+            block = block.policy_next
+        return victim
 
     def _remember(self, block: Block) -> None:
         ghost = self._ghost
