@@ -17,16 +17,18 @@ FROM python:3.11-slim-bookworm
 # The shared libraries of kvd._native (libc6 comes with the base image).
 RUN apt-get update && apt-get install -y --no-install-recommends liburing2 libisal2 \
     && rm -rf /var/lib/apt/lists/*
-# uid 1000: engines that map the arena (mode 0600) must run as the same uid.
+# uid 1000: the sockets (kvd.sock and the arena socket kvd.sock.arena) are
+# 0600, so engines run as the same uid or share server.unix_socket_group.
 RUN useradd --uid 1000 --create-home kvd && install -d -o kvd -g kvd -m 0750 /var/run/kvd
 COPY --from=builder /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 USER kvd
 WORKDIR /home/kvd
 EXPOSE 50051 9464
-# The arena lives in /dev/shm, which Docker sizes 64 MiB by default: run with
-# --shm-size larger than host.capacity_bytes (1 GiB by default), or with
-# --ipc=host so that engines in other containers can map it. The default
+# The arena is memfd files, not /dev/shm: no --shm-size or --ipc=host. Engines
+# in other containers mount the same host directory as /var/run/kvd and get
+# the arena over the arena socket; a --memory limit must cover
+# host.capacity_bytes (1 GiB by default), which kvd touches at start. The default
 # seccomp profiles of Docker 25+ and containerd 2.0+ block io_uring: kvd uses its
 # thread-pool I/O engine for the disk tier (see docs/operations.md).
 ENTRYPOINT ["kvd"]

@@ -8,7 +8,7 @@ What: a Llama-8B-like namespace in bf16 (32 layers, 8 KV heads, head_dim
   2 MiB blocks, 1,024 blocks for the default 2 GiB;
 * 256 tokens per block: 1 MiB per layer object, 32 MiB blocks, 64 blocks.
 
-The blocks sit in a real HostArena (/dev/shm, slot = block) and are
+The blocks sit in a real HostArena (host memory, slot = block) and are
 written once to a `DiskTier` (2 directories under a fresh temp dir,
 io_uring engine, queue depth 32). The host tier is cold: before every
 restore the header of every layer object in the arena is overwritten.

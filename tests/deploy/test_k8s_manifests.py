@@ -1,5 +1,6 @@
-"""The kustomize base in deploy/k8s and its example overlay, rendered by
-kubectl and schema-checked, then held against kvd's own configuration.
+"""The kustomize base in deploy/k8s, its example overlay and the example
+engine pod, rendered by kubectl and schema-checked, then held against kvd's
+own configuration.
 
 kubectl comes with the build machines' image (Debian package `kubectl`
 from the Google Cloud SDK repository, not Debian's own; `make setup` does
@@ -14,6 +15,14 @@ Validators:
   no schema for): OUR OWN JSON schema below, written from the operator's
   CRD for just the fields these manifests use. It catches typos and wrong
   types in those fields; it is not the operator's full schema.
+
+The arena (kvd.arena_protocol): nothing is shared with the node but the
+sockets' directory, no hostIPC and no /dev/shm, in kvd's pods and the
+example engine pod; the engine pod mounts that directory where its target's
+socket has the arena socket next to it, and the overlay's socket group, the
+engine pod's supplementalGroups and the init container's chown agree (the
+init container itself runs, with CAP_CHOWN only, twice, where the machine
+lets the test be root).
 
 Auth (auth.mode = "token", the base's default): the tenants file of the
 Secret kvd-tenants loads with kvd's own loader (kvd.config.load_tenants) and
@@ -43,13 +52,17 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvd import arena_protocol
 from kvd.config import load, load_tenants, parse_size
 from kvd.server.auth import TokenTable
 from kvd.testing.daemon import run_daemon
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 ROOT = Path(__file__).parents[2]
-KUSTOMIZATIONS = ["deploy/k8s/base", "deploy/k8s/overlays/host-ipc"]
+EXAMPLE_OVERLAY = "deploy/k8s/overlays/example"
+KUSTOMIZATIONS = ["deploy/k8s/base", EXAMPLE_OVERLAY]
+# The engine pod that goes with the example overlay.
+ENGINE_POD = ROOT / "deploy/k8s/examples/engine-pod.yaml"
 KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
 CORE_KINDS = {"Namespace", "ServiceAccount", "ConfigMap", "Secret", "DaemonSet", "NetworkPolicy"}
 BASE = ROOT / "deploy/k8s/base"
@@ -128,9 +141,24 @@ def render(kustomization: str) -> list[dict]:
     return [document for document in yaml.safe_load_all(result.stdout) if document]
 
 
+_RENDERED: dict[str, dict] = {}
+
+
 @pytest.fixture(scope="module", params=KUSTOMIZATIONS)
 def rendered(request, tmp_path_factory) -> dict:
-    documents = render(request.param)
+    return rendered_objects(request.param, tmp_path_factory)
+
+
+def rendered_objects(kustomization: str, tmp_path_factory) -> dict:
+    """The objects of `kustomization` by kind, its kvd pod and container, and
+    the configuration kvd would load from them (rendered once per module)."""
+    if kustomization not in _RENDERED:
+        _RENDERED[kustomization] = render_objects(kustomization, tmp_path_factory)
+    return _RENDERED[kustomization]
+
+
+def render_objects(kustomization: str, tmp_path_factory) -> dict:
+    documents = render(kustomization)
     by_kind: dict[str, list[dict]] = {}
     for document in documents:
         by_kind.setdefault(document["kind"], []).append(document)
@@ -236,12 +264,155 @@ def test_volumes_hold_what_the_toml_names(rendered):
     assert config.disk.directories
     for directory in config.disk.directories:
         assert mounts[directory]["hostPath"]["type"] == "Directory", directory
-    # The arena is shared with the node: hostIPC, or the node's /dev/shm; exactly one.
-    shm = mounts.get("/dev/shm")
-    shared_by_hostpath = shm is not None and shm.get("hostPath", {}).get("path") == "/dev/shm"
-    assert pod.get("hostIPC", False) != shared_by_hostpath
+    # The arena is memfd files handed out over the arena socket: nothing of
+    # the node's IPC or /dev/shm is shared.
+    assert_shares_no_ipc(pod)
     # Writable mounts are the only writable places.
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def assert_shares_no_ipc(pod: dict) -> None:
+    """Neither the node's IPC namespace nor any /dev/shm: the arena is memfd
+    files that kvd hands out over its arena socket (kvd.arena_protocol)."""
+    assert not pod.get("hostIPC", False) and not pod.get("hostPID", False)
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    for volume in volumes.values():
+        if "hostPath" in volume:
+            assert not Path(volume["hostPath"]["path"]).is_relative_to("/dev/shm"), volume
+    for container in [*pod.get("initContainers", []), *pod["containers"]]:
+        for mount in container.get("volumeMounts", []):
+            assert not Path(mount["mountPath"]).is_relative_to("/dev/shm"), (container["name"], mount)
+
+
+def state_dir_init(pod: dict) -> tuple[dict, str]:
+    """The init container that prepares the sockets' directory, and its script."""
+    (init,) = [container for container in pod["initContainers"] if container["name"] == "state-dir"]
+    assert init["command"][:2] == ["/bin/sh", "-c"] and len(init["command"]) == 3
+    return init, init["command"][2]
+
+
+def test_the_socket_directory_admits_the_socket_group(rendered):
+    """Both sockets have the same mode: 0600, or 0660 with
+    server.unix_socket_group. With a group (a number: no such group need
+    exist in the image), kvd must be a member to give its sockets to it
+    (supplementalGroups) and the init container gives it the directory,
+    mode 0750, so that it can enter; without one, the directory is kvd's
+    own group's and only uid 1000 gets in."""
+    config, pod = rendered["config"], rendered["pod"]
+    init, script = state_dir_init(pod)
+    assert {mount["mountPath"] for mount in init["volumeMounts"]} == {config.state_dir}
+    directory = re.escape(config.state_dir)
+    chowns = re.findall(rf"\bchown (\d+)(?::(\d+))? {directory}\b", script)
+    assert chowns, script
+    uid, gid = chowns[-1]
+    assert int(uid) == pod["securityContext"]["runAsUser"]
+    group = config.server.unix_socket_group
+    if group:
+        assert group.isdigit(), "a gid, which needs no group entry in the image"
+        assert int(gid) == int(group)
+        assert int(group) in pod["securityContext"].get("supplementalGroups", [])
+    else:
+        assert int(gid) == pod["securityContext"]["runAsGroup"]
+    assert re.findall(rf"\bchmod (\d+) {directory}\b", script) == ["0750"]
+
+
+def test_the_init_container_prepares_the_directory_on_every_start(rendered, tmp_path):
+    """The init container's script, run as it runs (uid 0, CAP_CHOWN alone)
+    on a directory as the kubelet makes it (root's), then again as a
+    restarted pod finds it (already uid 1000's): root without CAP_FOWNER
+    may chmod only what it owns."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv (util-linux) to run the script with CAP_CHOWN alone")
+    config, pod = rendered["config"], rendered["pod"]
+    init, script = state_dir_init(pod)
+    added = init["securityContext"]["capabilities"]["add"]
+    bounding = ",".join(["-all", *(f"+{capability.lower()}" for capability in added)])
+    directory = tmp_path / "run-kvd"
+    directory.mkdir()
+    os.chmod(directory, 0o755)
+    group = config.server.unix_socket_group
+    gid = int(group) if group else pod["securityContext"]["runAsGroup"]
+    for start in ("first", "second"):
+        result = subprocess.run(
+            ["setpriv", "--bounding-set", bounding, "--inh-caps", "-all", "/bin/sh", "-c",
+             script.replace(config.state_dir, str(directory))],
+            capture_output=True, text=True, check=False, timeout=30)
+        assert result.returncode == 0, (start, result.stderr)
+        status = directory.stat()
+        assert (oct(status.st_mode & 0o7777), status.st_uid, status.st_gid) == (
+            oct(0o750), pod["securityContext"]["runAsUser"], gid), start
+
+
+def engine_documents() -> dict[str, dict]:
+    documents = [document for document in yaml.safe_load_all(ENGINE_POD.read_text()) if document]
+    by_kind = {document["kind"]: document for document in documents}
+    assert sorted(by_kind) == ["Deployment", "Namespace"] and len(documents) == 2
+    return by_kind
+
+
+def test_the_example_engine_pod_passes_strict_kubernetes_schemas():
+    for document in engine_documents().values():
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(document, version, strict=True)
+
+
+def test_the_example_engine_pod_gets_the_arena_through_the_socket_directory(tmp_path_factory):
+    """The engine pod of deploy/k8s/examples, against the example overlay's
+    kvd: it mounts the node directory that holds kvd's sockets, as a
+    directory, where its target's socket has the arena socket next to it;
+    it is in the sockets' group, under a uid of its own; its token comes
+    from its own Secret; and it shares no IPC and no /dev/shm."""
+    kvd = rendered_objects(EXAMPLE_OVERLAY, tmp_path_factory)
+    config = kvd["config"]
+    documents = engine_documents()
+    namespace, deployment = documents["Namespace"], documents["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert_shares_no_ipc(pod)
+    # The node directory behind kvd's state_dir, and kvd's socket in it.
+    kvd_volumes = {volume["name"]: volume for volume in kvd["pod"]["volumes"]}
+    kvd_mounts = {mount["mountPath"]: kvd_volumes[mount["name"]] for mount in kvd["container"]["volumeMounts"]}
+    node_directory = Path(kvd_mounts[config.state_dir]["hostPath"]["path"])
+    socket = config.unix_socket_path
+    assert socket is not None and socket.parent == Path(config.state_dir)
+    # The engine mounts that directory and nothing else of the node, whole.
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert [volume["hostPath"]["path"] for volume in volumes.values() if "hostPath" in volume] == [
+        str(node_directory)]
+    (mount,) = [mount for mount in container["volumeMounts"] if "hostPath" in volumes[mount["name"]]]
+    assert "subPath" not in mount and "subPathExpr" not in mount
+    socket_in_engine = Path(mount["mountPath"]) / socket.relative_to(config.state_dir)
+    # Its target is that socket, and the arena socket the client derives
+    # from the target is kvd's, in the same mount.
+    words = [*container.get("command", []), *container.get("args", []),
+             *(item.get("value", "") for item in container.get("env", []))]
+    (target,) = [word for word in words if word.startswith("unix:")]
+    arena_socket = arena_protocol.socket_path_for_target(target)
+    assert arena_socket == arena_protocol.socket_path(socket_in_engine)
+    assert arena_socket.parent == Path(mount["mountPath"])
+    # The sockets' group: the overlay's server.unix_socket_group, the group
+    # the init container gives the directory, and the engine's supplementalGroups.
+    group = config.server.unix_socket_group
+    assert group.isdigit()
+    _init, script = state_dir_init(kvd["pod"])
+    _uid, gid = re.findall(rf"\bchown (\d+):(\d+) {re.escape(config.state_dir)}\b", script)[-1]
+    security = pod["securityContext"]
+    assert security["supplementalGroups"] == [int(group)] == [int(gid)]
+    # A uid of its own: not root, not kvd's (which could read all of kvd's memory).
+    assert security["runAsNonRoot"] is True
+    assert security["runAsUser"] not in (0, kvd["pod"]["securityContext"]["runAsUser"])
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    # Its tenant's token from a Secret of its own namespace, never a literal.
+    env = {item["name"]: item for item in container["env"]}
+    assert "value" not in env["KVD_TOKEN"]
+    reference = env["KVD_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert reference["name"] and reference["key"] and not reference.get("optional", False)
+    # Only on kvd's nodes; in a namespace that admits its hostPath volume.
+    assert kvd["pod"]["nodeSelector"].items() <= pod["nodeSelector"].items()
+    assert deployment["metadata"]["namespace"] == namespace["metadata"]["name"] != kvd["Namespace"]["metadata"]["name"]
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    template_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
 
 
 def test_memory_covers_the_arena(rendered):
@@ -274,7 +445,7 @@ def test_pods_run_non_root_with_nothing_extra(rendered):
     for init in pod.get("initContainers", []):
         assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}, init["name"]
         assert init["securityContext"]["allowPrivilegeEscalation"] is False
-    # One kvd per node at any time: they would share /dev/shm and the drives.
+    # One kvd per node at any time: they would share the socket directory and the drives.
     assert rendered["DaemonSet"]["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
 
 

@@ -3,7 +3,7 @@
 Geometry used throughout: 2 drives, 4 MiB segments, 64 KiB slots, and a
 namespace of 3 layers of 8 KiB (so a block is 24 KiB of its 64 KiB slot).
 Data really goes through O_DIRECT files and the I/O engine; blocks come
-from and go to a real HostArena in /dev/shm.
+from and go to a real HostArena (memfd host memory).
 """
 
 from __future__ import annotations
