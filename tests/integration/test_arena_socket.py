@@ -1,0 +1,80 @@
+"""The arena socket under abuse: whatever bytes arrive, a precise refusal or
+the arena, never a crash, and a client that stalls delays nobody else."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvd import arena_protocol
+from kvd.client import Client
+from tests.integration.conftest import SMALL_SPEC, random_blocks
+
+
+def exchange(path: str, payload: bytes) -> tuple[dict, list[int]]:
+    with socket.socket(socket.AF_UNIX) as connection:
+        connection.settimeout(10)
+        connection.connect(path)
+        connection.sendall(payload)
+        connection.shutdown(socket.SHUT_WR)
+        reply, fds, _flags, _address = socket.recv_fds(connection, 4096, 4)
+    return json.loads(reply), fds
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(payload=st.one_of(
+    st.binary(max_size=300),
+    st.builds(lambda text: text.encode() + b"\n", st.text(max_size=200)),
+    st.builds(lambda value: json.dumps(value).encode() + b"\n",
+              st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner,
+                                                                                       max_size=3),
+                           max_leaves=8)),
+))
+def test_any_request_gets_a_refusal_or_the_arena(daemon, payload):
+    reply, fds = exchange(daemon.arena_socket, payload)
+    try:
+        if reply["ok"]:
+            # Without tokens any JSON object asks well (an instance_id, if any, must be this one).
+            request = json.loads(payload)
+            assert isinstance(request, dict)
+            assert request.get("instance_id") in (None, "", reply["instance_id"])
+            assert len(fds) == 1 and os.fstat(fds[0]).st_size == reply["arena_bytes"]
+        else:
+            assert reply["code"] in ("INVALID_ARGUMENT", "FAILED_PRECONDITION") and reply["message"]
+            assert fds == []
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_oversized_and_stalled_requests_are_refused_and_block_nobody(daemon):
+    reply, fds = exchange(daemon.arena_socket, b"{" + b" " * (arena_protocol.MAX_REQUEST_BYTES + 10))
+    assert (reply["code"], fds) == ("INVALID_ARGUMENT", [])
+    stalled = []
+    try:
+        for _ in range(20):  # connect and say nothing
+            connection = socket.socket(socket.AF_UNIX)
+            connection.connect(daemon.arena_socket)
+            stalled.append(connection)
+        started = time.monotonic()
+        with Client(daemon.unix_target) as client:
+            assert client.uses_shared_memory
+            namespace = client.register_namespace(SMALL_SPEC)
+            keys = namespace.keys(np.arange(2 * SMALL_SPEC.block_tokens) + 77_000)
+            blocks = random_blocks(SMALL_SPEC, 2, seed=77)
+            assert client.put(namespace, keys, blocks) == 2
+            assert np.array_equal(client.get_numpy(namespace, keys), blocks)
+        assert time.monotonic() - started < 1.5  # well inside the stalled ones' 2 s deadline
+        # The daemon drops a connection that sends nothing in time.
+        stalled[0].settimeout(10)
+        assert stalled[0].recv(16) == b""
+    finally:
+        for connection in stalled:
+            connection.close()
