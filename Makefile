@@ -73,7 +73,8 @@ crash-long: setup
 	KVD_CRASH_ROUNDS=$${KVD_CRASH_ROUNDS:-60} $(PY) -m pytest -q -p no:cacheprovider tests/crash/test_daemon_crash.py
 
 # The fuzzers (tests/fuzz: Hypothesis-generated, malformed and raw-byte
-# requests to every RPC of one daemon; atheris, coverage-guided, on the
+# requests to every RPC of one daemon with tenants, under one tenant's
+# token, none or a wrong one; atheris, coverage-guided, on the
 # request handlers in process) with many more inputs than `make test` runs;
 # KVD_FUZZ_EXAMPLES sets the examples per Hypothesis fuzzer, KVD_ATHERIS_RUNS
 # the atheris inputs.
@@ -81,8 +82,8 @@ fuzz-long: setup
 	KVD_FUZZ_EXAMPLES=$${KVD_FUZZ_EXAMPLES:-5000} KVD_ATHERIS_RUNS=$${KVD_ATHERIS_RUNS:-300000} \
 	  $(PY) -m pytest -q -s -p no:cacheprovider tests/fuzz
 
-# The soak test (tests/soak: client processes under SIGKILL, disk faults,
-# SIGTERM under load) for minutes, printing progress every 5 s;
+# The soak test (tests/soak: client processes of two tenants under SIGKILL,
+# disk faults, SIGTERM under load) for minutes, printing progress every 5 s;
 # KVD_SOAK_SECONDS and KVD_SOAK_FAULT_SECONDS set its two load phases,
 # KVD_SOAK_WORKERS the client processes.
 soak-long: setup

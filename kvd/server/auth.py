@@ -135,11 +135,13 @@ def scoped_client_id(tenant: Tenant | None, client_id: str) -> str:
     """The engine's name of a client: the tenant's name and the client's own id.
 
     Raises InvalidArgument for an id the engine would refuse anyway, before
-    the scope makes it longer.
+    the scope makes it longer. An empty id stays empty, so that the engine
+    refuses it wherever a client id is needed, as it does without tenants
+    (scoped, it would be the tenant's name: a valid id).
     """
     if len(client_id) > MAX_CLIENT_ID_CHARS:
         raise InvalidArgument(f"client_id must be 1..{MAX_CLIENT_ID_CHARS} characters")
-    if tenant is None:
+    if tenant is None or not client_id:
         return client_id
     if SCOPE_SEPARATOR in client_id:
         raise InvalidArgument("client_id must not contain NUL characters")

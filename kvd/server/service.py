@@ -387,7 +387,10 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         if request.inline:
             state = self.engine.namespace(request.namespace_id)
             # Pinned under a private lease while the bytes are copied out.
-            lease, matched, tiers = await self._pinned_prefix(request, INLINE_CLIENT_PREFIX + request.client_id)
+            # Per client, or per tenant for a Get that names none: one
+            # tenant's inline Gets never take from another's pin cap.
+            owner = request.client_id or scoped_client_id(self._caller(), "-")
+            lease, matched, tiers = await self._pinned_prefix(request, INLINE_CLIENT_PREFIX + owner)
             try:
                 response_bytes = len(matched) * (state.block_bytes + 8)
                 if response_bytes > self.max_message_bytes:

@@ -17,6 +17,9 @@ fuzzed without touching this file:
 `Pools` is what the test knows about the daemon: namespaces, stored
 chains, client ids, lease ids seen in responses. It grows as responses
 arrive, so later calls in an example name leases earlier calls opened.
+With tenants, it also knows another tenant's namespaces, keys and lease
+ids (`foreign_*`), which the fuzzed calls name now and then, and which
+must be NOT_FOUND for them (`foreign_namespace`).
 
 `certainly_invalid(method, request)` is a small oracle: a reason the
 daemon must refuse the request (never answer OK), or None when it cannot
@@ -68,6 +71,13 @@ class Pools:
     lease_ids: list[int] = field(default_factory=list)
     # Payload sizes of registered namespaces other than the main one.
     other_block_bytes: list[int] = field(default_factory=list)
+    # Another tenant's: namespace ids (its own and the daemon's), chains
+    # stored in them, lease ids. Never the fuzzed calls' to use.
+    foreign_namespace_ids: list[bytes] = field(default_factory=list)
+    foreign_chains: list[list[bytes]] = field(default_factory=list)
+    foreign_lease_ids: list[int] = field(default_factory=list)
+    # auth.mode = "token": the daemon scopes client ids by tenant (no NUL in them).
+    scoped_client_ids: bool = False
 
     def saw_lease(self, lease_id: int) -> None:
         if lease_id and lease_id not in self.lease_ids:
@@ -107,7 +117,14 @@ def _identifier(draw, known: list[bytes]) -> bytes:
     return _bad_bytes(draw)
 
 
+def _foreign(draw, items: list) -> bool:
+    """Whether to take another tenant's value, from `items`, this time (one time in ten)."""
+    return bool(items) and draw(st.integers(0, 9)) == 0
+
+
 def _namespace_id(draw, pools: Pools, drawn: dict) -> bytes:
+    if _foreign(draw, pools.foreign_namespace_ids):
+        return _pick(draw, pools.foreign_namespace_ids)
     return _identifier(draw, pools.namespace_ids)
 
 
@@ -116,17 +133,24 @@ def _key(draw, pools: Pools) -> bytes:
     return _identifier(draw, known)
 
 
+def _chain_piece(draw, chains: list[list[bytes]]) -> list[bytes]:
+    """A stored chain, or a piece of one, maybe with fresh keys after it: what a real client sends."""
+    chain = _pick(draw, chains)
+    start = below(draw, len(chain))
+    stop = start + below(draw, len(chain) - start + 1)
+    keys = chain[start:stop]
+    if draw(st.booleans()):
+        keys = keys + fresh_keys(draw(st.integers(0, 1 << 30)), draw(st.integers(0, 6)))
+    return keys
+
+
 def _keys(draw, pools: Pools, drawn: dict) -> list[bytes]:
+    if drawn.get("namespace_id") in pools.foreign_namespace_ids and pools.foreign_chains and draw(st.booleans()):
+        # Another tenant's namespace: the very keys it stored there.
+        return _chain_piece(draw, pools.foreign_chains)
     kind = draw(st.integers(0, 99))
     if kind < 35 and pools.chains:
-        # A stored chain, or a piece of one: what a real client sends.
-        chain = _pick(draw, pools.chains)
-        start = below(draw, len(chain))
-        stop = start + below(draw, len(chain) - start + 1)
-        keys = chain[start:stop]
-        if draw(st.booleans()):
-            keys = keys + fresh_keys(draw(st.integers(0, 1 << 30)), draw(st.integers(0, 6)))
-        return keys
+        return _chain_piece(draw, pools.chains)
     if kind < 50:
         return fresh_keys(draw(st.integers(0, 1 << 30)), draw(st.integers(1, 12)))
     if kind < 60:
@@ -175,6 +199,8 @@ def _client_id(draw, pools: Pools, drawn: dict) -> str:
 
 
 def _lease_id(draw, pools: Pools, drawn: dict) -> int:
+    if _foreign(draw, pools.foreign_lease_ids):
+        return _pick(draw, pools.foreign_lease_ids)
     kind = draw(st.integers(0, 99))
     if kind < 60 and pools.lease_ids:
         return _pick(draw, pools.lease_ids)
@@ -413,6 +439,20 @@ _LEASE_MS_METHODS = ("Reserve", "Renew")
 _CLIENT_METHODS = ("Reserve", "Commit", "PutInline", "Release", "Renew")
 
 
+def foreign_namespace(request: Any, pools: Pools) -> bool:
+    """Whether `request` names one of another tenant's namespaces (NOT_FOUND, whatever else it holds)."""
+    return "namespace_id" in request.DESCRIPTOR.fields_by_name and request.namespace_id in pools.foreign_namespace_ids
+
+
+def foreign_leases(method: str, request: Any, pools: Pools) -> list[int]:
+    """Another tenant's lease ids `request` names (NOT_FOUND for it, never another client's)."""
+    if method == "Release":
+        return [lease_id for lease_id in request.lease_ids if lease_id in pools.foreign_lease_ids]
+    if method == "Renew" and request.lease_id in pools.foreign_lease_ids:
+        return [request.lease_id]
+    return []
+
+
 def certainly_invalid(method: str, request: Any, pools: Pools) -> str | None:
     """Why the daemon must refuse `request`, or None when this oracle cannot tell."""
     names = {descriptor.name for descriptor in request.DESCRIPTOR.fields}
@@ -430,6 +470,12 @@ def certainly_invalid(method: str, request: Any, pools: Pools) -> str | None:
     if method in _CLIENT_METHODS or (method in ("Get", "GetLayers") and not request.inline):
         if not request.client_id or len(request.client_id) > CLIENT_ID_MAX_CHARS:
             return f"client_id of {len(request.client_id)} characters"
+    if pools.scoped_client_ids and "client_id" in names and "\x00" in request.client_id:
+        return "a NUL in client_id (tenants scope client ids)"
+    if foreign_namespace(request, pools):
+        return "another tenant's namespace"
+    if foreign_leases(method, request, pools):
+        return "another tenant's lease"
     if method in _LEASE_MS_METHODS or (method in ("Get", "GetLayers") and not request.inline):
         if request.lease_ms > pools.max_lease_ms:
             return f"lease_ms {request.lease_ms} over the maximum"

@@ -201,6 +201,28 @@ def test_another_tenants_namespace_and_leases_are_not_found(daemon):
     assert released.released == 1
 
 
+def test_an_empty_client_id_is_refused_with_tokens_as_without(daemon):
+    """The tenant's scope must not turn a missing client_id into a valid one
+    (found by the fuzzers with tenants: a Release with no client_id was OK)."""
+    stub = kvd_pb2_grpc.KvdStub(grpc.insecure_channel(daemon.unix_target))
+    with Client(daemon.unix_target, token=TOKEN_A) as a:
+        namespace = a.register_namespace(SMALL_SPEC)
+        keys = namespace.keys(np.arange(900_000, 900_000 + SMALL_SPEC.block_tokens))
+    for call, request in (
+            (stub.Release, kvd_pb2.ReleaseRequest(lease_ids=[1])),
+            (stub.Renew, kvd_pb2.RenewRequest(lease_id=1)),
+            (stub.Reserve, kvd_pb2.ReserveRequest(namespace_id=namespace.namespace_id, keys=keys)),
+            (stub.Get, kvd_pb2.GetRequest(namespace_id=namespace.namespace_id, keys=keys))):
+        with pytest.raises(grpc.RpcError) as error:
+            call(request, metadata=metadata(TOKEN_A))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (type(request).__name__, error.value.details())
+        assert "client_id" in error.value.details()
+    # An inline Get needs no client_id.
+    got = stub.Get(kvd_pb2.GetRequest(namespace_id=namespace.namespace_id, keys=keys, inline=True),
+                   metadata=metadata(TOKEN_A))
+    assert got.matched == 0
+
+
 def test_calls_without_a_token_kvd_knows_are_unauthenticated_and_health_needs_none(daemon):
     channel = grpc.insecure_channel(daemon.unix_target)
     stub = kvd_pb2_grpc.KvdStub(channel)

@@ -4,8 +4,14 @@ WORKERS client processes (kvd.testing.soak_worker) loop over Lookup, Put,
 durable Put, Get, GetLayers and Prefetch on a daemon with a small host tier
 (far fewer slots than the blocks the workers share, so blocks are evicted,
 demoted to disk and read back all the time) and a disk tier. One of them
-never maps the arena (inline bytes). Every block's bytes derive from its
-key, and the workers check every block a Get returns.
+never maps the arena (inline bytes). The daemon has auth.mode = "token":
+worker i works as tenant TENANTS[i % 2] with that tenant's token; both
+tenants register the same spec and put the same shared prompts, so they
+use the same namespace id and keys, with other bytes (every block's bytes
+derive from its tenant and its key). The workers check every block a Get
+returns, and that it is not another tenant's; the test checks that no
+tenant's mapping of the arena ever shows another tenant's blocks
+(`Isolation`).
 
   1. load, SOAK_S seconds: every few seconds a worker is SIGKILLed, half
      the time right after it has logged a lease it holds (a read or a
@@ -17,7 +23,7 @@ key, and the workers check every block a Get returns.
   3. workers again, and SIGTERM under their load: the daemon drains within
      server.grace_period_s and exits 0.
   4. a clean restart serves every block a worker saw acknowledged durable
-     (in 1 or 3), bit-exact, from disk.
+     (in 1 or 3), bit-exact, from disk, to its tenant and to no other.
   5. load again, FAULT_S seconds, on a daemon started with injected disk
      faults (KVD_INJECT_IO_FAULTS: ENOSPC writes, EIO and short reads):
      Gets may miss, durable Puts may fail, nothing comes back wrong.
@@ -26,7 +32,7 @@ key, and the workers check every block a Get returns.
      load; the disk tier may lose, never lie), and the daemon stops cleanly
      with no leaked handle.
 
-Throughout: no worker ever got wrong bytes, no RPC failed with a status
+Throughout: no worker ever got wrong bytes or another tenant's, no RPC failed with a status
 other than the expected ones (UNAVAILABLE while the daemon is down or
 draining, RESOURCE_EXHAUSTED when the host tier is pinned full...), no
 worker died on its own.
@@ -55,8 +61,9 @@ import pytest
 
 from kvd.client import Client
 from kvd.testing.daemon import DaemonProcess, log_problems, run_daemon, start_daemon
-from kvd.testing.put_stream import SPEC, blocks_for, read_log
-from kvd.testing.soak_worker import LEASE_MS
+from kvd.testing.put_stream import SPEC, read_log
+from kvd.testing.soak_worker import LEASE_MS, TENANTS, family_keys
+from kvd.testing.tenants import ArenaView, TenantStub, by_prefix, tenant_blocks, write_tenants_file
 from kvd.v1 import kvd_pb2
 
 SOAK_S = float(os.environ.get("KVD_SOAK_SECONDS", "24"))
@@ -79,6 +86,9 @@ FAULTS = "write:ENOSPC:400,read:EIO:60,read:SHORT:30"
 # it (NOT_FOUND), a call slower than its deadline on a starved machine.
 EXPECTED_CODES = {"UNAVAILABLE", "CANCELLED", "RESOURCE_EXHAUSTED", "NOT_FOUND", "DEADLINE_EXCEEDED"}
 PROGRESS = os.environ.get("KVD_SOAK_PROGRESS") == "1"
+TOKENS = {tenant: f"soak-{tenant}-token-{os.urandom(8).hex()}" for tenant in TENANTS}
+# How often the test looks through every tenant's mapping of the arena.
+ISOLATION_EVERY_S = 1.0
 
 
 def daemon_config(tmp_path: Path) -> dict:
@@ -98,7 +108,14 @@ def daemon_config(tmp_path: Path) -> dict:
         "leases": {"default_ms": 2000, "max_ms": 10_000, "sweep_interval_ms": 100},
         # A small event ring: its memory is bounded, and reached early.
         "events": {"ring_events": 1024, "ring_keys": 16384},
+        "auth": {"mode": "token", "tenants_file": str(write_tenants_file(
+            tmp_path / "tenants.toml",
+            {tenant: {"token": token, "namespaces": [SPEC.model_id]} for tenant, token in TOKENS.items()}))},
     }
+
+
+def tenant_of(slot: int) -> str:
+    return TENANTS[slot % len(TENANTS)]
 
 
 def progress(message: str) -> None:
@@ -116,18 +133,21 @@ class Fleet:
     incarnations: Counter = field(default_factory=Counter)
     kills: int = 0
     kill_rounds: int = 0
-    # (client_id, lease_id, kind) of leases held by workers when they were killed.
+    # (tenant, client_id, lease_id, kind) of leases held by workers when they were killed.
     held_at_kill: list = field(default_factory=list)
 
     def spawn(self, slot: int) -> None:
         self.incarnations[slot] += 1
         name = f"w{slot}-{self.incarnations[slot]}"
+        tenant = tenant_of(slot)
         arguments = [sys.executable, "-m", "kvd.testing.soak_worker", str(self.control), name,
-                     str(SEED * 1000 + slot * 100 + self.incarnations[slot])]
+                     str(SEED * 1000 + slot * 100 + self.incarnations[slot]), "--tenant", tenant]
         if slot == 0:
             arguments.append("--inline")
         with open(self.control / f"{name}.stderr", "wb") as stderr:
-            self.processes[slot] = (name, subprocess.Popen(arguments, stderr=stderr))
+            # The token in the environment, never on a command line.
+            self.processes[slot] = (name, subprocess.Popen(arguments, stderr=stderr,
+                                                           env={**os.environ, "KVD_TOKEN": TOKENS[tenant]}))
 
     def start(self) -> None:
         (self.control / "stop").unlink(missing_ok=True)
@@ -150,7 +170,7 @@ class Fleet:
             hold = self._next_hold(name)
             self.kill(slot)
             if hold is not None:
-                self.held_at_kill.append((hold["client"], hold["lease"], hold["kind"]))
+                self.held_at_kill.append((hold["tenant"], hold["client"], hold["lease"], hold["kind"]))
         else:
             self.kill(slot)
         self.spawn(slot)
@@ -184,38 +204,96 @@ class Fleet:
     def summary(self) -> dict:
         """Totals over every worker log: operations, blocks checked, errors by code, durable chains."""
         ops: Counter = Counter()
-        checked = 0
+        checked: Counter = Counter()
         for path in sorted(self.control.glob("w*.jsonl")):
             stats = [record for record in read_log(path) if record["e"] == "stats"]
             if stats:
                 ops.update(stats[-1]["ops"])
-                checked += stats[-1]["blocks_checked"]
+                # w<slot>-<incarnation>.jsonl
+                checked[tenant_of(int(path.stem[1:].split("-")[0]))] += stats[-1]["blocks_checked"]
         records = self.records()
         return {
-            "ops": sum(ops.values()), "by_op": dict(ops), "blocks_checked": checked,
+            "ops": sum(ops.values()), "by_op": dict(ops), "blocks_checked": sum(checked.values()),
+            "blocks_checked_by_tenant": dict(checked),
             "errors": dict(Counter(record["code"] for record in records if record["e"] == "err")),
             "durable_chains": sum(record["e"] == "durable" for record in records),
             "holds": sum(record["e"] == "hold" for record in records),
-            "bad": [record for record in records if record["e"] == "bad"],
+            "bad": [record for record in records if record["e"] in ("bad", "foreign")],
+            "foreign": sum(record["e"] == "foreign" for record in records),
             "kills": self.kills, "held_at_kill": len(self.held_at_kill),
         }
 
 
-def durable_chains(fleet: Fleet) -> list[list[bytes]]:
-    return [[bytes.fromhex(key) for key in record["keys"]] for record in fleet.records() if record["e"] == "durable"]
+def durable_chains(fleet: Fleet) -> list[tuple[str, list[bytes]]]:
+    """(tenant, keys) of every chain a worker saw acknowledged durable."""
+    return [(record["tenant"], [bytes.fromhex(key) for key in record["keys"]]) for record in fleet.records()
+            if record["e"] == "durable"]
 
 
-def check_durable(daemon: DaemonProcess, chains: list[list[bytes]]) -> tuple[int, int]:
-    """Every durable chain is served bit-exact from its start; returns (whole, cut short)."""
+def check_durable(daemon: DaemonProcess, chains: list[tuple[str, list[bytes]]]) -> tuple[int, int]:
+    """Every durable chain is served bit-exact from its start to its tenant, and not at all to
+    another tenant (who never put those keys); returns (whole, cut short)."""
     whole = short = 0
-    with Client(daemon.unix_target) as client:
-        namespace = client.register_namespace(SPEC)
-        for keys in chains:
-            got = client.get_numpy(namespace, keys)
-            assert got.tobytes() == blocks_for(keys[: got.shape[0]]).tobytes(), "a durable block came back wrong"
+    clients = {tenant: Client(daemon.unix_target, token=token) for tenant, token in TOKENS.items()}
+    try:
+        namespaces = {tenant: client.register_namespace(SPEC) for tenant, client in clients.items()}
+        for tenant, keys in chains:
+            got = clients[tenant].get_numpy(namespaces[tenant], keys)
+            assert got.tobytes() == tenant_blocks(tenant, keys[: got.shape[0]]).tobytes(), (
+                "a durable block came back wrong")
             whole += got.shape[0] == len(keys)
             short += got.shape[0] < len(keys)
+            for other in TENANTS:
+                if other != tenant:
+                    assert clients[other].lookup(namespaces[other], keys).matched == 0, (
+                        f"tenant {other} finds a durable block of {tenant}'s")
+    finally:
+        for client in clients.values():
+            client.close()
     return whole, short
+
+
+class Isolation:
+    """Every tenant's mapping of the arena (the file its clients get), checked for other tenants' blocks.
+
+    The shared prompts' blocks of each tenant are known (`tenant_blocks` of
+    `family_keys`); a slot of tenant t's mapping that holds one of another
+    tenant's is a leak. Slots holding t's own show that the check looks at
+    live data (`own_seen`)."""
+
+    def __init__(self) -> None:
+        keys = [key for chain in family_keys() for key in chain]
+        self.blocks = {tenant: by_prefix(tenant_blocks(tenant, keys)) for tenant in TENANTS}
+        self.views: dict[str, ArenaView] = {}
+        self.scans = 0
+        self.own_seen: Counter = Counter()
+        self.checked_at = 0.0
+
+    def watch(self, daemon: DaemonProcess) -> None:
+        self.close()
+        with grpc.insecure_channel(daemon.unix_target) as channel:
+            for tenant, token in TOKENS.items():
+                info = TenantStub(channel, token).ArenaInfo(kvd_pb2.ArenaInfoRequest())
+                self.views[tenant] = ArenaView(daemon, token, info)
+
+    def check(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.views or (not force and now - self.checked_at < ISOLATION_EVERY_S):
+            return
+        self.checked_at = now
+        for tenant, view in self.views.items():
+            for other, blocks in self.blocks.items():
+                rows = view.rows_holding(blocks)
+                if other == tenant:
+                    self.own_seen[tenant] += len(rows)
+                else:
+                    assert not rows, f"tenant {tenant}'s arena shows tenant {other}'s blocks in slots {rows[:8]}"
+        self.scans += 1
+
+    def close(self) -> None:
+        for view in self.views.values():
+            view.close()
+        self.views.clear()
 
 
 def disk_evictions(daemon: DaemonProcess) -> float:
@@ -240,7 +318,7 @@ def sample_rss(daemon: DaemonProcess, samples: list, stop: threading.Event) -> N
         samples.append((time.monotonic() - started, daemon.rss_bytes()))
 
 
-def run_load(fleet: Fleet, daemon: DaemonProcess, seconds: float, *, kills: bool) -> None:
+def run_load(fleet: Fleet, daemon: DaemonProcess, seconds: float, isolation: Isolation, *, kills: bool) -> None:
     started = time.monotonic()
     next_kill = started + fleet.rng.uniform(*KILL_EVERY_S)
     next_report = started + 5.0
@@ -258,6 +336,7 @@ def run_load(fleet: Fleet, daemon: DaemonProcess, seconds: float, *, kills: bool
                      f"rss {daemon.rss_bytes() >> 20} MiB  leases {daemon.metric('kvd_leases'):.0f}  "
                      f"errors {summary['errors']}")
         fleet.check_alive()
+        isolation.check()
         time.sleep(0.05)
 
 
@@ -311,19 +390,22 @@ def test_soak_kills_faults_and_drain(tmp_path):
     control.mkdir()
     directory = tmp_path / "daemon"
     fleet = Fleet(control, rng)
+    isolation = Isolation()
     report: dict = {}
+    assert WORKERS >= len(TENANTS), f"KVD_SOAK_WORKERS: at least {len(TENANTS)}, a worker per tenant"
     try:
         # 1. Load with kills.
         daemon = start_daemon(directory, config=config)
         try:
             set_target(control, daemon)
+            isolation.watch(daemon)
             fleet.start()
             samples: list = []
             stop_sampling = threading.Event()
             sampler = threading.Thread(target=sample_rss, args=(daemon, samples, stop_sampling), daemon=True)
             sampler.start()
             progress(f"phase 1: {WORKERS} workers, {SOAK_S:.0f}s, kills every {KILL_EVERY_S}s")
-            run_load(fleet, daemon, SOAK_S, kills=True)
+            run_load(fleet, daemon, SOAK_S, isolation, kills=True)
             stop_sampling.set()
             sampler.join()
             # 2. Every client gone: leases end by their deadline, nothing stays pinned.
@@ -331,20 +413,27 @@ def test_soak_kills_faults_and_drain(tmp_path):
             reclaimed_s = wait_for_zero(daemon, "kvd_leases", LEASE_MS / 1000 + 10)
             wait_for_zero(daemon, "kvd_lease_pinned_blocks", 5)
             wait_for_zero(daemon, "kvd_tier_pinned_blocks", 20)
-            with Client(daemon.unix_target) as client:
-                for client_id, lease_id, kind in fleet.held_at_kill:
+            with grpc.insecure_channel(daemon.unix_target) as channel:
+                for tenant, client_id, lease_id, kind in fleet.held_at_kill:
+                    # As the client that held it, with its tenant's token: ended, not another's.
                     with pytest.raises(grpc.RpcError) as raised:
-                        client._stub.Release(kvd_pb2.ReleaseRequest(client_id=client_id, lease_ids=[lease_id]))
+                        TenantStub(channel, TOKENS[tenant]).Release(
+                            kvd_pb2.ReleaseRequest(client_id=client_id, lease_ids=[lease_id]))
                     assert raised.value.code() == grpc.StatusCode.NOT_FOUND, (kind, raised.value.details())
             expired = daemon.metric("kvd_leases_expired_total")
             # Expired, not released: the workers were killed holding them.
             assert expired >= len(fleet.held_at_kill)
+            isolation.check(force=True)
+            assert all(isolation.own_seen[tenant] for tenant in TENANTS), isolation.own_seen
             report["phase1"] = {**fleet.summary(), "leases_reclaimed_s": round(reclaimed_s, 1),
-                                "leases_expired": expired, **assert_rss_flat(samples, SOAK_S)}
+                                "leases_expired": expired, **assert_rss_flat(samples, SOAK_S),
+                                "arena_scans": isolation.scans}
             progress(f"phase 2: leases reclaimed {reclaimed_s:.1f}s after the last kill; {report['phase1']}")
             # 3. SIGTERM under load.
             fleet.start()
+            isolation.check(force=True)
             report["drain_s"] = drain_under_load(fleet, daemon)
+            isolation.close()
             assert_clean_log(daemon)
             progress(f"phase 3: drained in {report['drain_s']}s under load")
         finally:
@@ -369,9 +458,12 @@ def test_soak_kills_faults_and_drain(tmp_path):
         daemon = start_daemon(directory, config=config, env={"KVD_INJECT_IO_FAULTS": FAULTS})
         try:
             set_target(control, daemon)
+            isolation.watch(daemon)
             fleet.start()
             progress(f"phase 5: {FAULT_S:.0f}s with faults {FAULTS}")
-            run_load(fleet, daemon, FAULT_S, kills=False)
+            run_load(fleet, daemon, FAULT_S, isolation, kills=False)
+            isolation.check(force=True)
+            isolation.close()
             failures = {key: value for key, value in daemon.metric_samples("kvd_disk_failures_total").items()}
             load_failures = sum(value for key, value in failures.items() if '"load"' in key)
             assert sum(failures.values()) > 0, f"no injected fault was hit: {failures}"
@@ -395,14 +487,18 @@ def test_soak_kills_faults_and_drain(tmp_path):
         report["durable_final"] = {"whole": whole, "cut_by_failed_reads": short}
         summary = fleet.summary()
         report["total"] = {key: summary[key] for key in ("ops", "blocks_checked", "errors", "kills", "held_at_kill")}
+        report["isolation"] = {"arena_scans": isolation.scans, "own_blocks_seen": dict(isolation.own_seen),
+                               "blocks_checked_by_tenant": summary["blocks_checked_by_tenant"]}
     finally:
+        isolation.close()
         (control / "stop").write_text("")
         for name, process in fleet.processes.values():
             process.kill()
             process.wait()
     print(json.dumps(report))
     summary = fleet.summary()
-    assert not summary["bad"], f"workers got wrong bytes: {summary['bad'][:5]}"
+    assert not summary["bad"], f"workers got wrong bytes ({summary['foreign']} times another tenant's): " + str(
+        summary["bad"][:5])
     unexpected = {code: count for code, count in summary["errors"].items() if code not in EXPECTED_CODES}
     assert not unexpected, f"unexpected statuses: {unexpected}; " + str(
         [record for record in fleet.records() if record["e"] == "err" and record["code"] in unexpected][:5])
@@ -411,3 +507,5 @@ def test_soak_kills_faults_and_drain(tmp_path):
     assert all(summary["by_op"].get(op, 0) > 0 for op in ("lookup", "put", "put_durable", "get", "get_layers",
                                                            "prefetch")), summary["by_op"]
     assert summary["held_at_kill"] >= 1, summary
+    # Every tenant's workers read back blocks (of the same keys as the other's): none were the other's.
+    assert all(summary["blocks_checked_by_tenant"].get(tenant, 0) > 0 for tenant in TENANTS), summary

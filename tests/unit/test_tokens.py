@@ -180,6 +180,8 @@ def test_client_ids_are_scoped_by_tenant():
     tenant = Tenant("a", ("*",))
     assert scoped_client_id(tenant, "engine-0") == "a\x00engine-0"
     assert scoped_client_id(None, "engine-0") == "engine-0"
+    # Empty stays empty: the engine refuses it where a client id is needed.
+    assert scoped_client_id(tenant, "") == scoped_client_id(None, "") == ""
     with pytest.raises(InvalidArgument, match="1..128"):
         scoped_client_id(None, "x" * 129)
     with pytest.raises(InvalidArgument, match="NUL"):
