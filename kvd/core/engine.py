@@ -65,8 +65,9 @@ class PrefetchLimit(enum.IntEnum):
 # server puts its tenant's name (64 at most) and a separator in front, and
 # an inline Get's private prefix in front of that (kvd.server.auth).
 MAX_CLIENT_ID_CHARS = 256
-# How far past the eviction policy's victim a block of the requesting
-# tenant may be taken instead (Engine._allocate_host_slot).
+# How far past the eviction policy's victim, in blocks that would be
+# evicted first (at most a quarter of the host tier), a block of the
+# requesting tenant may be taken instead (Engine._allocate_host_slot).
 TENANT_AFFINITY_WINDOW = 64
 
 
@@ -251,6 +252,18 @@ class HostPool:
 def namespace_not_found(namespace_id: bytes) -> NotFound:
     """The one error for a namespace the caller cannot use, whether or not anyone registered it."""
     return NotFound(f"namespace {namespace_id.hex()[:16]}... is not registered; call RegisterNamespace first")
+
+
+def _eviction_run(block: Block, limit: int) -> int:
+    """Host blocks that leave, at most `limit`, when candidate `block` is
+    evicted: it and the ancestors that become candidates after it, up the
+    chain while each has no other child in host memory."""
+    run = 1
+    parent = block.parent
+    while run < limit and parent is not None and parent.host_slot != NO_SLOT and parent.host_children == 1:
+        run += 1
+        parent = parent.parent
+    return run
 
 
 def _disk_evictable(block: Block) -> bool:
@@ -1214,17 +1227,19 @@ class Engine:
         With per-tenant host memory, a slot that changes tenant costs a
         remap and the zeroing of its pages (milliseconds for 2 MiB; see
         bench/bench_tenant_arena.py), so for a block of `tenant` the
-        victim may be one of the tenant's own among the next
-        TENANT_AFFINITY_WINDOW candidates instead: a tenant whose blocks
-        are all younger than that takes another's slot, and so grows.
+        victim may be one of the tenant's own among the candidates that
+        would go in the next TENANT_AFFINITY_WINDOW blocks (a chain's leaf
+        counts the ancestors that follow it out) instead: a tenant whose
+        blocks are all younger than that takes another's slot, and so grows.
         """
         host = self.host
         if host.free_slots:
             return host.free_slots.pop()
-        if tenant is not None and self.claim_host_slot is not None:
+        window = min(TENANT_AFFINITY_WINDOW, host.slot_count // 4)
+        if tenant is not None and self.claim_host_slot is not None and window > 0:
             slot_tenants = self.slot_tenants
-            victim = host.policy.victim_near(lambda block: slot_tenants[block.host_slot] == tenant,
-                                             TENANT_AFFINITY_WINDOW)
+            victim = host.policy.victim_near(lambda block: slot_tenants[block.host_slot] == tenant, window,
+                                             lambda block: _eviction_run(block, window))
         else:
             victim = host.policy.victim()
         if victim is None:

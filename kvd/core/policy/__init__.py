@@ -49,9 +49,11 @@ class EvictionPolicy(Protocol):
         """The next candidate to evict, without removing it; None if none."""
         ...
 
-    def victim_near(self, prefer: Callable[[Block], bool], window: int) -> Block | None:
-        """victim(), or a candidate that `prefer`s among the next `window` in
-        eviction order, which is then evicted as the victim would be."""
+    def victim_near(self, prefer: Callable[[Block], bool], window: int, weight: Callable[[Block], int]) -> Block | None:
+        """victim(), or a candidate that `prefer`s among those evicted in the
+        next `window` blocks (a candidate counts `weight(candidate)`: the
+        blocks that follow it out), which is then evicted as the victim
+        would be."""
         ...
 
     def order(self) -> list[Block]:

@@ -49,13 +49,12 @@ class LruPolicy:
     def victim(self) -> Block | None:
         return self._list.head
 
-    def victim_near(self, prefer: Callable[[Block], bool], window: int) -> Block | None:
+    def victim_near(self, prefer: Callable[[Block], bool], window: int, weight: Callable[[Block], int]) -> Block | None:
         block = self._list.head
-        for _ in range(window):
-            if block is None:
-                break
+        while block is not None and window > 0:
             if prefer(block):
                 return block
+            window -= weight(block)
             block = block.policy_next
         return self._list.head
 

@@ -177,17 +177,16 @@ class S3FifoPolicy:
             self._victim = head
             return head
 
-    def victim_near(self, prefer: Callable[[Block], bool], window: int) -> Block | None:
+    def victim_near(self, prefer: Callable[[Block], bool], window: int, weight: Callable[[Block], int]) -> Block | None:
         """Only blocks no Get has used since they entered their queue qualify:
         a used one would be moved on, not evicted, when it came to the head."""
         victim = self.victim()
         block = victim
-        for _ in range(window):
-            if block is None:
-                break
+        while block is not None and window > 0:
             if prefer(block) and not block.policy_state & FREQUENCY:
                 self._victim = block  # evicted as the victim: S's go to the ghost queue
                 return block
+            window -= weight(block)
             block = block.policy_next
         return victim
 
