@@ -66,7 +66,7 @@ class PrefetchLimit(enum.IntEnum):
 # an inline Get's private prefix in front of that (kvd.server.auth).
 MAX_CLIENT_ID_CHARS = 256
 # How far past the eviction policy's victim, in blocks that would be
-# evicted first (at most a quarter of the host tier), a block of the
+# evicted first (at most 1/32 of the host tier), a block of the
 # requesting tenant may be taken instead (Engine._allocate_host_slot).
 TENANT_AFFINITY_WINDOW = 64
 
@@ -1235,7 +1235,7 @@ class Engine:
         host = self.host
         if host.free_slots:
             return host.free_slots.pop()
-        window = min(TENANT_AFFINITY_WINDOW, host.slot_count // 4)
+        window = min(TENANT_AFFINITY_WINDOW, host.slot_count // 32)
         if tenant is not None and self.claim_host_slot is not None and window > 0:
             slot_tenants = self.slot_tenants
             victim = host.policy.victim_near(lambda block: slot_tenants[block.host_slot] == tenant, window,
