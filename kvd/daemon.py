@@ -11,12 +11,15 @@ Start:  tenants file and TLS files read -> arena created (memfd files, one
         READY=1 only once disk recovery is done and the listeners answer;
         then WATCHDOG=1 every half WATCHDOG_USEC while the event loop runs).
 Stop (SIGTERM/SIGINT, or `Daemon.shutdown()`; idempotent):
-        health NOT_SERVING -> event streams end (UNAVAILABLE) -> the arena
+        health NOT_SERVING (health Watch streams end) -> event streams end
+        (UNAVAILABLE), starved Gets stop waiting for write-back -> the arena
         socket closes -> listeners stop accepting and in-flight RPCs get
-        `grace_period_s` to finish -> every lease ends -> metrics endpoint
-        stops -> arena files closed and unmapped (clients keep what they
-        mapped). A second signal during the drain cuts the grace period
-        short.
+        `grace_period_s` to finish (kvd.server.drain: one warning names the
+        RPCs still running when it is over; calls gRPC holds but never
+        dispatched are cancelled once every other one has ended) -> every
+        lease ends -> metrics endpoint stops -> arena files closed and
+        unmapped (clients keep what they mapped). A second signal during
+        the drain cuts the grace period short.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd import __version__, arena_protocol
 from kvd.clock import Clock, MonotonicClock
@@ -44,6 +47,8 @@ from kvd.core.quota import TenantQuota
 from kvd.metrics import ArenaCollector, DiskIoMetrics, make_registry
 from kvd.server.arena_socket import ArenaSocket
 from kvd.server.auth import FAILURE_REASONS, AuthInterceptor, TokenTable
+from kvd.server.drain import RpcTracker, describe, stop_server
+from kvd.server.health import HealthService
 from kvd.server.registration import add_kvd_service
 from kvd.server.service import KvdService
 from kvd.tiers.host import ArenaLayout, HostArena
@@ -117,7 +122,9 @@ class Daemon:
         self.disk_plane = None  # kvd.server.disk_plane.DiskPlane when a disk tier is configured
         self.server: grpc.aio.Server | None = None
         self.service: KvdService | None = None
-        self.health: health.aio.HealthServicer | None = None
+        self.health: HealthService | None = None
+        # Every call gRPC handed over and that has not ended (the drain's view).
+        self.rpcs = RpcTracker()
         self._metrics_server = None
         self._sweeper: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
@@ -213,7 +220,7 @@ class Daemon:
             ("grpc.max_send_message_length", config.server.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        interceptors = []
+        interceptors = [self.rpcs]  # first: it sees every call, refused ones too
         if config.auth.mode == "token":
             for reason in FAILURE_REASONS:
                 rpc_metrics.auth_failures.labels(reason)  # exported at 0 from the start
@@ -232,7 +239,7 @@ class Daemon:
         # Bytes that are not a valid request message get INVALID_ARGUMENT, not UNKNOWN.
         add_kvd_service(self.service, self.server,
                         lambda method: rpc_metrics.total.labels(method, "INVALID_ARGUMENT").inc())
-        self.health = health.aio.HealthServicer()
+        self.health = HealthService()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 
         if socket_path is not None:
@@ -327,7 +334,9 @@ class Daemon:
     def request_stop(self) -> None:
         if self._stop.is_set() and self.server is not None:
             # A second signal during the drain: stop waiting for in-flight RPCs.
-            log.warning("second stop signal: cancelling in-flight requests")
+            running = self.rpcs.running()
+            log.warning("second stop signal: cancelling in-flight requests (%s)", describe(running),
+                        extra={"rpcs_running": sum(running.values()), "rpcs": describe(running)})
             asyncio.get_running_loop().create_task(self.server.stop(0))
         self._stop.set()
 
@@ -345,13 +354,14 @@ class Daemon:
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
         if self.service is not None:
-            # Event streams never finish on their own: end them now rather
-            # than at the end of the grace period.
-            self.service.end_streams()
+            # Event streams never finish on their own, and starved Gets
+            # would wait for write-back: end them now rather than at the end
+            # of the grace period.
+            self.service.start_draining()
         if self.arena_socket is not None:
             await self.arena_socket.close()
         if self.server is not None:
-            await self.server.stop(self.config.server.grace_period_s)
+            await stop_server(self.server, self.config.server.grace_period_s, self.rpcs)
         await _cancelled(self._sweeper)
         leases = self.engine.close_all_leases() if self.engine is not None else 0
         if self.disk_plane is not None:

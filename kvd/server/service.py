@@ -147,7 +147,9 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         self.started_ms = clock.now_ms()
         self.max_subscribers = max_subscribers
         self._subscribers = 0
+        # Set by start_draining: waits that would hold the drain end early.
         self._draining = False
+        self._drain_started = asyncio.Event()
         # Set, and replaced by a fresh one, whenever events are published:
         # idle subscribers wait on it.
         self._events_published = asyncio.Event()
@@ -242,9 +244,10 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         except (PinCapExceeded, QuotaExceeded):
             raise  # the disk writer frees none of this client's pins, nor the tenant's quota
         except ResourceExhausted:
-            if self.disk_plane is None or self.disk_plane.writes_idle.is_set():
+            if self.disk_plane is None or self.disk_plane.writes_idle.is_set() or self._draining:
                 raise
-        await self.disk_plane.writes_idle.wait()
+        # Draining: try once more now rather than after the batch.
+        await self._unless_draining(self.disk_plane.writes_idle.wait)
         return self.engine.reserve(*arguments, self.clock.now_ms())
 
     def _check_arena(self, request) -> None:
@@ -362,15 +365,30 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             return plan
         # Host memory is held by blocks waiting for write-back (or pinned by
         # a write batch in flight): each batch that reaches disk lets their
-        # copies make room, so try again after each, while that helps.
+        # copies make room, so try again after each, while that helps. Once
+        # the daemon drains, take what there is at once.
         deadline = asyncio.get_running_loop().time() + STARVED_GET_WAIT_S
         while plan.starved:
             left = deadline - asyncio.get_running_loop().time()
             self.engine.abandon_get(plan)
-            if left <= 0 or not await self.disk_plane.wait_for_write_back(left):
+            if left <= 0 or not await self._unless_draining(lambda: self.disk_plane.wait_for_write_back(left)):
                 return begin()
             plan = begin()
         return plan
+
+    async def _unless_draining(self, wait: Callable[[], Awaitable[Any]]) -> Any:
+        """wait()'s result, or None as soon as the daemon drains (the wait is then cancelled)."""
+        if self._draining:
+            return None
+        waiting = asyncio.ensure_future(wait())
+        drain = asyncio.ensure_future(self._drain_started.wait())
+        try:
+            await asyncio.wait({waiting, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drain.cancel()
+            if not waiting.done():
+                waiting.cancel()
+        return waiting.result() if waiting.done() and not waiting.cancelled() else None
 
     async def _pinned_prefix(self, request, client_id: str) -> tuple[object, list, bytes]:
         """begin_get + disk reads: (lease, servable blocks, their tiers before the Get)."""
@@ -584,9 +602,17 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 tiers=tiers[start:stop],
             )
 
-    def end_streams(self) -> None:
-        """Drain: end every WatchEvents stream (UNAVAILABLE) and refuse new ones."""
+    def start_draining(self) -> None:
+        """The daemon drains: nothing in flight should hold it for the grace period.
+
+        Every WatchEvents stream ends (UNAVAILABLE) and new ones are
+        refused; Gets starved of host slots stop waiting for write-back and
+        answer with what they can serve; Reserves waiting for a write batch
+        try again at once. Work that finishes by itself (disk reads, durable
+        Puts' writes) goes on.
+        """
         self._draining = True
+        self._drain_started.set()
         self._events_published.set()
 
     def _resync(self, namespace_id: bytes, sequence: int, reason: int) -> kvd_pb2.KvEvent:
