@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "index_memory": ([], ["--sizes", "100000"]),
     "lookup": ([], ["--calls", "200"]),
     "host_tier": ([], ["--rounds", "3", "--batch-mib", "128", "--capacity-mib", "256", "--inline-rounds", "1"]),
+    "tenant_arena": ([], ["--rounds", "3", "--arena-mib", "128", "--claim-slots", "16"]),
     "ttft": ([], ["--prompt-tokens", "1024", "--repeats", "1"]),
     "io_engine": ([], ["--file-mib", "256", "--rounds", "2"]),
     "disk_restore": ([], ["--total-mib", "512", "--rounds", "2", "--store-rounds", "2"]),
