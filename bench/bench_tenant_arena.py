@@ -25,7 +25,7 @@ window the preference cannot apply and the tier is plain LRU across
 tenants. This benchmark measures interleaved tenants and a whole-arena
 turnover against the same Puts with no slot changing tenant.
 
-Five daemons, each with an arena of `--arena-mib` (512 MiB) in slots of
+Six daemons, each with an arena of `--arena-mib` (512 MiB) in slots of
 `--block-mib` (2 MiB; a float16 namespace of 32 layers x 8 KV heads x 128
 head_dim, 16 tokens per block, as in bench_host_tier), interleaved round by
 round (the order rotates); every round each one Puts blocks with fresh keys
@@ -47,6 +47,12 @@ totalling the arena (its previous blocks are evicted by LRU):
             engine's preference would go untested; shuffled, plain LRU
             changes 64-192 of the 256 slots per round (an in-process
             simulation of the engine with TENANT_AFFINITY_WINDOW = 0).
+  quota     as mixed, but each tenant has a host quota of half the arena
+            (host_bytes in the tenants file): a tenant at its quota makes
+            room by evicting its own least recently used blocks, so its
+            Puts reuse its own slots (reported: slot tenant changes per
+            round, and quota/split, for information). The operator's way
+            to avoid the cost, at the price of a static split.
   baseline  auth.mode = "token", one tenant, one Put as large as the arena
             per round into slots it already owns: no slot changes tenant
             (checked: 0 per round).
@@ -151,12 +157,13 @@ CHANGES_METRIC = "kvd_arena_slot_tenant_changes_total"
 RESERVE_SUM = 'kvd_rpc_duration_seconds_sum{method="Reserve"}'
 
 
-def tenants_file(directory: Path) -> Path:
+def tenants_file(directory: Path, host_bytes: int = 0) -> Path:
+    """The tenants, each with a host quota of `host_bytes` (0: none)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "tenants.toml"
     path.write_text("".join(
         f'[[tenants]]\nname = "{name}"\ntoken_sha256 = "{hashlib.sha256(token.encode()).hexdigest()}"\n'
-        'namespaces = ["*"]\n\n'
+        f'namespaces = ["*"]\nhost_bytes = {host_bytes}\n\n'
         for name, token in TOKENS.items()
     ))
     return path
@@ -418,9 +425,12 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-bench-tenant-")))
         token_auth = {"mode": "token", "tenants_file": str(tenants_file(workdir))}
+        # Each tenant held to half the arena: its Puts evict its own blocks.
+        quota_auth = {"mode": "token",
+                      "tenants_file": str(tenants_file(workdir / "quota-tenants", arena_bytes // len(TOKENS)))}
         daemons = {}
-        for name, auth in (("split", token_auth), ("mixed", token_auth), ("baseline", token_auth),
-                           ("worst", token_auth), ("none", {"mode": "none"})):
+        for name, auth in (("split", token_auth), ("mixed", token_auth), ("quota", quota_auth),
+                           ("baseline", token_auth), ("worst", token_auth), ("none", {"mode": "none"})):
             progress(f"starting kvd for {name} (auth.mode {auth['mode']}, arena {arena_bytes / MIB:.0f} MiB)")
             daemons[name] = stack.enter_context(run_daemon(workdir / name, config={"host": host, "auth": auth}))
 
@@ -436,6 +446,8 @@ def main() -> int:
             "split": Contender("split", f"split: token, 1 tenant, {args.batches} Puts/round", daemons["split"],
                                [TOKENS["a"]], spec, count, calls=args.batches),
             "mixed": Contender("mixed", f"mixed: token, 2 tenants sharing {args.batches} Puts", daemons["mixed"],
+                               both, spec, count, calls=args.batches, turns="shuffled"),
+            "quota": Contender("quota", "quota: mixed, each tenant's host quota 1/2", daemons["quota"],
                                both, spec, count, calls=args.batches, turns="shuffled"),
             "baseline": Contender("baseline", "baseline: token, 1 tenant, 1 Put/round", daemons["baseline"],
                                   [TOKENS["a"]], spec, count),
@@ -550,6 +562,7 @@ def evaluate(contenders: dict[str, Contender], batch_bytes: int, count: int) -> 
     cost_us = (put_time["worst"] - put_time["baseline"]) / changes_per_round * 1e6
     ratios = {
         "put_mixed_vs_split": median("mixed", "put") / median("split", "put"),
+        "put_quota_vs_split": median("quota", "put") / median("split", "put"),
         "put_worst_vs_baseline": median("worst", "put") / median("baseline", "put"),
         "put_split_vs_baseline": median("split", "put") / median("baseline", "put"),
         "put_none_vs_baseline": median("none", "put") / median("baseline", "put"),
@@ -589,6 +602,10 @@ def evaluate(contenders: dict[str, Contender], batch_bytes: int, count: int) -> 
     report(f"Put mixed/split median {fmt_ratio(ratios['put_mixed_vs_split'])}, target >= "
            f"{TARGET_MIXED_VS_SPLIT}x: {'PASS' if passed else 'FAIL'}")
     report(f"Get mixed/split median {fmt_ratio(ratios['get_mixed_vs_split'])} (info)")
+    quota_changes = changes_of("quota")
+    report(f"Put quota/split median {fmt_ratio(ratios['put_quota_vs_split'])} (info: the mixed Puts with each "
+           f"tenant's host quota half the arena, {statistics.median(quota_changes):.0f} slot tenant changes per "
+           f"round, min {min(quota_changes):.0f}, max {max(quota_changes):.0f})")
     report("")
     report(f"slot tenant changes per worst-case round: {changes_per_round:.0f} of {count} slots "
            f"(min {min(changes):.0f}, max {max(changes):.0f}); baseline and split: 0")
@@ -609,6 +626,7 @@ def evaluate(contenders: dict[str, Contender], batch_bytes: int, count: int) -> 
         "rounds": {name: contender.details for name, contender in contenders.items()},
         "breakdown_median": breakdown,
         "mixed_slot_tenant_changes_per_round": mixed_per_round,
+        "quota_slot_tenant_changes_per_round": statistics.median(quota_changes),
         "slot_tenant_changes_per_round": changes_per_round,
         "cost_per_slot_change_us": cost_us,
         "cost_per_slot_change_in_reserve_us": reserve_extra_us,

@@ -266,6 +266,15 @@ def _eviction_run(block: Block, limit: int) -> int:
     return run
 
 
+def _quota_victim(block: Block, keep: Block | None, children: int | None = None) -> bool:
+    """Whether a tenant's candidate may go to keep it within its host quota:
+    not the block a reservation extends, and not one with children but no
+    disk copy (evicting it would lose its subtree)."""
+    if children is None:
+        children = block.children
+    return block is not keep and not (children and block.disk_slot == NO_SLOT)
+
+
 def _disk_evictable(block: Block) -> bool:
     # An index leaf only, so a durable block's prefix stays durable.
     return block.ref_count == 0 and block.children == 0 and block.state == BlockState.SEALED
@@ -1294,25 +1303,50 @@ class Engine:
                 "bytes; Put fewer blocks at a time, or raise the tenant's host_bytes quota"
             )
         needed = -(-excess_bytes // slot_bytes)
-        victims: list[Block] = []
-        for block in quota.candidates:
-            if block is keep or (block.children and block.disk_slot == NO_SLOT):
-                continue
-            victims.append(block)
-            if len(victims) == needed:
-                break
-        if len(victims) < needed:
+        evictable = self._quota_evictable(quota, keep, needed)
+        if evictable < needed:
             quota.counters.host_refused += 1
             raise QuotaExceeded(
                 f"tenant {quota.name!r} is over its host quota: its blocks take {quota.host_used_bytes} of its "
                 f"{quota.host_limit_bytes} bytes of host memory, this Put needs {slots * slot_bytes} more "
-                f"({slots} slots of {slot_bytes} bytes) and only {len(victims) * slot_bytes} bytes of its "
+                f"({slots} slots of {slot_bytes} bytes) and only {evictable * slot_bytes} bytes of its "
                 "blocks can be evicted (the rest are pinned); release leases, Put fewer blocks at a time, "
                 "Delete blocks, or raise the tenant's host_bytes quota"
             )
-        for victim in victims:
+        # One at a time, least recently used first: evicting a chain's leaf
+        # makes its parent a candidate, at the front.
+        for _ in range(needed):
+            victim = next((block for block in quota.candidates if _quota_victim(block, keep)), None)
+            check(victim is not None, "the tenant's evictable blocks were miscounted")
             self._evict_host_block(victim)
             quota.counters.host_evicted += 1
+
+    @staticmethod
+    def _quota_evictable(quota: TenantQuota, keep: Block | None, needed: int) -> int:
+        """How many of the tenant's host blocks (up to `needed`) evicting its
+        candidates would free: each candidate, and the ancestors that
+        become candidates once it is gone (counted only where that is
+        certain, so the count never exceeds what eviction frees)."""
+        count = 0
+        counted: set[Block] = set()
+        for block in quota.candidates:
+            if not _quota_victim(block, keep):
+                continue
+            count += 1
+            child, parent = block, block.parent
+            while count < needed and parent is not None and parent not in counted:
+                # The parent's children once `child` is gone: a non-durable child leaves the index.
+                children_left = parent.children - (0 if child.disk_slot != NO_SLOT else 1)
+                if not (parent.host_slot != NO_SLOT and parent.host_children == 1 and parent.ref_count == 0
+                        and parent.state == BlockState.SEALED and parent.index.quota is quota
+                        and _quota_victim(parent, keep, children_left)):
+                    break
+                counted.add(parent)
+                count += 1
+                child, parent = parent, parent.parent
+            if count >= needed:
+                break
+        return count
 
     def _remove_block(self, block: Block, *, cold_parent: bool) -> None:
         """Take a childless, unpinned block out of its index and its slot."""

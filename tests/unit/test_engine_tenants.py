@@ -359,3 +359,29 @@ def test_without_per_tenant_memory_the_policy_victim_goes_exactly():
         put(engine, b if index < 4 else a, single(index))
     put(engine, a, single(8))
     assert stored(engine, b, single(0)) == 0 and stored(engine, a, single(4)) == 1
+
+
+def test_a_tenant_at_its_host_quota_makes_room_for_a_chain_from_its_own_chains():
+    """Only chain leaves are candidates, but evicting a leaf makes its parent
+    one: a Put of a 16-block chain at the quota evicts the least recently
+    used 16-block chain whole, though the tenant has just two leaves."""
+    quota = TenantQuota("a", host_limit_bytes=32 * SLOT)
+    engine = Engine(host_slot_count=64, host_slot_bytes=SLOT, tenant_quotas=[quota])
+    a = engine.register_namespace(tenant_spec("a")).namespace_id
+    chains = ["".join(single(16 * number + offset) for offset in range(16)) for number in range(3)]
+    assert put(engine, a, chains[0]) == 16 and put(engine, a, chains[1]) == 16
+    assert len(quota.candidates) == 2 and quota.host_used_bytes == 32 * SLOT
+    assert put(engine, a, chains[2]) == 16
+    assert [stored(engine, a, chain) for chain in chains] == [0, 16, 16]
+    assert quota.counters.host_evicted == 16 and quota.counters.host_refused == 0
+    # One chain pinned, one pinned but for its last 4 blocks: 4 can go, 16 are needed.
+    leases = [engine.get(a, "w2", K(chains[1]), LONG, 0)[0],
+              engine.get(a, "w2", K(chains[2])[:12], LONG, 0)[0]]
+    before = snapshot(engine)
+    with pytest.raises(QuotaExceeded, match=f"only {4 * SLOT} bytes of its blocks can be evicted"):
+        engine.reserve(a, "w", b"", K(chains[0]), LONG, 0)
+    assert snapshot(engine) == before
+    engine.release("w2", [lease.lease_id for lease in leases])
+    assert put(engine, a, chains[0]) == 16
+    assert stored(engine, a, chains[0]) == 16
+    assert sorted(stored(engine, a, chain) for chain in chains[1:]) == [0, 16]
