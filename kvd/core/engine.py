@@ -336,6 +336,8 @@ class Engine:
         self.claim_host_slot: Callable[[int, str], None] | None = None
         self.slot_tenants: list[str | None] = [None] * host_slot_count
         self.slot_tenant_changes = 0
+        # Slots the kernel would not switch to another tenant's memory.
+        self.claim_failures = 0
 
     # ------------------------------------------------------------------
     # Namespaces
@@ -610,7 +612,8 @@ class Engine:
         # A prefetch is a guess: to make room it may demote a block that has
         # a disk copy, but never drop one that exists in host memory only.
         victim = None if self.host.free_slots else self.host.policy.victim()
-        slot = NO_SLOT if victim is not None and victim.disk_slot == NO_SLOT else self._allocate_host_slot()
+        slot = (NO_SLOT if victim is not None and victim.disk_slot == NO_SLOT
+                else self._allocate_host_slot(block.index.tenant, prefer_own=False))
         if slot == NO_SLOT:
             plan.limit = PrefetchLimit.HOST_FULL
             return False
@@ -1230,7 +1233,27 @@ class Engine:
         self.host_reclaiming()
         return demoted
 
-    def _allocate_host_slot(self, tenant: str | None = None) -> int:
+    def _allocate_host_slot(self, tenant: str | None = None, *, prefer_own: bool = True) -> int:
+        """A host slot for a block of `tenant` (see _free_host_slot), backed
+        by the tenant's memory; NO_SLOT if none can be had. A slot whose
+        memory cannot be switched to the tenant (the kernel refused the
+        mapping) goes back to the free slots, and the caller sees NO_SLOT,
+        as when the tier is full."""
+        slot = self._free_host_slot(tenant if prefer_own else None)
+        claim = self.claim_host_slot
+        if slot == NO_SLOT or claim is None or tenant is None or self.slot_tenants[slot] == tenant:
+            return slot
+        try:
+            claim(slot, tenant)
+        except OSError:
+            self.host.free_slots.append(slot)
+            self.claim_failures += 1
+            return NO_SLOT
+        self.slot_tenants[slot] = tenant
+        self.slot_tenant_changes += 1
+        return slot
+
+    def _free_host_slot(self, tenant: str | None = None) -> int:
         """A free host slot, evicting the policy's victim if none is free; NO_SLOT if nothing can go.
 
         With per-tenant host memory, a slot that changes tenant costs a
@@ -1368,12 +1391,8 @@ class Engine:
 
     def _set_host_slot(self, block: Block, slot: int) -> None:
         check(block.host_slot == NO_SLOT and self.host.owners[slot] is None, "host slot already taken")
-        if self.claim_host_slot is not None:
-            tenant = block.index.tenant
-            if self.slot_tenants[slot] != tenant:
-                self.claim_host_slot(slot, tenant)
-                self.slot_tenants[slot] = tenant
-                self.slot_tenant_changes += 1
+        check(self.claim_host_slot is None or self.slot_tenants[slot] == block.index.tenant,
+              "host slot not in its block's tenant's memory")
         block.host_slot = slot
         self.host.owners[slot] = block
         self.host.used_bytes += self._block_bytes(block)

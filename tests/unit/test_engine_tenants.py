@@ -385,3 +385,23 @@ def test_a_tenant_at_its_host_quota_makes_room_for_a_chain_from_its_own_chains()
     assert put(engine, a, chains[0]) == 16
     assert stored(engine, a, chains[0]) == 16
     assert sorted(stored(engine, a, chain) for chain in chains[1:]) == [0, 16]
+
+
+def test_a_slot_the_kernel_will_not_switch_to_the_tenant_is_no_slot_not_an_error():
+    engine = Engine(host_slot_count=4, host_slot_bytes=SLOT)
+    refused: list[int] = []
+
+    def claim(slot: int, tenant: str) -> None:
+        if slot == 2:
+            refused.append(slot)
+            raise OSError(12, "Cannot allocate memory")
+
+    engine.claim_host_slot = claim
+    a = engine.register_namespace(tenant_spec("a")).namespace_id
+    result = engine.reserve(a, "w", b"", K("abcd"), LONG, 0)
+    # Slots 0 and 1 reserved; slot 2 refused: the rest of the chain gets no space, and slot 2 stays free.
+    assert result.statuses == [ReserveStatus.RESERVED] * 2 + [ReserveStatus.NO_SPACE] * 2
+    assert refused == [2] and engine.claim_failures == 1 and 2 in engine.host.free_slots
+    engine.commit(a, "w", result.lease.lease_id, [], [], 0)
+    engine.verify()
+    assert stored(engine, a, "abcd") == 2 and engine.slot_tenants[:2] == ["a", "a"]

@@ -1,0 +1,70 @@
+"""The host arena's per-tenant files (kvd.tiers.host): what each tenant's
+file shows as slots move between tenants, and a failed move."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+
+from kvd.tiers.host import ArenaLayout, HostArena
+
+SLOT = 64 << 10
+SLOTS = 8
+
+
+@pytest.fixture
+def arena():
+    owner = HostArena(ArenaLayout(SLOT, SLOTS), prefault=True, per_tenant=True)
+    yield owner
+    owner.close()
+
+
+def view(arena: HostArena, tenant: str) -> mmap.mmap:
+    """What a client of `tenant` maps."""
+    return mmap.mmap(arena.tenant_fd(tenant), SLOT * SLOTS, mmap.MAP_SHARED, mmap.PROT_READ)
+
+
+def test_a_slot_that_changes_tenant_shows_zeros_to_the_old_tenant_and_its_bytes_to_no_other(arena):
+    arena.claim(3, "a")
+    arena.write(3, b"A" * SLOT)
+    a, b = view(arena, "a"), view(arena, "b")
+    assert a[3 * SLOT: 4 * SLOT] == b"A" * SLOT and b[3 * SLOT: 4 * SLOT] == bytes(SLOT)
+    arena.claim(3, "b")
+    arena.write(3, b"B" * 100)
+    assert a[3 * SLOT: 4 * SLOT] == bytes(SLOT)  # punched: not even a's old bytes
+    assert b[3 * SLOT: 3 * SLOT + 100] == b"B" * 100 and arena.read(3, 100) == b"B" * 100
+    assert arena.slot_tenants[3] == "b" and arena.reassigned_slots == 2
+    # Memory follows the slot: the spare file gave slot 3's pages up, and so did a.
+    assert arena.resident_bytes(None) == (SLOTS - 1) * SLOT
+    assert arena.resident_bytes("b") >= SLOT
+    a.close()
+    b.close()
+
+
+def test_a_claim_the_kernel_refuses_leaves_the_slot_with_its_previous_tenant(arena, monkeypatch):
+    arena.claim(5, "a")
+    arena.write(5, b"kept" * 10)
+    calls = []
+    real = HostArena._map_slot
+
+    def refuse_once(self, slot, fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            return False  # as if mmap had failed (and unmapped the slot)
+        return real(self, slot, fd)
+
+    monkeypatch.setattr(HostArena, "_map_slot", refuse_once)
+    with pytest.raises(OSError, match="mmap of slot 5"):
+        arena.claim(5, "b")
+    assert calls == [arena.tenant_fd("b"), arena.tenant_fd("a")]  # mapped back to a's file
+    assert arena.slot_tenants[5] == "a" and arena.read(5, 40) == b"kept" * 10
+    assert arena.resident_bytes("b") == 0  # the pages allocated for b went back
+
+
+def test_files_are_sealed_and_distinct(arena):
+    fd_a, fd_b = arena.tenant_fd("a"), arena.tenant_fd("b")
+    assert os.fstat(fd_a).st_ino != os.fstat(fd_b).st_ino
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd_a, 0)
