@@ -124,7 +124,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import hashlib
 import resource
 import statistics
 import sys
@@ -150,6 +149,8 @@ from _common import (  # noqa: E402
 )
 from bench_host_tier import block_spec  # noqa: E402  (2 MiB: the same geometry)
 
+from kvd.testing.tenants import write_tenants_file  # noqa: E402
+
 TARGET_MIXED_VS_SPLIT = 0.8
 MIB = 1 << 20
 TOKENS = {"a": "bench-tenant-a-token-4d1f9c2e", "b": "bench-tenant-b-token-8a7e05b3"}
@@ -160,13 +161,9 @@ RESERVE_SUM = 'kvd_rpc_duration_seconds_sum{method="Reserve"}'
 def tenants_file(directory: Path, host_bytes: int = 0) -> Path:
     """The tenants, each with a host quota of `host_bytes` (0: none)."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "tenants.toml"
-    path.write_text("".join(
-        f'[[tenants]]\nname = "{name}"\ntoken_sha256 = "{hashlib.sha256(token.encode()).hexdigest()}"\n'
-        f'namespaces = ["*"]\nhost_bytes = {host_bytes}\n\n'
-        for name, token in TOKENS.items()
-    ))
-    return path
+    return write_tenants_file(directory / "tenants.toml", {
+        name: {"token": token, "namespaces": ["*"], "host_bytes": host_bytes} for name, token in TOKENS.items()
+    })
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -335,7 +335,6 @@ class Engine:
         # tenants. See `_allocate_host_slot` for why that should be rare.
         self.claim_host_slot: Callable[[int, str], None] | None = None
         self.slot_tenants: list[str | None] = [None] * host_slot_count
-        self.slot_tenant_changes = 0
         # Slots the kernel would not switch to another tenant's memory.
         self.claim_failures = 0
 
@@ -1250,7 +1249,6 @@ class Engine:
             self.claim_failures += 1
             return NO_SLOT
         self.slot_tenants[slot] = tenant
-        self.slot_tenant_changes += 1
         return slot
 
     def _free_host_slot(self, tenant: str | None = None) -> int:

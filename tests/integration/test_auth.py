@@ -31,6 +31,7 @@ from kvd.core.keys import DType, NamespaceSpec
 from kvd.errors import FailedPrecondition, Unauthenticated
 from kvd.testing.certs import make_certificates
 from kvd.testing.daemon import run_daemon
+from kvd.testing.tenants import write_tenants_file
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 from tests.integration.conftest import SMALL_SPEC, random_blocks
 
@@ -48,31 +49,13 @@ def sha(token: str) -> str:
 
 
 def tenants_file(directory: Path) -> Path:
-    path = directory / "tenants.toml"
-    path.write_text(f"""
-[[tenants]]
-name = "a"
-token_sha256 = "{sha(TOKEN_A)}"
-namespaces = ["*"]
-
-[[tenants]]
-name = "b"
-token_env = "KVD_TEST_TOKEN_B"
-namespaces = ["*"]
-
-[[tenants]]
-name = "small"
-token_sha256 = "{sha(TOKEN_SMALL)}"
-namespaces = ["{SMALL_SPEC.model_id}"]
-host_bytes = {SMALL_QUOTA_SLOTS * SLOT_BYTES}
-
-[[tenants]]
-name = "ops"
-token_sha256 = "{sha(TOKEN_OPS)}"
-namespaces = []
-admin = true
-""")
-    return path
+    return write_tenants_file(directory / "tenants.toml", {
+        "a": {"token": TOKEN_A, "namespaces": ["*"]},
+        "b": {"token_env": "KVD_TEST_TOKEN_B", "namespaces": ["*"]},
+        "small": {"token": TOKEN_SMALL, "namespaces": [SMALL_SPEC.model_id],
+                  "host_bytes": SMALL_QUOTA_SLOTS * SLOT_BYTES},
+        "ops": {"token": TOKEN_OPS, "namespaces": [], "admin": True},
+    })
 
 
 def auth_config(directory: Path, **extra) -> dict:
