@@ -315,8 +315,14 @@ def _coerce(name: str, kind: type, value: Any) -> Any:
     if name.endswith("_bytes"):
         return parse_size(name, value)
     if getattr(kind, "__origin__", None) is list:
-        # TOML gives a list; env and flags give "a,b".
-        if isinstance(value, str):
+        # TOML gives a list; env and flags give "a,b" or a TOML array '["a", "b"]'.
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            try:
+                value = tomllib.loads(f"value = {value}")["value"]
+            except tomllib.TOMLDecodeError as error:
+                raise ConfigError(name, f"{value!r} is not a TOML array of strings ({error}); "
+                                  'write ["/a", "/b"] or /a,/b') from None
+        elif isinstance(value, str):
             value = [item.strip() for item in value.split(",") if item.strip()]
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
             raise ConfigError(name, f"must be a list of strings, got {value!r}")

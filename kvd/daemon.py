@@ -25,6 +25,7 @@ Stop (SIGTERM/SIGINT, or `Daemon.shutdown()`; idempotent):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -44,6 +45,7 @@ from kvd.core.engine import Engine, EngineLimits
 from kvd.core.events import EventLog
 from kvd.core.policy import DiskPolicies
 from kvd.core.quota import TenantQuota
+from kvd.errors import StartupFailed
 from kvd.metrics import ArenaCollector, DiskIoMetrics, make_registry
 from kvd.server.arena_socket import ArenaSocket
 from kvd.server.auth import FAILURE_REASONS, AuthInterceptor, TokenTable
@@ -161,7 +163,10 @@ class Daemon:
         tenants: list[TenantSettings] = load_tenants(config.auth.tenants_file) if config.auth.mode == "token" else []
         tls = _tls_credentials(config.server)
         state_dir = Path(config.state_dir)
-        state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise OSError(f"cannot create state_dir {state_dir}: {error.strerror or error}") from None
         layout = ArenaLayout.from_capacity(config.host.capacity_bytes, config.host.slot_bytes)
         # With tenants, every tenant's slots are in memory of its own (kvd.tiers.host).
         per_tenant = config.auth.mode == "token"
@@ -213,7 +218,8 @@ class Daemon:
             self.disk_plane.start()
         registry, rpc_metrics = make_registry(self.engine)
         if self.disk_plane is not None:
-            disk_metrics = DiskIoMetrics(registry, self.disk_plane.io.queued, self.disk_plane.io_bytes)
+            disk_metrics = DiskIoMetrics(registry, self.disk_plane.io.queued, self.disk_plane.io_bytes,
+                                         self.disk_plane.drive_states, self.disk_plane.recovery_lost_blocks)
             self.disk_plane.io.on_job = disk_metrics.observe_job
         options = [
             ("grpc.max_receive_message_length", config.server.max_message_bytes),
@@ -248,17 +254,16 @@ class Daemon:
             # The socket inherits the umask: make it owner-only while it is created.
             previous_umask = os.umask(0o177)
             try:
-                self.server.add_insecure_port(f"unix:{socket_path.resolve()}")
+                _listen(lambda: self.server.add_insecure_port(f"unix:{socket_path.resolve()}"),
+                        "server.unix_socket", str(socket_path))
             finally:
                 os.umask(previous_umask)
         if config.server.tcp_address:
-            if tls is not None:
-                port = self.server.add_secure_port(config.server.tcp_address, tls)
-            else:
-                port = self.server.add_insecure_port(config.server.tcp_address)
-            if port == 0:
-                raise OSError(f"cannot listen on {config.server.tcp_address}")
-            self.bound_tcp_port = port
+            address = config.server.tcp_address
+            self.bound_tcp_port = _listen(
+                (lambda: self.server.add_secure_port(address, tls)) if tls is not None
+                else (lambda: self.server.add_insecure_port(address)),
+                "server.tcp_address", address)
         await self.server.start()
         if socket_path is not None:
             self.arena_socket = ArenaSocket(
@@ -281,7 +286,11 @@ class Daemon:
             from prometheus_client import start_http_server
 
             host, port = parse_address("metrics.address", config.metrics.address)
-            self._metrics_server, _thread = start_http_server(port, addr=host, registry=registry)
+            try:
+                self._metrics_server, _thread = start_http_server(port, addr=host, registry=registry)
+            except OSError as error:
+                raise OSError(f"cannot serve metrics on {config.metrics.address} (metrics.address): "
+                              f"{error.strerror or error}") from None
             self.bound_metrics_port = self._metrics_server.server_port
         self._sweeper = asyncio.create_task(self._sweep_leases(), name="lease-sweeper")
         self._write_endpoints(state_dir)
@@ -374,14 +383,29 @@ class Daemon:
         if self.arena is not None:
             self.arena.close()
         socket_path = self.config.unix_socket_path
-        if socket_path is not None:
-            socket_path.unlink(missing_ok=True)
-        (Path(self.config.state_dir) / "endpoints.json").unlink(missing_ok=True)
+        # A start that failed may have left no socket, or a state_dir that is not a directory.
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            if socket_path is not None:
+                socket_path.unlink()
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            (Path(self.config.state_dir) / "endpoints.json").unlink()
         await _cancelled(self._watchdog)
         log.info(
             "stopped",
             extra={"leases_closed": leases, "drain_s": round(time.monotonic() - started, 3)},
         )
+
+
+def _listen(add_port, setting: str, address: str) -> int:
+    """Add a gRPC listener; OSError naming the setting when it cannot be bound
+    (grpc raises RuntimeError, or returns port 0)."""
+    try:
+        port = add_port()
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {address} ({setting}): the address is in use or not available")
+    return port
 
 
 def _tls_credentials(server: ServerConfig) -> grpc.ServerCredentials | None:
@@ -487,12 +511,24 @@ async def _serve(config: Config) -> None:
         loop.add_signal_handler(signum, daemon.request_stop)
     loop.add_signal_handler(signal.SIGHUP, daemon.reload_tokens)
     try:
-        await daemon.start()
+        try:
+            await daemon.start()
+        except OSError as error:
+            # What the system refused at start (a port in use, a directory
+            # that cannot be created, ...): one line and exit 2, not a traceback.
+            raise StartupFailed(_describe_os_error(error)) from None
         await daemon.wait()
     finally:
         await daemon.shutdown()
         for signum in (*handled, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+
+
+def _describe_os_error(error: OSError) -> str:
+    """An OSError as one line: what failed, on which file, and why."""
+    if error.filename is not None and error.strerror:
+        return f"{error.strerror}: {error.filename}"
+    return str(error) or type(error).__name__
 
 
 def serve(config: Config) -> None:

@@ -62,9 +62,40 @@ class Unavailable(KvdError):
     code = "UNAVAILABLE"
 
 
+class StartupFailed(KvdError):
+    """The daemon cannot start (a port taken, a directory it cannot create,
+    ...): `kvd serve` says so in one line and exits 2, which a restart
+    would not fix (systemd's RestartPreventExitStatus=2)."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class ConfigError(Exception):
     """Invalid configuration; the message names the offending field."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"config field {field!r}: {message}")
         self.field = field
+
+
+class NotDurable(KvdError):
+    """A call that asked for durability could not make every block durable.
+
+    `durable`: how many of the leading blocks it asked for are durable;
+    `requested`: how many it asked for. The gRPC status is the most precise
+    reason (RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, ...); the
+    counts travel in trailing metadata (kvd-durable-blocks,
+    kvd-requested-blocks) so a client never has to parse the message.
+    """
+
+    DURABLE_KEY = "kvd-durable-blocks"
+    REQUESTED_KEY = "kvd-requested-blocks"
+
+    def __init__(self, code: str, message: str, durable: int, requested: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.durable = durable
+        self.requested = requested
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return ((self.DURABLE_KEY, str(self.durable)), (self.REQUESTED_KEY, str(self.requested)))

@@ -33,6 +33,8 @@ Get hits of kvd_get_blocks_total.
 | kvd_disk_admission_rejected_total | counter | | blocks dropped from host memory unwritten because the disk admission filter (disk.admission_min_hits) never admitted them |
 | kvd_disk_queue_jobs | gauge | class | disk jobs queued, not yet running, by I/O class (restore, prefetch, write, control) |
 | kvd_disk_io_bytes_total | counter | operation | bytes read from (read) and written to (write) the drives |
+| kvd_disk_drive_state | gauge | drive, state | 1 for each drive's state, 0 for the others: ok; failed (a manifest append or sync failed: no more writes until a restart); quarantined (its metadata could not be read at start: out of service, its blocks lost until `kvd fsck --repair`) |
+| kvd_disk_recovery_lost_blocks | gauge | | blocks the drives' metadata described that the last start could not recover: records dropped (missing segment, unknown namespace, ...), records destroyed by damage inside a manifest (at least), and the blocks of quarantined drives (where known) |
 | kvd_disk_job_wait_seconds | histogram | class | time a disk job waited in its queue before it ran |
 | kvd_disk_job_run_seconds | histogram | class | time a disk job ran: restore and prefetch jobs are one read_blocks batch, write jobs one write_blocks chunk; control is the rest (journal removals, syncs, compaction) |
 | kvd_blocks_sealed_total | counter | tier | blocks committed |
@@ -73,7 +75,7 @@ Get hits of kvd_get_blocks_total.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -90,6 +92,7 @@ if TYPE_CHECKING:
 RPC_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 # Disk jobs take from tens of microseconds (a journal append, a small write
 # chunk) to seconds (a large restore behind a busy drive).
+DRIVE_STATES = ("ok", "failed", "quarantined")
 DISK_JOB_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                       1.0, 2.5, 10.0)
 
@@ -282,11 +285,15 @@ class RpcMetrics:
 
 
 class DiskIoCollector(Collector):
-    """Disk queue depths and byte totals, read when scraped."""
+    """Disk queue depths, byte totals and drive states, read when scraped."""
 
-    def __init__(self, queued_jobs: Callable[[], Mapping[str, int]], io_bytes: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, queued_jobs: Callable[[], Mapping[str, int]], io_bytes: Callable[[], tuple[int, int]],
+                 drive_states: Callable[[], Sequence[str]] = tuple,
+                 recovery_lost: Callable[[], int] = int) -> None:
         self._queued_jobs = queued_jobs
         self._io_bytes = io_bytes
+        self._drive_states = drive_states
+        self._recovery_lost = recovery_lost
 
     def collect(self) -> Iterator[Metric]:
         queued = GaugeMetricFamily("kvd_disk_queue_jobs", "Disk jobs queued, not yet running, by I/O class.",
@@ -300,6 +307,16 @@ class DiskIoCollector(Collector):
         io_bytes.add_metric(["read"], read_bytes)
         io_bytes.add_metric(["write"], written_bytes)
         yield io_bytes
+        states = GaugeMetricFamily("kvd_disk_drive_state", "1 for each drive's state: ok, failed (no more writes "
+                                   "until a restart) or quarantined (metadata unreadable at start).",
+                                   labels=["drive", "state"])
+        for drive, current in enumerate(self._drive_states()):
+            for state in DRIVE_STATES:
+                states.add_metric([str(drive), state], 1 if state == current else 0)
+        yield states
+        yield GaugeMetricFamily("kvd_disk_recovery_lost_blocks", "Blocks the drives' metadata described that the "
+                                "last start could not recover (dropped, destroyed by damage, on quarantined drives).",
+                                value=self._recovery_lost())
 
 
 class ArenaCollector(Collector):
@@ -326,8 +343,9 @@ class DiskIoMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry, queued_jobs: Callable[[], Mapping[str, int]],
-                 io_bytes: Callable[[], tuple[int, int]]) -> None:
-        registry.register(DiskIoCollector(queued_jobs, io_bytes))
+                 io_bytes: Callable[[], tuple[int, int]], drive_states: Callable[[], Sequence[str]] = tuple,
+                 recovery_lost: Callable[[], int] = int) -> None:
+        registry.register(DiskIoCollector(queued_jobs, io_bytes, drive_states, recovery_lost))
         self.job_wait = Histogram("kvd_disk_job_wait_seconds", "Time a disk job waited in its queue.", ["class"],
                                   buckets=DISK_JOB_BUCKETS_S, registry=registry)
         self.job_run = Histogram("kvd_disk_job_run_seconds", "Time a disk job ran.", ["class"],

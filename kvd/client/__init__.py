@@ -31,10 +31,11 @@ with `BlockMirror` to keep a copy of a namespace; see kvd.client.events.
 from kvd.client._ops import TlsConfig
 from kvd.client._wire import LookupResult, Namespace, PrefetchResult
 from kvd.client.aio import AsyncClient
+from kvd.client.errors import NotDurableError
 from kvd.client.events import BlockMirror, EventKind, EventSnapshot, KvEvent, ResyncRequired
 from kvd.client.sync import Client
 
 __all__ = [
     "AsyncClient", "BlockMirror", "Client", "EventKind", "EventSnapshot", "KvEvent", "LookupResult", "Namespace",
-    "PrefetchResult", "ResyncRequired", "TlsConfig",
+    "NotDurableError", "PrefetchResult", "ResyncRequired", "TlsConfig",
 ]

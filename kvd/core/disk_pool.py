@@ -63,16 +63,28 @@ class DiskPool:
         # (namespace id, key, slot) freed but not yet journalled as removed.
         self.removals: list[tuple[bytes, bytes, int]] = []
         self.quarantine: set[int] = set()
+        # Slots of drives out of service (their metadata could not be read
+        # at start): never handed out, never owned.
+        self.retired: set[int] = set()
         self.used_bytes = 0
         self.counters = DiskCounters()
 
     @property
     def capacity_bytes(self) -> int:
-        return self.slot_count * self.slot_bytes
+        """What the drives in service can hold (retired slots count for nothing)."""
+        return (self.slot_count - len(self.retired)) * self.slot_bytes
 
     @property
     def resident_blocks(self) -> int:
-        return self.slot_count - len(self.free_slots) - len(self.quarantine) - len(self.writing)
+        return self.slot_count - len(self.free_slots) - len(self.quarantine) - len(self.writing) - len(self.retired)
+
+    def retire(self, slots: list[int]) -> None:
+        """Take free slots out of service for good (a quarantined drive's)."""
+        retired = set(slots)
+        check(all(self.owners[slot] is None and slot not in self.quarantine for slot in retired),
+              "retiring a disk slot in use")
+        self.retired |= retired
+        self.free_slots = [slot for slot in self.free_slots if slot not in self.retired]
 
     def take_free(self) -> int | None:
         return self.free_slots.pop() if self.free_slots else None
@@ -100,6 +112,8 @@ class DiskPool:
         free = set(self.free_slots)
         check(len(free) == len(self.free_slots), "disk slot listed free twice")
         check(not (free & self.quarantine), "disk slot both free and quarantined")
+        check(not (self.retired & (free | self.quarantine | self.writing)), "a retired disk slot is in use")
+        check(all(self.owners[slot] is None for slot in self.retired), "a retired disk slot has an owner")
         for slot in free | self.quarantine:
             check(self.owners[slot] is None, f"free disk slot {slot} has an owner")
         for slot in self.writing:

@@ -423,6 +423,13 @@ class Engine:
         state.lookup_misses += len(keys) - len(matched)
         return matched
 
+    def stored(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
+        """Longest stored prefix of `keys`, with no side effect: not counted
+        as a lookup or a Get, no block marked used (a durability wait asks)."""
+        state = self.namespace(namespace_id)
+        self._check_keys(keys, "keys")
+        return [block for block in self._match(state, keys, parent_key) if block.state == BlockState.SEALED]
+
     def get(
         self,
         namespace_id: bytes,
@@ -754,13 +761,18 @@ class Engine:
         self.disk.confirm_removals(list(slots))
 
     def require_durable(self, blocks: Iterable[Block]) -> None:
-        """A client asked for these blocks to be durable (ACK_DURABLE): queue
-        whatever of their prefixes the admission filter turned away, parents
-        first. Blocks it admitted were queued when they qualified."""
+        """A client asked for these blocks to be durable (ACK_DURABLE, a
+        durable retry, MakeDurable): queue the blocks of their chains that
+        have no disk copy and are not queued, parents first, whatever the
+        admission filter said and however full the queue is (bounded by the
+        pins the waiting calls hold). A block is queued again after its
+        parent when the parent had to be, because the writer never writes a
+        child ahead of its parent; the copy further ahead is skipped."""
         disk = self.disk
-        if disk is None or not disk.admission.active:
+        if disk is None:
             return
         seen: set[Block] = set()
+        queued: set[Block] | None = None
         for block in blocks:
             chain = []
             node: Block | None = block
@@ -768,14 +780,18 @@ class Engine:
                 seen.add(node)
                 chain.append(node)
                 node = node.parent
+            if not chain:
+                continue
+            if queued is None:
+                queued = set(self.write_queue)
+            again = False
             for member in reversed(chain):
-                if (
-                    member.state == BlockState.SEALED
-                    and member.host_slot != NO_SLOT
-                    and member.index.disk_enabled
-                    and not disk.admission.admits(member.key)
-                ):
-                    self._queue_write(member)
+                if member.state != BlockState.SEALED or member.host_slot == NO_SLOT or not member.index.disk_enabled:
+                    continue
+                again = again or member not in queued
+                if again:
+                    self.write_queue.append(member)
+                    queued.add(member)
 
     def _allocate_disk_slot(self) -> int | None:
         disk = self.disk
@@ -845,7 +861,8 @@ class Engine:
             for key in reversed(chain):
                 parent_key, slot = pending.pop(key)
                 parent = index.nodes.get(parent_key) if parent_key else None
-                valid_slot = 0 <= slot < disk.slot_count and disk.owners[slot] is None and slot not in disk.quarantine
+                valid_slot = (0 <= slot < disk.slot_count and disk.owners[slot] is None and slot not in disk.quarantine
+                              and slot not in disk.retired)
                 if (parent_key and (parent is None or parent.state != BlockState.SEALED)) or not valid_slot:
                     drop(key, slot)
                     continue
@@ -865,9 +882,14 @@ class Engine:
         disk.counters.recovered += recovered
         disk.free_slots = [
             slot for slot in range(disk.slot_count - 1, -1, -1)
-            if disk.owners[slot] is None and slot not in disk.quarantine
+            if disk.owners[slot] is None and slot not in disk.quarantine and slot not in disk.retired
         ]
         return recovered
+
+    def retire_disk_slots(self, slots: Sequence[int]) -> None:
+        """Never use these disk slots (a drive out of service); call before recover."""
+        check(self.disk is not None, "retire_disk_slots without a disk tier")
+        self.disk.retire(list(slots))
 
     def _cut_plan(self, plan: GetPlan, position: int) -> None:
         """Serve only matched[:position]; unpin the rest (tail first)."""

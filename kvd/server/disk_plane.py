@@ -73,6 +73,15 @@ def parse_fault_rules(text: str) -> list[FaultRule]:
     return rules
 
 
+@dataclass(frozen=True, slots=True)
+class NotDurable:
+    """Why one block a client wants durable is not: a gRPC status name and words."""
+
+    block: Block
+    code: str
+    reason: str
+
+
 @dataclass(slots=True)
 class DiskPlaneCounters:
     batches: int = 0
@@ -103,6 +112,7 @@ class DiskPlane:
         self.engine: Engine | None = None
         self.tier: DiskTier | None = None
         self.counters = DiskPlaneCounters()
+        self.quarantined: dict = {}  # drive -> DriveDamage, from recovery
         self._io = ScheduledExecutor(IoSchedule(settings.io_schedule, write_share=settings.write_share,
                                                 backlog_limit=settings.write_backlog_blocks,
                                                 anticipation_s=settings.write_anticipation_ms / 1000.0))
@@ -135,6 +145,21 @@ class DiskPlane:
         """The I/O thread and its schedule (queue lengths and times for metrics)."""
         return self._io
 
+    def drive_states(self) -> list[str]:
+        """Each drive's state, for metrics (any thread): ok, failed or quarantined."""
+        tier = self.tier
+        if tier is None:
+            return []
+        return ["quarantined" if drive in tier.quarantined else "failed" if drive in tier.failed_drives else "ok"
+                for drive in range(self.config.drive_count)]
+
+    def recovery_lost_blocks(self) -> int:
+        """Blocks the drives described that the last start could not recover (known ones)."""
+        recovery = self.counters.recovery
+        quarantined = sum(damage.blocks or 0 for damage in self.quarantined.values())
+        return recovery.get("dropped_at_open", 0) + recovery.get("lost_records", 0) + quarantined + \
+            recovery.get("dropped_by_engine", 0)
+
     def io_bytes(self) -> tuple[int, int]:
         """Bytes (read, written) through the drives so far (for metrics; any thread)."""
         stats = self.tier.stats if self.tier is not None else None
@@ -162,6 +187,9 @@ class DiskPlane:
     async def recover(self, engine: Engine, recovery: DiskRecovery) -> int:
         """Index what the drives hold; journal removals of what was dropped."""
         self.engine = engine
+        drives = self.config.drive_count
+        for drive in recovery.quarantined:
+            engine.retire_disk_slots(range(drive, self.config.slot_count, drives))
         indexed = 0
         for namespace_id, entry in recovery.namespaces.items():
             if entry.spec is None:
@@ -181,7 +209,12 @@ class DiskPlane:
             "indexed": indexed,
             "dropped_at_open": recovery.dropped.total,
             "truncated_bytes": recovery.truncated_bytes,
+            "damaged_bytes": recovery.damaged_bytes,
+            "lost_records": recovery.lost_records,
+            "quarantined_drives": len(recovery.quarantined),
+            "dropped_by_engine": engine.disk.counters.recovery_dropped,  # chains whose parent was lost
         }
+        self.quarantined = dict(recovery.quarantined)
         return indexed
 
     def start(self) -> None:
@@ -253,7 +286,7 @@ class DiskPlane:
             # REMOVE) is not freed again by them.
             engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed_removals])
             engine.finish_writes(writes, ok)
-            self._resolve_durable(writes)
+            self._resolve_durable(writes, ok)
 
     async def wait_for_write_back(self, timeout_s: float) -> bool:
         """Wake the writer and wait for its next batch to finish (False after timeout_s).
@@ -326,23 +359,37 @@ class DiskPlane:
         results = self.tier.write_blocks(namespace_id, layer_bytes, num_layers, [item for _, item in items])
         return [(position, bool(good)) for (position, _), good in zip(items, results, strict=True)]
 
-    def _remove_sync(self, removals: list[tuple[bytes, bytes, int]]) -> set[int]:
+    def _remove_sync(self, removals: list[tuple[bytes, bytes, int]], deleted: bool = False) -> set[int]:
         """I/O thread: journal removals; returns the slots whose REMOVE failed."""
         failed: set[int] = set()
         by_namespace: dict[bytes, list[tuple[bytes, int]]] = {}
         for namespace_id, key, slot in removals:
             by_namespace.setdefault(namespace_id, []).append((key, slot))
         for namespace_id, items in by_namespace.items():
-            results = self.tier.remove_blocks(namespace_id, items)
+            results = self.tier.remove_blocks(namespace_id, items, deleted=deleted)
             failed.update(slot for (_, slot), good in zip(items, results) if not good)
         self.counters.removal_failures += len(failed)
         return failed
 
-    async def _journal_removals(self) -> None:
+    async def _journal_removals(self, deleted: bool = False) -> int:
+        """Journal every removal the engine queued; how many failed."""
         removals = self.engine.take_disk_removals()
-        if removals:
-            failed = await self._run(self._remove_sync, removals)
-            self.engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed])
+        if not removals:
+            return 0
+        failed = await self._run(self._remove_sync, removals, deleted)
+        self.engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed])
+        return len(failed)
+
+    async def journal_deletions(self) -> int:
+        """After a Delete: its blocks' REMOVE records durable (whatever disk.fsync
+        says) and their first pages overwritten; how many could not be.
+
+        Call it in the same step of the event loop as engine.delete (no
+        await between): the removals are taken before the first await, so
+        no other caller can take them and answer for them with a weaker
+        sync. Removals queued earlier by others go with them.
+        """
+        return await self._journal_removals(deleted=True)
 
     async def _group_commit(self) -> None:
         interval_s = self.settings.group_commit_ms / 1000.0
@@ -350,56 +397,89 @@ class DiskPlane:
             await asyncio.sleep(interval_s)
             await self._run(self.tier.sync)
 
-    def _resolve_durable(self, writes: Sequence[DiskWrite]) -> None:
-        for write in writes:
+    def _resolve_durable(self, writes: Sequence[DiskWrite], ok: Sequence[bool]) -> None:
+        for write, good in zip(writes, ok, strict=True):
             waiters = self._durable.pop(write.block, [])
-            durable = write.block.disk_slot == write.disk_slot
+            if not waiters:
+                continue
+            if write.block.disk_slot == write.disk_slot:
+                failure = None
+            elif good:
+                failure = self._why_not_durable(write.block)  # written, then lost (its parent, a Delete)
+            else:
+                failure = NotDurable(write.block, "UNAVAILABLE", "the disk write failed (an I/O error on the drive; "
+                                     "see kvd_disk_failures_total and the daemon log)")
             for future in waiters:
                 if not future.done():
-                    future.set_result(durable)
+                    future.set_result(failure)
 
-    async def wait_durable(self, blocks: Sequence[Block], timeout_s: float) -> bool:
-        """True once every block has a durable copy; False if one failed or time ran out.
+    def _why_not_durable(self, block: Block) -> NotDurable:
+        """Why a block that is not on disk never will be, from what the engine holds now."""
+        parent = block.parent
+        quota = block.index.quota
+        if block.state != BlockState.SEALED:
+            return NotDurable(block, "UNAVAILABLE", "it was deleted or lost before it reached disk")
+        if not block.index.disk_enabled:
+            return NotDurable(block, "FAILED_PRECONDITION",
+                              f"its namespace cannot go to disk: {self._admission(block).reason}")
+        if parent is not None and parent.disk_slot == -1:
+            return NotDurable(block, "UNAVAILABLE", "its parent block could not be made durable (a block is only "
+                              "ever on disk with its whole prefix)")
+        if quota is not None and quota.disk_full(self.config.slot_bytes):
+            return NotDurable(block, "RESOURCE_EXHAUSTED", f"tenant {quota.name!r} is at its disk quota")
+        if block.host_slot == -1:
+            return NotDurable(block, "UNAVAILABLE", "it left host memory before it was written")
+        return NotDurable(block, "RESOURCE_EXHAUSTED", "no disk slot could be freed for it (the disk tier is "
+                          "full of blocks being read or written)")
+
+    def _admission(self, block: Block):
+        return self.tier.accepts(self.engine.namespace(block.index.namespace_id).spec)
+
+    async def wait_durable(self, blocks: Sequence[Block], timeout_s: float) -> list[NotDurable]:
+        """Wait until every block has a durable copy; [] then, else why each of the others has not.
 
         The blocks waited for stay pinned meanwhile: otherwise host eviction
         could drop one before the writer reaches it, and the Put would wait
-        for a write that never comes.
+        for a write that never comes. Their chains' missing ancestors are
+        queued for writing too (engine.require_durable).
         """
         self.counters.durable_waits += 1
-        futures = []
+        waiting: dict[Block, asyncio.Future] = {}
+        failures: list[NotDurable] = []
         pins = []
         loop = asyncio.get_running_loop()
         try:
             for block in blocks:
-                if block.disk_slot != -1:
+                if block.disk_slot != -1 or block in waiting:
                     continue
                 if block.state != BlockState.SEALED or not block.index.disk_enabled:
-                    self.counters.durable_wait_failures += 1
-                    return False
+                    failures.append(self._why_not_durable(block))
+                    continue
                 pins.append(self.engine.pin(block))
                 future = loop.create_future()
                 self._durable.setdefault(block, []).append(future)
-                futures.append(future)
-            # Durability was asked for: written whatever the admission filter says.
-            self.engine.require_durable([pin.block for pin in pins])
+                waiting[block] = future
+            self.engine.require_durable(list(waiting))
             self.wake()
-            if not futures:
-                return True
-            # asyncio.wait, not wait_for(gather(...)): when the call is
-            # cancelled (its client died), wait_for cancels the gather and
-            # never retrieves its CancelledError, which asyncio then logs as
-            # an error. The futures left behind are resolved by the writer.
-            _, pending = await asyncio.wait(futures, timeout=timeout_s)
-            if pending:
-                self.counters.durable_wait_failures += 1
-                return False
-            results = [future.result() for future in futures]
+            if waiting:
+                # asyncio.wait, not wait_for(gather(...)): when the call is
+                # cancelled (its client died), wait_for cancels the gather and
+                # never retrieves its CancelledError, which asyncio then logs as
+                # an error. The futures left behind are resolved by the writer.
+                await asyncio.wait(list(waiting.values()), timeout=timeout_s)
+            for block, future in waiting.items():
+                if not future.done():
+                    failures.append(NotDurable(block, "DEADLINE_EXCEEDED", f"it was not written within {timeout_s:.1f} s "
+                                               "(the call's deadline; the disk is busy or full)"))
+                elif future.result() is not None:
+                    failures.append(future.result())
         finally:
             for pin in pins:
                 pin.release()
-        if not all(results):
+        if failures:
             self.counters.durable_wait_failures += 1
-        return all(results)
+        order = {block: position for position, block in enumerate(blocks)}
+        return sorted(failures, key=lambda failure: order[failure.block])
 
     def _fail_unwritable_waits(self, writes: Sequence[DiskWrite]) -> None:
         """Fail the durable waits on blocks that will never be written: neither
@@ -411,9 +491,10 @@ class DiskPlane:
         queued = set(self.engine.write_queue)
         for block in [block for block in self._durable if block.disk_slot == -1]:
             if block not in picked and block not in queued:
+                failure = self._why_not_durable(block)
                 for future in self._durable.pop(block):
                     if not future.done():
-                        future.set_result(False)
+                        future.set_result(failure)
 
     # -- reads ----------------------------------------------------------
 

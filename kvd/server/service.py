@@ -33,6 +33,7 @@ from kvd.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvdError,
+    NotDurable,
     PermissionDenied,
     PinCapExceeded,
     ResourceExhausted,
@@ -76,6 +77,8 @@ async def _measured(metrics: RpcMetrics, method: str, context: grpc.aio.Servicer
         yield
     except KvdError as error:
         code = error.code
+        if isinstance(error, NotDurable):
+            context.set_trailing_metadata(error.trailers())
         await context.abort(convert.status_of(error), error.message)
     except grpc.aio.AbortError:
         raise
@@ -284,8 +287,11 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             request.abort_keys,
             self.clock.now_ms(),
         )
-        await self._after_seal(blocks, durable, context)
-        return kvd_pb2.CommitResponse(sealed=sealed, aborted=aborted)
+        if self.disk_plane is not None:
+            self.disk_plane.wake()  # the write-through starts now
+        if durable:
+            await self._make_durable(blocks, len(blocks), context)
+        return kvd_pb2.CommitResponse(sealed=sealed, aborted=aborted, durable=len(blocks))
 
     def _lease_blocks(self, client_id: str, lease_id: int, keys) -> list:
         """The blocks a commit will seal (all writable ones when keys is empty)."""
@@ -296,20 +302,23 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         wanted = set(keys)
         return [handle.block for handle in lease.handles if handle.writable and (not wanted or handle.key in wanted)]
 
-    async def _after_seal(self, blocks, durable: bool, context) -> None:
-        """Start the write-through; for ACK_DURABLE, wait until the blocks are on disk."""
-        if self.disk_plane is None:
-            return
-        self.disk_plane.wake()
-        if not durable:
-            return
+    async def _make_durable(self, blocks, requested: int, context) -> None:
+        """Wait until `blocks` (the leading ones of the `requested` blocks a
+        call asked to make durable, in chain order) are on disk; NotDurable
+        naming the first that is not, and how many before it are."""
         remaining = context.time_remaining()
         timeout_s = DURABLE_WAIT_S if remaining is None else max(0.0, remaining - 0.05)
-        if not await self.disk_plane.wait_durable(blocks, timeout_s):
-            raise Unavailable(
-                "the blocks are committed in host memory but could not be made durable on disk "
-                "(disk error, disk tier full, the tenant's disk quota, or deadline); they may still be written later"
-            )
+        failures = await self.disk_plane.wait_durable(blocks, timeout_s)
+        if not failures:
+            return
+        first = failures[0]
+        position = blocks.index(first.block)
+        raise NotDurable(
+            first.code,
+            f"of the {requested} blocks this call asked to make durable, the first {position} are; keys[{position}:"
+            f"{requested}] are not: keys[{position}] ({first.block.key.hex()[:16]}...) because {first.reason}",
+            position, requested,
+        )
 
     @rpc("PutInline")
     async def PutInline(self, request, context):
@@ -325,27 +334,39 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         result = await self._reserve(request, 0)
         now_ms = self.clock.now_ms()
         sealed = 0
-        durable = request.ack == kvd_pb2.ACK_DURABLE
-        blocks = []
         if result.lease is not None:
             # Reserve, copy and seal without an await in between: no other
             # request can observe the half-written blocks.
             for position, status in enumerate(result.statuses):
                 if status == ReserveStatus.RESERVED:
                     self.arena.write(result.slots[position], request.blocks[position])
-            blocks = [handle.block for handle in result.lease.handles] if durable else []
             sealed, _ = self.engine.commit(
                 request.namespace_id, request.client_id, result.lease.lease_id, [], [], now_ms
             )
-        if durable:
-            # Blocks that already existed must be durable too.
-            blocks += [
-                block
-                for block in (state.index.get(key) for key in request.keys)
-                if block is not None and block not in blocks and block.state == BlockState.SEALED
-            ]
-        await self._after_seal(blocks, durable, context)
-        return kvd_pb2.PutInlineResponse(statuses=[int(status) for status in result.statuses], sealed=sealed)
+        if self.disk_plane is not None:
+            self.disk_plane.wake()
+        durable = 0
+        if request.ack == kvd_pb2.ACK_DURABLE:
+            # Every key, those already stored too: a retry must be as durable as the first try.
+            stored = self.engine.stored(request.namespace_id, list(request.keys), request.parent_key)
+            await self._make_durable(stored, len(request.keys), context)
+            if len(stored) < len(request.keys):
+                raise _not_stored(result.statuses, len(stored), len(request.keys))
+            durable = len(stored)
+        return kvd_pb2.PutInlineResponse(statuses=[int(status) for status in result.statuses], sealed=sealed,
+                                         durable=durable)
+
+    @rpc("MakeDurable")
+    async def MakeDurable(self, request, context):
+        if self.disk_plane is None:
+            raise FailedPrecondition("this kvd has no disk tier (disk.directories is empty): nothing can be durable")
+        keys = list(request.keys)
+        stored = self.engine.stored(request.namespace_id, keys, request.parent_key)
+        await self._make_durable(stored, len(keys), context)
+        if len(stored) < len(keys):
+            raise NotDurable("NOT_FOUND", f"keys[{len(stored)}:{len(keys)}] are not stored (the first {len(stored)} "
+                             "are durable); Put them first", len(stored), len(keys))
+        return kvd_pb2.MakeDurableResponse(durable=len(stored))
 
     async def _begin_get(self, request, client_id: str):
         """engine.begin_get, retried once after an in-flight write batch if starved."""
@@ -501,6 +522,15 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     @rpc("Delete")
     async def Delete(self, request, context):
         deleted, pinned = self.engine.delete(request.namespace_id, request.keys)
+        if deleted and self.disk_plane is not None:
+            # Answered only once no restart can bring the blocks back.
+            failed = await self.disk_plane.journal_deletions()
+            if failed:
+                raise Unavailable(
+                    f"{deleted} blocks are deleted from memory, but the removal of {failed} of them could not be "
+                    "made durable on disk (a drive's manifest failed; see the daemon log): they may be listed "
+                    "again after a restart, though their data was overwritten where the drive still allowed it"
+                )
         return kvd_pb2.DeleteResponse(deleted=deleted, pinned=pinned)
 
     @rpc("Prefetch")
@@ -694,3 +724,14 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             leases_expired=engine.leases.expired_total,
             metrics=convert.metric_samples(self.metrics.registry) if request.include_metrics else [],
         )
+
+
+def _not_stored(statuses, stored: int, requested: int) -> NotDurable:
+    """The error of a durable Put whose keys[stored:] were not stored (the rest are durable)."""
+    blocked = statuses[stored] if stored < len(statuses) else ReserveStatus.NO_SPACE
+    if blocked == ReserveStatus.IN_FLIGHT:
+        code, why = "UNAVAILABLE", "another client is writing them now; retry once it has committed"
+    else:
+        code, why = "RESOURCE_EXHAUSTED", "the host tier has no slot to spare (every slot is pinned or being written)"
+    return NotDurable(code, f"keys[{stored}:{requested}] were not stored, so they are not durable: {why}; the first "
+                      f"{stored} are durable", stored, requested)

@@ -251,12 +251,14 @@ class CommitRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., abort_keys: _Optional[_Iterable[bytes]] = ..., ack: _Optional[_Union[Ack, str]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("sealed", "aborted")
+    __slots__ = ("sealed", "aborted", "durable")
     SEALED_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     sealed: int
     aborted: int
-    def __init__(self, sealed: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
+    durable: int
+    def __init__(self, sealed: _Optional[int] = ..., aborted: _Optional[int] = ..., durable: _Optional[int] = ...) -> None: ...
 
 class PutInlineRequest(_message.Message):
     __slots__ = ("namespace_id", "client_id", "parent_key", "keys", "blocks", "ack")
@@ -275,12 +277,30 @@ class PutInlineRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Iterable[bytes]] = ..., ack: _Optional[_Union[Ack, str]] = ...) -> None: ...
 
 class PutInlineResponse(_message.Message):
-    __slots__ = ("statuses", "sealed")
+    __slots__ = ("statuses", "sealed", "durable")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[ReserveStatus]
     sealed: int
-    def __init__(self, statuses: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., sealed: _Optional[int] = ...) -> None: ...
+    durable: int
+    def __init__(self, statuses: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., sealed: _Optional[int] = ..., durable: _Optional[int] = ...) -> None: ...
+
+class MakeDurableRequest(_message.Message):
+    __slots__ = ("namespace_id", "parent_key", "keys")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    parent_key: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class MakeDurableResponse(_message.Message):
+    __slots__ = ("durable",)
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    durable: int
+    def __init__(self, durable: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("namespace_id", "client_id", "keys", "lease_ms", "inline", "parent_key", "arena_instance_id")

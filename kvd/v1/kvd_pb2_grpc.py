@@ -97,6 +97,11 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.MakeDurable = channel.unary_unary(
+                '/kvd.v1.Kvd/MakeDurable',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.MakeDurableRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.MakeDurableResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvd.v1.Kvd/Stats',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.StatsRequest.SerializeToString,
@@ -193,6 +198,13 @@ class KvdServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
+        """Answers once no restart can bring the blocks back (see DeleteRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MakeDurable(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -285,6 +297,11 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.DeleteRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.DeleteResponse.SerializeToString,
+            ),
+            'MakeDurable': grpc.unary_unary_rpc_method_handler(
+                    servicer.MakeDurable,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.MakeDurableRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.MakeDurableResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -612,6 +629,33 @@ class Kvd:
             '/kvd.v1.Kvd/Delete',
             kvd_dot_v1_dot_kvd__pb2.DeleteRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MakeDurable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/MakeDurable',
+            kvd_dot_v1_dot_kvd__pb2.MakeDurableRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.MakeDurableResponse.FromString,
             options,
             channel_credentials,
             insecure,

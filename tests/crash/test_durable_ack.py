@@ -104,10 +104,12 @@ def test_durable_puts_under_host_pressure_are_acknowledged_and_survive_a_kill(tm
             assert client.get_numpy(namespace, keys).tobytes() == blocks_for(keys).tobytes()
 
 
-def test_a_durable_wait_that_can_never_succeed_fails_at_once(tmp_path):
-    """A block whose parent failed to reach disk is never written (on disk a
-    block's whole prefix is durable), so a durable Put of it must fail now,
-    not at its deadline."""
+def test_a_failed_write_fails_the_wait_with_its_reason_and_a_later_wait_retries_the_parent(tmp_path):
+    """The parent's disk write fails (injected EIO): its durable wait fails
+    at once, saying why (never at its deadline: that would say
+    DEADLINE_EXCEEDED). A later durable wait on its child writes the parent
+    again first (a block is only ever on disk with its whole prefix), so a
+    retry after a transient error succeeds."""
     import asyncio
     import errno
     import functools
@@ -130,7 +132,7 @@ def test_a_durable_wait_that_can_never_succeed_fails_at_once(tmp_path):
         engine.commit(namespace_id, "client", reserved.lease.lease_id, [], [], 0)
         return blocks
 
-    async def scenario() -> tuple[bool, bool, float]:
+    async def scenario():
         plane = DiskPlane(settings, arena)
         recovery = await plane.open()
         engine = Engine(host_slot_count=HOST_SLOTS, host_slot_bytes=SLOT_BYTES, disk_slot_count=plane.slot_count,
@@ -142,19 +144,21 @@ def test_a_durable_wait_that_can_never_succeed_fails_at_once(tmp_path):
             await plane.register_namespace(engine, namespace_id)
             keys = chain_keys(SPEC, np.arange(2 * 16))
             await plane._run(functools.partial(plane.tier.engine.inject_fault, Op.WRITE, errno=errno.EIO))
-            parent_durable = await plane.wait_durable(put(engine, namespace_id, keys[:1], b""), 10.0)
+            parent = put(engine, namespace_id, keys[:1], b"")
+            parent_failures = await plane.wait_durable(parent, 60.0)
             await plane._run(plane.tier.engine.clear_faults)
-            started = time.monotonic()
-            child_durable = await plane.wait_durable(put(engine, namespace_id, keys[1:], keys[0]), 10.0)
+            child = put(engine, namespace_id, keys[1:], keys[0])
+            child_failures = await plane.wait_durable(child, 60.0)
             engine.verify()
-            return parent_durable, child_durable, time.monotonic() - started
+            return parent_failures, child_failures, parent[0].disk_slot, child[0].disk_slot
         finally:
             await plane.close(1.0)
 
     try:
-        parent_durable, child_durable, waited_s = asyncio.run(scenario())
+        parent_failures, child_failures, parent_slot, child_slot = asyncio.run(scenario())
     finally:
         arena.close()
-    assert parent_durable is False  # the injected EIO
-    assert child_durable is False
-    assert waited_s < 2.0
+    assert [(failure.code, failure.reason.split(" (")[0]) for failure in parent_failures] == [
+        ("UNAVAILABLE", "the disk write failed")]
+    assert child_failures == []
+    assert parent_slot >= 0 and child_slot >= 0

@@ -109,22 +109,53 @@ def test_a_drive_of_another_set_is_refused(drives, tmp_path):
     ],
 )
 def test_a_foreign_or_future_identity_is_refused(drives, edit, field):
+    """A sound IDENTITY (its checksum matches, or it has none, as files
+    written before the checksum existed) of another kind or version."""
     tier, _ = open_tier(make_config(drives))
     tier.close()
     fields = json.loads((drives[1] / IDENTITY).read_text())
+    fields.pop("checksum")
     edit(fields)
     (drives[1] / IDENTITY).write_text(json.dumps(fields))
+    if field == "set_uuid":  # kvd never writes one without it: that is damage
+        tier, recovery = open_tier(make_config(drives))
+        assert list(recovery.quarantined) == [1]
+        tier.close()
+        return
     refused(make_config(drives), field, drives[1])
 
 
-def test_garbage_identity_and_foreign_files_are_refused(drives):
+def test_foreign_files_are_refused(drives):
     for directory in drives:
         directory.mkdir()
-    (drives[0] / IDENTITY).write_bytes(b"\x00\xff not json")
-    refused(make_config(drives), "magic", drives[0])
-    (drives[0] / IDENTITY).unlink()
     (drives[1] / "postgres.conf").write_text("data")
     refused(make_config(drives), "magic", drives[1])
+
+
+@pytest.mark.parametrize("damage", ["garbage", "edited", "missing", "empty"])
+def test_a_damaged_identity_quarantines_its_drive_alone(drives, damage):
+    """IDENTITY no longer what kvd wrote (issue 10): that drive is out of
+    service and untouched; the other opens and keeps its blocks."""
+    tier, _ = open_tier(make_config(drives))
+    tier.close()
+    path = drives[0] / IDENTITY
+    if damage == "garbage":
+        path.write_bytes(b"\x00\xff not json")
+    elif damage == "edited":  # a flipped digit: still JSON, the checksum catches it
+        path.write_text(path.read_text().replace('"drive_index": 0', '"drive_index": 1'))
+    elif damage == "missing":
+        path.unlink()
+    else:
+        path.write_bytes(b"")
+    before = listing(drives[:1])
+    tier, recovery = open_tier(make_config(drives))
+    try:
+        assert list(recovery.quarantined) == [0]
+        assert recovery.quarantined[0].path == path
+        assert 0 in tier.failed_drives and 1 not in tier.failed_drives
+    finally:
+        tier.close()
+    assert listing(drives[:1]) == before  # nothing written to the quarantined drive
 
 
 def test_an_empty_drive_joins_a_half_created_set(drives):

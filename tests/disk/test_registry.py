@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kvd.core.keys import DType, InnerLayout, KvOrder, NamespaceSpec
 from kvd.errors import InvalidArgument
 from kvd.tiers.disk.journal import RecordType, encode_frame
-from kvd.tiers.disk.layout import NAMESPACES, DiskIdentityError
+from kvd.tiers.disk.layout import NAMESPACES
 from kvd.tiers.disk.registry import NamespaceEntry, NamespaceRegistry, decode_spec
 from tests.disk.conftest import SPEC
 
@@ -63,7 +63,7 @@ def test_decode_spec_refuses_damaged_encodings(damage, message):
         decode_spec(damage(SPEC.encode()))
 
 
-def test_registry_survives_a_torn_tail_and_refuses_a_misfiled_spec(tmp_path):
+def test_registry_survives_a_torn_tail_and_skips_a_misfiled_spec(tmp_path):
     registry = NamespaceRegistry(tmp_path)
     registry.open()
     entry = NamespaceEntry(SPEC.namespace_id(), SPEC.encode(), SPEC)
@@ -77,9 +77,27 @@ def test_registry_survives_a_torn_tail_and_refuses_a_misfiled_spec(tmp_path):
 
     other = NamespaceSpec("other", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
     path.write_bytes(path.read_bytes() + encode_frame(RecordType.NAMESPACE, SPEC.namespace_id() + other.encode()))
-    with pytest.raises(DiskIdentityError) as raised:
-        NamespaceRegistry(tmp_path).open()
-    assert raised.value.file == NAMESPACES and raised.value.field == "namespace_id"
+    # Never written so by kvd: counted as malformed and left out, never taken
+    # for the namespace it is filed under (nor a reason to refuse the drive).
+    misfiled = NamespaceRegistry(tmp_path)
+    report = misfiled.open()
+    assert report.malformed_records == 1 and misfiled.entries == {entry.namespace_id: entry}
+
+
+def test_a_damaged_record_costs_that_record_only(tmp_path):
+    registry = NamespaceRegistry(tmp_path)
+    registry.open()
+    specs = [NamespaceSpec(f"model-{n}", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1) for n in range(4)]
+    for spec in specs:
+        registry.add(NamespaceEntry(spec.namespace_id(), spec.encode(), spec))
+    path = tmp_path / NAMESPACES
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x01  # inside the second record
+    path.write_bytes(bytes(data))
+    reopened = NamespaceRegistry(tmp_path)
+    report = reopened.open()
+    assert report.damaged_regions == 1
+    assert set(reopened.entries) == {spec.namespace_id() for spec in specs} - {specs[1].namespace_id()}
 
 
 def test_an_encoding_this_kvd_cannot_read_is_kept_as_bytes(tmp_path):

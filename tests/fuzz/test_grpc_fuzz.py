@@ -154,10 +154,12 @@ def check_status(target: FuzzTarget, method: str, message, code: grpc.StatusCode
         if code == grpc.StatusCode.UNAUTHENTICATED:
             assert not any(token in details for token in TOKENS.values()), described
             return
-    durable = method in ("Commit", "PutInline") and message is not None and message.ack == kvd_pb2.ACK_DURABLE
-    if code == grpc.StatusCode.UNAVAILABLE and durable:
-        # Committed, but not made durable in time (documented in the proto).
-        assert "could not be made durable" in details, described
+    durable = method == "MakeDurable" or (
+        method in ("Commit", "PutInline") and message is not None and message.ack == kvd_pb2.ACK_DURABLE)
+    if durable and code != grpc.StatusCode.OK and ("asked to make durable" in details or "not durable" in details):
+        # Committed, but not every block made durable: the message names which
+        # (documented in the proto, MakeDurableRequest).
+        assert code in PRECISE | {grpc.StatusCode.DEADLINE_EXCEEDED}, described
         return
     assert code == grpc.StatusCode.OK or code in PRECISE, f"imprecise status: {described}"
     if code != grpc.StatusCode.OK:

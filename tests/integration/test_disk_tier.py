@@ -262,7 +262,7 @@ def test_disk_errors_become_misses_and_the_daemon_keeps_serving(tmp_path, write_
         with pytest.raises(grpc.RpcError) as raised:
             client.put(namespace, keys, blocks, durable=True)
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "could not be made durable" in raised.value.details()
+        assert "keys[0:4] are not" in raised.value.details() and "the disk write failed" in raised.value.details()
         # Still in host memory, served bit-exact.
         assert np.array_equal(client.get_numpy(namespace, keys), blocks)
         samples = metric_samples(daemon.metrics_url)

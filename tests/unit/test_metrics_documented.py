@@ -32,7 +32,8 @@ def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
                     tenant_quotas=[TenantQuota("team-a", host_limit_bytes=128)])
     engine.register_namespace(NamespaceSpec(model_id="m", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1))
     registry, rpc = make_registry(engine)
-    disk = DiskIoMetrics(registry, lambda: {"restore": 0, "write": 0}, lambda: (0, 0))
+    disk = DiskIoMetrics(registry, lambda: {"restore": 0, "write": 0}, lambda: (0, 0), lambda: ["ok", "quarantined"],
+                         lambda: 0)
     registry.register(ArenaCollector(lambda: 0, lambda: 0))
     # Labelled metrics of the server export samples once a label is used.
     rpc.duration.labels("Get").observe(0.001)

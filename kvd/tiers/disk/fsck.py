@@ -31,10 +31,20 @@ import numpy as np
 
 from kvd.errors import KvdError
 from kvd.io.engine import address_of, aligned_empty
-from kvd.tiers.disk.journal import CURRENT, FsyncPolicy, Manifest, PutRecord
-from kvd.tiers.disk.layout import DiskConfig, DiskIdentityError, read_identity, segment_number
+from kvd.tiers.disk.journal import FsyncPolicy, Manifest, MetadataDamage, PutRecord
+from kvd.tiers.disk.layout import (
+    IDENTITY,
+    DiskConfig,
+    DiskIdentityError,
+    Identity,
+    IdentityDamaged,
+    holds_kvd_files,
+    read_identity,
+    segment_number,
+    write_identity,
+)
 from kvd.tiers.disk.registry import NamespaceRegistry
-from kvd.tiers.disk.tier import DiskTier, ReadFailure, ReadOnlyFileSystem
+from kvd.tiers.disk.tier import DiskRecovery, DiskTier, ReadFailure, ReadOnlyFileSystem
 
 # fsck reads at most this many bytes of blocks per batch of read_blocks.
 READ_BUFFER_BYTES = 64 << 20
@@ -53,15 +63,26 @@ def _size(nbytes: int) -> str:
 
 
 def inspect_directory(directory: Path, out: TextIO) -> None:
-    identity = read_identity(directory)
-    if identity is None:
+    try:
+        identity = read_identity(directory)
+    except IdentityDamaged as damage:
+        identity = None
+        problem = damage.problem
+    else:
+        problem = "missing"
+    if identity is None and not (directory.is_dir() and holds_kvd_files(directory)):
         raise DiskIdentityError(directory, "magic", "missing: not a kvd disk directory")
     out.write(f"{directory}\n")
-    out.write(
-        f"  identity   {identity.magic} v{identity.format_version}, set {identity.set_uuid}, "
-        f"drive {identity.drive_index} of {identity.drive_count}\n"
-        f"             slot {_size(identity.slot_bytes)}, segment {_size(identity.segment_bytes)}\n"
-    )
+    if identity is None:
+        out.write(f"  identity   DAMAGED: {problem}\n")
+        segment_bytes = 0
+    else:
+        out.write(
+            f"  identity   {identity.magic} v{identity.format_version}, set {identity.set_uuid}, "
+            f"drive {identity.drive_index} of {identity.drive_count}\n"
+            f"             slot {_size(identity.slot_bytes)}, segment {_size(identity.segment_bytes)}\n"
+        )
+        segment_bytes = identity.segment_bytes
     segments = {}
     for path in directory.iterdir():
         number = segment_number(path.name)
@@ -69,23 +90,25 @@ def inspect_directory(directory: Path, out: TextIO) -> None:
             segments[number] = path.stat().st_size
     expected = max(segments, default=-1) + 1
     missing = [number for number in range(expected) if number not in segments]
-    short = [number for number, size in segments.items() if size < identity.segment_bytes]
+    short = [number for number, size in segments.items() if size < segment_bytes]
     out.write(
         f"  segments   {len(segments)} files, {_size(sum(segments.values()))}"
         f"{f', missing {missing}' if missing else ''}{f', short {sorted(short)}' if short else ''}\n"
     )
     registry = NamespaceRegistry(directory, ReadOnlyFileSystem(), read_only=True)
     registry_report = registry.open()
-    fs = ReadOnlyFileSystem()
-    manifest = Manifest(directory, FsyncPolicy.NONE, fs)
-    if fs.read(directory / CURRENT) is None:
-        out.write("  manifest   none yet\n")
+    manifest = Manifest(directory, FsyncPolicy.NONE, ReadOnlyFileSystem())
+    try:
+        report = manifest.open(create=False)
+    except MetadataDamage as damage:
+        out.write(f"  manifest   DAMAGED: {damage.path.name}: {damage.problem}\n")
     else:
-        report = manifest.open()
         torn = f", {report.truncated_bytes} bytes of torn tail" if report.truncated_bytes else ""
+        damaged = (f", DAMAGED: {report.damaged_bytes} bytes in {report.damaged_regions} places, at least "
+                   f"{report.lost_records} records lost" if report.damaged else "")
         out.write(
-            f"  manifest   {report.manifest}, {manifest.size_bytes} bytes, {report.records} records, "
-            f"{report.live_blocks} live blocks{torn}\n"
+            f"  manifest   {report.manifest or 'none yet'}, {manifest.size_bytes} bytes, {report.records} records, "
+            f"{report.live_blocks} live blocks{torn}{damaged}\n"
         )
     if registry_report.truncated_bytes:
         out.write(f"  NAMESPACES has {registry_report.truncated_bytes} bytes of torn tail\n")
@@ -121,13 +144,13 @@ def inspect(directories: Sequence[Path], out: TextIO | None = None) -> int:
 def config_from_directories(directories: Sequence[Path]) -> DiskConfig:
     """The configuration the drives were written with, read from themselves.
 
-    Capacity is not in IDENTITY: it is taken from the segment files found
-    (the most any drive has), so a missing trailing segment still counts.
+    Geometry comes from the first drive whose IDENTITY can be read (a
+    damaged one is the damage fsck reports). Capacity is not in IDENTITY:
+    it is taken from the segment files found (the most any drive has), so
+    a missing trailing segment still counts.
     """
     directories = [Path(directory) for directory in directories]
-    first = read_identity(directories[0])
-    if first is None:
-        raise DiskIdentityError(directories[0], "magic", "missing: not a kvd disk directory")
+    first = sound_identity(directories)
     segments = 1
     for directory in directories:
         numbers = [segment_number(path.name) for path in directory.iterdir()] if directory.is_dir() else []
@@ -139,6 +162,49 @@ def config_from_directories(directories: Sequence[Path]) -> DiskConfig:
         segment_bytes=first.segment_bytes,
         fsync_policy=FsyncPolicy.STRICT,
     )
+
+
+def sound_identity(directories: Sequence[Path]) -> Identity:
+    """The IDENTITY of the first drive that has a readable one."""
+    for directory in directories:
+        if not Path(directory).is_dir():
+            continue
+        try:
+            identity = read_identity(Path(directory))
+        except IdentityDamaged:
+            continue
+        if identity is not None:
+            return identity
+    raise DiskIdentityError(Path(directories[0]), "magic",
+                            "no drive of the set has a readable IDENTITY: not a kvd disk tier, or every drive's is lost")
+
+
+def repair_drives(config: DiskConfig) -> list[str]:
+    """Make every drive's metadata readable again (fsck --repair), before the
+    set is opened: an IDENTITY rewritten from a sound drive's, CURRENT
+    pointed at the right manifest, or a new empty manifest where none can
+    be read. Damaged files are renamed *.damaged, never deleted. What was
+    done, one line per drive that needed it."""
+    template = sound_identity(config.directories)
+    actions = []
+    for drive, directory in enumerate(config.directories):
+        try:
+            identity = read_identity(directory)
+            damaged = identity is None and holds_kvd_files(directory)
+        except IdentityDamaged:
+            damaged = True
+        if damaged:
+            path = directory / IDENTITY
+            if path.exists():
+                path.rename(path.with_name(IDENTITY + ".damaged"))
+            write_identity(directory, Identity(template.set_uuid, drive, config.drive_count, template.slot_bytes,
+                                               template.segment_bytes))
+            actions.append(f"drive {drive}: IDENTITY rewritten from the other drives'")
+        if holds_kvd_files(directory):
+            action = Manifest(directory, FsyncPolicy.STRICT).repair()
+            if action:
+                actions.append(f"drive {drive}: {action}")
+    return actions
 
 
 class Progress:
@@ -251,7 +317,14 @@ def fsck(
     progress_stream: TextIO | None = None,
     io_engine: str = "auto",
 ) -> int:
-    """Verify every block of the set; progress goes to stderr unless given."""
+    """Verify every block of the set; progress goes to stderr unless given.
+
+    0: nothing lost, nothing corrupt. 1: blocks the metadata described are
+    lost (quarantined drives, damage inside a manifest, dropped records,
+    missing segments) or corrupt or unreadable; the report says how many
+    and why (with --repair, the damage is repaired too: run it again to
+    see a clean set).
+    """
     out = out or sys.stdout
     progress_stream = progress_stream or sys.stderr
     config = config_from_directories(directories)
@@ -260,6 +333,7 @@ def fsck(
             config.directories, config.capacity_bytes, config.slot_bytes, config.segment_bytes,
             config.fsync_policy, config.queue_depth, io_engine,
         )
+    actions = repair_drives(config) if repair else []
     with DiskTier(config, read_only=not repair) as tier:
         recovery = tier.open()
         report = fsck_tier(tier, progress_stream, repair=repair)
@@ -274,10 +348,10 @@ def fsck(
         f"good {report.good}  corrupt {report.corrupt}  missing {report.missing}  unreadable {report.unreadable}  "
         f"dropped {report.dropped}  unverifiable {report.unverifiable}\n"
     )
+    lost = _write_losses(out, config, recovery, report)
     if recovery.truncated_bytes:
-        out.write(f"torn tails: {recovery.truncated_bytes} bytes{' (cut off)' if repair else ''}\n")
-    for path in recovery.missing_segments:
-        out.write(f"missing segment: {path}\n")
+        out.write(f"torn tails: {recovery.truncated_bytes} bytes (appends a crash cut short, never acknowledged)"
+                  f"{' (cut off)' if repair else ''}\n")
     for path in recovery.short_segments:
         out.write(f"short segment: {path}\n")
     for kind, record in report.bad_blocks:
@@ -285,9 +359,49 @@ def fsck(
             f"{kind}: drive {record.location % config.drive_count} slot {record.location} "
             f"namespace {record.namespace_id.hex()[:16]} key {record.key.hex()[:16]}\n"
         )
+    for action in actions:
+        out.write(f"repaired: {action}\n")
     if repair:
         out.write(f"repaired: {report.repaired} REMOVE records appended\n")
-    return 0 if report.clean else 1
+    return 0 if report.clean and not lost else 1
+
+
+def _write_losses(out: TextIO, config: DiskConfig, recovery: DiskRecovery, report: FsckReport) -> bool:
+    """Say what was lost and why, one line each; whether anything was."""
+    lines = []
+    for drive, damage in sorted(recovery.quarantined.items()):
+        count = "an unknown number of" if damage.blocks is None else str(damage.blocks)
+        lines.append(f"quarantined: drive {drive}: {damage.path}: {damage.problem}; {count} blocks lost")
+    for drive, manifest in enumerate(recovery.manifests):
+        if manifest.damaged:
+            lines.append(f"damaged: drive {drive}: {manifest.manifest}: {manifest.damaged_bytes} bytes in "
+                         f"{manifest.damaged_regions} places; at least {manifest.lost_records} records lost")
+    for drive, registry in enumerate(recovery.registries):
+        if registry.damaged_regions:
+            lines.append(f"damaged: drive {drive}: NAMESPACES: {registry.damaged_bytes} bytes in "
+                         f"{registry.damaged_regions} places (namespaces another drive also holds are kept)")
+    for reason, meaning in DROP_REASONS.items():
+        count = getattr(recovery.dropped, reason)
+        if count:
+            lines.append(f"dropped: {count} blocks: {meaning}")
+    for path in recovery.missing_segments:
+        lines.append(f"missing segment: {path}")
+    for line in lines:
+        out.write(line + "\n")
+    lost = sum(damage.blocks or 0 for damage in recovery.quarantined.values()) + recovery.lost_records + \
+        recovery.dropped.total
+    if lines:
+        out.write(f"lost: at least {lost} blocks the metadata described\n")
+    return bool(lines) or not report.clean
+
+
+DROP_REASONS = {
+    "out_of_range": "slot beyond the drives' capacity or on the wrong drive",
+    "missing_segment": "segment file missing or too short",
+    "unknown_namespace": "their namespace is in no drive's NAMESPACES (its layout is unknown)",
+    "malformed": "layer count or shape does not match their namespace",
+    "duplicate_slot": "an older record for a slot a newer one claims",
+}
 
 
 def main(command: str, directories: Sequence[str], *, repair: bool = False) -> int:
@@ -298,5 +412,8 @@ def main(command: str, directories: Sequence[str], *, repair: bool = False) -> i
             return inspect(paths)
         return fsck(paths, repair=repair)
     except KvdError as error:
+        print(f"kvd {command}: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
         print(f"kvd {command}: {error}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 import crc32c
+import numpy as np
 
 from kvd.invariants import check
 
@@ -58,28 +59,124 @@ def encode_frame(record_type: RecordType, payload: bytes) -> bytes:
     return FRAME_HEADER.pack(len(payload), _checksum(record_type, payload), record_type) + payload
 
 
-def decode_frames(data: bytes) -> tuple[list[tuple[RecordType, bytes]], int]:
-    """Every valid frame from the start of `data`, and where validity ends.
+@dataclass(slots=True)
+class FrameScan:
+    """What decode_frames found in a log.
 
-    Stops at the first frame that is short, too long, of unknown type or
-    whose checksum does not match: everything after it is a torn or
-    corrupt tail and must not be trusted, even if it happens to parse.
+    frames: every valid frame, in file order. valid_end: where the last
+    valid frame ends; anything after it is a torn tail (an append a crash
+    cut short), safe to truncate. damaged: (start, end) byte ranges between
+    valid frames that hold no valid frame: damage inside the log, which
+    cost the records that were there.
     """
-    frames: list[tuple[RecordType, bytes]] = []
-    position = 0
+
+    frames: list[tuple[RecordType, bytes]] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # where each frame starts
+    valid_end: int = 0
+    damaged: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def damaged_bytes(self) -> int:
+        return sum(end - start for start, end in self.damaged)
+
+
+def _frame_at(data: bytes, position: int) -> tuple[RecordType, bytes, int] | None:
+    """The valid frame starting at `position` (type, payload, end), or None."""
+    if position + FRAME_HEADER.size > len(data):
+        return None
+    length, checksum, record_type = FRAME_HEADER.unpack_from(data, position)
+    start = position + FRAME_HEADER.size
+    end = start + length
+    if length > MAX_PAYLOAD_BYTES or end > len(data) or record_type not in RecordType._value2member_map_:
+        return None
+    if not _plausible_length(record_type, length):
+        return None
+    payload = bytes(data[start:end])
+    if _checksum(record_type, payload) != checksum:
+        return None
+    return RecordType(record_type), payload, end
+
+
+def _plausible_length(record_type: int, length: int) -> bool:
+    """Each record type has payloads of known lengths; resynchronisation
+    only considers frames whose length fits their type."""
+    if record_type == RecordType.PUT:
+        return length >= _PUT_HEAD.size and (length - _PUT_HEAD.size) % 4 == 0
+    if record_type == RecordType.REMOVE:
+        return length == _REMOVE.size
+    if record_type == RecordType.SNAPSHOT_BEGIN:
+        return length == _SEQUENCE.size
+    if record_type == RecordType.SNAPSHOT_END:
+        return length == _SNAPSHOT_END.size
+    return length > KEY_BYTES  # NAMESPACE: an id, then a spec encoding
+
+
+def _candidates(data: bytes, start: int) -> np.ndarray:
+    """Positions >= start where a frame header is plausible (a known type, a
+    length that fits the type and the data); ascending. One vectorised pass
+    over the rest of the log, so a damaged log costs O(bytes), not a
+    checksum per byte."""
     size = len(data)
-    while position + FRAME_HEADER.size <= size:
-        length, checksum, record_type = FRAME_HEADER.unpack_from(data, position)
-        start = position + FRAME_HEADER.size
-        end = start + length
-        if length > MAX_PAYLOAD_BYTES or end > size or record_type not in RecordType._value2member_map_:
-            break
-        payload = bytes(data[start:end])
-        if _checksum(record_type, payload) != checksum:
-            break
-        frames.append((RecordType(record_type), payload))
-        position = end
-    return frames, position
+    last = size - FRAME_HEADER.size  # the last position a header fits at
+    if last < start:
+        return np.zeros(0, dtype=np.int64)
+    raw = np.frombuffer(data, dtype=np.uint8)
+    positions = np.arange(start, last + 1, dtype=np.int64)
+    types = raw[positions + 8]
+    lengths = (raw[positions].astype(np.int64) | raw[positions + 1].astype(np.int64) << 8
+               | raw[positions + 2].astype(np.int64) << 16 | raw[positions + 3].astype(np.int64) << 24)
+    fits = (lengths <= MAX_PAYLOAD_BYTES) & (positions + FRAME_HEADER.size + lengths <= size)
+    plausible = np.zeros(positions.shape, dtype=bool)
+    for kind in RecordType:
+        mine = types == kind
+        if kind == RecordType.PUT:
+            mine &= (lengths >= _PUT_HEAD.size) & ((lengths - _PUT_HEAD.size) % 4 == 0)
+        elif kind == RecordType.REMOVE:
+            mine &= lengths == _REMOVE.size
+        elif kind == RecordType.SNAPSHOT_BEGIN:
+            mine &= lengths == _SEQUENCE.size
+        elif kind == RecordType.SNAPSHOT_END:
+            mine &= lengths == _SNAPSHOT_END.size
+        else:
+            mine &= lengths > KEY_BYTES
+        plausible |= mine
+    return positions[plausible & fits]
+
+
+def decode_frames(data: bytes) -> FrameScan:
+    """Every valid frame of a log, resynchronising after damage.
+
+    A frame that is short, too long, of unknown type, of a length its type
+    never has, or whose checksum does not match is not a frame. After one,
+    decoding resumes at the next position where a valid frame starts (the
+    crc32c of the whole frame makes a false start about 1 in 4 billion per
+    plausible header), so a flipped byte costs the records it hit, not the
+    rest of the log. Trailing bytes with no valid frame after them are a
+    torn tail.
+    """
+    scan = FrameScan()
+    position = 0
+    candidates: np.ndarray | None = None
+    while position < len(data):
+        found = _frame_at(data, position)
+        if found is not None:
+            record_type, payload, end = found
+            scan.frames.append((record_type, payload))
+            scan.positions.append(position)
+            position = scan.valid_end = end
+            continue
+        if candidates is None:
+            candidates = _candidates(data, position + 1)
+        resume = None
+        for candidate in candidates[np.searchsorted(candidates, position + 1):].tolist():
+            if _frame_at(data, candidate) is not None:
+                resume = candidate
+                break
+        if resume is None:
+            break  # a torn tail: nothing valid follows
+        scan.damaged.append((position, resume))
+        position = resume
+    return scan
 
 
 # ----------------------------------------------------------------------
@@ -228,10 +325,42 @@ class ReplayReport:
 
     manifest: str = ""
     records: int = 0
-    truncated_bytes: int = 0
+    truncated_bytes: int = 0  # a torn tail: an append a crash cut short (cut off)
     malformed_records: int = 0
     live_blocks: int = 0
     removed_manifests: list[str] = field(default_factory=list)
+    # Damage inside the log (not a torn tail): the byte ranges skipped, and
+    # how many records they held, at least (from the sequence numbers of
+    # the records around them and the snapshot's record count).
+    damaged_regions: int = 0
+    damaged_bytes: int = 0
+    lost_records: int = 0
+
+    @property
+    def damaged(self) -> bool:
+        return self.damaged_regions > 0 or self.lost_records > 0
+
+
+class MetadataDamage(Exception):
+    """A drive's metadata file that cannot be read, so none of the drive's
+    blocks can be trusted: the file, what is wrong, and how many blocks it
+    held as far as can be told (None: unknown)."""
+
+    def __init__(self, path: Path, problem: str, blocks: int | None = None) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = Path(path)
+        self.problem = problem
+        self.blocks = blocks
+
+    @property
+    def in_current(self) -> bool:
+        """Whether CURRENT is what is wrong (not the manifest it names)."""
+        return self.path.name == CURRENT
+
+
+# Sequence numbers above this are not taken from snapshot markers: a marker
+# found by resynchronisation inside damage could carry anything.
+_MAX_SEQUENCE = 1 << 62
 
 
 def _manifest_number(name: str) -> int | None:
@@ -262,59 +391,201 @@ class Manifest:
     def _path_of(self, number: int) -> Path:
         return self.directory / f"{MANIFEST_PREFIX}{number:06d}"
 
-    def open(self) -> ReplayReport:
-        """Replay the live manifest (or start an empty one)."""
-        report = ReplayReport()
-        current = self.fs.read(self.directory / CURRENT)
+    def open(self, *, create: bool = True) -> ReplayReport:
+        """Replay the live manifest (or, if `create`, start an empty one on a new drive).
+
+        MetadataDamage when the drive's blocks cannot be found: CURRENT
+        unreadable, naming no manifest or a missing one, or missing while a
+        manifest with blocks exists; the live manifest missing or holding
+        no valid record. Damage inside the manifest only costs the records
+        it hit: replay resynchronises after it (decode_frames), and the
+        report counts the damage and the records lost.
+        """
+        current_path = self.directory / CURRENT
+        current = self._read(current_path)
         if current is None:
-            self._publish(1, self._snapshot_bytes())
-            report.manifest = self.path.name
-            return report
+            return self._start_new(current_path, create)
         name = current.decode(errors="replace").strip()
         number = _manifest_number(name)
         if number is None or "/" in name:
-            raise ValueError(f"{self.directory / CURRENT} names {name!r}, which is not a manifest")
+            raise MetadataDamage(current_path, f"does not name a manifest (it holds {current[:48]!r})",
+                                 self._blocks_in_newest())
         self.number = number
-        data = self.fs.read(self.path)
+        data = self._read(self.path)
         if data is None:
-            raise FileNotFoundError(f"{self.directory / CURRENT} names {name}, which does not exist")
-        frames, valid_bytes = decode_frames(data)
-        if valid_bytes < len(data):
-            # A torn or corrupt tail: cut it off so new appends follow valid frames.
-            report.truncated_bytes = len(data) - valid_bytes
-            self.fs.truncate(self.path, valid_bytes)
+            raise MetadataDamage(self.path, "is missing, and CURRENT names it as the live manifest",
+                                 self._blocks_in_newest())
+        scan = decode_frames(data)
+        if not scan.frames:
+            raise MetadataDamage(self.path, f"holds no valid record in its {len(data)} bytes (every manifest "
+                                 "begins with a snapshot)")
+        report = ReplayReport(manifest=name)
+        if scan.valid_end < len(data):
+            # A torn tail: cut it off so new appends follow valid frames.
+            report.truncated_bytes = len(data) - scan.valid_end
+            self.fs.truncate(self.path, scan.valid_end)
             self.fs.fsync(self.path)
-        self.size_bytes = valid_bytes
-        for record_type, payload in frames:
-            report.records += 1
-            self._apply_frame(record_type, payload, report)
-        report.manifest = name
+        self.size_bytes = scan.valid_end
+        self._replay(scan, report)
         report.live_blocks = len(self.live)
         report.removed_manifests = self._remove_stale_manifests()
         return report
 
-    def _apply_frame(self, record_type: RecordType, payload: bytes, report: ReplayReport) -> None:
+    def repair(self) -> str:
+        """Make this drive's manifest readable again (`kvd fsck --repair`);
+        what was done, in words ("" when nothing needed doing).
+
+        CURRENT unreadable, missing or naming a missing manifest: it is
+        pointed at the newest manifest whose snapshot is complete (one a
+        compaction left half written is not), else the newest holding any
+        valid record. With neither, or when the live manifest holds no
+        valid record, a new empty manifest is started and the drive's
+        blocks are lost. A manifest set aside is renamed *.damaged, never
+        deleted.
+        """
+        try:
+            self.open()
+            return ""
+        except MetadataDamage as damage:
+            problem = damage
+        if not problem.in_current and problem.path.exists():
+            self.fs.rename(problem.path, problem.path.with_name(problem.path.name + ".damaged"))
+        newest = self._newest_with_records()
+        if newest is not None:
+            self.number = newest
+            temporary = self.directory / (CURRENT + ".tmp")
+            self.fs.write_new(temporary, f"{self.path.name}\n".encode())
+            self.fs.fsync(temporary)
+            self.fs.rename(temporary, self.directory / CURRENT)
+            self.fs.fsync_directory(self.directory)
+            action = f"CURRENT now names {self.path.name}"
+        else:
+            numbers = [n for n in map(_manifest_number, self.fs.list(self.directory)) if n is not None]
+            self._publish(max(numbers, default=self.number) + 1, self._snapshot_bytes())
+            action = f"a new empty manifest {self.path.name} was started (the drive's blocks are lost)"
+        self.live.clear()
+        self.next_sequence = 1
+        self.open()
+        return f"{problem.path.name}: {problem.problem}; {action}"
+
+    def _newest_with_records(self) -> int | None:
+        """The newest manifest with a complete snapshot, else the newest with any valid record."""
+        numbers = sorted((n for n in map(_manifest_number, self.fs.list(self.directory)) if n is not None),
+                         reverse=True)
+        with_records = []
+        for number in numbers:
+            try:
+                data = self.fs.read(self._path_of(number))
+            except OSError:
+                continue
+            kinds = [kind for kind, _ in decode_frames(data or b"").frames]
+            if RecordType.SNAPSHOT_END in kinds:
+                return number
+            if kinds:
+                with_records.append(number)
+        return with_records[0] if with_records else None
+
+    def _read(self, path: Path) -> bytes | None:
+        try:
+            return self.fs.read(path)
+        except OSError as error:
+            raise MetadataDamage(path, f"cannot be read ({error.strerror or error})") from None
+
+    def _start_new(self, current_path: Path, create: bool) -> ReplayReport:
+        """No CURRENT: a new drive, or one whose first open was cut short
+        before it published CURRENT (its manifest then holds no block). A
+        manifest with blocks and no CURRENT is damage, never a new drive."""
+        blocks = self._blocks_in_newest()
+        if blocks:
+            raise MetadataDamage(current_path, f"is missing, but {self._newest_name()} holds {blocks} blocks",
+                                 blocks)
+        if not create:
+            return ReplayReport()  # nothing written yet; nothing to replay
+        for name in self.fs.list(self.directory):
+            if _manifest_number(name) is not None:
+                self.fs.remove(self.directory / name)  # an empty snapshot an interrupted first open left
+        self._publish(1, self._snapshot_bytes())
+        return ReplayReport(manifest=self.path.name)
+
+    def _newest_name(self) -> str | None:
+        numbers = [number for number in map(_manifest_number, self.fs.list(self.directory)) if number is not None]
+        return self._path_of(max(numbers)).name if numbers else None
+
+    def _blocks_in_newest(self) -> int | None:
+        """Blocks the newest manifest file describes (for reports of damage
+        only, never to serve them); 0 if there is none, None if unreadable."""
+        name = self._newest_name()
+        if name is None:
+            return 0
+        try:
+            data = self.fs.read(self.directory / name)
+        except OSError:
+            return None
+        live: set[tuple[bytes, bytes]] = set()
+        for record_type, payload in decode_frames(data or b"").frames:
+            if record_type == RecordType.PUT and (record := PutRecord.decode(payload)) is not None:
+                live.add((record.namespace_id, record.key))
+            elif record_type == RecordType.REMOVE and (removal := RemoveRecord.decode(payload)) is not None:
+                live.discard((removal.namespace_id, removal.key))
+        return len(live)
+
+    def _replay(self, scan: FrameScan, report: ReplayReport) -> None:
+        """Apply the frames; check the snapshot; count what damage cost.
+
+        A manifest is a snapshot (SNAPSHOT_BEGIN at offset 0, the PUTs of
+        every live block, SNAPSHOT_END with their count) followed by edits
+        whose sequence numbers run on from the snapshot's one by one. So a
+        snapshot short of its count, and gaps in the edits' sequence
+        numbers, are records that damage destroyed.
+        """
+        snapshot_sequence = None
+        snapshot_puts = 0
+        snapshot_count = None
+        edits: list[int] = []  # sequence numbers of the edits after the snapshot
+        for position, (record_type, payload) in zip(scan.positions, scan.frames, strict=True):
+            report.records += 1
+            if record_type in (RecordType.SNAPSHOT_BEGIN, RecordType.SNAPSHOT_END):
+                marker = _SEQUENCE.unpack_from(payload)[0]
+                if record_type == RecordType.SNAPSHOT_BEGIN and position == 0:
+                    snapshot_sequence = marker
+                elif (record_type == RecordType.SNAPSHOT_END and snapshot_count is None and not edits
+                      and marker < _MAX_SEQUENCE):
+                    snapshot_sequence = marker if snapshot_sequence is None else snapshot_sequence
+                    snapshot_count = _SNAPSHOT_END.unpack(payload)[1]
+                else:
+                    report.malformed_records += 1  # a marker out of place (never written so)
+                    continue
+                if marker < _MAX_SEQUENCE:
+                    self.next_sequence = max(self.next_sequence, marker + 1)
+                continue
+            record = self._apply_frame(record_type, payload, report)
+            if record is None:
+                continue
+            if snapshot_count is None and isinstance(record, PutRecord) and (
+                    snapshot_sequence is None or record.sequence < snapshot_sequence):
+                snapshot_puts += 1
+            else:
+                edits.append(record.sequence)
+        report.damaged_regions = len(scan.damaged)
+        report.damaged_bytes = scan.damaged_bytes
+        report.lost_records = _lost_records(scan, snapshot_sequence, snapshot_count, snapshot_puts, edits)
+
+    def _apply_frame(self, record_type: RecordType, payload: bytes, report: ReplayReport) -> Record | None:
         if record_type == RecordType.PUT:
             record = PutRecord.decode(payload)
-            if record is None:
-                report.malformed_records += 1
-                return
-            self.live[(record.namespace_id, record.key)] = record
+            if record is not None:
+                self.live[(record.namespace_id, record.key)] = record
         elif record_type == RecordType.REMOVE:
-            removal = RemoveRecord.decode(payload)
-            if removal is None:
-                report.malformed_records += 1
-                return
-            self.live.pop((removal.namespace_id, removal.key), None)
-            record = removal
+            record = RemoveRecord.decode(payload)
+            if record is not None:
+                self.live.pop((record.namespace_id, record.key), None)
         else:
-            if len(payload) < _SEQUENCE.size:
-                report.malformed_records += 1
-                return
-            (sequence,) = _SEQUENCE.unpack_from(payload)
-            self.next_sequence = max(self.next_sequence, sequence + 1)
-            return
+            record = None  # a NAMESPACE record has no place in a manifest
+        if record is None:
+            report.malformed_records += 1
+            return None
         self.next_sequence = max(self.next_sequence, record.sequence + 1)
+        return record
 
     def _remove_stale_manifests(self) -> list[str]:
         removed = []
@@ -357,11 +628,17 @@ class Manifest:
             else:
                 self.live.pop((record.namespace_id, record.key), None)
 
-    def sync(self) -> None:
-        """Make every appended edit durable (GROUP calls this on a timer)."""
-        if self.unsynced_bytes and self.policy != FsyncPolicy.NONE:
+    def sync(self, *, force: bool = False) -> None:
+        """Make every appended edit durable (GROUP calls this on a timer).
+
+        Under NONE nothing is synced, unless `force`: a Delete's REMOVE
+        records are made durable whatever the policy, because a deleted
+        block that comes back after a crash breaks a promise, where a lost
+        one only costs a recompute.
+        """
+        if self.unsynced_bytes and (force or self.policy != FsyncPolicy.NONE):
             self.fs.fsync(self.path)
-        self.unsynced_bytes = 0
+            self.unsynced_bytes = 0
 
     def _snapshot_bytes(self) -> bytes:
         sequence = self.sequence()
@@ -396,3 +673,18 @@ class Manifest:
 
     def records(self) -> Iterator[PutRecord]:
         return iter(self.live.values())
+
+
+def _lost_records(scan: FrameScan, snapshot_sequence: int | None, snapshot_count: int | None,
+                  snapshot_puts: int, edits: list[int]) -> int:
+    """Records damage destroyed, at least: the snapshot's shortfall against
+    its count, the gaps in the edits' sequence numbers (which run on one by
+    one from the snapshot's), and one for any damaged region neither tells."""
+    if not scan.damaged:
+        return 0
+    lost = 0
+    if snapshot_count is not None:
+        lost += max(0, snapshot_count - snapshot_puts)
+    if snapshot_sequence is not None and edits:
+        lost += max(0, (max(edits) - snapshot_sequence) - len(set(edits)))
+    return max(lost, len(scan.damaged) if snapshot_count is None else 0, 1)

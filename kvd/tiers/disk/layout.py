@@ -32,6 +32,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import crc32c
 import numpy as np
 
 from kvd.errors import ConfigError, FailedPrecondition
@@ -53,11 +54,27 @@ MAX_QUEUE_DEPTH = 4096
 MAX_SLOT_BYTES = 1 << 30  # a block is written as one I/O entry, which kvd.io caps at 1 GiB
 
 
+class IdentityDamaged(Exception):
+    """A drive's IDENTITY that cannot be read (damage, not another set or
+    layout): that drive is quarantined, the others go on."""
+
+    def __init__(self, directory: Path, problem: str) -> None:
+        super().__init__(f"{Path(directory) / IDENTITY}: {problem}")
+        self.path = Path(directory) / IDENTITY
+        self.problem = problem
+
+
+# Files only kvd writes in a drive directory: one of them without IDENTITY
+# is a kvd drive whose IDENTITY was lost, not a directory of someone else's.
+KVD_FILE_PREFIXES = ("CURRENT", "MANIFEST-", "NAMESPACES", "seg-")
+
+
 class DiskIdentityError(FailedPrecondition):
     """A drive directory that must not be read: its IDENTITY disagrees."""
 
     def __init__(self, directory: Path, field: str, message: str, file: str = IDENTITY) -> None:
-        super().__init__(f"disk directory {directory}: {file} field {field!r}: {message}")
+        where = f"{file} field" if file else "field"
+        super().__init__(f"disk directory {directory}: {where} {field!r}: {message}")
         self.directory = Path(directory)
         self.field = field
         self.file = file
@@ -226,8 +243,8 @@ class Identity:
     magic: str = FORMAT_MAGIC
     format_version: int = FORMAT_VERSION
 
-    def to_json(self) -> bytes:
-        fields = {
+    def fields(self) -> dict:
+        return {
             "magic": self.magic,
             "format_version": self.format_version,
             "set_uuid": self.set_uuid,
@@ -236,18 +253,28 @@ class Identity:
             "slot_bytes": self.slot_bytes,
             "segment_bytes": self.segment_bytes,
         }
+
+    def to_json(self) -> bytes:
+        fields = self.fields()
+        fields["checksum"] = _identity_checksum(fields)
         return (json.dumps(fields, indent=2, sort_keys=True) + "\n").encode()
 
     @staticmethod
     def from_json(directory: Path, data: bytes) -> Identity:
-        """Parse, refusing anything but a kvd-disk IDENTITY of this version."""
+        """Parse. IdentityDamaged for bytes that are no longer what kvd wrote
+        (not JSON, fields missing, a checksum that does not match);
+        DiskIdentityError for a sound IDENTITY of another format version."""
         try:
             fields = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise DiskIdentityError(directory, "magic", f"not a kvd-disk IDENTITY (unreadable JSON: {error})") from None
-        if not isinstance(fields, dict) or fields.get("magic") != FORMAT_MAGIC:
-            found = fields.get("magic") if isinstance(fields, dict) else None
-            raise DiskIdentityError(directory, "magic", f"expected {FORMAT_MAGIC!r}, found {found!r}")
+            raise IdentityDamaged(directory, f"not readable JSON ({error})") from None
+        if not isinstance(fields, dict):
+            raise IdentityDamaged(directory, f"not a JSON object but {type(fields).__name__}")
+        checksum = fields.pop("checksum", None)  # IDENTITY files written before it existed have none
+        if checksum is not None and checksum != _identity_checksum(fields):
+            raise IdentityDamaged(directory, "its checksum does not match its fields (a damaged file)")
+        if fields.get("magic") != FORMAT_MAGIC:
+            raise DiskIdentityError(directory, "magic", f"expected {FORMAT_MAGIC!r}, found {fields.get('magic')!r}")
         if fields.get("format_version") != FORMAT_VERSION:
             raise DiskIdentityError(
                 directory,
@@ -264,7 +291,7 @@ class Identity:
         ):
             value = fields.get(name)
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise DiskIdentityError(directory, name, f"missing or not a {kind.__name__}: {value!r}")
+                raise IdentityDamaged(directory, f"field {name!r} is missing or not a {kind.__name__}: {value!r}")
             values[name] = value
         return Identity(**values)
 
@@ -282,13 +309,25 @@ class Identity:
                 raise DiskIdentityError(directory, name, f"directory has {found!r}, but {meaning} is {wanted!r}")
 
 
+def _identity_checksum(fields: dict) -> str:
+    """crc32c of the fields in canonical JSON, as 8 hex digits."""
+    return f"{crc32c.crc32c(json.dumps(fields, sort_keys=True).encode()):08x}"
+
+
 def read_identity(directory: Path) -> Identity | None:
+    """The drive's IDENTITY, None if it has none; IdentityDamaged if it cannot be read."""
     path = Path(directory) / IDENTITY
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as error:
+        raise IdentityDamaged(Path(directory), f"cannot be read ({error.strerror or error})") from None
     return Identity.from_json(Path(directory), data)
+
+
+def holds_kvd_files(directory: Path) -> bool:
+    return any(name.startswith(KVD_FILE_PREFIXES) for name in os.listdir(directory))
 
 
 def write_identity(directory: Path, identity: Identity) -> None:
@@ -317,16 +356,20 @@ def new_set_uuid() -> str:
     return str(uuid.uuid4())
 
 
-def identities_for(config: DiskConfig, found: list[Identity | None]) -> tuple[list[Identity], list[int]]:
+def identities_for(
+    config: DiskConfig, found: list[Identity | None], damaged: set[int] = frozenset()
+) -> tuple[list[Identity], list[int]]:
     """The identity every drive must have, and which drives still need one.
 
     Either no drive has an IDENTITY (a new set: a fresh uuid), or the ones
     that do agree on one set and each sits at its own position. A drive
     without IDENTITY joins that set only when its directory is empty (a
     replaced drive, or a crash while the set was being created): anything
-    already in it was written by something else.
+    already in it was written by something else. Drives in `damaged` (an
+    IDENTITY that cannot be read, or kvd's files without one) are left out:
+    they are quarantined, neither checked nor given an IDENTITY.
     """
-    existing = [identity for identity in found if identity is not None]
+    existing = [identity for drive, identity in enumerate(found) if identity is not None and drive not in damaged]
     set_uuid = existing[0].set_uuid if existing else new_set_uuid()
     expected = [
         Identity(set_uuid, index, config.drive_count, config.slot_bytes, config.segment_bytes)
@@ -334,6 +377,8 @@ def identities_for(config: DiskConfig, found: list[Identity | None]) -> tuple[li
     ]
     missing = []
     for index, (directory, identity) in enumerate(zip(config.directories, found, strict=True)):
+        if index in damaged:
+            continue
         if identity is None:
             leftovers = [name for name in os.listdir(directory) if name != IDENTITY + ".tmp"]
             if leftovers:

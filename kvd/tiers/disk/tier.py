@@ -42,12 +42,13 @@ from kvd.core.keys import KEY_BYTES, NamespaceSpec
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.invariants import check
 from kvd.io.checksum import crc32c_chunks
+from kvd.io.engine import address_of, aligned_empty
 from kvd.tiers.disk.journal import (
-    CURRENT,
     ROOT_PARENT,
     FileSystem,
     FsyncPolicy,
     Manifest,
+    MetadataDamage,
     OsFileSystem,
     PutRecord,
     RemoveRecord,
@@ -59,8 +60,11 @@ from kvd.tiers.disk.layout import (
     Admission,
     DiskConfig,
     DiskIdentityError,
+    Identity,
+    IdentityDamaged,
     file_index,
     fsync_directory,
+    holds_kvd_files,
     identities_for,
     locate_many,
     read_identity,
@@ -71,6 +75,8 @@ from kvd.tiers.disk.registry import NamespaceEntry, NamespaceRegistry, RegistryR
 
 log = logging.getLogger(__name__)
 
+# The first bytes of the page `shred` writes over a deleted block (random bytes follow).
+TOMBSTONE_MAGIC = b"kvd-deleted-block\0"
 # How read_blocks hands progress to its caller: (layer, ok mask of all blocks).
 LayerCallback = Callable[[int, np.ndarray], None]
 WriteItem = tuple[bytes, bytes, int, int]  # key, parent key (b"" for a root), slot, source address
@@ -97,6 +103,17 @@ class DroppedCounts:
         return self.out_of_range + self.missing_segment + self.unknown_namespace + self.malformed + self.duplicate_slot
 
 
+@dataclass(frozen=True, slots=True)
+class DriveDamage:
+    """Why a drive is quarantined: the file that cannot be read, what is
+    wrong with it, and the blocks lost with it (None: unknown)."""
+
+    drive: int
+    path: Path
+    problem: str
+    blocks: int | None
+
+
 @dataclass(slots=True)
 class DiskRecovery:
     """What open() found; no block data was read to find it."""
@@ -112,6 +129,12 @@ class DiskRecovery:
     short_segments: list[Path] = field(default_factory=list)
     manifests: list[ReplayReport] = field(default_factory=list)
     registries: list[RegistryReport] = field(default_factory=list)
+    # Damage inside manifests and registries (not torn tails), and the
+    # manifest records it destroyed (at least; see ReplayReport).
+    damaged_bytes: int = 0
+    lost_records: int = 0
+    # Drives whose metadata cannot be read: out of service, blocks lost.
+    quarantined: dict[int, DriveDamage] = field(default_factory=dict)
 
     @property
     def block_count(self) -> int:
@@ -129,6 +152,7 @@ class DiskStats:
     write_failures: int = 0  # blocks
     read_failures: int = 0  # blocks
     checksum_failures: int = 0  # layers read in full whose crc32c did not match
+    shredded: int = 0  # deleted blocks whose first page was overwritten with a tombstone
     errors: dict[str, int] = field(default_factory=dict)  # by kind: EIO, ENOSPC, short_read, fsync_EIO, manifest, ...
 
     def count_error(self, kind: str, amount: int = 1) -> None:
@@ -232,6 +256,8 @@ class DiskTier:
         # Per drive: why it takes no more writes (its manifest could not be
         # appended or synced, so the log's tail is no longer trustworthy).
         self.failed_drives: dict[int, str] = {}
+        # Per drive whose metadata cannot be read: why (it is in failed_drives too).
+        self.quarantined: dict[int, DriveDamage] = {}
         self._opened = False
         self._closed = False
 
@@ -265,57 +291,111 @@ class DiskTier:
         self._inspect_segments(recovery, fresh)
         for drive, directory in enumerate(self.config.directories):
             manifest = Manifest(directory, self.config.fsync_policy, self._fs)
-            if self.read_only and self._fs.read(directory / CURRENT) is None:
-                report = ReplayReport()  # nothing written yet; nothing to replay
-            else:
-                report = manifest.open()
+            report = ReplayReport()
+            if drive not in self.quarantined:
+                try:
+                    report = manifest.open(create=not self.read_only)
+                except MetadataDamage as damage:
+                    manifest = Manifest(directory, self.config.fsync_policy, self._fs)  # nothing replayed
+                    self._quarantine(drive, damage.path, damage.problem, damage.blocks)
             self._manifests.append(manifest)
             recovery.manifests.append(report)
             recovery.records += report.records
             recovery.truncated_bytes += report.truncated_bytes
+            recovery.damaged_bytes += report.damaged_bytes
+            recovery.lost_records += report.lost_records
         self._keep_valid_records(recovery)
         if not self.read_only:
+            self._complete_registries()
             self._complete_segments(recovery)
         self._open_files()
         self._start_engine()
+        recovery.quarantined = dict(self.quarantined)
         log.info(
             "disk tier open",
             extra={
                 "drives": self.config.drive_count,
+                "quarantined_drives": len(self.quarantined),
                 "blocks": recovery.block_count,
                 "dropped": recovery.dropped.total,
                 "truncated_bytes": recovery.truncated_bytes,
+                "damaged_bytes": recovery.damaged_bytes,
+                "lost_records": recovery.lost_records,
             },
         )
         return recovery
 
+    def _quarantine(self, drive: int, path: Path, problem: str, blocks: int | None) -> None:
+        """Take a drive whose metadata cannot be read out of service: nothing
+        of it is read or written (its files stay as they are, for `kvd fsck
+        --repair`), its blocks are lost. The other drives go on."""
+        damage = DriveDamage(drive, Path(path), problem, blocks)
+        self.quarantined[drive] = damage
+        self.failed_drives[drive] = f"quarantined: {path}: {problem}"
+        log.error(
+            f"disk drive {drive} quarantined: {path}: {problem}; its blocks "
+            f"({'an unknown number' if blocks is None else blocks}) are lost until `kvd fsck --repair`",
+            extra={"drive": drive, "directory": str(self.config.directories[drive]), "file": str(path),
+                   "problem": problem, "blocks_lost": -1 if blocks is None else blocks},
+        )
+
     def _open_identities(self, recovery: DiskRecovery) -> set[int]:
-        found = []
-        for directory in self.config.directories:
-            if not self.read_only:
-                # No parents: a missing mount point must fail, not become a
-                # directory on the root file system.
-                directory.mkdir(exist_ok=True)
-            elif not directory.is_dir():
-                raise DiskIdentityError(directory, "magic", "no such directory", file="")
-            found.append(read_identity(directory))
-        if self.read_only:
-            for directory, identity in zip(self.config.directories, found, strict=True):
-                if identity is None:
+        found: list[Identity | None] = []
+        for drive, directory in enumerate(self.config.directories):
+            self._check_directory(directory)
+            try:
+                identity = read_identity(directory)
+            except IdentityDamaged as damage:
+                self._quarantine(drive, damage.path, damage.problem, None)
+                identity = None
+            if identity is None and drive not in self.quarantined:
+                if self.read_only:
                     raise DiskIdentityError(directory, "magic", "missing: not a kvd disk directory")
-        expected, missing = identities_for(self.config, found)
+                if holds_kvd_files(directory):
+                    self._quarantine(drive, directory / IDENTITY, "is missing, but the directory holds kvd's "
+                                     "manifest or segment files", None)
+            found.append(identity)
+        expected, missing = identities_for(self.config, found, set(self.quarantined))
         for drive in missing:
             (self.config.directories[drive] / (IDENTITY + ".tmp")).unlink(missing_ok=True)
             write_identity(self.config.directories[drive], expected[drive])
             recovery.created_drives.append(drive)
         return set(missing)
 
+    def _check_directory(self, directory: Path) -> None:
+        """The drive directory exists, or is created; its parent never is."""
+        if self.read_only:
+            if not directory.is_dir():
+                raise DiskIdentityError(directory, "magic", "no such directory", file="")
+            return
+        if directory.exists() and not directory.is_dir():
+            raise DiskIdentityError(directory, "disk.directories", "is not a directory", file="")
+        try:
+            # No parents: a missing mount point must fail, not become a
+            # directory on the root file system.
+            directory.mkdir(exist_ok=True)
+        except FileNotFoundError:
+            raise DiskIdentityError(directory, "disk.directories", f"its parent {directory.parent} does not exist "
+                                    "(a drive not mounted?); kvd creates a drive directory, never its parents",
+                                    file="") from None
+        except OSError as error:
+            raise DiskIdentityError(directory, "disk.directories", f"cannot be created: {error.strerror}",
+                                    file="") from None
+        if not directory.is_dir():
+            raise DiskIdentityError(directory, "disk.directories", "is not a directory", file="")
+
     def _open_registries(self, recovery: DiskRecovery) -> None:
-        for directory in self.config.directories:
-            registry = NamespaceRegistry(directory, self._fs, read_only=self.read_only)
-            report = registry.open()
+        for drive, directory in enumerate(self.config.directories):
+            registry = NamespaceRegistry(directory, self._fs, read_only=self.read_only or drive in self.quarantined)
+            report = RegistryReport()
+            if drive not in self.quarantined:
+                try:
+                    report = registry.open()
+                except OSError as error:
+                    self._quarantine(drive, registry.path, f"cannot be read ({error.strerror or error})", None)
             recovery.registries.append(report)
             recovery.truncated_bytes += report.truncated_bytes
+            recovery.damaged_bytes += report.damaged_bytes
             self._registries.append(registry)
             for namespace_id, entry in registry.entries.items():
                 known = self.namespaces.setdefault(namespace_id, entry)
@@ -323,13 +403,16 @@ class DiskTier:
                     raise DiskIdentityError(
                         directory, "namespace_id", f"{namespace_id.hex()[:16]} differs from another drive's", file="NAMESPACES"
                     )
-        if not self.read_only:
-            # A crash inside register_namespace can leave some drives without
-            # an entry the others have; complete it so every drive is whole.
-            for registry in self._registries:
+        recovery.namespaces = dict(self.namespaces)
+
+    def _complete_registries(self) -> None:
+        """A crash inside register_namespace (or damage to one drive's file)
+        can leave some drives without an entry the others have; complete
+        them so every drive is whole (quarantined ones are not touched)."""
+        for drive, registry in enumerate(self._registries):
+            if drive not in self.quarantined:
                 for entry in self.namespaces.values():
                     registry.add(entry)
-        recovery.namespaces = dict(self.namespaces)
 
     def _segment_path(self, drive: int, segment: int) -> Path:
         return self.config.directories[drive] / segment_name(segment)
@@ -337,6 +420,9 @@ class DiskTier:
     def _inspect_segments(self, recovery: DiskRecovery, fresh: set[int]) -> None:
         for drive in range(self.config.drive_count):
             for segment in range(self.config.segments_per_drive):
+                if drive in self.quarantined:
+                    self._file_sizes[file_index(self.config, drive, segment)] = -1  # never opened
+                    continue
                 path = self._segment_path(drive, segment)
                 index = file_index(self.config, drive, segment)
                 try:
@@ -374,9 +460,10 @@ class DiskTier:
                 self._owners[slot] = record
             for identity in doomed:
                 manifest.live.pop(identity, None)
-            if doomed and not self.read_only:
+            if (doomed or recovery.manifests[drive].damaged) and not self.read_only:
                 # A snapshot without them, durable before any of their slots
-                # (or a re-created segment) can take new bytes.
+                # (or a re-created segment) can take new bytes; and without
+                # the damage, which a later replay would otherwise meet again.
                 manifest.compact()
         for manifest in self._manifests:
             for record in manifest.live.values():
@@ -408,6 +495,8 @@ class DiskTier:
     def _complete_segments(self, recovery: DiskRecovery) -> None:
         """Create missing segments and extend short ones to full length."""
         for drive in range(self.config.drive_count):
+            if drive in self.quarantined:
+                continue  # left exactly as it is, for fsck --repair
             created = False
             for segment in range(self.config.segments_per_drive):
                 index = file_index(self.config, drive, segment)
@@ -446,9 +535,10 @@ class DiskTier:
             for segment in range(self.config.segments_per_drive):
                 index = file_index(self.config, drive, segment)
                 if self._file_sizes[index] < 0:
-                    # Missing (read-only open): no kept record points here and
-                    # reads of it are refused before submission, but the
-                    # engine's file table needs a descriptor in every place.
+                    # Missing (read-only open) or on a quarantined drive: no
+                    # kept record points here and reads of it are refused
+                    # before submission, but the engine's file table needs a
+                    # descriptor in every place.
                     if placeholder < 0:
                         placeholder = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
                         self._placeholder_fd = placeholder
@@ -784,7 +874,9 @@ class DiskTier:
 
     # -- remove -----------------------------------------------------------
 
-    def remove_blocks(self, namespace_id: bytes, keys_and_slots: Sequence[tuple[bytes, int]]) -> list[bool]:
+    def remove_blocks(
+        self, namespace_id: bytes, keys_and_slots: Sequence[tuple[bytes, int]], *, deleted: bool = False
+    ) -> list[bool]:
         """Journal the removal of blocks; their slots may then be written again.
 
         Under STRICT the REMOVE records are durable when this returns; under
@@ -793,6 +885,13 @@ class DiskTier:
         failed; the slot stays unusable until the tier is reopened. A slot
         no record names (its write failed before the PUT was journalled)
         needs nothing journalled: True at once.
+
+        deleted: a client's Delete. Its REMOVE records are durable when this
+        returns whatever the fsync policy (False where they are not), and
+        the first page of each block is overwritten with a tombstone
+        (`shred`), so that even a manifest damaged later, which could lose
+        the REMOVE and bring the PUT record back, can never serve the bytes:
+        the block's layer 0 no longer matches its checksum.
         """
         self._check_writable()
         count = len(keys_and_slots)
@@ -825,9 +924,45 @@ class DiskTier:
             slots = [keys_and_slots[i][1] for i in members]
             for slot in slots:
                 del self._owners[slot]
-            if self.config.fsync_policy == FsyncPolicy.GROUP:
+            if deleted:
+                if not self._sync_drive(drive, force=True):
+                    ok[members] = False
+            elif self.config.fsync_policy == FsyncPolicy.GROUP:
                 self._unsynced_removals[drive].update(slots)
+        if deleted:
+            # Every deleted block, even where the REMOVE failed: its record
+            # may then come back at a restart, but never its bytes.
+            self.shred([slot for members in by_drive.values() for slot in (keys_and_slots[i][1] for i in members)])
         return ok.tolist()
+
+    def shred(self, slots: Sequence[int]) -> int:
+        """Overwrite the first page of each slot with a tombstone; how many were.
+
+        The tombstone carries random bytes drawn for this call, so no block
+        a client stored can equal it: whatever record still names one of
+        these slots, its layer 0 fails its checksum from now on. One batch,
+        then one fdatasync per segment file touched. A failure only costs
+        this second line of defence (counted), never the removal itself.
+        """
+        if not slots:
+            return 0
+        tombstone = aligned_empty(ALIGN_BYTES)
+        tombstone[:] = 0
+        marker = TOMBSTONE_MAGIC + os.urandom(16)
+        tombstone[: len(marker)] = np.frombuffer(marker, dtype=np.uint8)
+        slot_array = np.asarray(slots, dtype=np.int64)
+        _, files, offsets = locate_many(self.config, slot_array)
+        addresses = np.full(len(slot_array), address_of(tombstone), dtype=np.uint64)
+        results = self._transfer(self._op_write, files, offsets, ALIGN_BYTES, addresses)
+        good = np.asarray(results) == ALIGN_BYTES
+        for index in np.unique(files[good]).tolist():
+            if self._fdatasync(index) != 0:
+                good[files == index] = False
+        shredded = int(good.sum())
+        self.stats.shredded += shredded
+        if shredded < len(slot_array):
+            self.stats.count_error("shred", len(slot_array) - shredded)
+        return shredded
 
     # -- maintenance --------------------------------------------------------
 
@@ -838,13 +973,15 @@ class DiskTier:
             if drive not in self.failed_drives:
                 self._sync_drive(drive)
 
-    def _sync_drive(self, drive: int) -> None:
+    def _sync_drive(self, drive: int, *, force: bool = False) -> bool:
+        """Sync a drive's manifest (whatever the policy if `force`); False takes the drive out of writes."""
         try:
-            self._manifests[drive].sync()
+            self._manifests[drive].sync(force=force)
         except OSError as error:
             self._fail_drive(drive, f"manifest fsync failed: {error}")
-            return
+            return False
         self._unsynced_removals[drive].clear()
+        return True
 
     def compact_if_needed(self, max_bytes: int) -> int:
         """Rewrite each manifest larger than max_bytes as a snapshot; how many were."""
