@@ -3,8 +3,10 @@
 Everything else about the package is in pyproject.toml; this file only
 exists because the compiler flags depend on the environment:
 
-    KVD_NATIVE_DEBUG=1      -O0 -g (step through it in gdb)
-    KVD_NATIVE_SANITIZE=1   -O1 -g with AddressSanitizer and UBSan; Python
+    KVD_NATIVE_DEBUG=1      -O0 -g (step through it in gdb); addresses checked
+                            against registered buffers (KVD_CHECK_ADDRESSES)
+    KVD_NATIVE_SANITIZE=1   -O1 -g with AddressSanitizer and UBSan, addresses
+                            checked too; Python
                             itself is not instrumented, so run it with
                             libasan preloaded (`make native-sanitize` does)
 
@@ -29,10 +31,10 @@ def native_extension() -> Extension:
     link_args: list[str] = []
     if _flag("KVD_NATIVE_SANITIZE"):
         sanitizers = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
-        compile_args += ["-O1", "-g", *sanitizers]
+        compile_args += ["-O1", "-g", "-DKVD_CHECK_ADDRESSES", *sanitizers]
         link_args += sanitizers
     elif _flag("KVD_NATIVE_DEBUG"):
-        compile_args += ["-O0", "-g"]
+        compile_args += ["-O0", "-g", "-DKVD_CHECK_ADDRESSES"]
     else:
         compile_args += ["-O2"]
     return Extension(

@@ -10,6 +10,9 @@ does). At each queue depth (32 and 128 by default) the contenders are:
 * uring: `open_engine("uring")`, plain READ entries;
 * uring+fixed: the same with the destination buffer registered
   (`register_buffers`, READ_FIXED), to see whether registration pays;
+* uring+single: plain READ entries on a ring set up with
+  IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN (the ring is single-threaded
+  by contract), to see whether those flags pay;
 * fallback: `open_engine("fallback")` (min(queue depth, 16) threads);
 * fio: `fio --ioengine=io_uring --direct=1 --rw=read --bs=64k
   --iodepth=<queue depth> --iodepth_batch_submit=<queue depth>
@@ -83,8 +86,8 @@ class EngineReader:
     """Reads the whole file through one engine, batch after batch."""
 
     def __init__(self, kind: str, fd: int, queue_depth: int, file_bytes: int, entry_bytes: int,
-                 batch_entries: int, fixed_buffers: bool) -> None:
-        self.engine = open_engine(kind, queue_depth, max_batch_entries=batch_entries)
+                 batch_entries: int, fixed_buffers: bool, single_issuer: bool = False) -> None:
+        self.engine = open_engine(kind, queue_depth, max_batch_entries=batch_entries, single_issuer=single_issuer)
         self.engine.register_files([fd])
         self.buffer = aligned_empty(batch_entries * entry_bytes)
         self.buffer[:] = 0  # fault the pages in before timing
@@ -212,6 +215,8 @@ def main() -> int:
                 "uring": EngineReader("uring", fd, queue_depth, file_bytes, entry_bytes, args.batch_entries, False),
                 "uring+fixed": EngineReader("uring", fd, queue_depth, file_bytes, entry_bytes, args.batch_entries,
                                             True),
+                "uring+single": EngineReader("uring", fd, queue_depth, file_bytes, entry_bytes, args.batch_entries,
+                                             False, single_issuer=True),
                 "fallback": EngineReader("fallback", fd, queue_depth, file_bytes, entry_bytes, args.batch_entries,
                                          False),
             }
@@ -251,6 +256,9 @@ def main() -> int:
             "uring_vs_fallback": ratio(uring, by_name["fallback"]["median_gib_s"]),
             "uring_vs_fio": ratio(uring, by_name["fio"]["median_gib_s"]) if "fio" in by_name else None,
             "uring_fixed_vs_uring": ratio(fixed, uring),
+            "uring_single_issuer_vs_uring": ratio(by_name["uring+single"]["median_gib_s"], uring),
+            "uring_single_issuer_vs_uring_cpu_per_entry": ratio(by_name["uring+single"]["cpu_us_per_entry"],
+                                                                by_name["uring"]["cpu_us_per_entry"]),
             "fallback_vs_uring_cpu_per_entry": ratio(by_name["fallback"]["cpu_us_per_entry"],
                                                      by_name["uring"]["cpu_us_per_entry"]),
         }

@@ -18,6 +18,12 @@
 #include "checksum.h"
 #include "uring_batch.h"
 
+#ifdef KVD_CHECK_ADDRESSES
+#define KVD_CHECKS_ADDRESSES 1
+#else
+#define KVD_CHECKS_ADDRESSES 0
+#endif
+
 typedef struct {
     PyObject_HEAD
     struct kvd_ring ring;
@@ -74,10 +80,13 @@ static Py_ssize_t get_array(PyObject *object, Py_buffer *view, Py_ssize_t itemsi
 }
 
 static int ring_init(RingObject *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"queue_depth", "max_batches", NULL};
+    static char *keywords[] = {"queue_depth", "max_batches", "single_issuer", NULL};
     unsigned int queue_depth;
     unsigned int max_batches;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "II", keywords, &queue_depth, &max_batches)) return -1;
+    int single_issuer = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "II|p", keywords, &queue_depth, &max_batches, &single_issuer)) {
+        return -1;
+    }
     if (self->ring.open || self->results != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Ring.__init__ called twice");
         return -1;
@@ -95,7 +104,8 @@ static int ring_init(RingObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_NoMemory();
         return -1;
     }
-    int error = kvd_ring_open(&self->ring, queue_depth, max_batches);
+    uint32_t flags = single_issuer ? KVD_SETUP_SINGLE_ISSUER : 0;
+    int error = kvd_ring_open(&self->ring, queue_depth, max_batches, flags);
     if (error < 0) {
         raise_error(error);
         return -1;
@@ -330,6 +340,20 @@ static PyObject *ring_add_fault(RingObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *ring_fail_enters(RingObject *self, PyObject *args) {
+    int error;
+    unsigned int count;
+    if (!PyArg_ParseTuple(args, "iI", &error, &count)) return NULL;
+    if (error <= 0) {
+        PyErr_SetString(PyExc_ValueError, "error must be a positive errno");
+        return NULL;
+    }
+    if (claim(self) < 0) return NULL;
+    kvd_ring_fail_enters(&self->ring, error, count);
+    self->busy = 0;
+    Py_RETURN_NONE;
+}
+
 static PyObject *ring_clear_faults(RingObject *self, PyObject *Py_UNUSED(ignored)) {
     if (claim(self) < 0) return NULL;
     kvd_ring_clear_faults(&self->ring);
@@ -358,7 +382,8 @@ static PyObject *ring_stats(RingObject *self, PyObject *Py_UNUSED(ignored)) {
         set_counter(dict, "short_transfers", stats->short_transfers) < 0 ||
         set_counter(dict, "faults_injected", stats->faults_injected) < 0 ||
         set_counter(dict, "fixed_buffer_entries", stats->fixed_buffer_entries) < 0 ||
-        set_counter(dict, "checksum_chunks", stats->checksum_chunks) < 0) {
+        set_counter(dict, "checksum_chunks", stats->checksum_chunks) < 0 ||
+        set_counter(dict, "enter_errors", stats->enter_errors) < 0) {
         Py_DECREF(dict);
         return NULL;
     }
@@ -392,6 +417,8 @@ static PyMethodDef ring_methods[] = {
     {"add_fault", METHOD(ring_add_fault), METH_VARARGS,
      "add_fault(op, file_index, offset_begin, offset_end, error, short_bytes, count) -> None"},
     {"clear_faults", METHOD(ring_clear_faults), METH_NOARGS, "clear_faults() -> None"},
+    {"fail_enters", METHOD(ring_fail_enters), METH_VARARGS,
+     "fail_enters(errno, count) -> None; the next count io_uring_enter calls fail (tests)"},
     {"stats", METHOD(ring_stats), METH_NOARGS, "stats() -> dict of counters"},
     {"close", METHOD(ring_close), METH_NOARGS, "close() -> None; drains in-flight I/O; idempotent"},
     {NULL, NULL, 0, NULL},
@@ -481,7 +508,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(module, "MAX_BATCH_ENTRIES", KVD_MAX_BATCH_ENTRIES) < 0 ||
         PyModule_AddIntConstant(module, "MAX_FAULTS", KVD_MAX_FAULTS) < 0 ||
         PyModule_AddIntConstant(module, "MAX_FILES", KVD_MAX_FILES) < 0 ||
-        PyModule_AddIntConstant(module, "MAX_BUFFERS", KVD_MAX_BUFFERS) < 0) {
+        PyModule_AddIntConstant(module, "MAX_BUFFERS", KVD_MAX_BUFFERS) < 0 ||
+        PyModule_AddIntConstant(module, "CHECKS_ADDRESSES", KVD_CHECKS_ADDRESSES) < 0) {
         Py_DECREF(module);
         return NULL;
     }

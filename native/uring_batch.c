@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
+#include <time.h>
 
 /* Stays on in release builds: a broken invariant here means completions
  * could be written into the wrong caller's memory, so stop at once. */
@@ -29,21 +30,49 @@ static void kvd_check_failed(const char *condition, const char *file, int line) 
     abort();
 }
 
-/* io_uring_enter results that mean "call again", not "the ring is broken". */
+/* io_uring_enter results that mean "call again later", not "the ring is broken". */
 static int transient(int error) {
-    return error == -EINTR || error == -EAGAIN || error == -EBUSY;
+    return error == -EINTR || error == -EAGAIN || error == -EBUSY || error == -ENOMEM;
 }
 
-int kvd_ring_open(struct kvd_ring *ring, uint32_t queue_depth, uint32_t max_batches) {
+/* One io_uring_enter: submit what is prepared, wait for `wanted`
+ * completions. An injected enter failure (tests) returns its errno
+ * instead, without entering the kernel. */
+static int enter(struct kvd_ring *ring, uint32_t wanted) {
+    ring->stats.enter_calls++;
+    if (ring->enter_faults > 0) {
+        ring->enter_faults--;
+        ring->stats.faults_injected++;
+        return -ring->enter_fault_errno;
+    }
+    if (io_uring_sq_ready(&ring->uring) > 0) ring->stats.submit_calls++;
+    return io_uring_submit_and_wait(&ring->uring, wanted);
+}
+
+/* Sleeps before entering the kernel again after a failed enter: 1 us,
+ * doubled each time up to KVD_BACKOFF_MAX_US, so a kernel that says "not
+ * now" (EAGAIN, EBUSY) is not spun on. */
+static void back_off(uint32_t *delay_us) {
+    struct timespec pause = {0, (long)*delay_us * 1000L};
+    nanosleep(&pause, NULL);
+    *delay_us = *delay_us * 2 > KVD_BACKOFF_MAX_US ? KVD_BACKOFF_MAX_US : *delay_us * 2;
+}
+
+int kvd_ring_open(struct kvd_ring *ring, uint32_t queue_depth, uint32_t max_batches, uint32_t flags) {
     memset(ring, 0, sizeof *ring);
     if (queue_depth == 0 || queue_depth > KVD_MAX_QUEUE_DEPTH) return -EINVAL;
+    if (flags & ~KVD_SETUP_SINGLE_ISSUER) return -EINVAL;
     if (max_batches == 0 || max_batches > KVD_MAX_BATCHES) return -EINVAL;
     ring->batches = calloc(max_batches, sizeof *ring->batches);
     ring->pending = calloc(max_batches, sizeof *ring->pending);
     ring->to_checksum = calloc(queue_depth, sizeof *ring->to_checksum);
     int error = -ENOMEM;
     if (ring->batches != NULL && ring->pending != NULL && ring->to_checksum != NULL) {
-        error = io_uring_queue_init(queue_depth, &ring->uring, 0);
+        /* The ring is single-threaded by contract; SINGLE_ISSUER tells the
+         * kernel so, and DEFER_TASKRUN runs completion work only when this
+         * thread enters it to wait (drive() always does). */
+        unsigned setup = (flags & KVD_SETUP_SINGLE_ISSUER) ? IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN : 0;
+        error = io_uring_queue_init(queue_depth, &ring->uring, setup);
     }
     if (error < 0) {
         free(ring->batches);
@@ -238,6 +267,15 @@ static int start_batch(struct kvd_ring *ring, int32_t op, uint32_t fsync_flags, 
     for (uint32_t i = 0; i < count; i++) {
         if (entries[i].file_index < 0 || (uint32_t)entries[i].file_index >= ring->file_count) return -EBADF;
         if (entries[i].offset < 0) return -EINVAL;
+#ifdef KVD_CHECK_ADDRESSES
+        /* Debug builds: with buffers registered, every address from Python
+         * must lie inside one of them (a stale or miscomputed offset is
+         * refused here, not written over someone else's memory). */
+        if (ring->region_count > 0 && entries[i].length > 0 &&
+            find_region(ring, entries[i].address, entries[i].length) < 0) {
+            return -EFAULT;
+        }
+#endif
     }
     if (checksums != NULL) {
         if (op != KVD_OP_READ || checksums->values == NULL || checksums->chunk == 0) return -EINVAL;
@@ -305,9 +343,27 @@ int kvd_ring_slot_of(const struct kvd_ring *ring, uint64_t id) {
     return -ENOENT;
 }
 
-/* Reaps (and keeps submitting) until the batch in `slot` is complete. */
-static int drive(struct kvd_ring *ring, uint32_t slot) {
+/* The entries of a batch not yet handed to the kernel complete with
+ * `error` now; those the kernel holds still complete on their own. */
+static void fail_unprepared(struct kvd_ring *ring, struct kvd_batch *batch, int error) {
+    while (batch->next < batch->count) {
+        complete_entry(ring, batch, batch->next, error);
+        batch->next++;
+    }
+}
+
+/* Reaps (and keeps submitting) until the batch in `slot` is complete; it
+ * always completes. A failed io_uring_enter is retried after a back-off;
+ * one that is not transient also fails the batch's entries the kernel has
+ * not been given (their results carry the errno), while the entries it
+ * holds are still waited for: their buffers are the caller's until they
+ * are reaped. After KVD_MAX_ENTER_FAILURES failures in a row the kernel
+ * holds our buffers and will not give them back: stop the process (the
+ * disk format is crash-safe; a buffer written after it was reused is not). */
+static void drive(struct kvd_ring *ring, uint32_t slot) {
     struct kvd_batch *batch = &ring->batches[slot];
+    uint32_t failures = 0;
+    uint32_t delay_us = 1;
     for (;;) {
         reap(ring);
         fill(ring);
@@ -317,7 +373,7 @@ static int drive(struct kvd_ring *ring, uint32_t slot) {
         }
         if (batch->completed == batch->count) {
             flush(ring); /* entries of later batches prepared above */
-            return 0;
+            return;
         }
         /* Not complete: fill() stopped at a full queue, so the kernel holds
          * entries (of this batch, or of batches ahead of it in the FIFO). */
@@ -331,10 +387,18 @@ static int drive(struct kvd_ring *ring, uint32_t slot) {
          * the device keeps at least half the queue depth busy. */
         uint32_t wanted = outstanding;
         if (batch->next < batch->count) wanted = ring->in_kernel / 2 > 0 ? ring->in_kernel / 2 : 1;
-        ring->stats.enter_calls++;
-        if (io_uring_sq_ready(&ring->uring) > 0) ring->stats.submit_calls++;
-        int error = io_uring_submit_and_wait(&ring->uring, wanted);
-        if (error < 0 && !transient(error)) return error;
+        int error = enter(ring, wanted);
+        if (error >= 0 || error == -EINTR) {
+            failures = 0;
+            delay_us = 1;
+            continue;
+        }
+        ring->stats.enter_errors++;
+        if (!transient(error)) fail_unprepared(ring, batch, error);
+        if (++failures > KVD_MAX_ENTER_FAILURES) {
+            kvd_check_failed("io_uring_enter keeps failing with entries in the kernel", __FILE__, __LINE__);
+        }
+        back_off(&delay_us);
     }
 }
 
@@ -349,8 +413,7 @@ static void release_slot(struct kvd_ring *ring, uint32_t slot) {
 int kvd_ring_wait(struct kvd_ring *ring, uint64_t id) {
     int slot = kvd_ring_slot_of(ring, id);
     if (slot < 0) return slot;
-    int error = drive(ring, (uint32_t)slot);
-    if (error < 0) return error;
+    drive(ring, (uint32_t)slot);
     release_slot(ring, (uint32_t)slot);
     return 0;
 }
@@ -367,11 +430,15 @@ int kvd_ring_fsync(struct kvd_ring *ring, int32_t file_index, int datasync, int6
         free(entry);
         return error;
     }
-    error = drive(ring, slot);
-    if (error < 0) return error;
+    drive(ring, slot);
     *result = ring->batches[slot].own_result;
     release_slot(ring, slot);
     return 0;
+}
+
+void kvd_ring_fail_enters(struct kvd_ring *ring, int32_t error, uint32_t count) {
+    ring->enter_fault_errno = error;
+    ring->enter_faults = count;
 }
 
 /* ---- tables ---------------------------------------------------------- */
@@ -492,7 +559,7 @@ void kvd_ring_close(struct kvd_ring *ring) {
         ring->to_checksum_count = 0;
         if (ring->in_kernel == 0) break;
         ring->stats.enter_calls++;
-        int error = io_uring_submit_and_wait(&ring->uring, 1);
+        int error = io_uring_submit_and_wait(&ring->uring, 1); /* never an injected failure */
         if (error < 0 && !transient(error)) break; /* cannot drain; exiting the ring cancels */
     }
     for (uint32_t slot = 0; slot < ring->max_batches; slot++) {

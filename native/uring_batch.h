@@ -37,7 +37,8 @@
  * Fault injection (for tests): rules checked at submit time, in entry
  * order, make matching entries complete with -errno without doing I/O,
  * or transfer fewer bytes than asked. The results still come back through
- * the same completion path as real ones.
+ * the same completion path as real ones. kvd_ring_fail_enters makes
+ * io_uring_enter itself fail, to test what a failed enter leaves behind.
  *
  * Not thread safe: one caller at a time (the Python binding enforces it).
  * All functions return 0 (or a count) on success and -errno on failure.
@@ -62,6 +63,10 @@ enum kvd_op {
 #define KVD_MAX_FAULTS 16u
 #define KVD_MAX_FILES 65536u
 #define KVD_MAX_BUFFERS 1024u
+/* Failed io_uring_enter calls in a row before the process stops (see
+ * drive() in uring_batch.c), and the longest back-off between them. */
+#define KVD_MAX_ENTER_FAILURES 10000u
+#define KVD_BACKOFF_MAX_US 10000u
 
 struct kvd_entry {
     uint64_t address;
@@ -105,6 +110,7 @@ struct kvd_stats {
     uint64_t faults_injected;
     uint64_t fixed_buffer_entries; /* entries that used a registered buffer */
     uint64_t checksum_chunks;      /* crc32c values computed for reads */
+    uint64_t enter_errors;         /* io_uring_enter calls that failed (then retried after a back-off) */
 };
 
 struct kvd_batch {
@@ -144,10 +150,16 @@ struct kvd_ring {
     uint32_t to_checksum_count;       /* their checksums; <= queue_depth */
     struct kvd_fault faults[KVD_MAX_FAULTS];
     uint32_t fault_count;
+    uint32_t enter_faults;            /* io_uring_enter calls still to fail (tests) */
+    int32_t enter_fault_errno;
     struct kvd_stats stats;
 };
 
-int kvd_ring_open(struct kvd_ring *ring, uint32_t queue_depth, uint32_t max_batches);
+/* flags: 0, or KVD_SETUP_SINGLE_ISSUER (IORING_SETUP_SINGLE_ISSUER |
+ * DEFER_TASKRUN, Linux 6.1+): only the thread that opened the ring may
+ * use it from then on. */
+#define KVD_SETUP_SINGLE_ISSUER 1u
+int kvd_ring_open(struct kvd_ring *ring, uint32_t queue_depth, uint32_t max_batches, uint32_t flags);
 
 /* Drains: entries not yet in the kernel complete with -ECANCELED, entries
  * in the kernel are waited for (their buffers must not be reused while the
@@ -178,7 +190,10 @@ int kvd_ring_submit(struct kvd_ring *ring, int32_t op, struct kvd_entry *entries
 /* Slot of a batch in flight, or -ENOENT. */
 int kvd_ring_slot_of(const struct kvd_ring *ring, uint64_t id);
 
-/* Blocks until every entry of batch `id` has its result; frees its slot. */
+/* Blocks until every entry of batch `id` has its result; frees its slot.
+ * Always completes a batch in flight (-ENOENT only for an unknown id): a
+ * failed io_uring_enter is retried after a back-off, and the entries the
+ * kernel was not given fail with its errno (see drive() in uring_batch.c). */
 int kvd_ring_wait(struct kvd_ring *ring, uint64_t id);
 
 /* fsync (datasync: fdatasync) of one registered file. It is drained
@@ -186,5 +201,9 @@ int kvd_ring_wait(struct kvd_ring *ring, uint64_t id);
  * completed, so it covers all writes submitted so far. Blocks until done;
  * *result is 0 or -errno. */
 int kvd_ring_fsync(struct kvd_ring *ring, int32_t file_index, int datasync, int64_t *result);
+
+/* Tests: the next `count` io_uring_enter calls of wait and fsync fail with
+ * -error instead of entering the kernel (close never fails this way). */
+void kvd_ring_fail_enters(struct kvd_ring *ring, int32_t error, uint32_t count);
 
 #endif

@@ -579,6 +579,11 @@ def stats(session: Session) -> Op:
     return (yield ("Stats", kvd_pb2.StatsRequest()))
 
 
+def arena_info(session: Session) -> Op:
+    yield from connect(session)
+    return session.info
+
+
 def uses_shared_memory(session: Session) -> Op:
     yield from connect(session)
     return session.arena is not None

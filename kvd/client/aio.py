@@ -54,6 +54,10 @@ class AsyncClient(_ops.ClientBase):
     async def uses_shared_memory(self) -> bool:
         return await self._run(_ops.uses_shared_memory(self.session))
 
+    async def arena_info(self) -> kvd_pb2.ArenaInfoResponse:
+        """The daemon's host arena: slot_bytes, slot_count, max_message_bytes, ..."""
+        return await self._run(_ops.arena_info(self.session))
+
     async def register_namespace(self, spec: NamespaceSpec) -> Namespace:
         return await self._run(_ops.register_namespace(self.session, spec))
 

@@ -63,6 +63,10 @@ class Client(_ops.ClientBase):
     def uses_shared_memory(self) -> bool:
         return self._run(_ops.uses_shared_memory(self.session))
 
+    def arena_info(self) -> kvd_pb2.ArenaInfoResponse:
+        """The daemon's host arena: slot_bytes, slot_count, max_message_bytes, ..."""
+        return self._run(_ops.arena_info(self.session))
+
     def register_namespace(self, spec: NamespaceSpec) -> Namespace:
         return self._run(_ops.register_namespace(self.session, spec))
 

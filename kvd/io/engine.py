@@ -101,6 +101,7 @@ STATS_KEYS = (
     "faults_injected",       # entries (and fsyncs) that a fault rule hit
     "fixed_buffer_entries",  # entries that used a registered buffer (uring only)
     "checksum_chunks",       # crc32c values computed for reads that asked
+    "enter_errors",          # io_uring_enter calls that failed and were retried (uring only)
 )
 
 
@@ -117,6 +118,9 @@ class EngineOptions:
     queue_depth: int = 64          # entries with the kernel at once
     max_batches: int = 64          # batches submitted and not yet waited
     max_batch_entries: int = 1 << 20
+    # io_uring only: IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN. Only the
+    # thread that opened the engine may use it from then on.
+    single_issuer: bool = False
 
     def validate(self) -> None:
         for name, value, limit in (
@@ -562,9 +566,10 @@ def uring_unavailable_reason() -> str | None:
 
 
 def open_engine(kind: Literal["auto", "uring", "fallback"] = "auto", queue_depth: int = 64, *,
-                max_batches: int = 64, max_batch_entries: int = 1 << 20) -> EngineBase:
+                max_batches: int = 64, max_batch_entries: int = 1 << 20, single_issuer: bool = False) -> EngineBase:
     """Open an I/O engine. "auto" is io_uring when it works here, else the fallback (logged)."""
-    options = EngineOptions(queue_depth=queue_depth, max_batches=max_batches, max_batch_entries=max_batch_entries)
+    options = EngineOptions(queue_depth=queue_depth, max_batches=max_batches, max_batch_entries=max_batch_entries,
+                            single_issuer=single_issuer)
     options.validate()
     # Imported here: both modules import this one.
     from kvd.io.fallback import FallbackEngine

@@ -52,7 +52,7 @@ class UringEngine(EngineBase):
         super().__init__(options)
         native = _load_native()
         try:
-            self._ring = native.Ring(options.queue_depth, options.max_batches)
+            self._ring = native.Ring(options.queue_depth, options.max_batches, options.single_issuer)
         except OSError as error:
             # ENOSYS (old kernel), EPERM (seccomp, io_uring_disabled), ENOMEM (memlock).
             raise Unavailable(f"cannot create an io_uring: {error}") from None
@@ -87,6 +87,13 @@ class UringEngine(EngineBase):
 
     def _clear_faults(self) -> None:
         self._ring.clear_faults()
+
+    def fail_enters(self, errno: int, count: int) -> None:
+        """Tests: the next `count` io_uring_enter calls of wait and fsync fail
+        with errno (the batch still completes: entries not yet given to the
+        kernel carry -errno, the others their real results)."""
+        self._check_open()
+        self._ring.fail_enters(errno, count)
 
     def _stats(self) -> dict[str, int]:
         return self._ring.stats()

@@ -85,9 +85,57 @@ def test_fsck_finds_and_repairs_a_corrupt_block(written, drives, capsys):
 
 def test_fsck_counts_blocks_of_a_missing_segment(written, drives, capsys):
     (drives[1] / segment_name(0)).unlink()
-    assert main(["fsck", *map(str, drives)]) == 0  # lost, not lying
+    assert main(["fsck", *map(str, drives)]) == 1  # lost (never lied about, but lost)
     out = capsys.readouterr().out
     assert "good 6  corrupt 0  missing 6" in out and "missing segment:" in out
+
+
+# Issue 10, item 5: fsck said all was well after each of these.
+
+
+def test_fsck_reports_blocks_lost_with_every_namespaces_file(written, drives, capsys):
+    for drive in drives:
+        (drive / "NAMESPACES").unlink()
+    before = snapshot(drives)
+    assert main(["fsck", *map(str, drives)]) == 1
+    out = capsys.readouterr().out
+    assert "dropped: 12 blocks: their namespace is in no drive's NAMESPACES" in out
+    assert "lost: at least 12 blocks" in out
+    assert snapshot(drives) == before
+
+
+@pytest.mark.parametrize("damage", ["current_deleted", "current_garbage", "manifest_zeroed", "manifest_deleted"])
+def test_fsck_reports_a_drive_whose_metadata_cannot_be_read(written, drives, capsys, damage):
+    from kvd.testing import damage as damages
+
+    getattr(damages, damage)(drives[0])
+    before = snapshot(drives)
+    assert main(["fsck", *map(str, drives)]) == 1
+    out = capsys.readouterr().out
+    assert f"quarantined: drive 0: {drives[0]}/" in out
+    assert "good 6  corrupt 0" in out  # the other drive's blocks, read and verified
+    if damage.startswith("current_"):
+        assert "; 6 blocks lost" in out  # counted from the manifest CURRENT no longer names
+    assert snapshot(drives) == before  # read-only
+    assert main(["fsck", "--repair", *map(str, drives)]) == 1
+    assert "repaired: drive 0: " in capsys.readouterr().out
+    assert main(["fsck", *map(str, drives)]) == 0
+    out = capsys.readouterr().out
+    # A damaged CURRENT costs nothing once repaired: the manifest was intact.
+    assert ("good 12" if damage.startswith("current_") else "good 6") in out
+
+
+def test_fsck_reports_damage_inside_a_manifest_and_the_records_it_cost(written, drives, capsys):
+    from kvd.testing.damage import manifest_byte_flipped_in_the_middle
+
+    manifest_byte_flipped_in_the_middle(drives[1])
+    assert main(["fsck", *map(str, drives)]) == 1
+    out = capsys.readouterr().out
+    assert "damaged: drive 1: MANIFEST-" in out and "at least 1 records lost" in out
+    assert "good 11" in out
+    assert main(["fsck", "--repair", *map(str, drives)]) == 1
+    capsys.readouterr()
+    assert main(["fsck", *map(str, drives)]) == 0
 
 
 def test_fsck_refuses_a_drive_set_in_the_wrong_order(written, drives, capsys):

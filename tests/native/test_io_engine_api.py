@@ -248,6 +248,12 @@ def test_registered_buffers(rig):
         engine.register_buffers([(base, 0)])
     engine.register_buffers([(base, 64 * BLOCK), (base + 128 * BLOCK, 64 * BLOCK)])
     outside = aligned_empty(4 * BLOCK)
+    if engine.kind == "uring" and _native_checks_addresses():
+        # Debug builds refuse what is not inside one registered buffer
+        # (tests/native/test_enter_failures.py has the rest of that case).
+        with pytest.raises(OSError):
+            engine.submit(Op.READ, [0], [0], [2 * BLOCK], [base + 191 * BLOCK])
+        return
     # Inside region 0, inside region 1, straddling region 1's end, and memory of its own.
     results = engine.wait(engine.submit(
         Op.READ, [0, 0, 0, 0], [0, BLOCK, 2 * BLOCK, 3 * BLOCK], [BLOCK, BLOCK, 2 * BLOCK, BLOCK],
@@ -377,3 +383,9 @@ def test_bad_checksum_requests_raise_before_anything_is_submitted(rig):
     with pytest.raises(InvalidArgument, match="only read batches"):
         engine.submit(Op.WRITE, *arrays, checksums=np.zeros(2, dtype=np.uint32), checksum_chunk=BLOCK)
     assert engine.batches_in_flight == 0 and engine.stats["entries"] == 0
+
+
+def _native_checks_addresses() -> bool:
+    from kvd.io.uring import _load_native
+
+    return bool(_load_native().CHECKS_ADDRESSES)

@@ -321,9 +321,9 @@ def fsck(
 
     0: nothing lost, nothing corrupt. 1: blocks the metadata described are
     lost (quarantined drives, damage inside a manifest, dropped records,
-    missing segments) or corrupt or unreadable; the report says how many
-    and why (with --repair, the damage is repaired too: run it again to
-    see a clean set).
+    missing segments) or corrupt or unreadable, or --repair repaired
+    something; the report says how many and why (run it again after a
+    repair to see a clean set).
     """
     out = out or sys.stdout
     progress_stream = progress_stream or sys.stderr
@@ -363,7 +363,7 @@ def fsck(
         out.write(f"repaired: {action}\n")
     if repair:
         out.write(f"repaired: {report.repaired} REMOVE records appended\n")
-    return 0 if report.clean and not lost else 1
+    return 0 if report.clean and not lost and not actions else 1
 
 
 def _write_losses(out: TextIO, config: DiskConfig, recovery: DiskRecovery, report: FsckReport) -> bool:
@@ -378,8 +378,10 @@ def _write_losses(out: TextIO, config: DiskConfig, recovery: DiskRecovery, repor
                          f"{manifest.damaged_regions} places; at least {manifest.lost_records} records lost")
     for drive, registry in enumerate(recovery.registries):
         if registry.damaged_regions:
-            lines.append(f"damaged: drive {drive}: NAMESPACES: {registry.damaged_bytes} bytes in "
-                         f"{registry.damaged_regions} places (namespaces another drive also holds are kept)")
+            # Not a loss by itself: every drive holds every namespace, and a
+            # namespace no drive has left shows as dropped blocks below.
+            out.write(f"damaged: drive {drive}: NAMESPACES: {registry.damaged_bytes} bytes in "
+                      f"{registry.damaged_regions} places (completed from the other drives' copies)\n")
     for reason, meaning in DROP_REASONS.items():
         count = getattr(recovery.dropped, reason)
         if count:

@@ -182,6 +182,18 @@ class NamespaceRegistry:
             return None
         return NamespaceEntry(namespace_id, encoding, spec)
 
+    def rewrite(self) -> None:
+        """Write the file anew from the entries (after damage inside it):
+        a temporary file, fsync, rename over NAMESPACES, fsync the directory."""
+        check(not self.read_only, "registry opened read-only")
+        data = b"".join(encode_frame(RecordType.NAMESPACE, entry.namespace_id + entry.encoding)
+                        for entry in self.entries.values())
+        temporary = self.path.with_name(NAMESPACES + ".tmp")
+        self.fs.write_new(temporary, data)
+        self.fs.fsync(temporary)
+        self.fs.rename(temporary, self.path)
+        self.fs.fsync_directory(self.directory)
+
     def add(self, entry: NamespaceEntry) -> None:
         """Append and fsync: the namespace is durable when this returns."""
         check(not self.read_only, "registry opened read-only")

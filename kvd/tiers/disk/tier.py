@@ -251,6 +251,8 @@ class DiskTier:
         self._file_sizes = np.zeros(config.file_count, dtype=np.int64)
         # slot -> the record of the live block in it.
         self._owners: dict[int, PutRecord] = {}
+        # The page `shred` writes over deleted blocks (4 KiB aligned, for O_DIRECT).
+        self._tombstone = aligned_empty(ALIGN_BYTES)
         # Per drive: slots whose REMOVE was appended but not yet synced (GROUP).
         self._unsynced_removals: list[set[int]] = [set() for _ in config.directories]
         # Per drive: why it takes no more writes (its manifest could not be
@@ -306,7 +308,7 @@ class DiskTier:
             recovery.lost_records += report.lost_records
         self._keep_valid_records(recovery)
         if not self.read_only:
-            self._complete_registries()
+            self._complete_registries(recovery)
             self._complete_segments(recovery)
         self._open_files()
         self._start_engine()
@@ -349,11 +351,11 @@ class DiskTier:
                 self._quarantine(drive, damage.path, damage.problem, None)
                 identity = None
             if identity is None and drive not in self.quarantined:
-                if self.read_only:
-                    raise DiskIdentityError(directory, "magic", "missing: not a kvd disk directory")
                 if holds_kvd_files(directory):
                     self._quarantine(drive, directory / IDENTITY, "is missing, but the directory holds kvd's "
                                      "manifest or segment files", None)
+                elif self.read_only:
+                    raise DiskIdentityError(directory, "magic", "missing: not a kvd disk directory")
             found.append(identity)
         expected, missing = identities_for(self.config, found, set(self.quarantined))
         for drive in missing:
@@ -405,14 +407,17 @@ class DiskTier:
                     )
         recovery.namespaces = dict(self.namespaces)
 
-    def _complete_registries(self) -> None:
+    def _complete_registries(self, recovery: DiskRecovery) -> None:
         """A crash inside register_namespace (or damage to one drive's file)
         can leave some drives without an entry the others have; complete
         them so every drive is whole (quarantined ones are not touched)."""
         for drive, registry in enumerate(self._registries):
-            if drive not in self.quarantined:
-                for entry in self.namespaces.values():
-                    registry.add(entry)
+            if drive in self.quarantined:
+                continue
+            if recovery.registries[drive].damaged_regions:
+                registry.rewrite()  # without the damage, which a later open would meet again
+            for entry in self.namespaces.values():
+                registry.add(entry)
 
     def _segment_path(self, drive: int, segment: int) -> Path:
         return self.config.directories[drive] / segment_name(segment)
@@ -946,7 +951,7 @@ class DiskTier:
         """
         if not slots:
             return 0
-        tombstone = aligned_empty(ALIGN_BYTES)
+        tombstone = self._tombstone
         tombstone[:] = 0
         marker = TOMBSTONE_MAGIC + os.urandom(16)
         tombstone[: len(marker)] = np.frombuffer(marker, dtype=np.uint8)
@@ -1034,7 +1039,9 @@ class DiskTier:
         engine to register: only a speed-up (the kernel skips pinning pages
         per I/O); OSError when the kernel refuses (RLIMIT_MEMLOCK)."""
         self._check_open()
-        self._engine.register_buffers(regions)
+        # The tombstone page too: every address the tier hands the engine then
+        # lies in a registered buffer (debug builds of kvd._native check it).
+        self._engine.register_buffers([*regions, (address_of(self._tombstone), ALIGN_BYTES)])
 
     @property
     def engine(self) -> object:
