@@ -1,6 +1,6 @@
 # kvd: two commands set everything up on a fresh machine:
 #   make run    start the daemon on the embedded default config
-#   make test   run the whole test suite
+#   make test   run the whole test suite (make test-fast: the fast lane)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,7 +18,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint bench proto proto-check apt clean native-debug native-sanitize crash-long sim-long fuzz-long soak-long docs
+.PHONY: setup run test test-fast lint bench proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long fuzz-long soak-long docs
 
 setup: $(BUILT_STAMP)
 
@@ -67,10 +67,23 @@ run: setup
 test: setup proto-check lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The fast lane for daily work (a few minutes): the unit, property, disk
+# format and native engine tests, in process, no daemon started. `make test`
+# (what CI runs) is everything.
+FAST_TESTS := tests/unit tests/property tests/disk tests/native
+test-fast: setup proto-check lint
+	$(PY) -m pytest $(PYTEST_ARGS) $(FAST_TESTS)
+
 # The daemon crash test (SIGKILL under a durable Put stream) with many more
 # kills than `make test` runs; KVD_CRASH_SEED picks another run.
 crash-long: setup
 	KVD_CRASH_ROUNDS=$${KVD_CRASH_ROUNDS:-60} $(PY) -m pytest -q -p no:cacheprovider tests/crash/test_daemon_crash.py
+
+# The damage and restart matrix (tests/crash/test_damage_matrix.py) in full:
+# every damage of kvd.testing.damage on both drives, after both histories
+# (`make test` runs one scenario per damage).
+damage-long: setup
+	KVD_DAMAGE_MATRIX=all $(PY) -m pytest -q -p no:cacheprovider tests/crash/test_damage_matrix.py
 
 # The fuzzers (tests/fuzz: Hypothesis-generated, malformed and raw-byte
 # requests to every RPC of one daemon with tenants, under one tenant's
@@ -101,7 +114,7 @@ sim-long: setup
 	  mode=$$( [ $$((seed % 2)) = 0 ] && echo back || echo through ); \
 	  echo "== seed $$seed ($$((seed - first + 1))/$$count), write-$$mode"; \
 	  $(PY) -m kvd.sim --seed $$seed --requests $${SIM_REQUESTS:-400} --host-capacity 6,24 --disk-capacity 96 \
-	    --write-mode $$mode --fault-rate 0.02 || exit 1; \
+	    --write-mode $$mode --fault-rate 0.02 --verify-every 1 || exit 1; \
 	done
 
 # Rewrite the generated sections of docs/operations.md (configuration and

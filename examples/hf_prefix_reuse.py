@@ -90,7 +90,7 @@ def make_spec(model: LlamaForCausalLM, seed: int, block_tokens: int, client: Cli
     the daemon's host slots (a power of two, 16 at least), so a block wastes
     no host memory (64 KiB slots: 16 tokens; the default 2 MiB: 512)."""
     if block_tokens == 0:
-        per_token = spec_from_config(model.config, 1).block_bytes
+        per_token = spec_from_config(model.config, 1, model_id="kvd-example-llama").block_bytes
         block_tokens = 16
         while block_tokens * 2 * per_token <= client.arena_info().slot_bytes:
             block_tokens *= 2

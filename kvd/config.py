@@ -57,6 +57,9 @@ class ServerConfig:
     max_message_bytes: int = 64 << 20
     max_concurrent_rpcs: int = 256
     grace_period_s: float = 10.0
+    # How long the arena socket waits for a connected client's request
+    # before it drops the connection (a stalled client holds nobody up).
+    arena_request_timeout_s: float = 2.0
     # Group (a name or a number) allowed to use the unix socket: it is then
     # mode 0660 and owned by that group. "": mode 0600, its owner only.
     unix_socket_group: str = ""
@@ -207,6 +210,8 @@ class Config:
         _positive("server.max_concurrent_rpcs", self.server.max_concurrent_rpcs)
         if self.server.grace_period_s < 0:
             raise ConfigError("server.grace_period_s", "must not be negative")
+        if not self.server.arena_request_timeout_s > 0:
+            raise ConfigError("server.arena_request_timeout_s", "must be positive")
         for name, address in (("server.tcp_address", self.server.tcp_address), ("metrics.address", self.metrics.address)):
             if address:
                 parse_address(name, address)

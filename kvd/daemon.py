@@ -269,6 +269,7 @@ class Daemon:
             self.arena_socket = ArenaSocket(
                 arena_protocol.socket_path(socket_path.resolve()), self.arena, self.tokens,
                 lambda reason: rpc_metrics.auth_failures.labels(reason).inc(),
+                request_timeout_s=config.server.arena_request_timeout_s,
             )
             self.arena_socket.start()
             for path in (socket_path, self.arena_socket.path):

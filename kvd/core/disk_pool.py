@@ -115,9 +115,9 @@ class DiskPool:
         check(not (self.retired & (free | self.quarantine | self.writing)), "a retired disk slot is in use")
         check(all(self.owners[slot] is None for slot in self.retired), "a retired disk slot has an owner")
         for slot in free | self.quarantine:
-            check(self.owners[slot] is None, f"free disk slot {slot} has an owner")
+            check(self.owners[slot] is None, "free disk slot {} has an owner", slot)
         for slot in self.writing:
-            check(self.owners[slot] is not None, f"disk slot {slot} written for nobody")
+            check(self.owners[slot] is not None, "disk slot {} written for nobody", slot)
         for slot, owner in enumerate(self.owners):
             if owner is not None and slot not in self.writing:
-                check(owner.disk_slot == slot, f"{owner!r} does not know its disk slot {slot}")
+                check(owner.disk_slot == slot, "{!r} does not know its disk slot {}", owner, slot)

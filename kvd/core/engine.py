@@ -242,11 +242,11 @@ class HostPool:
         self.policy.verify()
         check(len(set(self.free_slots)) == len(self.free_slots), "slot listed free twice")
         for slot in self.free_slots:
-            check(self.owners[slot] is None, f"free slot {slot} has an owner")
+            check(self.owners[slot] is None, "free slot {} has an owner", slot)
         for slot, owner in enumerate(self.owners):
             if owner is not None:
-                check(owner.host_slot == slot, f"{owner!r} does not know its slot {slot}")
-                check(owner.state != BlockState.REMOVED, f"removed {owner!r} owns slot {slot}")
+                check(owner.host_slot == slot, "{!r} does not know its slot {}", owner, slot)
+                check(owner.state != BlockState.REMOVED, "removed {!r} owns slot {}", owner, slot)
 
 
 def namespace_not_found(namespace_id: bytes) -> NotFound:
@@ -1627,18 +1627,18 @@ class Engine:
             if block.index.quota is not None:
                 candidates[block.index.quota].append(block)
         for quota in self.tenants.values():
-            check(self.tenants.get(quota.name) is quota, f"tenant {quota.name!r} filed twice")
-            check(quota.host_used_bytes == host_bytes[quota], f"tenant {quota.name!r} host usage drifted")
-            check(quota.disk_used_bytes == disk_bytes[quota], f"tenant {quota.name!r} disk usage drifted")
+            check(self.tenants.get(quota.name) is quota, "tenant {!r} filed twice", quota.name)
+            check(quota.host_used_bytes == host_bytes[quota], "tenant {!r} host usage drifted", quota.name)
+            check(quota.disk_used_bytes == disk_bytes[quota], "tenant {!r} disk usage drifted", quota.name)
             if quota.tracks_candidates:
                 check(set(quota.candidates) == set(candidates[quota]),
-                      f"tenant {quota.name!r} candidates differ from the host policy's")
+                      "tenant {!r} candidates differ from the host policy's", quota.name)
             else:
-                check(not quota.candidates, f"tenant {quota.name!r} tracks candidates without a host limit")
+                check(not quota.candidates, "tenant {!r} tracks candidates without a host limit", quota.name)
         for (tenant, public_id), state in self._public.items():
             check(self._namespaces.get(state.namespace_id) is state and state.spec.tenant == tenant
                   and state.public_id == public_id and state.index.quota is state.quota
-                  and (state.quota is None) == (not tenant), f"namespace {public_id.hex()[:16]} filed wrongly")
+                  and (state.quota is None) == (not tenant), 'namespace {} filed wrongly', public_id.hex()[:16])
         check(len(self._public) == len(self._namespaces), "a namespace is missing from the public map")
 
     def tier_of(self, block: Block) -> TierId:
@@ -1667,27 +1667,27 @@ class Engine:
                 if block.host_slot != NO_SLOT and block.parent is not None:
                     host_children[id(block.parent)] = host_children.get(id(block.parent), 0) + 1
             for block in state.index:
-                check(block.host_children == host_children.get(id(block), 0), f"{block!r} host child count")
+                check(block.host_children == host_children.get(id(block), 0), "{!r} host child count", block)
                 if block.state == BlockState.LOST:
                     # Only a pinned tombstone (a load or a writer still using
                     # its host slot) keeps that slot.
                     check((block.host_slot == NO_SLOT or block.ref_count > 0) and block.disk_slot == NO_SLOT,
-                          f"tombstone {block!r} has slots")
-                    check(block.ref_count > 0 or block.children > 0, f"tombstone {block!r} should be gone")
+                          'tombstone {!r} has slots', block)
+                    check(block.ref_count > 0 or block.children > 0, "tombstone {!r} should be gone", block)
                 else:
-                    check(block.host_slot != NO_SLOT or block.disk_slot != NO_SLOT, f"{block!r} resides nowhere")
+                    check(block.host_slot != NO_SLOT or block.disk_slot != NO_SLOT, "{!r} resides nowhere", block)
                 if block.host_slot != NO_SLOT:
-                    check(self.host.owners[block.host_slot] is block, f"{block!r} slot owner mismatch")
+                    check(self.host.owners[block.host_slot] is block, "{!r} slot owner mismatch", block)
                     host_resident += 1
                     host_bytes += state.block_bytes
                 if block.disk_slot != NO_SLOT:
-                    check(disk is not None and disk.owners[block.disk_slot] is block, f"{block!r} disk owner mismatch")
+                    check(disk is not None and disk.owners[block.disk_slot] is block, "{!r} disk owner mismatch", block)
                     # A durable block's whole prefix is durable (FORMAT.md).
-                    check(block.parent is None or block.parent.disk_slot != NO_SLOT, f"{block!r} durable, parent not")
+                    check(block.parent is None or block.parent.disk_slot != NO_SLOT, "{!r} durable, parent not", block)
                     disk_resident += 1
                     disk_bytes += state.block_bytes
                 if block in self.loading:
-                    check(block.ref_count > 0 and block.host_slot != NO_SLOT, f"loading {block!r} unpinned")
+                    check(block.ref_count > 0 and block.host_slot != NO_SLOT, "loading {!r} unpinned", block)
                 refs += block.ref_count
                 pinned += block.ref_count > 0
                 candidate = (
@@ -1698,24 +1698,24 @@ class Engine:
                 )
                 check(
                     (block in self.host.policy) == candidate,
-                    f"{block!r} candidate={candidate} but policy membership disagrees",
+                    '{!r} candidate={} but policy membership disagrees', block, candidate,
                 )
                 if candidate and block.disk_slot == NO_SLOT:
                     # What host eviction drops must be droppable.
-                    check(block.children == 0 or disk is not None, f"dirty candidate {block!r} has children")
+                    check(block.children == 0 or disk is not None, "dirty candidate {!r} has children", block)
         check(host_resident == self.host.resident_blocks, "resident blocks disagree with free slots")
         self._verify_quotas()
         check(host_bytes == self.host.used_bytes, "host used bytes drifted")
         if disk is not None:
             check(disk_bytes == disk.used_bytes, "disk used bytes drifted")
             check(disk_resident == disk.resident_blocks, "disk resident blocks disagree with its slots")
-        check(pinned == self.pinned_blocks, f"pinned count {self.pinned_blocks} but {pinned} pinned")
-        check(refs == self.live_handles, f"{self.live_handles} live handles but {refs} references")
-        check(0 <= self.prefetch_in_flight <= len(self.loading), f"{self.prefetch_in_flight} prefetch loads in flight")
+        check(pinned == self.pinned_blocks, "pinned count {} but {} pinned", self.pinned_blocks, pinned)
+        check(refs == self.live_handles, "{} live handles but {} references", self.live_handles, refs)
+        check(0 <= self.prefetch_in_flight <= len(self.loading), "{} prefetch loads in flight", self.prefetch_in_flight)
         prefetch = self.prefetch_counters
         check(prefetch.queued == prefetch.used + prefetch.wasted + len(self.prefetched),
               "every prefetched block is used, wasted, or still waiting for a Get")
         for block in self.prefetched:
             # A lost block being read still has its slot, until the read ends.
             check(block.host_slot != NO_SLOT and (block.state == BlockState.SEALED or block in self.loading),
-                  f"prefetched {block!r} not in host memory")
+                  'prefetched {!r} not in host memory', block)

@@ -250,8 +250,9 @@ class EventLog:
             check(held[id(stream)] == len(stream.events), "ring order disagrees with a stream")
             expected = stream.last_sequence - len(stream.events) + 1
             for event in stream.events:
-                check(event.sequence == expected, f"event {event.sequence} where {expected} was due")
-                check(0 < len(event.keys) <= self.max_event_keys, f"event {event.sequence} has {len(event.keys)} keys")
+                check(event.sequence == expected, "event {} where {} was due", event.sequence, expected)
+                check(0 < len(event.keys) <= self.max_event_keys, "event {} has {} keys",
+                      event.sequence, len(event.keys))
                 expected += 1
                 keys += len(event.keys)
         check(keys == self._ring_key_count, "ring key count drifted")

@@ -213,7 +213,7 @@ class LeaseTable:
             check(not lease.ended, "ended lease still in the table")
             held = sum(not handle.released for handle in lease.handles)
             held += lease.parent_handle is not None and not lease.parent_handle.released
-            check(lease.pinned == held, f"lease {lease_id} charged {lease.pinned} pins but holds {held}")
+            check(lease.pinned == held, "lease {} charged {} pins but holds {}", lease_id, lease.pinned, held)
             if lease.pinned:
                 client_pins[lease.client_id] = client_pins.get(lease.client_id, 0) + lease.pinned
         check(client_pins == self._client_pins, "pins per client drifted from the leases")

@@ -128,13 +128,13 @@ class PrefixIndex:
         for key, node in self.nodes.items():
             check(node.key == key, "node stored under a different key")
             check(node.index is self, "node of another index")
-            check(node.state in (BlockState.WRITABLE, BlockState.SEALED, BlockState.LOST), f"{node!r} in the index")
-            check(node.ref_count >= 0, f"{node!r} has a negative ref count")
+            check(node.state in (BlockState.WRITABLE, BlockState.SEALED, BlockState.LOST), "{!r} in the index", node)
+            check(node.ref_count >= 0, "{!r} has a negative ref count", node)
             parent = node.parent
             if parent is not None:
-                check(self.nodes.get(parent.key) is parent, f"{node!r} has a parent outside the index")
+                check(self.nodes.get(parent.key) is parent, "{!r} has a parent outside the index", node)
                 counts[id(parent)] = counts.get(id(parent), 0) + 1
                 if node.state == BlockState.SEALED:
-                    check(parent.state == BlockState.SEALED, f"sealed {node!r} under writable {parent!r}")
+                    check(parent.state == BlockState.SEALED, "sealed {!r} under writable {!r}", node, parent)
         for node in self.nodes.values():
-            check(node.children == counts.get(id(node), 0), f"{node!r} child count is wrong")
+            check(node.children == counts.get(id(node), 0), "{!r} child count is wrong", node)

@@ -31,8 +31,10 @@ REQUEST_TIMEOUT_S = 2.0
 
 class ArenaSocket:
     def __init__(self, path: Path, arena: HostArena, tokens: TokenTable | None,
-                 on_refused: Callable[[str], None] = lambda reason: None) -> None:
+                 on_refused: Callable[[str], None] = lambda reason: None,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.path = path
+        self.request_timeout_s = request_timeout_s
         self.arena = arena
         self.tokens = tokens
         self.on_refused = on_refused
@@ -81,7 +83,7 @@ class ArenaSocket:
     async def _serve(self, connection: socket.socket) -> None:
         with connection:
             try:
-                request = await asyncio.wait_for(self._read(connection), REQUEST_TIMEOUT_S)
+                request = await asyncio.wait_for(self._read(connection), self.request_timeout_s)
                 reply, fd = self.answer(request, connection)
                 connection.sendmsg([arena_protocol.encode(reply)], arena_protocol.fds_message(fd) if fd >= 0 else [])
             except TimeoutError:

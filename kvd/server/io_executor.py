@@ -26,6 +26,10 @@ from typing import Any
 
 from kvd.core.io_schedule import READS, IoClass, IoJob, IoSchedule
 
+# A held write looks at the clock again at least this often (the clock may
+# be injected, and jump: a submit is not the only thing that ends a hold).
+HOLD_POLL_S = 0.05
+
 
 @dataclass(slots=True)
 class ClassTimes:
@@ -49,8 +53,11 @@ class ExecutorStats:
 
 
 class ScheduledExecutor:
-    def __init__(self, schedule: IoSchedule, *, name: str = "kvd-disk") -> None:
+    def __init__(self, schedule: IoSchedule, *, name: str = "kvd-disk",
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.schedule = schedule
+        # Seconds, for the schedule's write hold and the job times (tests inject one).
+        self._clock = clock
         self.backlog = 0  # set by the event loop; read by the I/O thread (an int: no lock needed)
         self.stats = ExecutorStats()
         # (class name, wait_s, run_s) per job, on the I/O thread; must not raise.
@@ -66,7 +73,7 @@ class ScheduledExecutor:
         with self._condition:
             if self._closed:
                 raise RuntimeError("the disk I/O thread is shut down")
-            self.schedule.push(IoJob(io_class, _Work(function, args, future, time.perf_counter()), nbytes))
+            self.schedule.push(IoJob(io_class, _Work(function, args, future, self._clock()), nbytes))
             self._condition.notify()
         return future
 
@@ -85,29 +92,29 @@ class ScheduledExecutor:
     def _loop(self) -> None:
         while True:
             with self._condition:
-                job = self.schedule.pop(self.backlog, time.perf_counter())
+                job = self.schedule.pop(self.backlog, self._clock())
                 while job is None:
                     hold_until = self.schedule.write_hold_until
                     if hold_until is not None:
                         # A write held back for a read that may follow: wait
                         # for one (a submit wakes us) or for the hold to end.
-                        self._condition.wait(max(0.0, hold_until - time.perf_counter()))
+                        self._condition.wait(max(0.0, min(hold_until - self._clock(), HOLD_POLL_S)))
                     elif self._closed:
                         return
                     else:
                         self._condition.wait()
-                    job = self.schedule.pop(self.backlog, time.perf_counter())
+                    job = self.schedule.pop(self.backlog, self._clock())
             work: _Work = job.payload
             if not work.future.set_running_or_notify_cancel():
                 continue
-            started = time.perf_counter()
+            started = self._clock()
             error: BaseException | None = None
             result = None
             try:
                 result = work.function(*work.args)
             except BaseException as caught:  # handed to the awaiting caller
                 error = caught
-            finished = time.perf_counter()
+            finished = self._clock()
             with self._condition:
                 self.schedule.job_done(job.io_class, finished - started)
                 if job.io_class in READS:

@@ -21,8 +21,9 @@ disk loads first, then write-back batches (pick_writes / finish_writes,
 under host pressure as the daemon's write-back does, or every sealed block
 in write-through) and removal journals, each taking its modelled time.
 
-A step is one event. After every step (`verify_every`) the engine's own
-verify() runs, and so do the simulator's invariants (`check_invariants`).
+A step is one event. After every `verify_every`th step (1: every step, the
+default here; the command line's is 16) and after the last, the engine's
+own verify() runs, and so do the simulator's invariants (`check_invariants`).
 Any failure is raised as SimFailure, which names the seed and the step.
 """
 
@@ -299,7 +300,7 @@ class Simulator:
         self.step += 1
         try:
             action()
-            if self.step % self.config.verify_every == 0:
+            if self.step % self.config.verify_every == 0 or event == "final expiry":
                 self.check_invariants()
         except Exception as error:
             # Deliberately broad: whatever broke, a simulator's report must
@@ -617,9 +618,9 @@ class Simulator:
         """The engine's own checks, then what the simulator knows it must hold."""
         engine = self.engine
         engine.verify()
-        check(engine.leaked_handles == 0, f"{engine.leaked_handles} block handles leaked")
+        check(engine.leaked_handles == 0, "{} block handles leaked", engine.leaked_handles)
         live = {lease.lease_id for lease in engine.leases}
-        check(live == set(self.leases), f"open leases {sorted(live)} but expected {sorted(self.leases)}")
+        check(live == set(self.leases), "open leases {} but expected {}", sorted(live), sorted(self.leases))
         # Every reference is held by a lease or by a write in flight.
         held = sum(
             not handle.released
@@ -629,12 +630,12 @@ class Simulator:
         )
         if self.batch is not None:
             held += sum(not write.handle.released for write in self.batch.writes)
-        check(held == engine.live_handles, f"{engine.live_handles} live handles, {held} held by leases and writes")
+        check(held == engine.live_handles, "{} live handles, {} held by leases and writes", engine.live_handles, held)
         check({block.key for block in engine.loading} == set(self.loading), "blocks loading disagree with the reads")
         for tenant, namespace_id in enumerate(self.namespace_ids):
             state = engine.namespace(namespace_id)
             counters = [state.lookup_hits, state.lookup_misses, state.get_hits, state.get_misses]
-            check(counters == self.expected_counters[tenant], f"hit counters {counters} of tenant {tenant} drifted")
+            check(counters == self.expected_counters[tenant], "hit counters {} of tenant {} drifted", counters, tenant)
             self._check_contents(state.index)
         stats = self.stats
         check(stats.host_hit_blocks + stats.disk_hit_blocks + stats.miss_blocks == stats.prompt_blocks,
@@ -648,9 +649,9 @@ class Simulator:
             if block.state != BlockState.SEALED:
                 continue
             if block.host_slot != NO_SLOT and block not in loading:
-                check(host.get(block.host_slot) == block.key, f"host slot of {block!r} holds another block")
+                check(host.get(block.host_slot) == block.key, "host slot of {!r} holds another block", block)
             if block.disk_slot != NO_SLOT:
-                check(disk.get(block.disk_slot) == block.key, f"disk slot of {block!r} holds another block")
+                check(disk.get(block.disk_slot) == block.key, "disk slot of {!r} holds another block", block)
 
     def _finish(self) -> None:
         """Past every deadline: all leases gone, nothing pinned, nothing leaked."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -83,9 +82,8 @@ def test_durable_puts_under_host_pressure_are_acknowledged_and_survive_a_kill(tm
             namespace = client.register_namespace(SPEC)
             for put in range(DURABLE_PUTS):
                 keys = namespace.keys(np.arange(CHAIN_BLOCKS * 16) + put * 1000)
-                started = time.monotonic()
+                # Within the client's deadline (PUT_TIMEOUT_S), or it raises.
                 assert client.put(namespace, keys, blocks_for(keys), durable=True) == CHAIN_BLOCKS
-                assert time.monotonic() - started < PUT_TIMEOUT_S
                 acked.append(keys)
     finally:
         stop.set()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -114,15 +113,18 @@ def test_the_executor_runs_jobs_in_schedule_order_on_one_thread():
     ran: list[str] = []
     threads: set[int] = set()
 
+    running = threading.Event()
+
     def job(name: str) -> str:
         threads.add(threading.get_ident())
         if name == "first":
+            running.set()
             gate.wait(10)
         ran.append(name)
         return name
 
     first = executor.submit(W, job, "first")  # holds the thread while the rest queue up
-    time.sleep(0.05)
+    assert running.wait(10)
     futures = [executor.submit(io_class, job, name) for io_class, name in
                [(W, "write"), (P, "prefetch"), (R, "restore"), (C, "control")]]
     assert executor.queued() == {"control": 1, "restore": 1, "prefetch": 1, "write": 1}
@@ -163,13 +165,18 @@ def test_a_write_waits_briefly_after_a_read_for_another_read():
 
 
 def test_the_executor_holds_a_write_for_a_read_that_follows():
-    executor = ScheduledExecutor(IoSchedule("slack", anticipation_s=0.2))
+    """On an injected clock that stands still, a write submitted just after
+    a read is held, a read that follows runs first, and the write runs once
+    the clock passes the hold."""
+    now = [1.0]
+    executor = ScheduledExecutor(IoSchedule("slack", anticipation_s=0.2), clock=lambda: now[0])
     ran: list[str] = []
     executor.submit(R, ran.append, "read 1").result(10)
     write = executor.submit(W, ran.append, "write")
-    time.sleep(0.02)
     read = executor.submit(R, ran.append, "read 2")
     read.result(10)
+    assert not write.done() and ran == ["read 1", "read 2"]  # held: still within 0.2 s of a read
+    now[0] = 2.0
     write.result(10)
     executor.shutdown()
     assert ran == ["read 1", "read 2", "write"]

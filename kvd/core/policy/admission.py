@@ -126,4 +126,4 @@ class AdmissionFilter:
 
     def verify(self) -> None:
         check(self._table.size == ROWS * self.width, "sketch size changed")
-        check(0 <= self.sightings < max(1, self.aging_interval), f"{self.sightings} sightings since aging")
+        check(0 <= self.sightings < max(1, self.aging_interval), "{} sightings since aging", self.sightings)

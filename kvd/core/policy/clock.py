@@ -44,4 +44,4 @@ class ClockPolicy:
         return None
 
     def verify(self) -> None:
-        check(0 <= self.hand < len(self.referenced), f"CLOCK hand {self.hand} outside the slots")
+        check(0 <= self.hand < len(self.referenced), "CLOCK hand {} outside the slots", self.hand)

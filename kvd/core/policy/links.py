@@ -72,11 +72,11 @@ class BlockList:
         previous = None
         node = self.head
         while node is not None:
-            check(node.policy_prev is previous, f"broken back link in {name} list")
+            check(node.policy_prev is previous, "broken back link in {} list", name)
             blocks.append(node)
-            check(len(blocks) <= self.length, f"{name} list longer than its count (cycle?)")
+            check(len(blocks) <= self.length, "{} list longer than its count (cycle?)", name)
             previous = node
             node = node.policy_next
-        check(previous is self.tail, f"{name} tail does not end the list")
-        check(len(blocks) == self.length, f"{name} count {self.length} but {len(blocks)} linked")
+        check(previous is self.tail, "{} tail does not end the list", name)
+        check(len(blocks) == self.length, "{} count {} but {} linked", name, self.length, len(blocks))
         return blocks

@@ -219,15 +219,15 @@ class S3FifoPolicy:
         warm_seen = False
         for block in small:
             state = block.policy_state
-            check(state & (LINKED | MAIN) == LINKED, f"{block!r} in S with state {state:#x}")
+            check(state & (LINKED | MAIN) == LINKED, "{!r} in S with state {:#x}", block, state)
             if state & COLD:
-                check(not warm_seen, f"cold {block!r} behind a warm block in S")
-                check(not state & FREQUENCY, f"cold {block!r} has uses")
+                check(not warm_seen, "cold {!r} behind a warm block in S", block)
+                check(not state & FREQUENCY, "cold {!r} has uses", block)
             else:
                 warm_seen = True
         for block in main:
             state = block.policy_state
-            check(state & (LINKED | MAIN | COLD) == LINKED | MAIN, f"{block!r} in M with state {state:#x}")
+            check(state & (LINKED | MAIN | COLD) == LINKED | MAIN, "{!r} in M with state {:#x}", block, state)
         for block in (*small, *main):
-            check(ghost.get(block.key) != block.index.namespace_id, f"candidate {block!r} is also a ghost")
-        check(len(ghost) <= self.ghost_limit, f"ghost holds {len(ghost)} keys, limit {self.ghost_limit}")
+            check(ghost.get(block.key) != block.index.namespace_id, "candidate {!r} is also a ghost", block)
+        check(len(ghost) <= self.ghost_limit, "ghost holds {} keys, limit {}", len(ghost), self.ghost_limit)

@@ -1085,6 +1085,6 @@ class DiskTier:
             for identity, record in manifest.live.items():
                 check(identity == (record.namespace_id, record.key), "manifest live map keyed wrongly")
                 check(record.location % self.config.drive_count == drive, "record on the wrong drive")
-                check(record.location not in owners, f"slot {record.location} held twice")
+                check(record.location not in owners, "slot {} held twice", record.location)
                 owners[record.location] = record
         check(owners == self._owners, "slot owners differ from the manifests")
