@@ -223,6 +223,9 @@ def _disk_io(samples: Samples) -> dict[str, Any] | None:
         "written_bytes": _count(samples.value("kvd_disk_io_bytes_total", {"operation": "write"})),
         "write_backlog_blocks": _count(samples.value("kvd_disk_write_queue")),
         "failures": _counts(samples.by_label("kvd_disk_failures_total", "operation")),
+        "drives": {state: int(count) for state, count in
+                   samples.by_label("kvd_disk_drive_state", "state").items()},
+        "lost_at_start_blocks": _count(samples.value("kvd_disk_recovery_lost_blocks")),
         "classes": classes,
     }
 
@@ -326,6 +329,9 @@ def _disk_io_lines(disk_io: dict[str, Any]) -> list[str]:
         f"write backlog {_number(disk_io['write_backlog_blocks'])} blocks; "
         f"failed blocks: {_listing(disk_io['failures'])}"
     ]
+    drives = disk_io.get("drives") or {}
+    if drives:
+        lines.append(f"drives: {_listing(drives)}; blocks lost at start: {_number(disk_io['lost_at_start_blocks'])}")
     rows = [
         [
             entry["class"],

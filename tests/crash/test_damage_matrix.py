@@ -50,6 +50,8 @@ from kvd.tiers.disk.tier import DiskTier
 
 SPEC = NamespaceSpec(model_id="damage-model", num_layers=2, num_kv_heads=1, head_dim=32, block_tokens=16,
                      kv_dtype=DType.FLOAT32)
+OTHER_SPEC = NamespaceSpec(model_id="damage-model-2", num_layers=2, num_kv_heads=1, head_dim=32, block_tokens=16,
+                           kv_dtype=DType.FLOAT32)
 SLOT_BYTES = 8 << 10
 CHAIN_LENGTHS = (1, 1, 2, 3, 1, 2, 3, 1, 1, 2)
 DELETED, RETRIED = 3, 10  # chain indices: one deleted, one Put twice (the second time durably)
@@ -195,6 +197,10 @@ def test_damage_on_one_drive(tmp_path, damage, drive, history):
             assert client.put(namespace, fresh, blocks_for(fresh, SPEC), durable=True) == 2
             store.extra.append(fresh)
             served[fresh[0]] = len(fresh)
+            # A namespace new to the drives, registered with one of them out of service.
+            other_model = client.register_namespace(OTHER_SPEC)
+            other_keys = other_model.keys(np.arange(2 * 16))
+            assert client.put(other_model, other_keys, blocks_for(other_keys, OTHER_SPEC), durable=True) == 2
         problems = [line for line in log_problems(daemon.log()) if "quarantined" not in line]
         assert "Traceback" not in daemon.log() and problems == [], problems[:3]
         daemon.stop(signal.SIGKILL)

@@ -589,8 +589,9 @@ class DiskTier:
             if known.encoding != spec_encoding:
                 raise InvalidArgument(f"namespace {namespace_id.hex()[:16]} is on disk with another spec encoding")
             return known
-        for registry in self._registries:
-            registry.add(entry)
+        for drive, registry in enumerate(self._registries):
+            if drive not in self.quarantined:  # untouched until fsck --repair; it completes them at reopen
+                registry.add(entry)
         self.namespaces[namespace_id] = entry
         return entry
 
