@@ -223,7 +223,8 @@ def put(
     session: Session, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes = b"",
     durable: bool = False,
 ) -> Op:
-    """Store the blocks not yet stored; returns how many this call wrote.
+    """Store the blocks not yet stored; returns how many this call wrote,
+    or with durable, how many of `keys` are durable: all of them.
 
     durable: return only once EVERY block of `keys` is durable on disk,
     those this call wrote and those already stored alike (a retry of a
@@ -239,7 +240,8 @@ def put(
         return 0
     yield from connect(session)
     if durable:
-        return (yield from _put_durable(session, namespace, keys, rows, parent_key))
+        yield from _put_durable(session, namespace, keys, rows, parent_key)
+        return len(keys)  # it raised otherwise
     if session.arena is None:
         return (yield from _put_inline(session, namespace, keys, rows, parent_key, kvd_pb2.ACK_HOST))
     return (yield from _put_shared(session, namespace, keys, rows, parent_key))

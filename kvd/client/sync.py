@@ -91,7 +91,11 @@ class Client(_ops.ClientBase):
     def put(
         self, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes = b"", durable: bool = False
     ) -> int:
-        """Store the blocks of `keys` not yet stored; returns how many were written."""
+        """Store the blocks of `keys` not yet stored; returns how many were written.
+
+        durable=True: returns only once every block of `keys` is on disk (then
+        len(keys)), or raises NotDurableError saying how many leading keys
+        are durable and why the next is not (see kvd.client._ops.put)."""
         return self._run(_ops.put(self.session, namespace, keys, blocks, parent_key, durable))
 
     def get_numpy(

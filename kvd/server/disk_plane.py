@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import errno
 import logging
 import os
@@ -368,6 +369,10 @@ class DiskPlane:
         for namespace_id, items in by_namespace.items():
             results = self.tier.remove_blocks(namespace_id, items, deleted=deleted)
             failed.update(slot for (_, slot), good in zip(items, results) if not good)
+        if deleted:
+            # Earlier REMOVEs too (an evicted disk copy of a block this Delete
+            # removed from host memory): under fsync none they were never synced.
+            self.tier.sync(force=True)
         self.counters.removal_failures += len(failed)
         return failed
 
@@ -375,6 +380,8 @@ class DiskPlane:
         """Journal every removal the engine queued; how many failed."""
         removals = self.engine.take_disk_removals()
         if not removals:
+            if deleted:  # what others appended unsynced must not outlive a Delete either
+                await self._run(functools.partial(self.tier.sync, force=True))
             return 0
         failed = await self._run(self._remove_sync, removals, deleted)
         self.engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed])
@@ -432,6 +439,14 @@ class DiskPlane:
         return NotDurable(block, "RESOURCE_EXHAUSTED", "no disk slot could be freed for it (the disk tier is "
                           "full of blocks being read or written)")
 
+    def _no_drive_writes(self) -> str:
+        """Why no drive takes writes ("" when one does): every drive is
+        quarantined or failed, so a durability wait would only run out."""
+        failed = self.tier.failed_drives
+        if len(failed) < self.config.drive_count:
+            return ""
+        return "no drive takes writes: " + "; ".join(f"drive {drive}: {why}" for drive, why in sorted(failed.items()))
+
     def _admission(self, block: Block):
         return self.tier.accepts(self.engine.namespace(block.index.namespace_id).spec)
 
@@ -448,9 +463,13 @@ class DiskPlane:
         failures: list[NotDurable] = []
         pins = []
         loop = asyncio.get_running_loop()
+        down = self._no_drive_writes()
         try:
             for block in blocks:
                 if block.disk_slot != -1 or block in waiting:
+                    continue
+                if down:
+                    failures.append(NotDurable(block, "UNAVAILABLE", down))
                     continue
                 if block.state != BlockState.SEALED or not block.index.disk_enabled:
                     failures.append(self._why_not_durable(block))

@@ -114,7 +114,7 @@ def test_a_durable_retry_of_stored_blocks_makes_them_durable(tmp_path):
                 assert client.put(namespace, keys, blocks) == 4
                 lookup = client.lookup(namespace, keys)
                 assert set(lookup.tiers) == {kvd_pb2.TIER_HOST}  # write-back: not on disk yet
-                assert client.put(namespace, keys, blocks, durable=True) == 0  # nothing new written
+                assert client.put(namespace, keys, blocks, durable=True) == 4  # all 4 durable (none written anew)
                 lookup = client.lookup(namespace, keys)
                 assert lookup.matched == 4
                 chains[shared] = (keys, blocks)
@@ -124,7 +124,7 @@ def test_a_durable_retry_of_stored_blocks_makes_them_durable(tmp_path):
                 longer = namespace.keys(np.arange(6 * 16) + (100_000 if shared else 150_000))
                 longer_blocks = blocks_for(6, seed=20 + shared)
                 assert client.put(namespace, longer[:3], longer_blocks[:3]) == 3
-                assert client.put(namespace, longer, longer_blocks, durable=True) == 3
+                assert client.put(namespace, longer, longer_blocks, durable=True) == 6
                 chains[(shared, "longer")] = (longer, longer_blocks)
     finally:
         stop(daemon, signal.SIGKILL)
@@ -239,3 +239,31 @@ def daemon_stub(daemon):
     from kvd.v1 import kvd_pb2_grpc
 
     return kvd_pb2_grpc.KvdStub(grpc.insecure_channel(daemon.unix_target))
+
+
+def test_with_its_only_drive_quarantined_the_daemon_serves_memory_and_refuses_durability(tmp_path):
+    """One drive, its CURRENT garbage: the daemon starts (not exit 1 in a
+    restart loop), serves from host memory, and a durable Put fails at once
+    saying why, instead of waiting out its deadline."""
+    from kvd.testing.damage import current_garbage
+
+    settings = config(tmp_path)
+    settings["disk"]["directories"] = settings["disk"]["directories"][:1]
+    directory = tmp_path / "d"
+    with run_daemon(directory, config=settings) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        client.put(namespace, namespace.keys(np.arange(32)), blocks_for(2, seed=30), durable=True)
+    current_garbage(tmp_path / "nvme0")
+    with run_daemon(directory, config=settings) as daemon, \
+            Client(daemon.unix_target, timeout_s=120) as client:
+        namespace = client.register_namespace(SPEC)
+        keys = namespace.keys(np.arange(32) + 5000)
+        blocks = blocks_for(2, seed=31)
+        assert client.put(namespace, keys, blocks) == 2
+        assert client.get_numpy(namespace, keys).tobytes() == blocks.tobytes()
+        more = namespace.keys(np.arange(32) + 9000)
+        with pytest.raises(NotDurableError) as raised:
+            client.put(namespace, more, blocks, durable=True)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no drive takes writes: drive 0: quarantined" in raised.value.details()
+        assert "CURRENT" in raised.value.details()

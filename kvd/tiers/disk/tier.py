@@ -972,12 +972,13 @@ class DiskTier:
 
     # -- maintenance --------------------------------------------------------
 
-    def sync(self) -> None:
-        """Make every appended record durable (GROUP: the daemon's timer calls this)."""
+    def sync(self, *, force: bool = False) -> None:
+        """Make every appended record durable (GROUP: the daemon's timer calls
+        this); `force`: under NONE too (a Delete: see remove_blocks)."""
         self._check_open()
         for drive in range(self.config.drive_count):
             if drive not in self.failed_drives:
-                self._sync_drive(drive)
+                self._sync_drive(drive, force=force)
 
     def _sync_drive(self, drive: int, *, force: bool = False) -> bool:
         """Sync a drive's manifest (whatever the policy if `force`); False takes the drive out of writes."""
