@@ -59,6 +59,12 @@ def current_names_a_missing_manifest(drive: Path) -> None:
     (drive / "CURRENT").write_text("MANIFEST-999999\n")
 
 
+def current_and_manifests_deleted(drive: Path) -> None:
+    """Every manifest file and CURRENT gone: only the segments tell it is no new drive."""
+    for path in [drive / "CURRENT", *drive.glob("MANIFEST-*")]:
+        path.unlink()
+
+
 def manifest_deleted(drive: Path) -> None:
     _live_manifest(drive).unlink()
 
@@ -147,6 +153,7 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], Expect]] = {
         (current_empty, Expect.QUARANTINE),
         (current_deleted, Expect.QUARANTINE),
         (current_names_a_missing_manifest, Expect.QUARANTINE),
+        (current_and_manifests_deleted, Expect.QUARANTINE),
         (manifest_deleted, Expect.QUARANTINE),
         (manifest_zeroed, Expect.QUARANTINE),
         (manifest_emptied, Expect.QUARANTINE),

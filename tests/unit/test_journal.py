@@ -205,6 +205,21 @@ def test_no_current_and_an_empty_snapshot_is_a_new_drive(tmp_path):
     assert report.live_blocks == 0 and (tmp_path / CURRENT).read_text() == "MANIFEST-000001\n"
 
 
+def test_no_current_is_damage_unless_the_drive_is_new(tmp_path):
+    """Without CURRENT only an interrupted first open starts anew: a zeroed
+    manifest, or a drive whose segments exist, never passes for a new drive
+    (its blocks would be dropped in silence)."""
+    manifest = Manifest(tmp_path)
+    manifest.open()
+    (tmp_path / CURRENT).unlink()
+    with pytest.raises(MetadataDamage, match="the drive is not new"):
+        Manifest(tmp_path).open(in_use=True)
+    (tmp_path / "MANIFEST-000001").write_bytes(bytes(64))
+    with pytest.raises(MetadataDamage, match="the drive is not new"):
+        Manifest(tmp_path).open()
+    assert (tmp_path / "MANIFEST-000001").read_bytes() == bytes(64)  # left for repair
+
+
 def test_damage_inside_a_manifest_is_counted_and_costs_only_its_records(tmp_path):
     manifest = Manifest(tmp_path)
     manifest.open()

@@ -20,6 +20,7 @@ refused (the message names the file and field).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -201,7 +202,8 @@ def repair_drives(config: DiskConfig) -> list[str]:
                                                template.segment_bytes))
             actions.append(f"drive {drive}: IDENTITY rewritten from the other drives'")
         if holds_kvd_files(directory):
-            action = Manifest(directory, FsyncPolicy.STRICT).repair()
+            in_use = any(segment_number(name) is not None for name in os.listdir(directory))
+            action = Manifest(directory, FsyncPolicy.STRICT).repair(in_use=in_use)
             if action:
                 actions.append(f"drive {drive}: {action}")
     return actions

@@ -391,8 +391,11 @@ class Manifest:
     def _path_of(self, number: int) -> Path:
         return self.directory / f"{MANIFEST_PREFIX}{number:06d}"
 
-    def open(self, *, create: bool = True) -> ReplayReport:
+    def open(self, *, create: bool = True, in_use: bool = False) -> ReplayReport:
         """Replay the live manifest (or, if `create`, start an empty one on a new drive).
+
+        in_use: the drive holds what only follows a published CURRENT (the
+        tier's segment files), so it is no new drive whatever its manifests.
 
         MetadataDamage when the drive's blocks cannot be found: CURRENT
         unreadable, naming no manifest or a missing one, or missing while a
@@ -404,7 +407,7 @@ class Manifest:
         current_path = self.directory / CURRENT
         current = self._read(current_path)
         if current is None:
-            return self._start_new(current_path, create)
+            return self._start_new(current_path, create, in_use)
         name = current.decode(errors="replace").strip()
         number = _manifest_number(name)
         if number is None or "/" in name:
@@ -431,7 +434,7 @@ class Manifest:
         report.removed_manifests = self._remove_stale_manifests()
         return report
 
-    def repair(self) -> str:
+    def repair(self, *, in_use: bool = False) -> str:
         """Make this drive's manifest readable again (`kvd fsck --repair`);
         what was done, in words ("" when nothing needed doing).
 
@@ -444,7 +447,7 @@ class Manifest:
         deleted.
         """
         try:
-            self.open()
+            self.open(in_use=in_use)
             return ""
         except MetadataDamage as damage:
             problem = damage
@@ -491,14 +494,19 @@ class Manifest:
         except OSError as error:
             raise MetadataDamage(path, f"cannot be read ({error.strerror or error})") from None
 
-    def _start_new(self, current_path: Path, create: bool) -> ReplayReport:
+    def _start_new(self, current_path: Path, create: bool, in_use: bool) -> ReplayReport:
         """No CURRENT: a new drive, or one whose first open was cut short
-        before it published CURRENT (its manifest then holds no block). A
-        manifest with blocks and no CURRENT is damage, never a new drive."""
+        before it published CURRENT (its manifest is then the empty snapshot
+        of a new drive, and nothing else is there yet). Anything else is
+        damage, never a new drive: a manifest of blocks, one that is not an
+        empty snapshot, one that cannot be read, or a drive in use."""
         blocks = self._blocks_in_newest()
         if blocks:
             raise MetadataDamage(current_path, f"is missing, but {self._newest_name()} holds {blocks} blocks",
                                  blocks)
+        if blocks is None or in_use or not self._only_empty_snapshots():
+            raise MetadataDamage(current_path, "is missing, but the drive is not new (its manifest or segment "
+                                 "files are there)", blocks)
         if not create:
             return ReplayReport()  # nothing written yet; nothing to replay
         for name in self.fs.list(self.directory):
@@ -506,6 +514,18 @@ class Manifest:
                 self.fs.remove(self.directory / name)  # an empty snapshot an interrupted first open left
         self._publish(1, self._snapshot_bytes())
         return ReplayReport(manifest=self.path.name)
+
+    def _only_empty_snapshots(self) -> bool:
+        """Whether every manifest file here is the empty snapshot a new drive starts with."""
+        for name in self.fs.list(self.directory):
+            if _manifest_number(name) is None:
+                continue
+            frames = decode_frames(self.fs.read(self.directory / name) or b"").frames
+            if [kind for kind, _ in frames] != [RecordType.SNAPSHOT_BEGIN, RecordType.SNAPSHOT_END]:
+                return False
+            if _SNAPSHOT_END.unpack(frames[1][1])[1] != 0:
+                return False
+        return True
 
     def _newest_name(self) -> str | None:
         numbers = [number for number in map(_manifest_number, self.fs.list(self.directory)) if number is not None]

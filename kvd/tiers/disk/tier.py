@@ -296,7 +296,7 @@ class DiskTier:
             report = ReplayReport()
             if drive not in self.quarantined:
                 try:
-                    report = manifest.open(create=not self.read_only)
+                    report = manifest.open(create=not self.read_only, in_use=self._has_segments(drive))
                 except MetadataDamage as damage:
                     manifest = Manifest(directory, self.config.fsync_policy, self._fs)  # nothing replayed
                     self._quarantine(drive, damage.path, damage.problem, damage.blocks)
@@ -418,6 +418,11 @@ class DiskTier:
                 registry.rewrite()  # without the damage, which a later open would meet again
             for entry in self.namespaces.values():
                 registry.add(entry)
+
+    def _has_segments(self, drive: int) -> bool:
+        """Whether any segment file of the drive is there (created only after CURRENT was)."""
+        first = file_index(self.config, drive, 0)
+        return bool((self._file_sizes[first:first + self.config.segments_per_drive] >= 0).any())
 
     def _segment_path(self, drive: int, segment: int) -> Path:
         return self.config.directories[drive] / segment_name(segment)
