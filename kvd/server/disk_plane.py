@@ -377,12 +377,23 @@ class DiskPlane:
         return failed
 
     async def _journal_removals(self, deleted: bool = False) -> int:
-        """Journal every removal the engine queued; how many failed."""
+        """Journal every removal the engine queued; how many failed.
+
+        The removals are taken at once (before the first await) and their
+        outcome is recorded even if the caller is cancelled meanwhile (its
+        client went away): otherwise the slots would stay quarantined.
+        """
         removals = self.engine.take_disk_removals()
         if not removals:
             if deleted:  # what others appended unsynced must not outlive a Delete either
                 await self._run(functools.partial(self.tier.sync, force=True))
             return 0
+        journal = asyncio.ensure_future(self._journal(removals, deleted))
+        # Its outcome is retrieved here even when nobody awaits it any more.
+        journal.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return await asyncio.shield(journal)
+
+    async def _journal(self, removals: list[tuple[bytes, bytes, int]], deleted: bool) -> int:
         failed = await self._run(self._remove_sync, removals, deleted)
         self.engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed])
         return len(failed)
