@@ -394,8 +394,10 @@ def _write_losses(out: TextIO, config: DiskConfig, recovery: DiskRecovery, repor
         out.write(line + "\n")
     lost = sum(damage.blocks or 0 for damage in recovery.quarantined.values()) + recovery.lost_records + \
         recovery.dropped.total
+    unknown = [str(drive) for drive, damage in sorted(recovery.quarantined.items()) if damage.blocks is None]
     if lines:
-        out.write(f"lost: at least {lost} blocks the metadata described\n")
+        also = f", and every block of drive {', '.join(unknown)} (how many, nothing left tells)" if unknown else ""
+        out.write(f"lost: at least {lost} blocks the metadata described{also}\n")
     return bool(lines) or not report.clean
 
 

@@ -331,6 +331,8 @@ class DiskTier:
         """Take a drive whose metadata cannot be read out of service: nothing
         of it is read or written (its files stay as they are, for `kvd fsck
         --repair`), its blocks are lost. The other drives go on."""
+        if blocks is None:
+            blocks = self._blocks_described(drive)
         damage = DriveDamage(drive, Path(path), problem, blocks)
         self.quarantined[drive] = damage
         self.failed_drives[drive] = f"quarantined: {path}: {problem}"
@@ -340,6 +342,16 @@ class DiskTier:
             extra={"drive": drive, "directory": str(self.config.directories[drive]), "file": str(path),
                    "problem": problem, "blocks_lost": -1 if blocks is None else blocks},
         )
+
+    def _blocks_described(self, drive: int) -> int | None:
+        """How many blocks the drive's manifest holds, where it can still be
+        read (a drive quarantined for its IDENTITY, say); for reports only."""
+        manifest = Manifest(self.config.directories[drive], FsyncPolicy.NONE, ReadOnlyFileSystem())
+        try:
+            manifest.open(create=False)
+        except (MetadataDamage, OSError):
+            return None
+        return len(manifest.live)
 
     def _open_identities(self, recovery: DiskRecovery) -> set[int]:
         found: list[Identity | None] = []
