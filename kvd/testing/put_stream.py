@@ -19,8 +19,9 @@ not received:
   {"e": "try", "r": round, "id": n, "keys": [hex...], "new": k, "t": time}
       a Put of `keys`, the last k of which this writer has never had
       acknowledged (the others are an acknowledged chain it extends)
-  {"e": "ack", "r": round, "id": n, "written": w, "t": time}
-      put(durable=True) returned w: keys[:len(keys) - k + w] are durable
+  {"e": "ack", "r": round, "id": n, "durable": d, "t": time}
+      put(durable=True) returned d: all d = len(keys) keys are durable (a
+      put that cannot make every key durable raises: "err")
   {"e": "err", "r": round, "id": n, "code": "UNAVAILABLE", "detail": "...", "t": time}
   {"e": "done", "r": round}
 
@@ -110,15 +111,14 @@ def _round(client, namespace, log: _Log, rng: random.Random, acked: list[list[by
         next_id += 1
         log.write(e="try", r=round_, id=next_id, keys=[key.hex() for key in keys], new=new, t=time.time())
         try:
-            written = client.put(namespace, keys, blocks_for(keys), durable=True)
+            durable = client.put(namespace, keys, blocks_for(keys), durable=True)
         except grpc.RpcError as error:
             log.write(e="err", r=round_, id=next_id, code=error.code().name, detail=str(error.details())[:300],
                       t=time.time())
             time.sleep(POLL_S)
             continue
-        log.write(e="ack", r=round_, id=next_id, written=written, t=time.time())
-        if written:
-            acked.append(keys[: len(keys) - new + written])
+        log.write(e="ack", r=round_, id=next_id, durable=durable, t=time.time())
+        acked.append(keys)
     return next_id
 
 

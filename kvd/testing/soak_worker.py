@@ -202,12 +202,9 @@ class Worker:
         count = self.rng.randint(1, DURABLE_CHAIN_BLOCKS)
         tokens = [self.rng.randrange(1 << 31) for _ in range(count * SPEC.block_tokens)]
         keys = namespace.keys(tokens)
-        # Fresh keys: the call reserves from the first one, so the first
-        # `written` keys are the ones acknowledged durable.
-        written = client.put(namespace, keys, self._blocks(keys), durable=True)
-        if written:
-            self.log.write(e="durable", tenant=self.tenant, keys=[key.hex() for key in keys[:written]],
-                           t=time.time())
+        # It returns once every key is durable (len(keys)), or raises.
+        durable = client.put(namespace, keys, self._blocks(keys), durable=True)
+        self.log.write(e="durable", tenant=self.tenant, keys=[key.hex() for key in keys[:durable]], t=time.time())
 
     def get(self, client: Client, namespace) -> None:
         keys = self._shared_keys()
