@@ -278,7 +278,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     async def Commit(self, request, context):
         convert.ack_supported(request.ack, self.disk_plane is not None)
         durable = request.ack == kvd_pb2.ACK_DURABLE
-        blocks = self._lease_blocks(request.client_id, request.lease_id, request.keys) if durable else []
+        blocks = self._lease_blocks(request.client_id, request.lease_id, request.keys, request.abort_keys) \
+            if durable else []
         sealed, aborted = self.engine.commit(
             request.namespace_id,
             request.client_id,
@@ -293,8 +294,10 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             await self._make_durable(blocks, len(blocks), context)
         return kvd_pb2.CommitResponse(sealed=sealed, aborted=aborted, durable=len(blocks))
 
-    def _lease_blocks(self, client_id: str, lease_id: int, keys) -> list:
-        """The blocks a commit will seal (all writable ones when keys is empty)."""
+    def _lease_blocks(self, client_id: str, lease_id: int, keys, abort_keys) -> list:
+        """The blocks a commit will seal (all writable ones when both key lists are empty)."""
+        if not keys and abort_keys:
+            return []  # it only aborts
         try:
             lease = self.engine.leases.find(lease_id, client_id)
         except KvdError:

@@ -225,6 +225,23 @@ def test_make_durable_reports_counts_in_trailing_metadata(tmp_path):
     assert_durable_after_sigkill(daemon, directory, settings, keys[:4], blocks)
 
 
+def test_a_durable_commit_that_only_aborts_waits_for_nothing(tmp_path):
+    settings = config(tmp_path)
+    with run_daemon(tmp_path / "d", config=settings) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        keys = namespace.keys(np.arange(2 * 16))
+        stub = daemon_stub(daemon)
+        reserved = stub.Reserve(kvd_pb2.ReserveRequest(namespace_id=namespace.namespace_id, client_id="c", keys=keys))
+        aborted = stub.Commit(kvd_pb2.CommitRequest(namespace_id=namespace.namespace_id, client_id="c",
+                                                    lease_id=reserved.lease_id, abort_keys=keys[1:],
+                                                    ack=kvd_pb2.ACK_DURABLE))
+        assert (aborted.sealed, aborted.aborted, aborted.durable) == (0, 1, 0)
+        sealed = stub.Commit(kvd_pb2.CommitRequest(namespace_id=namespace.namespace_id, client_id="c",
+                                                   lease_id=reserved.lease_id, keys=keys[:1],
+                                                   ack=kvd_pb2.ACK_DURABLE))
+        assert (sealed.sealed, sealed.durable) == (1, 1)
+
+
 def assert_durable_after_sigkill(daemon, directory: Path, settings: dict, keys, blocks: np.ndarray) -> None:
     """Kill the daemon with SIGKILL, start it again on the same drives: the blocks come back from disk."""
     stop(daemon, signal.SIGKILL)
