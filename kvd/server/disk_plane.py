@@ -113,7 +113,6 @@ class DiskPlane:
         self.engine: Engine | None = None
         self.tier: DiskTier | None = None
         self.counters = DiskPlaneCounters()
-        self.quarantined: dict = {}  # drive -> DriveDamage, from recovery
         self._io = ScheduledExecutor(IoSchedule(settings.io_schedule, write_share=settings.write_share,
                                                 backlog_limit=settings.write_backlog_blocks,
                                                 anticipation_s=settings.write_anticipation_ms / 1000.0))
@@ -156,10 +155,7 @@ class DiskPlane:
 
     def recovery_lost_blocks(self) -> int:
         """Blocks the drives described that the last start could not recover (known ones)."""
-        recovery = self.counters.recovery
-        quarantined = sum(damage.blocks or 0 for damage in self.quarantined.values())
-        return recovery.get("dropped_at_open", 0) + recovery.get("lost_records", 0) + quarantined + \
-            recovery.get("dropped_by_engine", 0)
+        return self.counters.recovery.get("lost_blocks", 0)
 
     def io_bytes(self) -> tuple[int, int]:
         """Bytes (read, written) through the drives so far (for metrics; any thread)."""
@@ -213,9 +209,12 @@ class DiskPlane:
             "damaged_bytes": recovery.damaged_bytes,
             "lost_records": recovery.lost_records,
             "quarantined_drives": len(recovery.quarantined),
-            "dropped_by_engine": engine.disk.counters.recovery_dropped,  # chains whose parent was lost
         }
-        self.quarantined = dict(recovery.quarantined)
+        # Dropped at open, destroyed by damage, on quarantined drives (where
+        # known), and chains the engine dropped because their parent was lost.
+        self.counters.recovery["lost_blocks"] = (
+            recovery.dropped.total + recovery.lost_records + engine.disk.counters.recovery_dropped
+            + sum(damage.blocks or 0 for damage in recovery.quarantined.values()))
         return indexed
 
     def start(self) -> None:

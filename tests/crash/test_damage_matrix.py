@@ -56,6 +56,14 @@ SLOT_BYTES = 8 << 10
 CHAIN_LENGTHS = (1, 1, 2, 3, 1, 2, 3, 1, 1, 2)
 DELETED, RETRIED = 3, 10  # chain indices: one deleted, one Put twice (the second time durably)
 HISTORIES = ("kill", "restart-term")
+# Damages whose loss the daemon can count at start (a zeroed manifest, say,
+# leaves nothing that tells how many blocks it held; a flipped segment byte
+# is found when the block is read, not at start).
+COUNTED_LOSSES = {
+    "current_garbage", "current_empty", "current_deleted", "current_names_a_missing_manifest",
+    "identity_deleted", "identity_garbage", "identity_field_edited", "segment_deleted", "segment_truncated",
+    "manifest_byte_flipped_in_the_middle", "manifest_garbage_inserted",
+}
 
 
 def config(tmp_path: Path) -> dict:
@@ -188,6 +196,11 @@ def test_damage_on_one_drive(tmp_path, damage, drive, history):
         states = drive_states(daemon)
         assert states[other] == "ok"
         assert states[drive] == ("quarantined" if expect == Expect.QUARANTINE else "ok")
+        lost = daemon.metric("kvd_disk_recovery_lost_blocks")
+        if expect == Expect.NONE:
+            assert lost == 0
+        elif damage in COUNTED_LOSSES:
+            assert lost > 0, "the loss went uncounted"
         if damage.startswith("manifest_") and expect == Expect.SERVE:
             lost = [chain for chain in store.live() if served[chain[0]] < len(chain)]
             assert len(lost) <= 1, f"one damaged record cost {len(lost)} chains"
