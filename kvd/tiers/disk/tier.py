@@ -20,7 +20,12 @@ a wrong one as good.
     is reported durable only if every step succeeded.
   * read: verify every layer's crc32c against the record before the block
     counts as read; a block with any bad layer is a miss.
-  * reuse: a slot's REMOVE is synced before new bytes go into that slot.
+  * reuse: a slot's REMOVE is synced before new bytes go into that slot;
+  * delete: a client's Delete is synced whatever the policy, and the
+    block's first page overwritten (`shred`);
+  * damage: a drive whose IDENTITY, CURRENT or live manifest cannot be
+    read is quarantined alone (read and written no more, its blocks lost);
+    damage inside a manifest costs only the records it hit.
 """
 
 from __future__ import annotations
