@@ -1,0 +1,52 @@
+"""The connector's options: vLLM's kv_connector_extra_config, checked once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+DEFAULT_TARGET = "unix:///run/kvd/kvd.sock"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """kv_connector_extra_config keys (all optional).
+
+    target: the kvd daemon (default $KVD_TARGET, else unix:///run/kvd/kvd.sock);
+      it must be on the same node: blocks move through its shared memory.
+    token: a tenant's token for a daemon with auth.mode = "token" (default $KVD_TOKEN).
+    namespace: the model name blocks are filed under (default: vLLM's model
+      path or name). Engines that should share blocks must agree on it.
+    load: "layerwise" streams every hit into the running step layer by layer;
+      "async" (default) does so for host-memory hits but loads prefixes that
+      must come from disk while the scheduler runs other requests.
+    save: store the full blocks of prompts (default true).
+    timeout_s: deadline of each call to kvd; load_timeout_s: how long a layer
+      may wait for its bytes before its blocks are reported failed.
+    """
+
+    target: str = DEFAULT_TARGET
+    token: str | None = None
+    namespace: str = ""
+    load: str = "async"
+    save: bool = True
+    timeout_s: float = 10.0
+    load_timeout_s: float = 30.0
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
+        known = {item.name for item in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kvd connector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        values = dict(extra)
+        values.setdefault("target", os.environ.get("KVD_TARGET", DEFAULT_TARGET))
+        values.setdefault("token", os.environ.get("KVD_TOKEN"))
+        config = cls(**values)
+        if config.load not in ("async", "layerwise"):
+            raise ValueError(f"kvd connector: load must be 'async' or 'layerwise', got {config.load!r}")
+        for name in ("timeout_s", "load_timeout_s"):
+            if not isinstance(getattr(config, name), (int, float)) or getattr(config, name) <= 0:
+                raise ValueError(f"kvd connector: {name} must be a positive number")
+        return config

@@ -1,0 +1,165 @@
+"""KvdConnector: vLLM's KV connector interface, delegating to the two halves.
+
+vLLM builds one instance per role: the scheduler's (kvd.connectors.vllm.
+scheduler) decides what to load and store; each worker's (kvd.connectors.
+vllm.worker) moves the bytes. This class only adapts vLLM's calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvd.connectors.vllm.config import ConnectorConfig
+from kvd.connectors.vllm.layout import UnsupportedLayout, namespace_spec, paged_layout
+from kvd.connectors.vllm.metadata import KvdConnectorMetadata, KvdHandshake
+from kvd.connectors.vllm.scheduler import SchedulerSide
+from kvd.connectors.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvd.connectors.vllm")
+
+
+class KvdConnectorStats(KVConnectorStats):
+    """The workers' counters of an interval, summed; vLLM logs them as
+    "KV Transfer metrics: loaded_blocks=..., load_errors=..., ..."."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: round(value, 4) if isinstance(value, float) else value for name, value in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvdConnector(KVConnectorBase_V1):
+    """Stores prompt KV blocks in kvd and loads hits back, layer by layer."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = ConnectorConfig.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config))
+        self.block_size = vllm_config.cache_config.block_size
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self._spec = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(self.config, self.block_size)
+
+    # ---- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp, pp = get_tp_group(), get_pp_group()
+        try:
+            layout = paged_layout(kv_caches, self._kv_cache_config.num_blocks)
+            dtype = next(iter(kv_caches.values())).dtype
+            spec = namespace_spec(self._vllm_config, layout, dtype, namespace=self.config.namespace,
+                                  tp=(tp.rank_in_group, tp.world_size), pp=(pp.rank_in_group, pp.world_size))
+        except UnsupportedLayout as error:
+            log.error("kvd connector disabled on this worker: %s", error)
+            return
+        from kvd.client import Client
+
+        with Client(self.config.target, token=self.config.token, timeout_s=self.config.timeout_s) as client:
+            namespace = client.register_namespace(spec)
+        shard = pp.rank_in_group * tp.world_size + tp.rank_in_group
+        self.worker = WorkerSide(self.config, layout, namespace, shard)
+        self._spec = spec
+        log.info("kvd connector: %d layers, namespace %s (%s)", len(layout.names), namespace.namespace_id.hex()[:16],
+                 spec.model_revision)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return KvdHandshake(self._spec) if self._spec is not None else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # The step starts here: vLLM calls start_load_kv after the forward
+        # when the step has no synchronous load, too late to reserve slots.
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, KvdConnectorMetadata) and connector_metadata:
+            self.worker.start(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass  # started at bind_connector_metadata
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None:
+            self.worker.finish_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.finished() if self.worker is not None else (None, None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KvdConnectorStats | None:
+        if self.worker is None:
+            return None
+        stats = KvdConnectorStats(data=self.worker.counters.take(self.worker.totals))
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvdConnectorStats:
+        return KvdConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        for side in (self.worker, self.scheduler):
+            if side is not None:
+                side.close()
+
+    # ---- scheduler side
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        handshakes = {key: value for key, value in metadata.items() if isinstance(value, KvdHandshake)}
+        if self.scheduler is not None and handshakes:
+            self.scheduler.set_shards(handshakes)
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.track(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler.build(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # The bytes were copied into kvd's arena during the steps that
+        # computed them and committed at the end of each step, so vLLM may
+        # free the blocks at once.
+        self.scheduler.finished(request)
+        return False, None
+
+    def take_events(self):
+        feed = self.scheduler.events if self.scheduler is not None else None
+        return feed.take() if feed is not None else ()

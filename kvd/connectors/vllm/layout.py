@@ -1,0 +1,146 @@
+"""The engine's paged KV cache as kvd sees it: per layer, one byte row per block.
+
+vLLM hands the worker one tensor per attention layer. kvd stores a block
+as its layers one after another, each layer's K and V as one opaque byte
+run (kvd never looks inside). So all the connector needs per layer is a
+[num_blocks, bytes] view whose row i is engine block i of that layer:
+
+- one part, when each block of a layer is contiguous (the CPU backend:
+  [num_blocks, kv_heads, block_size, 2 * head_dim], K transposed and V in
+  an ISA-specific interior; FlashInfer-like [num_blocks, 2, ...]);
+- two parts, K then V, when the tensor is [2, num_blocks, ...]
+  (FlashAttention-like layouts): a block's layer is the K row then the V row.
+
+The bytes' meaning depends on all of that, so the namespace's identity
+records the attention backend, the tensor layout, the CPU ISA path and
+the cache dtype besides the model: blocks written under one layout are
+never served to another (they are in a different namespace).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvd.client.tensors import dtype_of_torch
+from kvd.core.keys import NamespaceSpec
+
+
+class UnsupportedLayout(Exception):
+    """The engine's KV cache cannot be stored block by block as kvd does."""
+
+
+@dataclass(frozen=True, slots=True)
+class PagedLayout:
+    """Per-layer byte views of the engine's KV cache, in layer order."""
+
+    names: tuple[str, ...]
+    parts: tuple[tuple[torch.Tensor, ...], ...]  # parts[layer] = 1 or 2 [num_blocks, bytes] uint8 views
+    layer_bytes: int
+    num_blocks: int
+    description: str  # the tensor layout, for the namespace identity
+
+    def index_of(self) -> dict[str, int]:
+        return {name: index for index, name in enumerate(self.names)}
+
+
+def _byte_rows(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """tensor[i] flattened to bytes, as a view; UnsupportedLayout if it is not one."""
+    if tensor.shape[0] != num_blocks:
+        raise UnsupportedLayout(f"expected {num_blocks} blocks on the block axis, got shape {tuple(tensor.shape)}")
+    try:
+        return tensor.view(num_blocks, -1).view(torch.uint8)
+    except RuntimeError as error:
+        raise UnsupportedLayout(f"a block of a layer is not contiguous in shape {tuple(tensor.shape)}: {error}") from None
+
+
+def _layer_parts(tensor: torch.Tensor, num_blocks: int) -> tuple[tuple[torch.Tensor, ...], str]:
+    shape = tuple(tensor.shape)
+    if shape[0] == num_blocks:
+        return (_byte_rows(tensor, num_blocks),), f"[blocks]{list(shape[1:])}"
+    if shape[0] == 2 and len(shape) > 1 and shape[1] == num_blocks:
+        return (_byte_rows(tensor[0], num_blocks), _byte_rows(tensor[1], num_blocks)), f"[2][blocks]{list(shape[2:])}"
+    raise UnsupportedLayout(f"no block axis of size {num_blocks} in KV cache shape {shape}")
+
+
+def paged_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> PagedLayout:
+    """Views of `kv_caches` (vLLM's register_kv_caches argument), checked to be uniform."""
+    if not kv_caches:
+        raise UnsupportedLayout("the engine registered no KV cache tensors")
+    names, parts, descriptions = [], [], set()
+    dtypes = set()
+    for name, tensor in kv_caches.items():
+        layer, description = _layer_parts(tensor, num_blocks)
+        names.append(name)
+        parts.append(layer)
+        descriptions.add(description)
+        dtypes.add(tensor.dtype)
+    widths = {sum(part.shape[1] for part in layer) for layer in parts}
+    if len(descriptions) != 1 or len(widths) != 1 or len(dtypes) != 1:
+        raise UnsupportedLayout(
+            f"layers differ in layout ({sorted(descriptions)}), bytes per block ({sorted(widths)}) or dtype: "
+            "kvd stores uniform layers only (no hybrid or MLA-mixed models yet)"
+        )
+    return PagedLayout(tuple(names), tuple(parts), widths.pop(), num_blocks, descriptions.pop())
+
+
+def cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int, cache_dtype: str) -> str:
+    """The interior layout path vLLM's CPU attention picks for these parameters."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return "unknown"
+    return _get_attn_isa(dtype, block_size, head_dim, cache_dtype)
+
+
+def backend_name(vllm_config: Any, layer_name: str) -> str:
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    backend = getattr(layer, "attn_backend", None)
+    return backend.get_name() if backend is not None else "unknown"
+
+
+def namespace_spec(
+    vllm_config: Any, layout: PagedLayout, dtype: torch.dtype, *, namespace: str, tp: tuple[int, int],
+    pp: tuple[int, int],
+) -> NamespaceSpec:
+    """The kvd namespace of this worker's blocks: model, geometry and engine layout."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    block_size = cache.block_size
+    head_dim = model.get_head_size()
+    kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
+    device = current_platform.device_type
+    engine = f"{backend_name(vllm_config, layout.names[0])}"
+    if device == "cpu":
+        engine += f"/{cpu_isa(dtype, block_size, head_dim, cache.cache_dtype)}"
+    identity = "|".join((
+        model.revision or "",
+        f"vllm {vllm.__version__}",
+        f"{device} {engine}",
+        f"kv {layout.description}",
+        f"cache_dtype {cache.cache_dtype}",
+    ))
+    spec = NamespaceSpec(
+        model_id=namespace or model.model,
+        model_revision=identity,
+        num_layers=len(layout.names),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_tokens=block_size,
+        kv_dtype=dtype_of_torch(dtype),
+        tp_rank=tp[0],
+        tp_size=tp[1],
+        pp_stage=pp[0],
+        pp_size=pp[1],
+    )
+    if spec.layer_bytes != layout.layer_bytes:
+        raise UnsupportedLayout(
+            f"a layer of a block is {layout.layer_bytes} bytes, but K and V of {block_size} tokens x "
+            f"{kv_heads} heads x {head_dim} would be {spec.layer_bytes}: not a plain paged K/V cache"
+        )
+    return spec

@@ -1,0 +1,77 @@
+"""What the scheduler side tells the workers each step, and what workers tell it once.
+
+Everything here crosses a process boundary (pickled by vLLM), so it is
+plain data: keys are bytes, block ids are lists of ints. The classes
+derive from vLLM's when vLLM is installed; without it (kvd's own tests of
+the data path) from stand-ins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+    )
+except ImportError:
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+    class KVConnectorHandshakeMetadata:  # type: ignore[no-redef]
+        pass
+
+from kvd.core.keys import NamespaceSpec
+
+
+@dataclass(slots=True)
+class LoadOrder:
+    """Load blocks [first, first + len(block_ids)) of a request's chain.
+
+    keys[shard] is the request's chain from the root up to the last block
+    to load, in the namespace of that worker shard; block_ids are the
+    engine blocks that receive positions first, first + 1, ...
+    """
+
+    req_id: str
+    keys: list[list[bytes]]
+    first: int
+    block_ids: list[int]
+    asynchronous: bool
+
+
+@dataclass(slots=True)
+class SaveOrder:
+    """Store the full blocks of a request's chain that kvd lacks.
+
+    keys[shard] is the chain from the root up to the last full block
+    computed by the end of this step; block_ids[i] holds position i. The
+    worker's Reserve says which of them kvd lacks (the new blocks, and any
+    older one kvd lost meanwhile): only those are copied.
+    """
+
+    req_id: str
+    keys: list[list[bytes]]
+    block_ids: list[int]
+
+
+@dataclass
+class KvdConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadOrder] = field(default_factory=list)
+    saves: list[SaveOrder] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves)
+
+
+@dataclass
+class KvdHandshake(KVConnectorHandshakeMetadata):
+    """A worker's namespace, as its registered KV cache defines it.
+
+    The scheduler side looks blocks up in exactly the namespaces the
+    workers write, so the identity (layout, ISA, dtype, ...) is decided
+    once, where the tensors are seen.
+    """
+
+    spec: NamespaceSpec

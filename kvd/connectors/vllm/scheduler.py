@@ -1,0 +1,172 @@
+"""The scheduler half of the vLLM connector: which blocks to load and to store.
+
+The workers tell the scheduler side their namespaces once (the handshake:
+one per (pp stage, tp rank) shard). For each new request it then
+computes the prompt's chained keys in every shard, and:
+
+- get_num_new_matched_tokens looks the keys up in every shard (a block
+  counts only if every shard has it). A hit served from host memory is
+  loaded synchronously, layer by layer during the step that computes the
+  rest of the prompt. A hit that needs the disk is prefetched at once and,
+  with load = "async", reported as an asynchronous load: vLLM parks the
+  request until the worker says the bytes are in, and runs other requests
+  meanwhile.
+- build_connector_meta turns allocated blocks into load orders, and the
+  prompt blocks that become full in a step into save orders.
+
+It never blocks on kvd beyond one Lookup per shard per new request: if kvd
+is down, requests simply miss.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvd.client import Client, Namespace
+from kvd.connectors.vllm.config import ConnectorConfig
+from kvd.connectors.vllm.events import EventFeed
+from kvd.connectors.vllm.metadata import KvdConnectorMetadata, KvdHandshake, LoadOrder, SaveOrder
+from kvd.connectors.vllm.requests import prompt_keys
+from kvd.v1 import kvd_pb2
+
+log = logging.getLogger("kvd.connectors.vllm")
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """A request the connector knows: its keys per shard, its blocks, what was offered to kvd."""
+
+    keys: list[list[bytes]]
+    prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    offered: int = 0  # blocks [0, offered) were handed to the workers to store
+
+
+@dataclass(slots=True)
+class _Plan:
+    first: int
+    stop: int
+    asynchronous: bool
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.client = Client(config.target, token=config.token, timeout_s=config.timeout_s, use_shared_memory=False)
+        self.shards: list[Namespace] = []
+        self.requests: dict[str, _Tracked] = {}
+        self._plans: dict[str, _Plan] = {}
+        self._loads: list[LoadOrder] = []
+        self.events: EventFeed | None = None
+
+    def set_shards(self, handshakes: dict[tuple[int, int], KvdHandshake]) -> None:
+        """Adopt the workers' namespaces, ordered as the workers index them."""
+        specs = [handshakes[key].spec for key in sorted(handshakes)]
+        self.shards = [self.client.register_namespace(spec) for spec in specs]
+        self.events = EventFeed(self.client, self.shards[0])
+
+    # ---- per request
+    def track(self, request: Any) -> _Tracked | None:
+        tracked = self.requests.get(request.request_id)
+        if tracked is None and self.shards and request.prompt_token_ids is not None:
+            keys = [prompt_keys(namespace.spec, request) for namespace in self.shards]
+            tracked = self.requests[request.request_id] = _Tracked(keys, len(request.prompt_token_ids))
+        return tracked
+
+    def matched_tokens(self, request: Any, computed: int) -> tuple[int, bool]:
+        tracked = self.track(request)
+        if tracked is None:
+            return 0, False
+        first = computed // self.block_size
+        # vLLM computes at least one prompt token itself, so the last block
+        # of a block-aligned prompt is left to it.
+        usable = min(len(tracked.keys[0]), (tracked.prompt_tokens - 1) // self.block_size)
+        if usable <= first:
+            return 0, False
+        try:
+            stop, on_disk = self._lookup(tracked, usable)
+            if stop > first and on_disk:
+                self._prefetch(tracked, first, stop)
+        except grpc.RpcError as error:
+            log.warning("kvd: lookup failed, the request misses: %s", error.details())
+            return 0, False
+        if stop <= first:
+            return 0, False
+        asynchronous = on_disk and self.config.load == "async"
+        self._plans[request.request_id] = _Plan(first, stop, asynchronous)
+        return (stop - first) * self.block_size, asynchronous
+
+    def _lookup(self, tracked: _Tracked, usable: int) -> tuple[int, bool]:
+        """The prefix every shard holds, and whether any of it is only on disk."""
+        stop, on_disk = usable, False
+        for namespace, keys in zip(self.shards, tracked.keys):
+            result = self.client.lookup(namespace, keys[:usable])
+            stop = min(stop, result.matched)
+            on_disk = on_disk or any(tier != kvd_pb2.TIER_HOST for tier in result.tiers[:stop])
+        return stop, on_disk
+
+    def _prefetch(self, tracked: _Tracked, first: int, stop: int) -> None:
+        for namespace, keys in zip(self.shards, tracked.keys):
+            self.client.prefetch(namespace, keys[first:stop], parent_key=keys[first - 1] if first else b"")
+
+    def after_alloc(self, request: Any, block_ids: list[int], external_tokens: int) -> None:
+        plan = self._plans.pop(request.request_id, None)
+        if plan is None or external_tokens == 0:
+            return
+        tracked = self.requests[request.request_id]
+        stop = plan.first + external_tokens // self.block_size
+        self._loads.append(LoadOrder(
+            req_id=request.request_id,
+            keys=[keys[:stop] for keys in tracked.keys],
+            first=plan.first,
+            block_ids=list(block_ids[plan.first:stop]),
+            asynchronous=plan.asynchronous,
+        ))
+
+    def finished(self, request: Any) -> None:
+        self.requests.pop(request.request_id, None)
+        self._plans.pop(request.request_id, None)
+
+    # ---- per step
+    def build(self, scheduler_output: Any) -> KvdConnectorMetadata:
+        metadata = KvdConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if not self.config.save:
+            return metadata
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self.requests.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                self._offer(metadata, new.req_id, tracked, new.num_computed_tokens + scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            tracked = self.requests.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tracked.block_ids.extend(new_blocks[0])
+            self._offer(metadata, req_id, tracked, cached.num_computed_tokens[index] + scheduled.get(req_id, 0))
+        return metadata
+
+    def _offer(self, metadata: KvdConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
+        """A save order for the prompt blocks that are full once this step has run."""
+        full = min(min(computed, tracked.prompt_tokens) // self.block_size, len(tracked.keys[0]),
+                   len(tracked.block_ids))
+        if full <= tracked.offered:
+            return
+        metadata.saves.append(SaveOrder(req_id, [keys[:full] for keys in tracked.keys], tracked.block_ids[:full]))
+        tracked.offered = full
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
+        self.client.close()

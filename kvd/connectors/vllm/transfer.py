@@ -1,0 +1,165 @@
+"""The connector's side of kvd's shared-memory protocol, without copies.
+
+The client library's put/get copy between a caller's array and the arena.
+A connector copies between the engine's paged KV cache and the arena
+itself, one layer at a time, so it needs the protocol's steps apart:
+reserve slots (then write layers into them, then commit), and a
+layer-streaming Get whose progress a model layer can wait on (then read
+layers out of the pinned slots, then release). This module is those steps
+on top of kvd.client.Client; it never touches the engine's tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from kvd.client import Client, Namespace
+from kvd.client import _ops
+from kvd.client._wire import reserved_run
+from kvd.v1 import kvd_pb2
+
+
+class Unavailable(Exception):
+    """kvd could not do what the connector asked (daemon down, arena gone, ...)."""
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Slots reserved for keys[start:stop] of one chain, to be filled and committed."""
+
+    lease_id: int
+    start: int
+    stop: int
+    slots: np.ndarray  # arena slot index of each reserved key, in order
+
+
+class Link:
+    """One kvd client used by a connector, with the arena it requires."""
+
+    def __init__(self, target: str, token: str | None, timeout_s: float) -> None:
+        self.client = Client(target, token=token, timeout_s=timeout_s, use_shared_memory=True)
+
+    def close(self) -> None:
+        self.client.close()
+
+    @property
+    def arena(self):
+        arena = self.client.session.arena
+        if arena is None:
+            raise Unavailable("the daemon's shared-memory arena is not mapped")
+        return arena
+
+    def connect(self) -> None:
+        self.client._run(_ops.connect(self.client.session))
+
+    def reserve(self, namespace: Namespace, keys: Sequence[bytes]) -> Reservation | None:
+        """Reserve the keys of a chain from its root; None when nothing needs writing."""
+        session = self.client.session
+        self.connect()
+        response = self.client._run(_ops.remapping(session, lambda: (
+            "Reserve",
+            kvd_pb2.ReserveRequest(
+                namespace_id=namespace.namespace_id,
+                client_id=session.client_id,
+                keys=keys,
+                lease_ms=session.lease_ms,
+                arena_instance_id=session.arena.instance_id,
+            ),
+        )))
+        if response is None:
+            raise Unavailable("the daemon restarted and its new arena could not be mapped")
+        start, stop = reserved_run(response.statuses)
+        if start == stop:
+            return None
+        slots = self.arena.slot_indices(response.offsets[start:stop])
+        return Reservation(response.lease_id, start, stop, slots)
+
+    def commit(self, namespace: Namespace, lease_id: int) -> None:
+        self.client._run(_ops._commit(self.client.session, namespace, lease_id, kvd_pb2.ACK_HOST))
+
+    def release(self, lease_ids: list[int]) -> None:
+        if lease_ids:
+            self.client._run(_ops.release(self.client.session, lease_ids))
+
+    def open_layers(self, namespace: Namespace, chain: Sequence[bytes], first: int) -> LayerStream:
+        """Start a layer-streaming Get of chain[first:] (`chain` runs from the root)."""
+        session = self.client.session
+        self.connect()
+        request = kvd_pb2.GetRequest(
+            namespace_id=namespace.namespace_id,
+            client_id=session.client_id,
+            keys=chain[first:],
+            parent_key=chain[first - 1] if first else b"",
+            lease_ms=session.lease_ms,
+            arena_instance_id=self.arena.instance_id,
+        )
+        call = self.client._stub.GetLayers(request, timeout=self.client.timeout_s, metadata=self.client._metadata)
+        return LayerStream(self, call, namespace.spec.num_layers)
+
+
+class LayerStream:
+    """Progress of one layer-streaming Get, fed by a reader thread.
+
+    `wait(layer)` blocks until that layer of every served block is in the
+    arena, or the stream has failed. `matched` only shrinks (a block read
+    from disk that fails its checksum ends the servable prefix there).
+    """
+
+    def __init__(self, link: Link, call, layers: int) -> None:
+        self._link = link
+        self._call = call
+        self._layers = layers
+        self._ready = 0
+        self._changed = threading.Condition()
+        self.matched = 0
+        self.slots: np.ndarray | None = None
+        self.lease_id = 0
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._read, name="kvd-layers", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for message in self._call:
+                with self._changed:
+                    if self.slots is None:
+                        self.lease_id = message.lease_id
+                        self.matched = message.matched
+                        self.slots = self._link.arena.slot_indices(message.offsets)
+                    self.matched = min(self.matched, message.matched)
+                    self._ready = max(self._ready, message.layers_ready)
+                    self._changed.notify_all()
+            if self._ready < self._layers:
+                self._fail("the stream ended before every layer landed")
+        except grpc.RpcError as error:
+            self._fail(f"{error.code().name}: {error.details()}")
+        except Exception as error:  # noqa: BLE001 - any failure is a failed load, never a crash
+            self._fail(repr(error))
+
+    def _fail(self, why: str) -> None:
+        with self._changed:
+            if self.error is None:
+                self.error = why
+            self._changed.notify_all()
+
+    def wait(self, layer: int, timeout_s: float) -> bool:
+        """Whether `layer` landed for the first `matched` blocks (False: failed or timed out)."""
+        with self._changed:
+            landed = self._changed.wait_for(lambda: self.error is not None or self._ready > layer, timeout_s)
+            if not landed and self.error is None:
+                self.error = f"layer {layer} did not land within {timeout_s} s"
+            return self.error is None
+
+    def close(self) -> None:
+        """End the stream and release its lease (the pinned slots)."""
+        self._call.cancel()
+        self._thread.join()
+        try:
+            self._link.release([self.lease_id] if self.lease_id else [])
+        except grpc.RpcError:
+            pass  # the lease expires on its own

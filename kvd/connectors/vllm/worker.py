@@ -1,0 +1,252 @@
+"""The worker half of the vLLM connector: bytes between the paged KV cache and kvd.
+
+Per step (vLLM's call order): `start` opens a layer-streaming Get for each
+synchronous load, hands asynchronous loads to a thread and reserves arena
+slots for the step's saves; each attention layer calls `wait_layer` on
+entry (scatter that layer of the loaded blocks into the engine's blocks)
+and `save_layer` on exit (gather that layer of the new full blocks into
+the reserved slots); `finish_step` commits the saves and ends the loads.
+
+Each copy is one indexed torch copy per layer part for all the step's
+requests together; nothing loops over blocks in Python. A load that fails
+in any way (a miss, a block that failed its checksum, the daemon gone)
+reports its engine block ids, so vLLM recomputes them; the saves of a
+request whose load failed in the same step are aborted, since their
+source blocks may hold garbage.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+
+from kvd.client import Namespace
+from kvd.connectors.vllm.config import ConnectorConfig
+from kvd.connectors.vllm.layout import PagedLayout
+from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOrder
+from kvd.connectors.vllm.stats import Counters
+from kvd.connectors.vllm.transfer import LayerStream, Link, Reservation, Unavailable
+
+log = logging.getLogger("kvd.connectors.vllm")
+
+
+@dataclass(slots=True)
+class _Load:
+    order: LoadOrder
+    stream: LayerStream | None
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.stream is None or self.stream.error is not None or self.error is not None
+
+
+@dataclass(slots=True)
+class _Save:
+    order: SaveOrder
+    reserving: concurrent.futures.Future
+    reservation: Reservation | None = None
+
+
+@dataclass
+class _Step:
+    loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+    # (arena slot, engine block) index pairs of this step's saves, built at layer 0
+    save_index: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _pair(slots: list[np.ndarray], blocks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    slot_index = torch.from_numpy(np.concatenate(slots).astype(np.int64)) if slots else torch.empty(0, dtype=torch.int64)
+    block_index = torch.tensor([block for run in blocks for block in run], dtype=torch.int64)
+    return slot_index, block_index
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, layout: PagedLayout, namespace: Namespace, shard: int) -> None:
+        self.config = config
+        self.layout = layout
+        self.namespace = namespace
+        self.shard = shard
+        self.layer_of = layout.index_of()
+        self.link = Link(config.target, config.token, config.timeout_s)
+        self.link.connect()
+        self.counters = Counters()
+        self.totals: dict[str, float] = {}  # every count since the start (tests, logs)
+        self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvd-connector")
+        self._step = _Step()
+        self._lock = threading.Lock()
+        self._errors: set[int] = set()
+        self._received: set[str] = set()
+
+    # ---- the arena as torch, rebuilt when the daemon restarted and the client remapped
+    def _arena(self) -> torch.Tensor:
+        return torch.from_numpy(self.link.arena.slots)
+
+    # ---- step start
+    def start(self, metadata: KvdConnectorMetadata) -> None:
+        step = _Step()
+        for order in metadata.loads:
+            if order.asynchronous:
+                self._pool.submit(self._load_whole, order)
+            else:
+                step.loads.append(self._open(order))
+        for order in metadata.saves:
+            step.saves.append(_Save(order, self._pool.submit(self._reserve, order)))
+        self._step = step
+
+    def _open(self, order: LoadOrder) -> _Load:
+        keys = order.keys[self.shard]
+        try:
+            stream = self.link.open_layers(self.namespace, keys, order.first)
+        except (grpc.RpcError, Unavailable, OSError) as error:
+            return _Load(order, None, f"could not start the load: {error}")
+        return _Load(order, stream)
+
+    def _reserve(self, order: SaveOrder) -> Reservation | None:
+        return self.link.reserve(self.namespace, order.keys[self.shard])
+
+    # ---- per layer
+    def wait_layer(self, layer_name: str) -> None:
+        layer = self.layer_of.get(layer_name)
+        if layer is None or not self._step.loads:
+            return
+        started = time.perf_counter()
+        slots, blocks = [], []
+        for load in self._step.loads:
+            if load.failed:
+                continue
+            if not load.stream.wait(layer, self.config.load_timeout_s):
+                continue
+            matched = min(load.stream.matched, len(load.order.block_ids))
+            slots.append(load.stream.slots[:matched])
+            blocks.append(load.order.block_ids[:matched])
+        if slots:
+            self._copy(layer, *_pair(slots, blocks), into_engine=True)
+        self.counters.load_wait_s += time.perf_counter() - started
+
+    def save_layer(self, layer_name: str) -> None:
+        layer = self.layer_of.get(layer_name)
+        step = self._step
+        if layer is None or not step.saves:
+            return
+        if step.save_index is None:
+            step.save_index = self._save_index(step)
+        if step.save_index[0].numel():
+            self._copy(layer, *step.save_index, into_engine=False)
+
+    def _save_index(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+        slots, blocks = [], []
+        for save in step.saves:
+            try:
+                save.reservation = save.reserving.result()
+            except (grpc.RpcError, Unavailable, OSError) as error:
+                self.counters.save_errors += 1
+                log.warning("kvd: reserving slots for %s failed: %s", save.order.req_id, error)
+                continue
+            if save.reservation is not None:
+                reservation = save.reservation
+                slots.append(reservation.slots)
+                blocks.append(save.order.block_ids[reservation.start:reservation.stop])
+        return _pair(slots, blocks)
+
+    def _copy(self, layer: int, slots: torch.Tensor, blocks: torch.Tensor, *, into_engine: bool) -> None:
+        """One layer of many blocks between the arena and the engine: one indexed copy per part."""
+        arena = self._arena()
+        offset = layer * self.layout.layer_bytes
+        for part in self.layout.parts[layer]:
+            width = part.shape[1]
+            window = arena[:, offset:offset + width]
+            if into_engine:
+                part[blocks] = window[slots].to(part.device)
+            else:
+                window[slots] = part[blocks].cpu()
+            offset += width
+
+    # ---- step end
+    def finish_step(self) -> None:
+        step, self._step = self._step, _Step()
+        failed_requests = self._end_loads(step.loads)
+        for save in step.saves:
+            if save.reservation is None:
+                continue
+            if save.order.req_id in failed_requests:
+                self._abort(save.reservation.lease_id)
+                continue
+            try:
+                self.link.commit(self.namespace, save.reservation.lease_id)
+                self.counters.saved_blocks += save.reservation.stop - save.reservation.start
+            except grpc.RpcError as error:
+                self.counters.save_errors += 1
+                log.warning("kvd: committing %s failed: %s", save.order.req_id, error.details())
+
+    def _end_loads(self, loads: list[_Load]) -> set[str]:
+        failed: set[str] = set()
+        for load in loads:
+            if load.stream is not None:
+                load.stream.close()
+            lost = self._lost(load)
+            if lost:
+                failed.add(load.order.req_id)
+                self._report(lost, load)
+            self.counters.loaded_blocks += len(load.order.block_ids) - len(lost)
+        return failed
+
+    def _lost(self, load: _Load) -> list[int]:
+        """Engine blocks of a load that did not get every layer."""
+        if load.failed:
+            return list(load.order.block_ids)
+        return list(load.order.block_ids[load.stream.matched:])
+
+    def _report(self, lost: list[int], load: _Load) -> None:
+        why = load.error or (load.stream.error if load.stream else None) or "blocks missing from kvd"
+        log.warning("kvd: %d blocks of %s could not be loaded (%s); vLLM recomputes them",
+                    len(lost), load.order.req_id, why)
+        self.counters.load_errors += len(lost)
+        with self._lock:
+            self._errors.update(lost)
+
+    def _abort(self, lease_id: int) -> None:
+        try:
+            self.link.release([lease_id])
+        except grpc.RpcError:
+            pass  # the reservation expires on its own
+
+    # ---- asynchronous loads (prefixes that had to come from disk)
+    def _load_whole(self, order: LoadOrder) -> None:
+        load = self._open(order)
+        try:
+            if not load.failed:
+                if load.stream.wait(len(self.layout.parts) - 1, self.config.load_timeout_s):
+                    matched = min(load.stream.matched, len(order.block_ids))
+                    index = _pair([load.stream.slots[:matched]], [order.block_ids[:matched]])
+                    for layer in range(len(self.layout.parts)):
+                        self._copy(layer, *index, into_engine=True)
+            self._end_loads([load])
+        except Exception as error:  # noqa: BLE001 - a failed load is recomputed, never a crash
+            load.error = repr(error)
+            self._report(list(order.block_ids), load)
+        finally:
+            with self._lock:
+                self._received.add(order.req_id)
+
+    def finished(self) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            received, self._received = self._received, set()
+        return None, received or None
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.link.close()

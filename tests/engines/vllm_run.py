@@ -1,0 +1,91 @@
+"""Serve prompts with a real vLLM (offline LLM API), print what came out as JSON.
+
+Run in the engine venv (.venv-vllm) by tests/engines/test_vllm_connector.py:
+
+    python tests/engines/vllm_run.py --model DIR --prompts P.json [--kvd TARGET] [--hook delete|kill] --out R.json
+
+P.json is a list of token-id lists, served one after another (greedy, with
+the chosen tokens' logprobs). With --kvd the engine runs kvd's connector;
+--hook loads it through tests/engines/vllm_hooks.py, which makes the blocks
+vanish between the scheduler's Lookup and the worker's load. The output
+has, per prompt, the tokens, logprobs and vLLM's own count of prompt tokens
+it did not compute (num_cached_tokens), and the connector's counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+BLOCK_SIZE = 128
+
+
+def engine(args):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if args.kvd:
+        extra = {"target": args.kvd, "load": args.load}
+        module, name = "kvd.connectors.vllm", "KvdConnector"
+        if args.hook:
+            extra_hook = {"hook": args.hook, "pid": args.daemon_pid}
+            os.environ["KVD_TEST_HOOK"] = json.dumps(extra_hook)
+            module, name = "vllm_hooks", "HookedKvdConnector"
+        transfer = KVTransferConfig(kv_connector=name, kv_connector_module_path=module, kv_role="kv_both",
+                                    kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    return LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+               block_size=BLOCK_SIZE, max_model_len=4096, seed=0, kv_transfer_config=transfer,
+               distributed_executor_backend="uni", gpu_memory_utilization=0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kvd", default="")
+    parser.add_argument("--load", default="async")
+    parser.add_argument("--hook", default="")
+    parser.add_argument("--daemon-pid", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from vllm import SamplingParams
+
+    llm = engine(args)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=0, detokenize=False)
+    results = []
+    for prompt in json.loads(Path(args.prompts).read_text()):
+        output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        completion = output.outputs[0]
+        logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, completion.token_ids)]
+        results.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
+                        "cached_tokens": output.num_cached_tokens})
+    report = {"results": results, "connector": connector_report()}
+    Path(args.out).write_text(json.dumps(report))
+
+
+def connector_report() -> dict:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return {}
+    connector = get_kv_transfer_group()
+    worker = getattr(connector, "worker", None)
+    if worker is None:
+        return {"enabled": False}
+    worker.counters.take(worker.totals)
+    spec = connector._spec
+    return {"enabled": True, "totals": worker.totals, "model_id": spec.model_id,
+            "model_revision": spec.model_revision, "namespace_id": worker.namespace.namespace_id.hex()}
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    main()
