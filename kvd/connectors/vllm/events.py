@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 
-import grpc
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 from kvd.client import Client, EventKind, KvEvent, Namespace, ResyncRequired
@@ -71,28 +70,36 @@ class EventFeed:
         return snapshot.sequence + 1
 
     def _follow(self) -> None:
-        start = 0
+        start: int | None = 0
         while not self._closed.is_set():
+            if start is None:
+                start = self._resynced()
+                continue
             try:
-                self._watch = self._client.watch_events(self._namespace, start)
-                for event in self._watch:
-                    self._emit([self._convert(event)])
-                    start = event.sequence + 1
+                start = self._watch_from(start)
             except ResyncRequired:
-                start = self._safely(self._resync, start)
-            except grpc.RpcError as error:
+                start = None
+            except Exception as error:  # noqa: BLE001 - the daemon away, the channel closed: retry or end
                 if self._closed.is_set():
                     return
-                log.debug("kvd event watch ended (%s); reconnecting", error.code())
+                log.debug("kvd event watch ended (%r); reconnecting", error)
                 self._closed.wait(1.0)
-                start = self._safely(self._resync, start)
+                start = None
 
-    def _safely(self, call, fallback: int) -> int:
+    def _watch_from(self, start: int) -> int:
+        self._watch = self._client.watch_events(self._namespace, start)
+        for event in self._watch:
+            self._emit([self._convert(event)])
+            start = event.sequence + 1
+        return start
+
+    def _resynced(self) -> int | None:
+        """The sequence to watch from after a resync, None if the daemon is away."""
         try:
-            return call()
-        except grpc.RpcError:
+            return self._resync()
+        except Exception:  # noqa: BLE001 - tried again after a pause
             self._closed.wait(1.0)
-            return fallback
+            return None
 
     def close(self) -> None:
         self._closed.set()

@@ -128,6 +128,14 @@ class SchedulerSide:
             asynchronous=plan.asynchronous,
         ))
 
+    def load_failed(self, block_ids: set[int]) -> None:
+        """Blocks a worker could not load are recomputed by vLLM: offer them to kvd again."""
+        for tracked in self.requests.values():
+            for position, block in enumerate(tracked.block_ids[:tracked.offered]):
+                if block in block_ids:
+                    tracked.offered = position
+                    break
+
     def finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)

@@ -10,6 +10,7 @@ from typing import Any
 @dataclass
 class Counters:
     loaded_blocks: int = 0  # blocks loaded into the engine, every layer landed
+    async_loads: int = 0  # requests whose hit was loaded while vLLM ran other requests
     load_errors: int = 0  # blocks reported to vLLM as not loaded (it recomputes them)
     saved_blocks: int = 0  # blocks committed to kvd
     save_errors: int = 0  # reservations or commits that failed (the blocks are not stored)

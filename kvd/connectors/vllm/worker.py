@@ -149,7 +149,8 @@ class WorkerSide:
                 save.reservation = save.reserving.result()
             except (grpc.RpcError, Unavailable, OSError) as error:
                 self.counters.save_errors += 1
-                log.warning("kvd: reserving slots for %s failed: %s", save.order.req_id, error)
+                why = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.RpcError) else error
+                log.warning("kvd: reserving slots for %s failed (%s); its blocks are not stored", save.order.req_id, why)
                 continue
             if save.reservation is not None:
                 reservation = save.reservation
@@ -221,6 +222,7 @@ class WorkerSide:
 
     # ---- asynchronous loads (prefixes that had to come from disk)
     def _load_whole(self, order: LoadOrder) -> None:
+        self.counters.async_loads += 1
         load = self._open(order)
         try:
             if not load.failed:
