@@ -87,19 +87,30 @@ class Link:
             self.client._run(_ops.release(self.client.session, lease_ids))
 
     def open_layers(self, namespace: Namespace, chain: Sequence[bytes], first: int) -> LayerStream:
-        """Start a layer-streaming Get of chain[first:] (`chain` runs from the root)."""
+        """Start a layer-streaming Get of chain[first:] (`chain` runs from the root).
+
+        The first message (which blocks are served, and where) is awaited
+        here, so that a daemon that restarted since the arena was mapped is
+        noticed and the new arena mapped before any byte is read."""
         session = self.client.session
         self.connect()
-        request = kvd_pb2.GetRequest(
-            namespace_id=namespace.namespace_id,
-            client_id=session.client_id,
-            keys=chain[first:],
-            parent_key=chain[first - 1] if first else b"",
-            lease_ms=session.lease_ms,
-            arena_instance_id=self.arena.instance_id,
-        )
-        call = self.client._stub.GetLayers(request, timeout=self.client.timeout_s, metadata=self.client._metadata)
-        return LayerStream(self, call, namespace.spec.num_layers)
+        for attempt in range(2):
+            request = kvd_pb2.GetRequest(
+                namespace_id=namespace.namespace_id,
+                client_id=session.client_id,
+                keys=chain[first:],
+                parent_key=chain[first - 1] if first else b"",
+                lease_ms=session.lease_ms,
+                arena_instance_id=self.arena.instance_id,
+            )
+            call = self.client._stub.GetLayers(request, timeout=self.client.timeout_s, metadata=self.client._metadata)
+            try:
+                return LayerStream(self, call, next(call), namespace.spec.num_layers)
+            except grpc.RpcError as error:
+                if attempt or not _ops.arena_changed(error):
+                    raise
+                self.client._run(_ops.remap(session))
+        raise AssertionError("unreachable")
 
 
 class LayerStream:
@@ -110,16 +121,17 @@ class LayerStream:
     from disk that fails its checksum ends the servable prefix there).
     """
 
-    def __init__(self, link: Link, call, layers: int) -> None:
+    def __init__(self, link: Link, call, first, layers: int) -> None:
         self._link = link
         self._call = call
         self._layers = layers
-        self._ready = 0
+        self._ready = first.layers_ready
         self._changed = threading.Condition()
-        self.matched = 0
-        self.slots: np.ndarray | None = None
-        self.lease_id = 0
+        self.matched = first.matched
+        self.slots = link.arena.slot_indices(first.offsets)
+        self.lease_id = first.lease_id
         self.error: str | None = None
+        self._closing = False
         self._thread = threading.Thread(target=self._read, name="kvd-layers", daemon=True)
         self._thread.start()
 
@@ -127,10 +139,6 @@ class LayerStream:
         try:
             for message in self._call:
                 with self._changed:
-                    if self.slots is None:
-                        self.lease_id = message.lease_id
-                        self.matched = message.matched
-                        self.slots = self._link.arena.slot_indices(message.offsets)
                     self.matched = min(self.matched, message.matched)
                     self._ready = max(self._ready, message.layers_ready)
                     self._changed.notify_all()
@@ -143,7 +151,7 @@ class LayerStream:
 
     def _fail(self, why: str) -> None:
         with self._changed:
-            if self.error is None:
+            if self.error is None and not self._closing:
                 self.error = why
             self._changed.notify_all()
 
@@ -157,6 +165,8 @@ class LayerStream:
 
     def close(self) -> None:
         """End the stream and release its lease (the pinned slots)."""
+        with self._changed:
+            self._closing = True  # the cancellation below is not a failure
         self._call.cancel()
         self._thread.join()
         try:

@@ -191,9 +191,9 @@ class WorkerSide:
     def _end_loads(self, loads: list[_Load]) -> set[str]:
         failed: set[str] = set()
         for load in loads:
+            lost = self._lost(load)
             if load.stream is not None:
                 load.stream.close()
-            lost = self._lost(load)
             if lost:
                 failed.add(load.order.req_id)
                 self._report(lost, load)
