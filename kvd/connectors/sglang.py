@@ -1,0 +1,400 @@
+"""kvd as an SGLang HiCache storage backend (the L3 tier under HiCache's host pool).
+
+Selected by SGLang's own dynamic-backend factory:
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvd",
+        "module_path": "kvd.connectors.sglang", "class_name": "KvdHiCacheStorage",
+        "interface_v1": 1, "hicache_storage_pass_prefix_keys": true,
+        "target": "unix:///run/kvd/kvd.sock"}'
+
+Extra-config keys read here: `target` (default $KVD_TARGET, else
+unix:///run/kvd/kvd.sock), `token` (default $KVD_TOKEN) and `namespace` (a
+string mixed into the cache identity, e.g. a model name override).
+`interface_v1` makes SGLang call the zero-copy batch_get_v1/batch_set_v1;
+`hicache_storage_pass_prefix_keys` makes it tell us each batch's parent
+(see "Keys" below). This module imports sglang; nothing else in kvd does.
+
+Data path. Each call makes one vectorised copy on each side and no Python
+loop over pages or layers:
+
+    host pool kv_buffer  --torch index (page ids)-->  rows [n, L, 2, P, H, D]
+    rows  --kvd Reserve, one numpy scatter into arena slots, Commit-->  kvd
+
+and back with Get, one numpy gather out of the arena slots, and one
+indexed torch assignment into the host pool's pages. Every host layout
+(layer_first, page_first, page_first_direct, page_head) is seen through a
+strided view of shape [pages, layers, 2, page_size, heads, head_dim], so a
+page is stored in kvd's own block layout (layer-major, K then V, token-major
+inside), whatever the host layout. Without the shared-memory arena (another
+host, another user) kvd's client falls back to inline bytes by itself.
+
+Keys. SGLang names a page by a hash string chained over its prefix. kvd's
+key for it is SHA-256("kvd/sglang-hicache/v1" 0x00 string): 32 bytes, as
+content-addressed as SGLang's own. kvd's index is a tree, so every Lookup,
+Reserve and Get also names the parent of the batch's first page:
+ - when SGLang passes prefix keys (extra_info.prefix_keys, turned on by
+   "hicache_storage_pass_prefix_keys": true), the parent is the kvd key of
+   the last prefix page, and a sequence becomes one chain in kvd: one RPC per
+   batch, and kvd's eviction (leaves first) and prefix matching work as for
+   any other engine;
+ - without them (SGLang's default, and the legacy get/set/exists), the first
+   page of a batch is taken as a root. That is still correct, because a key
+   names its whole prefix and kvd only matches a key under the parent it was
+   stored with, so nothing is ever read for the wrong prefix; but a batch
+   that starts mid-sequence becomes a chain of its own, and a later batch
+   cut at other page boundaries misses the pages stored that way (kvd
+   answers a miss, SGLang recomputes). Passing prefix keys avoids that.
+A batch whose parent kvd no longer holds (evicted, deleted, the daemon
+restarted without a disk tier) is a miss on Lookup and Get, and on a write
+is reported as not stored: never a wrong page.
+
+Identity. The kvd namespace is built from the host pool: layers, KV heads,
+head dim, page size (block_tokens), dtype, TP rank/size, PP stage/size;
+model_revision carries the rest of the layout's identity (host layout name,
+layer range, DP and context-parallel rank, the `namespace` string). Pages
+stored under one geometry are never served to another.
+
+Failures. A kvd error (daemon down, a refused request) is logged and the
+call answers a miss (False / 0); SGLang then recomputes or retries. A call
+SGLang makes wrongly (host indices not on page boundaries) raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from kvd.client import Client, Namespace
+from kvd.client.tensors import dtype_of_torch
+from kvd.core.keys import NamespaceSpec
+from kvd.errors import KvdError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "unix:///run/kvd/kvd.sock"
+TARGET_ENV = "KVD_TARGET"
+KEY_DOMAIN = b"kvd/sglang-hicache/v1\x00"
+# Host layouts this backend can view as [pages, layers, 2, page_size, heads, head_dim].
+SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+KVD_ERRORS = (grpc.RpcError, KvdError)
+
+
+def kvd_key(page_hash: str) -> bytes:
+    """The 32-byte kvd key of one SGLang page hash string."""
+    return hashlib.sha256(KEY_DOMAIN + page_hash.encode()).digest()
+
+
+def kvd_keys(page_hashes: list[str]) -> list[bytes]:
+    return [kvd_key(page_hash) for page_hash in page_hashes]
+
+
+def parent_of(extra_info: HiCacheStorageExtraInfo | None) -> bytes:
+    """kvd key of the page before a batch: the last prefix key SGLang passed, else the root (b"")."""
+    prefix = extra_info.prefix_keys if extra_info is not None else None
+    return kvd_key(prefix[-1]) if prefix else b""
+
+
+# ---------------------------------------------------------------------------
+# The host pool seen as pages
+
+
+def page_view(host_pool: Any) -> torch.Tensor:
+    """A strided view (no copy) of the host pool's whole buffer as
+    [pages, layers, 2, page_size, heads, head_dim]: kvd's block layout."""
+    buffer = host_pool.kv_buffer
+    layers, heads, head_dim, page = host_pool.layer_num, host_pool.head_num, host_pool.head_dim, host_pool.page_size
+    layout = host_pool.layout
+    if layout == "layer_first":  # [2, L, tokens, H, D]
+        return buffer.view(2, layers, -1, page, heads, head_dim).permute(2, 1, 0, 3, 4, 5)
+    if layout == "page_first":  # [2, tokens, L, H, D]
+        return buffer.view(2, -1, page, layers, heads, head_dim).permute(1, 3, 0, 2, 4, 5)
+    if layout == "page_first_direct":  # [2, pages, L, P, H, D]
+        return buffer.permute(1, 2, 0, 3, 4, 5)
+    if layout == "page_head":  # [2, pages, H, P, L, D]
+        return buffer.permute(1, 4, 0, 3, 2, 5)
+    raise NotImplementedError(f"kvd: host layout {layout!r} is not supported (supported: {SUPPORTED_LAYOUTS})")
+
+
+def flat_page_view(host_pool: Any, flat_page: torch.Tensor) -> torch.Tensor:
+    """One page in SGLang's flat per-layout format (get_data_page(flat=True),
+    set_from_flat_data_page) seen as [layers, 2, page_size, heads, head_dim]."""
+    layers, heads, head_dim, page = host_pool.layer_num, host_pool.head_num, host_pool.head_dim, host_pool.page_size
+    layout = host_pool.layout
+    if layout in ("layer_first", "page_first_direct"):  # [2, L, P, H, D]
+        return flat_page.view(2, layers, page, heads, head_dim).permute(1, 0, 2, 3, 4)
+    if layout == "page_first":  # [2, P, L, H, D]
+        return flat_page.view(2, page, layers, heads, head_dim).permute(2, 0, 1, 3, 4)
+    if layout == "page_head":  # [2, H, P, L, D]
+        return flat_page.view(2, heads, page, layers, head_dim).permute(3, 0, 2, 1, 4)
+    raise NotImplementedError(f"kvd: host layout {layout!r} is not supported (supported: {SUPPORTED_LAYOUTS})")
+
+
+def page_ids(host_indices: torch.Tensor, page_size: int, pages: int) -> torch.Tensor:
+    """Page numbers of `pages` whole pages of host token indices; raises
+    unless every page is page_size consecutive tokens from a page boundary."""
+    indices = host_indices.reshape(-1).to(device="cpu", dtype=torch.int64)
+    if indices.numel() != pages * page_size:
+        raise ValueError(f"kvd: {indices.numel()} host indices for {pages} pages of {page_size} tokens")
+    rows = indices.view(pages, page_size)
+    starts = rows[:, 0]
+    offsets = torch.arange(page_size, dtype=torch.int64)
+    if bool((starts % page_size).any()) or not torch.equal(rows - starts[:, None], offsets.expand(pages, -1)):
+        raise ValueError("kvd: host indices are not whole pages starting on page boundaries")
+    return starts // page_size
+
+
+# ---------------------------------------------------------------------------
+# Configuration and identity
+
+
+@dataclass(frozen=True, slots=True)
+class KvdSettings:
+    """What the backend reads from SGLang's extra config (and the environment)."""
+
+    target: str
+    token: str | None
+    namespace: str
+
+    @classmethod
+    def from_extra_config(cls, extra_config: dict | None) -> KvdSettings:
+        extra = extra_config or {}
+        target = extra.get("target") or os.environ.get(TARGET_ENV) or DEFAULT_TARGET
+        token = extra.get("token") or None  # None: the client reads $KVD_TOKEN
+        return cls(target=str(target), token=token, namespace=str(extra.get("namespace", "")))
+
+
+def namespace_spec(host_pool: Any, config: HiCacheStorageConfig, settings: KvdSettings) -> NamespaceSpec:
+    """The kvd cache identity of this host pool, rank and configuration."""
+    check_host_pool(host_pool, config)
+    revision = ";".join([
+        "sglang-hicache/v1",
+        f"layout={host_pool.layout}",
+        f"layers={host_pool.start_layer}-{host_pool.end_layer}/{host_pool.layer_num}",
+        f"dp={config.dp_rank}",
+        f"cp={config.attn_cp_rank}/{config.attn_cp_size}",
+        f"namespace={settings.namespace}",
+    ])
+    return NamespaceSpec(
+        model_id=config.model_name or "sglang-unnamed-model",
+        model_revision=revision,
+        num_layers=host_pool.layer_num,
+        num_kv_heads=host_pool.head_num,
+        head_dim=host_pool.head_dim,
+        block_tokens=host_pool.page_size,
+        kv_dtype=dtype_of_torch(host_pool.dtype),
+        tp_rank=config.tp_rank,
+        tp_size=config.tp_size,
+        pp_stage=config.pp_rank,
+        pp_size=config.pp_size,
+    )
+
+
+def check_host_pool(host_pool: Any, config: HiCacheStorageConfig) -> None:
+    """Refuse the pools and modes this backend does not handle, naming why."""
+    if config.is_mla_model or config.dcp_size > 1:
+        raise NotImplementedError("kvd: MLA and decode-context-parallel pools are not supported yet")
+    if config.should_split_heads:
+        raise NotImplementedError("kvd: heterogeneous-TP head splitting is not supported")
+    if host_pool.layout not in SUPPORTED_LAYOUTS:
+        raise NotImplementedError(f"kvd: host layout {host_pool.layout!r} is not supported")
+    if getattr(host_pool, "v_head_dim", host_pool.head_dim) != host_pool.head_dim:
+        raise NotImplementedError("kvd: K and V head dims differ")
+    if host_pool.size % host_pool.page_size:
+        raise ValueError(f"kvd: host pool size {host_pool.size} is not a multiple of its page size")
+
+
+# ---------------------------------------------------------------------------
+# The backend
+
+
+class KvdHiCacheStorage(HiCacheStorage):
+    """HiCache L3 storage in a kvd daemon on this node (see the module docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        self.storage_config = storage_config
+        self.settings = KvdSettings.from_extra_config(storage_config.extra_config)
+        self.mem_pool_host: Any = None
+        self._spec: NamespaceSpec | None = None
+        # One client per calling thread (SGLang's prefetch, prefetch I/O and
+        # backup threads): each maps the arena itself and registers the
+        # namespace once; no lock is held across an RPC.
+        self._local = threading.local()
+        self._clients: list[Client] = []
+        self._clients_lock = threading.Lock()
+
+    # -- set-up ------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self._spec = namespace_spec(mem_pool_host, self.storage_config, self.settings)
+        self._pages = page_view(mem_pool_host)
+        logger.info("kvd HiCache backend: %s, namespace %s", self.settings.target, self._spec.namespace_id().hex()[:16])
+
+    def _session(self) -> tuple[Client, Namespace]:
+        """This thread's client and registered namespace (registered on first use)."""
+        if self._spec is None:
+            raise RuntimeError("kvd: no host pool registered yet (register_mem_pool_host)")
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = Client(self.settings.target, token=self.settings.token)
+            with self._clients_lock:
+                self._clients.append(client)
+            self._local.client = client
+            self._local.namespace = None
+        if self._local.namespace is None:
+            self._local.namespace = client.register_namespace(self._spec)
+        return client, self._local.namespace
+
+    def _call(self, operation: Any) -> Any:
+        """Run operation(client, namespace), registering the namespace again
+        once if the daemon no longer knows it (restarted without a disk tier)."""
+        client, namespace = self._session()
+        try:
+            return operation(client, namespace)
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND or "namespace" not in (error.details() or ""):
+                raise
+        self._local.namespace = None
+        client, namespace = self._session()
+        return operation(client, namespace)
+
+    def close(self) -> None:
+        with self._clients_lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
+
+    # -- zero-copy interface (interface_v1) --------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages of `keys` kvd holds: one Lookup."""
+        if not keys:
+            return 0
+        try:
+            return self._call(lambda client, ns: client.lookup(ns, kvd_keys(keys), parent_of(extra_info)).matched)
+        except KVD_ERRORS as error:
+            logger.warning("kvd: exists of %d pages failed, reporting none: %s", len(keys), describe(error))
+            return 0
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Load the stored prefix of `keys` into the host pages at host_indices.
+
+        True for each page loaded; the first page kvd does not have is
+        False and so is every page after it (their host pages untouched)."""
+        if not keys:
+            return []
+        pages = page_ids(host_indices, self.mem_pool_host.page_size, len(keys))
+        try:
+            rows = self._call(lambda client, ns: client.get_numpy(ns, kvd_keys(keys), parent_key=parent_of(extra_info)))
+        except KVD_ERRORS as error:
+            logger.warning("kvd: get of %d pages failed, reporting misses: %s", len(keys), describe(error))
+            return [False] * len(keys)
+        matched = rows.shape[0]
+        if matched:
+            self._pages[pages[:matched]] = self._rows_as_pages(rows)
+        return [index < matched for index in range(len(keys))]
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Store the host pages at host_indices under `keys`; True for each
+        page kvd holds afterwards (a leading run)."""
+        if not keys:
+            return []
+        pages = page_ids(host_indices, self.mem_pool_host.page_size, len(keys))
+        try:
+            stored = self._call(lambda client, ns: self._store(client, ns, kvd_keys(keys), pages, parent_of(extra_info)))
+        except KVD_ERRORS as error:
+            logger.warning("kvd: set of %d pages failed, reporting none stored: %s", len(keys), describe(error))
+            stored = 0
+        return [index < stored for index in range(len(keys))]
+
+    def _store(self, client: Client, namespace: Namespace, keys: list[bytes], pages: torch.Tensor, parent: bytes) -> int:
+        """Write the pages kvd does not hold yet; how many leading keys it holds after.
+
+        A Lookup first, so pages already stored (write-through rewrites
+        shared prefixes often) are neither copied nor sent. Then one gather
+        of the missing pages from the host pool and one Put (Reserve, a
+        scatter into the arena, Commit). A concurrent writer of the same
+        pages can make the count low, never high.
+        """
+        held = client.lookup(namespace, keys, parent).matched
+        if held == len(keys):
+            return held
+        rows = self._pages[pages[held:]].contiguous()  # the one gather: [n, L, 2, P, H, D]
+        written = client.put(namespace, keys[held:], rows, parent_key=keys[held - 1] if held else parent)
+        return held + written
+
+    def _rows_as_pages(self, rows: np.ndarray) -> torch.Tensor:
+        """kvd rows (the namespace's numpy dtype) as a [n, L, 2, P, H, D] tensor of the pool's dtype."""
+        tensor = torch.from_numpy(rows.reshape(rows.shape[0], -1).view(np.uint8))
+        return tensor.view(self.mem_pool_host.dtype).view(rows.shape[0], *self._pages.shape[1:])
+
+    # -- legacy interface (one flat page per key) ---------------------------
+    # SGLang uses these without "interface_v1". They pass no prefix keys, so
+    # each batch is a chain from the root (see "Keys" in the module docstring).
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list:
+        """Fill each flat page of target_locations from kvd; None from the first page kvd lacks."""
+        if not keys:
+            return []
+        try:
+            rows = self._call(lambda client, ns: client.get_numpy(ns, kvd_keys(keys)))
+        except KVD_ERRORS as error:
+            logger.warning("kvd: get of %d pages failed, reporting misses: %s", len(keys), describe(error))
+            return [None] * len(keys)
+        pages = self._rows_as_pages(rows)
+        results: list = [None] * len(keys)
+        for index in range(rows.shape[0]):  # one copy per page: this interface hands over one tensor per page
+            flat_page_view(self.mem_pool_host, target_locations[index]).copy_(pages[index])
+            results[index] = target_locations[index]
+        return results
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        """Store flat pages under `keys` (a chain from the root); True when all are held."""
+        if not keys:
+            return True
+        rows = torch.stack([flat_page_view(self.mem_pool_host, value) for value in values])
+        try:
+            written = self._call(lambda client, ns: self._store_rows(client, ns, kvd_keys(keys), rows))
+        except KVD_ERRORS as error:
+            logger.warning("kvd: set of %d pages failed: %s", len(keys), describe(error))
+            return False
+        return written == len(keys)
+
+    @staticmethod
+    def _store_rows(client: Client, namespace: Namespace, keys: list[bytes], rows: torch.Tensor) -> int:
+        client.put(namespace, keys, rows.contiguous())
+        return client.lookup(namespace, keys).matched
+
+    def clear(self) -> None:
+        """Not offered: kvd deletes by key (Client.delete), and its eviction
+        already bounds what the namespace holds."""
+        logger.warning("kvd: clear() is not supported; pages leave kvd by eviction or Client.delete")
+
+
+def describe(error: BaseException) -> str:
+    if isinstance(error, grpc.RpcError):
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"
