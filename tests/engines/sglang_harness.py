@@ -1,11 +1,12 @@
 """Drive kvd's SGLang HiCache backend through SGLang's real classes, on the CPU.
 
-Run with .venv-sglang's python (tests/engines/test_sglang_backend.py does):
+Run with .venv-sglang's python (tests/engines/test_sglang_backend.py does),
+with a JSON list of steps run in order in one process:
 
-    sglang_harness.py write  --target unix:///.../kvd.sock --seed 1 ...
-    sglang_harness.py read   --target ... --seed 1 ...
+    sglang_harness.py '[{"op": "write", "target": "unix:///.../kvd.sock", "seed": 1},
+                        {"op": "read", "target": "unix:///.../kvd.sock", "seed": 1}]'
 
-Each run builds SGLang's real MHATokenToKVPool (device "cpu"),
+Each step builds SGLang's real MHATokenToKVPool (device "cpu"),
 MHATokenToKVPoolHost and HiCacheController, and the controller attaches the
 kvd backend itself through StorageBackendFactory's "dynamic" path, from the
 same extra config a server gets with --hicache-storage-backend-extra-config.
@@ -14,16 +15,17 @@ same extra config a server gets with --hicache-storage-backend-extra-config.
   KV into host pages, and hands the pages to the controller's write-back path
   (write_storage -> backup thread -> batch_set_v1) in two operations, the
   second continuing the first (its prefix keys are the first's pages).
-- read: in a fresh process and host pool, asks the controller to prefetch
+- read: in a fresh host pool and controller (the test runs reads in
+  another process than the writes), asks the controller to prefetch
   the prompt (prefetch -> prefetch thread -> batch_exists; then, playing
   the scheduler, allocates host pages and hands the operation to the I/O
   thread -> batch_get_v1), and compares the loaded host pages with the
   seeded values, bit for bit.
 
-One JSON object on stdout says what happened. The device->host copy is a
-torch copy here: SGLang's own kernel for it (sgl_kernel transfer_kv_*) does
-not exist on the CPU; the harness's write subcommand records the error the
-controller's write() gives when tried.
+The last stdout line, "HARNESS-RESULT [...]", holds one JSON object per step.
+The device->host copy is a torch copy here: SGLang's own device->host path
+(controller.write -> L2 transfer, sgl_kernel transfer_kv_*) does not run
+on the CPU; a write step with "try_device_write" records the error it gives.
 
 torchvision: sglang's config package imports it unconditionally, and the
 registry's build breaks against this torch; a stub stands in for it in this
@@ -249,28 +251,42 @@ def extra_info_root(args: argparse.Namespace):
     return HiCacheStorageExtraInfo(prefix_keys=[] if args.prefix_keys else None)
 
 
+def delete_page(controller: HiCacheController, page_hash: str) -> int:
+    """Delete one page (and, in kvd, its descendants) with kvd's Client.delete."""
+    from kvd.connectors.sglang import kvd_key
+
+    client, namespace = controller.storage_backend._session()
+    deleted, _ = client.delete(namespace, [kvd_key(page_hash)])
+    return deleted
+
+
 def run_read(args: argparse.Namespace, extra_config: dict) -> dict:
     controller, device_pool, host_pool = build(args, extra_config)
     tokens = prompt(args)
+    hashes = get_storage_hash_str(tokens, None, page_size=args.page_size)
     kv = seeded_kv(args, len(tokens))
-    operation = controller.prefetch("req-0", tokens, None, [] if args.prefix_keys else None)
-    operation = controller.prefetch_hit_queue.get(timeout=ACK_TIMEOUT_S)  # the prefetch thread's batch_exists
+    result = {"tokens": len(tokens)}
+    if args.delete_page is not None:
+        result["deleted"] = delete_page(controller, hashes[args.delete_page])
+    controller.prefetch("req-0", tokens, None, [] if args.prefix_keys else None)
+    operation = controller.prefetch_hit_queue.get(timeout=ACK_TIMEOUT_S)  # after the prefetch thread's batch_exists
     hit_tokens = operation.storage_hit_count
-    result = {"hit_tokens": hit_tokens, "tokens": len(tokens)}
+    result["hit_tokens"] = hit_tokens
     if hit_tokens:
-        # Playing the scheduler: pages for the hit, then the I/O thread loads them.
+        if args.delete_after_exists is not None:  # gone between batch_exists and batch_get_v1
+            result["deleted"] = delete_page(controller, hashes[args.delete_after_exists])
+        # Playing the scheduler: host pages for the hit, then the I/O thread loads them.
         host_indices = controller.alloc_prefetch_host_buffers(operation, hit_tokens)
         operation.host_indices = host_indices
         host_pool.kv_buffer.fill_(7.0)  # so nothing but a load can make the pages match
         controller.prefetch_buffer.put(operation)
         completed = wait_prefetch(controller)
-        result["loaded_tokens"] = completed
         loaded = host_tokens(host_pool, host_indices[:completed])
-        expected = kv[:, :, :completed]
-        result["bit_exact"] = bool(torch.equal(loaded.view(torch.uint8), expected.view(torch.uint8)))
-        result["first_page_after_hit_untouched"] = bool(
-            (host_tokens(host_pool, host_indices[completed:]) == 7.0).all()) if completed < hit_tokens else None
+        result["loaded_tokens"] = completed
+        result["bit_exact"] = bool(torch.equal(loaded.view(torch.uint8), kv[:, :, :completed].view(torch.uint8)))
         result["bytes_compared"] = loaded.numel() * loaded.element_size()
+        rest = host_tokens(host_pool, host_indices[completed:]) if completed < hit_tokens else None
+        result["rest_untouched"] = None if rest is None else bool((rest == 7.0).all())
     controller.detach_storage_backend()
     return result
 
@@ -287,38 +303,36 @@ def wait_prefetch(controller: HiCacheController) -> int:
     raise TimeoutError("no prefetch ack")
 
 
-def parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("write", "read"))
-    parser.add_argument("--target", required=True)
-    parser.add_argument("--namespace", default="")
-    parser.add_argument("--model", default="kvd-test-model")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--layout", default="layer_first")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--pages", type=int, default=12)
-    parser.add_argument("--split-pages", type=int, default=5)
-    parser.add_argument("--device-tokens", type=int, default=1024)
-    parser.add_argument("--no-prefix-keys", dest="prefix_keys", action="store_false")
-    parser.add_argument("--try-device-write", action="store_true")
-    return parser.parse_args()
+DEFAULTS = {
+    "target": None, "namespace": "", "model": "kvd-test-model", "seed": 1, "layout": "layer_first",
+    "dtype": "bfloat16", "layers": 4, "heads": 2, "head_dim": 64, "page_size": 16, "pages": 12,
+    "split_pages": 5, "device_tokens": 1024, "prefix_keys": True, "try_device_write": False,
+    "delete_page": None, "delete_after_exists": None,
+}
 
 
-def main() -> None:
-    args = parse()
+def run_step(step: dict) -> dict:
+    """One write or read, each with its own fresh pools and controller."""
+    unknown = set(step) - set(DEFAULTS) - {"op"}
+    if unknown:
+        raise ValueError(f"unknown step fields {sorted(unknown)}")
+    args = argparse.Namespace(**{**DEFAULTS, **step})
     publish_server_args(args.page_size)
     extra_config = {"backend_name": "kvd", "module_path": "kvd.connectors.sglang", "class_name": "KvdHiCacheStorage",
                     "interface_v1": 1, "target": args.target, "namespace": args.namespace}
     started = time.monotonic()
-    result = run_write(args, extra_config) if args.mode == "write" else run_read(args, extra_config)
+    result = run_write(args, extra_config) if step["op"] == "write" else run_read(args, extra_config)
     result["seconds"] = round(time.monotonic() - started, 3)
-    print(json.dumps(result))
+    return result
+
+
+def main() -> None:
+    """argv[1]: a JSON list of steps, e.g. [{"op": "write", "target": ..., "seed": 1}]."""
+    steps = json.loads(sys.argv[1])
+    results = [run_step(step) for step in steps]
+    print("HARNESS-RESULT " + json.dumps(results))
     sys.stdout.flush()
-    os._exit(0)  # the controller's daemon threads need no orderly exit
+    os._exit(0)  # the controllers' daemon threads need no orderly exit
 
 
 if __name__ == "__main__":

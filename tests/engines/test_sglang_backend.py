@@ -1,0 +1,159 @@
+"""kvd's SGLang HiCache backend against SGLang's real classes, on the CPU.
+
+The daemons run from kvd's venv; SGLang runs in its own (.venv-sglang, built
+by `make sglang-venv`) through tests/engines/sglang_harness.py, which builds
+SGLang's real device pool, host pool and HiCacheController, lets the
+controller attach kvd through SGLang's StorageBackendFactory ("dynamic"),
+and drives the controller's write-back (write_storage -> batch_set_v1) and
+prefetch (prefetch -> batch_exists -> batch_get_v1) paths. Writes and reads
+run in different processes, so a read gets only what kvd holds.
+
+One module-scoped scenario (the imports cost about 10 s a process):
+  1. write: prompt A (layer_first, prefix keys passed) and prompt B
+     (page_first, no prefix keys) to a daemon with a disk tier, and prompt C
+     to a daemon without one;
+  2. read, in a new process: A and B back bit-exact; other head_dim,
+     another host layout and another namespace string see nothing; a page
+     deleted with Client.delete (before the prefetch, or between its
+     batch_exists and batch_get_v1) ends the hit there, the pages before
+     it still exact and the host pages after it untouched;
+  3. both daemons restarted: A comes back from the disk tier bit-exact,
+     C (no disk tier) is a miss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from kvd.testing.daemon import run_daemon
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
+HARNESS = Path(__file__).with_name("sglang_harness.py")
+HARNESS_TIMEOUT_S = 240
+PAGE_TOKENS = 16
+PAGES = 12
+# The first write-back operation covers pages [0, SPLIT); the second, the rest.
+SPLIT = 5
+HOST = {"capacity_bytes": 64 << 20, "slot_bytes": 64 << 10}
+
+
+def disk_config(tmp_path: Path) -> dict:
+    return {"host": HOST, "disk": {"directories": [str(tmp_path / "nvme0")], "capacity_bytes": 32 << 20,
+                                   "slot_bytes": 64 << 10, "segment_bytes": 4 << 20, "fsync": "none"}}
+
+
+def require_sglang_venv() -> None:
+    if not SGLANG_PYTHON.exists():
+        pytest.fail(f"{SGLANG_PYTHON} is missing: run `make sglang-venv` (mk/sglang.mk) to build SGLang's venv")
+
+
+def harness(steps: list[dict]) -> list[dict]:
+    """Run the steps in one .venv-sglang process; their results."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    completed = subprocess.run([str(SGLANG_PYTHON), str(HARNESS), json.dumps(steps)], capture_output=True, text=True,
+                               timeout=HARNESS_TIMEOUT_S, env=env, cwd=ROOT)
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("HARNESS-RESULT ")]
+    if completed.returncode != 0 or not lines:
+        pytest.fail(f"harness failed ({completed.returncode}):\n{completed.stdout[-3000:]}\n{completed.stderr[-6000:]}")
+    return json.loads(lines[-1].removeprefix("HARNESS-RESULT "))
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    """Run the three phases; their results by name."""
+    require_sglang_venv()
+    base = tmp_path_factory.mktemp("sglang")
+    results: dict[str, dict] = {}
+    started = time.monotonic()
+    with run_daemon(base / "disk", config=disk_config(base)) as disk_daemon, \
+            run_daemon(base / "memory", config={"host": HOST}) as memory_daemon:
+        a = {"target": disk_daemon.unix_target, "seed": 1, "layout": "layer_first"}
+        b = {"target": disk_daemon.unix_target, "seed": 2, "layout": "page_first", "prefix_keys": False}
+        c = {"target": memory_daemon.unix_target, "seed": 3}
+        names = ["write_a", "write_b", "write_c"]
+        written = harness([{"op": "write", "try_device_write": True, **a}, {"op": "write", **b}, {"op": "write", **c}])
+        results.update(zip(names, written))
+        reads = {
+            "read_a": {**a},
+            "read_b": {**b},
+            "other_head_dim": {**a, "head_dim": 32},
+            "other_layout": {**a, "layout": "page_first"},
+            "other_namespace": {**a, "namespace": "another-model"},
+            "delete_before": {**b, "delete_page": 3},
+            "delete_between": {**a, "delete_after_exists": 9},
+        }
+        results.update(zip(reads, harness([{"op": "read", **step} for step in reads.values()])))
+    # Both daemons stopped (SIGTERM: the disk daemon writes its blocks back); start them again.
+    with run_daemon(base / "disk", config=disk_config(base)) as disk_daemon, \
+            run_daemon(base / "memory", config={"host": HOST}) as memory_daemon:
+        after = harness([{"op": "read", **a, "target": disk_daemon.unix_target},
+                         {"op": "read", **c, "target": memory_daemon.unix_target}])
+        results["restart_disk"], results["restart_memory"] = after
+    results["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps({name: value for name, value in results.items() if name != "seconds"}, indent=1))
+    return results
+
+
+def test_write_back_through_the_controller_stores_every_page(scenario):
+    for name in ("write_a", "write_b", "write_c"):
+        assert scenario[name]["completed_tokens"] == [SPLIT * PAGE_TOKENS, (PAGES - SPLIT) * PAGE_TOKENS], name
+    # batch_exists: the longest stored prefix. With prefix keys the two
+    # operations are one chain in kvd; without them the second operation
+    # began a chain of its own, which a lookup from the root cannot reach.
+    assert scenario["write_a"]["exists_after"] == PAGES
+    assert scenario["write_b"]["exists_after"] == SPLIT
+
+
+def test_prefetch_in_another_process_is_bit_exact(scenario):
+    read_a = scenario["read_a"]
+    assert read_a["hit_tokens"] == read_a["loaded_tokens"] == PAGES * PAGE_TOKENS
+    assert read_a["bit_exact"] is True
+    assert read_a["bytes_compared"] == PAGES * PAGE_TOKENS * 4 * 2 * 2 * 64 * 2
+    # Without prefix keys (page_first pool): the first operation's pages, exact.
+    read_b = scenario["read_b"]
+    assert read_b["hit_tokens"] == read_b["loaded_tokens"] == SPLIT * PAGE_TOKENS
+    assert read_b["bit_exact"] is True
+
+
+def test_another_layout_never_sees_the_pages(scenario):
+    for name in ("other_head_dim", "other_layout", "other_namespace"):
+        assert scenario[name]["hit_tokens"] == 0, name
+        assert "loaded_tokens" not in scenario[name], name
+
+
+def test_a_deleted_page_is_a_miss_and_never_wrong_bytes(scenario):
+    before = scenario["delete_before"]  # deleted before the prefetch: batch_exists stops there
+    assert before["deleted"] >= 1
+    assert before["hit_tokens"] == before["loaded_tokens"] == 3 * PAGE_TOKENS
+    assert before["bit_exact"] is True
+    between = scenario["delete_between"]  # deleted after batch_exists said 12: batch_get_v1 stops there
+    assert between["hit_tokens"] == PAGES * PAGE_TOKENS
+    assert between["deleted"] == PAGES - 9  # the page and its descendants
+    assert between["loaded_tokens"] == 9 * PAGE_TOKENS
+    assert between["bit_exact"] is True
+    assert between["rest_untouched"] is True
+
+
+def test_a_restart_keeps_disk_pages_exact_and_loses_memory_pages(scenario):
+    disk = scenario["restart_disk"]  # chain A after the delete of pages 9..11
+    assert disk["hit_tokens"] == disk["loaded_tokens"] == 9 * PAGE_TOKENS
+    assert disk["bit_exact"] is True
+    assert scenario["restart_memory"]["hit_tokens"] == 0
+
+
+def test_sglang_own_device_write_path_on_the_cpu_is_recorded(scenario):
+    # SGLang's device->host copy (controller.write) has no CPU implementation;
+    # the harness copies with torch instead and records what SGLang said.
+    assert scenario["write_a"]["device_write"] is not None
+    print("controller.write on the CPU:", scenario["write_a"]["device_write"])
+
+
+def test_runs_within_budget(scenario):
+    assert scenario["seconds"] < 150, scenario["seconds"]
