@@ -239,10 +239,13 @@ def run_write(args: argparse.Namespace, extra_config: dict) -> dict:
             host_indices[start * args.page_size:stop * args.page_size], tokens[start * args.page_size:stop * args.page_size],
             hash_value=hashes[start:stop], prefix_keys=prefix if args.prefix_keys else None)
         completed.append(wait_backup(controller, operation_id))
-    exists = controller.storage_backend.batch_exists(hashes, extra_info_root(args))
+    backend = controller.storage_backend
+    exists = backend.batch_exists(hashes, extra_info_root(args))
+    shared_memory = backend._session()[0].uses_shared_memory
+    page_get = controller.page_get_func.__name__
     controller.detach_storage_backend()
     return {"completed_tokens": completed, "tokens": len(tokens), "cut": cut, "exists_after": exists,
-            "hashes": hashes, "device_write": write_error}
+            "device_write": write_error, "shared_memory": shared_memory, "page_get": page_get}
 
 
 def extra_info_root(args: argparse.Namespace):
@@ -307,7 +310,7 @@ DEFAULTS = {
     "target": None, "namespace": "", "model": "kvd-test-model", "seed": 1, "layout": "layer_first",
     "dtype": "bfloat16", "layers": 4, "heads": 2, "head_dim": 64, "page_size": 16, "pages": 12,
     "split_pages": 5, "device_tokens": 1024, "prefix_keys": True, "try_device_write": False,
-    "delete_page": None, "delete_after_exists": None,
+    "delete_page": None, "delete_after_exists": None, "interface_v1": 1,
 }
 
 
@@ -319,7 +322,7 @@ def run_step(step: dict) -> dict:
     args = argparse.Namespace(**{**DEFAULTS, **step})
     publish_server_args(args.page_size)
     extra_config = {"backend_name": "kvd", "module_path": "kvd.connectors.sglang", "class_name": "KvdHiCacheStorage",
-                    "interface_v1": 1, "target": args.target, "namespace": args.namespace}
+                    "interface_v1": args.interface_v1, "target": args.target, "namespace": args.namespace}
     started = time.monotonic()
     result = run_write(args, extra_config) if step["op"] == "write" else run_read(args, extra_config)
     result["seconds"] = round(time.monotonic() - started, 3)

@@ -9,9 +9,10 @@ prefetch (prefetch -> batch_exists -> batch_get_v1) paths. Writes and reads
 run in different processes, so a read gets only what kvd holds.
 
 One module-scoped scenario (the imports cost about 10 s a process):
-  1. write: prompt A (layer_first, prefix keys passed) and prompt B
-     (page_first, no prefix keys) to a daemon with a disk tier, and prompt C
-     to a daemon without one;
+  1. write: prompt A (layer_first, prefix keys passed), prompt B
+     (page_first, no prefix keys) and prompt D (page_head, SGLang's legacy
+     non-zero-copy interface) to a daemon with a disk tier, and prompt C to
+     a daemon without one;
   2. read, in a new process: A and B back bit-exact; other head_dim,
      another host layout and another namespace string see nothing; a page
      deleted with Client.delete (before the prefetch, or between its
@@ -77,12 +78,17 @@ def scenario(tmp_path_factory):
         a = {"target": disk_daemon.unix_target, "seed": 1, "layout": "layer_first"}
         b = {"target": disk_daemon.unix_target, "seed": 2, "layout": "page_first", "prefix_keys": False}
         c = {"target": memory_daemon.unix_target, "seed": 3}
-        names = ["write_a", "write_b", "write_c"]
-        written = harness([{"op": "write", "try_device_write": True, **a}, {"op": "write", **b}, {"op": "write", **c}])
+        # SGLang without interface_v1: the legacy per-page batch_get/batch_set.
+        d = {"target": disk_daemon.unix_target, "seed": 4, "layout": "page_head", "interface_v1": 0,
+             "prefix_keys": False}
+        names = ["write_a", "write_b", "write_c", "write_d"]
+        written = harness([{"op": "write", "try_device_write": True, **a}, {"op": "write", **b}, {"op": "write", **c},
+                           {"op": "write", **d}])
         results.update(zip(names, written))
         reads = {
             "read_a": {**a},
             "read_b": {**b},
+            "read_d": {**d},
             "other_head_dim": {**a, "head_dim": 32},
             "other_layout": {**a, "layout": "page_first"},
             "other_namespace": {**a, "namespace": "another-model"},
@@ -102,13 +108,17 @@ def scenario(tmp_path_factory):
 
 
 def test_write_back_through_the_controller_stores_every_page(scenario):
-    for name in ("write_a", "write_b", "write_c"):
+    for name in ("write_a", "write_b", "write_c", "write_d"):
         assert scenario[name]["completed_tokens"] == [SPLIT * PAGE_TOKENS, (PAGES - SPLIT) * PAGE_TOKENS], name
+        assert scenario[name]["shared_memory"] is True, name  # Reserve/Commit/Get through the arena
+    assert scenario["write_a"]["page_get"] == "_page_get_zero_copy"
+    assert scenario["write_d"]["page_get"] == "_generic_page_get"
     # batch_exists: the longest stored prefix. With prefix keys the two
     # operations are one chain in kvd; without them the second operation
     # began a chain of its own, which a lookup from the root cannot reach.
     assert scenario["write_a"]["exists_after"] == PAGES
     assert scenario["write_b"]["exists_after"] == SPLIT
+    assert scenario["write_d"]["exists_after"] == SPLIT
 
 
 def test_prefetch_in_another_process_is_bit_exact(scenario):
@@ -120,6 +130,10 @@ def test_prefetch_in_another_process_is_bit_exact(scenario):
     read_b = scenario["read_b"]
     assert read_b["hit_tokens"] == read_b["loaded_tokens"] == SPLIT * PAGE_TOKENS
     assert read_b["bit_exact"] is True
+    # The legacy interface (page_head pool): the same, one flat page per key.
+    read_d = scenario["read_d"]
+    assert read_d["hit_tokens"] == read_d["loaded_tokens"] == SPLIT * PAGE_TOKENS
+    assert read_d["bit_exact"] is True
 
 
 def test_another_layout_never_sees_the_pages(scenario):
