@@ -83,7 +83,9 @@ $(VLLM_STAMP): engines/vllm-requirements.txt | $(BUILT_STAMP)
 	echo "$(CURDIR)" > "$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvd-checkout.pth"
 	touch $@
 
-engines: vllm-venv
+include mk/sglang.mk
+
+engines: vllm-venv sglang-venv
 
 test: setup engines proto-check lint
 	$(PY) -m pytest $(PYTEST_ARGS)

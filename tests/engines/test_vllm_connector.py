@@ -13,17 +13,15 @@ reference is vLLM alone serving prompt B. Then:
   (the loaded KV is really used); blocks deleted, or the daemon killed,
   between the Lookup and the load are reported, recomputed, and the answer
   is again exactly the reference;
-- `vllm serve` with the connector answers HTTP requests.
+- `vllm serve` with the connector stores a prompt and, once vLLM's own
+  prefix cache is reset, serves it again from kvd.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
@@ -34,6 +32,7 @@ from kvd.client import Client
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
 from kvd.testing import tiny_llama
 from kvd.testing.daemon import start_daemon
+from kvd.testing.vllm_server import complete, vllm_server
 from kvd.v1 import kvd_pb2
 
 pytestmark = pytest.mark.slow
@@ -56,7 +55,8 @@ def prompts() -> dict[str, list[int]]:
     rng = np.random.default_rng(11)
     prefix = rng.integers(4, tiny_llama.VOCAB, PREFIX_TOKENS).tolist()
     return {"A": prefix + rng.integers(4, tiny_llama.VOCAB, 60).tolist(),
-            "B": prefix + rng.integers(4, tiny_llama.VOCAB, 70).tolist()}
+            "B": prefix + rng.integers(4, tiny_llama.VOCAB, 70).tolist(),
+            "C": rng.integers(4, tiny_llama.VOCAB, 1200).tolist()}  # the served test's own
 
 
 class Kvd:
@@ -144,6 +144,8 @@ def test_prefix_stored_by_one_vllm_is_loaded_by_another(engine_python, model, kv
     assert stored["connector"]["totals"]["saved_blocks"] == len(prompts()["A"]) // BLOCK
     identity = stored["connector"]["model_revision"]
     assert "CPU_ATTN" in identity and "vllm 0.32.0" in identity and "[blocks]" in identity
+    # vLLM published kvd's STORED events for them (for KV-aware routers): kvd's keys, in order.
+    assert stored["events"]["kvd_stored"] == [key.hex() for key in chain_keys(namespace_of(stored), prompts()["A"])]
 
     loaded = run_vllm(engine_python, model, tmp_path / "B", [prompts()["B"]], target=kvd.target)
     result, totals = loaded["results"][0], loaded["connector"]["totals"]
@@ -191,59 +193,40 @@ def test_blocks_that_vanish_after_the_lookup_are_recomputed(engine_python, model
     kvd.restart()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def test_vllm_serve_stores_and_loads_through_the_connector(engine_python, model, kvd, tmp_path):
+    """The README's command line: the first request stores its prompt's blocks; once vLLM's own
+    prefix cache is reset (a dev endpoint), the same prompt is served from kvd, with the same answer."""
+    prompt, blocks = tiny_llama.prompt_words(prompts()["C"]), len(prompts()["C"]) // BLOCK
+    with vllm_server(engine_python, model, tmp_path / "serve.log", connector={"target": kvd.target},
+                     env={"VLLM_SERVER_DEV_MODE": "1"}) as port:
+        computed = complete(port, prompt)
+        assert post(port, "/reset_prefix_cache") == {"success": True}
+        loaded = complete(port, prompt)
+        metrics = prometheus_samples(port)
+    assert computed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert loaded["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * BLOCK
+    first, second = computed["choices"][0], loaded["choices"][0]
+    assert second["text"] == first["text"]
+    assert second["logprobs"]["token_logprobs"] == pytest.approx(first["logprobs"]["token_logprobs"],
+                                                                 abs=LOGPROB_TOLERANCE)
+    # The connector's counters on vLLM's own /metrics.
+    assert metrics["vllm:kvd_saved_blocks_total"] == blocks
+    assert metrics["vllm:kvd_loaded_blocks_total"] == blocks and metrics["vllm:kvd_load_errors_total"] == 0
 
 
-def wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"vllm serve exited:\n{log.read_text(errors='replace')[-5000:]}"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"vllm serve not healthy in {timeout_s}s:\n{log.read_text(errors='replace')[-5000:]}")
-
-
-def complete(port: int, prompt: str) -> dict:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        assert response.status == 200
+def post(port: int, path: str) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", b"", method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
 
 
-def test_vllm_serve_answers_through_the_connector(engine_python, model, kvd, reference, tmp_path):
-    port = free_port()
-    transfer = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.connectors.vllm",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"target": kvd.target}}
-    command = [str(engine_python), "-m", "kvd.testing.vllm_cli", "serve", str(model), "--served-model-name", "tiny",
-               "--port", str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "4096",
-               "--enforce-eager", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)]
-    log = tmp_path / "serve.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    with open(log, "wb") as sink:
-        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", server, log, ENGINE_TIMEOUT_S)
-        answer = complete(port, tiny_llama.prompt_words(prompts()["B"]))
-        choice = answer["choices"][0]
-        assert choice["text"].split() == tiny_llama.prompt_words(reference["tokens"][:4]).split()
-        assert choice["logprobs"]["token_logprobs"] == pytest.approx(reference["logprobs"][:4], abs=LOGPROB_TOLERANCE)
-        # The server's own prompt was served from kvd (stored by the earlier tests).
-        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompts()["B"]) // BLOCK * BLOCK
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+def prometheus_samples(port: int) -> dict[str, float]:
+    """vllm:kvd_* samples of the server's /metrics, summed over their labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:kvd_"):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            samples[name] = samples.get(name, 0.0) + value
+    return samples

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 BLOCK_SIZE = 128
@@ -26,7 +27,7 @@ BLOCK_SIZE = 128
 
 def engine(args):
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     transfer = None
     if args.kvd:
@@ -36,9 +37,11 @@ def engine(args):
             module, name = "vllm_hooks", "HookedKvdConnector"
         transfer = KVTransferConfig(kv_connector=name, kv_connector_module_path=module, kv_role="kv_both",
                                     kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    # KV events on (published nowhere): the connector's events are captured below.
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if args.kvd else None
     return LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                block_size=BLOCK_SIZE, max_model_len=4096, seed=0, kv_transfer_config=transfer,
-               distributed_executor_backend="uni", gpu_memory_utilization=0.5)
+               kv_events_config=events, distributed_executor_backend="uni", gpu_memory_utilization=0.5)
 
 
 def main() -> None:
@@ -55,6 +58,7 @@ def main() -> None:
     from vllm import SamplingParams
 
     llm = engine(args)
+    published = capture_events(llm) if args.kvd else []
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=0, detokenize=False)
     prompts = json.loads(Path(args.prompts).read_text())
     hooks = args.hooks.split(",") if args.hooks else [""] * len(prompts)
@@ -71,7 +75,36 @@ def main() -> None:
         results.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
                         "cached_tokens": output.num_cached_tokens, "fired": _fired(args.hooks)})
     report = {"results": results, "connector": connector_report()}
+    if args.kvd:
+        report["events"] = events_report(llm, published, report["connector"]["totals"]["saved_blocks"])
     Path(args.out).write_text(json.dumps(report))
+
+
+def _scheduler(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def capture_events(llm) -> list:
+    """Every KV event the scheduler publishes (vLLM's own and the connector's)."""
+    published = []
+    _scheduler(llm).kv_event_publisher.publish = lambda batch: published.extend(batch.events)
+    return published
+
+
+def events_report(llm, published: list, saved_blocks: int) -> dict:
+    """kvd's STORED blocks as vLLM published them (medium CPU/STORAGE), once the feed caught up."""
+    from vllm.distributed.kv_events import BlockStored
+
+    connector = _scheduler(llm).connector
+    deadline = time.monotonic() + 10
+    stored: list[str] = []
+    while True:
+        published.extend(connector.take_events())  # what arrived after the last engine step
+        stored = [key.hex() for event in published if isinstance(event, BlockStored)
+                  and event.medium in ("CPU", "STORAGE") for key in event.block_hashes]
+        if len(stored) >= saved_blocks or time.monotonic() > deadline:
+            return {"kvd_stored": stored}
+        time.sleep(0.05)
 
 
 def _fired(hooks: str) -> list[str]:

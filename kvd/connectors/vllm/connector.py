@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.layout import UnsupportedLayout, namespace_spec, paged_layout
@@ -53,6 +53,36 @@ class KvdConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+class KvdPromMetrics(KVConnectorPromMetrics):
+    """The same counters on vLLM's /metrics, as vllm:kvd_<counter>_total."""
+
+    HELP = {
+        "loaded_blocks": "Blocks loaded from kvd into the engine (every layer).",
+        "async_loads": "Requests whose hit was loaded from disk while vLLM ran other requests.",
+        "load_errors": "Blocks that could not be loaded from kvd; vLLM recomputed them.",
+        "saved_blocks": "Blocks stored in kvd.",
+        "save_errors": "Reservations or commits in kvd that failed; those blocks were not stored.",
+        "load_wait_seconds": "Time the model's attention layers waited for bytes from kvd.",
+    }
+    RENAMED = {"load_wait_s": "load_wait_seconds"}
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {name: self._counter_cls(name=f"vllm:kvd_{name}", documentation=text,
+                                                  labelnames=labelnames)
+                          for name, text in self.HELP.items()}
+        for counter in self._counters.values():  # every engine's series exists from the start, at 0
+            for labels in per_engine_labelvalues.values():
+                counter.labels(*labels)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.items():
+            counter = self._counters.get(self.RENAMED.get(name, name))
+            if counter is not None and value:
+                counter.labels(*labels).inc(value)
+
+
 class KvdConnector(KVConnectorBase_V1):
     """Stores prompt KV blocks in kvd and loads hits back, layer by layer."""
 
@@ -64,7 +94,9 @@ class KvdConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         self._spec = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.config, self.block_size)
+            events = vllm_config.kv_events_config
+            publish = bool(events is not None and events.enable_kv_cache_events)
+            self.scheduler = SchedulerSide(self.config, self.block_size, publish_events=publish)
 
     # ---- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -129,6 +161,10 @@ class KvdConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvdConnectorStats:
         return KvdConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KvdPromMetrics:
+        return KvdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for side in (self.worker, self.scheduler):

@@ -54,8 +54,9 @@ class _Plan:
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, block_size: int, publish_events: bool = False) -> None:
         self.config = config
+        self.publish_events = publish_events
         self.block_size = block_size
         self.client = Client(config.target, token=config.token, timeout_s=config.timeout_s, use_shared_memory=False)
         self.shards: list[Namespace] = []
@@ -68,7 +69,8 @@ class SchedulerSide:
         """Adopt the workers' namespaces, ordered as the workers index them."""
         specs = [handshakes[key].spec for key in sorted(handshakes)]
         self.shards = [self.client.register_namespace(spec) for spec in specs]
-        self.events = EventFeed(self.client, self.shards[0])
+        if self.publish_events:
+            self.events = EventFeed(self.client, self.shards[0])
 
     # ---- per request
     def track(self, request: Any) -> _Tracked | None:

