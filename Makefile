@@ -149,7 +149,7 @@ docs: setup
 lint: setup
 	$(VENV)/bin/ruff check --select F,E9 --exclude kvd/v1 kvd tests bench examples
 
-bench: setup
+bench: setup vllm-venv
 	$(MAKE) --no-print-directory apt APT_PACKAGES="$(BENCH_APT_PACKAGES)"
 	$(PY) bench/run_all.py
 

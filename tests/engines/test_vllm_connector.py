@@ -99,31 +99,70 @@ def kvd(tmp_path_factory):
     daemon.stop()
 
 
-def run_vllm(python: Path, model: Path, work: Path, batch: list[list[int]], *, target: str = "",
-             hooks: str = "", env: dict[str, str] | None = None) -> dict:
-    """Serve `batch` in a new vLLM process; its report (tokens, logprobs, counters)."""
-    work.mkdir(parents=True, exist_ok=True)
-    prompt_file, out, log = work / "prompts.json", work / "out.json", work / "vllm.log"
-    prompt_file.write_text(json.dumps(batch))
-    command = [str(python), str(ROOT / "tests/engines/vllm_run.py"), "--model", str(model),
-               "--prompts", str(prompt_file), "--out", str(out)]
-    if target:
-        command += ["--kvd", target]
-    if hooks:
-        command += ["--hooks", hooks]
-    with open(log, "wb") as sink:
-        code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S,
-                              env={**os.environ, **(env or {})}).returncode
-    assert code == 0, f"vLLM exited with {code}:\n{log.read_text(errors='replace')[-5000:]}"
-    return json.loads(out.read_text())
+class VllmRun:
+    """One vLLM process serving a batch of prompts (tests/engines/vllm_run.py), started at once."""
+
+    def __init__(self, python: Path, model: Path, work: Path, batch: list[list[int]], *, target: str = "",
+                 hooks: str = "", env: dict[str, str] | None = None) -> None:
+        work.mkdir(parents=True, exist_ok=True)
+        prompt_file, self.out, self.log = work / "prompts.json", work / "out.json", work / "vllm.log"
+        prompt_file.write_text(json.dumps(batch))
+        command = [str(python), str(ROOT / "tests/engines/vllm_run.py"), "--model", str(model),
+                   "--prompts", str(prompt_file), "--out", str(self.out)]
+        if target:
+            command += ["--kvd", target]
+        if hooks:
+            command += ["--hooks", hooks]
+        with open(self.log, "wb") as sink:
+            self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **(env or {})})
+
+    def report(self) -> dict:
+        """Its report (tokens, logprobs, counters, events), once it exited cleanly."""
+        try:
+            code = self.process.wait(ENGINE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+        assert code == 0, f"vLLM exited with {code}:\n{self.log.read_text(errors='replace')[-5000:]}"
+        report = json.loads(self.out.read_text())
+        if report["connector"]:
+            IDENTITY.update(model_id=report["connector"]["model_id"],
+                            model_revision=report["connector"]["model_revision"])
+        return report
+
+
+def run_vllm(*args, **kwargs) -> dict:
+    return VllmRun(*args, **kwargs).report()
+
+
+# The namespace identity the connector reported (model, layout, ...), once a run has.
+IDENTITY: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
-def reference(engine_python, model, tmp_path_factory) -> dict:
-    """vLLM alone, no connector, serving prompt B."""
-    report = run_vllm(engine_python, model, tmp_path_factory.mktemp("reference"), [prompts()["B"]])
+def reference_run(engine_python, model, tmp_path_factory) -> VllmRun:
+    """vLLM alone, no connector, serving prompt B: started first, it runs beside the first test."""
+    return VllmRun(engine_python, model, tmp_path_factory.mktemp("reference"), [prompts()["B"]])
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> dict:
+    report = reference_run.report()
     assert report["connector"] == {}
     return report["results"][0]
+
+
+def stored_in_kvd(engine_python, model, kvd, work: Path, prompt: list[int]) -> list[bytes]:
+    """The prompt's keys, all stored in kvd: by an earlier test of this module, else by a vLLM run now."""
+    if not IDENTITY:
+        run_vllm(engine_python, model, work, [prompt], target=kvd.target)
+    spec = namespace_spec()
+    keys = chain_keys(spec, prompt)
+    with Client(kvd.target) as client:
+        if client.lookup(client.register_namespace(spec), keys).matched < len(keys):
+            run_vllm(engine_python, model, work, [prompt], target=kvd.target)
+    return keys
 
 
 def same_answer(result: dict, reference: dict) -> float:
@@ -132,23 +171,23 @@ def same_answer(result: dict, reference: dict) -> float:
     return max(abs(a - b) for a, b in zip(result["logprobs"], reference["logprobs"], strict=True))
 
 
-def namespace_of(report: dict) -> NamespaceSpec:
+def namespace_spec() -> NamespaceSpec:
     """The namespace the connector used, from the identity it reported."""
-    return NamespaceSpec(model_id=report["connector"]["model_id"], model_revision=report["connector"]["model_revision"],
-                         num_layers=tiny_llama.LAYERS, num_kv_heads=tiny_llama.KV_HEADS, head_dim=tiny_llama.HEAD_DIM,
-                         block_tokens=BLOCK, kv_dtype=DType.FLOAT32)
+    return NamespaceSpec(num_layers=tiny_llama.LAYERS, num_kv_heads=tiny_llama.KV_HEADS, head_dim=tiny_llama.HEAD_DIM,
+                         block_tokens=BLOCK, kv_dtype=DType.FLOAT32, **IDENTITY)
 
 
-def test_prefix_stored_by_one_vllm_is_loaded_by_another(engine_python, model, kvd, reference, tmp_path):
+def test_prefix_stored_by_one_vllm_is_loaded_by_another(engine_python, model, kvd, reference_run, tmp_path):
     stored = run_vllm(engine_python, model, tmp_path / "A", [prompts()["A"]], target=kvd.target)
     assert stored["connector"]["totals"]["saved_blocks"] == len(prompts()["A"]) // BLOCK
     identity = stored["connector"]["model_revision"]
     assert "CPU_ATTN" in identity and "vllm 0.32.0" in identity and "[blocks]" in identity
     # vLLM published kvd's STORED events for them (for KV-aware routers): kvd's keys, in order.
-    assert stored["events"]["kvd_stored"] == [key.hex() for key in chain_keys(namespace_of(stored), prompts()["A"])]
+    assert stored["events"]["kvd_stored"] == [key.hex() for key in chain_keys(namespace_spec(), prompts()["A"])]
 
     loaded = run_vllm(engine_python, model, tmp_path / "B", [prompts()["B"]], target=kvd.target)
     result, totals = loaded["results"][0], loaded["connector"]["totals"]
+    reference = reference_run.report()["results"][0]
     assert same_answer(result, reference) <= LOGPROB_TOLERANCE
     shared = PREFIX_TOKENS // BLOCK
     # vLLM's own count: the prefix's tokens were not computed by this process.
@@ -158,11 +197,10 @@ def test_prefix_stored_by_one_vllm_is_loaded_by_another(engine_python, model, kv
 
 
 def test_prefix_restored_from_disk_after_a_kvd_restart(engine_python, model, kvd, reference, tmp_path):
-    spec = namespace_of(run_vllm(engine_python, model, tmp_path / "store", [prompts()["B"]], target=kvd.target))
-    keys = chain_keys(spec, prompts()["B"])
+    keys = stored_in_kvd(engine_python, model, kvd, tmp_path / "store", prompts()["B"])
     kvd.restart()
     with Client(kvd.target) as client:
-        hit = client.lookup(client.register_namespace(spec), keys)
+        hit = client.lookup(client.register_namespace(namespace_spec()), keys)
     assert hit.matched == len(keys) and set(hit.tiers) == {kvd_pb2.TIER_DISK}
 
     loaded = run_vllm(engine_python, model, tmp_path / "restored", [prompts()["B"]], target=kvd.target)
@@ -174,8 +212,7 @@ def test_prefix_restored_from_disk_after_a_kvd_restart(engine_python, model, kvd
 
 
 def test_blocks_that_vanish_after_the_lookup_are_recomputed(engine_python, model, kvd, reference, tmp_path):
-    run_vllm(engine_python, model, tmp_path / "store", [prompts()["B"]], target=kvd.target)
-    blocks = len(prompts()["B"]) // BLOCK
+    blocks = len(stored_in_kvd(engine_python, model, kvd, tmp_path / "store", prompts()["B"]))
     report = run_vllm(engine_python, model, tmp_path / "faults", [prompts()["B"]] * 3, target=kvd.target,
                       hooks="corrupt,delete,kill", env={"KVD_TEST_DAEMON_PID": str(kvd.daemon.pid)})
     corrupt, deleted, killed = report["results"]
