@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOr
 from kvd.connectors.vllm.requests import prompt_keys
 from kvd.connectors.vllm.worker import WorkerSide
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
+from kvd.testing.daemon import run_daemon
 
 LAYERS, HEADS, BLOCK, HEAD_DIM, BLOCKS = 3, 2, 16, 32, 12
 SPEC = NamespaceSpec(model_id="vllm-worker-test", model_revision="cpu-layout", num_layers=LAYERS,
@@ -132,6 +134,8 @@ def test_a_two_part_layout_round_trips():
     layout = paged_layout({f"l{layer}": buffer[layer] for layer in range(LAYERS)}, BLOCKS)
     assert layout.description == f"[2][blocks]{[BLOCK, HEADS, HEAD_DIM]}"
     assert layout.layer_bytes == SPEC.layer_bytes and all(len(parts) == 2 for parts in layout.parts)
+    assert layout.word == torch.int64  # copied as 8-byte words; rows of odd widths as bytes:
+    assert paged_layout({"l0": torch.zeros(BLOCKS, 3, dtype=torch.uint8)}, BLOCKS).word == torch.uint8
     assert torch.equal(layout.parts[1][1][4].view(torch.float32), buffer[1, 1, 4].flatten())
 
 
@@ -167,3 +171,37 @@ def test_keys_count_every_input_that_shapes_a_blocks_kv():
     assert all(key not in plain for key in variants["salt"])  # salted from the first block on
     assert variants["image"][0] == plain[0] and variants["image"][1] != plain[1]  # from the image's block on
     assert prompt_keys(SPEC, request(None)) == []  # prompt embeddings: not cached
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_block_that_fails_its_checksum_on_disk_ends_the_load_there(tmp_path, asynchronous):
+    """Blocks 0..2 arrive bit-exact; block 3 is corrupt on disk, so it and every block after
+    it are reported (vLLM recomputes them) and their engine blocks are not served garbage."""
+    config = {"host": {"capacity_bytes": 16 << 20, "slot_bytes": 64 << 10},
+              "disk": {"directories": [str(tmp_path / "nvme0")], "capacity_bytes": 8 << 20,
+                       "segment_bytes": 4 << 20, "slot_bytes": 64 << 10, "fsync": "strict"}}
+    source = kv_caches(seed=5)
+    rows = torch.stack([torch.stack([source[name][block].reshape(-1) for name in source]) for block in range(6)])
+    keys = chain(6, seed=4)
+    with run_daemon(tmp_path / "d", config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        assert client.put(namespace, keys, rows.numpy().reshape(6, *SPEC.block_shape), durable=True) == 6
+    needle = rows[3, 0].numpy().view(np.uint8)[:4096].tobytes()
+    flipped = 0
+    for segment in sorted((tmp_path / "nvme0").glob("**/seg-*")):
+        data = bytearray(segment.read_bytes())
+        position = data.find(needle)
+        if position >= 0:
+            data[position + 100] ^= 0xFF
+            segment.write_bytes(bytes(data))
+            flipped += 1
+    assert flipped == 1
+    engine = kv_caches(seed=None)
+    with run_daemon(tmp_path / "d", config=config) as daemon:
+        loader = worker_for(daemon, engine)
+        order = LoadOrder("r", [keys], 0, [6, 7, 8, 9, 10, 11], asynchronous)
+        step(loader, engine, KvdConnectorMetadata(loads=[order]))
+        loader.close()
+    assert loader.load_errors() == {9, 10, 11}
+    for name in engine:
+        assert torch.equal(engine[name][[6, 7, 8]], source[name][[0, 1, 2]])

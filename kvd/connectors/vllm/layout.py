@@ -34,13 +34,19 @@ class UnsupportedLayout(Exception):
 
 @dataclass(frozen=True, slots=True)
 class PagedLayout:
-    """Per-layer byte views of the engine's KV cache, in layer order."""
+    """Per-layer row views of the engine's KV cache, in layer order.
+
+    The rows are of `word`, int64 when every part's width allows (torch's
+    indexed copies move 8-byte words about 14x faster than bytes: 2.4 vs
+    34 ms for 4 MiB of 128 KiB rows on this machine), else uint8; the
+    arena is viewed the same way for the copies."""
 
     names: tuple[str, ...]
-    parts: tuple[tuple[torch.Tensor, ...], ...]  # parts[layer] = 1 or 2 [num_blocks, bytes] uint8 views
+    parts: tuple[tuple[torch.Tensor, ...], ...]  # parts[layer] = 1 or 2 [num_blocks, words] views
     layer_bytes: int
     num_blocks: int
     description: str  # the tensor layout, for the namespace identity
+    word: torch.dtype = torch.uint8
 
     def index_of(self) -> dict[str, int]:
         return {name: index for index, name in enumerate(self.names)}
@@ -83,7 +89,12 @@ def paged_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> PagedLa
             f"layers differ in layout ({sorted(descriptions)}), bytes per block ({sorted(widths)}) or dtype: "
             "kvd stores uniform layers only (no hybrid or MLA-mixed models yet)"
         )
-    return PagedLayout(tuple(names), tuple(parts), widths.pop(), num_blocks, descriptions.pop())
+    if all(part.shape[1] % 8 == 0 for layer in parts for part in layer):
+        parts = [tuple(part.view(torch.int64) for part in layer) for layer in parts]
+        word = torch.int64
+    else:
+        word = torch.uint8
+    return PagedLayout(tuple(names), tuple(parts), widths.pop(), num_blocks, descriptions.pop(), word)
 
 
 def cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int, cache_dtype: str) -> str:

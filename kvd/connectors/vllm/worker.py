@@ -88,7 +88,8 @@ class WorkerSide:
 
     # ---- the arena as torch, rebuilt when the daemon restarted and the client remapped
     def _arena(self) -> torch.Tensor:
-        return torch.from_numpy(self.link.arena.slots)
+        """The arena's slots as rows of the layout's word (slot sizes are multiples of 4 KiB)."""
+        return torch.from_numpy(self.link.arena.slots).view(self.layout.word)
 
     # ---- step start
     def start(self, metadata: KvdConnectorMetadata) -> None:
@@ -161,7 +162,7 @@ class WorkerSide:
     def _copy(self, layer: int, slots: torch.Tensor, blocks: torch.Tensor, *, into_engine: bool) -> None:
         """One layer of many blocks between the arena and the engine: one indexed copy per part."""
         arena = self._arena()
-        offset = layer * self.layout.layer_bytes
+        offset = layer * self.layout.layer_bytes // arena.element_size()
         for part in self.layout.parts[layer]:
             width = part.shape[1]
             window = arena[:, offset:offset + width]
