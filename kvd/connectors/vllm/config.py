@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 DEFAULT_TARGET = "unix:///run/kvd/kvd.sock"
+LOAD_MODES = ("auto", "async", "layerwise")
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,9 +19,14 @@ class ConnectorConfig:
     token: a tenant's token for a daemon with auth.mode = "token" (default $KVD_TOKEN).
     namespace: the model name blocks are filed under (default: vLLM's model
       path or name). Engines that should share blocks must agree on it.
-    load: "layerwise" streams every hit into the running step layer by layer;
-      "async" (default) does so for host-memory hits but loads prefixes that
-      must come from disk while the scheduler runs other requests.
+    load: how a prefix that must come from disk is loaded (a host-memory hit
+      always streams into the step that computes the rest of the prompt,
+      layer by layer). "async": in the background while the scheduler runs
+      other requests (the request waits); "layerwise": like a host hit, each
+      layer waiting for its own bytes while earlier layers compute; "auto"
+      (default): async while the engine has other requests (running or
+      queued), layerwise when it has none (then there is nothing to overlap
+      the read with but the request's own layers).
     save: store the full blocks of prompts (default true).
     timeout_s: deadline of each call to kvd; load_timeout_s: how long a layer
       may wait for its bytes before its blocks are reported failed.
@@ -29,7 +35,7 @@ class ConnectorConfig:
     target: str = DEFAULT_TARGET
     token: str | None = None
     namespace: str = ""
-    load: str = "async"
+    load: str = "auto"
     save: bool = True
     timeout_s: float = 10.0
     load_timeout_s: float = 30.0
@@ -44,8 +50,8 @@ class ConnectorConfig:
         values.setdefault("target", os.environ.get("KVD_TARGET", DEFAULT_TARGET))
         values.setdefault("token", os.environ.get("KVD_TOKEN"))
         config = cls(**values)
-        if config.load not in ("async", "layerwise"):
-            raise ValueError(f"kvd connector: load must be 'async' or 'layerwise', got {config.load!r}")
+        if config.load not in LOAD_MODES:
+            raise ValueError(f"kvd connector: load must be one of {LOAD_MODES}, got {config.load!r}")
         for name in ("timeout_s", "load_timeout_s"):
             if not isinstance(getattr(config, name), (int, float)) or getattr(config, name) <= 0:
                 raise ValueError(f"kvd connector: {name} must be a positive number")

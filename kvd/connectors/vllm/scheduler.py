@@ -8,9 +8,9 @@ computes the prompt's chained keys in every shard, and:
   counts only if every shard has it). A hit served from host memory is
   loaded synchronously, layer by layer during the step that computes the
   rest of the prompt. A hit that needs the disk is prefetched at once and,
-  with load = "async", reported as an asynchronous load: vLLM parks the
-  request until the worker says the bytes are in, and runs other requests
-  meanwhile.
+  with load = "async" (or "auto" while other requests run), reported as an
+  asynchronous load: vLLM parks the request until the worker says the
+  bytes are in, and runs other requests meanwhile.
 - build_connector_meta turns allocated blocks into load orders, and the
   prompt blocks that become full in a step into save orders.
 
@@ -99,7 +99,9 @@ class SchedulerSide:
             return 0, False
         if stop <= first:
             return 0, False
-        asynchronous = on_disk and self.config.load == "async"
+        # "auto": asynchronous only if the scheduler has another request to run meanwhile.
+        others = len(self.requests) > 1
+        asynchronous = on_disk and (self.config.load == "async" or (self.config.load == "auto" and others))
         self._plans[request.request_id] = _Plan(first, stop, asynchronous)
         return (stop - first) * self.block_size, asynchronous
 
