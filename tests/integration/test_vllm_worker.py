@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -19,6 +20,7 @@ from kvd.client import Client
 from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.layout import UnsupportedLayout, paged_layout
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOrder
+from kvd.connectors.vllm.transfer import local_namespace
 from kvd.connectors.vllm.requests import prompt_keys
 from kvd.connectors.vllm.worker import WorkerSide
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
@@ -39,11 +41,10 @@ def kv_caches(seed: int | None) -> dict[str, torch.Tensor]:
     return {f"model.layers.{layer}.self_attn.attn": buffer[layer] for layer in range(LAYERS)}
 
 
-def worker_for(daemon, caches: dict[str, torch.Tensor]) -> WorkerSide:
-    config = ConnectorConfig(target=daemon.unix_target, load_timeout_s=10.0)
-    with Client(daemon.unix_target) as client:
-        namespace = client.register_namespace(SPEC)
-    return WorkerSide(config, paged_layout(caches, BLOCKS), namespace, shard=0)
+def worker_for(daemon, caches: dict[str, torch.Tensor], target: str | None = None) -> WorkerSide:
+    """A worker as the connector makes one: the namespace is registered on first use, not here."""
+    config = ConnectorConfig(target=target or daemon.unix_target, load_timeout_s=10.0)
+    return WorkerSide(config, paged_layout(caches, BLOCKS), local_namespace(SPEC), shard=0)
 
 
 def step(worker: WorkerSide, caches: dict[str, torch.Tensor], metadata: KvdConnectorMetadata) -> None:
@@ -205,3 +206,26 @@ def test_a_block_that_fails_its_checksum_on_disk_ends_the_load_there(tmp_path, a
     assert loader.load_errors() == {9, 10, 11}
     for name in engine:
         assert torch.equal(engine[name][[6, 7, 8]], source[name][[0, 1, 2]])
+
+
+def test_a_worker_started_before_its_daemon_stores_once_it_answers(tmp_path):
+    """vLLM must start without kvd; the first step after kvd comes up registers the namespace.
+    A daemon restarted without a disk tier forgets the namespace: registered again, not an error."""
+    engine = kv_caches(seed=6)
+    target = f"unix://{tmp_path / 'd' / 'state' / 'kvd.sock'}"
+    worker = worker_for(None, engine, target=target)
+    keys = chain(2, seed=6)
+    try:
+        step(worker, engine, KvdConnectorMetadata(saves=[SaveOrder("early", [keys], [0, 1])]))
+        assert worker.counters.save_errors == 1 and worker.counters.saved_blocks == 0
+        for attempt in range(2):  # a daemon, then a new one on the same (diskless) state
+            with run_daemon(tmp_path / "d") as daemon:
+                assert daemon.unix_target == target
+                # gRPC redials after its backoff; wait for that, not for a guessed time.
+                grpc.channel_ready_future(worker.link.client._channel).result(timeout=60)
+                step(worker, engine, KvdConnectorMetadata(saves=[SaveOrder(f"late{attempt}", [keys], [0, 1])]))
+                assert worker.counters.saved_blocks == 2 * (attempt + 1)
+                with Client(daemon.unix_target) as client:
+                    assert client.lookup(client.register_namespace(SPEC), keys).matched == 2
+    finally:
+        worker.close()

@@ -23,6 +23,7 @@ from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.layout import UnsupportedLayout, namespace_spec, paged_layout
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, KvdHandshake
 from kvd.connectors.vllm.scheduler import SchedulerSide
+from kvd.connectors.vllm.transfer import local_namespace
 from kvd.connectors.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -111,11 +112,8 @@ class KvdConnector(KVConnectorBase_V1):
         except UnsupportedLayout as error:
             log.error("kvd connector disabled on this worker: %s", error)
             return
-        from kvd.client import Client
-
-        with Client(self.config.target, token=self.config.token, timeout_s=self.config.timeout_s) as client:
-            namespace = client.register_namespace(spec)
         shard = pp.rank_in_group * tp.world_size + tp.rank_in_group
+        namespace = local_namespace(spec)  # registered with kvd on first use, again after a restart
         self.worker = WorkerSide(self.config, layout, namespace, shard)
         self._spec = spec
         log.info("kvd connector: %d layers, namespace %s (%s)", len(layout.names), namespace.namespace_id.hex()[:16],

@@ -31,6 +31,7 @@ from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.events import EventFeed
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, KvdHandshake, LoadOrder, SaveOrder
 from kvd.connectors.vllm.requests import prompt_keys
+from kvd.connectors.vllm.transfer import local_namespace, registering
 from kvd.v1 import kvd_pb2
 
 log = logging.getLogger("kvd.connectors.vllm")
@@ -67,8 +68,13 @@ class SchedulerSide:
 
     def set_shards(self, handshakes: dict[tuple[int, int], KvdHandshake]) -> None:
         """Adopt the workers' namespaces, ordered as the workers index them."""
-        specs = [handshakes[key].spec for key in sorted(handshakes)]
-        self.shards = [self.client.register_namespace(spec) for spec in specs]
+        self.shards = [local_namespace(handshakes[key].spec) for key in sorted(handshakes)]
+        for namespace in self.shards:
+            try:
+                self.client.register_namespace(namespace.spec)
+            except grpc.RpcError as error:  # registered again on first use (kvd.connectors.vllm.transfer)
+                log.warning("kvd: cannot register the namespace yet (%s); requests miss until kvd answers",
+                            error.code().name)
         if self.publish_events:
             self.events = EventFeed(self.client, self.shards[0])
 
@@ -109,14 +115,16 @@ class SchedulerSide:
         """The prefix every shard holds, and whether any of it is only on disk."""
         stop, on_disk = usable, False
         for namespace, keys in zip(self.shards, tracked.keys):
-            result = self.client.lookup(namespace, keys[:usable])
+            result = registering(self.client, namespace, lambda: self.client.lookup(namespace, keys[:usable]))
             stop = min(stop, result.matched)
             on_disk = on_disk or any(tier != kvd_pb2.TIER_HOST for tier in result.tiers[:stop])
         return stop, on_disk
 
     def _prefetch(self, tracked: _Tracked, first: int, stop: int) -> None:
         for namespace, keys in zip(self.shards, tracked.keys):
-            self.client.prefetch(namespace, keys[first:stop], parent_key=keys[first - 1] if first else b"")
+            parent = keys[first - 1] if first else b""
+            registering(self.client, namespace,
+                        lambda: self.client.prefetch(namespace, keys[first:stop], parent_key=parent))
 
     def after_alloc(self, request: Any, block_ids: list[int], external_tokens: int) -> None:
         plan = self._plans.pop(request.request_id, None)

@@ -12,8 +12,9 @@ on top of kvd.client.Client; it never touches the engine's tensors.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -21,11 +22,37 @@ import numpy as np
 from kvd.client import Client, Namespace
 from kvd.client import _ops
 from kvd.client._wire import reserved_run
+from kvd.core.keys import NamespaceSpec
 from kvd.v1 import kvd_pb2
+
+T = TypeVar("T")
 
 
 class Unavailable(Exception):
     """kvd could not do what the connector asked (daemon down, arena gone, ...)."""
+
+
+def unregistered(error: BaseException) -> bool:
+    """Whether a call failed because the daemon does not know the namespace
+    (it restarted without a disk tier, or was down when the engine started)."""
+    return (isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.NOT_FOUND
+            and "is not registered" in (error.details() or ""))
+
+
+def local_namespace(spec: NamespaceSpec) -> Namespace:
+    """The namespace as the daemon will name it (ids are digests of the spec), without asking it."""
+    return Namespace(spec, spec.namespace_id(), spec.block_bytes, spec.layer_bytes)
+
+
+def registering(client: Client, namespace: Namespace, call: Callable[[], T]) -> T:
+    """call(), made again once after registering the namespace if the daemon did not know it."""
+    try:
+        return call()
+    except grpc.RpcError as error:
+        if not unregistered(error):
+            raise
+    client.register_namespace(namespace.spec)
+    return call()
 
 
 @dataclass(slots=True)
@@ -61,7 +88,7 @@ class Link:
         """Reserve the keys of a chain from its root; None when nothing needs writing."""
         session = self.client.session
         self.connect()
-        response = self.client._run(_ops.remapping(session, lambda: (
+        response = registering(self.client, namespace, lambda: self.client._run(_ops.remapping(session, lambda: (
             "Reserve",
             kvd_pb2.ReserveRequest(
                 namespace_id=namespace.namespace_id,
@@ -70,7 +97,7 @@ class Link:
                 lease_ms=session.lease_ms,
                 arena_instance_id=session.arena.instance_id,
             ),
-        )))
+        ))))
         if response is None:
             raise Unavailable("the daemon restarted and its new arena could not be mapped")
         start, stop = reserved_run(response.statuses)
@@ -91,10 +118,11 @@ class Link:
 
         The first message (which blocks are served, and where) is awaited
         here, so that a daemon that restarted since the arena was mapped is
-        noticed and the new arena mapped before any byte is read."""
+        noticed and the new arena mapped before any byte is read (and the
+        namespace registered again if the new daemon does not know it)."""
         session = self.client.session
         self.connect()
-        for attempt in range(2):
+        for attempt in range(3):
             request = kvd_pb2.GetRequest(
                 namespace_id=namespace.namespace_id,
                 client_id=session.client_id,
@@ -107,9 +135,14 @@ class Link:
             try:
                 return LayerStream(self, call, next(call), namespace.spec.num_layers)
             except grpc.RpcError as error:
-                if attempt or not _ops.arena_changed(error):
+                if attempt == 2:
                     raise
-                self.client._run(_ops.remap(session))
+                if _ops.arena_changed(error):
+                    self.client._run(_ops.remap(session))
+                elif unregistered(error):
+                    self.client.register_namespace(namespace.spec)
+                else:
+                    raise
         raise AssertionError("unreachable")
 
 

@@ -77,7 +77,11 @@ class WorkerSide:
         self.shard = shard
         self.layer_of = layout.index_of()
         self.link = Link(config.target, config.token, config.timeout_s)
-        self.link.connect()
+        try:
+            self.link.connect()
+        except (grpc.RpcError, OSError) as error:  # vLLM starts anyway; kvd is dialled again at each step
+            log.warning("kvd: the daemon at %s does not answer yet (%s); requests miss until it does",
+                        config.target, error)
         self.counters = Counters()
         self.totals: dict[str, float] = {}  # every count since the start (tests, logs)
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvd-connector")
