@@ -19,6 +19,9 @@ FORBIDDEN = {
     "kvd.server": ["kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing"],
     "kvd.daemon": ["kvd.cli", "kvd.client", "kvd.testing"],
     "kvd.client": ["kvd.server", "kvd.daemon", "kvd.tiers", "kvd.io", "kvd.cli", "kvd.metrics", "kvd.testing"],
+    # Engine connectors: clients of the daemon that live in an engine's process.
+    "kvd.connectors": ["kvd.server", "kvd.daemon", "kvd.tiers", "kvd.io", "kvd.cli", "kvd.metrics", "kvd.testing",
+                       "kvd.sim"],
     # The arena socket's wire format, shared by client and server.
     "kvd.arena_protocol": ["kvd.core", "kvd.tiers", "kvd.io", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client",
                            "kvd.metrics", "kvd.v1", "kvd.testing", "kvd.sim"],
