@@ -12,7 +12,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import grpc
-import numpy as np
 import pytest
 import torch
 
@@ -25,6 +24,7 @@ from kvd.connectors.vllm.requests import prompt_keys
 from kvd.connectors.vllm.worker import WorkerSide
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
 from kvd.testing.daemon import run_daemon
+from tests.integration.test_disk_tier import flip_first_layer_byte
 
 LAYERS, HEADS, BLOCK, HEAD_DIM, BLOCKS = 3, 2, 16, 32, 12
 SPEC = NamespaceSpec(model_id="vllm-worker-test", model_revision="cpu-layout", num_layers=LAYERS,
@@ -187,16 +187,7 @@ def test_a_block_that_fails_its_checksum_on_disk_ends_the_load_there(tmp_path, a
     with run_daemon(tmp_path / "d", config=config) as daemon, Client(daemon.unix_target) as client:
         namespace = client.register_namespace(SPEC)
         assert client.put(namespace, keys, rows.numpy().reshape(6, *SPEC.block_shape), durable=True) == 6
-    needle = rows[3, 0].numpy().view(np.uint8)[:4096].tobytes()
-    flipped = 0
-    for segment in sorted((tmp_path / "nvme0").glob("**/seg-*")):
-        data = bytearray(segment.read_bytes())
-        position = data.find(needle)
-        if position >= 0:
-            data[position + 100] ^= 0xFF
-            segment.write_bytes(bytes(data))
-            flipped += 1
-    assert flipped == 1
+    assert flip_first_layer_byte(tmp_path, rows[3].numpy()) == 1
     engine = kv_caches(seed=None)
     with run_daemon(tmp_path / "d", config=config) as daemon:
         loader = worker_for(daemon, engine)
