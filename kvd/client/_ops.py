@@ -33,12 +33,21 @@ TOKEN_ENV = "KVD_TOKEN"
 CONTINUING = (kvd_pb2.RESERVE_STATUS_RESERVED, kvd_pb2.RESERVE_STATUS_EXISTS)
 
 
+RECONNECT_BACKOFF_MS = (100, 2_000)  # first and longest wait before dialling a lost daemon again
+
+
 def channel_options() -> list[tuple[str, int]]:
     # The daemon enforces its own, smaller limit and names it in its error;
     # the client only refuses absurd sizes.
     return [
         ("grpc.max_receive_message_length", CHANNEL_MESSAGE_BYTES),
         ("grpc.max_send_message_length", CHANNEL_MESSAGE_BYTES),
+        # The daemon is on this node: after it restarts, dial again within
+        # seconds, not after gRPC's default backoff of up to two minutes
+        # (an engine's connector would miss every request meanwhile).
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
     ]
 
 
