@@ -53,6 +53,12 @@ class ConnectorConfig:
         if config.load not in LOAD_MODES:
             raise ValueError(f"kvd connector: load must be one of {LOAD_MODES}, got {config.load!r}")
         for name in ("timeout_s", "load_timeout_s"):
-            if not isinstance(getattr(config, name), (int, float)) or getattr(config, name) <= 0:
-                raise ValueError(f"kvd connector: {name} must be a positive number")
+            value = getattr(config, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"kvd connector: {name} must be a positive number, got {value!r}")
+        if not isinstance(config.save, bool):
+            raise ValueError(f"kvd connector: save must be true or false, got {config.save!r}")
+        for name in ("target", "namespace"):
+            if not isinstance(getattr(config, name), str):
+                raise ValueError(f"kvd connector: {name} must be a string, got {getattr(config, name)!r}")
         return config
