@@ -256,13 +256,11 @@ def put(
     return (yield from _put_shared(session, namespace, keys, rows, parent_key))
 
 
-def _reserve_and_scatter(
-    session: Session, namespace: Namespace, keys: Sequence[bytes], rows: np.ndarray, parent_key: bytes
-) -> Op:
-    """Reserve the keys and copy the reserved run's blocks into the arena:
-    (Reserve response, start, stop of the run), or None when the daemon
-    restarted and its new arena could not be mapped (then go inline)."""
-    response = yield from remapping(session, lambda: (
+def reserve(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> Op:
+    """Reserve arena slots for the keys (the Reserve response), mapping the
+    arena of a restarted daemon first; None when that arena cannot be mapped.
+    Callers that write the slots themselves (engine connectors) use it alone."""
+    return (yield from remapping(session, lambda: (
         "Reserve",
         kvd_pb2.ReserveRequest(
             namespace_id=namespace.namespace_id,
@@ -272,7 +270,16 @@ def _reserve_and_scatter(
             lease_ms=session.lease_ms,
             arena_instance_id=session.arena.instance_id,
         ),
-    ))
+    )))
+
+
+def _reserve_and_scatter(
+    session: Session, namespace: Namespace, keys: Sequence[bytes], rows: np.ndarray, parent_key: bytes
+) -> Op:
+    """Reserve the keys and copy the reserved run's blocks into the arena:
+    (Reserve response, start, stop of the run), or None when the daemon
+    restarted and its new arena could not be mapped (then go inline)."""
+    response = yield from reserve(session, namespace, keys, parent_key)
     if session.arena is None:
         return None
     start, stop = _wire.reserved_run(response.statuses)

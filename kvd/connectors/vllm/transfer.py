@@ -86,18 +86,9 @@ class Link:
 
     def reserve(self, namespace: Namespace, keys: Sequence[bytes]) -> Reservation | None:
         """Reserve the keys of a chain from its root; None when nothing needs writing."""
-        session = self.client.session
         self.connect()
-        response = registering(self.client, namespace, lambda: self.client._run(_ops.remapping(session, lambda: (
-            "Reserve",
-            kvd_pb2.ReserveRequest(
-                namespace_id=namespace.namespace_id,
-                client_id=session.client_id,
-                keys=keys,
-                lease_ms=session.lease_ms,
-                arena_instance_id=session.arena.instance_id,
-            ),
-        ))))
+        response = registering(self.client, namespace,
+                               lambda: self.client._run(_ops.reserve(self.client.session, namespace, keys)))
         if response is None:
             raise Unavailable("the daemon restarted and its new arena could not be mapped")
         start, stop = reserved_run(response.statuses)
