@@ -86,6 +86,7 @@ from kvd.core.events import EventKind
 
 if TYPE_CHECKING:
     from kvd.core.engine import Engine
+    from kvd.core.tier import Tier
 
 # RPCs here take from tens of microseconds (Lookup) to tens of milliseconds
 # (inline transfers of large batches).
@@ -103,75 +104,8 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self._engine
-        host = engine.host
-        counters = host.counters
-
-        disk = engine.disk
-
-        def tier_gauge(name: str, doc: str, host_value: float, disk_value: float | None = None) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=["tier"])
-            family.add_metric(["host"], host_value)
-            if disk is not None and disk_value is not None:
-                family.add_metric(["disk"], disk_value)
-            return family
-
-        def tier_counter(name: str, doc: str, host_value: float, disk_value: float | None = None) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=["tier"])
-            family.add_metric(["host"], host_value)
-            if disk is not None and disk_value is not None:
-                family.add_metric(["disk"], disk_value)
-            return family
-
-        yield tier_gauge("kvd_tier_blocks", "Blocks resident in the tier.", host.resident_blocks,
-                         disk.resident_blocks if disk else None)
-        yield tier_gauge("kvd_tier_used_bytes", "Capacity taken by resident blocks (whole slots).", host.occupied_bytes,
-                         disk.resident_blocks * disk.slot_bytes if disk else None)
-        yield tier_gauge("kvd_tier_payload_bytes", "Bytes of the resident blocks themselves.", host.used_bytes,
-                         disk.used_bytes if disk else None)
-        yield tier_gauge("kvd_tier_capacity_bytes", "Configured capacity of the tier.", host.capacity_bytes,
-                         disk.capacity_bytes if disk else None)
-        yield tier_gauge("kvd_tier_pinned_blocks", "Blocks pinned by a handle or lease.", engine.pinned_blocks)
-        yield tier_counter("kvd_tier_evictions", "Blocks evicted on demand, to free a slot.", counters.evictions,
-                           disk.counters.evictions if disk else None)
-        yield tier_counter("kvd_tier_hits", "Get keys served from the tier.", counters.hits,
-                           disk.counters.hits if disk else None)
-        yield tier_counter("kvd_tier_misses", "Get keys the tier did not hold (host: page faults).", counters.misses,
-                           disk.counters.misses if disk else None)
-        evicted = CounterMetricFamily("kvd_tier_evicted_blocks", "Blocks that left a tier to make room, by reason.",
-                                      labels=["tier", "reason"])
-        evicted.add_metric(["host", "demoted"], counters.demotions - counters.background_demotions)
-        evicted.add_metric(["host", "demoted_background"], counters.background_demotions)
-        evicted.add_metric(["host", "dropped"], counters.dropped)
-        if disk is not None:
-            evicted.add_metric(["host", "not_admitted"], disk.counters.admission_rejected)
-            evicted.add_metric(["disk", "dropped"], disk.counters.dropped)
-            evicted.add_metric(["disk", "host_copy_kept"], disk.counters.evictions - disk.counters.dropped)
-        yield evicted
-        if disk is not None:
-            disk_counters = disk.counters
-            moves = CounterMetricFamily(
-                "kvd_tier_moves", "Blocks moved between tiers.", labels=["source_tier", "target_tier"]
-            )
-            moves.add_metric(["host", "disk"], disk_counters.written)
-            moves.add_metric(["disk", "host"], disk_counters.loaded)
-            yield moves
-            yield CounterMetricFamily("kvd_host_demotions", "Host copies dropped because a disk copy exists.",
-                                      value=counters.demotions)
-            failures = CounterMetricFamily("kvd_disk_failures", "Disk blocks that failed.", labels=["operation"])
-            failures.add_metric(["write"], disk_counters.write_failures)
-            failures.add_metric(["load"], disk_counters.load_failures)
-            failures.add_metric(["recovery_drop"], disk_counters.recovery_dropped)
-            yield failures
-            yield GaugeMetricFamily("kvd_disk_write_queue", "Sealed blocks waiting for write-through.",
-                                    value=len(engine.write_queue))
-            yield CounterMetricFamily(
-                "kvd_disk_admission_rejected",
-                "Blocks dropped from host memory unwritten: the disk admission filter never admitted them.",
-                value=disk_counters.admission_rejected,
-            )
-        yield tier_counter("kvd_blocks_sealed", "Blocks committed.", counters.sealed)
-        yield tier_counter("kvd_blocks_aborted", "Reservations aborted or expired unwritten.", counters.aborted)
-        yield tier_counter("kvd_blocks_deleted", "Blocks removed by Delete.", counters.deleted)
+        yield from _tier_metrics(engine)
+        yield from _disk_metrics(engine)
 
         prefetch = engine.prefetch_counters
         prefetch_blocks = CounterMetricFamily("kvd_prefetch_blocks", "Prefetch keys by result.", labels=["result"])
@@ -229,6 +163,91 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvd_leaked_handles", "Block handles collected while still holding a reference.", value=engine.leaked_handles
         )
+
+
+def _per_tier(family: type, name: str, doc: str, tiers: Sequence[Tier], value: Callable[[Tier], float]) -> Metric:
+    metric = family(name, doc, labels=["tier"])
+    for tier in tiers:
+        metric.add_metric([tier.name], value(tier))
+    return metric
+
+
+def _tier_metrics(engine: Engine) -> Iterator[Metric]:
+    """The tier-labelled families: one sample per tier of the stack, whatever the stack holds."""
+    tiers = list(engine.tiers)
+    # Puts land, and pins hold blocks, where clients map them.
+    mappable = [tier for tier in tiers if tier.caps.client_mappable]
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    yield _per_tier(gauge, "kvd_tier_blocks", "Blocks resident in the tier.", tiers,
+                    lambda tier: tier.pool.resident_blocks)
+    yield _per_tier(gauge, "kvd_tier_used_bytes", "Capacity taken by resident blocks (whole slots).", tiers,
+                    lambda tier: tier.pool.occupied_bytes)
+    yield _per_tier(gauge, "kvd_tier_payload_bytes", "Bytes of the resident blocks themselves.", tiers,
+                    lambda tier: tier.pool.used_bytes)
+    yield _per_tier(gauge, "kvd_tier_capacity_bytes", "Configured capacity of the tier.", tiers,
+                    lambda tier: tier.pool.capacity_bytes)
+    yield _per_tier(gauge, "kvd_tier_pinned_blocks", "Blocks pinned by a handle or lease.", mappable,
+                    lambda tier: engine.pinned_blocks)
+    yield _per_tier(counter, "kvd_tier_evictions", "Blocks evicted on demand, to free a slot.", tiers,
+                    lambda tier: tier.counters.evictions)
+    yield _per_tier(counter, "kvd_tier_hits", "Get keys served from the tier.", tiers, lambda tier: tier.counters.hits)
+    yield _per_tier(counter, "kvd_tier_misses", "Get keys the tier did not hold (host: page faults).", tiers,
+                    lambda tier: tier.counters.misses)
+    evicted = CounterMetricFamily("kvd_tier_evicted_blocks", "Blocks that left a tier to make room, by reason.",
+                                  labels=["tier", "reason"])
+    for tier in tiers:
+        for reason, value in _eviction_reasons(engine, tier):
+            evicted.add_metric([tier.name, reason], value)
+    yield evicted
+    storage = [tier for tier in tiers if tier.caps.persistent]
+    if storage:
+        moves = CounterMetricFamily("kvd_tier_moves", "Blocks moved between tiers.", labels=["source_tier", "target_tier"])
+        for upper in mappable:
+            for lower in storage:
+                moves.add_metric([upper.name, lower.name], lower.counters.written)
+                moves.add_metric([lower.name, upper.name], lower.counters.loaded)
+        yield moves
+    yield _per_tier(counter, "kvd_blocks_sealed", "Blocks committed.", mappable, lambda tier: tier.counters.sealed)
+    yield _per_tier(counter, "kvd_blocks_aborted", "Reservations aborted or expired unwritten.", mappable,
+                    lambda tier: tier.counters.aborted)
+    yield _per_tier(counter, "kvd_blocks_deleted", "Blocks removed by Delete.", mappable,
+                    lambda tier: tier.counters.deleted)
+
+
+def _eviction_reasons(engine: Engine, tier: Tier) -> list[tuple[str, int]]:
+    """(reason, blocks) for kvd_tier_evicted_blocks: why blocks left `tier` to make room."""
+    counters = tier.counters
+    if tier.caps.persistent:
+        # The rest of its evictions kept the copy above it.
+        return [("dropped", counters.dropped), ("host_copy_kept", counters.evictions - counters.dropped)]
+    reasons = [("demoted", counters.demotions - counters.background_demotions),
+               ("demoted_background", counters.background_demotions), ("dropped", counters.dropped)]
+    storage = [lower for lower in engine.tiers if lower.caps.persistent]
+    if storage:
+        reasons.append(("not_admitted", sum(lower.counters.admission_rejected for lower in storage)))
+    return reasons
+
+
+def _disk_metrics(engine: Engine) -> Iterator[Metric]:
+    """What only the disk tier has: failures, the write-back queue, the admission filter."""
+    disk = engine.disk
+    if disk is None:
+        return
+    counters = disk.counters
+    yield CounterMetricFamily("kvd_host_demotions", "Host copies dropped because a disk copy exists.",
+                              value=engine.host.counters.demotions)
+    failures = CounterMetricFamily("kvd_disk_failures", "Disk blocks that failed.", labels=["operation"])
+    failures.add_metric(["write"], counters.write_failures)
+    failures.add_metric(["load"], counters.load_failures)
+    failures.add_metric(["recovery_drop"], counters.recovery_dropped)
+    yield failures
+    yield GaugeMetricFamily("kvd_disk_write_queue", "Sealed blocks waiting for write-through.",
+                            value=len(engine.write_queue))
+    yield CounterMetricFamily(
+        "kvd_disk_admission_rejected",
+        "Blocks dropped from host memory unwritten: the disk admission filter never admitted them.",
+        value=counters.admission_rejected,
+    )
 
 
 def _tenant_metrics(engine: Engine) -> Iterator[Metric]:

@@ -58,12 +58,12 @@ class Block:
     parent: Block | None
     state: BlockState = BlockState.WRITABLE
     ref_count: int = 0
-    # Children in the index, and those of them with a host slot.
+    # Children in the index.
     children: int = 0
-    host_children: int = 0
-    host_slot: int = NO_SLOT
-    # Slot of the block's durable copy in the disk tier, if it has one.
-    disk_slot: int = NO_SLOT
+    # Where its copies are: the global slot id of its copy in the fastest
+    # tier that has one, the head of a chain through the tiers' slot pools
+    # (kvd.core.residency). One field however many tiers there are.
+    slot: int = NO_SLOT
     # Intrusive links owned by the host tier's eviction policy; a block is
     # linked exactly while it is an eviction candidate.
     policy_prev: Block | None = None
@@ -71,15 +71,14 @@ class Block:
     # A small int the host policy keeps about the block (S3-FIFO: queue,
     # frequency), kept while the block is not a candidate so that a pin
     # does not make the policy forget it. Values stay below 256 (cached
-    # ints), and this slot fills the record to exactly 128 bytes, the
-    # pymalloc size class it already used: it costs no memory. One more
-    # slot would cost 16 B per block.
+    # ints). The record is 112 bytes (pymalloc size classes are 16 bytes
+    # apart): one more field costs 16 B per block.
     policy_state: int = 0
 
     def __repr__(self) -> str:
         return (
             f"Block({self.key[:6].hex()}, {self.state.name}, refs={self.ref_count}, "
-            f"children={self.children}, slot={self.host_slot}, disk={self.disk_slot})"
+            f"children={self.children}, slot={self.slot})"
         )
 
 
@@ -127,7 +126,7 @@ class BlockHandle:
         """WRITABLE -> SEALED. The handle keeps its (now shared) reference."""
         check(not self._released, "seal of a released handle")
         check(self._writer, "only the writer's handle can seal a block")
-        check(self._block.state == BlockState.WRITABLE, f"seal of a block in state {self._block.state.name}")
+        check(self._block.state == BlockState.WRITABLE, "seal of a block in state {}", self._block.state.name)
         self._owner._seal(self._block)
 
     def release(self) -> None:

@@ -23,13 +23,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
-from kvd.core.disk_pool import DiskPool
 from kvd.core.events import EventLog
 from kvd.core.keys import KEY_BYTES, NamespaceSpec
 from kvd.core.lease import Lease, LeaseKind, LeaseTable
-from kvd.core.policy import DiskPolicies, EvictionPolicy, make_policy
+from kvd.core.policy import DiskPolicies, make_policy
 from kvd.core.quota import QuotaExceeded, TenantQuota
 from kvd.core.radix import PrefixIndex
+from kvd.core.residency import TierStack
+from kvd.core.slot_pool import SlotPool
+from kvd.core.tier import MemoryTier, StorageTier, TierId
 from kvd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvd.invariants import check
 
@@ -41,15 +43,6 @@ class ReserveStatus(enum.IntEnum):
     EXISTS = 2
     IN_FLIGHT = 3
     NO_SPACE = 4
-
-
-class TierId(enum.IntEnum):
-    """Values match kvd.v1.Tier."""
-
-    DEVICE = 1
-    HOST = 2
-    DISK = 3
-    REMOTE = 4
 
 
 class PrefetchLimit(enum.IntEnum):
@@ -177,102 +170,9 @@ class PrefetchCounters:
     wasted: int = 0
 
 
-@dataclass(slots=True)
-class HostCounters:
-    demotions: int = 0
-    evictions: int = 0  # on demand: a slot was needed and none was free
-    # Host copies of durable blocks dropped ahead of need, above the high
-    # watermark (also counted in demotions).
-    background_demotions: int = 0
-    reserved: int = 0
-    sealed: int = 0
-    aborted: int = 0
-    deleted: int = 0
-    # Victims of on-demand eviction with no disk copy, gone from every tier
-    # (the admission filter's rejects are counted apart, in DiskCounters).
-    dropped: int = 0
-    # Get keys found resident in the host tier, and not (page faults: read
-    # back from disk, or found nowhere).
-    hits: int = 0
-    misses: int = 0
-
-
-class HostPool:
-    """Slot bookkeeping of the host tier (the bytes live in kvd.tiers.host).
-
-    Empty slots come first from `free_slots`; only when none is left is the
-    policy's victim evicted and its slot reused, so cached blocks stay
-    discoverable as long as possible.
-    """
-
-    def __init__(self, slot_count: int, slot_bytes: int, policy: EvictionPolicy, *,
-                 high_watermark: float = 0.9, low_watermark: float = 0.8) -> None:
-        check(slot_count > 0 and slot_bytes > 0, "host pool needs slots")
-        check(0.0 < low_watermark < high_watermark <= 1.0, "host watermarks need 0 < low < high <= 1")
-        self.slot_count = slot_count
-        self.slot_bytes = slot_bytes
-        self.policy = policy
-        # Reclaim (write back, then demote) from when occupancy reaches the
-        # high watermark until it is back at the low one.
-        self.high_slots = max(1, int(slot_count * high_watermark))
-        self.low_slots = min(self.high_slots - 1, int(slot_count * low_watermark)) if self.high_slots > 1 else 0
-        self.reclaiming = False
-        # Popped from the end: slot 0 is handed out first. The int objects
-        # are made here, once, and move between this stack and blocks.
-        self.free_slots: list[int] = list(range(slot_count - 1, -1, -1))
-        self.owners: list[Block | None] = [None] * slot_count
-        # Payload bytes of resident blocks (each block's own size).
-        self.used_bytes = 0
-        self.counters = HostCounters()
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.slot_count * self.slot_bytes
-
-    @property
-    def occupied_bytes(self) -> int:
-        """Capacity taken: whole slots, however small the blocks in them."""
-        return self.resident_blocks * self.slot_bytes
-
-    @property
-    def resident_blocks(self) -> int:
-        return self.slot_count - len(self.free_slots)
-
-    def verify(self) -> None:
-        self.policy.verify()
-        check(len(set(self.free_slots)) == len(self.free_slots), "slot listed free twice")
-        for slot in self.free_slots:
-            check(self.owners[slot] is None, "free slot {} has an owner", slot)
-        for slot, owner in enumerate(self.owners):
-            if owner is not None:
-                check(owner.host_slot == slot, "{!r} does not know its slot {}", owner, slot)
-                check(owner.state != BlockState.REMOVED, "removed {!r} owns slot {}", owner, slot)
-
-
 def namespace_not_found(namespace_id: bytes) -> NotFound:
     """The one error for a namespace the caller cannot use, whether or not anyone registered it."""
     return NotFound(f"namespace {namespace_id.hex()[:16]}... is not registered; call RegisterNamespace first")
-
-
-def _eviction_run(block: Block, limit: int) -> int:
-    """Host blocks that leave, at most `limit`, when candidate `block` is
-    evicted: it and the ancestors that become candidates after it, up the
-    chain while each has no other child in host memory."""
-    run = 1
-    parent = block.parent
-    while run < limit and parent is not None and parent.host_slot != NO_SLOT and parent.host_children == 1:
-        run += 1
-        parent = parent.parent
-    return run
-
-
-def _quota_victim(block: Block, keep: Block | None, children: int | None = None) -> bool:
-    """Whether a tenant's candidate may go to keep it within its host quota:
-    not the block a reservation extends, and not one with children but no
-    disk copy (evicting it would lose its subtree)."""
-    if children is None:
-        children = block.children
-    return block is not keep and not (children and block.disk_slot == NO_SLOT)
 
 
 def _disk_evictable(block: Block) -> bool:
@@ -298,9 +198,16 @@ class Engine:
         tenant_quotas: Sequence[TenantQuota] = (),
     ) -> None:
         self.limits = limits or EngineLimits()
-        self.host = HostPool(host_slot_count, host_slot_bytes, make_policy(policy, host_slot_count),
-                             high_watermark=high_watermark, low_watermark=low_watermark)
-        self.disk = DiskPool(disk_slot_count, disk_slot_bytes, disk_policies) if disk_slot_count else None
+        # The stack: host memory first, at global slot id 0; then the disk.
+        self.host = MemoryTier(TierId.HOST, SlotPool(host_slot_count, host_slot_bytes),
+                               make_policy(policy, host_slot_count), client_mappable=True,
+                               high_watermark=high_watermark, low_watermark=low_watermark)
+        self.disk = (StorageTier(TierId.DISK, SlotPool(disk_slot_count, disk_slot_bytes, base=host_slot_count,
+                                                       persistent=True), disk_policies)
+                     if disk_slot_count else None)
+        self.tiers = TierStack([self.host] + ([self.disk] if self.disk is not None else []))
+        check(self.host.rank == 0 and self.host.pool.base == 0, "host memory heads the stack at slot id 0")
+        self._host_end = self.host.pool.end
         # Sealed blocks waiting to be written to disk, in seal order, so a
         # parent is always written no later than its children.
         self.write_queue: deque[Block] = deque()
@@ -310,8 +217,8 @@ class Engine:
         self.loading: set[Block] = set()
         # Prefetched blocks no Get has used yet, from the moment their read
         # is queued until a Get matches them (used) or they leave host
-        # memory (wasted). A side set rather than a flag on Block: the
-        # record is exactly 128 B and one more slot costs 16 B per block.
+        # memory (wasted). A side set rather than a flag on Block: one more
+        # field costs 16 B per block.
         # Each member has a host slot, so it holds at most host.slot_count.
         self.prefetched: set[Block] = set()
         self.prefetch_in_flight = 0
@@ -488,7 +395,7 @@ class Engine:
             if block in self.loading:
                 plan.waits.append(block)
                 continue
-            if block.host_slot != NO_SLOT:
+            if self.host_slot(block) != NO_SLOT:
                 continue
             if not self.disk.promotion.promote(block):
                 self._cut_plan(plan, position)
@@ -500,8 +407,8 @@ class Engine:
                 break
             self._set_host_slot(block, slot)
             self.loading.add(block)
-            self.disk.touch(block.disk_slot)
-            plan.loads.append(DiskLoad(block, slot, block.disk_slot))
+            self.disk.eviction.touch(self.disk_slot(block))
+            plan.loads.append(DiskLoad(block, slot, self.disk_slot(block)))
         self._note_prefetch_use(plan.matched)
         return plan
 
@@ -513,9 +420,9 @@ class Engine:
             block = load.block
             if block not in self.loading:
                 # An ancestor loaded in this batch was corrupt: lost already.
-                check(block.state in (BlockState.LOST, BlockState.REMOVED), f"{block!r} was not loading")
+                check(block.state in (BlockState.LOST, BlockState.REMOVED), "{!r} was not loading", block)
                 continue
-            check(block.host_slot == load.host_slot, f"{block!r} loads into another slot")
+            check(self.host_slot(block) == load.host_slot, "{!r} loads into another slot", block)
             self.loading.discard(block)
             if block.state == BlockState.LOST:
                 # Lost while this read was in flight (an ancestor's read
@@ -553,7 +460,7 @@ class Engine:
         for position, block in enumerate(plan.matched):
             check(block not in self.loading, "settle_get before the loads finished")
             # No host slot: a prefetch this Get waited for was dropped unread.
-            if block.state != BlockState.SEALED or block.host_slot == NO_SLOT:
+            if block.state != BlockState.SEALED or self.host_slot(block) == NO_SLOT:
                 self._cut_plan(plan, position)
                 break
         return plan.matched
@@ -588,7 +495,7 @@ class Engine:
         for block in matched:
             if block in self.loading:
                 plan.loading += 1
-            elif block.host_slot != NO_SLOT:
+            elif self.host_slot(block) != NO_SLOT:
                 plan.in_host += 1
             elif plan.limit != PrefetchLimit.NONE or not self._queue_prefetch(block, plan, max_in_flight):
                 plan.refused += 1
@@ -617,18 +524,18 @@ class Engine:
             return False
         # A prefetch is a guess: to make room it may demote a block that has
         # a disk copy, but never drop one that exists in host memory only.
-        victim = None if self.host.free_slots else self.host.policy.victim()
-        slot = (NO_SLOT if victim is not None and victim.disk_slot == NO_SLOT
+        victim = None if self.host.pool.free_count else self.host.policy.victim()
+        slot = (NO_SLOT if victim is not None and self.disk_slot(victim) == NO_SLOT
                 else self._allocate_host_slot(block.index.tenant, prefer_own=False))
         if slot == NO_SLOT:
             plan.limit = PrefetchLimit.HOST_FULL
             return False
         self._set_host_slot(block, slot)
         self.loading.add(block)
-        self.disk.touch(block.disk_slot)
+        self.disk.eviction.touch(self.disk_slot(block))
         self.prefetched.add(block)
         self.prefetch_in_flight += 1
-        plan.loads.append(DiskLoad(block, slot, block.disk_slot, self._acquire(block)))
+        plan.loads.append(DiskLoad(block, slot, self.disk_slot(block), self._acquire(block)))
         return True
 
     def finish_prefetch(self, loads: Sequence[DiskLoad], ok: Sequence[bool]) -> None:
@@ -645,7 +552,7 @@ class Engine:
         as wasted), pins released; the blocks stay on disk."""
         for load in loads:
             block = load.block
-            check(block in self.loading and load.handle is not None, f"{block!r} is no prefetch load")
+            check(block in self.loading and load.handle is not None, "{!r} is no prefetch load", block)
             self.loading.discard(block)
             self._clear_host_slot(block, cold_parent=False)
             self.prefetch_in_flight -= 1
@@ -686,8 +593,8 @@ class Engine:
             block = queue[0]
             if (
                 block.state != BlockState.SEALED
-                or block.disk_slot != NO_SLOT
-                or block.host_slot == NO_SLOT
+                or self.disk_slot(block) != NO_SLOT
+                or self.host_slot(block) == NO_SLOT
                 or block in picked
             ):
                 queue.popleft()  # gone, already durable, no bytes to write, or queued twice
@@ -695,7 +602,7 @@ class Engine:
             quota = block.index.quota
             at_quota = quota is not None and quota.disk_full(disk.slot_bytes)
             parent = block.parent
-            if parent is not None and parent.disk_slot == NO_SLOT and parent not in picked:
+            if parent is not None and self.disk_slot(parent) == NO_SLOT and parent not in picked:
                 queue.popleft()
                 if at_quota:
                     quota.counters.disk_refused += 1  # most likely its parent was, for the same reason
@@ -706,22 +613,22 @@ class Engine:
                 # The tenant's own block makes room, never another tenant's; or it is not written.
                 # A tenant found with nothing to give up is not searched again in this call:
                 # each search may sweep every disk slot.
-                slot = None if quota in full_tenants else self._take_own_disk_slot(quota)
-                if slot is None:
+                slot = NO_SLOT if quota in full_tenants else self._take_own_disk_slot(quota)
+                if slot == NO_SLOT:
                     full_tenants.add(quota)
                     queue.popleft()
                     quota.counters.disk_refused += 1
                     continue
             else:
                 slot = self._allocate_disk_slot()
-                if slot is None:
+                if slot == NO_SLOT:
                     break  # full until evictions' removals are journalled
             queue.popleft()
-            disk.owners[slot] = block
+            disk.pool.assign(slot, block)
             if quota is not None:
                 quota.disk_used_bytes += disk.slot_bytes
-            disk.writing.add(slot)
-            picks.append(DiskWrite(block, self._acquire(block), slot, block.host_slot))
+            disk.pool.incoming.add(slot)
+            picks.append(DiskWrite(block, self._acquire(block), slot, self.host_slot(block)))
             picked.add(block)
         return picks
 
@@ -732,21 +639,19 @@ class Engine:
         check(disk is not None and len(writes) == len(ok), "one outcome per write")
         for write, good in zip(writes, ok):
             block = write.block
-            check(write.disk_slot in disk.writing and disk.owners[write.disk_slot] is block, "unknown disk write")
-            disk.writing.discard(write.disk_slot)
+            check(write.disk_slot in disk.pool.incoming and disk.pool.owners[write.disk_slot] is block, "unknown disk write")
+            disk.pool.incoming.discard(write.disk_slot)
             parent = block.parent
-            durable_prefix = parent is None or parent.disk_slot != NO_SLOT
+            durable_prefix = parent is None or self.disk_slot(parent) != NO_SLOT
             if good and durable_prefix and block.state == BlockState.SEALED:
-                block.disk_slot = write.disk_slot
-                disk.used_bytes += self._block_bytes(block)
-                disk.touch(write.disk_slot)
+                self.tiers.add_copy(block, disk, write.disk_slot)
+                disk.pool.used_bytes += self._block_bytes(block)
+                disk.eviction.touch(write.disk_slot)
                 disk.counters.written += 1
             else:
-                disk.owners[write.disk_slot] = None
+                disk.pool.release(write.disk_slot, block)
                 if block.index.quota is not None:
                     block.index.quota.disk_used_bytes -= disk.slot_bytes
-                disk.quarantine.add(write.disk_slot)
-                disk.removals.append((block.index.namespace_id, block.key, write.disk_slot))
                 disk.counters.write_failures += 1
             write.handle.release()
 
@@ -754,11 +659,10 @@ class Engine:
         """(namespace id, key, disk slot) whose REMOVE must be journalled."""
         if self.disk is None:
             return []
-        removals, self.disk.removals = self.disk.removals, []
-        return removals
+        return self.disk.pool.take_removals()
 
     def confirm_disk_removals(self, slots: Sequence[int]) -> None:
-        self.disk.confirm_removals(list(slots))
+        self.disk.pool.confirm_removals(slots)
 
     def require_durable(self, blocks: Iterable[Block]) -> None:
         """A client asked for these blocks to be durable (ACK_DURABLE, a
@@ -776,7 +680,7 @@ class Engine:
         for block in blocks:
             chain = []
             node: Block | None = block
-            while node is not None and node.disk_slot == NO_SLOT and node not in seen:
+            while node is not None and self.disk_slot(node) == NO_SLOT and node not in seen:
                 seen.add(node)
                 chain.append(node)
                 node = node.parent
@@ -786,29 +690,31 @@ class Engine:
                 queued = set(self.write_queue)
             again = False
             for member in reversed(chain):
-                if member.state != BlockState.SEALED or member.host_slot == NO_SLOT or not member.index.disk_enabled:
+                if member.state != BlockState.SEALED or self.host_slot(member) == NO_SLOT or not member.index.disk_enabled:
                     continue
                 again = again or member not in queued
                 if again:
                     self.write_queue.append(member)
                     queued.add(member)
 
-    def _allocate_disk_slot(self) -> int | None:
-        disk = self.disk
-        slot = disk.take_free()
-        if slot is not None:
+    def _allocate_disk_slot(self) -> int:
+        """A free disk slot, or the slot of the disk policy's victim; NO_SLOT if none may go."""
+        slot = self.disk.pool.take_free()
+        if slot != NO_SLOT:
             return slot
-        victim = disk.victim(_disk_evictable)
-        if victim is None:
-            return None
-        return self._evict_disk_block(victim)
+        victim = self._disk_victim(_disk_evictable)
+        return NO_SLOT if victim is None else self._evict_disk_block(victim)
 
-    def _take_own_disk_slot(self, quota: TenantQuota) -> int | None:
+    def _disk_victim(self, evictable: Callable[[Block], bool]) -> Block | None:
+        pool = self.disk.pool
+        return self.disk.eviction.victim(pool.owners, pool.incoming, evictable)
+
+    def _take_own_disk_slot(self, quota: TenantQuota) -> int:
         """The disk slot of one of the tenant's own blocks (the disk policy's
-        pick among them), evicted for a newer one; None if none may go."""
-        victim = self.disk.victim(lambda block: block.index.quota is quota and _disk_evictable(block))
+        pick among them), evicted for a newer one; NO_SLOT if none may go."""
+        victim = self._disk_victim(lambda block: block.index.quota is quota and _disk_evictable(block))
         if victim is None:
-            return None
+            return NO_SLOT
         quota.counters.disk_evicted += 1
         return self._evict_disk_block(victim)
 
@@ -816,15 +722,15 @@ class Engine:
         """Evict `victim`'s disk copy (the block too, if no host copy) and hand out its slot."""
         disk = self.disk
         disk.counters.evictions += 1
-        slot = victim.disk_slot
-        if victim.host_slot != NO_SLOT:
+        slot = self.disk_slot(victim)
+        if self.host_slot(victim) != NO_SLOT:
             self._free_disk_slot(victim)
         else:
             disk.counters.dropped += 1
             self._remove_block(victim, cold_parent=False)
         # Reused at once: the caller journals take_disk_removals() before it
         # writes the new bytes (see pick_writes).
-        disk.quarantine.discard(slot)
+        disk.pool.reuse(slot)
         return slot
 
     def recover(self, namespace_id: bytes, records: Iterable[tuple[bytes, bytes, int]]) -> int:
@@ -843,9 +749,8 @@ class Engine:
 
         def drop(key: bytes, slot: int) -> None:
             disk.counters.recovery_dropped += 1
-            if 0 <= slot < disk.slot_count and disk.owners[slot] is None and slot not in disk.quarantine:
-                disk.quarantine.add(slot)
-                disk.removals.append((namespace_id, key, slot))
+            if 0 <= slot < disk.slot_count and disk.pool.owners[slot] is None and slot not in disk.pool.retired:
+                disk.pool.forget(slot, namespace_id, key)
 
         for start in list(pending):
             # Walk up to the first ancestor already indexed (or a root), then
@@ -861,16 +766,16 @@ class Engine:
             for key in reversed(chain):
                 parent_key, slot = pending.pop(key)
                 parent = index.nodes.get(parent_key) if parent_key else None
-                valid_slot = (0 <= slot < disk.slot_count and disk.owners[slot] is None and slot not in disk.quarantine
-                              and slot not in disk.retired)
+                valid_slot = (0 <= slot < disk.slot_count and disk.pool.owners[slot] is None
+                              and slot not in disk.pool.quarantine and slot not in disk.pool.retired)
                 if (parent_key and (parent is None or parent.state != BlockState.SEALED)) or not valid_slot:
                     drop(key, slot)
                     continue
                 block = index.insert(key, parent)
                 block.state = BlockState.SEALED
-                block.disk_slot = slot
-                disk.owners[slot] = block
-                disk.used_bytes += state.block_bytes
+                disk.pool.assign(slot, block)
+                self.tiers.add_copy(block, disk, slot)
+                disk.pool.used_bytes += state.block_bytes
                 if state.quota is not None:
                     state.quota.disk_used_bytes += disk.slot_bytes
                 recovered += 1
@@ -880,16 +785,13 @@ class Engine:
                 parent_key, slot = pending.pop(start)
                 drop(start, slot)
         disk.counters.recovered += recovered
-        disk.free_slots = [
-            slot for slot in range(disk.slot_count - 1, -1, -1)
-            if disk.owners[slot] is None and slot not in disk.quarantine and slot not in disk.retired
-        ]
+        disk.pool.rebuild_free()
         return recovered
 
     def retire_disk_slots(self, slots: Sequence[int]) -> None:
         """Never use these disk slots (a drive out of service); call before recover."""
         check(self.disk is not None, "retire_disk_slots without a disk tier")
-        self.disk.retire(list(slots))
+        self.disk.pool.retire(slots)
 
     def _cut_plan(self, plan: GetPlan, position: int) -> None:
         """Serve only matched[:position]; unpin the rest (tail first)."""
@@ -1175,7 +1077,7 @@ class Engine:
 
     def _drop_reference(self, block: Block, *, writer: bool) -> None:
         self.live_handles -= 1
-        check(block.ref_count > 0, f"reference count underflow on {block!r}")
+        check(block.ref_count > 0, "reference count underflow on {!r}", block)
         block.ref_count -= 1
         if block.ref_count == 0:
             self.pinned_blocks -= 1
@@ -1189,7 +1091,7 @@ class Engine:
         if block.state == BlockState.LOST:
             self._bury(block)
             return
-        check(block.state == BlockState.SEALED, f"reference dropped on {block!r}")
+        check(block.state == BlockState.SEALED, "reference dropped on {!r}", block)
         self._maybe_admit(block, cold=False)
 
     def _count_leak(self) -> None:
@@ -1199,7 +1101,7 @@ class Engine:
     # Internals
 
     def _acquire(self, block: Block) -> BlockHandle:
-        check(block.state == BlockState.SEALED, f"read handle on {block!r}")
+        check(block.state == BlockState.SEALED, "read handle on {!r}", block)
         self._withdraw(block)
         if block.ref_count == 0:
             self.pinned_blocks += 1
@@ -1226,13 +1128,7 @@ class Engine:
         (demote_to_low_watermark), so a Put finds free slots instead of
         evicting, and no block is dropped that the disk could have kept.
         """
-        host = self.host
-        resident = host.resident_blocks
-        if resident >= host.high_slots:
-            host.reclaiming = True
-        elif resident <= host.low_slots:
-            host.reclaiming = False
-        return host.reclaiming
+        return self.host.reclaim_due()
 
     def demote_to_low_watermark(self, limit: int | None = None) -> int:
         """Drop host copies of durable blocks, in eviction order, down to the low watermark.
@@ -1244,9 +1140,9 @@ class Engine:
         """
         host = self.host
         demoted = 0
-        while host.resident_blocks > host.low_slots and (limit is None or demoted < limit):
+        while host.pool.resident_blocks > host.low_slots and (limit is None or demoted < limit):
             victim = host.policy.victim()
-            if victim is None or victim.disk_slot == NO_SLOT:
+            if victim is None or self.disk_slot(victim) == NO_SLOT:
                 break
             self._evict_host_block(victim)  # durable: only its host copy goes
             host.counters.background_demotions += 1
@@ -1267,7 +1163,7 @@ class Engine:
         try:
             claim(slot, tenant)
         except OSError:
-            self.host.free_slots.append(slot)
+            self.host.pool.give_back(slot)
             self.claim_failures += 1
             return NO_SLOT
         self.slot_tenants[slot] = tenant
@@ -1285,28 +1181,30 @@ class Engine:
         blocks are all younger than that takes another's slot, and so grows.
         """
         host = self.host
-        if host.free_slots:
-            return host.free_slots.pop()
+        slot = host.pool.take_free()
+        if slot != NO_SLOT:
+            return slot
         window = min(TENANT_AFFINITY_WINDOW, host.slot_count // 32)
         if tenant is not None and self.claim_host_slot is not None and window > 0:
             slot_tenants = self.slot_tenants
-            victim = host.policy.victim_near(lambda block: slot_tenants[block.host_slot] == tenant, window,
-                                             lambda block: _eviction_run(block, window))
+            victim = host.policy.victim_near(lambda block: slot_tenants[self.host_slot(block)] == tenant, window,
+                                             lambda block: self._eviction_run(block, window))
         else:
             victim = host.policy.victim()
         if victim is None:
             return NO_SLOT
         self._evict_host_block(victim)
         host.counters.evictions += 1
-        check(bool(host.free_slots), "eviction freed no host slot")
-        return host.free_slots.pop()
+        slot = host.pool.take_free()
+        check(slot != NO_SLOT, "eviction freed no host slot")
+        return slot
 
     def _evict_host_block(self, victim: Block) -> None:
         """Free the host slot of `victim`, an eviction candidate."""
         host = self.host
         # Evicting a host leaf may make its parent one: it goes next in line,
         # so a cold prefix leaves the host tier from its tail inward.
-        if victim.disk_slot != NO_SLOT:
+        if self.disk_slot(victim) != NO_SLOT:
             # A durable copy exists: only the host copy goes.
             self._clear_host_slot(victim, cold_parent=True)
             host.counters.demotions += 1
@@ -1359,13 +1257,12 @@ class Engine:
         # One at a time, least recently used first: evicting a chain's leaf
         # makes its parent a candidate, at the front.
         for _ in range(needed):
-            victim = next((block for block in quota.candidates if _quota_victim(block, keep)), None)
+            victim = next((block for block in quota.candidates if self._quota_victim(block, keep)), None)
             check(victim is not None, "the tenant's evictable blocks were miscounted")
             self._evict_host_block(victim)
             quota.counters.host_evicted += 1
 
-    @staticmethod
-    def _quota_evictable(quota: TenantQuota, keep: Block | None, needed: int) -> int:
+    def _quota_evictable(self, quota: TenantQuota, keep: Block | None, needed: int) -> int:
         """How many of the tenant's host blocks (up to `needed`) evicting its
         candidates would free: each candidate, and the ancestors that
         become candidates once it is gone (counted only where that is
@@ -1373,16 +1270,16 @@ class Engine:
         count = 0
         counted: set[Block] = set()
         for block in quota.candidates:
-            if not _quota_victim(block, keep):
+            if not self._quota_victim(block, keep):
                 continue
             count += 1
             child, parent = block, block.parent
             while count < needed and parent is not None and parent not in counted:
                 # The parent's children once `child` is gone: a non-durable child leaves the index.
-                children_left = parent.children - (0 if child.disk_slot != NO_SLOT else 1)
-                if not (parent.host_slot != NO_SLOT and parent.host_children == 1 and parent.ref_count == 0
+                children_left = parent.children - (0 if self.disk_slot(child) != NO_SLOT else 1)
+                if not (self.host_slot(parent) != NO_SLOT and self.tiers.resident_children(parent, self.host) == 1 and parent.ref_count == 0
                         and parent.state == BlockState.SEALED and parent.index.quota is quota
-                        and _quota_victim(parent, keep, children_left)):
+                        and self._quota_victim(parent, keep, children_left)):
                     break
                 counted.add(parent)
                 count += 1
@@ -1391,16 +1288,37 @@ class Engine:
                 break
         return count
 
+    def _eviction_run(self, block: Block, limit: int) -> int:
+        """Host blocks that leave, at most `limit`, when candidate `block` is
+        evicted: it and the ancestors that become candidates after it, up the
+        chain while each has no other child in host memory."""
+        run = 1
+        parent = block.parent
+        while (run < limit and parent is not None and self.host_slot(parent) != NO_SLOT
+               and self.tiers.resident_children(parent, self.host) == 1):
+            run += 1
+            parent = parent.parent
+        return run
+
+
+    def _quota_victim(self, block: Block, keep: Block | None, children: int | None = None) -> bool:
+        """Whether a tenant's candidate may go to keep it within its host quota:
+        not the block a reservation extends, and not one with children but no
+        disk copy (evicting it would lose its subtree)."""
+        if children is None:
+            children = block.children
+        return block is not keep and not (children and self.disk_slot(block) == NO_SLOT)
+
     def _remove_block(self, block: Block, *, cold_parent: bool) -> None:
         """Take a childless, unpinned block out of its index and its slot."""
-        check(block.ref_count == 0, f"removal of pinned {block!r}")
+        check(block.ref_count == 0, "removal of pinned {!r}", block)
         if block.state == BlockState.SEALED:
             # Writable blocks were never announced; tombstones were when lost.
             self.events.removed(block.index.namespace_id, block.key)
         self._withdraw(block)
-        if block.host_slot != NO_SLOT:
+        if self.host_slot(block) != NO_SLOT:
             self._clear_host_slot(block, cold_parent=cold_parent)
-        if block.disk_slot != NO_SLOT:
+        if self.disk_slot(block) != NO_SLOT:
             self._free_disk_slot(block)
         parent = block.index.remove(block)
         if parent is not None:
@@ -1410,50 +1328,45 @@ class Engine:
                 self._maybe_admit(parent, cold=cold_parent)
 
     def _set_host_slot(self, block: Block, slot: int) -> None:
-        check(block.host_slot == NO_SLOT and self.host.owners[slot] is None, "host slot already taken")
+        check(self.host_slot(block) == NO_SLOT, "{!r} has a host slot already", block)
         check(self.claim_host_slot is None or self.slot_tenants[slot] == block.index.tenant,
               "host slot not in its block's tenant's memory")
-        block.host_slot = slot
-        self.host.owners[slot] = block
-        self.host.used_bytes += self._block_bytes(block)
+        host = self.host
+        host.pool.assign(slot, block)
+        self.tiers.add_copy(block, host, slot)
+        host.pool.used_bytes += self._block_bytes(block)
         if block.index.quota is not None:
-            block.index.quota.host_used_bytes += self.host.slot_bytes
-        parent = block.parent
-        if parent is not None:
-            parent.host_children += 1
-            self._withdraw(parent)
+            block.index.quota.host_used_bytes += host.slot_bytes
+        if block.parent is not None:
+            # It has a child in host memory now: no longer a candidate.
+            self._withdraw(block.parent)
 
     def _clear_host_slot(self, block: Block, *, cold_parent: bool) -> None:
-        slot = block.host_slot
-        check(slot != NO_SLOT and self.host.owners[slot] is block, "host slot owner mismatch")
+        slot = self.host_slot(block)
+        check(slot != NO_SLOT and self.host.pool.owners[slot] is block, "host slot owner mismatch")
         if self.prefetched and block in self.prefetched:
             self.prefetched.remove(block)
             self.prefetch_counters.wasted += 1
         self._withdraw(block)
-        self.host.owners[slot] = None
-        self.host.free_slots.append(slot)
-        self.host.used_bytes -= self._block_bytes(block)
+        host = self.host
+        self.tiers.drop_copy(block, host)
+        host.pool.release(slot, block)
+        host.pool.used_bytes -= self._block_bytes(block)
         if block.index.quota is not None:
-            block.index.quota.host_used_bytes -= self.host.slot_bytes
-        block.host_slot = NO_SLOT
-        parent = block.parent
-        if parent is not None:
-            check(parent.host_children > 0, "host child count underflow")
-            parent.host_children -= 1
-            self._maybe_admit(parent, cold=cold_parent)
+            block.index.quota.host_used_bytes -= host.slot_bytes
+        if block.parent is not None:
+            self._maybe_admit(block.parent, cold=cold_parent)
 
     def _free_disk_slot(self, block: Block) -> None:
         """Drop a block's disk copy; its slot waits for a durable REMOVE."""
         disk = self.disk
-        slot = block.disk_slot
-        check(disk is not None and disk.owners[slot] is block, "disk slot owner mismatch")
-        disk.owners[slot] = None
-        disk.used_bytes -= self._block_bytes(block)
+        slot = self.disk_slot(block)
+        check(disk is not None and disk.pool.owners[slot] is block, "disk slot owner mismatch")
+        self.tiers.drop_copy(block, disk)
+        disk.pool.release(slot, block)
+        disk.pool.used_bytes -= self._block_bytes(block)
         if block.index.quota is not None:
             block.index.quota.disk_used_bytes -= disk.slot_bytes
-        disk.quarantine.add(slot)
-        disk.removals.append((block.index.namespace_id, block.key, slot))
-        block.disk_slot = NO_SLOT
 
     def _lose(self, block: Block) -> None:
         """`block` and everything under it can no longer be served.
@@ -1475,9 +1388,9 @@ class Engine:
             # corrupt that block. Its loader pins it, so it stays a tombstone.
             # Likewise a writable member: its writer is filling the slot and
             # keeps it until it lets the block go (commit seals nothing LOST).
-            if member.host_slot != NO_SLOT and member not in self.loading and member.state != BlockState.WRITABLE:
+            if self.host_slot(member) != NO_SLOT and member not in self.loading and member.state != BlockState.WRITABLE:
                 self._clear_host_slot(member, cold_parent=False)
-            if member.disk_slot != NO_SLOT:
+            if self.disk_slot(member) != NO_SLOT:
                 self._free_disk_slot(member)
             member.state = BlockState.LOST
         for member in block.index.subtree(block):
@@ -1493,12 +1406,25 @@ class Engine:
     def _block_bytes(block: Block) -> int:
         return block.index.block_bytes
 
+    def host_slot(self, block: Block) -> int:
+        """`block`'s slot in host memory, or NO_SLOT.
+
+        Host memory heads this stack at global slot id 0, so a block's
+        chain starts with its host copy if it has one (TierStack.slot_in's
+        fast path, inlined: this is on every hot path)."""
+        slot = block.slot
+        return slot if slot < self._host_end else NO_SLOT
+
+    def disk_slot(self, block: Block) -> int:
+        """`block`'s slot on disk, or NO_SLOT (also without a disk tier)."""
+        return NO_SLOT if self.disk is None else self.tiers.slot_in(block, self.disk)
+
     def _maybe_admit(self, block: Block, *, cold: bool) -> None:
         if (
             block.state == BlockState.SEALED
             and block.ref_count == 0
-            and block.host_children == 0
-            and block.host_slot != NO_SLOT
+            and self.tiers.resident_children(block, self.host) == 0
+            and self.host_slot(block) != NO_SLOT
             and block not in self.host.policy
         ):
             self.host.policy.admit(block, cold=cold)
@@ -1523,7 +1449,7 @@ class Engine:
             return
         for position in disk.admission.record_many([block.key for block in matched]):
             block = matched[position]
-            if block.host_slot != NO_SLOT and block.disk_slot == NO_SLOT:
+            if self.host_slot(block) != NO_SLOT and self.disk_slot(block) == NO_SLOT:
                 self._queue_write(block)
 
     def _touch_prefix(self, matched: Sequence[Block]) -> None:
@@ -1582,7 +1508,7 @@ class Engine:
         """
         in_host = len(matched)
         if self.disk is not None:
-            in_host = sum(1 for block in matched if block.host_slot != NO_SLOT and block not in self.loading)
+            in_host = sum(1 for block in matched if self.host_slot(block) != NO_SLOT and block not in self.loading)
         counted = (state, requested, len(matched), in_host)
         self._tally_get(*counted, sign=1)
         return counted
@@ -1616,11 +1542,11 @@ class Engine:
         host_bytes = dict.fromkeys(self.tenants.values(), 0)
         disk_bytes = dict.fromkeys(self.tenants.values(), 0)
         candidates: dict[TenantQuota, list[Block]] = {quota: [] for quota in self.tenants.values()}
-        for owner in self.host.owners:
+        for owner in self.host.pool.owners:
             if owner is not None and owner.index.quota is not None:
                 host_bytes[owner.index.quota] += self.host.slot_bytes
         if self.disk is not None:
-            for owner in self.disk.owners:
+            for owner in self.disk.pool.owners:
                 if owner is not None and owner.index.quota is not None:
                     disk_bytes[owner.index.quota] += self.disk.slot_bytes
         for block in self.host.policy.order():
@@ -1642,73 +1568,69 @@ class Engine:
         check(len(self._public) == len(self._namespaces), "a namespace is missing from the public map")
 
     def tier_of(self, block: Block) -> TierId:
-        if block.host_slot != NO_SLOT and block not in self.loading:
+        if self.host_slot(block) != NO_SLOT and block not in self.loading:
             return TierId.HOST
-        check(block.disk_slot != NO_SLOT, f"{block!r} resides in no tier")
+        check(self.disk_slot(block) != NO_SLOT, "{!r} resides in no tier", block)
         return TierId.DISK
 
     def verify(self) -> None:
         """Check every cross-structure invariant (tests call this after each step)."""
-        self.host.verify()
+        self.tiers.verify()
         if self.claim_host_slot is not None:
-            for slot, owner in enumerate(self.host.owners):
+            for slot, owner in enumerate(self.host.pool.owners):
                 check(owner is None or self.slot_tenants[slot] == owner.index.tenant,
                       "a block sits in another tenant's host memory")
         self.leases.verify()
         self.events.verify()
         disk = self.disk
-        if disk is not None:
-            disk.verify()
+        resident_children: dict = {tier: {} for tier in self.tiers}
         host_resident = disk_resident = pinned = refs = host_bytes = disk_bytes = 0
         for state in self._namespaces.values():
             state.index.verify()
-            host_children: dict[int, int] = {}
             for block in state.index:
-                if block.host_slot != NO_SLOT and block.parent is not None:
-                    host_children[id(block.parent)] = host_children.get(id(block.parent), 0) + 1
-            for block in state.index:
-                check(block.host_children == host_children.get(id(block), 0), "{!r} host child count", block)
+                self.tiers.verify_block(block, resident_children)
                 if block.state == BlockState.LOST:
                     # Only a pinned tombstone (a load or a writer still using
                     # its host slot) keeps that slot.
-                    check((block.host_slot == NO_SLOT or block.ref_count > 0) and block.disk_slot == NO_SLOT,
+                    check((self.host_slot(block) == NO_SLOT or block.ref_count > 0) and self.disk_slot(block) == NO_SLOT,
                           'tombstone {!r} has slots', block)
                     check(block.ref_count > 0 or block.children > 0, "tombstone {!r} should be gone", block)
                 else:
-                    check(block.host_slot != NO_SLOT or block.disk_slot != NO_SLOT, "{!r} resides nowhere", block)
-                if block.host_slot != NO_SLOT:
-                    check(self.host.owners[block.host_slot] is block, "{!r} slot owner mismatch", block)
+                    check(self.host_slot(block) != NO_SLOT or self.disk_slot(block) != NO_SLOT, "{!r} resides nowhere", block)
+                if self.host_slot(block) != NO_SLOT:
+                    check(self.host.pool.owners[self.host_slot(block)] is block, "{!r} slot owner mismatch", block)
                     host_resident += 1
                     host_bytes += state.block_bytes
-                if block.disk_slot != NO_SLOT:
-                    check(disk is not None and disk.owners[block.disk_slot] is block, "{!r} disk owner mismatch", block)
+                if self.disk_slot(block) != NO_SLOT:
+                    check(disk is not None and disk.pool.owners[self.disk_slot(block)] is block, "{!r} disk owner mismatch", block)
                     # A durable block's whole prefix is durable (FORMAT.md).
-                    check(block.parent is None or block.parent.disk_slot != NO_SLOT, "{!r} durable, parent not", block)
+                    check(block.parent is None or self.disk_slot(block.parent) != NO_SLOT, "{!r} durable, parent not", block)
                     disk_resident += 1
                     disk_bytes += state.block_bytes
                 if block in self.loading:
-                    check(block.ref_count > 0 and block.host_slot != NO_SLOT, "loading {!r} unpinned", block)
+                    check(block.ref_count > 0 and self.host_slot(block) != NO_SLOT, "loading {!r} unpinned", block)
                 refs += block.ref_count
                 pinned += block.ref_count > 0
                 candidate = (
                     block.state == BlockState.SEALED
                     and block.ref_count == 0
-                    and block.host_children == 0
-                    and block.host_slot != NO_SLOT
+                    and self.tiers.resident_children(block, self.host) == 0
+                    and self.host_slot(block) != NO_SLOT
                 )
                 check(
                     (block in self.host.policy) == candidate,
                     '{!r} candidate={} but policy membership disagrees', block, candidate,
                 )
-                if candidate and block.disk_slot == NO_SLOT:
+                if candidate and self.disk_slot(block) == NO_SLOT:
                     # What host eviction drops must be droppable.
                     check(block.children == 0 or disk is not None, "dirty candidate {!r} has children", block)
-        check(host_resident == self.host.resident_blocks, "resident blocks disagree with free slots")
+        self.tiers.verify_children(resident_children)
+        check(host_resident == self.host.pool.resident_blocks, "resident blocks disagree with free slots")
         self._verify_quotas()
-        check(host_bytes == self.host.used_bytes, "host used bytes drifted")
+        check(host_bytes == self.host.pool.used_bytes, "host used bytes drifted")
         if disk is not None:
-            check(disk_bytes == disk.used_bytes, "disk used bytes drifted")
-            check(disk_resident == disk.resident_blocks, "disk resident blocks disagree with its slots")
+            check(disk_bytes == disk.pool.used_bytes, "disk used bytes drifted")
+            check(disk_resident == disk.pool.resident_blocks, "disk resident blocks disagree with its slots")
         check(pinned == self.pinned_blocks, "pinned count {} but {} pinned", self.pinned_blocks, pinned)
         check(refs == self.live_handles, "{} live handles but {} references", self.live_handles, refs)
         check(0 <= self.prefetch_in_flight <= len(self.loading), "{} prefetch loads in flight", self.prefetch_in_flight)
@@ -1717,5 +1639,5 @@ class Engine:
               "every prefetched block is used, wasted, or still waiting for a Get")
         for block in self.prefetched:
             # A lost block being read still has its slot, until the read ends.
-            check(block.host_slot != NO_SLOT and (block.state == BlockState.SEALED or block in self.loading),
+            check(self.host_slot(block) != NO_SLOT and (block.state == BlockState.SEALED or block in self.loading),
                   'prefetched {!r} not in host memory', block)

@@ -216,7 +216,7 @@ class EventLog:
         self.flush()
         stream = self._streams.get(namespace_id)
         last = stream.last_sequence if stream is not None else 0
-        check(1 <= next_sequence <= last + 1, f"read from {next_sequence}, but the newest event is {last}")
+        check(1 <= next_sequence <= last + 1, "read from {}, but the newest event is {}", next_sequence, last)
         if next_sequence > last:
             return []
         events = stream.events

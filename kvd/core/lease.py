@@ -146,7 +146,7 @@ class LeaseTable:
 
     def refund(self, lease: Lease, count: int) -> None:
         """`lease` released `count` of its pins."""
-        check(0 <= count <= lease.pinned, f"refund of {count} pins from a lease holding {lease.pinned}")
+        check(0 <= count <= lease.pinned, "refund of {} pins from a lease holding {}", count, lease.pinned)
         if count:
             lease.pinned -= count
             self.pinned_total -= count

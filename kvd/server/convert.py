@@ -63,7 +63,7 @@ _HOST_TIER_BYTE = bytes((int(TierId.HOST),))
 
 def tiers(engine: Engine, blocks: Sequence[Block]) -> bytes:
     """One Tier byte per block."""
-    if engine.disk is None:
+    if len(engine.tiers) == 1:
         return _HOST_TIER_BYTE * len(blocks)
     return bytes(int(engine.tier_of(block)) for block in blocks)
 

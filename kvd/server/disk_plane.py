@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvd.config import DiskSettings
-from kvd.core.block import Block, BlockState
+from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.engine import DiskLoad, DiskWrite, Engine, GetPlan, PrefetchPlan
 from kvd.core.io_schedule import IoClass, IoSchedule
 from kvd.errors import Unavailable
@@ -419,7 +419,7 @@ class DiskPlane:
             waiters = self._durable.pop(write.block, [])
             if not waiters:
                 continue
-            if write.block.disk_slot == write.disk_slot:
+            if self.engine.disk_slot(write.block) == write.disk_slot:
                 failure = None
             elif good:
                 failure = self._why_not_durable(write.block)  # written, then lost (its parent, a Delete)
@@ -439,12 +439,12 @@ class DiskPlane:
         if not block.index.disk_enabled:
             return NotDurable(block, "FAILED_PRECONDITION",
                               f"its namespace cannot go to disk: {self._admission(block).reason}")
-        if parent is not None and parent.disk_slot == -1:
+        if parent is not None and self.engine.disk_slot(parent) == NO_SLOT:
             return NotDurable(block, "UNAVAILABLE", "its parent block could not be made durable (a block is only "
                               "ever on disk with its whole prefix)")
         if quota is not None and quota.disk_full(self.config.slot_bytes):
             return NotDurable(block, "RESOURCE_EXHAUSTED", f"tenant {quota.name!r} is at its disk quota")
-        if block.host_slot == -1:
+        if self.engine.host_slot(block) == NO_SLOT:
             return NotDurable(block, "UNAVAILABLE", "it left host memory before it was written")
         return NotDurable(block, "RESOURCE_EXHAUSTED", "no disk slot could be freed for it (the disk tier is "
                           "full of blocks being read or written)")
@@ -476,7 +476,7 @@ class DiskPlane:
         down = self._no_drive_writes()
         try:
             for block in blocks:
-                if block.disk_slot != -1 or block in waiting:
+                if self.engine.disk_slot(block) != NO_SLOT or block in waiting:
                     continue
                 if down:
                     failures.append(NotDurable(block, "UNAVAILABLE", down))
@@ -518,7 +518,7 @@ class DiskPlane:
             return
         picked = {write.block for write in writes}
         queued = set(self.engine.write_queue)
-        for block in [block for block in self._durable if block.disk_slot == -1]:
+        for block in [block for block in self._durable if self.engine.disk_slot(block) == NO_SLOT]:
             if block not in picked and block not in queued:
                 failure = self._why_not_durable(block)
                 for future in self._durable.pop(block):
@@ -684,7 +684,7 @@ class DiskPlane:
         self._resolve_loads(loads, ok)
         if not job_done.done():
             # Still stored: a good read under a corrupt parent is lost too.
-            job_done.set_result(sum(load.block.state == BlockState.SEALED and load.block.host_slot == load.host_slot
+            job_done.set_result(sum(load.block.state == BlockState.SEALED and self.engine.host_slot(load.block) == load.host_slot
                                     for load in loads))
 
     async def _prefetched(self, jobs_done: list[asyncio.Future], queued: int) -> int:

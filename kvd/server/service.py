@@ -441,7 +441,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                         f"{self.max_message_bytes}-byte message limit; ask for at most "
                         f"{max(1, self.max_message_bytes // (state.block_bytes + 8) - 1)} keys per call"
                     )
-                blocks = [self.arena.read(block.host_slot, state.block_bytes) for block in matched]
+                blocks = [self.arena.read(self.engine.host_slot(block), state.block_bytes) for block in matched]
             finally:
                 if lease is not None and not lease.ended:
                     self.engine.leases.close(lease)
@@ -453,7 +453,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             matched=len(matched),
             lease_id=lease.lease_id if lease else 0,
             lease_deadline_ms=lease.deadline_ms if lease else 0,
-            offsets=[block.host_slot * slot_bytes for block in matched],
+            offsets=[self.engine.host_slot(block) * slot_bytes for block in matched],
             tiers=tiers,
         )
 
@@ -477,7 +477,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             layers_ready=0 if pending else layers,
             lease_id=lease.lease_id if lease else 0,
             lease_deadline_ms=lease.deadline_ms if lease else 0,
-            offsets=[block.host_slot * slot_bytes for block in matched],
+            offsets=[self.engine.host_slot(block) * slot_bytes for block in matched],
             tiers=convert.tiers(self.engine, matched),
         )
         if not pending:
@@ -681,36 +681,23 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     @rpc("Stats")
     async def Stats(self, request, context):
         engine = self.engine
-        host = engine.host
         return kvd_pb2.StatsResponse(
             version=__version__,
             instance_id=self.arena.instance_id,
             uptime_s=(self.clock.now_ms() - self.started_ms) / 1000.0,
             tiers=[
                 kvd_pb2.TierStats(
-                    tier=kvd_pb2.TIER_HOST,
-                    blocks=host.resident_blocks,
-                    bytes_used=host.occupied_bytes,
-                    payload_bytes=host.used_bytes,
-                    capacity_bytes=host.capacity_bytes,
-                    pinned_blocks=engine.pinned_blocks,
-                    evictions=host.counters.evictions,
+                    tier=int(tier.tier_id),
+                    blocks=tier.pool.resident_blocks,
+                    bytes_used=tier.pool.occupied_bytes,
+                    payload_bytes=tier.pool.used_bytes,
+                    capacity_bytes=tier.pool.capacity_bytes,
+                    # Pins hold blocks where clients map them.
+                    pinned_blocks=engine.pinned_blocks if tier.caps.client_mappable else 0,
+                    evictions=tier.counters.evictions,
                 )
-            ]
-            + (
-                [
-                    kvd_pb2.TierStats(
-                        tier=kvd_pb2.TIER_DISK,
-                        blocks=engine.disk.resident_blocks,
-                        bytes_used=engine.disk.resident_blocks * engine.disk.slot_bytes,
-                        capacity_bytes=engine.disk.capacity_bytes,
-                        evictions=engine.disk.counters.evictions,
-                        payload_bytes=engine.disk.used_bytes,
-                    )
-                ]
-                if engine.disk is not None
-                else []
-            ),
+                for tier in engine.tiers
+            ],
             namespaces=[
                 kvd_pb2.NamespaceStats(
                     namespace_id=state.namespace_id,

@@ -20,7 +20,8 @@ from kvd.invariants import check
 
 
 class SlotContents:
-    def __init__(self) -> None:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
         self.host: dict[int, bytes] = {}
         self.disk: dict[int, bytes] = {}
 
@@ -56,13 +57,13 @@ class SlotContents:
             self.disk.pop(slot, None)
         return [slot for _, _, slot in removals]
 
-    def journal_removals(self, engine: Engine) -> None:
+    def journal_removals(self) -> None:
         """Make the engine's pending disk removals durable, at once."""
-        engine.confirm_disk_removals(self.drop(engine.take_disk_removals()))
+        self.engine.confirm_disk_removals(self.drop(self.engine.take_disk_removals()))
 
     def served(self, blocks: Sequence[Block]) -> list[bytes]:
         """What a client copies out of the host slots of `blocks`."""
-        return [self.host.get(block.host_slot, b"") for block in blocks]
+        return [self.host.get(self.engine.host_slot(block), b"") for block in blocks]
 
     def check_served(self, blocks: Sequence[Block]) -> None:
         for block, content in zip(blocks, self.served(blocks)):

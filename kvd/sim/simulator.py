@@ -264,7 +264,7 @@ class Simulator:
             self.disk = ModelledDisk(config.disk, schedule)
             for namespace_id in self.namespace_ids:
                 self.engine.enable_disk(namespace_id)
-        self.contents = SlotContents()
+        self.contents = SlotContents(self.engine)
         # Faults are drawn apart from the trace, which every policy shares.
         self.faults = random.Random(config.seed)
         self.trace = iter(TraceGenerator(config.seed, config.trace))
@@ -503,7 +503,7 @@ class Simulator:
         # The client wrote into these slots all along, so they must still be
         # its blocks': a slot handed to another block meanwhile would hold
         # the bytes of two blocks at once.
-        owners = self.engine.host.owners
+        owners = self.engine.host.pool.owners
         for slot, key in flow.reserved:
             owner = owners[slot]
             check(owner is not None and owner.key == key,
@@ -540,7 +540,7 @@ class Simulator:
                     self._submit_journal(removals, self.batch)
                 else:
                     self._submit_chunk(self.batch)
-        if disk.idle and engine.disk.removals:
+        if disk.idle and engine.disk.pool.removals:
             # Removals of lost, deleted or evicted blocks, in slack time.
             self._submit_journal(engine.take_disk_removals(), None)
         backlog = len(engine.write_queue) if should_write else 0
@@ -644,14 +644,15 @@ class Simulator:
     def _check_contents(self, index) -> None:
         """May lose, never lie: every servable copy holds its own block's bytes."""
         host, disk = self.contents.host, self.contents.disk
-        loading = self.engine.loading
+        engine = self.engine
         for block in index:
             if block.state != BlockState.SEALED:
                 continue
-            if block.host_slot != NO_SLOT and block not in loading:
-                check(host.get(block.host_slot) == block.key, "host slot of {!r} holds another block", block)
-            if block.disk_slot != NO_SLOT:
-                check(disk.get(block.disk_slot) == block.key, "disk slot of {!r} holds another block", block)
+            host_slot, disk_slot = engine.host_slot(block), engine.disk_slot(block)
+            if host_slot != NO_SLOT and block not in engine.loading:
+                check(host.get(host_slot) == block.key, "host slot of {!r} holds another block", block)
+            if disk_slot != NO_SLOT:
+                check(disk.get(disk_slot) == block.key, "disk slot of {!r} holds another block", block)
 
     def _finish(self) -> None:
         """Past every deadline: all leases gone, nothing pinned, nothing leaked."""

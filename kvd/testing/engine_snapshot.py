@@ -22,9 +22,8 @@ def snapshot(engine: Engine) -> dict:
                     block.state,
                     block.ref_count,
                     block.children,
-                    block.host_children,
-                    block.host_slot,
-                    block.disk_slot,
+                    tuple((tier.tier_id, slot, engine.tiers.resident_children(block, tier))
+                          for tier, slot in engine.tiers.copies(block)),
                     block.parent and block.parent.key,
                 )
                 for key, block in state.index.nodes.items()
@@ -32,18 +31,18 @@ def snapshot(engine: Engine) -> dict:
             for state in engine.namespaces()
         },
         "policy": [block.key for block in host.policy.order()],
-        "free": list(host.free_slots),
-        "owners": [owner and owner.key for owner in host.owners],
-        "used": host.used_bytes,
+        "free": list(host.pool.free_slots),
+        "owners": [owner and owner.key for owner in host.pool.owners],
+        "used": host.pool.used_bytes,
         "counters": dataclasses.astuple(host.counters),
         "disk": None
         if disk is None
         else (
-            list(disk.free_slots),
-            sorted(disk.quarantine),
-            sorted(disk.writing),
-            list(disk.removals),
-            disk.used_bytes,
+            list(disk.pool.free_slots),
+            sorted(disk.pool.quarantine),
+            sorted(disk.pool.incoming),
+            list(disk.pool.removals),
+            disk.pool.used_bytes,
             dataclasses.astuple(disk.counters),
         ),
         "write_queue": [block.key for block in engine.write_queue],

@@ -27,8 +27,8 @@ zeros there, and never the new tenant's bytes, which are in a file they
 were never given. Slots nobody has claimed yet are backed by a spare file.
 Without tenants there is one file, and `claim` is never called.
 
-Which slot holds which block is decided by the engine (kvd.core.engine.
-HostPool); this module only creates, maps, pre-faults and re-backs the
+Which slot holds which block is decided by the engine (the host tier's
+kvd.core.slot_pool.SlotPool); this module only creates, maps, pre-faults and re-backs the
 slots, and copies bytes for the inline (non-shared-memory) path.
 """
 

@@ -148,7 +148,7 @@ def test_a_failed_write_fails_the_wait_with_its_reason_and_a_later_wait_retries_
             child = put(engine, namespace_id, keys[1:], keys[0])
             child_failures = await plane.wait_durable(child, 60.0)
             engine.verify()
-            return parent_failures, child_failures, parent[0].disk_slot, child[0].disk_slot
+            return (parent_failures, child_failures, engine.disk_slot(parent[0]), engine.disk_slot(child[0]))
         finally:
             await plane.close(1.0)
 

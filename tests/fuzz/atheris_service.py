@@ -161,7 +161,7 @@ class Harness:
 
     def check_reference(self) -> None:
         for handle in self.reference:
-            stored = bytes(self.arena.read(handle.block.host_slot, HIDDEN_SPEC.block_bytes))
+            stored = bytes(self.arena.read(self.engine.host_slot(handle.block), HIDDEN_SPEC.block_bytes))
             assert stored == block(handle.block.key, HIDDEN_SPEC.block_bytes), "a pinned reference block changed"
 
     def one_input(self, data: bytes) -> None:

@@ -293,7 +293,7 @@ class EngineMachine(RuleBasedStateMachine):
         # The block a request extends is pinned while slots are found for it,
         # so it may be the one candidate left (it is a candidate again once a
         # refused request lets go of it).
-        assert not self.engine.host.free_slots
+        assert not self.engine.host.pool.free_slots
         candidates = [block.key for block in self.engine.host.policy.order()]
         allowed = [parent] if parent is not None else []
         assert candidates in ([], allowed), "a reserve fell short while a block could be evicted"

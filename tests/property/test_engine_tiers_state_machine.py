@@ -78,7 +78,7 @@ class TierMachine(RuleBasedStateMachine):
         self.ns = self.engine.register_namespace(SPEC).namespace_id
         self.engine.enable_disk(self.ns)
         self.index = self.engine.namespace(self.ns).index
-        self.contents = SlotContents()
+        self.contents = SlotContents(self.engine)
         self.blocks: dict[bytes, MBlock] = {}
         # Sealed since the last flush, in seal order: the engine's write queue.
         self.pending: list[MBlock] = []
@@ -133,7 +133,7 @@ class TierMachine(RuleBasedStateMachine):
         self.bury()
 
     def journal(self) -> None:
-        self.contents.journal_removals(self.engine)
+        self.contents.journal_removals()
 
     def learn_host_departures(self, before: set[bytes], allocated: int, free_before: int, pinned: set[bytes]) -> None:
         """Blocks a full host tier gave up during one call: learn them and check each was allowed."""
@@ -141,7 +141,7 @@ class TierMachine(RuleBasedStateMachine):
         for key in before:
             block = self.blocks[key]
             engine_block = self.index.get(key)
-            if engine_block is None or engine_block.host_slot == NO_SLOT:
+            if engine_block is None or self.engine.host_slot(engine_block) == NO_SLOT:
                 departed.append(block)
         refs = self.refs()
         for block in departed:
@@ -165,7 +165,7 @@ class TierMachine(RuleBasedStateMachine):
 
     def check_nothing_evictable(self, allowed: set[bytes]) -> None:
         """A request fell short: no free slot, and no candidate but blocks it pinned itself."""
-        assert not self.engine.host.free_slots
+        assert not self.engine.host.pool.free_slots
         assert {block.key for block in self.engine.host.policy.order()} <= allowed
 
     # ------------------------------------------------------------------
@@ -192,7 +192,7 @@ class TierMachine(RuleBasedStateMachine):
             assert result.lease is None and result.statuses == [ReserveStatus.EXISTS] * len(matched) + in_flight
             return
         before = {key for key, block in self.blocks.items() if block.host}
-        free_before = len(self.engine.host.free_slots)
+        free_before = len(self.engine.host.pool.free_slots)
         try:
             result = self.engine.reserve(self.ns, "writer", b"", keys, LONG, 0)
         except ResourceExhausted:
@@ -223,7 +223,7 @@ class TierMachine(RuleBasedStateMachine):
         keys = chain(self.stored_path(data))
         expected = self.match(keys)
         before = {key for key, block in self.blocks.items() if block.host}
-        free_before = len(self.engine.host.free_slots)
+        free_before = len(self.engine.host.pool.free_slots)
         plan = self.engine.begin_get(self.ns, "reader", keys, LONG, 0)
         matched = [block.key for block in plan.matched]
         assert matched == [block.key for block in expected][: len(matched)]
@@ -232,7 +232,7 @@ class TierMachine(RuleBasedStateMachine):
             # Nothing could go but blocks this Get let go of when it was cut,
             # or (if the engine keeps those for write-back) unwritten ones.
             event("get: starved")
-            assert not self.engine.host.free_slots
+            assert not self.engine.host.pool.free_slots
             released = {block.key for block in expected[len(matched):]}
             candidates = {block.key for block in self.engine.host.policy.order()}
             assert candidates <= released or any(not self.blocks[key].disk for key in candidates - released)
@@ -358,11 +358,11 @@ class TierMachine(RuleBasedStateMachine):
             engine_block = nodes[key]
             assert engine_block.state == (BlockState.LOST if block.lost else BlockState.SEALED)
             assert (engine_block.parent and engine_block.parent.key) == (block.parent and block.parent.key)
-            assert (engine_block.host_slot != NO_SLOT) == block.host, "host residency differs from the model"
-            assert (engine_block.disk_slot != NO_SLOT) == block.disk, "disk residency differs from the model"
+            assert (self.engine.host_slot(engine_block) != NO_SLOT) == block.host, "host residency differs from the model"
+            assert (self.engine.disk_slot(engine_block) != NO_SLOT) == block.disk, "disk residency differs from the model"
             assert engine_block.ref_count == refs.get(key, 0)
-        assert self.engine.host.resident_blocks == self.host_count() <= HOST_SLOTS
-        assert self.engine.disk.resident_blocks == sum(block.disk for block in self.blocks.values())
+        assert self.engine.host.pool.resident_blocks == self.host_count() <= HOST_SLOTS
+        assert self.engine.disk.pool.resident_blocks == sum(block.disk for block in self.blocks.values())
         assert self.engine.disk.counters.evictions == 0
 
     def teardown(self):

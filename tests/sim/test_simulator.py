@@ -79,7 +79,7 @@ def test_a_writers_slot_stays_its_own_when_a_load_of_its_parent_fails(engine_fac
     engine = engine_factory(2, 64, disk_slot_count=8, disk_slot_bytes=64)
     ns = engine.register_namespace(spec).namespace_id
     engine.enable_disk(ns)
-    contents = SlotContents()
+    contents = SlotContents(engine)
 
     def keys(text: str) -> list[bytes]:
         return chain_keys(spec, [ord(char) for char in text])
@@ -101,7 +101,7 @@ def test_a_writers_slot_stays_its_own_when_a_load_of_its_parent_fails(engine_fac
         assert [load.block.key for load in plan.loads] == keys("a")
         engine.finish_loads(plan.loads, [False])  # "a" reads back corrupt: lost, "b" with it
         assert engine.settle_get(plan) == []
-        owner = engine.host.owners[slot]
+        owner = engine.host.pool.owners[slot]
         assert owner is not None and owner.key == keys("ab")[1], "the writer's slot was freed under it"
     finally:
         engine.close_all_leases()

@@ -115,7 +115,7 @@ def policy_order(engine: Checked) -> list[bytes]:
 
 
 def owner_keys(engine: Checked) -> dict[int, bytes]:
-    return {slot: owner.key for slot, owner in enumerate(engine.engine.host.owners) if owner is not None}
+    return {slot: owner.key for slot, owner in enumerate(engine.engine.host.pool.owners) if owner is not None}
 
 
 # ----------------------------------------------------------------------
@@ -165,8 +165,8 @@ def test_reserve_then_commit_a_fresh_chain(env):
     # Writable blocks are not discoverable.
     assert engine.lookup(ns, K("abc")) == []
     assert engine.get(ns, "reader", K("abc"), LONG, 0) == (None, [])
-    assert (engine.live_handles, engine.pinned_blocks, engine.host.resident_blocks) == (3, 3, 3)
-    assert engine.host.used_bytes == 3 * SPEC.block_bytes
+    assert (engine.live_handles, engine.pinned_blocks, engine.host.pool.resident_blocks) == (3, 3, 3)
+    assert engine.host.pool.used_bytes == 3 * SPEC.block_bytes
     assert engine.host.counters.reserved == 3
     assert policy_order(engine) == []
 
@@ -491,10 +491,10 @@ def test_read_lease_cannot_be_committed(env):
 
 def test_abort_takes_the_rest_of_the_chain(writing):
     engine, ns, lease_id = writing
-    free_before = len(engine.host.free_slots)
+    free_before = len(engine.host.pool.free_slots)
     assert engine.commit(ns, "writer", lease_id, [k("a")], [k("abc")], 0) == (1, 2)
     assert stored(engine, ns) == set(K("ab"))
-    assert len(engine.host.free_slots) == free_before + 2
+    assert len(engine.host.pool.free_slots) == free_before + 2
     assert engine.host.counters.aborted == 2
     assert len(engine.leases) == 1  # ab is still being written
     rejected(engine, FailedPrecondition, "commit", ns, "writer", lease_id, [k("abc")], [], 0, match="aborted")
@@ -508,7 +508,7 @@ def test_abort_everything(writing):
     assert engine.commit(ns, "writer", lease_id, [], [k("a")], 0) == (0, 4)
     assert stored(engine, ns) == set()
     assert len(engine.leases) == 0
-    assert engine.host.resident_blocks == 0
+    assert engine.host.pool.resident_blocks == 0
     assert (engine.live_handles, engine.pinned_blocks) == (0, 0)
 
 
@@ -702,7 +702,7 @@ def test_expiry_aborts_writable_blocks_and_drops_read_pins(env):
         engine.commit(ns, "writer", write.lease.lease_id, [], [], 100)
     assert len(engine.leases) == 1
     assert stored(engine, ns) == set(K("xy") + [k("a")])
-    assert engine.host.resident_blocks == 3 and engine.host.counters.aborted == 2
+    assert engine.host.pool.resident_blocks == 3 and engine.host.counters.aborted == 2
     assert block(engine, ns, "a").ref_count == 0
     assert engine.pinned_blocks == 2
     assert engine.expire(119) == 0
@@ -797,12 +797,12 @@ def test_delete_removes_a_subtree(env):
     assert engine.delete(ns, [k("ab")]) == (3, 0)
     assert stored(engine, ns) == {k("a"), k("q")}
     assert engine.host.counters.deleted == 3
-    assert engine.host.resident_blocks == 2
+    assert engine.host.pool.resident_blocks == 2
     # The surviving parent is now a leaf and a candidate again.
     assert policy_order(engine) == [k("q"), k("a")]
     assert engine.delete(ns, [k("ab"), k("zz")]) == (0, 0)
     assert engine.delete(ns, [k("a"), k("a"), k("q")]) == (2, 0)
-    assert engine.host.resident_blocks == 0
+    assert engine.host.pool.resident_blocks == 0
 
 
 def test_delete_of_a_pinned_subtree_is_refused(env):

@@ -39,8 +39,7 @@ class Plane(SlotContents):
     """Fake bytes (kvd.sim.plane) behind one namespace with a disk tier."""
 
     def __init__(self, engine: Engine) -> None:
-        super().__init__()
-        self.engine = engine
+        super().__init__(engine)
         self.ns = engine.register_namespace(SPEC).namespace_id
         engine.enable_disk(self.ns)
         self.corrupt: set[int] = set()
@@ -64,10 +63,7 @@ class Plane(SlotContents):
         self.journal_removals()
         # What the engine accepted as durable (a child whose parent failed
         # in the same batch is not, whatever its own write said).
-        return sum(write.block.disk_slot == write.disk_slot for write in writes)
-
-    def journal_removals(self) -> None:
-        super().journal_removals(self.engine)
+        return sum(self.engine.disk_slot(write.block) == write.disk_slot for write in writes)
 
     def get(self, chain: str, client: str = "r") -> list[bytes]:
         """A whole Get: plan, load from 'disk', settle, copy out, release."""
@@ -98,7 +94,7 @@ def test_write_through_makes_blocks_durable_parents_first(plane):
     assert [write.disk_slot for write in writes] == [0, 1, 2]
     plane.engine.finish_writes(writes, [True] * 3)
     plane.engine.verify()
-    assert [block.disk_slot for block in plane.engine.lookup(plane.ns, K("abc"))] == [0, 1, 2]
+    assert [plane.engine.disk_slot(block) for block in plane.engine.lookup(plane.ns, K("abc"))] == [0, 1, 2]
     assert tiers(plane, "abc") == [TierId.HOST] * 3
 
 
@@ -121,14 +117,14 @@ def test_dirty_blocks_are_dropped_from_the_tail(plane):
     plane.engine.verify()
     # The two oldest leaves went: abcd lost its tail, nothing went to disk.
     assert len(plane.engine.lookup(plane.ns, K("abcd"))) == 2
-    assert plane.engine.disk.resident_blocks == 0
+    assert plane.engine.disk.pool.resident_blocks == 0
 
 
 def test_a_corrupt_block_is_never_served_and_takes_its_descendants(plane):
     plane.put("abcd")
     plane.flush()
     plane.put("wxyz")
-    corrupt = plane.engine.lookup(plane.ns, K("ab"))[-1].disk_slot
+    corrupt = plane.engine.disk_slot(plane.engine.lookup(plane.ns, K("ab"))[-1])
     plane.corrupt.add(corrupt)
     assert plane.get("abcd") == K("a")
     plane.engine.verify()
@@ -137,7 +133,7 @@ def test_a_corrupt_block_is_never_served_and_takes_its_descendants(plane):
     # The bad block and its descendants were removed; their disk slots were
     # journalled as removed and are free again.
     assert plane.engine.namespace(plane.ns).index.get(k("abc")) is None
-    assert len(plane.engine.disk.free_slots) == 6 - 1  # only "a" keeps its copy (wxyz never flushed)
+    assert len(plane.engine.disk.pool.free_slots) == 6 - 1  # only "a" keeps its copy (wxyz never flushed)
     assert plane.put("abcd") == 3
 
 
@@ -146,7 +142,7 @@ def test_a_failed_write_is_retried_never_and_its_children_stay_host_only(plane):
     assert plane.flush(fail={k("ab")}) == 1
     plane.engine.verify()
     blocks = plane.engine.lookup(plane.ns, K("abc"))
-    assert [block.disk_slot != NO_SLOT for block in blocks] == [True, False, False]
+    assert [plane.engine.disk_slot(block) != NO_SLOT for block in blocks] == [True, False, False]
     # Nothing durable hangs under a non-durable parent.
     assert plane.engine.disk.counters.write_failures == 2
 
@@ -155,13 +151,13 @@ def test_disk_eviction_is_clock_over_index_leaves(plane):
     for chain in ("ab", "cd", "ef"):
         plane.put(chain)
         plane.flush()
-    assert plane.engine.disk.resident_blocks == 6
+    assert plane.engine.disk.pool.resident_blocks == 6
     plane.put("gh")
     plane.flush()
     plane.engine.verify()
     # Two leaves made room; every durable block still has a durable parent.
     assert plane.engine.disk.counters.evictions == 2
-    assert plane.engine.disk.resident_blocks == 6
+    assert plane.engine.disk.pool.resident_blocks == 6
 
 
 def test_recovery_rebuilds_the_index_and_drops_orphans(engine_factory):
@@ -182,7 +178,7 @@ def test_recovery_rebuilds_the_index_and_drops_orphans(engine_factory):
     removals = engine.take_disk_removals()
     assert [(key, slot) for _, key, slot in removals] == [(k("xx"), 5)]
     engine.confirm_disk_removals([5])
-    assert sorted(engine.disk.free_slots) == [4, 5, 6, 7]
+    assert sorted(engine.disk.pool.free_slots) == [4, 5, 6, 7]
     assert engine.disk.counters.recovery_dropped == 2
 
 
@@ -231,7 +227,7 @@ def test_random_operations_never_serve_a_wrong_block(engine_factory, seed, varia
             pass  # e.g. the host tier full of pins: a refusal, checked elsewhere
         engine.verify()
         # Corrupt slots that were dropped may be rewritten with good data.
-        plane.corrupt &= {block.disk_slot for block in engine.namespace(plane.ns).index if block.disk_slot != NO_SLOT}
+        plane.corrupt &= {engine.disk_slot(block) for block in engine.namespace(plane.ns).index} - {NO_SLOT}
     engine.close_all_leases()
     engine.verify()
     assert engine.live_handles == 0 and engine.pinned_blocks == 0
@@ -251,7 +247,7 @@ def picky(engine_factory):
 
 
 def durable(plane: Plane, chain: str) -> list[bool]:
-    return [block.disk_slot != NO_SLOT for block in plane.engine.lookup(plane.ns, K(chain))]
+    return [plane.engine.disk_slot(block) != NO_SLOT for block in plane.engine.lookup(plane.ns, K(chain))]
 
 
 def test_with_min_hits_2_a_block_is_written_once_it_is_used_again(picky):
@@ -277,7 +273,7 @@ def test_blocks_the_filter_turned_away_are_dropped_by_eviction_and_counted(picky
     picky.put("pq")  # the host tier is full: ab goes, tail first, unwritten
     assert picky.engine.lookup(picky.ns, K("ab")) == []
     assert picky.engine.disk.counters.admission_rejected == 2
-    assert picky.engine.host.counters.demotions == 0 and picky.engine.disk.resident_blocks == 0
+    assert picky.engine.host.counters.demotions == 0 and picky.engine.disk.pool.resident_blocks == 0
 
 
 def test_dirty_blocks_the_filter_admitted_are_not_counted_as_turned_away(plane):
@@ -304,7 +300,7 @@ def test_a_block_queued_twice_is_written_once(picky):
     assert picky.get("a") == K("a")  # qualifies now: queued again
     assert [block.key for block in picky.engine.write_queue] == K("a") * 2
     assert picky.flush() == 1
-    assert picky.engine.disk.resident_blocks == 1 and not picky.engine.write_queue
+    assert picky.engine.disk.pool.resident_blocks == 1 and not picky.engine.write_queue
 
 
 def test_require_durable_queues_nothing_with_the_filter_off(plane):
@@ -348,12 +344,12 @@ def test_watermarks_reclaim_with_hysteresis_and_puts_then_evict_nothing(engine_f
     assert engine.demote_to_low_watermark() == 0 and engine.host_reclaiming()
     assert plane.flush() == 8
     assert engine.demote_to_low_watermark() == 3  # 8 -> 5, from the tail of the chain inward
-    assert engine.host.resident_blocks == 5 and not engine.host_reclaiming()
+    assert engine.host.pool.resident_blocks == 5 and not engine.host_reclaiming()
     assert tiers(plane, "abcdefgh") == [TierId.HOST] * 5 + [TierId.DISK] * 3
     assert engine.host.counters.background_demotions == 3
     # Back below high: no reclaiming at 7 resident, though above low.
     plane.put("xy")
-    assert engine.host.resident_blocks == 7 and not engine.host_reclaiming()
+    assert engine.host.pool.resident_blocks == 7 and not engine.host_reclaiming()
     evictions = engine.host.counters.evictions
     plane.put("xyz")
     assert engine.host.counters.evictions == evictions  # a free slot, no eviction on demand

@@ -143,13 +143,13 @@ def test_blocks_lost_while_their_read_is_in_flight_keep_their_slot_until_it_ends
     engine.verify()
     for load, slot in zip(second, slots):
         assert load.block.state == BlockState.LOST
-        assert engine.host.owners[slot] is load.block and slot not in engine.host.free_slots
+        assert engine.host.pool.owners[slot] is load.block and slot not in engine.host.pool.free_slots
     assert engine.lookup(plane.ns, K("abcd")) == []
     # The second job then fails as a whole: its disk slots were removed
     # meanwhile (the daemon's tier refuses to read a slot without its block).
     engine.finish_prefetch(second, [False, False])
     engine.verify()
-    assert all(engine.host.owners[slot] is None for slot in slots)
+    assert all(engine.host.pool.owners[slot] is None for slot in slots)
     assert engine.live_handles == 0 and engine.prefetch_in_flight == 0
     assert engine.prefetch_counters.wasted == 4 and not engine.prefetched
 
@@ -164,9 +164,9 @@ def test_two_gets_a_failed_read_of_one_keeps_the_other_gets_slot_until_its_read_
     b_slot = second.loads[0].host_slot
     engine.finish_loads(first.loads, plane.load(first.loads, {first.loads[0].disk_slot}))
     engine.verify()
-    assert engine.host.owners[b_slot] is second.loads[0].block
+    assert engine.host.pool.owners[b_slot] is second.loads[0].block
     engine.finish_loads(second.loads, plane.load(second.loads))
-    assert engine.host.owners[b_slot] is None
+    assert engine.host.pool.owners[b_slot] is None
     assert engine.settle_get(first) == [] and engine.settle_get(second) == []
     engine.verify()
     assert engine.live_handles == 0

@@ -113,7 +113,7 @@ def test_a_put_past_the_host_quota_evicts_the_tenants_own_least_recently_used_bl
     assert (stored(engine, a, "ab"), stored(engine, a, "cd"), stored(engine, a, "e")) == (2, 1, 1)
     assert stored(engine, b, "zyx") == 3
     assert quota.counters.host_evicted == 1
-    assert len(engine.host.free_slots) == 16 - 7
+    assert len(engine.host.pool.free_slots) == 16 - 7
 
 
 def test_a_put_the_quota_cannot_make_room_for_is_refused_and_changes_nothing():
@@ -179,7 +179,7 @@ def flush(engine: Engine) -> list[bytes]:
     engine.finish_writes(writes, [True] * len(writes))
     engine.confirm_disk_removals([slot for _, _, slot in removals])
     engine.verify()
-    return [write.block.key for write in writes if write.block.disk_slot == write.disk_slot]
+    return [write.block.key for write in writes if engine.disk_slot(write.block) == write.disk_slot]
 
 
 def test_a_tenant_at_its_disk_quota_replaces_its_own_disk_blocks_never_anothers():
@@ -192,11 +192,11 @@ def test_a_tenant_at_its_disk_quota_replaces_its_own_disk_blocks_never_anothers(
     put(engine, a, "r")
     assert flush(engine) == K("r")
     # One of the tenant's own blocks gave its disk slot up (its host copy stays).
-    on_disk = [chain for chain in "pqr" if engine.namespace(a).index.get(K(chain)[0]).disk_slot != NO_SLOT]
+    on_disk = [chain for chain in "pqr" if engine.disk_slot(engine.namespace(a).index.get(K(chain)[0])) != NO_SLOT]
     assert len(on_disk) == 2 and "r" in on_disk
     assert quota.disk_used_bytes == 2 * SLOT
     assert quota.counters.disk_evicted == 1
-    assert all(engine.namespace(b).index.get(key).disk_slot != NO_SLOT for key in K("zy"))
+    assert all(engine.disk_slot(engine.namespace(b).index.get(key)) != NO_SLOT for key in K("zy"))
 
 
 def test_a_block_the_disk_quota_has_no_room_for_is_not_written():
@@ -284,7 +284,7 @@ def test_tenants_taking_turns_in_a_full_host_tier_keep_their_own_slots(policy, m
         b = engine.register_namespace(tenant_spec("b")).namespace_id
         for index in range(256):
             assert put(engine, a if index < 128 else b, single(index), verify=False) == 1
-        assert len(claims) == 256 and engine.host.free_slots == []
+        assert len(claims) == 256 and engine.host.pool.free_slots == []
         # Turns in a shuffled order: strictly alternating ones would make
         # plain LRU's victim the writer's own block anyway.
         writers = [a if turn else b for turn in random.Random(7).choices([0, 1], k=1000)]
@@ -301,7 +301,7 @@ def test_tenants_taking_turns_in_a_full_host_tier_keep_their_own_slots(policy, m
     # the next 8 (1/32 of the tier) to go.
     assert changes <= 256  # the first turns: b takes a's old slots until its own oldest are next
     by_tenant = {"a": 0, "b": 0}
-    for block in engine.host.owners:
+    for block in engine.host.pool.owners:
         by_tenant[block.index.tenant] += 1
     assert sum(by_tenant.values()) == 256 and abs(by_tenant["a"] - 128) <= 64
     monkeypatch.setattr(engine_module, "TENANT_AFFINITY_WINDOW", 0)
@@ -323,7 +323,7 @@ def test_a_newcomer_tenant_takes_the_tier_over_chain_by_chain():
         assert put(engine, b, "".join(chain[number]), verify=False) == 16
     engine.verify()
     b_chains = sum(stored(engine, b, "".join(chain[number])) == 16 for number in range(128, 256))
-    a_blocks = sum(1 for block in engine.host.owners if block.index.tenant == "a")
+    a_blocks = sum(1 for block in engine.host.pool.owners if block.index.tenant == "a")
     # LRU would keep all 128 of b's; the window (64 blocks: 4 chains) may keep up to 4 of a's instead.
     assert b_chains >= 124 and a_blocks <= 64
     assert len(claims) - 2048 >= 124 * 16
@@ -400,7 +400,7 @@ def test_a_slot_the_kernel_will_not_switch_to_the_tenant_is_no_slot_not_an_error
     result = engine.reserve(a, "w", b"", K("abcd"), LONG, 0)
     # Slots 0 and 1 reserved; slot 2 refused: the rest of the chain gets no space, and slot 2 stays free.
     assert result.statuses == [ReserveStatus.RESERVED] * 2 + [ReserveStatus.NO_SPACE] * 2
-    assert refused == [2] and engine.claim_failures == 1 and 2 in engine.host.free_slots
+    assert refused == [2] and engine.claim_failures == 1 and 2 in engine.host.pool.free_slots
     engine.commit(a, "w", result.lease.lease_id, [], [], 0)
     engine.verify()
     assert stored(engine, a, "abcd") == 2 and engine.slot_tenants[:2] == ["a", "a"]

@@ -292,7 +292,7 @@ def test_demotion_promotion_loss_and_disk_eviction_with_a_disk_tier(engine_facto
     # Corrupt "b" on disk after a demotion: the Get loses it and "cd" with it.
     put(engine, ns, "pqrs")
     engine.events.flush()
-    plane.corrupt.add(engine.lookup(ns, K("ab"))[-1].disk_slot)
+    plane.corrupt.add(engine.disk_slot(engine.lookup(ns, K("ab"))[-1]))
     assert plane.get("abcd") == 1
     after = engine.events.last_sequence(ns)
     events = [event for event in new_events(engine, ns, 5) if event.kind == REMOVED]
@@ -350,7 +350,7 @@ def test_events_mirror_the_engine_through_random_operations(engine_factory, seed
         elif action == "abandon" and open_leases:
             engine.release("slow", [open_leases.pop(rng.randrange(len(open_leases)))])
         elif action == "corrupt":
-            durable = [block.disk_slot for block in engine.namespace(ns).index if block.disk_slot != NO_SLOT]
+            durable = [engine.disk_slot(block) for block in engine.namespace(ns).index if engine.disk_slot(block) != NO_SLOT]
             if durable:
                 plane.corrupt.add(rng.choice(durable))
         engine.verify()

@@ -1,0 +1,154 @@
+"""A tier's bookkeeping: its slot pool, what it can do, its policies, its counters.
+
+kvd keeps blocks in an ordered stack of tiers, fastest first (device HBM,
+host memory, local disk; the remote tier of other nodes beside the disk).
+The core sees each as a `Tier`: a `SlotPool`, declared capabilities, and
+the policies of its kind:
+
+* `MemoryTier` (host; device later): volatile, byte-addressable; an
+  intrusive eviction policy over the blocks that are candidates
+  (kvd.core.policy: sealed, unpinned, no child resident in the tier), and
+  watermarks between which the tier is reclaimed ahead of need;
+* `StorageTier` (disk): persistent; victim selection over its slot array
+  (no per-block links, so the index stays small however large the drives),
+  an admission filter (which blocks are written at all) and a promotion
+  policy (whether a hit comes up into memory).
+
+Where a block's copies are is the residency stack's business
+(kvd.core.residency), not the tier's.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvd.core.policy import DiskPolicies, EvictionPolicy, make_promotion, make_slot_policy
+from kvd.core.policy.admission import AdmissionFilter
+from kvd.core.slot_pool import SlotPool
+from kvd.invariants import check
+
+
+class TierId(enum.IntEnum):
+    """Values match kvd.v1.Tier."""
+
+    DEVICE = 1
+    HOST = 2
+    DISK = 3
+    REMOTE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    # Survives a restart: freed slots wait for a durable REMOVE record.
+    persistent: bool
+    # Clients map its slots (the arena): Puts land here and Gets are served from here.
+    client_mappable: bool
+    # Holds a copy of what it hands up (a disk block read into memory stays on disk).
+    inclusive: bool
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """What happened in one tier; a counter that does not apply stays 0."""
+
+    # Get keys found resident here, and not (for host memory: page faults).
+    hits: int = 0
+    misses: int = 0
+    # On demand: a slot was needed and none was free.
+    evictions: int = 0
+    # Victims with no copy in any other tier: gone for good.
+    dropped: int = 0
+    # Memory tiers: copies dropped because a slower tier holds the block,
+    # and of those, the ones dropped ahead of need (above the high watermark).
+    demotions: int = 0
+    background_demotions: int = 0
+    # The Put protocol, counted where Puts land.
+    reserved: int = 0
+    sealed: int = 0
+    aborted: int = 0
+    deleted: int = 0
+    # Storage tiers: blocks written here and read back up, and failures.
+    written: int = 0
+    write_failures: int = 0
+    loaded: int = 0
+    load_failures: int = 0
+    recovered: int = 0
+    recovery_dropped: int = 0
+    # Dirty blocks a memory tier dropped because this tier's admission
+    # filter never let them be written.
+    admission_rejected: int = 0
+
+
+class Tier:
+    """One tier of the stack: a slot pool and what kind of tier it is."""
+
+    def __init__(self, tier_id: TierId, caps: Capabilities, pool: SlotPool) -> None:
+        check(pool.persistent == caps.persistent, "a tier's pool and capabilities disagree on persistence")
+        self.tier_id = tier_id
+        self.name = tier_id.name.lower()
+        self.caps = caps
+        self.pool = pool
+        self.counters = TierCounters()
+        # Position in the stack, fastest first (set by TierStack).
+        self.rank = -1
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.pool.slot_bytes
+
+    @property
+    def slot_count(self) -> int:
+        return self.pool.slot_count
+
+    def verify(self) -> None:
+        self.pool.verify()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name}, rank={self.rank}, slots={self.pool.slot_count})"
+
+
+class MemoryTier(Tier):
+    """A volatile tier with an intrusive eviction policy and watermarks."""
+
+    def __init__(self, tier_id: TierId, pool: SlotPool, policy: EvictionPolicy, *, client_mappable: bool,
+                 high_watermark: float = 0.9, low_watermark: float = 0.8) -> None:
+        super().__init__(tier_id, Capabilities(persistent=False, client_mappable=client_mappable, inclusive=False),
+                         pool)
+        check(0.0 < low_watermark < high_watermark <= 1.0, "watermarks need 0 < low < high <= 1")
+        self.policy = policy
+        # Reclaim (write back, then demote) from when occupancy reaches the
+        # high watermark until it is back at the low one.
+        slot_count = pool.slot_count
+        self.high_slots = max(1, int(slot_count * high_watermark))
+        self.low_slots = min(self.high_slots - 1, int(slot_count * low_watermark)) if self.high_slots > 1 else 0
+        self.reclaiming = False
+
+    def reclaim_due(self) -> bool:
+        """Hysteresis between the watermarks: True from the high one until back at the low one."""
+        resident = self.pool.resident_blocks
+        if resident >= self.high_slots:
+            self.reclaiming = True
+        elif resident <= self.low_slots:
+            self.reclaiming = False
+        return self.reclaiming
+
+    def verify(self) -> None:
+        super().verify()
+        self.policy.verify()
+
+
+class StorageTier(Tier):
+    """A persistent tier: slot-array eviction, admission and promotion policies."""
+
+    def __init__(self, tier_id: TierId, pool: SlotPool, policies: DiskPolicies | None = None) -> None:
+        super().__init__(tier_id, Capabilities(persistent=True, client_mappable=False, inclusive=True), pool)
+        policies = policies or DiskPolicies()
+        self.eviction = make_slot_policy(policies.eviction, pool.slot_count)
+        self.admission = AdmissionFilter.for_slots(policies.admission_min_hits, pool.slot_count)
+        self.promotion = make_promotion(policies.promotion)
+
+    def verify(self) -> None:
+        super().verify()
+        self.eviction.verify()
+        self.admission.verify()
