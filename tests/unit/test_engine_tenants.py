@@ -14,7 +14,7 @@ import random
 import pytest
 
 from kvd.core.block import NO_SLOT
-import kvd.core.engine as engine_module
+import kvd.core.eviction as eviction_module
 from kvd.core.engine import Engine, ReserveStatus
 from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.core.quota import QuotaExceeded, TenantQuota
@@ -304,7 +304,7 @@ def test_tenants_taking_turns_in_a_full_host_tier_keep_their_own_slots(policy, m
     for block in engine.host.pool.owners:
         by_tenant[block.index.tenant] += 1
     assert sum(by_tenant.values()) == 256 and abs(by_tenant["a"] - 128) <= 64
-    monkeypatch.setattr(engine_module, "TENANT_AFFINITY_WINDOW", 0)
+    monkeypatch.setattr(eviction_module, "TENANT_AFFINITY_WINDOW", 0)
     _, changes_without = take_turns()
     assert changes_without >= 3 * changes  # 491 and 162 when written
 

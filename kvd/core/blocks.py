@@ -1,0 +1,280 @@
+"""The block lifecycle over the tier stack: every change to a block's state is made here.
+
+`BlockBook` is the handle owner (kvd.core.block.HandleOwner): it pins and
+unpins blocks, seals them, aborts unsealed ones, and takes blocks out of
+the index (removed) or out of service (lost, tombstones while pinned). It
+moves residency (host and disk copies) with the tier stack and keeps the
+host tier's eviction candidates in step: a block is a candidate exactly
+while it is sealed, unpinned, resident in host memory and without a child
+resident there. Sealed blocks the disk admission filter accepts go on the
+write-back queue here; the write-back module (kvd.core.writeback) drains it.
+
+Everything else in the core decides *what* to change and calls this.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
+from kvd.core.events import EventLog
+from kvd.core.prefetch_ledger import PrefetchLedger
+from kvd.core.residency import TierStack
+from kvd.core.tier import MemoryTier, StorageTier, TierId
+from kvd.invariants import check
+
+
+class BlockBook:
+    def __init__(self, host: MemoryTier, disk: StorageTier | None, events: EventLog, ledger: PrefetchLedger,
+                 write_queue_max: int) -> None:
+        # The stack: host memory first, at global slot id 0; then the disk.
+        self.host = host
+        self.disk = disk
+        self.tiers = TierStack([host] + ([disk] if disk is not None else []))
+        check(host.rank == 0 and host.pool.base == 0, "host memory heads the stack at slot id 0")
+        self._host_end = host.pool.end
+        # Stored / removed / tier-changed events for KV-aware routers.
+        self.events = events
+        self.ledger = ledger
+        # Sealed blocks waiting to be written to disk, in seal order, so a
+        # parent is always written no later than its children.
+        self.write_queue: deque[Block] = deque()
+        self.write_queue_max = write_queue_max
+        self.write_queue_dropped = 0
+        # Blocks whose host slot is being filled from disk.
+        self.loading: set[Block] = set()
+        self.live_handles = 0
+        self.leaked_handles = 0
+        self.pinned_blocks = 0
+
+    def acquire(self, block: Block) -> BlockHandle:
+        check(block.state == BlockState.SEALED, "read handle on {!r}", block)
+        self.withdraw(block)
+        if block.ref_count == 0:
+            self.pinned_blocks += 1
+        block.ref_count += 1
+        self.live_handles += 1
+        return BlockHandle(self, block, writer=False)
+
+    def writer_handle(self, block: Block) -> BlockHandle:
+        check(block.ref_count == 0 and block.state == BlockState.WRITABLE, "writer handle on a used block")
+        block.ref_count = 1
+        self.pinned_blocks += 1
+        self.live_handles += 1
+        return BlockHandle(self, block, writer=True)
+
+    def _seal(self, block: Block) -> None:
+        check(block.parent is None or block.parent.state == BlockState.SEALED, "seal before the parent")
+        block.state = BlockState.SEALED
+        self.host.counters.sealed += 1
+        if self.disk is not None and block.index.disk_enabled and self.disk.admission.record(block.key):
+            self.queue_write(block)
+
+    def queue_write(self, block: Block) -> None:
+        if len(self.write_queue) < self.write_queue_max:
+            self.write_queue.append(block)
+        else:
+            self.write_queue_dropped += 1
+
+    def _drop_reference(self, block: Block, *, writer: bool) -> None:
+        self.live_handles -= 1
+        check(block.ref_count > 0, "reference count underflow on {!r}", block)
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.pinned_blocks -= 1
+        if writer and block.state == BlockState.WRITABLE:
+            check(block.ref_count == 0, "a writable block has exactly one reference")
+            check(block not in self.loading, "abort of a block being loaded")
+            check(block.children == 0, "abort of a writable block with children: abort tail first")
+            self.host.counters.aborted += 1
+            self.remove(block, cold_parent=False)
+            return
+        if block.state == BlockState.LOST:
+            self.bury(block)
+            return
+        check(block.state == BlockState.SEALED, "reference dropped on {!r}", block)
+        self.maybe_admit(block, cold=False)
+
+    def _count_leak(self) -> None:
+        self.leaked_handles += 1
+
+    def host_slot(self, block: Block) -> int:
+        """`block`'s slot in host memory, or NO_SLOT.
+
+        Host memory heads this stack at global slot id 0, so a block's
+        chain starts with its host copy if it has one (TierStack.slot_in's
+        fast path, inlined: this is on every hot path)."""
+        slot = block.slot
+        return slot if slot < self._host_end else NO_SLOT
+
+    def disk_slot(self, block: Block) -> int:
+        """`block`'s slot on disk, or NO_SLOT (also without a disk tier)."""
+        return NO_SLOT if self.disk is None else self.tiers.slot_in(block, self.disk)
+
+    def tier_of(self, block: Block) -> TierId:
+        if self.host_slot(block) != NO_SLOT and block not in self.loading:
+            return TierId.HOST
+        check(self.disk_slot(block) != NO_SLOT, "{!r} resides in no tier", block)
+        return TierId.DISK
+
+    @staticmethod
+    def block_bytes(block: Block) -> int:
+        return block.index.block_bytes
+
+    def set_host_slot(self, block: Block, slot: int) -> None:
+        check(self.host_slot(block) == NO_SLOT, "{!r} has a host slot already", block)
+        host = self.host
+        host.pool.assign(slot, block)
+        self.tiers.add_copy(block, host, slot)
+        host.pool.used_bytes += self.block_bytes(block)
+        if block.index.quota is not None:
+            block.index.quota.host_used_bytes += host.slot_bytes
+        if block.parent is not None:
+            # It has a child in host memory now: no longer a candidate.
+            self.withdraw(block.parent)
+
+    def clear_host_slot(self, block: Block, *, cold_parent: bool) -> None:
+        slot = self.host_slot(block)
+        check(slot != NO_SLOT and self.host.pool.owners[slot] is block, "host slot owner mismatch")
+        self.ledger.left_host(block)
+        self.withdraw(block)
+        host = self.host
+        self.tiers.drop_copy(block, host)
+        host.pool.release(slot, block)
+        host.pool.used_bytes -= self.block_bytes(block)
+        if block.index.quota is not None:
+            block.index.quota.host_used_bytes -= host.slot_bytes
+        if block.parent is not None:
+            self.maybe_admit(block.parent, cold=cold_parent)
+
+    def free_disk_slot(self, block: Block) -> None:
+        """Drop a block's disk copy; its slot waits for a durable REMOVE."""
+        disk = self.disk
+        slot = self.disk_slot(block)
+        check(disk is not None and disk.pool.owners[slot] is block, "disk slot owner mismatch")
+        self.tiers.drop_copy(block, disk)
+        disk.pool.release(slot, block)
+        disk.pool.used_bytes -= self.block_bytes(block)
+        if block.index.quota is not None:
+            block.index.quota.disk_used_bytes -= disk.slot_bytes
+
+    def evict_from_host(self, victim: Block) -> None:
+        """Free the host slot of `victim`, an eviction candidate."""
+        host = self.host
+        # Evicting a host leaf may make its parent one: it goes next in line,
+        # so a cold prefix leaves the host tier from its tail inward.
+        if self.disk_slot(victim) != NO_SLOT:
+            # A durable copy exists: only the host copy goes.
+            self.clear_host_slot(victim, cold_parent=True)
+            host.counters.demotions += 1
+            self.events.tier_changed(victim.index.namespace_id, victim.key, TierId.DISK)
+        elif victim.children == 0:
+            if self.disk is not None and victim.index.disk_enabled and not self.disk.admission.admits(victim.key):
+                # Dropped, never written: the admission filter turned it away.
+                self.disk.counters.admission_rejected += 1
+            else:
+                host.counters.dropped += 1
+            self.remove(victim, cold_parent=True)
+        else:
+            # Dirty with descendants that are gone from every tier but still
+            # pinned as tombstones: the whole subtree goes.
+            host.counters.dropped += 1
+            self.lose(victim)
+
+    def remove(self, block: Block, *, cold_parent: bool) -> None:
+        """Take a childless, unpinned block out of its index and its slot."""
+        check(block.ref_count == 0, "removal of pinned {!r}", block)
+        if block.state == BlockState.SEALED:
+            # Writable blocks were never announced; tombstones were when lost.
+            self.events.removed(block.index.namespace_id, block.key)
+        self.withdraw(block)
+        if self.host_slot(block) != NO_SLOT:
+            self.clear_host_slot(block, cold_parent=cold_parent)
+        if self.disk_slot(block) != NO_SLOT:
+            self.free_disk_slot(block)
+        parent = block.index.remove(block)
+        if parent is not None:
+            if parent.state == BlockState.LOST:
+                self.bury(parent)
+            else:
+                self.maybe_admit(parent, cold=cold_parent)
+
+    def lose(self, block: Block) -> None:
+        """`block` and everything under it can no longer be served.
+
+        Each loses its slots; those nobody pins leave the index at once
+        (leaves first), the rest stay as LOST tombstones until released.
+        Costs a scan of the index, which only corruption or a dirty
+        eviction under pinned tombstones ever pays.
+        """
+        for member in block.index.subtree(block):
+            if member.state == BlockState.LOST:
+                continue
+            if member.state == BlockState.SEALED:
+                self.events.removed(member.index.namespace_id, member.key)
+            self.withdraw(member)
+            # A member being loaded keeps its host slot until its read is
+            # over (finish_loads frees it): the disk thread may still be
+            # writing into it, so handing it to another block now could
+            # corrupt that block. Its loader pins it, so it stays a tombstone.
+            # Likewise a writable member: its writer is filling the slot and
+            # keeps it until it lets the block go (commit seals nothing LOST).
+            if self.host_slot(member) != NO_SLOT and member not in self.loading and member.state != BlockState.WRITABLE:
+                self.clear_host_slot(member, cold_parent=False)
+            if self.disk_slot(member) != NO_SLOT:
+                self.free_disk_slot(member)
+            member.state = BlockState.LOST
+        for member in block.index.subtree(block):
+            if member.state == BlockState.LOST and member.ref_count == 0 and member.children == 0:
+                self.remove(member, cold_parent=False)
+
+    def bury(self, block: Block) -> None:
+        """Remove a tombstone once nothing pins it and nothing hangs under it."""
+        if block.state == BlockState.LOST and block.ref_count == 0 and block.children == 0:
+            self.remove(block, cold_parent=False)
+
+    def maybe_admit(self, block: Block, *, cold: bool) -> None:
+        if (
+            block.state == BlockState.SEALED
+            and block.ref_count == 0
+            and self.tiers.resident_children(block, self.host) == 0
+            and self.host_slot(block) != NO_SLOT
+            and block not in self.host.policy
+        ):
+            self.host.policy.admit(block, cold=cold)
+            quota = block.index.quota
+            if quota is not None and quota.tracks_candidates:
+                quota.candidates[block] = None
+                if cold:
+                    quota.candidates.move_to_end(block, last=False)
+
+    def withdraw(self, block: Block) -> None:
+        if block in self.host.policy:
+            self.host.policy.remove(block)
+            quota = block.index.quota
+            if quota is not None and quota.tracks_candidates:
+                del quota.candidates[block]
+
+    def touch_prefix(self, matched: Sequence[Block]) -> None:
+        # Only a prefix's last block can be a leaf, so only it can be a
+        # candidate: touching it is O(1) however long the prefix.
+        if matched:
+            last = matched[-1]
+            if last in self.host.policy:
+                self.host.policy.touch(last)
+                quota = last.index.quota
+                if quota is not None and quota.tracks_candidates:
+                    quota.candidates.move_to_end(last)
+
+    def note_sightings(self, matched: Sequence[Block]) -> None:
+        """A Get or a repeated Put saw these blocks (one chain): tell the disk
+        admission filter, and queue for writing those that just qualified."""
+        disk = self.disk
+        if disk is None or not matched or not disk.admission.active or not matched[0].index.disk_enabled:
+            return
+        for position in disk.admission.record_many([block.key for block in matched]):
+            block = matched[position]
+            if self.host_slot(block) != NO_SLOT and self.disk_slot(block) == NO_SLOT:
+                self.queue_write(block)
+

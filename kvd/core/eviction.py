@@ -1,0 +1,218 @@
+"""Host memory: which slot a new block gets, and which blocks leave to free one.
+
+A Put's reservation, a Get's read from disk and a prefetch each need a
+host slot. A free one is handed out first; only when none is left does the
+host eviction policy's victim give up its slot (kvd.core.policy), so cached
+blocks stay discoverable as long as possible. On top of that:
+
+* tenant affinity: with per-tenant host memory, a slot that changes tenant
+  costs a remap, so a tenant's block prefers a victim of its own that is
+  nearly next in line (TENANT_AFFINITY_WINDOW);
+* tenant quotas: before a tenant's Put, its own least recently used blocks
+  make room for it within its host quota, or the Put is refused having
+  changed nothing;
+* watermarks: above the high watermark the daemon demotes durable blocks
+  down to the low one, ahead of need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvd.core.block import NO_SLOT, Block, BlockState
+from kvd.core.blocks import BlockBook
+from kvd.core.quota import QuotaExceeded, TenantQuota
+from kvd.invariants import check
+
+# How far past the eviction policy's victim, in blocks that would be
+# evicted first (at most 1/32 of the host tier), a block of the
+# requesting tenant may be taken instead (HostAllocator.free_slot).
+TENANT_AFFINITY_WINDOW = 64
+
+
+class HostAllocator:
+    def __init__(self, blocks: BlockBook) -> None:
+        self.blocks = blocks
+        self.host = blocks.host
+        # Per-tenant host memory (kvd.tiers.host.HostArena.claim): called
+        # with (slot, tenant name) when a slot is given to a block of
+        # another tenant than the one whose memory backs it; None without
+        # tenants. See `free_slot` for why that should be rare.
+        self.claim_host_slot: Callable[[int, str], None] | None = None
+        self.slot_tenants: list[str | None] = [None] * self.host.slot_count
+        # Slots the kernel would not switch to another tenant's memory.
+        self.claim_failures = 0
+
+    def reclaim_due(self) -> bool:
+        """Whether host memory should be reclaimed now (hysteresis between the watermarks).
+
+        True from when the resident blocks reach the high watermark until
+        they are back down to the low one. While it is True the daemon
+        writes dirty blocks back (pick_writes) and demotes durable ones
+        (demote_to_low_watermark), so a Put finds free slots instead of
+        evicting, and no block is dropped that the disk could have kept.
+        """
+        return self.host.reclaim_due()
+
+    def demote_to_low_watermark(self, limit: int | None = None) -> int:
+        """Drop host copies of durable blocks, in eviction order, down to the low watermark.
+
+        Stops at the first candidate without a disk copy: that one must be
+        written back first (or, without a disk tier, be evicted on demand
+        when a slot is needed: dropping blocks early would only lose hits).
+        Returns the number demoted (at most `limit`).
+        """
+        host = self.host
+        demoted = 0
+        while host.pool.resident_blocks > host.low_slots and (limit is None or demoted < limit):
+            victim = host.policy.victim()
+            if victim is None or self.blocks.disk_slot(victim) == NO_SLOT:
+                break
+            self.blocks.evict_from_host(victim)  # durable: only its host copy goes
+            host.counters.background_demotions += 1
+            demoted += 1
+        self.reclaim_due()
+        return demoted
+
+    def allocate(self, tenant: str | None = None, *, prefer_own: bool = True) -> int:
+        """A host slot for a block of `tenant` (see free_slot), backed
+        by the tenant's memory; NO_SLOT if none can be had. A slot whose
+        memory cannot be switched to the tenant (the kernel refused the
+        mapping) goes back to the free slots, and the caller sees NO_SLOT,
+        as when the tier is full."""
+        slot = self.free_slot(tenant if prefer_own else None)
+        claim = self.claim_host_slot
+        if slot == NO_SLOT or claim is None or tenant is None or self.slot_tenants[slot] == tenant:
+            return slot
+        try:
+            claim(slot, tenant)
+        except OSError:
+            self.host.pool.give_back(slot)
+            self.claim_failures += 1
+            return NO_SLOT
+        self.slot_tenants[slot] = tenant
+        return slot
+
+    def free_slot(self, tenant: str | None = None) -> int:
+        """A free host slot, evicting the policy's victim if none is free; NO_SLOT if nothing can go.
+
+        With per-tenant host memory, a slot that changes tenant costs a
+        remap and the zeroing of its pages (milliseconds for 2 MiB; see
+        bench/bench_tenant_arena.py), so for a block of `tenant` the
+        victim may be one of the tenant's own among the candidates that
+        would go in the next TENANT_AFFINITY_WINDOW blocks (a chain's leaf
+        counts the ancestors that follow it out) instead: a tenant whose
+        blocks are all younger than that takes another's slot, and so grows.
+        """
+        host = self.host
+        slot = host.pool.take_free()
+        if slot != NO_SLOT:
+            return slot
+        window = min(TENANT_AFFINITY_WINDOW, host.slot_count // 32)
+        if tenant is not None and self.claim_host_slot is not None and window > 0:
+            slot_tenants = self.slot_tenants
+            victim = host.policy.victim_near(lambda block: slot_tenants[self.blocks.host_slot(block)] == tenant, window,
+                                             lambda block: self.eviction_run(block, window))
+        else:
+            victim = host.policy.victim()
+        if victim is None:
+            return NO_SLOT
+        self.blocks.evict_from_host(victim)
+        host.counters.evictions += 1
+        slot = host.pool.take_free()
+        check(slot != NO_SLOT, "eviction freed no host slot")
+        return slot
+
+    def make_quota_room(self, quota: TenantQuota, slots: int, keep: Block | None) -> None:
+        """Before `slots` host slots are reserved for the tenant: evict its own
+        least recently used candidates until they fit its host quota, or raise
+        QuotaExceeded, having changed nothing, if they cannot be made to fit.
+
+        `keep` (the block the reservation extends) is never a victim, nor is
+        a candidate that has children but no disk copy: evicting it would
+        lose its subtree. Other candidates either are leaves (removed) or
+        have a disk copy (demoted, still stored).
+        """
+        slot_bytes = self.host.slot_bytes
+        excess_bytes = quota.host_excess_bytes(slots, slot_bytes)
+        if excess_bytes <= 0:
+            return
+        if slots * slot_bytes > quota.host_limit_bytes:
+            quota.counters.host_refused += 1
+            raise QuotaExceeded(
+                f"tenant {quota.name!r} is over its host quota: this Put needs {slots * slot_bytes} bytes "
+                f"({slots} slots of {slot_bytes} bytes), more than its whole quota of {quota.host_limit_bytes} "
+                "bytes; Put fewer blocks at a time, or raise the tenant's host_bytes quota"
+            )
+        needed = -(-excess_bytes // slot_bytes)
+        evictable = self.quota_evictable(quota, keep, needed)
+        if evictable < needed:
+            quota.counters.host_refused += 1
+            raise QuotaExceeded(
+                f"tenant {quota.name!r} is over its host quota: its blocks take {quota.host_used_bytes} of its "
+                f"{quota.host_limit_bytes} bytes of host memory, this Put needs {slots * slot_bytes} more "
+                f"({slots} slots of {slot_bytes} bytes) and only {evictable * slot_bytes} bytes of its "
+                "blocks can be evicted (the rest are pinned); release leases, Put fewer blocks at a time, "
+                "Delete blocks, or raise the tenant's host_bytes quota"
+            )
+        # One at a time, least recently used first: evicting a chain's leaf
+        # makes its parent a candidate, at the front.
+        for _ in range(needed):
+            victim = next((block for block in quota.candidates if self.quota_victim(block, keep)), None)
+            check(victim is not None, "the tenant's evictable blocks were miscounted")
+            self.blocks.evict_from_host(victim)
+            quota.counters.host_evicted += 1
+
+    def quota_evictable(self, quota: TenantQuota, keep: Block | None, needed: int) -> int:
+        """How many of the tenant's host blocks (up to `needed`) evicting its
+        candidates would free: each candidate, and the ancestors that
+        become candidates once it is gone (counted only where that is
+        certain, so the count never exceeds what eviction frees)."""
+        count = 0
+        counted: set[Block] = set()
+        for block in quota.candidates:
+            if not self.quota_victim(block, keep):
+                continue
+            count += 1
+            child, parent = block, block.parent
+            while count < needed and parent is not None and parent not in counted:
+                # The parent's children once `child` is gone: a non-durable child leaves the index.
+                children_left = parent.children - (0 if self.blocks.disk_slot(child) != NO_SLOT else 1)
+                if not (self.blocks.host_slot(parent) != NO_SLOT and self.blocks.tiers.resident_children(parent, self.host) == 1 and parent.ref_count == 0
+                        and parent.state == BlockState.SEALED and parent.index.quota is quota
+                        and self.quota_victim(parent, keep, children_left)):
+                    break
+                counted.add(parent)
+                count += 1
+                child, parent = parent, parent.parent
+            if count >= needed:
+                break
+        return count
+
+    def eviction_run(self, block: Block, limit: int) -> int:
+        """Host blocks that leave, at most `limit`, when candidate `block` is
+        evicted: it and the ancestors that become candidates after it, up the
+        chain while each has no other child in host memory."""
+        run = 1
+        parent = block.parent
+        while (run < limit and parent is not None and self.blocks.host_slot(parent) != NO_SLOT
+               and self.blocks.tiers.resident_children(parent, self.host) == 1):
+            run += 1
+            parent = parent.parent
+        return run
+
+    def quota_victim(self, block: Block, keep: Block | None, children: int | None = None) -> bool:
+        """Whether a tenant's candidate may go to keep it within its host quota:
+        not the block a reservation extends, and not one with children but no
+        disk copy (evicting it would lose its subtree)."""
+        if children is None:
+            children = block.children
+        return block is not keep and not (children and self.blocks.disk_slot(block) == NO_SLOT)
+
+
+    def verify(self) -> None:
+        if self.claim_host_slot is None:
+            return
+        for slot, owner in enumerate(self.host.pool.owners):
+            check(owner is None or self.slot_tenants[slot] == owner.index.tenant,
+                  "a block sits in another tenant's host memory")

@@ -1,0 +1,238 @@
+"""Put: reserve writable slots for a chain, then commit (seal) or abort them.
+
+A client reserves the keys of a chain it is about to write: stored keys
+are EXISTS, keys another client is writing stop the walk (IN_FLIGHT),
+missing keys get a host slot (RESERVED) until none can be freed
+(NO_SPACE). The reserved keys are one contiguous run under one write
+lease; the client writes their bytes into the slots and commits, which
+seals them (discoverable from then on) or aborts the rest of the chain.
+Every check runs before any state changes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvd.core.block import NO_SLOT, BlockState
+from kvd.core.blocks import BlockBook
+from kvd.core.eviction import HostAllocator
+from kvd.core.lease import Lease, LeaseKind, LeaseTable
+from kvd.core.limits import EngineLimits
+from kvd.core.namespaces import NamespaceTable
+from kvd.core.requests import check_client, check_keys, check_lease_room, granted_lease_ms, parent_block
+from kvd.core.tier import TierId
+from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvd.invariants import check
+
+
+class ReserveStatus(enum.IntEnum):
+    """Outcome of reserving one key; values match kvd.v1.ReserveStatus."""
+
+    RESERVED = 1
+    EXISTS = 2
+    IN_FLIGHT = 3
+    NO_SPACE = 4
+
+
+@dataclass(slots=True)
+class ReserveResult:
+    lease: Lease | None
+    statuses: list[ReserveStatus]
+    # Host slot of each key; NO_SLOT where the status is not RESERVED.
+    slots: list[int]
+
+
+class Puts:
+    def __init__(self, limits: EngineLimits, namespaces: NamespaceTable, blocks: BlockBook,
+                 allocator: HostAllocator, leases: LeaseTable) -> None:
+        self.limits = limits
+        self.namespaces = namespaces
+        self.blocks = blocks
+        self.allocator = allocator
+        self.leases = leases
+        self.host = blocks.host
+
+    def reserve(
+        self,
+        namespace_id: bytes,
+        client_id: str,
+        parent_key: bytes,
+        keys: Sequence[bytes],
+        lease_ms: int,
+        now_ms: int,
+    ) -> ReserveResult:
+        """Reserve writable slots for the keys of a chain not yet stored.
+
+        Walks the chain from `parent_key`: stored keys are EXISTS, keys
+        another client is writing stop the walk (IN_FLIGHT), missing keys get
+        a slot (RESERVED) until none can be freed (NO_SPACE). The reserved
+        keys are always one contiguous run, held by one write lease.
+        """
+        state = self.namespaces.namespace(namespace_id)
+        check_keys(self.limits, keys, "keys")
+        check_client(client_id)
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument("keys contain duplicates; a chain never repeats a key")
+        deadline_ms = now_ms + granted_lease_ms(self.limits, lease_ms)
+        self.leases.expire(now_ms)
+        index = state.index
+        parent = parent_block(index, parent_key)
+
+        statuses: list[ReserveStatus] = []
+        slots: list[int] = []
+        # Validate the whole walk before changing anything.
+        first_missing = len(keys)
+        for position, key in enumerate(keys):
+            node = index.get(key)
+            if node is None:
+                first_missing = position
+                break
+            if node.parent is not parent:
+                raise InvalidArgument(
+                    f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
+                )
+            if node.state != BlockState.SEALED:
+                # Being written by another client (or a tombstone waiting
+                # for its readers): nothing to do from here for now.
+                first_missing = position
+                break
+            statuses.append(ReserveStatus.EXISTS)
+            slots.append(NO_SLOT)
+            parent = node
+        in_flight = first_missing < len(keys) and index.get(keys[first_missing]) is not None
+        if not in_flight and first_missing < len(keys):
+            # The keys after the first missing one must be missing too: a
+            # stored key cannot be the child of a block that does not exist
+            # yet. Checked before the touch below and before any slot is
+            # allocated (allocating evicts), so a rejection changes nothing.
+            for position in range(first_missing + 1, len(keys)):
+                if keys[position] in index.nodes:
+                    raise InvalidArgument(
+                        f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
+                    )
+            check_lease_room(self.leases)
+            # At most every missing key, and the parent pinned under them.
+            self.leases.check_pin_room(client_id, len(keys) - first_missing + (parent is not None))
+            if state.quota is not None:
+                # The last check: past it the request goes ahead.
+                self.allocator.make_quota_room(state.quota, len(keys) - first_missing, keep=parent)
+        existing = [index.nodes[key] for key in keys[:first_missing]]
+        self.blocks.touch_prefix(existing)
+        self.blocks.note_sightings(existing)  # a Put of stored blocks: seen again
+
+        lease: Lease | None = None
+        if in_flight:
+            # Someone else is writing the next block: nothing to do from here.
+            statuses.extend([ReserveStatus.IN_FLIGHT] * (len(keys) - first_missing))
+            slots.extend([NO_SLOT] * (len(keys) - first_missing))
+            return ReserveResult(None, statuses, slots)
+        if first_missing == len(keys):
+            return ReserveResult(None, statuses, slots)
+
+        lease = self.leases.open(LeaseKind.WRITE, client_id, namespace_id, deadline_ms)
+        if parent is not None:
+            lease.parent_handle = self.blocks.acquire(parent)
+        for position in range(first_missing, len(keys)):
+            key = keys[position]
+            # Checked missing above; evicting only ever removes keys.
+            check(key not in index.nodes, "reserved key appeared in the index during reserve")
+            slot = self.allocator.allocate(index.tenant)
+            if slot == NO_SLOT:
+                statuses.extend([ReserveStatus.NO_SPACE] * (len(keys) - position))
+                slots.extend([NO_SLOT] * (len(keys) - position))
+                break
+            node = index.insert(key, parent)
+            self.blocks.set_host_slot(node, slot)
+            lease.handles.append(self.blocks.writer_handle(node))
+            self.host.counters.reserved += 1
+            statuses.append(ReserveStatus.RESERVED)
+            slots.append(slot)
+            parent = node
+        self.leases.charge(lease, len(lease.handles) + (lease.parent_handle is not None))
+        if not lease.handles:
+            self.leases.close(lease)
+            raise ResourceExhausted(
+                f"host tier is full: all {self.host.slot_count} slots are pinned or being written"
+            )
+        return ReserveResult(lease, statuses, slots)
+
+    def commit(
+        self,
+        namespace_id: bytes,
+        client_id: str,
+        lease_id: int,
+        keys: Sequence[bytes],
+        abort_keys: Sequence[bytes],
+        now_ms: int,
+    ) -> tuple[int, int]:
+        """Seal `keys` (all, when both lists are empty) and abort `abort_keys`.
+
+        Aborting a block aborts the rest of the chain after it. Returns
+        (sealed, aborted). All checks run before any block changes.
+        """
+        self.namespaces.namespace(namespace_id)
+        check_keys(self.limits, keys, "keys")
+        check_keys(self.limits, abort_keys, "abort_keys")
+        self.leases.expire(now_ms)
+        lease = self.leases.find(lease_id, client_id)
+        if lease.kind != LeaseKind.WRITE:
+            raise FailedPrecondition(f"lease {lease_id} is a read lease; only write leases are committed")
+        if lease.namespace_id != namespace_id:
+            raise InvalidArgument(f"lease {lease_id} belongs to another namespace")
+        positions = {handle.key: position for position, handle in enumerate(lease.handles)}
+        for field_name, requested in (("keys", keys), ("abort_keys", abort_keys)):
+            for key in requested:
+                if key not in positions:
+                    raise InvalidArgument(f"{field_name} has key {key.hex()[:16]}... that is not part of lease {lease_id}")
+        if len(set(keys)) != len(keys) or len(set(abort_keys)) != len(abort_keys):
+            raise InvalidArgument("keys or abort_keys contain duplicates")
+        if set(keys) & set(abort_keys):
+            raise InvalidArgument("a key is both committed and aborted")
+        for key in keys:
+            handle = lease.handles[positions[key]]
+            if handle.released:
+                raise FailedPrecondition(f"block {key.hex()[:16]}... was aborted in lease {lease_id}")
+            if not handle.writable:
+                raise FailedPrecondition(f"block {key.hex()[:16]}... is already committed")
+        if not keys and not abort_keys:
+            keys = [handle.key for handle in lease.handles if handle.writable]
+        to_seal = {positions[key] for key in keys}
+        abort_from = min((positions[key] for key in abort_keys), default=len(lease.handles))
+        # The lease is one chain: a block may be sealed only if every earlier
+        # block is sealed already or sealed by this same call. One pass.
+        first_unsealed_gap = None
+        for position, handle in enumerate(lease.handles):
+            if position in to_seal:
+                if position >= abort_from:
+                    raise FailedPrecondition("cannot commit a block after an aborted block of the same chain")
+                if first_unsealed_gap is not None:
+                    raise FailedPrecondition(
+                        f"cannot commit keys[{position}] of the lease before its parent (position {first_unsealed_gap})"
+                    )
+            elif handle.writable and first_unsealed_gap is None:
+                first_unsealed_gap = position
+        for position in range(abort_from, len(lease.handles)):
+            if not lease.handles[position].writable and not lease.handles[position].released:
+                raise FailedPrecondition(f"cannot abort: position {position} of the chain is already committed")
+
+        aborted = 0
+        for position in range(len(lease.handles) - 1, abort_from - 1, -1):
+            handle = lease.handles[position]
+            if not handle.released:
+                handle.release()
+                aborted += 1
+        self.leases.refund(lease, aborted)
+        sealed_keys = []
+        for position in sorted(to_seal):
+            lease.handles[position].seal()
+            sealed_keys.append(lease.handles[position].key)
+        if sealed_keys:
+            # One chain: its first block's parent is sealed already.
+            first = lease.handles[min(to_seal)].block.parent
+            self.blocks.events.stored(namespace_id, sealed_keys, first.key if first is not None else b"", TierId.HOST)
+        if not any(handle.writable for handle in lease.handles):
+            self.leases.close(lease)
+        return len(to_seal), aborted
+

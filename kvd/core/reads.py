@@ -1,0 +1,261 @@
+"""Reads: Lookup, and Get with the disk reads it needs first.
+
+A Get pins the longest stored prefix of its keys under one read lease.
+Blocks only on disk get a host slot at once (evicting if needed) and are
+listed as loads: the caller reads them into those slots and reports with
+`finish_loads`; a block another Get is loading already is waited for.
+When the host tier cannot take a block, or the promotion policy declines
+it, the prefix is cut before it. `settle_get` then gives the servable
+prefix. Hits and misses are counted per namespace and per tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
+from kvd.core.blocks import BlockBook
+from kvd.core.eviction import HostAllocator
+from kvd.core.lease import Lease, LeaseKind, LeaseTable
+from kvd.core.limits import EngineLimits
+from kvd.core.namespaces import NamespaceState, NamespaceTable
+from kvd.core.requests import check_client, check_keys, check_lease_room, granted_lease_ms, match
+from kvd.core.tier import TierId
+from kvd.invariants import check
+
+
+@dataclass(slots=True)
+class DiskLoad:
+    """One block being read from the disk tier into a host slot."""
+
+    block: Block
+    host_slot: int
+    disk_slot: int
+    # A prefetch's own pin on the block while it loads (a Get's loads are
+    # pinned by its lease); finish_prefetch releases it.
+    handle: BlockHandle | None = None
+
+
+@dataclass(slots=True)
+class GetPlan:
+    """A Get in progress: the pinned prefix and the disk reads it needs first."""
+
+    lease: Lease | None
+    matched: list[Block]
+    loads: list[DiskLoad] = field(default_factory=list)
+    # Blocks another Get is loading already; wait for it, then settle.
+    waits: list[Block] = field(default_factory=list)
+    # Cut short because no host slot could be freed (all pinned).
+    starved: bool = False
+    # What begin_get counted (Reads.count_get), taken back by abandon_get
+    # so that a Get retried after a starved plan counts its keys once.
+    counted: tuple[NamespaceState, int, int, int] | None = None
+
+
+class Reads:
+    def __init__(self, limits: EngineLimits, namespaces: NamespaceTable, blocks: BlockBook,
+                 allocator: HostAllocator, leases: LeaseTable) -> None:
+        self.limits = limits
+        self.namespaces = namespaces
+        self.blocks = blocks
+        self.allocator = allocator
+        self.leases = leases
+        self.host = blocks.host
+        self.disk = blocks.disk
+
+    def lookup(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
+        """Longest stored prefix of `keys` (a chain continuing `parent_key`).
+
+        Marks the prefix as used. An unknown parent matches nothing.
+        """
+        state = self.namespaces.namespace(namespace_id)
+        check_keys(self.limits, keys, "keys")
+        matched = match(state, keys, parent_key)
+        self.blocks.touch_prefix(matched)
+        state.lookup_hits += len(matched)
+        state.lookup_misses += len(keys) - len(matched)
+        return matched
+
+    def stored(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
+        """Longest stored prefix of `keys`, with no side effect: not counted
+        as a lookup or a Get, no block marked used (a durability wait asks)."""
+        state = self.namespaces.namespace(namespace_id)
+        check_keys(self.limits, keys, "keys")
+        return [block for block in match(state, keys, parent_key) if block.state == BlockState.SEALED]
+
+    def get(
+        self,
+        namespace_id: bytes,
+        client_id: str,
+        keys: Sequence[bytes],
+        lease_ms: int,
+        now_ms: int,
+        parent_key: bytes = b"",
+    ) -> tuple[Lease | None, list[Block]]:
+        """Pin the longest stored prefix of `keys` under a read lease.
+
+        For prefixes resident in the host tier. With a disk tier, callers use
+        begin_get / finish_loads / settle_get, which also bring blocks in from
+        disk.
+        """
+        plan = self.begin_get(namespace_id, client_id, keys, lease_ms, now_ms, parent_key)
+        check(not plan.loads and not plan.waits, "get() of a prefix on disk: use begin_get")
+        return plan.lease, plan.matched
+
+    def begin_get(
+        self,
+        namespace_id: bytes,
+        client_id: str,
+        keys: Sequence[bytes],
+        lease_ms: int,
+        now_ms: int,
+        parent_key: bytes = b"",
+    ) -> GetPlan:
+        """Pin the longest stored prefix of `keys` and plan its disk reads.
+
+        Every matched block is pinned under one read lease. Blocks only on
+        disk get a host slot now (evicting if needed) and are listed in
+        `loads`: the caller reads them into those slots and reports with
+        finish_loads. Blocks another Get is already loading are in `waits`.
+        If the host tier cannot take a block, the prefix is cut before it.
+        """
+        state = self.namespaces.namespace(namespace_id)
+        check_keys(self.limits, keys, "keys")
+        check_client(client_id)
+        deadline_ms = now_ms + granted_lease_ms(self.limits, lease_ms)
+        self.leases.expire(now_ms)
+        matched = match(state, keys, parent_key)
+        if matched:
+            check_lease_room(self.leases)
+            self.leases.check_pin_room(client_id, len(matched))
+        counted = self.count_get(state, len(keys), matched)
+        if not matched:
+            return GetPlan(None, matched, counted=counted)
+        self.blocks.touch_prefix(matched)
+        self.blocks.note_sightings(matched)
+        lease = self.leases.open(LeaseKind.READ, client_id, namespace_id, deadline_ms)
+        lease.handles = [self.blocks.acquire(block) for block in matched]
+        self.leases.charge(lease, len(lease.handles))
+        plan = GetPlan(lease, matched, counted=counted)
+        for position, block in enumerate(matched):
+            if block in self.blocks.loading:
+                plan.waits.append(block)
+                continue
+            if self.blocks.host_slot(block) != NO_SLOT:
+                continue
+            if not self.disk.promotion.promote(block):
+                self.cut_plan(plan, position)
+                break
+            slot = self.allocator.allocate(block.index.tenant)
+            if slot == NO_SLOT:
+                self.cut_plan(plan, position)
+                plan.starved = True
+                break
+            self.blocks.set_host_slot(block, slot)
+            self.blocks.loading.add(block)
+            self.disk.eviction.touch(self.blocks.disk_slot(block))
+            plan.loads.append(DiskLoad(block, slot, self.blocks.disk_slot(block)))
+        self.blocks.ledger.used(plan.matched)
+        return plan
+
+    def finish_loads(self, loads: Sequence[DiskLoad], ok: Sequence[bool]) -> None:
+        """Blocks read from disk: good ones are now in the host tier, bad ones are lost."""
+        check(len(loads) == len(ok), "one outcome per load")
+        disk = self.disk
+        for load, good in zip(loads, ok):
+            block = load.block
+            if block not in self.blocks.loading:
+                # An ancestor loaded in this batch was corrupt: lost already.
+                check(block.state in (BlockState.LOST, BlockState.REMOVED), "{!r} was not loading", block)
+                continue
+            check(self.blocks.host_slot(block) == load.host_slot, "{!r} loads into another slot", block)
+            self.blocks.loading.discard(block)
+            if block.state == BlockState.LOST:
+                # Lost while this read was in flight (an ancestor's read
+                # failed): its host slot is free only now that nothing
+                # writes into it any more.
+                self.blocks.clear_host_slot(block, cold_parent=False)
+                continue
+            if good:
+                disk.counters.loaded += 1
+                self.blocks.events.tier_changed(block.index.namespace_id, block.key, TierId.HOST)
+            else:
+                # Corrupt or unreadable: never served, and neither is anything
+                # chained under it.
+                disk.counters.load_failures += 1
+                self.blocks.lose(block)
+
+    def abandon_get(self, plan: GetPlan) -> None:
+        """Drop a plan whose loads were never started: slots back, pins released."""
+        for load in plan.loads:
+            block = load.block
+            if block in self.blocks.loading:
+                self.blocks.loading.discard(block)
+                self.blocks.clear_host_slot(block, cold_parent=False)
+        plan.loads = []
+        if plan.lease is not None and not plan.lease.ended:
+            self.leases.close(plan.lease)
+        plan.lease = None
+        plan.matched = []
+        if plan.counted is not None:
+            self.tally_get(*plan.counted, sign=-1)
+            plan.counted = None
+
+    def settle_get(self, plan: GetPlan) -> list[Block]:
+        """The servable prefix of a plan whose loads have all finished."""
+        for position, block in enumerate(plan.matched):
+            check(block not in self.blocks.loading, "settle_get before the loads finished")
+            # No host slot: a prefetch this Get waited for was dropped unread.
+            if block.state != BlockState.SEALED or self.blocks.host_slot(block) == NO_SLOT:
+                self.cut_plan(plan, position)
+                break
+        return plan.matched
+
+    def cut_plan(self, plan: GetPlan, position: int) -> None:
+        """Serve only matched[:position]; unpin the rest (tail first)."""
+        lease = plan.lease
+        for handle in reversed(lease.handles[position:]):
+            handle.release()
+        self.leases.refund(lease, len(lease.handles) - position)
+        del lease.handles[position:]
+        del plan.matched[position:]
+        if not lease.handles:
+            self.leases.close(lease)
+            plan.lease = None
+
+    def peek(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
+        """Like get without a lease: for callers that copy out before they return."""
+        state = self.namespaces.namespace(namespace_id)
+        check_keys(self.limits, keys, "keys")
+        matched = match(state, keys, parent_key)
+        self.count_get(state, len(keys), matched)
+        self.blocks.touch_prefix(matched)
+        self.blocks.note_sightings(matched)
+        return matched
+
+    def count_get(self, state: NamespaceState, requested: int,
+                   matched: Sequence[Block]) -> tuple[NamespaceState, int, int, int]:
+        """Count a Get's keys per namespace and per tier; returns what it counted.
+
+        A key is looked for in the host tier, then on disk: one resident in
+        host memory is a host hit; any other is a host miss (a page fault),
+        then a disk hit if it was matched (read back, or being read back
+        for another Get) or a disk miss if it was not found at all.
+        """
+        in_host = len(matched)
+        if self.disk is not None:
+            in_host = sum(1 for block in matched if self.blocks.host_slot(block) != NO_SLOT and block not in self.blocks.loading)
+        counted = (state, requested, len(matched), in_host)
+        self.tally_get(*counted, sign=1)
+        return counted
+
+    def tally_get(self, state: NamespaceState, requested: int, matched: int, in_host: int, *, sign: int) -> None:
+        state.get_hits += sign * matched
+        state.get_misses += sign * (requested - matched)
+        if self.disk is not None:
+            self.disk.counters.hits += sign * (matched - in_host)
+            self.disk.counters.misses += sign * (requested - matched)
+        self.host.counters.hits += sign * in_host
+        self.host.counters.misses += sign * (requested - in_host)
+
