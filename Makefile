@@ -145,9 +145,13 @@ sim-long: setup
 docs: setup
 	$(PY) tools/gen_operations_docs.py
 
-# Undefined names, unused imports, syntax errors (generated code excluded).
+# Undefined names, unused imports, syntax errors (generated code excluded);
+# in the daemon and the tools, also cyclomatic complexity (pyproject.toml's
+# max-complexity) and functions of at most 70 lines.
 lint: setup
 	$(VENV)/bin/ruff check --select F,E9 --exclude kvd/v1 kvd tests bench examples
+	$(VENV)/bin/ruff check --select C901 kvd tools
+	$(PY) tools/check_function_length.py kvd tools
 
 bench: setup vllm-venv
 	$(MAKE) --no-print-directory apt APT_PACKAGES="$(BENCH_APT_PACKAGES)"

@@ -206,6 +206,13 @@ class Config:
         return path if path.is_absolute() else Path(self.state_dir) / path
 
     def validate(self) -> None:
+        """Check every setting; the first wrong one raises ConfigError naming it."""
+        self._validate_server()
+        self._validate_host()
+        self._validate_disk()
+        self._validate_rest()
+
+    def _validate_server(self) -> None:
         _positive("server.max_message_bytes", self.server.max_message_bytes)
         _positive("server.max_concurrent_rpcs", self.server.max_concurrent_rpcs)
         if self.server.grace_period_s < 0:
@@ -228,6 +235,8 @@ class Config:
             raise ConfigError("auth.mode", f"must be none or token, got {self.auth.mode!r}")
         if self.auth.mode == "token" and not self.auth.tenants_file:
             raise ConfigError("auth.tenants_file", "auth.mode = \"token\" needs a tenants file")
+
+    def _validate_host(self) -> None:
         _positive("host.slot_bytes", self.host.slot_bytes)
         if self.host.slot_bytes % 4096:
             raise ConfigError("host.slot_bytes", f"must be a multiple of 4096, got {self.host.slot_bytes}")
@@ -243,6 +252,8 @@ class Config:
                 f"need 0 < low_watermark ({self.host.low_watermark}) < high_watermark "
                 f"({self.host.high_watermark}) <= 1",
             )
+
+    def _validate_disk(self) -> None:
         _one_of("disk.policy", self.disk.policy, DISK_POLICIES)
         _one_of("disk.promotion", self.disk.promotion, PROMOTION_POLICIES)
         if not 1 <= self.disk.admission_min_hits <= ADMISSION_MIN_HITS_MAX:
@@ -265,6 +276,9 @@ class Config:
                          "read_extent_bytes", "write_chunk_blocks", "write_backlog_blocks", "write_share",
                          "prefetch_max_blocks", "prefetch_chunk_blocks"):
                 _positive(f"disk.{name}", getattr(self.disk, name))
+
+    def _validate_rest(self) -> None:
+        """Leases, events and logging."""
         _positive("leases.default_ms", self.leases.default_ms)
         _positive("leases.max_ms", self.leases.max_ms)
         _positive("leases.max_leases", self.leases.max_leases)
@@ -320,45 +334,62 @@ def _coerce(name: str, kind: type, value: Any) -> Any:
     if name.endswith("_bytes"):
         return parse_size(name, value)
     if getattr(kind, "__origin__", None) is list:
-        # TOML gives a list; env and flags give "a,b" or a TOML array '["a", "b"]'.
-        if isinstance(value, str) and value.lstrip().startswith("["):
-            try:
-                value = tomllib.loads(f"value = {value}")["value"]
-            except tomllib.TOMLDecodeError as error:
-                raise ConfigError(name, f"{value!r} is not a TOML array of strings ({error}); "
-                                  'write ["/a", "/b"] or /a,/b') from None
-        elif isinstance(value, str):
-            value = [item.strip() for item in value.split(",") if item.strip()]
-        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-            raise ConfigError(name, f"must be a list of strings, got {value!r}")
-        return list(value)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-        raise ConfigError(name, f"must be true or false, got {value!r}")
-    if kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
-            return int(value)
-        raise ConfigError(name, f"must be an integer, got {value!r}")
-    if kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(name, f"must be a number, got {value!r}")
-    if kind is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(name, f"must be a string, got {value!r}")
-    raise ConfigError(name, f"unsupported type {kind!r}")
+        return _coerce_list(name, value)
+    converter = _COERCERS.get(kind)
+    if converter is None:
+        raise ConfigError(name, f"unsupported type {kind!r}")
+    return converter(name, value)
 
+
+def _coerce_list(name: str, value: Any) -> list[str]:
+    # TOML gives a list; env and flags give "a,b" or a TOML array '["a", "b"]'.
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = tomllib.loads(f"value = {value}")["value"]
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(name, f"{value!r} is not a TOML array of strings ({error}); "
+                              'write ["/a", "/b"] or /a,/b') from None
+    elif isinstance(value, str):
+        value = [item.strip() for item in value.split(",") if item.strip()]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ConfigError(name, f"must be a list of strings, got {value!r}")
+    return list(value)
+
+
+def _coerce_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise ConfigError(name, f"must be true or false, got {value!r}")
+
+
+def _coerce_int(name: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
+        return int(value)
+    raise ConfigError(name, f"must be an integer, got {value!r}")
+
+
+def _coerce_float(name: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(name, f"must be a number, got {value!r}")
+
+
+def _coerce_str(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise ConfigError(name, f"must be a string, got {value!r}")
+
+
+_COERCERS = {bool: _coerce_bool, int: _coerce_int, float: _coerce_float, str: _coerce_str}
 
 def _apply(target: Any, values: dict[str, Any], prefix: str = "") -> None:
     hints = get_type_hints(type(target))
@@ -508,24 +539,10 @@ def load_tenants(path: str | Path, env: dict[str, str] | None = None) -> list[Te
     return tenants
 
 
-def _tenant(where: str, entry: Any, env: dict[str, str]) -> TenantSettings:
+def _token_digests(entry: dict, env: dict[str, str], fail) -> list[bytes]:
+    """The SHA-256 digests of a tenant's tokens: listed (token_sha256) or read from the environment (token_env)."""
     import hashlib
 
-    def fail(message: str) -> ConfigError:
-        return ConfigError("auth.tenants_file", f"{where}: {message}")
-
-    if not isinstance(entry, dict):
-        raise fail("must be a table")
-    name = entry.get("name")
-    if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
-        raise fail(f"name must match {TENANT_NAME.pattern}, got {name!r}")
-    where = f"{where} ({name})"
-    if "token" in entry:
-        raise fail("has a plain `token`: store its SHA-256 as token_sha256 (`kvd token` prints both), "
-                   "or name an environment variable that holds it with token_env")
-    unknown = sorted(set(entry) - set(_TENANT_KEYS))
-    if unknown:
-        raise fail(f"unknown key {unknown[0]!r} (known: {', '.join(_TENANT_KEYS)})")
     hashes = entry.get("token_sha256", [])
     if isinstance(hashes, str):
         hashes = [hashes]
@@ -549,6 +566,26 @@ def _tenant(where: str, entry: Any, env: dict[str, str]) -> TenantSettings:
         raise fail("has no token: set token_sha256 or token_env")
     if len(set(digests)) != len(digests):
         raise fail("lists the same token twice")
+    return digests
+
+
+def _tenant(where: str, entry: Any, env: dict[str, str]) -> TenantSettings:
+    def fail(message: str) -> ConfigError:
+        return ConfigError("auth.tenants_file", f"{where}: {message}")
+
+    if not isinstance(entry, dict):
+        raise fail("must be a table")
+    name = entry.get("name")
+    if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
+        raise fail(f"name must match {TENANT_NAME.pattern}, got {name!r}")
+    where = f"{where} ({name})"
+    if "token" in entry:
+        raise fail("has a plain `token`: store its SHA-256 as token_sha256 (`kvd token` prints both), "
+                   "or name an environment variable that holds it with token_env")
+    unknown = sorted(set(entry) - set(_TENANT_KEYS))
+    if unknown:
+        raise fail(f"unknown key {unknown[0]!r} (known: {', '.join(_TENANT_KEYS)})")
+    digests = _token_digests(entry, env, fail)
     namespaces = entry.get("namespaces")
     if not isinstance(namespaces, list) or not all(isinstance(item, str) and item for item in namespaces):
         raise fail('namespaces must be a list of model ids or glob patterns (["*"] for any; [] for none)')

@@ -168,49 +168,9 @@ class Daemon:
         except OSError as error:
             raise OSError(f"cannot create state_dir {state_dir}: {error.strerror or error}") from None
         layout = ArenaLayout.from_capacity(config.host.capacity_bytes, config.host.slot_bytes)
-        # With tenants, every tenant's slots are in memory of its own (kvd.tiers.host).
-        per_tenant = config.auth.mode == "token"
-        if per_tenant:
-            _check_map_count(layout.slot_count)
-        self.arena = HostArena(layout, prefault=config.host.prefault, huge_pages=config.host.huge_pages,
-                               per_tenant=per_tenant)
-        recovery = None
-        if config.disk.directories:
-            from kvd.server.disk_plane import DiskPlane
-
-            sd_notify("STATUS=recovering the disk tier")
-            self.disk_plane = DiskPlane(config.disk, self.arena)
-            started = time.monotonic()
-            recovery = await self.disk_plane.open()
-            log.info(
-                "disk tier opened",
-                extra={"records": recovery.records, "blocks": recovery.block_count,
-                       "truncated_bytes": recovery.truncated_bytes, "dropped": recovery.dropped.total,
-                       "open_s": round(time.monotonic() - started, 3)},
-            )
-        self.engine = Engine(
-            host_slot_count=layout.slot_count,
-            host_slot_bytes=layout.slot_bytes,
-            policy=config.host.policy,
-            high_watermark=config.host.high_watermark,
-            low_watermark=config.host.low_watermark,
-            limits=EngineLimits(
-                lease_ms_default=config.leases.default_ms,
-                lease_ms_max=config.leases.max_ms,
-                max_leases=config.leases.max_leases,
-                max_pins_per_client=config.leases.max_pins_per_client,
-            ),
-            disk_slot_count=self.disk_plane.slot_count if self.disk_plane else 0,
-            disk_slot_bytes=config.disk.slot_bytes,
-            events=EventLog(config.events.ring_events, config.events.ring_keys),
-            disk_policies=DiskPolicies(
-                eviction=config.disk.policy,
-                admission_min_hits=config.disk.admission_min_hits,
-                promotion=config.disk.promotion,
-            ),
-            tenant_quotas=[TenantQuota(tenant.name, tenant.host_bytes, tenant.disk_bytes) for tenant in tenants],
-        )
-        if per_tenant:
+        recovery = await self._open_tiers(layout)
+        self.engine = _build_engine(config, layout, self.disk_plane, tenants)
+        if self.arena.per_tenant:
             self.engine.claim_host_slot = self.arena.claim
         if self.disk_plane is not None:
             indexed = await self.disk_plane.recover(self.engine, recovery)
@@ -221,6 +181,47 @@ class Daemon:
             disk_metrics = DiskIoMetrics(registry, self.disk_plane.io.queued, self.disk_plane.io_bytes,
                                          self.disk_plane.drive_states, self.disk_plane.recovery_lost_blocks)
             self.disk_plane.io.on_job = disk_metrics.observe_job
+        self._build_server(tenants, rpc_metrics)
+        await self._listen(tls, rpc_metrics)
+        arena, arena_socket = self.arena, self.arena_socket
+        registry.register(ArenaCollector(lambda: arena_socket.handed_out if arena_socket else 0,
+                                         lambda: arena.reassigned_slots))
+        _log_exposure(config, tenants)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._serve_metrics(registry)
+        self._sweeper = asyncio.create_task(self._sweep_leases(), name="lease-sweeper")
+        self._write_endpoints(state_dir)
+        self._announce_ready(layout)
+
+    async def _open_tiers(self, layout: ArenaLayout):
+        """Create the host arena and open the disk tier (its recovery, if any, to index next)."""
+        config = self.config
+        # With tenants, every tenant's slots are in memory of its own (kvd.tiers.host).
+        per_tenant = config.auth.mode == "token"
+        if per_tenant:
+            _check_map_count(layout.slot_count)
+        self.arena = HostArena(layout, prefault=config.host.prefault, huge_pages=config.host.huge_pages,
+                               per_tenant=per_tenant)
+        if not config.disk.directories:
+            return None
+        from kvd.server.disk_plane import DiskPlane
+
+        sd_notify("STATUS=recovering the disk tier")
+        self.disk_plane = DiskPlane(config.disk, self.arena)
+        started = time.monotonic()
+        recovery = await self.disk_plane.open()
+        log.info(
+            "disk tier opened",
+            extra={"records": recovery.records, "blocks": recovery.block_count,
+                   "truncated_bytes": recovery.truncated_bytes, "dropped": recovery.dropped.total,
+                   "open_s": round(time.monotonic() - started, 3)},
+        )
+        return recovery
+
+    def _build_server(self, tenants: list[TenantSettings], rpc_metrics) -> None:
+        """The gRPC server with its interceptors, the kvd service and the health service."""
+        config = self.config
         options = [
             ("grpc.max_receive_message_length", config.server.max_message_bytes),
             ("grpc.max_send_message_length", config.server.max_message_bytes),
@@ -248,6 +249,10 @@ class Daemon:
         self.health = HealthService()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 
+    async def _listen(self, tls, rpc_metrics) -> None:
+        """Bind the listeners (owner-only Unix socket, TCP with TLS if set), start serving, open the arena socket."""
+        config = self.config
+        socket_path = config.unix_socket_path
         if socket_path is not None:
             socket_path.parent.mkdir(parents=True, exist_ok=True)
             socket_path.unlink(missing_ok=True)
@@ -265,36 +270,35 @@ class Daemon:
                 else (lambda: self.server.add_insecure_port(address)),
                 "server.tcp_address", address)
         await self.server.start()
-        if socket_path is not None:
-            self.arena_socket = ArenaSocket(
-                arena_protocol.socket_path(socket_path.resolve()), self.arena, self.tokens,
-                lambda reason: rpc_metrics.auth_failures.labels(reason).inc(),
-                request_timeout_s=config.server.arena_request_timeout_s,
-            )
-            self.arena_socket.start()
-            for path in (socket_path, self.arena_socket.path):
-                os.chmod(path, 0o600)
-                if config.server.unix_socket_group:
-                    _give_socket_to_group(path, config.server.unix_socket_group)
-        arena, arena_socket = self.arena, self.arena_socket
-        registry.register(ArenaCollector(lambda: arena_socket.handed_out if arena_socket else 0,
-                                         lambda: arena.reassigned_slots))
-        _log_exposure(config, tenants)
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        if socket_path is None:
+            return
+        self.arena_socket = ArenaSocket(
+            arena_protocol.socket_path(socket_path.resolve()), self.arena, self.tokens,
+            lambda reason: rpc_metrics.auth_failures.labels(reason).inc(),
+            request_timeout_s=config.server.arena_request_timeout_s,
+        )
+        self.arena_socket.start()
+        for path in (socket_path, self.arena_socket.path):
+            os.chmod(path, 0o600)
+            if config.server.unix_socket_group:
+                _give_socket_to_group(path, config.server.unix_socket_group)
 
-        if config.metrics.address:
-            from prometheus_client import start_http_server
+    def _serve_metrics(self, registry) -> None:
+        address = self.config.metrics.address
+        if not address:
+            return
+        from prometheus_client import start_http_server
 
-            host, port = parse_address("metrics.address", config.metrics.address)
-            try:
-                self._metrics_server, _thread = start_http_server(port, addr=host, registry=registry)
-            except OSError as error:
-                raise OSError(f"cannot serve metrics on {config.metrics.address} (metrics.address): "
-                              f"{error.strerror or error}") from None
-            self.bound_metrics_port = self._metrics_server.server_port
-        self._sweeper = asyncio.create_task(self._sweep_leases(), name="lease-sweeper")
-        self._write_endpoints(state_dir)
+        host, port = parse_address("metrics.address", address)
+        try:
+            self._metrics_server, _thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as error:
+            raise OSError(f"cannot serve metrics on {address} (metrics.address): "
+                          f"{error.strerror or error}") from None
+        self.bound_metrics_port = self._metrics_server.server_port
+
+    def _announce_ready(self, layout: ArenaLayout) -> None:
+        socket_path = self.config.unix_socket_path
         log.info(
             "kvd ready",
             extra={
@@ -302,7 +306,7 @@ class Daemon:
                 "unix_socket": str(socket_path) if socket_path else "",
                 "tcp_port": self.bound_tcp_port or 0,
                 "metrics_port": getattr(self, "bound_metrics_port", 0),
-                "per_tenant_arena": per_tenant,
+                "per_tenant_arena": self.arena.per_tenant,
                 "host_slots": layout.slot_count,
                 "host_slot_bytes": layout.slot_bytes,
             },
@@ -407,6 +411,31 @@ def _listen(add_port, setting: str, address: str) -> int:
     if port == 0:
         raise OSError(f"cannot listen on {address} ({setting}): the address is in use or not available")
     return port
+
+
+def _build_engine(config: Config, layout: ArenaLayout, disk_plane, tenants: list[TenantSettings]) -> Engine:
+    return Engine(
+        host_slot_count=layout.slot_count,
+        host_slot_bytes=layout.slot_bytes,
+        policy=config.host.policy,
+        high_watermark=config.host.high_watermark,
+        low_watermark=config.host.low_watermark,
+        limits=EngineLimits(
+            lease_ms_default=config.leases.default_ms,
+            lease_ms_max=config.leases.max_ms,
+            max_leases=config.leases.max_leases,
+            max_pins_per_client=config.leases.max_pins_per_client,
+        ),
+        disk_slot_count=disk_plane.slot_count if disk_plane else 0,
+        disk_slot_bytes=config.disk.slot_bytes,
+        events=EventLog(config.events.ring_events, config.events.ring_keys),
+        disk_policies=DiskPolicies(
+            eviction=config.disk.policy,
+            admission_min_hits=config.disk.admission_min_hits,
+            promotion=config.disk.promotion,
+        ),
+        tenant_quotas=[TenantQuota(tenant.name, tenant.host_bytes, tenant.disk_bytes) for tenant in tenants],
+    )
 
 
 def _tls_credentials(server: ServerConfig) -> grpc.ServerCredentials | None:

@@ -151,6 +151,18 @@ class NamespaceSpec:
 
     def validate(self) -> None:
         """Raise InvalidArgument naming the first field that is wrong."""
+        self._validate_strings()
+        self._validate_shape()
+        for name, kind in (("kv_dtype", DType), ("inner_layout", InnerLayout), ("kv_order", KvOrder)):
+            value = getattr(self, name)
+            if value not in kind.__members__.values():
+                raise InvalidArgument(f"namespace.{name} has unknown value {value!r}")
+        if self.hash_scheme not in SUPPORTED_HASH_SCHEMES:
+            raise InvalidArgument(
+                f"namespace.hash_scheme {self.hash_scheme!r} is not supported (supported: {', '.join(SUPPORTED_HASH_SCHEMES)})"
+            )
+
+    def _validate_strings(self) -> None:
         if not self.model_id:
             raise InvalidArgument("namespace.model_id must not be empty")
         for name in ("model_id", "model_revision", "lora_id", "hash_scheme", "tenant"):
@@ -161,6 +173,8 @@ class NamespaceSpec:
                 raise InvalidArgument(f"namespace.{name} is longer than {MAX_STRING_BYTES} bytes")
         if not isinstance(self.tenant_salt, bytes) or len(self.tenant_salt) > MAX_SALT_BYTES:
             raise InvalidArgument(f"namespace.tenant_salt must be at most {MAX_SALT_BYTES} bytes")
+
+    def _validate_shape(self) -> None:
         for name, upper in (
             ("num_layers", MAX_LAYERS),
             ("num_kv_heads", MAX_KV_HEADS),
@@ -180,14 +194,6 @@ class NamespaceSpec:
         if not isinstance(self.pp_stage, int) or not 0 <= self.pp_stage < self.pp_size:
             raise InvalidArgument(
                 f"namespace.pp_stage must be an int in [0, pp_size={self.pp_size}), got {self.pp_stage!r}"
-            )
-        for name, kind in (("kv_dtype", DType), ("inner_layout", InnerLayout), ("kv_order", KvOrder)):
-            value = getattr(self, name)
-            if value not in kind.__members__.values():
-                raise InvalidArgument(f"namespace.{name} has unknown value {value!r}")
-        if self.hash_scheme not in SUPPORTED_HASH_SCHEMES:
-            raise InvalidArgument(
-                f"namespace.hash_scheme {self.hash_scheme!r} is not supported (supported: {', '.join(SUPPORTED_HASH_SCHEMES)})"
             )
 
     @property

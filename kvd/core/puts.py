@@ -15,12 +15,13 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvd.core.block import NO_SLOT, BlockState
+from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.blocks import BlockBook
 from kvd.core.eviction import HostAllocator
 from kvd.core.lease import Lease, LeaseKind, LeaseTable
 from kvd.core.limits import EngineLimits
-from kvd.core.namespaces import NamespaceTable
+from kvd.core.namespaces import NamespaceState, NamespaceTable
+from kvd.core.radix import PrefixIndex
 from kvd.core.requests import check_client, check_keys, check_lease_room, granted_lease_ms, parent_block
 from kvd.core.tier import TierId
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -78,51 +79,16 @@ class Puts:
         deadline_ms = now_ms + granted_lease_ms(self.limits, lease_ms)
         self.leases.expire(now_ms)
         index = state.index
-        parent = parent_block(index, parent_key)
-
-        statuses: list[ReserveStatus] = []
-        slots: list[int] = []
         # Validate the whole walk before changing anything.
-        first_missing = len(keys)
-        for position, key in enumerate(keys):
-            node = index.get(key)
-            if node is None:
-                first_missing = position
-                break
-            if node.parent is not parent:
-                raise InvalidArgument(
-                    f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
-                )
-            if node.state != BlockState.SEALED:
-                # Being written by another client (or a tombstone waiting
-                # for its readers): nothing to do from here for now.
-                first_missing = position
-                break
-            statuses.append(ReserveStatus.EXISTS)
-            slots.append(NO_SLOT)
-            parent = node
+        existing, parent = self._stored_run(index, keys, parent_block(index, parent_key))
+        first_missing = len(existing)
         in_flight = first_missing < len(keys) and index.get(keys[first_missing]) is not None
         if not in_flight and first_missing < len(keys):
-            # The keys after the first missing one must be missing too: a
-            # stored key cannot be the child of a block that does not exist
-            # yet. Checked before the touch below and before any slot is
-            # allocated (allocating evicts), so a rejection changes nothing.
-            for position in range(first_missing + 1, len(keys)):
-                if keys[position] in index.nodes:
-                    raise InvalidArgument(
-                        f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
-                    )
-            check_lease_room(self.leases)
-            # At most every missing key, and the parent pinned under them.
-            self.leases.check_pin_room(client_id, len(keys) - first_missing + (parent is not None))
-            if state.quota is not None:
-                # The last check: past it the request goes ahead.
-                self.allocator.make_quota_room(state.quota, len(keys) - first_missing, keep=parent)
-        existing = [index.nodes[key] for key in keys[:first_missing]]
+            self._check_room(state, client_id, keys, first_missing, parent)
         self.blocks.touch_prefix(existing)
         self.blocks.note_sightings(existing)  # a Put of stored blocks: seen again
-
-        lease: Lease | None = None
+        statuses = [ReserveStatus.EXISTS] * first_missing
+        slots = [NO_SLOT] * first_missing
         if in_flight:
             # Someone else is writing the next block: nothing to do from here.
             statuses.extend([ReserveStatus.IN_FLIGHT] * (len(keys) - first_missing))
@@ -130,18 +96,64 @@ class Puts:
             return ReserveResult(None, statuses, slots)
         if first_missing == len(keys):
             return ReserveResult(None, statuses, slots)
+        lease = self._reserve_missing(state, client_id, keys[first_missing:], parent, deadline_ms, statuses, slots)
+        return ReserveResult(lease, statuses, slots)
 
-        lease = self.leases.open(LeaseKind.WRITE, client_id, namespace_id, deadline_ms)
+    @staticmethod
+    def _stored_run(index: PrefixIndex, keys: Sequence[bytes], parent: Block | None) -> tuple[list[Block], Block | None]:
+        """The sealed blocks `keys` starts with, under `parent`, and the last of them (or `parent`).
+
+        Stops at the first key that is missing, being written by another
+        client, or a tombstone waiting for its readers."""
+        existing: list[Block] = []
+        for position, key in enumerate(keys):
+            node = index.get(key)
+            if node is None:
+                break
+            if node.parent is not parent:
+                raise InvalidArgument(
+                    f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
+                )
+            if node.state != BlockState.SEALED:
+                break
+            existing.append(node)
+            parent = node
+        return existing, parent
+
+    def _check_room(self, state: NamespaceState, client_id: str, keys: Sequence[bytes], first_missing: int,
+                    parent: Block | None) -> None:
+        """The last checks before slots are reserved for keys[first_missing:]; past them the request goes ahead."""
+        index = state.index
+        # The keys after the first missing one must be missing too: a stored
+        # key cannot be the child of a block that does not exist yet. Checked
+        # before anything is touched or allocated (allocating evicts), so a
+        # rejection changes nothing.
+        for position in range(first_missing + 1, len(keys)):
+            if keys[position] in index.nodes:
+                raise InvalidArgument(
+                    f"keys[{position}] is stored under a different parent; keys must be a chain from parent_key"
+                )
+        check_lease_room(self.leases)
+        # At most every missing key, and the parent pinned under them.
+        self.leases.check_pin_room(client_id, len(keys) - first_missing + (parent is not None))
+        if state.quota is not None:
+            self.allocator.make_quota_room(state.quota, len(keys) - first_missing, keep=parent)
+
+    def _reserve_missing(self, state: NamespaceState, client_id: str, missing: Sequence[bytes],
+                         parent: Block | None, deadline_ms: int, statuses: list[ReserveStatus],
+                         slots: list[int]) -> Lease:
+        """Give each missing key a host slot under one write lease, until none can be had."""
+        index = state.index
+        lease = self.leases.open(LeaseKind.WRITE, client_id, state.namespace_id, deadline_ms)
         if parent is not None:
             lease.parent_handle = self.blocks.acquire(parent)
-        for position in range(first_missing, len(keys)):
-            key = keys[position]
+        for position, key in enumerate(missing):
             # Checked missing above; evicting only ever removes keys.
             check(key not in index.nodes, "reserved key appeared in the index during reserve")
             slot = self.allocator.allocate(index.tenant)
             if slot == NO_SLOT:
-                statuses.extend([ReserveStatus.NO_SPACE] * (len(keys) - position))
-                slots.extend([NO_SLOT] * (len(keys) - position))
+                statuses.extend([ReserveStatus.NO_SPACE] * (len(missing) - position))
+                slots.extend([NO_SLOT] * (len(missing) - position))
                 break
             node = index.insert(key, parent)
             self.blocks.set_host_slot(node, slot)
@@ -153,10 +165,8 @@ class Puts:
         self.leases.charge(lease, len(lease.handles) + (lease.parent_handle is not None))
         if not lease.handles:
             self.leases.close(lease)
-            raise ResourceExhausted(
-                f"host tier is full: all {self.host.slot_count} slots are pinned or being written"
-            )
-        return ReserveResult(lease, statuses, slots)
+            raise ResourceExhausted(f"host tier is full: all {self.host.slot_count} slots are pinned or being written")
+        return lease
 
     def commit(
         self,
@@ -181,42 +191,20 @@ class Puts:
             raise FailedPrecondition(f"lease {lease_id} is a read lease; only write leases are committed")
         if lease.namespace_id != namespace_id:
             raise InvalidArgument(f"lease {lease_id} belongs to another namespace")
-        positions = {handle.key: position for position, handle in enumerate(lease.handles)}
-        for field_name, requested in (("keys", keys), ("abort_keys", abort_keys)):
-            for key in requested:
-                if key not in positions:
-                    raise InvalidArgument(f"{field_name} has key {key.hex()[:16]}... that is not part of lease {lease_id}")
-        if len(set(keys)) != len(keys) or len(set(abort_keys)) != len(abort_keys):
-            raise InvalidArgument("keys or abort_keys contain duplicates")
-        if set(keys) & set(abort_keys):
-            raise InvalidArgument("a key is both committed and aborted")
-        for key in keys:
-            handle = lease.handles[positions[key]]
-            if handle.released:
-                raise FailedPrecondition(f"block {key.hex()[:16]}... was aborted in lease {lease_id}")
-            if not handle.writable:
-                raise FailedPrecondition(f"block {key.hex()[:16]}... is already committed")
+        positions = _commit_positions(lease, keys, abort_keys)
         if not keys and not abort_keys:
             keys = [handle.key for handle in lease.handles if handle.writable]
-        to_seal = {positions[key] for key in keys}
+        to_seal = sorted(positions[key] for key in keys)
         abort_from = min((positions[key] for key in abort_keys), default=len(lease.handles))
-        # The lease is one chain: a block may be sealed only if every earlier
-        # block is sealed already or sealed by this same call. One pass.
-        first_unsealed_gap = None
-        for position, handle in enumerate(lease.handles):
-            if position in to_seal:
-                if position >= abort_from:
-                    raise FailedPrecondition("cannot commit a block after an aborted block of the same chain")
-                if first_unsealed_gap is not None:
-                    raise FailedPrecondition(
-                        f"cannot commit keys[{position}] of the lease before its parent (position {first_unsealed_gap})"
-                    )
-            elif handle.writable and first_unsealed_gap is None:
-                first_unsealed_gap = position
-        for position in range(abort_from, len(lease.handles)):
-            if not lease.handles[position].writable and not lease.handles[position].released:
-                raise FailedPrecondition(f"cannot abort: position {position} of the chain is already committed")
+        _check_chain_order(lease, to_seal, abort_from)
+        aborted = self._abort_from(lease, abort_from)
+        self._seal(namespace_id, lease, to_seal)
+        if not any(handle.writable for handle in lease.handles):
+            self.leases.close(lease)
+        return len(to_seal), aborted
 
+    def _abort_from(self, lease: Lease, abort_from: int) -> int:
+        """Abort the chain from position `abort_from`, tail first; how many were aborted."""
         aborted = 0
         for position in range(len(lease.handles) - 1, abort_from - 1, -1):
             handle = lease.handles[position]
@@ -224,15 +212,57 @@ class Puts:
                 handle.release()
                 aborted += 1
         self.leases.refund(lease, aborted)
-        sealed_keys = []
-        for position in sorted(to_seal):
-            lease.handles[position].seal()
-            sealed_keys.append(lease.handles[position].key)
-        if sealed_keys:
-            # One chain: its first block's parent is sealed already.
-            first = lease.handles[min(to_seal)].block.parent
-            self.blocks.events.stored(namespace_id, sealed_keys, first.key if first is not None else b"", TierId.HOST)
-        if not any(handle.writable for handle in lease.handles):
-            self.leases.close(lease)
-        return len(to_seal), aborted
+        return aborted
 
+    def _seal(self, namespace_id: bytes, lease: Lease, to_seal: list[int]) -> None:
+        """Seal these positions of the lease's chain (in order) and announce them."""
+        if not to_seal:
+            return
+        for position in to_seal:
+            lease.handles[position].seal()
+        # One chain: its first block's parent is sealed already.
+        first = lease.handles[to_seal[0]].block.parent
+        self.blocks.events.stored(namespace_id, [lease.handles[position].key for position in to_seal],
+                                  first.key if first is not None else b"", TierId.HOST)
+
+
+def _commit_positions(lease: Lease, keys: Sequence[bytes], abort_keys: Sequence[bytes]) -> dict[bytes, int]:
+    """Each key's position in the lease's chain, once every key is checked to be committable or abortable."""
+    positions = {handle.key: position for position, handle in enumerate(lease.handles)}
+    for field_name, requested in (("keys", keys), ("abort_keys", abort_keys)):
+        for key in requested:
+            if key not in positions:
+                raise InvalidArgument(
+                    f"{field_name} has key {key.hex()[:16]}... that is not part of lease {lease.lease_id}")
+    if len(set(keys)) != len(keys) or len(set(abort_keys)) != len(abort_keys):
+        raise InvalidArgument("keys or abort_keys contain duplicates")
+    if set(keys) & set(abort_keys):
+        raise InvalidArgument("a key is both committed and aborted")
+    for key in keys:
+        handle = lease.handles[positions[key]]
+        if handle.released:
+            raise FailedPrecondition(f"block {key.hex()[:16]}... was aborted in lease {lease.lease_id}")
+        if not handle.writable:
+            raise FailedPrecondition(f"block {key.hex()[:16]}... is already committed")
+    return positions
+
+
+def _check_chain_order(lease: Lease, to_seal: list[int], abort_from: int) -> None:
+    """The lease is one chain: a block may be sealed only if every earlier
+    block is sealed already or sealed by the same call, and never after an
+    aborted one; nothing committed may be aborted."""
+    sealing = set(to_seal)
+    first_unsealed_gap = None
+    for position, handle in enumerate(lease.handles):
+        if position in sealing:
+            if position >= abort_from:
+                raise FailedPrecondition("cannot commit a block after an aborted block of the same chain")
+            if first_unsealed_gap is not None:
+                raise FailedPrecondition(
+                    f"cannot commit keys[{position}] of the lease before its parent (position {first_unsealed_gap})"
+                )
+        elif handle.writable and first_unsealed_gap is None:
+            first_unsealed_gap = position
+    for position in range(abort_from, len(lease.handles)):
+        if not lease.handles[position].writable and not lease.handles[position].released:
+            raise FailedPrecondition(f"cannot abort: position {position} of the chain is already committed")

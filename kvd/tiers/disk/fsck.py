@@ -76,14 +76,22 @@ def inspect_directory(directory: Path, out: TextIO) -> None:
     out.write(f"{directory}\n")
     if identity is None:
         out.write(f"  identity   DAMAGED: {problem}\n")
-        segment_bytes = 0
     else:
         out.write(
             f"  identity   {identity.magic} v{identity.format_version}, set {identity.set_uuid}, "
             f"drive {identity.drive_index} of {identity.drive_count}\n"
             f"             slot {_size(identity.slot_bytes)}, segment {_size(identity.segment_bytes)}\n"
         )
-        segment_bytes = identity.segment_bytes
+    _inspect_segments(directory, identity.segment_bytes if identity is not None else 0, out)
+    registry = NamespaceRegistry(directory, ReadOnlyFileSystem(), read_only=True)
+    registry_report = registry.open()
+    manifest = _inspect_manifest(directory, out)
+    if registry_report.truncated_bytes:
+        out.write(f"  NAMESPACES has {registry_report.truncated_bytes} bytes of torn tail\n")
+    _inspect_namespaces(registry, manifest, out)
+
+
+def _inspect_segments(directory: Path, segment_bytes: int, out: TextIO) -> None:
     segments = {}
     for path in directory.iterdir():
         number = segment_number(path.name)
@@ -96,23 +104,26 @@ def inspect_directory(directory: Path, out: TextIO) -> None:
         f"  segments   {len(segments)} files, {_size(sum(segments.values()))}"
         f"{f', missing {missing}' if missing else ''}{f', short {sorted(short)}' if short else ''}\n"
     )
-    registry = NamespaceRegistry(directory, ReadOnlyFileSystem(), read_only=True)
-    registry_report = registry.open()
+
+
+def _inspect_manifest(directory: Path, out: TextIO) -> Manifest:
     manifest = Manifest(directory, FsyncPolicy.NONE, ReadOnlyFileSystem())
     try:
         report = manifest.open(create=False)
     except MetadataDamage as damage:
         out.write(f"  manifest   DAMAGED: {damage.path.name}: {damage.problem}\n")
-    else:
-        torn = f", {report.truncated_bytes} bytes of torn tail" if report.truncated_bytes else ""
-        damaged = (f", DAMAGED: {report.damaged_bytes} bytes in {report.damaged_regions} places, at least "
-                   f"{report.lost_records} records lost" if report.damaged else "")
-        out.write(
-            f"  manifest   {report.manifest or 'none yet'}, {manifest.size_bytes} bytes, {report.records} records, "
-            f"{report.live_blocks} live blocks{torn}{damaged}\n"
-        )
-    if registry_report.truncated_bytes:
-        out.write(f"  NAMESPACES has {registry_report.truncated_bytes} bytes of torn tail\n")
+        return manifest
+    torn = f", {report.truncated_bytes} bytes of torn tail" if report.truncated_bytes else ""
+    damaged = (f", DAMAGED: {report.damaged_bytes} bytes in {report.damaged_regions} places, at least "
+               f"{report.lost_records} records lost" if report.damaged else "")
+    out.write(
+        f"  manifest   {report.manifest or 'none yet'}, {manifest.size_bytes} bytes, {report.records} records, "
+        f"{report.live_blocks} live blocks{torn}{damaged}\n"
+    )
+    return manifest
+
+
+def _inspect_namespaces(registry: NamespaceRegistry, manifest: Manifest, out: TextIO) -> None:
     counts: dict[bytes, int] = {}
     for record in manifest.records():
         counts[record.namespace_id] = counts.get(record.namespace_id, 0) + 1
@@ -129,7 +140,6 @@ def inspect_directory(directory: Path, out: TextIO) -> None:
             if spec.lora_id:
                 description += f" lora={spec.lora_id}"
         out.write(f"    {namespace_id.hex()[:16]}  {counts.get(namespace_id, 0):>8} blocks  {description}\n")
-
 
 def inspect(directories: Sequence[Path], out: TextIO | None = None) -> int:
     out = out or sys.stdout
@@ -257,6 +267,26 @@ class FsckReport:
         return self.corrupt == 0 and self.unreadable == 0
 
 
+def _tally_failures(report: FsckReport, group: list[PutRecord], reasons: list[int]) -> list[PutRecord]:
+    """Count each failed read by its kind; the records that failed."""
+    bad = []
+    for record, reason in zip(group, reasons, strict=True):
+        if reason == ReadFailure.NONE:
+            continue
+        if reason == ReadFailure.CHECKSUM:
+            report.corrupt += 1
+            kind = "corrupt"
+        elif reason == ReadFailure.IO_ERROR:
+            report.unreadable += 1
+            kind = "unreadable"
+        else:
+            report.missing += 1
+            kind = "missing"
+        report.bad_blocks.append((kind, record))
+        bad.append(record)
+    return bad
+
+
 def fsck_tier(tier: DiskTier, progress_stream: TextIO | None = None, repair: bool = False) -> FsckReport:
     """Read and verify every live block of an open tier."""
     report = FsckReport()
@@ -287,20 +317,7 @@ def fsck_tier(tier: DiskTier, progress_stream: TextIO | None = None, repair: boo
             reasons = np.zeros(len(group), dtype=np.int8)
             ok = tier.read_blocks(namespace_id, spec.layer_bytes, spec.num_layers, items, failures=reasons)
             report.good += int(ok.sum())
-            for record, reason in zip(group, reasons.tolist(), strict=True):
-                if reason == ReadFailure.NONE:
-                    continue
-                if reason == ReadFailure.CHECKSUM:
-                    report.corrupt += 1
-                    kind = "corrupt"
-                elif reason == ReadFailure.IO_ERROR:
-                    report.unreadable += 1
-                    kind = "unreadable"
-                else:
-                    report.missing += 1
-                    kind = "missing"
-                report.bad_blocks.append((kind, record))
-                bad.append(record)
+            bad.extend(_tally_failures(report, group, reasons.tolist()))
             if progress is not None:
                 progress.advance(len(group))
         if repair and bad:

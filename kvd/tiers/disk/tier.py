@@ -658,34 +658,13 @@ class DiskTier:
         check(not np.any(sources % ALIGN_BYTES), "source addresses must be 4 KiB aligned for O_DIRECT")
         check(all(int(slot) not in self._owners for slot in slots), "writing into a slot whose block was not removed")
         drives, files, offsets = locate_many(config, slots)
-        ok = np.array([int(drive) not in self.failed_drives for drive in drives], dtype=bool)
-        if not ok.all():
-            self.stats.count_error("drive_failed", int((~ok).sum()))
-        for drive in np.unique(drives[ok]).tolist():
-            pending = self._unsynced_removals[drive]
-            if pending and not pending.isdisjoint(slots[drives == drive].tolist()):
-                # The REMOVE of a slot's previous block must be durable before
-                # new bytes go into that slot (FORMAT.md, write order).
-                self._sync_drive(drive)
-                ok &= np.array([int(d) not in self.failed_drives for d in drives], dtype=bool)
+        ok = self._sync_reused_slots(drives, slots)
         # Checksums come from the source, before the write: if the source
         # changes under us the record disagrees with the disk and the block
         # reads back as corrupt (a miss), never as wrong bytes. One native
         # call for every layer of every block.
         checksums = crc32c_chunks(sources, layer_bytes, num_layers)
-        chosen = np.nonzero(ok)[0]
-        if chosen.size:
-            # The block's layers are contiguous in the slot and in the source:
-            # one extent per block, every block of the call in one batch.
-            results = self._transfer(
-                self._op_write, files[chosen], offsets[chosen], block_bytes, sources[chosen]
-            )
-            for position, result in zip(chosen.tolist(), results.tolist(), strict=True):
-                if result == block_bytes:
-                    self.stats.bytes_written += block_bytes
-                else:
-                    ok[position] = False
-                    self.stats.count_error(_error_kind(result, "short_write"))
+        self._write_data(ok, files, offsets, block_bytes, sources)
         for index in np.unique(files[ok]).tolist():
             result = self._fdatasync(index)
             if result != 0:
@@ -708,6 +687,34 @@ class DiskTier:
         self.stats.blocks_written += written
         self.stats.write_failures += count - written
         return ok.tolist()
+
+    def _sync_reused_slots(self, drives: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Which items may be written: their drive takes writes, and the REMOVE
+        of each reused slot's previous block is durable first (FORMAT.md, write order)."""
+        ok = np.array([int(drive) not in self.failed_drives for drive in drives], dtype=bool)
+        if not ok.all():
+            self.stats.count_error("drive_failed", int((~ok).sum()))
+        for drive in np.unique(drives[ok]).tolist():
+            pending = self._unsynced_removals[drive]
+            if pending and not pending.isdisjoint(slots[drives == drive].tolist()):
+                self._sync_drive(drive)
+                ok &= np.array([int(d) not in self.failed_drives for d in drives], dtype=bool)
+        return ok
+
+    def _write_data(self, ok: np.ndarray, files: np.ndarray, offsets: np.ndarray, block_bytes: int,
+                    sources: np.ndarray) -> None:
+        """Write the blocks still `ok` (one extent each, all in one batch); clear `ok` where a write fell short."""
+        chosen = np.nonzero(ok)[0]
+        if not chosen.size:
+            return
+        # The block's layers are contiguous in the slot and in the source.
+        results = self._transfer(self._op_write, files[chosen], offsets[chosen], block_bytes, sources[chosen])
+        for position, result in zip(chosen.tolist(), results.tolist(), strict=True):
+            if result == block_bytes:
+                self.stats.bytes_written += block_bytes
+            else:
+                ok[position] = False
+                self.stats.count_error(_error_kind(result, "short_write"))
 
     def _transfer(
         self, op: int, files: np.ndarray, offsets: np.ndarray, length: int, addresses: np.ndarray
@@ -797,6 +804,19 @@ class DiskTier:
         reasons[:] = ReadFailure.NONE
         if count == 0:
             return ok
+        files, offsets, destinations, expected = self._read_targets(namespace_id, num_layers, items, ok, reasons)
+        self._read_layer_groups(layer_bytes, num_layers, files, offsets, destinations, expected, ok, reasons,
+                                on_layer)
+        good = int(ok.sum())
+        self.stats.blocks_read += good
+        self.stats.read_failures += count - good
+        return ok
+
+    def _read_targets(self, namespace_id: bytes, num_layers: int, items: Sequence[ReadItem], ok: np.ndarray,
+                      reasons: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Where each block is (file, offset), where it goes, its expected layer checksums;
+        blocks whose segment is missing are failed in `ok` and `reasons`."""
+        count = len(items)
         slots = np.fromiter((item[1] for item in items), dtype=np.int64, count=count)
         destinations = np.fromiter((item[2] for item in items), dtype=np.uint64, count=count)
         check(all(len(item[3]) == 4 * num_layers for item in items), "every read item needs one checksum per layer")
@@ -812,9 +832,14 @@ class DiskTier:
             ok &= present
             reasons[~present] = ReadFailure.MISSING_SEGMENT
             self.stats.count_error("missing_segment", int((~present).sum()))
+        return files, offsets, destinations, expected
 
-        # Each block is read in extents of `width` whole layers: one batch per
-        # group of layers, every block in it, so O(L / width) submissions.
+    def _read_layer_groups(self, layer_bytes: int, num_layers: int, files: np.ndarray, offsets: np.ndarray,
+                           destinations: np.ndarray, expected: np.ndarray, ok: np.ndarray, reasons: np.ndarray,
+                           on_layer: LayerCallback | None) -> None:
+        """Each block in extents of `width` whole layers: one batch per group
+        of layers, every block in it, so O(L / width) submissions; the next
+        group is in flight while this one is checked."""
         width = max(1, min(num_layers, self.config.read_extent_bytes // layer_bytes))
         groups = [(first, min(first + width, num_layers)) for first in range(0, num_layers, width)]
         # (group, batch id, positions, checksum cells) in order; at most two in flight.
@@ -859,10 +884,6 @@ class DiskTier:
             # Never return while the kernel may still write into the caller's memory.
             while flights:
                 self._engine.wait(flights.popleft()[1])
-        good = int(ok.sum())
-        self.stats.blocks_read += good
-        self.stats.read_failures += count - good
-        return ok
 
     def _verify_group(
         self,
