@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from kvd.config import DiskSettings
 from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.engine import DiskLoad, DiskWrite, Engine, GetPlan, PrefetchPlan
+from kvd.core.mover import Mover, MoverSettings, WriteRound
 from kvd.core.io_schedule import IoClass, IoSchedule
 from kvd.errors import Unavailable
 from kvd.io.engine import Op
@@ -125,13 +126,13 @@ class DiskPlane:
         self._durable: dict[Block, list[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
         self._closing = False
-        self._draining = False
+        # When to write and in what order (kvd.core.mover); made with the engine.
+        self.mover: Mover | None = None
         # Set whenever no write batch is in flight (its pins are released).
         self.writes_idle = asyncio.Event()
         self.writes_idle.set()
         # Set after every write batch: what a Get short of host slots waits for.
         self._batch_done = asyncio.Event()
-        self._starved_gets = 0  # Gets waiting for write-back: the writer writes meanwhile
 
     @property
     def slot_count(self) -> int:
@@ -184,6 +185,12 @@ class DiskPlane:
     async def recover(self, engine: Engine, recovery: DiskRecovery) -> int:
         """Index what the drives hold; journal removals of what was dropped."""
         self.engine = engine
+        settings = self.settings
+        self.mover = Mover(engine, MoverSettings(
+            write_mode=settings.write_mode, batch_blocks=settings.write_batch_blocks,
+            # Under fifo a round is one job, in arrival order with the reads:
+            # the behaviour the slack schedule replaced (the benchmark's baseline).
+            chunk_blocks=0 if settings.io_schedule == "fifo" else settings.write_chunk_blocks))
         drives = self.config.drive_count
         for drive in recovery.quarantined:
             engine.retire_disk_slots(range(drive, self.config.slot_count, drives))
@@ -242,51 +249,33 @@ class DiskPlane:
     def wake(self) -> None:
         self._wake.set()
 
-    def _should_write(self) -> bool:
-        """Write-through always writes; write-back only while host memory is
-        being reclaimed (from the high watermark down to the low one), when a
-        Put waits for durability, or while draining at shutdown."""
-        if self.settings.write_mode == "through" or self._durable or self._draining or self._starved_gets:
-            return True
-        return self.engine.host_reclaiming()
-
-    def _reclaim(self) -> None:
-        """Above the high watermark: demote durable blocks down to the low one."""
-        if self.engine.host_reclaiming():
-            self.engine.demote_to_low_watermark()
-
     def _update_backlog(self) -> None:
         """Tell the schedule how many blocks wait for write-back while memory needs them written."""
-        self._io.backlog = len(self.engine.write_queue) if self._should_write() else 0
+        self._io.backlog = self.mover.backlog()
 
     async def _writer(self) -> None:
-        engine = self.engine
+        mover = self.mover
         while not self._closing:
-            self._reclaim()
+            mover.durable_waits = len(self._durable)
+            round_ = mover.next_round()
             self._update_backlog()
-            writes = engine.pick_writes(self.settings.write_batch_blocks) if self._should_write() else []
-            self._fail_unwritable_waits(writes)
-            if not writes:
+            self._fail_unwritable_waits(round_.writes if round_ is not None else [])
+            if round_ is None:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
                 except TimeoutError:
                     pass
                 continue
-            removals = engine.take_disk_removals()
             self.writes_idle.clear()
             try:
-                ok, failed_removals = await self._write(removals, self._write_work(writes))
+                await self._write_round(round_)
             finally:
                 self.writes_idle.set()
             self.counters.batches += 1
+            mover.finish_round(round_)
             self._batch_done.set()
-            # The removals were durable before any write started: confirm
-            # them first, so a slot a failed write quarantines (for its own
-            # REMOVE) is not freed again by them.
-            engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed_removals])
-            engine.finish_writes(writes, ok)
-            self._resolve_durable(writes, ok)
+            self._resolve_durable(round_.writes, round_.ok)
 
     async def wait_for_write_back(self, timeout_s: float) -> bool:
         """Wake the writer and wait for its next batch to finish (False after timeout_s).
@@ -295,69 +284,50 @@ class DiskPlane:
         here: once they are on disk, their host copies can make room. False
         at once when nothing is queued for writing or being written.
         """
-        if not self.engine.write_queue and self.writes_idle.is_set():
+        if not self.mover.write_back_pending():
             return False
         self._batch_done.clear()
-        self._starved_gets += 1
+        self.mover.starved_gets += 1
         self.wake()
         try:
             await asyncio.wait_for(self._batch_done.wait(), timeout_s)
         except TimeoutError:
             return False
         finally:
-            self._starved_gets -= 1
-        self._reclaim()
+            self.mover.starved_gets -= 1
+        self.mover.after_round()
         return True
 
-    def _write_work(self, writes: Sequence[DiskWrite]) -> list[tuple[bytes, int, int, list[tuple[int, tuple]]]]:
-        """Loop thread: what to write, as plain data, grouped by namespace."""
-        groups: dict[bytes, list[tuple[int, tuple]]] = {}
-        for position, write in enumerate(writes):
-            block = write.block
-            item = (
-                block.key,
-                block.parent.key if block.parent is not None else b"",
-                write.disk_slot,
-                self.arena.address(write.host_slot),
-            )
-            groups.setdefault(block.index.namespace_id, []).append((position, item))
-        work = []
-        for namespace_id, items in groups.items():
-            spec = self.engine.namespace(namespace_id).spec
-            work.append((namespace_id, spec.layer_bytes, spec.num_layers, items))
-        return work
+    async def _write_round(self, round_: WriteRound) -> None:
+        """Removals first (durable), then the blocks chunk by chunk, then compaction if due.
 
-    async def _write(self, removals, work) -> tuple[list[bool], set[int]]:
-        """Removals first (durable), then the blocks, then compaction if due.
-
-        Under the slack schedule the blocks go in jobs of at most
-        disk.write_chunk_blocks, each queued when the previous one is done,
-        so a restore waits for one chunk at most. Under fifo the whole batch
-        is one job, in arrival order with the reads: the behaviour the
-        scheduler replaced, kept as the benchmark's baseline.
+        Under the slack schedule each chunk is one job of at most
+        disk.write_chunk_blocks blocks, queued when the previous one is
+        done, so a restore waits for one chunk at most.
         """
-        failed_removals = await self._run(self._remove_sync, removals) if removals else set()
-        ok = [False] * sum(len(items) for *_, items in work)
-        chunk_blocks = len(ok) if self.settings.io_schedule == "fifo" else self.settings.write_chunk_blocks
-        pieces = []
-        for namespace_id, layer_bytes, num_layers, items in work:
-            # A slot whose REMOVE failed may still be on record: never overwrite it.
-            usable = [(position, item) for position, item in items if item[2] not in failed_removals]
-            for start in range(0, len(usable), chunk_blocks):
-                pieces.append((namespace_id, layer_bytes, num_layers, usable[start:start + chunk_blocks]))
-        for piece in pieces:
+        failed_removals = await self._run(self._remove_sync, round_.removals) if round_.removals else set()
+        self.mover.removals_journalled(round_, failed_removals)
+        for positions in round_.chunks():
             self._update_backlog()
-            _, layer_bytes, num_layers, items = piece
+            namespace_id, layer_bytes, num_layers, items = self._write_items(round_, positions)
             nbytes = len(items) * layer_bytes * num_layers
-            for position, good in await self._run(self._write_piece, *piece, io_class=IoClass.WRITE, nbytes=nbytes):
-                ok[position] = good
+            ok = await self._run(self._write_piece, namespace_id, layer_bytes, num_layers, items,
+                                 io_class=IoClass.WRITE, nbytes=nbytes)
+            self.mover.chunk_written(round_, positions, ok)
         await self._run(self.tier.compact_if_needed, self.settings.manifest_max_bytes)
-        return ok, failed_removals
 
-    def _write_piece(self, namespace_id, layer_bytes, num_layers, items) -> list[tuple[int, bool]]:
-        """I/O thread: one write job; (position in the batch, durable) per block."""
-        results = self.tier.write_blocks(namespace_id, layer_bytes, num_layers, [item for _, item in items])
-        return [(position, bool(good)) for (position, _), good in zip(items, results, strict=True)]
+    def _write_items(self, round_: WriteRound, positions: list[int]) -> tuple[bytes, int, int, list[tuple]]:
+        """Loop thread: one chunk's writes as plain data (one namespace per chunk)."""
+        writes = [round_.writes[position] for position in positions]
+        namespace_id = writes[0].block.index.namespace_id
+        spec = self.engine.namespace(namespace_id).spec
+        items = [(write.block.key, write.block.parent.key if write.block.parent is not None else b"",
+                  write.disk_slot, self.arena.address(write.host_slot)) for write in writes]
+        return namespace_id, spec.layer_bytes, spec.num_layers, items
+
+    def _write_piece(self, namespace_id, layer_bytes, num_layers, items) -> list[bool]:
+        """I/O thread: one write job; durable, per block."""
+        return [bool(good) for good in self.tier.write_blocks(namespace_id, layer_bytes, num_layers, items)]
 
     def _remove_sync(self, removals: list[tuple[bytes, bytes, int]], deleted: bool = False) -> set[int]:
         """I/O thread: journal removals; returns the slots whose REMOVE failed."""
@@ -382,7 +352,7 @@ class DiskPlane:
         outcome is recorded even if the caller is cancelled meanwhile (its
         client went away): otherwise the slots would stay quarantined.
         """
-        removals = self.engine.take_disk_removals()
+        removals = self.mover.take_removals()
         if not removals:
             if deleted:  # what others appended unsynced must not outlive a Delete either
                 await self._run(functools.partial(self.tier.sync, force=True))
@@ -394,7 +364,7 @@ class DiskPlane:
 
     async def _journal(self, removals: list[tuple[bytes, bytes, int]], deleted: bool) -> int:
         failed = await self._run(self._remove_sync, removals, deleted)
-        self.engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed])
+        self.mover.removals_done(removals, failed)
         return len(failed)
 
     async def journal_deletions(self) -> int:
@@ -642,7 +612,7 @@ class DiskPlane:
         only. The task, if any, ends once every job has, with the number of
         blocks read and verified.
         """
-        if self._draining:
+        if self.mover.draining:
             raise Unavailable("kvd is draining; no new disk reads are queued")
         plan = self.engine.begin_prefetch(namespace_id, keys, parent_key, self.settings.prefetch_max_blocks)
         if not plan.loads:
@@ -701,7 +671,8 @@ class DiskPlane:
         """Write what is queued (within the time given), sync, and close the drives."""
         engine = self.engine
         # Write-back blocks still only in memory get the grace period too.
-        self._draining = True
+        if self.mover is not None:
+            self.mover.draining = True
         deadline = asyncio.get_running_loop().time() + flush_timeout_s
         while engine is not None and engine.write_queue and asyncio.get_running_loop().time() < deadline:
             self.wake()

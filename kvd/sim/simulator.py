@@ -40,7 +40,8 @@ import numpy as np
 from kvd.clock import ManualClock
 from kvd.config import DiskSettings, HostConfig, LeaseConfig
 from kvd.core.block import NO_SLOT, BlockState
-from kvd.core.engine import DiskWrite, Engine, EngineLimits, GetPlan, ReserveStatus, TierId
+from kvd.core.engine import Engine, EngineLimits, GetPlan, ReserveStatus, TierId
+from kvd.core.mover import Mover, MoverSettings, WriteRound
 from kvd.core.io_schedule import IoSchedule
 from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.core.policy import DiskPolicies
@@ -197,12 +198,10 @@ class SimFailure(Exception):
 
 @dataclass(slots=True, eq=False)
 class WriteBatch:
-    """One round of write-back, as the daemon runs it: the removals it took
-    are journalled first, then the blocks go in chunks, one job each."""
+    """The mover's write round in flight on the modelled drive: its chunks, one job each."""
 
-    writes: list[DiskWrite]
-    ok: list[bool]
-    chunk_blocks: int
+    round: WriteRound
+    chunks: list[list[int]] = field(default_factory=list)
     next_chunk: int = 0
 
 
@@ -264,6 +263,10 @@ class Simulator:
             self.disk = ModelledDisk(config.disk, schedule)
             for namespace_id in self.namespace_ids:
                 self.engine.enable_disk(namespace_id)
+            # The daemon's rules for when bytes move (kvd.core.mover).
+            self.mover = Mover(self.engine, MoverSettings(
+                write_mode=config.write_mode, batch_blocks=config.write_batch_blocks,
+                chunk_blocks=0 if config.io_schedule == "fifo" else config.write_chunk_blocks))
         self.contents = SlotContents(self.engine)
         # Faults are drawn apart from the trace, which every policy shares.
         self.faults = random.Random(config.seed)
@@ -395,8 +398,7 @@ class Simulator:
             engine.abandon_get(plan)  # which takes back what begin_get counted
             counters[2] -= len(matched)
             counters[3] -= len(keys) - len(matched)
-            write_back_pending = bool(engine.write_queue) or self.batch is not None
-            if self.now_us < flow.starved_deadline_us and write_back_pending:
+            if self.mover.starved_get_waits(self.now_us, flow.starved_deadline_us):
                 flow.waiting_write_back = True
                 self.starved.append(flow)
                 self._schedule(flow.starved_deadline_us, EventKind.STARVED_TIMEOUT, flow)
@@ -519,32 +521,25 @@ class Simulator:
     # The drive
 
     def _pump_disk(self) -> None:
-        """Queue write-back and removal journals as the daemon does; start the next job."""
+        """Give the mover its turn (reclaim, the next write round), then start the drive's next job."""
         disk = self.disk
         if disk is None:
             return
-        engine = self.engine
-        if engine.host_reclaiming():  # as the daemon's writer does on each turn
-            engine.demote_to_low_watermark()
-        should_write = self._should_write()
-        if self.batch is None and should_write:
-            writes = engine.pick_writes(self.config.write_batch_blocks)
-            if writes:
-                # Whole batches under fifo, chunks between reads under slack.
-                chunk = len(writes) if self.config.io_schedule == "fifo" else self.config.write_chunk_blocks
-                self.batch = WriteBatch(writes, [False] * len(writes), chunk)
-                # As the daemon must: journal the removals of evicted blocks
-                # before new bytes go into their slots.
-                removals = engine.take_disk_removals()
-                if removals:
-                    self._submit_journal(removals, self.batch)
-                else:
-                    self._submit_chunk(self.batch)
-        if disk.idle and engine.disk.pool.removals:
+        mover = self.mover
+        mover.starved_gets = len(self.starved)
+        round_ = mover.next_round()
+        if round_ is not None:
+            self.batch = WriteBatch(round_)
+            # As the daemon must: journal the removals of evicted blocks
+            # before new bytes go into their slots.
+            if round_.removals:
+                self._submit_journal(round_.removals, self.batch)
+            else:
+                self._removals_journalled(self.batch)
+        if disk.idle and self.engine.disk.pool.removals:
             # Removals of lost, deleted or evicted blocks, in slack time.
-            self._submit_journal(engine.take_disk_removals(), None)
-        backlog = len(engine.write_queue) if should_write else 0
-        operation = disk.start_next(self.now_us, backlog)
+            self._submit_journal(mover.take_removals(), None)
+        operation = disk.start_next(self.now_us, mover.backlog())
         if operation is not None:
             self._schedule(operation.done_us, EventKind.DISK_DONE, operation)
 
@@ -554,59 +549,59 @@ class Simulator:
         operation.batch = batch
         self.disk.submit(operation)
 
+    def _removals_journalled(self, batch: WriteBatch) -> None:
+        self.mover.removals_journalled(batch.round, ())
+        batch.chunks = batch.round.chunks()
+        self._submit_chunk(batch)
+
     def _submit_chunk(self, batch: WriteBatch) -> None:
-        writes = batch.writes[batch.next_chunk : batch.next_chunk + batch.chunk_blocks]
+        writes = [batch.round.writes[position] for position in batch.chunks[batch.next_chunk]]
         operation = self.disk.op(DiskOpKind.WRITE, sum(w.block.index.block_bytes for w in writes), self.now_us)
         operation.writes = writes
         operation.batch = batch
         self.disk.submit(operation)
 
-    def _should_write(self) -> bool:
-        """The daemon's rule: write-through always; write-back while host
-        memory is reclaimed (high watermark down to low) or a Get waits for it."""
-        return self.config.write_mode == "through" or bool(self.starved) or self.engine.host_reclaiming()
-
     def _disk_done(self, operation: DiskOp) -> None:
-        engine = self.engine
         self.disk.complete(operation, self.now_us)
-        # Removals are confirmed once their journal is durable, before any
-        # write of their batch begins: a write that then fails quarantines
-        # its slot again, for its own removal.
-        engine.confirm_disk_removals(self.contents.drop(operation.removals))
         if operation.kind == DiskOpKind.READ:
-            corrupt = {load.disk_slot for load in operation.loads if self._fault()}
-            ok = self.contents.load(operation.loads, corrupt)
-            engine.finish_loads(operation.loads, ok)
-            self.stats.lost_blocks += ok.count(False)
-            for load in operation.loads:
-                del self.loading[load.block.key]
-            while self.read_waiters and self.read_waiters[0][0] <= operation.op_id:
-                _, _, flow = heapq.heappop(self.read_waiters)
-                self._settle(flow)
+            self._read_done(operation)
             return
         batch = operation.batch
-        if batch is None:
+        if operation.kind == DiskOpKind.JOURNAL:
+            self.contents.drop(operation.removals)
+            if batch is None:
+                self.mover.removals_done(operation.removals, ())
+            else:
+                self._removals_journalled(batch)
             return
-        if operation.kind == DiskOpKind.WRITE:
-            failing = {write.block.key for write in operation.writes if self._fault()}
-            batch.ok[batch.next_chunk : batch.next_chunk + len(operation.writes)] = self.contents.write(
-                operation.writes, failing
-            )
-            batch.next_chunk += len(operation.writes)
-        if batch.next_chunk < len(batch.writes):
+        failing = {write.block.key for write in operation.writes if self._fault()}
+        self.mover.chunk_written(batch.round, batch.chunks[batch.next_chunk],
+                                 self.contents.write(operation.writes, failing))
+        batch.next_chunk += 1
+        if batch.next_chunk < len(batch.chunks):
             self._submit_chunk(batch)
             return
-        engine.finish_writes(batch.writes, batch.ok)
+        self.mover.finish_round(batch.round)
         self.batch = None
-        # Starved Gets try again once a batch is on disk, after a reclaim
-        # (as the daemon's wait_for_write_back does).
+        # Starved Gets try again once a round is on disk, after its
+        # demotions (as the daemon's wait_for_write_back does).
         if self.starved:
-            if engine.host_reclaiming():
-                engine.demote_to_low_watermark()
+            self.mover.after_round()
             waiting, self.starved = self.starved, []
             for flow in waiting:
                 flow.waiting_write_back = False
                 self._begin_get(flow, final=False)
+
+    def _read_done(self, operation: DiskOp) -> None:
+        corrupt = {load.disk_slot for load in operation.loads if self._fault()}
+        ok = self.contents.load(operation.loads, corrupt)
+        self.engine.finish_loads(operation.loads, ok)
+        self.stats.lost_blocks += ok.count(False)
+        for load in operation.loads:
+            del self.loading[load.block.key]
+        while self.read_waiters and self.read_waiters[0][0] <= operation.op_id:
+            _, _, flow = heapq.heappop(self.read_waiters)
+            self._settle(flow)
 
     def _fault(self) -> bool:
         return self.config.fault_rate > 0 and self.faults.random() < self.config.fault_rate
@@ -629,7 +624,7 @@ class Simulator:
             if handle is not None
         )
         if self.batch is not None:
-            held += sum(not write.handle.released for write in self.batch.writes)
+            held += sum(not write.handle.released for write in self.batch.round.writes)
         check(held == engine.live_handles, "{} live handles, {} held by leases and writes", engine.live_handles, held)
         check({block.key for block in engine.loading} == set(self.loading), "blocks loading disagree with the reads")
         for tenant, namespace_id in enumerate(self.namespace_ids):

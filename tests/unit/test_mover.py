@@ -1,0 +1,153 @@
+"""The mover (kvd.core.mover): when write-back runs, and the order of a round's steps.
+
+A round is driven here by hand, with the fake slot contents the simulator
+uses (kvd.sim.plane), so each rule the daemon and the simulator share is
+checked once, directly: when a round is due, removals before writes, no
+write into a slot whose REMOVE failed, removals confirmed before the
+writes' outcomes, and when a starved Get waits.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.core.block import NO_SLOT
+from kvd.core.engine import Engine
+from kvd.core.keys import NamespaceSpec, chain_keys
+from kvd.core.mover import Mover, MoverSettings
+from kvd.invariants import InvariantError
+from kvd.sim.plane import SlotContents
+
+SPEC = NamespaceSpec(model_id="mover-test", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
+OTHER = NamespaceSpec(model_id="mover-other", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
+LONG = 10_000
+
+
+def keys(spec: NamespaceSpec, chain: str) -> list[bytes]:
+    return chain_keys(spec, [ord(char) for char in chain])
+
+
+class Rig:
+    def __init__(self, host_slots: int = 8, disk_slots: int = 16, **settings) -> None:
+        self.engine = Engine(host_slot_count=host_slots, host_slot_bytes=64, disk_slot_count=disk_slots,
+                             disk_slot_bytes=64, high_watermark=0.75, low_watermark=0.5)
+        self.mover = Mover(self.engine, MoverSettings(**settings))
+        self.contents = SlotContents(self.engine)
+        self.ns = {}
+        for spec in (SPEC, OTHER):
+            self.ns[spec] = self.engine.register_namespace(spec).namespace_id
+            self.engine.enable_disk(self.ns[spec])
+
+    def put(self, chain: str, spec: NamespaceSpec = SPEC) -> None:
+        result = self.engine.reserve(self.ns[spec], "w", b"", keys(spec, chain), LONG, 0)
+        self.contents.fill(keys(spec, chain), result.slots)
+        if result.lease is not None:
+            self.engine.commit(self.ns[spec], "w", result.lease.lease_id, [], [], 0)
+
+    def run_round(self, failed_removals=(), failing=()) -> list[list[int]] | None:
+        """One whole round as a driver runs it; the chunks it wrote."""
+        round_ = self.mover.next_round()
+        if round_ is None:
+            return None
+        self.contents.drop([removal for removal in round_.removals if removal[2] not in failed_removals])
+        self.mover.removals_journalled(round_, failed_removals)
+        chunks = round_.chunks()
+        for positions in chunks:
+            writes = [round_.writes[position] for position in positions]
+            self.mover.chunk_written(round_, positions, self.contents.write(writes, failing))
+        self.mover.finish_round(round_)
+        self.mover.verify()
+        self.engine.verify()
+        return chunks
+
+    def durable(self, chain: str, spec: NamespaceSpec = SPEC) -> list[bool]:
+        blocks = self.engine.stored(self.ns[spec], keys(spec, chain))
+        return [self.engine.disk_slot(block) != NO_SLOT for block in blocks]
+
+
+def test_write_back_waits_for_a_reason_and_write_through_does_not():
+    rig = Rig()
+    rig.put("ab")
+    assert not rig.mover.should_write() and rig.run_round() is None  # below the high watermark
+    for reason in ("durable_waits", "starved_gets"):
+        setattr(rig.mover, reason, 1)
+        assert rig.mover.should_write()
+        setattr(rig.mover, reason, 0)
+    rig.mover.draining = True
+    assert rig.mover.should_write()
+    through = Rig(write_mode="through")
+    through.put("ab")
+    assert through.run_round() == [[0, 1]] and through.durable("ab") == [True, True]
+
+
+def test_above_the_high_watermark_a_round_writes_and_the_next_turn_demotes():
+    rig = Rig(host_slots=8)
+    rig.put("abcdef")  # 6 of 8 slots: at the high watermark (0.75)
+    assert rig.mover.should_write() and rig.mover.backlog() == 6
+    rig.run_round()
+    assert rig.durable("abcdef") == [True] * 6
+    rig.mover.next_round()  # the writer's next turn: durable blocks demoted to the low watermark
+    assert rig.engine.host.pool.resident_blocks == 4
+
+
+def test_chunks_keep_to_one_namespace_and_to_the_chunk_size():
+    rig = Rig(write_mode="through", chunk_blocks=2)
+    rig.put("abc")
+    rig.put("xy", OTHER)
+    assert rig.run_round() == [[0, 1], [2], [3, 4]]
+    whole = Rig(write_mode="through", chunk_blocks=0)
+    whole.put("abc")
+    assert whole.run_round() == [[0, 1, 2]]
+
+
+def test_writes_wait_for_the_removals_and_skip_a_slot_whose_removal_failed():
+    rig = Rig(write_mode="through", disk_slots=2)
+    rig.put("a")
+    rig.put("b")
+    rig.run_round()
+    rig.put("c")  # the disk is full: a slot is taken from an evicted block
+    round_ = rig.mover.next_round()
+    [(_, _, reused)] = round_.removals
+    with pytest.raises(InvariantError):
+        round_.chunks()  # no write before the removals are durable
+    rig.mover.removals_journalled(round_, {reused})
+    assert round_.chunks() == []  # the only write went to the slot whose REMOVE failed
+    rig.mover.finish_round(round_)
+    assert rig.durable("c") == [False]
+    # Still on record under the old block: quarantined until a REMOVE of it is durable.
+    assert reused in rig.engine.disk.pool.quarantine
+    rig.engine.verify()
+
+
+def test_a_failed_write_keeps_its_slot_quarantined_after_the_round():
+    rig = Rig(write_mode="through")
+    rig.put("ab")
+    rig.run_round(failing={keys(SPEC, "ab")[-1]})
+    assert rig.durable("ab") == [True, False]
+    # The failed write may have reached the journal: its slot waits for its own REMOVE.
+    [(_, key, slot)] = rig.engine.disk.pool.removals
+    assert key == keys(SPEC, "ab")[-1] and slot in rig.engine.disk.pool.quarantine
+
+
+def test_one_round_at_a_time():
+    rig = Rig(write_mode="through")
+    rig.put("ab")
+    round_ = rig.mover.next_round()
+    rig.put("xy", OTHER)
+    assert rig.mover.next_round() is None  # the writer waits for the round in flight
+    assert rig.mover.write_back_pending()
+    with pytest.raises(InvariantError):
+        rig.mover.chunk_written(round_, [0], [True])  # before its removals were journalled
+    rig.mover.abandon_round(round_)
+    assert rig.durable("ab") == [False, False]
+    rig.engine.verify()
+
+
+def test_a_starved_get_waits_only_while_write_back_is_pending_and_its_time_lasts():
+    rig = Rig()
+    assert not rig.mover.starved_get_waits(0, 10)  # nothing queued, nothing in flight
+    rig.put("ab")
+    assert rig.mover.starved_get_waits(0, 10)
+    assert not rig.mover.starved_get_waits(10, 10)
+    rig.mover.draining = True
+    assert not rig.mover.starved_get_waits(0, 10)
