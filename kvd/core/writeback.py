@@ -148,6 +148,9 @@ class WriteBack:
             return
         seen: set[Block] = set()
         queued: set[Block] | None = None
+        # Appended by this call: a child of one of them goes again too, even
+        # when an earlier block of the call walked that parent's chain.
+        appended: set[Block] = set()
         for block in blocks:
             chain = []
             node: Block | None = block
@@ -161,12 +164,14 @@ class WriteBack:
                 queued = set(self.blocks.write_queue)
             again = False
             for member in reversed(chain):
-                if member.state != BlockState.SEALED or self.blocks.host_slot(member) == NO_SLOT or not member.index.disk_enabled:
+                if (member.state != BlockState.SEALED or self.blocks.host_slot(member) == NO_SLOT
+                        or not member.index.disk_enabled):
                     continue
-                again = again or member not in queued
+                again = again or member not in queued or member.parent in appended
                 if again:
                     self.blocks.write_queue.append(member)
                     queued.add(member)
+                    appended.add(member)
 
     def allocate_disk_slot(self) -> int:
         """A free disk slot, or the slot of the disk policy's victim; NO_SLOT if none may go."""

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvd.config import DiskSettings
-from kvd.core.block import NO_SLOT, Block, BlockState
-from kvd.core.engine import DiskLoad, DiskWrite, Engine, GetPlan, PrefetchPlan
-from kvd.core.mover import Mover, MoverSettings, WriteRound
+from kvd.core.block import Block, BlockState
+from kvd.core.engine import DiskLoad, Engine, GetPlan, PrefetchPlan
+from kvd.core.mover import Mover, MoverSettings, NotDurable, WriteRound
 from kvd.core.io_schedule import IoClass, IoSchedule
 from kvd.errors import Unavailable
 from kvd.io.engine import Op
@@ -75,15 +75,6 @@ def parse_fault_rules(text: str) -> list[FaultRule]:
     return rules
 
 
-@dataclass(frozen=True, slots=True)
-class NotDurable:
-    """Why one block a client wants durable is not: a gRPC status name and words."""
-
-    block: Block
-    code: str
-    reason: str
-
-
 @dataclass(slots=True)
 class DiskPlaneCounters:
     batches: int = 0
@@ -123,7 +114,6 @@ class DiskPlane:
         # waits for one; and the tasks that see each Prefetch's reads done.
         self._prefetch_reads: dict[Block, concurrent.futures.Future] = {}
         self._prefetches: set[asyncio.Task] = set()
-        self._durable: dict[Block, list[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         # When to write and in what order (kvd.core.mover); made with the engine.
@@ -190,7 +180,8 @@ class DiskPlane:
             write_mode=settings.write_mode, batch_blocks=settings.write_batch_blocks,
             # Under fifo a round is one job, in arrival order with the reads:
             # the behaviour the slack schedule replaced (the benchmark's baseline).
-            chunk_blocks=0 if settings.io_schedule == "fifo" else settings.write_chunk_blocks))
+            chunk_blocks=0 if settings.io_schedule == "fifo" else settings.write_chunk_blocks),
+            admission_reason=lambda block: self._admission(block).reason)
         drives = self.config.drive_count
         for drive in recovery.quarantined:
             engine.retire_disk_slots(range(drive, self.config.slot_count, drives))
@@ -256,10 +247,9 @@ class DiskPlane:
     async def _writer(self) -> None:
         mover = self.mover
         while not self._closing:
-            mover.durable_waits = len(self._durable)
             round_ = mover.next_round()
             self._update_backlog()
-            self._fail_unwritable_waits(round_.writes if round_ is not None else [])
+            _resolve(mover.hopeless_waits())
             if round_ is None:
                 self._wake.clear()
                 try:
@@ -273,9 +263,9 @@ class DiskPlane:
             finally:
                 self.writes_idle.set()
             self.counters.batches += 1
-            mover.finish_round(round_)
+            outcomes = mover.finish_round(round_)
             self._batch_done.set()
-            self._resolve_durable(round_.writes, round_.ok)
+            _resolve(outcomes)
 
     async def wait_for_write_back(self, timeout_s: float) -> bool:
         """Wake the writer and wait for its next batch to finish (False after timeout_s).
@@ -384,41 +374,6 @@ class DiskPlane:
             await asyncio.sleep(interval_s)
             await self._run(self.tier.sync)
 
-    def _resolve_durable(self, writes: Sequence[DiskWrite], ok: Sequence[bool]) -> None:
-        for write, good in zip(writes, ok, strict=True):
-            waiters = self._durable.pop(write.block, [])
-            if not waiters:
-                continue
-            if self.engine.disk_slot(write.block) == write.disk_slot:
-                failure = None
-            elif good:
-                failure = self._why_not_durable(write.block)  # written, then lost (its parent, a Delete)
-            else:
-                failure = NotDurable(write.block, "UNAVAILABLE", "the disk write failed (an I/O error on the drive; "
-                                     "see kvd_disk_failures_total and the daemon log)")
-            for future in waiters:
-                if not future.done():
-                    future.set_result(failure)
-
-    def _why_not_durable(self, block: Block) -> NotDurable:
-        """Why a block that is not on disk never will be, from what the engine holds now."""
-        parent = block.parent
-        quota = block.index.quota
-        if block.state != BlockState.SEALED:
-            return NotDurable(block, "UNAVAILABLE", "it was deleted or lost before it reached disk")
-        if not block.index.disk_enabled:
-            return NotDurable(block, "FAILED_PRECONDITION",
-                              f"its namespace cannot go to disk: {self._admission(block).reason}")
-        if parent is not None and self.engine.disk_slot(parent) == NO_SLOT:
-            return NotDurable(block, "UNAVAILABLE", "its parent block could not be made durable (a block is only "
-                              "ever on disk with its whole prefix)")
-        if quota is not None and quota.disk_full(self.config.slot_bytes):
-            return NotDurable(block, "RESOURCE_EXHAUSTED", f"tenant {quota.name!r} is at its disk quota")
-        if self.engine.host_slot(block) == NO_SLOT:
-            return NotDurable(block, "UNAVAILABLE", "it left host memory before it was written")
-        return NotDurable(block, "RESOURCE_EXHAUSTED", "no disk slot could be freed for it (the disk tier is "
-                          "full of blocks being read or written)")
-
     def _no_drive_writes(self) -> str:
         """Why no drive takes writes ("" when one does): every drive is
         quarantined or failed, so a durability wait would only run out."""
@@ -439,26 +394,10 @@ class DiskPlane:
         queued for writing too (engine.require_durable).
         """
         self.counters.durable_waits += 1
-        waiting: dict[Block, asyncio.Future] = {}
-        failures: list[NotDurable] = []
-        pins = []
         loop = asyncio.get_running_loop()
-        down = self._no_drive_writes()
+        waiting, failures, pins = self.mover.durable.start(blocks, self._no_drive_writes(),
+                                                           lambda block: loop.create_future())
         try:
-            for block in blocks:
-                if self.engine.disk_slot(block) != NO_SLOT or block in waiting:
-                    continue
-                if down:
-                    failures.append(NotDurable(block, "UNAVAILABLE", down))
-                    continue
-                if block.state != BlockState.SEALED or not block.index.disk_enabled:
-                    failures.append(self._why_not_durable(block))
-                    continue
-                pins.append(self.engine.pin(block))
-                future = loop.create_future()
-                self._durable.setdefault(block, []).append(future)
-                waiting[block] = future
-            self.engine.require_durable(list(waiting))
             self.wake()
             if waiting:
                 # asyncio.wait, not wait_for(gather(...)): when the call is
@@ -479,21 +418,6 @@ class DiskPlane:
             self.counters.durable_wait_failures += 1
         order = {block: position for position, block in enumerate(blocks)}
         return sorted(failures, key=lambda failure: order[failure.block])
-
-    def _fail_unwritable_waits(self, writes: Sequence[DiskWrite]) -> None:
-        """Fail the durable waits on blocks that will never be written: neither
-        picked now nor still queued (dropped because their parent has no
-        durable copy, lost, or never queued), instead of at their deadline."""
-        if not self._durable:
-            return
-        picked = {write.block for write in writes}
-        queued = set(self.engine.write_queue)
-        for block in [block for block in self._durable if self.engine.disk_slot(block) == NO_SLOT]:
-            if block not in picked and block not in queued:
-                failure = self._why_not_durable(block)
-                for future in self._durable.pop(block):
-                    if not future.done():
-                        future.set_result(failure)
 
     # -- reads ----------------------------------------------------------
 
@@ -696,6 +620,13 @@ class DiskPlane:
             await self._run(self.tier.sync)
             await self._run(self.tier.close)
         self._io.shutdown(wait=True)
+
+
+def _resolve(outcomes) -> None:
+    """Hand each durable wait its block's outcome (None: durable), unless it gave up already."""
+    for future, failure in outcomes:
+        if not future.done():
+            future.set_result(failure)
 
 
 def _read_outcome(reading: asyncio.Future | concurrent.futures.Future, count: int) -> list[bool]:

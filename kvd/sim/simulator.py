@@ -41,7 +41,7 @@ from kvd.clock import ManualClock
 from kvd.config import DiskSettings, HostConfig, LeaseConfig
 from kvd.core.block import NO_SLOT, BlockState
 from kvd.core.engine import Engine, EngineLimits, GetPlan, ReserveStatus, TierId
-from kvd.core.mover import Mover, MoverSettings, WriteRound
+from kvd.core.mover import Mover, MoverSettings, NotDurable, WriteRound
 from kvd.core.io_schedule import IoSchedule
 from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.core.policy import DiskPolicies
@@ -85,6 +85,11 @@ class SimConfig:
     # A Get that finds host memory full of blocks not yet written waits for
     # write-back batches this long, as the daemon does (STARVED_GET_WAIT_S).
     starved_get_wait_ms: int = 5_000
+    # Share of requests whose Put asks to be acknowledged only once durable
+    # (ACK_DURABLE), and how long such a Put waits at most (the daemon's
+    # durable wait is bounded by the call's deadline).
+    durable_share: float = 0.0
+    durable_wait_ms: int = 30_000
     # The inference engine: how fast it computes what was not cached.
     prefill_tokens_per_s: float = 16_000.0
     decode_us_per_token: int = 25_000
@@ -99,6 +104,7 @@ class SimConfig:
         check(self.write_mode in ("back", "through"), f"write_mode must be back or through, got {self.write_mode!r}")
         check(self.write_chunk_blocks >= 1, "write_chunk_blocks must be positive")
         check(0.0 <= self.fault_rate < 1.0, "fault_rate must be in [0, 1)")
+        check(0.0 <= self.durable_share <= 1.0 and self.durable_wait_ms > 0, "durable_share must be in [0, 1]")
         check(self.verify_every >= 1 and self.write_batch_blocks >= 1, "verify_every and batch must be positive")
         self.trace.validate()
 
@@ -136,6 +142,11 @@ class RunStats:
     put_no_space: int = 0
     put_refused: int = 0
     clients_crashed: int = 0
+    # Puts that asked for durability: acknowledged durable, refused (with
+    # why), and the longest wait for an acknowledgement.
+    durable_acked: int = 0
+    durable_failed: int = 0
+    durable_wait_max_us: int = 0
     leases_expired: int = 0
     steps: int = 0
     simulated_us: int = 0
@@ -211,6 +222,7 @@ class EventKind(enum.IntEnum):
     PREFILL_DONE = 3
     DECODE_DONE = 4
     STARVED_TIMEOUT = 5
+    DURABLE_TIMEOUT = 6
 
 
 @dataclass(slots=True, eq=False)
@@ -233,6 +245,13 @@ class Flow:
     write_lease: int = 0
     # (host slot, key) of each reserved block.
     reserved: list[tuple[int, bytes]] = field(default_factory=list)
+    # A durable Put: the blocks it still waits for, the pins that hold
+    # them meanwhile, why some are not durable, and when it began.
+    durable: bool = False
+    durable_pending: set = field(default_factory=set)
+    durable_pins: list = field(default_factory=list)
+    durable_failures: list = field(default_factory=list)
+    durable_since_us: int = -1
 
 
 class Simulator:
@@ -268,8 +287,10 @@ class Simulator:
                 write_mode=config.write_mode, batch_blocks=config.write_batch_blocks,
                 chunk_blocks=0 if config.io_schedule == "fifo" else config.write_chunk_blocks))
         self.contents = SlotContents(self.engine)
-        # Faults are drawn apart from the trace, which every policy shares.
+        # Faults and durability are drawn apart from the trace, which every policy shares.
         self.faults = random.Random(config.seed)
+        self.durability = random.Random(config.seed + 1)
+        self.durable_flows: set[Flow] = set()
         self.trace = iter(TraceGenerator(config.seed, config.trace))
         self.events: list[tuple[int, int, EventKind, object]] = []
         self._sequence = 0
@@ -322,6 +343,8 @@ class Simulator:
             self._prefill_done(payload)
         elif kind == EventKind.DECODE_DONE:
             self._decode_done(payload)
+        elif kind == EventKind.DURABLE_TIMEOUT:
+            self._durable_timeout(payload)
         elif payload.waiting_write_back:
             # Waited long enough: one last try, served with what it gets.
             self.starved.remove(payload)
@@ -364,6 +387,7 @@ class Simulator:
         namespace_id = self.namespace_ids[request.tenant]
         keys = chain_keys(self.specs[request.tenant], request.prompt)
         flow = Flow(request, request.tenant, keys, f"client-{request.request_id}")
+        flow.durable = self.disk is not None and self.durability.random() < self.config.durable_share
         flow.starved_deadline_us = self.now_us + self.config.starved_get_wait_ms * 1000
         counters = self.expected_counters[request.tenant]
         matched = engine.lookup(namespace_id, keys)
@@ -480,6 +504,8 @@ class Simulator:
         engine = self.engine
         if flow.write_lease in self.leases:
             self._commit(flow)
+            if flow.durable:
+                self._wait_durable(flow)
         if flow.read_lease in self.leases:
             engine.release(flow.client_id, [flow.read_lease])
             del self.leases[flow.read_lease]
@@ -528,6 +554,7 @@ class Simulator:
         mover = self.mover
         mover.starved_gets = len(self.starved)
         round_ = mover.next_round()
+        self._durable_outcomes(mover.hopeless_waits())
         if round_ is not None:
             self.batch = WriteBatch(round_)
             # As the daemon must: journal the removals of evicted blocks
@@ -581,8 +608,9 @@ class Simulator:
         if batch.next_chunk < len(batch.chunks):
             self._submit_chunk(batch)
             return
-        self.mover.finish_round(batch.round)
+        outcomes = self.mover.finish_round(batch.round)
         self.batch = None
+        self._durable_outcomes(outcomes)
         # Starved Gets try again once a round is on disk, after its
         # demotions (as the daemon's wait_for_write_back does).
         if self.starved:
@@ -602,6 +630,55 @@ class Simulator:
         while self.read_waiters and self.read_waiters[0][0] <= operation.op_id:
             _, _, flow = heapq.heappop(self.read_waiters)
             self._settle(flow)
+
+    # ------------------------------------------------------------------
+    # Durable Puts (the daemon's ACK_DURABLE), through the mover's waits
+
+    def _wait_durable(self, flow: Flow) -> None:
+        blocks = self.engine.stored(self.namespace_ids[flow.namespace], flow.keys)
+        started, failures, pins = self.mover.durable.start(blocks, "", lambda block: (flow, block))
+        flow.durable_pending, flow.durable_pins, flow.durable_failures = set(started), pins, failures
+        flow.durable_since_us = self.now_us
+        self.durable_flows.add(flow)
+        if started:
+            self._schedule(self.now_us + self.config.durable_wait_ms * 1000, EventKind.DURABLE_TIMEOUT, flow)
+        else:
+            self._durable_done(flow)
+
+    def _durable_outcomes(self, outcomes) -> None:
+        for (flow, block), failure in outcomes:
+            if flow not in self.durable_flows:
+                continue  # it gave up at its deadline
+            flow.durable_pending.discard(block)
+            if failure is not None:
+                flow.durable_failures.append(failure)
+            if not flow.durable_pending:
+                self._durable_done(flow)
+
+    def _durable_timeout(self, flow: Flow) -> None:
+        if flow in self.durable_flows:
+            flow.durable_failures.extend(NotDurable(block, "DEADLINE_EXCEEDED", "not written in time")
+                                         for block in flow.durable_pending)
+            flow.durable_pending = set()
+            self._durable_done(flow)
+
+    def _durable_done(self, flow: Flow) -> None:
+        """The Put is answered: acknowledged durable only if every block is on disk, with its own bytes."""
+        self.durable_flows.discard(flow)
+        for pin in flow.durable_pins:
+            pin.release()
+        flow.durable_pins = []
+        stats = self.stats
+        stats.durable_wait_max_us = max(stats.durable_wait_max_us, self.now_us - flow.durable_since_us)
+        if flow.durable_failures:
+            stats.durable_failed += 1
+            return
+        stats.durable_acked += 1
+        engine = self.engine
+        for block in engine.stored(self.namespace_ids[flow.namespace], flow.keys):
+            slot = engine.disk_slot(block)
+            check(slot != NO_SLOT and self.contents.disk.get(slot) == block.key,
+                  "a Put acknowledged durable left {!r} off the disk", block)
 
     def _fault(self) -> bool:
         return self.config.fault_rate > 0 and self.faults.random() < self.config.fault_rate
@@ -625,6 +702,7 @@ class Simulator:
         )
         if self.batch is not None:
             held += sum(not write.handle.released for write in self.batch.round.writes)
+        held += sum(not pin.released for flow in self.durable_flows for pin in flow.durable_pins)
         check(held == engine.live_handles, "{} live handles, {} held by leases and writes", engine.live_handles, held)
         check({block.key for block in engine.loading} == set(self.loading), "blocks loading disagree with the reads")
         for tenant, namespace_id in enumerate(self.namespace_ids):
@@ -652,7 +730,7 @@ class Simulator:
     def _finish(self) -> None:
         """Past every deadline: all leases gone, nothing pinned, nothing leaked."""
         engine = self.engine
-        check(not self.read_waiters and self.batch is None and not self.starved,
+        check(not self.read_waiters and self.batch is None and not self.starved and not self.durable_flows,
               "requests still waiting after the last event")
         self._advance(self.now_us + engine.limits.lease_ms_max * 1000 + 1000)
         check(not self.leases and engine.live_handles == 0 and engine.pinned_blocks == 0,

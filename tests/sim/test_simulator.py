@@ -186,6 +186,38 @@ def test_a_wrong_block_served_is_caught():
     assert "seed 7" in failed and "holds the bytes of another block" in failed
 
 
+DURABLE_ARGV = ["--seed", "3", "--requests", "60", "--policy", "lru", "--host-capacity", "8", "--disk-capacity",
+                "64", "--durable-share", "0.5", "--fault-rate", "0.05", "--verify-every", "1", "--quiet"]
+
+
+def test_durable_puts_are_acknowledged_only_on_disk_or_refused_with_why():
+    """The simulator runs ACK_DURABLE Puts through the mover's durable waits,
+    as the daemon does: every one is answered, an acknowledged one has every
+    block on disk with its own bytes (checked in the run), a refused one says
+    why (a write failed, or its parent never reached disk)."""
+    config = SimConfig(seed=3, requests=60, host_blocks=8, disk_blocks=64, durable_share=0.5, fault_rate=0.05)
+    stats = Simulator(config).run().stats
+    assert stats.durable_acked > 0 and stats.durable_failed > 0
+    clean = Simulator(dataclasses.replace(config, fault_rate=0.0, disk_blocks=1024)).run().stats
+    assert clean.durable_acked > 0 and clean.durable_failed == 0
+
+
+# The mover reports a failed write as durable.
+LYING_MOVER = """
+import kvd.core.mover as mover
+written = mover.DurableWaits.written
+def claims_success(self, writes, ok):
+    return [(token, None) for token, _ in written(self, writes, ok)]
+mover.DurableWaits.written = claims_success
+"""
+
+
+def test_a_durable_ack_for_a_block_not_on_disk_is_caught():
+    failed, command = failure_lines(run_sim(LYING_MOVER, DURABLE_ARGV))
+    assert "acknowledged durable left" in failed and "--durable-share 0.5" in command
+    assert run_sim("", DURABLE_ARGV).returncode == 0
+
+
 def test_the_plot_is_a_png_and_the_json_has_every_run(tmp_path, capsys):
     plot, results = tmp_path / "hit.png", tmp_path / "hit.json"
     argv = ["--seed", "3", "--requests", "25", "--host-capacity", "4,8", "--disk-capacity", "32",

@@ -55,7 +55,7 @@ class Rig:
         for positions in chunks:
             writes = [round_.writes[position] for position in positions]
             self.mover.chunk_written(round_, positions, self.contents.write(writes, failing))
-        self.mover.finish_round(round_)
+        self.outcomes = self.mover.finish_round(round_)
         self.mover.verify()
         self.engine.verify()
         return chunks
@@ -69,10 +69,17 @@ def test_write_back_waits_for_a_reason_and_write_through_does_not():
     rig = Rig()
     rig.put("ab")
     assert not rig.mover.should_write() and rig.run_round() is None  # below the high watermark
-    for reason in ("durable_waits", "starved_gets"):
-        setattr(rig.mover, reason, 1)
-        assert rig.mover.should_write()
-        setattr(rig.mover, reason, 0)
+    rig.mover.starved_gets = 1
+    assert rig.mover.should_write()
+    rig.mover.starved_gets = 0
+    started, failures, pins = rig.mover.durable.start(rig.engine.stored(rig.ns[SPEC], keys(SPEC, "ab")), "", lambda block: object())
+    assert len(started) == 2 and failures == []
+    assert rig.mover.should_write()  # a client waits for durability
+    rig.run_round()
+    assert rig.outcomes == [(token, None) for token in started.values()]
+    assert not rig.mover.durable and rig.durable("ab") == [True, True]
+    for pin in pins:
+        pin.release()
     rig.mover.draining = True
     assert rig.mover.should_write()
     through = Rig(write_mode="through")
@@ -151,3 +158,24 @@ def test_a_starved_get_waits_only_while_write_back_is_pending_and_its_time_lasts
     assert not rig.mover.starved_get_waits(10, 10)
     rig.mover.draining = True
     assert not rig.mover.starved_get_waits(0, 10)
+
+
+def test_a_durable_wait_fails_at_once_when_it_never_can_succeed_and_says_why():
+    rig = Rig(write_mode="through")
+    rig.put("a")
+    rig.run_round(failing={keys(SPEC, "a")[0]})
+    assert rig.outcomes == []  # nobody waited
+    rig.put("ab")  # the parent is not on disk, so its child never will be written alone
+    blocks = rig.engine.stored(rig.ns[SPEC], keys(SPEC, "ab"))
+    started, failures, pins = rig.mover.durable.start(blocks, "", lambda block: object())
+    assert list(started) == blocks and failures == []  # both queued again, parent first
+    rig.run_round()
+    assert [failure for _, failure in rig.outcomes] == [None, None] and rig.durable("ab") == [True, True]
+    for pin in pins:
+        pin.release()
+    _, down, _ = rig.mover.durable.start(rig.engine.stored(rig.ns[OTHER], []), "", lambda block: object())
+    rig.put("xy", OTHER)
+    started, down, pins = rig.mover.durable.start(rig.engine.stored(rig.ns[OTHER], keys(OTHER, "xy")),
+                                                 "no drive takes writes", lambda block: object())
+    assert started == {} and pins == [] and [(failure.code, failure.reason) for failure in down] == [
+        ("UNAVAILABLE", "no drive takes writes")] * 2
