@@ -61,6 +61,10 @@ def parser() -> argparse.ArgumentParser:
                    help="share of disk block reads and writes that fail")
     p.add_argument("--durable-share", type=float, default=_DEFAULTS.durable_share,
                    help="share of requests whose Put waits to be acknowledged durable (ACK_DURABLE)")
+    p.add_argument("--delete-share", type=float, default=_DEFAULTS.delete_share,
+                   help="share of requests whose client then Deletes its reply's blocks")
+    p.add_argument("--tenant-host-quota", type=int, default=_DEFAULTS.tenant_host_quota_blocks,
+                   help="each tenant's host quota in blocks (0: none)")
     p.add_argument("--verify-every", type=int, default=VERIFY_EVERY,
                    help=f"check every invariant after every Nth step and after the last (default {VERIFY_EVERY}: a "
                         "run of the defaults in seconds; 1: after every step, as make sim-long and the tests do)")
@@ -75,7 +79,8 @@ def base_config(args: argparse.Namespace) -> SimConfig:
     config = dataclasses.replace(
         _DEFAULTS, seed=args.seed, requests=args.requests, block_tokens=args.block_tokens,
         write_mode=args.write_mode, io_schedule=args.io_schedule, admission_min_hits=args.admission_min_hits,
-        fault_rate=args.fault_rate, durable_share=args.durable_share, verify_every=args.verify_every, trace=trace,
+        fault_rate=args.fault_rate, durable_share=args.durable_share, delete_share=args.delete_share,
+        tenant_host_quota_blocks=args.tenant_host_quota, verify_every=args.verify_every, trace=trace,
     )
     disk_blocks = _capacity(args.disk_capacity, config.block_bytes, "--disk-capacity")
     return dataclasses.replace(config, disk_blocks=disk_blocks)
@@ -90,6 +95,7 @@ def reproduce_command(config: SimConfig) -> str:
         "--tenants", str(config.trace.tenants), "--write-mode", config.write_mode,
         "--io-schedule", config.io_schedule, "--admission-min-hits", str(config.admission_min_hits),
         "--fault-rate", repr(config.fault_rate), "--durable-share", repr(config.durable_share),
+        "--delete-share", repr(config.delete_share), "--tenant-host-quota", str(config.tenant_host_quota_blocks),
         "--verify-every", str(config.verify_every),
     ]
     return shlex.join(words)

@@ -42,6 +42,7 @@ from kvd.config import DiskSettings, HostConfig, LeaseConfig
 from kvd.core.block import NO_SLOT, BlockState
 from kvd.core.engine import Engine, EngineLimits, GetPlan, ReserveStatus, TierId
 from kvd.core.mover import Mover, MoverSettings, NotDurable, WriteRound
+from kvd.core.quota import QuotaExceeded, TenantQuota
 from kvd.core.io_schedule import IoSchedule
 from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.core.policy import DiskPolicies
@@ -90,6 +91,12 @@ class SimConfig:
     # durable wait is bounded by the call's deadline).
     durable_share: float = 0.0
     durable_wait_ms: int = 30_000
+    # Share of requests whose client then Deletes its conversation's reply
+    # blocks (and whatever hangs under them).
+    delete_share: float = 0.0
+    # Each tenant's host quota, in blocks (0: none). With quotas, every
+    # tenant's namespace belongs to it, as under auth.mode = "token".
+    tenant_host_quota_blocks: int = 0
     # The inference engine: how fast it computes what was not cached.
     prefill_tokens_per_s: float = 16_000.0
     decode_us_per_token: int = 25_000
@@ -105,6 +112,7 @@ class SimConfig:
         check(self.write_chunk_blocks >= 1, "write_chunk_blocks must be positive")
         check(0.0 <= self.fault_rate < 1.0, "fault_rate must be in [0, 1)")
         check(0.0 <= self.durable_share <= 1.0 and self.durable_wait_ms > 0, "durable_share must be in [0, 1]")
+        check(0.0 <= self.delete_share <= 1.0 and self.tenant_host_quota_blocks >= 0, "delete_share in [0, 1]")
         check(self.verify_every >= 1 and self.write_batch_blocks >= 1, "verify_every and batch must be positive")
         self.trace.validate()
 
@@ -112,11 +120,22 @@ class SimConfig:
         return NamespaceSpec(
             model_id="sim/llama-3-8b", num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, block_tokens=self.block_tokens, tenant_salt=f"tenant-{tenant}".encode(),
+            tenant=tenant_name(tenant) if self.tenant_host_quota_blocks else "",
         )
+
+    def tenant_quotas(self) -> list[TenantQuota]:
+        if not self.tenant_host_quota_blocks:
+            return []
+        return [TenantQuota(tenant_name(tenant), host_limit_bytes=self.tenant_host_quota_blocks * self.block_bytes)
+                for tenant in range(self.trace.tenants)]
 
     @property
     def block_bytes(self) -> int:
         return self.namespace_spec(0).block_bytes
+
+
+def tenant_name(tenant: int) -> str:
+    return f"tenant-{tenant}"
 
 
 @dataclass(slots=True)
@@ -147,6 +166,11 @@ class RunStats:
     durable_acked: int = 0
     durable_failed: int = 0
     durable_wait_max_us: int = 0
+    # Blocks Deleted, and Deletes refused because a block was pinned.
+    deleted_blocks: int = 0
+    deletes_pinned: int = 0
+    # Puts refused for their tenant's host quota (also in put_refused).
+    quota_refused: int = 0
     leases_expired: int = 0
     steps: int = 0
     simulated_us: int = 0
@@ -272,6 +296,7 @@ class Simulator:
             disk_policies=DiskPolicies(admission_min_hits=config.admission_min_hits),
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
+            tenant_quotas=config.tenant_quotas(),
         )
         self.specs = [config.namespace_spec(tenant) for tenant in range(config.trace.tenants)]
         self.namespace_ids = [self.engine.register_namespace(spec).namespace_id for spec in self.specs]
@@ -290,6 +315,7 @@ class Simulator:
         # Faults and durability are drawn apart from the trace, which every policy shares.
         self.faults = random.Random(config.seed)
         self.durability = random.Random(config.seed + 1)
+        self.deletions = random.Random(config.seed + 2)
         self.durable_flows: set[Flow] = set()
         self.trace = iter(TraceGenerator(config.seed, config.trace))
         self.events: list[tuple[int, int, EventKind, object]] = []
@@ -489,8 +515,9 @@ class Simulator:
         try:
             result = self.engine.reserve(namespace_id, flow.client_id, b"", keys, self.config.lease_ms,
                                          self.clock.now_ms())
-        except ResourceExhausted:
+        except ResourceExhausted as refusal:
             self.stats.put_refused += 1
+            self.stats.quota_refused += isinstance(refusal, QuotaExceeded)
             return
         self.stats.put_reserved += result.statuses.count(ReserveStatus.RESERVED)
         self.stats.put_in_flight += result.statuses.count(ReserveStatus.IN_FLIGHT)
@@ -525,6 +552,23 @@ class Simulator:
         self._reserve(flow)
         if flow.write_lease:
             self._commit(flow)
+        if self.deletions.random() < self.config.delete_share:
+            self._delete_reply(flow, done // spec.block_tokens)
+
+    def _delete_reply(self, flow: Flow, prompt_blocks: int) -> None:
+        """The client Deletes its reply's blocks (the chain from the first of
+        them, and whatever hangs under it); as the daemon's Delete, their
+        removals are journalled at once."""
+        if len(flow.keys) <= prompt_blocks:
+            return
+        namespace_id = self.namespace_ids[flow.namespace]
+        first = flow.keys[prompt_blocks]
+        deleted, pinned = self.engine.delete(namespace_id, [first])
+        self.stats.deleted_blocks += deleted
+        self.stats.deletes_pinned += pinned
+        check(pinned or self.engine.namespace(namespace_id).index.get(first) is None, "a Delete left its block")
+        if self.disk is not None and self.engine.disk.pool.removals:
+            self._submit_journal(self.mover.take_removals(), None)
 
     def _commit(self, flow: Flow) -> None:
         """The writer filled its reserved slots: seal them all."""

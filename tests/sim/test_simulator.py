@@ -202,6 +202,21 @@ def test_durable_puts_are_acknowledged_only_on_disk_or_refused_with_why():
     assert clean.durable_acked > 0 and clean.durable_failed == 0
 
 
+def test_deletes_and_tenant_quotas_run_under_every_invariant():
+    """Deletes of reply chains (their removals journalled at once) and
+    per-tenant host quotas (tenant namespaces, Puts over the quota
+    refused, the tenant's own blocks evicted first), every invariant checked
+    after every step, durable Puts and disk faults alongside."""
+    config = SimConfig(seed=5, requests=120, host_blocks=16, disk_blocks=128, delete_share=0.3,
+                       tenant_host_quota_blocks=8, durable_share=0.3, fault_rate=0.02)
+    simulator = Simulator(config)
+    stats = simulator.run().stats
+    assert stats.deleted_blocks > 0 and stats.quota_refused > 0 and stats.durable_acked > 0
+    quotas = simulator.engine.tenants
+    assert sorted(quotas) == ["tenant-0", "tenant-1", "tenant-2"][: config.trace.tenants]
+    assert all(quota.counters.host_refused > 0 or quota.counters.host_evicted > 0 for quota in quotas.values())
+
+
 # The mover reports a failed write as durable.
 LYING_MOVER = """
 import kvd.core.mover as mover
