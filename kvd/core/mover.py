@@ -23,6 +23,10 @@ follow the same rules:
 * a Get starved of host slots waits for write-back only while write-back
   is pending (queued, or a round in flight) and its wait has not run out,
   and tries again after each round, once the round's demotions are done;
+* a Prefetch reads at most `prefetch_max_blocks` blocks ahead of Gets at
+  a time, in jobs of `prefetch_chunk_blocks` queued behind restores, and
+  each job's blocks are finished (kept if verified, then unpinned) as soon
+  as that job is over, so a Get waits for its own blocks' job only;
 * a client waiting for durability (`DurableWaits`) pins its blocks, has
   their chains queued, and gets an outcome per block as soon as one is
   known: written, or why it never will be (its parent failed, it was lost,
@@ -39,6 +43,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
+from kvd.core.prefetch import PrefetchPlan
+from kvd.core.reads import DiskLoad
 from kvd.core.writeback import DiskWrite
 from kvd.invariants import check
 
@@ -164,10 +170,14 @@ class MoverSettings:
     # Blocks per write job of a round; 0: the whole round in one job (the
     # fifo schedule's behaviour, kept as a baseline).
     chunk_blocks: int = 8
+    # Prefetch reads in flight at most, and blocks per prefetch job.
+    prefetch_max_blocks: int = 256
+    prefetch_chunk_blocks: int = 16
 
     def __post_init__(self) -> None:
         check(self.write_mode in WRITE_MODES, "write_mode must be back or through, got {!r}", self.write_mode)
         check(self.batch_blocks > 0 and self.chunk_blocks >= 0, "write batches need blocks")
+        check(self.prefetch_max_blocks > 0 and self.prefetch_chunk_blocks > 0, "prefetch jobs need blocks")
 
 
 @dataclass(slots=True, eq=False)
@@ -280,6 +290,28 @@ class Mover:
         """Durable waits that can never succeed, to fail now: on blocks neither
         in the round in flight nor queued for writing (call after next_round)."""
         return self.durable.unwritable(self.round.writes if self.round is not None else [])
+
+    # -- prefetch ----------------------------------------------------------------
+
+    def prefetch(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b""
+                 ) -> tuple[PrefetchPlan, list[list[DiskLoad]]]:
+        """Plan a Prefetch: what it found, and its reads as jobs (each one read job, behind restores)."""
+        check(not self.draining, "no prefetch while draining")
+        plan = self.engine.begin_prefetch(namespace_id, keys, parent_key, self.settings.prefetch_max_blocks)
+        step = self.settings.prefetch_chunk_blocks
+        return plan, [plan.loads[start:start + step] for start in range(0, len(plan.loads), step)]
+
+    def prefetch_done(self, loads: Sequence[DiskLoad], ok: Sequence[bool] | None) -> int:
+        """One prefetch job is over (`ok` None: it never ran, its blocks stay on disk only);
+        how many of its blocks are now in host memory, verified."""
+        engine = self.engine
+        if ok is None:
+            engine.abandon_prefetch(loads)
+            return 0
+        engine.finish_prefetch(loads, ok)
+        # Still stored: a good read under a corrupt parent is lost too.
+        return sum(load.block.state == BlockState.SEALED and engine.host_slot(load.block) == load.host_slot
+                   for load in loads)
 
     # -- removals outside write rounds -----------------------------------------
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvd.config import DiskSettings
-from kvd.core.block import Block, BlockState
+from kvd.core.block import Block
 from kvd.core.engine import DiskLoad, Engine, GetPlan, PrefetchPlan
 from kvd.core.mover import Mover, MoverSettings, NotDurable, WriteRound
 from kvd.core.io_schedule import IoClass, IoSchedule
@@ -180,7 +180,8 @@ class DiskPlane:
             write_mode=settings.write_mode, batch_blocks=settings.write_batch_blocks,
             # Under fifo a round is one job, in arrival order with the reads:
             # the behaviour the slack schedule replaced (the benchmark's baseline).
-            chunk_blocks=0 if settings.io_schedule == "fifo" else settings.write_chunk_blocks),
+            chunk_blocks=0 if settings.io_schedule == "fifo" else settings.write_chunk_blocks,
+            prefetch_max_blocks=settings.prefetch_max_blocks, prefetch_chunk_blocks=settings.prefetch_chunk_blocks),
             admission_reason=lambda block: self._admission(block).reason)
         drives = self.config.drive_count
         for drive in recovery.quarantined:
@@ -538,18 +539,17 @@ class DiskPlane:
         """
         if self.mover.draining:
             raise Unavailable("kvd is draining; no new disk reads are queued")
-        plan = self.engine.begin_prefetch(namespace_id, keys, parent_key, self.settings.prefetch_max_blocks)
+        plan, jobs = self.mover.prefetch(namespace_id, keys, parent_key)
         if not plan.loads:
             return plan, None
         loop = asyncio.get_running_loop()
-        step = self.settings.prefetch_chunk_blocks
         jobs_done = []
-        for start in range(0, len(plan.loads), step):
-            loads = plan.loads[start:start + step]
+        for number, loads in enumerate(jobs):
             try:
                 read = self._io.submit(IoClass.PREFETCH, self._read_batch, self._read_work(loads))
             except RuntimeError:  # the I/O thread is shut down: nothing read, nothing lost
-                self.engine.abandon_prefetch(plan.loads[start:])
+                for unread in jobs[number:]:
+                    self.mover.prefetch_done(unread, None)
                 break
             self._loads.update({load.block: loop.create_future() for load in loads})
             self._prefetch_reads.update(dict.fromkeys([load.block for load in loads], read))
@@ -568,18 +568,12 @@ class DiskPlane:
         """Loop thread: one prefetch job is over; verified blocks stay in host memory, unpinned."""
         for load in loads:
             self._prefetch_reads.pop(load.block, None)
-        if read.cancelled():
-            # Dropped unread at shutdown: the blocks stay on disk only.
-            self.engine.abandon_prefetch(loads)
-            ok = [False] * len(loads)
-        else:
-            ok = _read_outcome(read, len(loads))
-            self.engine.finish_prefetch(loads, ok)
-        self._resolve_loads(loads, ok)
+        # Dropped unread at shutdown (cancelled): the blocks stay on disk only.
+        ok = None if read.cancelled() else _read_outcome(read, len(loads))
+        loaded = self.mover.prefetch_done(loads, ok)
+        self._resolve_loads(loads, ok or [False] * len(loads))
         if not job_done.done():
-            # Still stored: a good read under a corrupt parent is lost too.
-            job_done.set_result(sum(load.block.state == BlockState.SEALED and self.engine.host_slot(load.block) == load.host_slot
-                                    for load in loads))
+            job_done.set_result(loaded)
 
     async def _prefetched(self, jobs_done: list[asyncio.Future], queued: int) -> int:
         """Blocks read and verified once every job of one Prefetch is over."""

@@ -63,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
                    help="share of requests whose Put waits to be acknowledged durable (ACK_DURABLE)")
     p.add_argument("--delete-share", type=float, default=_DEFAULTS.delete_share,
                    help="share of requests whose client then Deletes its reply's blocks")
+    p.add_argument("--prefetch-share", type=float, default=_DEFAULTS.prefetch_share,
+                   help="share of requests prefetched (disk reads into host memory) before their Get")
     p.add_argument("--tenant-host-quota", type=int, default=_DEFAULTS.tenant_host_quota_blocks,
                    help="each tenant's host quota in blocks (0: none)")
     p.add_argument("--verify-every", type=int, default=VERIFY_EVERY,
@@ -80,6 +82,7 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         _DEFAULTS, seed=args.seed, requests=args.requests, block_tokens=args.block_tokens,
         write_mode=args.write_mode, io_schedule=args.io_schedule, admission_min_hits=args.admission_min_hits,
         fault_rate=args.fault_rate, durable_share=args.durable_share, delete_share=args.delete_share,
+        prefetch_share=args.prefetch_share,
         tenant_host_quota_blocks=args.tenant_host_quota, verify_every=args.verify_every, trace=trace,
     )
     disk_blocks = _capacity(args.disk_capacity, config.block_bytes, "--disk-capacity")
@@ -96,6 +99,7 @@ def reproduce_command(config: SimConfig) -> str:
         "--io-schedule", config.io_schedule, "--admission-min-hits", str(config.admission_min_hits),
         "--fault-rate", repr(config.fault_rate), "--durable-share", repr(config.durable_share),
         "--delete-share", repr(config.delete_share), "--tenant-host-quota", str(config.tenant_host_quota_blocks),
+        "--prefetch-share", repr(config.prefetch_share),
         "--verify-every", str(config.verify_every),
     ]
     return shlex.join(words)

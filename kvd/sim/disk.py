@@ -33,11 +33,14 @@ class DiskSpec:
 
 class DiskOpKind(enum.Enum):
     READ = "read"
+    PREFETCH = "prefetch"  # a read ahead of a Get, queued behind restores
     WRITE = "write"
     JOURNAL = "journal"
 
 
-_IO_CLASS = {DiskOpKind.READ: IoClass.RESTORE, DiskOpKind.WRITE: IoClass.WRITE, DiskOpKind.JOURNAL: IoClass.CONTROL}
+READ_KINDS = (DiskOpKind.READ, DiskOpKind.PREFETCH)
+_IO_CLASS = {DiskOpKind.READ: IoClass.RESTORE, DiskOpKind.PREFETCH: IoClass.PREFETCH, DiskOpKind.WRITE: IoClass.WRITE,
+             DiskOpKind.JOURNAL: IoClass.CONTROL}
 
 
 @dataclass(slots=True, eq=False)
@@ -52,6 +55,8 @@ class DiskOp:
     removals: list[tuple[bytes, bytes, int]] = field(default_factory=list)
     # The write-back batch this operation belongs to, if any (the simulator's).
     batch: object = None
+    # Its job in the schedule (a prefetch a Get waits for is promoted to a restore).
+    job: IoJob | None = None
     start_us: int = -1
     done_us: int = -1
 
@@ -87,11 +92,15 @@ class ModelledDisk:
         return operation
 
     def submit(self, operation: DiskOp) -> None:
-        self.schedule.push(IoJob(_IO_CLASS[operation.kind], operation, operation.payload_bytes))
+        operation.job = self.schedule.push(IoJob(_IO_CLASS[operation.kind], operation, operation.payload_bytes))
+
+    def promote(self, op_ids: set[int]) -> bool:
+        """Queued prefetch reads a Get now waits for become restores (the daemon's promote)."""
+        return self.schedule.promote(lambda job: job.payload.op_id in op_ids, IoClass.RESTORE)
 
     def duration_us(self, operation: DiskOp) -> int:
         spec = self.spec
-        if operation.kind == DiskOpKind.READ:
+        if operation.kind in READ_KINDS:
             latency_us, bandwidth = spec.read_latency_us, spec.read_bytes_per_s
         else:
             latency_us, bandwidth = spec.write_latency_us, spec.write_bytes_per_s
@@ -115,7 +124,7 @@ class ModelledDisk:
         operation.done_us = now_us + self.duration_us(operation)
         traffic = self.traffic
         traffic.busy_us += operation.done_us - now_us
-        if operation.kind == DiskOpKind.READ:
+        if operation.kind in READ_KINDS:
             traffic.read_ops += 1
             traffic.read_bytes += operation.payload_bytes
             traffic.read_wait_us += now_us - operation.submit_us
@@ -129,4 +138,4 @@ class ModelledDisk:
     def complete(self, operation: DiskOp, now_us: int) -> None:
         check(self.current is operation and operation.done_us == now_us, "completion of an operation not running")
         self.current = None
-        self.schedule.job_done(_IO_CLASS[operation.kind], (now_us - operation.start_us) / 1e6)
+        self.schedule.job_done(operation.job.io_class, (now_us - operation.start_us) / 1e6)

@@ -48,7 +48,7 @@ from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.core.policy import DiskPolicies
 from kvd.errors import ResourceExhausted
 from kvd.invariants import check
-from kvd.sim.disk import DiskOp, DiskOpKind, DiskSpec, ModelledDisk
+from kvd.sim.disk import READ_KINDS, DiskOp, DiskOpKind, DiskSpec, ModelledDisk
 from kvd.sim.plane import SlotContents
 from kvd.sim.traces import Request, TraceConfig, TraceGenerator
 
@@ -94,6 +94,10 @@ class SimConfig:
     # Share of requests whose client then Deletes its conversation's reply
     # blocks (and whatever hangs under them).
     delete_share: float = 0.0
+    # Share of requests a router prefetches (reads into host memory what is
+    # only on disk) this long before the engine's Get.
+    prefetch_share: float = 0.0
+    prefetch_lead_ms: int = 5
     # Each tenant's host quota, in blocks (0: none). With quotas, every
     # tenant's namespace belongs to it, as under auth.mode = "token".
     tenant_host_quota_blocks: int = 0
@@ -113,6 +117,7 @@ class SimConfig:
         check(0.0 <= self.fault_rate < 1.0, "fault_rate must be in [0, 1)")
         check(0.0 <= self.durable_share <= 1.0 and self.durable_wait_ms > 0, "durable_share must be in [0, 1]")
         check(0.0 <= self.delete_share <= 1.0 and self.tenant_host_quota_blocks >= 0, "delete_share in [0, 1]")
+        check(0.0 <= self.prefetch_share <= 1.0 and self.prefetch_lead_ms >= 0, "prefetch_share in [0, 1]")
         check(self.verify_every >= 1 and self.write_batch_blocks >= 1, "verify_every and batch must be positive")
         self.trace.validate()
 
@@ -171,6 +176,10 @@ class RunStats:
     deletes_pinned: int = 0
     # Puts refused for their tenant's host quota (also in put_refused).
     quota_refused: int = 0
+    # Blocks prefetches read, and of those a Get used or that left first.
+    prefetched_blocks: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
     leases_expired: int = 0
     steps: int = 0
     simulated_us: int = 0
@@ -247,6 +256,7 @@ class EventKind(enum.IntEnum):
     DECODE_DONE = 4
     STARVED_TIMEOUT = 5
     DURABLE_TIMEOUT = 6
+    GET = 7
 
 
 @dataclass(slots=True, eq=False)
@@ -259,8 +269,8 @@ class Flow:
     client_id: str
     tiers: list[TierId] = field(default_factory=list)
     plan: GetPlan | None = None
-    # The last read operation this request waits for (its own or another's).
-    wait_op: int = 0
+    # The read operations this request waits for (its own, another Get's, a prefetch's).
+    wait_ops: set = field(default_factory=set)
     # Until when a starved Get may wait for write-back to make room.
     starved_deadline_us: int = 0
     waiting_write_back: bool = False
@@ -310,12 +320,15 @@ class Simulator:
             # The daemon's rules for when bytes move (kvd.core.mover).
             self.mover = Mover(self.engine, MoverSettings(
                 write_mode=config.write_mode, batch_blocks=config.write_batch_blocks,
-                chunk_blocks=0 if config.io_schedule == "fifo" else config.write_chunk_blocks))
+                chunk_blocks=0 if config.io_schedule == "fifo" else config.write_chunk_blocks,
+                prefetch_max_blocks=_DISK_DEFAULTS.prefetch_max_blocks,
+                prefetch_chunk_blocks=_DISK_DEFAULTS.prefetch_chunk_blocks))
         self.contents = SlotContents(self.engine)
         # Faults and durability are drawn apart from the trace, which every policy shares.
         self.faults = random.Random(config.seed)
         self.durability = random.Random(config.seed + 1)
         self.deletions = random.Random(config.seed + 2)
+        self.prefetches = random.Random(config.seed + 3)
         self.durable_flows: set[Flow] = set()
         self.trace = iter(TraceGenerator(config.seed, config.trace))
         self.events: list[tuple[int, int, EventKind, object]] = []
@@ -328,7 +341,9 @@ class Simulator:
         self.leases: dict[int, int] = {}
         self.expected_counters = [[0, 0, 0, 0] for _ in self.specs]
         self.loading: dict[bytes, int] = {}
-        self.read_waiters: list[tuple[int, int, Flow]] = []
+        # Read operation id -> the Gets waiting for it; prefetch reads in flight.
+        self.read_waiters: dict[int, list[Flow]] = {}
+        self.prefetch_reads: dict[int, DiskOp] = {}
         self.batch: WriteBatch | None = None
         # Gets starved of host slots, waiting for a write-back batch.
         self.starved: list[Flow] = []
@@ -371,6 +386,8 @@ class Simulator:
             self._decode_done(payload)
         elif kind == EventKind.DURABLE_TIMEOUT:
             self._durable_timeout(payload)
+        elif kind == EventKind.GET:
+            self._begin_get(payload, final=False)
         elif payload.waiting_write_back:
             # Waited long enough: one last try, served with what it gets.
             self.starved.remove(payload)
@@ -419,7 +436,24 @@ class Simulator:
         matched = engine.lookup(namespace_id, keys)
         counters[0] += len(matched)
         counters[1] += len(keys) - len(matched)
-        self._begin_get(flow, final=False)
+        if self.disk is not None and self.prefetches.random() < self.config.prefetch_share:
+            self._prefetch(flow)
+            self._schedule(self.now_us + self.config.prefetch_lead_ms * 1000, EventKind.GET, flow)
+        else:
+            self._begin_get(flow, final=False)
+
+    def _prefetch(self, flow: Flow) -> None:
+        """A router's Prefetch, through the mover as the daemon runs it: PREFETCH read jobs behind restores."""
+        plan, jobs = self.mover.prefetch(self.namespace_ids[flow.namespace], flow.keys)
+        self.stats.prefetched_blocks += len(plan.loads)
+        for loads in jobs:
+            operation = self.disk.op(DiskOpKind.PREFETCH, sum(load.block.index.block_bytes for load in loads),
+                                     self.now_us)
+            operation.loads = list(loads)
+            self.disk.submit(operation)
+            self.prefetch_reads[operation.op_id] = operation
+            for load in loads:
+                self.loading[load.block.key] = operation.op_id
 
     def _begin_get(self, flow: Flow, *, final: bool) -> None:
         """begin_get, as the daemon's Get runs it: a plan starved of host slots
@@ -467,12 +501,15 @@ class Simulator:
             self.disk.submit(operation)
             for load in plan.loads:
                 self.loading[load.block.key] = operation.op_id
-            flow.wait_op = operation.op_id
-        for block in plan.waits:
-            flow.wait_op = max(flow.wait_op, self.loading[block.key])
-        if flow.wait_op:
-            heapq.heappush(self.read_waiters, (flow.wait_op, flow.request.request_id, flow))
-        else:
+            flow.wait_ops.add(operation.op_id)
+        waited = {self.loading[block.key] for block in plan.waits}
+        # A Get now waits for these prefetch reads: restores from here on (as the daemon promotes them).
+        if waited & set(self.prefetch_reads):
+            self.disk.promote(waited & set(self.prefetch_reads))
+        flow.wait_ops |= waited
+        for op_id in flow.wait_ops:
+            self.read_waiters.setdefault(op_id, []).append(flow)
+        if not flow.wait_ops:
             self._settle(flow)
 
     def _settle(self, flow: Flow) -> None:
@@ -634,7 +671,7 @@ class Simulator:
 
     def _disk_done(self, operation: DiskOp) -> None:
         self.disk.complete(operation, self.now_us)
-        if operation.kind == DiskOpKind.READ:
+        if operation.kind in READ_KINDS:
             self._read_done(operation)
             return
         batch = operation.batch
@@ -667,13 +704,18 @@ class Simulator:
     def _read_done(self, operation: DiskOp) -> None:
         corrupt = {load.disk_slot for load in operation.loads if self._fault()}
         ok = self.contents.load(operation.loads, corrupt)
-        self.engine.finish_loads(operation.loads, ok)
+        if operation.kind == DiskOpKind.PREFETCH:
+            del self.prefetch_reads[operation.op_id]
+            self.mover.prefetch_done(operation.loads, ok)
+        else:
+            self.engine.finish_loads(operation.loads, ok)
         self.stats.lost_blocks += ok.count(False)
         for load in operation.loads:
             del self.loading[load.block.key]
-        while self.read_waiters and self.read_waiters[0][0] <= operation.op_id:
-            _, _, flow = heapq.heappop(self.read_waiters)
-            self._settle(flow)
+        for flow in self.read_waiters.pop(operation.op_id, []):
+            flow.wait_ops.discard(operation.op_id)
+            if not flow.wait_ops:
+                self._settle(flow)
 
     # ------------------------------------------------------------------
     # Durable Puts (the daemon's ACK_DURABLE), through the mover's waits
@@ -747,6 +789,7 @@ class Simulator:
         if self.batch is not None:
             held += sum(not write.handle.released for write in self.batch.round.writes)
         held += sum(not pin.released for flow in self.durable_flows for pin in flow.durable_pins)
+        held += sum(not load.handle.released for read in self.prefetch_reads.values() for load in read.loads)
         check(held == engine.live_handles, "{} live handles, {} held by leases and writes", engine.live_handles, held)
         check({block.key for block in engine.loading} == set(self.loading), "blocks loading disagree with the reads")
         for tenant, namespace_id in enumerate(self.namespace_ids):
@@ -774,7 +817,8 @@ class Simulator:
     def _finish(self) -> None:
         """Past every deadline: all leases gone, nothing pinned, nothing leaked."""
         engine = self.engine
-        check(not self.read_waiters and self.batch is None and not self.starved and not self.durable_flows,
+        check(not self.read_waiters and not self.prefetch_reads and self.batch is None and not self.starved
+              and not self.durable_flows,
               "requests still waiting after the last event")
         self._advance(self.now_us + engine.limits.lease_ms_max * 1000 + 1000)
         check(not self.leases and engine.live_handles == 0 and engine.pinned_blocks == 0,
@@ -795,6 +839,8 @@ class Simulator:
             stats.disk_evictions = engine.disk.counters.evictions
             stats.disk_written_blocks = engine.disk.counters.written
             stats.disk_loaded_blocks = engine.disk.counters.loaded
+            stats.prefetch_used = engine.prefetch_counters.used
+            stats.prefetch_wasted = engine.prefetch_counters.wasted
         if self.disk is not None:
             traffic = self.disk.traffic
             stats.disk_read_bytes = traffic.read_bytes

@@ -217,6 +217,35 @@ def test_deletes_and_tenant_quotas_run_under_every_invariant():
     assert all(quota.counters.host_refused > 0 or quota.counters.host_evicted > 0 for quota in quotas.values())
 
 
+def test_prefetched_blocks_are_used_by_the_gets_that_follow():
+    """Prefetch jobs (PREFETCH reads, promoted to restores once a Get waits
+    for them) run through the mover as in the daemon; the Get that follows
+    uses what they read, and every invariant holds after every step."""
+    config = SimConfig(seed=5, requests=120, host_blocks=16, disk_blocks=128, prefetch_share=0.5, fault_rate=0.02)
+    stats = Simulator(config).run().stats
+    assert stats.prefetched_blocks > 0 and stats.prefetch_used > 0
+    assert stats.prefetch_used + stats.prefetch_wasted == stats.prefetched_blocks
+
+
+# The mover forgets to unpin a prefetch job's blocks once it is read.
+LEAKY_PREFETCH = """
+import kvd.core.mover as mover
+def prefetch_done(self, loads, ok):
+    self.engine.finish_loads(loads, ok)
+    self.engine.prefetcher.in_flight -= len(loads)
+    return 0
+mover.Mover.prefetch_done = prefetch_done
+"""
+
+
+def test_a_prefetch_that_keeps_its_pins_is_caught():
+    argv = ["--seed", "5", "--requests", "60", "--policy", "lru", "--host-capacity", "16", "--disk-capacity", "128",
+            "--prefetch-share", "0.5", "--verify-every", "1", "--quiet"]
+    failed, command = failure_lines(run_sim(LEAKY_PREFETCH, argv))
+    assert "--prefetch-share 0.5" in command and ("live handles" in failed or "pinned" in failed), failed
+    assert run_sim("", argv).returncode == 0
+
+
 # The mover reports a failed write as durable.
 LYING_MOVER = """
 import kvd.core.mover as mover
