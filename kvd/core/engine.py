@@ -45,20 +45,21 @@ from kvd.core.prefetch import PrefetchLimit, PrefetchPlan, Prefetcher
 from kvd.core.prefetch_ledger import PrefetchCounters, PrefetchLedger
 from kvd.core.puts import Puts, ReserveResult, ReserveStatus
 from kvd.core.quota import TenantQuota
-from kvd.core.reads import DiskLoad, GetPlan, Reads
+from kvd.core.reads import GetPlan, Reads
 from kvd.core.recovery import Recovery
 from kvd.core.requests import check_client, check_keys, granted_lease_ms
 from kvd.core.residency import TierStack
 from kvd.core.slot_pool import SlotPool
 from kvd.core.tier import MemoryTier, StorageTier, TierId
 from kvd.core.verify import verify_blocks, verify_quotas
-from kvd.core.writeback import DiskWrite, WriteBack
+from kvd.core.transfer import Transfer
+from kvd.core.writeback import WriteBack
 from kvd.errors import InvalidArgument
 
 __all__ = [
-    "MAX_CLIENT_ID_CHARS", "TENANT_AFFINITY_WINDOW", "DiskLoad", "DiskWrite", "Engine", "EngineLimits", "GetPlan",
+    "MAX_CLIENT_ID_CHARS", "TENANT_AFFINITY_WINDOW", "Engine", "EngineLimits", "GetPlan",
     "NamespaceState", "PrefetchCounters", "PrefetchLimit", "PrefetchPlan", "ReserveResult", "ReserveStatus",
-    "TierId", "namespace_not_found",
+    "TierId", "Transfer", "namespace_not_found",
 ]
 
 
@@ -206,7 +207,7 @@ class Engine:
                   parent_key: bytes = b"") -> GetPlan:
         return self.reads.begin_get(namespace_id, client_id, keys, lease_ms, now_ms, parent_key)
 
-    def finish_loads(self, loads: Sequence[DiskLoad], ok: Sequence[bool]) -> None:
+    def finish_loads(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         self.reads.finish_loads(loads, ok)
 
     def abandon_get(self, plan: GetPlan) -> None:
@@ -222,10 +223,10 @@ class Engine:
                        max_in_flight: int = 0) -> PrefetchPlan:
         return self.prefetcher.begin(namespace_id, keys, parent_key, max_in_flight)
 
-    def finish_prefetch(self, loads: Sequence[DiskLoad], ok: Sequence[bool]) -> None:
+    def finish_prefetch(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         self.prefetcher.finish(loads, ok)
 
-    def abandon_prefetch(self, loads: Sequence[DiskLoad]) -> None:
+    def abandon_prefetch(self, loads: Sequence[Transfer]) -> None:
         self.prefetcher.abandon(loads)
 
     # -- Put (kvd.core.puts) --------------------------------------------------------
@@ -240,10 +241,10 @@ class Engine:
 
     # -- the disk tier (kvd.core.writeback, kvd.core.recovery) -------------------
 
-    def pick_writes(self, limit: int) -> list[DiskWrite]:
+    def pick_writes(self, limit: int) -> list[Transfer]:
         return self.writeback.pick_writes(limit)
 
-    def finish_writes(self, writes: Sequence[DiskWrite], ok: Sequence[bool]) -> None:
+    def finish_writes(self, writes: Sequence[Transfer], ok: Sequence[bool]) -> None:
         self.writeback.finish_writes(writes, ok)
 
     def take_disk_removals(self) -> list[tuple[bytes, bytes, int]]:

@@ -44,8 +44,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
 from kvd.core.prefetch import PrefetchPlan
-from kvd.core.reads import DiskLoad
-from kvd.core.writeback import DiskWrite
+from kvd.core.transfer import Transfer
 from kvd.invariants import check
 
 if TYPE_CHECKING:
@@ -104,14 +103,14 @@ class DurableWaits(Generic[Token]):
         engine.require_durable(list(started))
         return started, failures, pins
 
-    def written(self, writes: Sequence[DiskWrite], ok: Sequence[bool]) -> list[tuple[Token, NotDurable | None]]:
+    def written(self, writes: Sequence[Transfer], ok: Sequence[bool]) -> list[tuple[Token, NotDurable | None]]:
         """After a round: the outcome for each token waiting on one of its blocks."""
         outcomes = []
         for write, good in zip(writes, ok, strict=True):
             tokens = self.waiting.pop(write.block, [])
             if not tokens:
                 continue
-            if self.engine.disk_slot(write.block) == write.disk_slot:
+            if self.engine.disk_slot(write.block) == write.target_slot:
                 failure = None
             elif good:
                 failure = self.why_not(write.block)  # written, then lost (its parent, a Delete)
@@ -121,7 +120,7 @@ class DurableWaits(Generic[Token]):
             outcomes.extend((token, failure) for token in tokens)
         return outcomes
 
-    def unwritable(self, picked: Sequence[DiskWrite]) -> list[tuple[Token, NotDurable]]:
+    def unwritable(self, picked: Sequence[Transfer]) -> list[tuple[Token, NotDurable]]:
         """Waits on blocks that will never be written, failed now rather than
         at their deadline: neither picked for this round nor still queued
         (dropped because their parent has no durable copy, lost, never queued)."""
@@ -184,7 +183,7 @@ class MoverSettings:
 class WriteRound:
     """One round of write-back: `removals` journalled first, then the writes in `chunks`."""
 
-    writes: list[DiskWrite]
+    writes: list[Transfer]
     # (namespace id, key, slot) whose REMOVE must be durable before any write.
     removals: list[tuple[bytes, bytes, int]]
     chunk_blocks: int
@@ -204,7 +203,7 @@ class WriteRound:
         check(self.journalled, "write chunks asked for before the round's removals were journalled")
         groups: dict[bytes, list[int]] = {}
         for position, write in enumerate(self.writes):
-            if write.disk_slot not in self.unusable:
+            if write.target_slot not in self.unusable:
                 groups.setdefault(write.block.index.namespace_id, []).append(position)
         jobs = []
         for positions in groups.values():
@@ -294,14 +293,14 @@ class Mover:
     # -- prefetch ----------------------------------------------------------------
 
     def prefetch(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b""
-                 ) -> tuple[PrefetchPlan, list[list[DiskLoad]]]:
+                 ) -> tuple[PrefetchPlan, list[list[Transfer]]]:
         """Plan a Prefetch: what it found, and its reads as jobs (each one read job, behind restores)."""
         check(not self.draining, "no prefetch while draining")
         plan = self.engine.begin_prefetch(namespace_id, keys, parent_key, self.settings.prefetch_max_blocks)
         step = self.settings.prefetch_chunk_blocks
         return plan, [plan.loads[start:start + step] for start in range(0, len(plan.loads), step)]
 
-    def prefetch_done(self, loads: Sequence[DiskLoad], ok: Sequence[bool] | None) -> int:
+    def prefetch_done(self, loads: Sequence[Transfer], ok: Sequence[bool] | None) -> int:
         """One prefetch job is over (`ok` None: it never ran, its blocks stay on disk only);
         how many of its blocks are now in host memory, verified."""
         engine = self.engine
@@ -310,7 +309,7 @@ class Mover:
             return 0
         engine.finish_prefetch(loads, ok)
         # Still stored: a good read under a corrupt parent is lost too.
-        return sum(load.block.state == BlockState.SEALED and engine.host_slot(load.block) == load.host_slot
+        return sum(load.block.state == BlockState.SEALED and engine.host_slot(load.block) == load.target_slot
                    for load in loads)
 
     # -- removals outside write rounds -----------------------------------------
@@ -341,6 +340,6 @@ class Mover:
         round_ = self.round
         if round_ is not None:
             disk = self.engine.disk
-            check(all(write.disk_slot in disk.pool.incoming for write in round_.writes),
+            check(all(write.target_slot in disk.pool.incoming for write in round_.writes),
                   "a write of the round in flight lost its incoming slot")
             check(len(round_.ok) == len(round_.writes), "one outcome per write of the round")

@@ -21,8 +21,9 @@ from kvd.core.blocks import BlockBook
 from kvd.core.eviction import HostAllocator
 from kvd.core.limits import EngineLimits
 from kvd.core.namespaces import NamespaceTable
-from kvd.core.reads import DiskLoad, Reads
+from kvd.core.reads import Reads
 from kvd.core.requests import check_keys, match
+from kvd.core.transfer import Transfer
 from kvd.invariants import check
 
 
@@ -43,7 +44,7 @@ class PrefetchPlan:
     it is in flight), queued (one of `loads`) or refused (`limit` says why).
     """
 
-    loads: list[DiskLoad] = field(default_factory=list)
+    loads: list[Transfer] = field(default_factory=list)
     matched: int = 0
     missing: int = 0
     in_host: int = 0
@@ -133,10 +134,11 @@ class Prefetcher:
         self.disk.eviction.touch(self.blocks.disk_slot(block))
         self.ledger.queued(block)
         self.in_flight += 1
-        plan.loads.append(DiskLoad(block, slot, self.blocks.disk_slot(block), self.blocks.acquire(block)))
+        plan.loads.append(Transfer(block, self.disk, self.blocks.disk_slot(block), self.host, slot,
+                                   self.blocks.acquire(block)))
         return True
 
-    def finish(self, loads: Sequence[DiskLoad], ok: Sequence[bool]) -> None:
+    def finish(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         """Prefetch reads done (as finish_loads), then unpinned: good blocks stay
         in host memory as ordinary eviction candidates, bad ones are lost."""
         self.reads.finish_loads(loads, ok)
@@ -145,7 +147,7 @@ class Prefetcher:
             self.in_flight -= 1
             load.handle.release()
 
-    def abandon(self, loads: Sequence[DiskLoad]) -> None:
+    def abandon(self, loads: Sequence[Transfer]) -> None:
         """Drop prefetch loads whose reads never started: slots back (counted
         as wasted), pins released; the blocks stay on disk."""
         for load in loads:

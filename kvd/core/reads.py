@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
+from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.blocks import BlockBook
 from kvd.core.eviction import HostAllocator
 from kvd.core.lease import Lease, LeaseKind, LeaseTable
@@ -22,19 +22,8 @@ from kvd.core.limits import EngineLimits
 from kvd.core.namespaces import NamespaceState, NamespaceTable
 from kvd.core.requests import check_client, check_keys, check_lease_room, granted_lease_ms, match
 from kvd.core.tier import TierId
+from kvd.core.transfer import Transfer
 from kvd.invariants import check
-
-
-@dataclass(slots=True)
-class DiskLoad:
-    """One block being read from the disk tier into a host slot."""
-
-    block: Block
-    host_slot: int
-    disk_slot: int
-    # A prefetch's own pin on the block while it loads (a Get's loads are
-    # pinned by its lease); finish_prefetch releases it.
-    handle: BlockHandle | None = None
 
 
 @dataclass(slots=True)
@@ -43,7 +32,8 @@ class GetPlan:
 
     lease: Lease | None
     matched: list[Block]
-    loads: list[DiskLoad] = field(default_factory=list)
+    # Reads from disk into host slots given now (one hop per block).
+    loads: list[Transfer] = field(default_factory=list)
     # Blocks another Get is loading already; wait for it, then settle.
     waits: list[Block] = field(default_factory=list)
     # Cut short because no host slot could be freed (all pinned).
@@ -155,11 +145,11 @@ class Reads:
             self.blocks.set_host_slot(block, slot)
             self.blocks.loading.add(block)
             self.disk.eviction.touch(self.blocks.disk_slot(block))
-            plan.loads.append(DiskLoad(block, slot, self.blocks.disk_slot(block)))
+            plan.loads.append(Transfer(block, self.disk, self.blocks.disk_slot(block), self.host, slot))
         self.blocks.ledger.used(plan.matched)
         return plan
 
-    def finish_loads(self, loads: Sequence[DiskLoad], ok: Sequence[bool]) -> None:
+    def finish_loads(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         """Blocks read from disk: good ones are now in the host tier, bad ones are lost."""
         check(len(loads) == len(ok), "one outcome per load")
         disk = self.disk
@@ -169,7 +159,7 @@ class Reads:
                 # An ancestor loaded in this batch was corrupt: lost already.
                 check(block.state in (BlockState.LOST, BlockState.REMOVED), "{!r} was not loading", block)
                 continue
-            check(self.blocks.host_slot(block) == load.host_slot, "{!r} loads into another slot", block)
+            check(self.blocks.host_slot(block) == load.target_slot, "{!r} loads into another slot", block)
             self.blocks.loading.discard(block)
             if block.state == BlockState.LOST:
                 # Lost while this read was in flight (an ancestor's read

@@ -13,22 +13,12 @@ disk too: a block whose parent has no durable copy is never written.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
-from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
+from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.blocks import BlockBook
 from kvd.core.quota import TenantQuota
+from kvd.core.transfer import Transfer
 from kvd.invariants import check
-
-
-@dataclass(slots=True)
-class DiskWrite:
-    """One block on its way to the disk tier; the handle pins it meanwhile."""
-
-    block: Block
-    handle: BlockHandle
-    disk_slot: int
-    host_slot: int
 
 
 def _disk_evictable(block: Block) -> bool:
@@ -42,7 +32,7 @@ class WriteBack:
         self.host = blocks.host
         self.disk = blocks.disk
 
-    def pick_writes(self, limit: int) -> list[DiskWrite]:
+    def pick_writes(self, limit: int) -> list[Transfer]:
         """The next sealed blocks to write to disk, parents before children.
 
         Each is pinned (so it stays in the host tier while its bytes are
@@ -56,7 +46,7 @@ class WriteBack:
         disk = self.disk
         if disk is None:
             return []
-        picks: list[DiskWrite] = []
+        picks: list[Transfer] = []
         picked: set[Block] = set()
         full_tenants: set[TenantQuota] = set()
         queue = self.blocks.write_queue
@@ -99,28 +89,28 @@ class WriteBack:
             if quota is not None:
                 quota.disk_used_bytes += disk.slot_bytes
             disk.pool.incoming.add(slot)
-            picks.append(DiskWrite(block, self.blocks.acquire(block), slot, self.blocks.host_slot(block)))
+            picks.append(Transfer(block, self.host, self.blocks.host_slot(block), disk, slot, self.blocks.acquire(block)))
             picked.add(block)
         return picks
 
-    def finish_writes(self, writes: Sequence[DiskWrite], ok: Sequence[bool]) -> None:
+    def finish_writes(self, writes: Sequence[Transfer], ok: Sequence[bool]) -> None:
         """Record which writes are durable. Failed slots need a REMOVE first:
         their record may have reached the manifest."""
         disk = self.disk
         check(disk is not None and len(writes) == len(ok), "one outcome per write")
         for write, good in zip(writes, ok):
             block = write.block
-            check(write.disk_slot in disk.pool.incoming and disk.pool.owners[write.disk_slot] is block, "unknown disk write")
-            disk.pool.incoming.discard(write.disk_slot)
+            check(write.target_slot in disk.pool.incoming and disk.pool.owners[write.target_slot] is block, "unknown disk write")
+            disk.pool.incoming.discard(write.target_slot)
             parent = block.parent
             durable_prefix = parent is None or self.blocks.disk_slot(parent) != NO_SLOT
             if good and durable_prefix and block.state == BlockState.SEALED:
-                self.blocks.tiers.add_copy(block, disk, write.disk_slot)
+                self.blocks.tiers.add_copy(block, disk, write.target_slot)
                 disk.pool.used_bytes += self.blocks.block_bytes(block)
-                disk.eviction.touch(write.disk_slot)
+                disk.eviction.touch(write.target_slot)
                 disk.counters.written += 1
             else:
-                disk.pool.release(write.disk_slot, block)
+                disk.pool.release(write.target_slot, block)
                 if block.index.quota is not None:
                     block.index.quota.disk_used_bytes -= disk.slot_bytes
                 disk.counters.write_failures += 1

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from kvd.config import DiskSettings
 from kvd.core.block import Block
-from kvd.core.engine import DiskLoad, Engine, GetPlan, PrefetchPlan
+from kvd.core.engine import Engine, GetPlan, PrefetchPlan, Transfer
 from kvd.core.mover import Mover, MoverSettings, NotDurable, WriteRound
 from kvd.core.io_schedule import IoClass, IoSchedule
 from kvd.errors import Unavailable
@@ -313,7 +313,7 @@ class DiskPlane:
         namespace_id = writes[0].block.index.namespace_id
         spec = self.engine.namespace(namespace_id).spec
         items = [(write.block.key, write.block.parent.key if write.block.parent is not None else b"",
-                  write.disk_slot, self.arena.address(write.host_slot)) for write in writes]
+                  write.target_slot, self.arena.address(write.source_slot)) for write in writes]
         return namespace_id, spec.layer_bytes, spec.num_layers, items
 
     def _write_piece(self, namespace_id, layer_bytes, num_layers, items) -> list[bool]:
@@ -476,19 +476,19 @@ class DiskPlane:
         if close_lease and plan.lease is not None and not plan.lease.ended:
             self.engine.leases.close(plan.lease)
 
-    def _resolve_loads(self, loads: Sequence[DiskLoad], ok: Sequence[bool]) -> None:
+    def _resolve_loads(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         """Tell the Gets waiting for these loads how they went."""
         for load, good in zip(loads, ok):
             future = self._loads.pop(load.block, None)
             if future is not None and not future.done():
                 future.set_result(bool(good))
 
-    def _read_work(self, loads: Sequence[DiskLoad]) -> list[tuple[bytes, int, int, list[tuple[int, int, int]]]]:
+    def _read_work(self, loads: Sequence[Transfer]) -> list[tuple[bytes, int, int, list[tuple[int, int, int]]]]:
         """Loop thread: what to read, as plain data, grouped by namespace."""
         groups: dict[bytes, list[tuple[int, int, int]]] = {}
         for position, load in enumerate(loads):
             groups.setdefault(load.block.index.namespace_id, []).append(
-                (position, load.disk_slot, self.arena.address(load.host_slot))
+                (position, load.source_slot, self.arena.address(load.target_slot))
             )
         work = []
         for namespace_id, items in groups.items():
@@ -563,7 +563,7 @@ class DiskPlane:
         task.add_done_callback(self._prefetches.discard)
         return plan, task
 
-    def _finish_prefetch(self, loads: list[DiskLoad], read: concurrent.futures.Future,
+    def _finish_prefetch(self, loads: list[Transfer], read: concurrent.futures.Future,
                          job_done: asyncio.Future) -> None:
         """Loop thread: one prefetch job is over; verified blocks stay in host memory, unpinned."""
         for load in loads:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvd.core.engine import DiskLoad, DiskWrite
+from kvd.core.engine import Transfer
 from kvd.core.io_schedule import IoClass, IoJob, IoSchedule
 from kvd.invariants import check
 
@@ -49,8 +49,8 @@ class DiskOp:
     kind: DiskOpKind
     payload_bytes: int
     submit_us: int
-    loads: list[DiskLoad] = field(default_factory=list)
-    writes: list[DiskWrite] = field(default_factory=list)
+    loads: list[Transfer] = field(default_factory=list)
+    writes: list[Transfer] = field(default_factory=list)
     # (namespace id, key, slot) whose REMOVE this operation journals.
     removals: list[tuple[bytes, bytes, int]] = field(default_factory=list)
     # The write-back batch this operation belongs to, if any (the simulator's).

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 
 from kvd.core.block import NO_SLOT, Block
-from kvd.core.engine import DiskLoad, DiskWrite, Engine
+from kvd.core.engine import Engine, Transfer
 from kvd.invariants import check
 
 
@@ -31,23 +31,23 @@ class SlotContents:
             if slot != NO_SLOT:
                 self.host[slot] = key
 
-    def write(self, writes: Sequence[DiskWrite], failing: Container[bytes] = ()) -> list[bool]:
+    def write(self, writes: Sequence[Transfer], failing: Container[bytes] = ()) -> list[bool]:
         """Copy host slots to disk slots; blocks whose key is in `failing` fail."""
         ok = []
         for write in writes:
             good = write.block.key not in failing
             if good:
-                self.disk[write.disk_slot] = self.host[write.host_slot]
+                self.disk[write.target_slot] = self.host[write.source_slot]
             ok.append(good)
         return ok
 
-    def load(self, loads: Sequence[DiskLoad], corrupt: Container[int] = ()) -> list[bool]:
+    def load(self, loads: Sequence[Transfer], corrupt: Container[int] = ()) -> list[bool]:
         """Copy disk slots into host slots; disk slots in `corrupt` read back bad."""
         ok = []
         for load in loads:
-            good = load.disk_slot not in corrupt
+            good = load.source_slot not in corrupt
             if good:
-                self.host[load.host_slot] = self.disk[load.disk_slot]
+                self.host[load.target_slot] = self.disk[load.source_slot]
             ok.append(good)
         return ok
 

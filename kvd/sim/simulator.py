@@ -702,7 +702,7 @@ class Simulator:
                 self._begin_get(flow, final=False)
 
     def _read_done(self, operation: DiskOp) -> None:
-        corrupt = {load.disk_slot for load in operation.loads if self._fault()}
+        corrupt = {load.source_slot for load in operation.loads if self._fault()}
         ok = self.contents.load(operation.loads, corrupt)
         if operation.kind == DiskOpKind.PREFETCH:
             del self.prefetch_reads[operation.op_id]

@@ -245,7 +245,7 @@ class TierMachine(RuleBasedStateMachine):
         self.learn_host_departures(before, len(loads), free_before, {block.key for block in expected})
         loading = [self.blocks[key] for key in loads]
         ok = [not fail >> position & 1 for position in range(len(loads))]
-        corrupt = {load.disk_slot for load, good in zip(plan.loads, ok) if not good}
+        corrupt = {load.source_slot for load, good in zip(plan.loads, ok) if not good}
         self.engine.finish_loads(plan.loads, self.contents.load(plan.loads, corrupt))
         served = self.engine.settle_get(plan)
         self.contents.check_served(served)

@@ -175,7 +175,7 @@ LYING_DISK = """
 from kvd.sim.plane import SlotContents
 def load(self, loads, corrupt=()):
     for load in loads:
-        self.host[load.host_slot] = self.disk.get(load.disk_slot + 1, b"")
+        self.host[load.target_slot] = self.disk.get(load.source_slot + 1, b"")
     return [True] * len(loads)
 SlotContents.load = load
 """

@@ -63,7 +63,7 @@ class Plane(SlotContents):
         self.journal_removals()
         # What the engine accepted as durable (a child whose parent failed
         # in the same batch is not, whatever its own write said).
-        return sum(self.engine.disk_slot(write.block) == write.disk_slot for write in writes)
+        return sum(self.engine.disk_slot(write.block) == write.target_slot for write in writes)
 
     def get(self, chain: str, client: str = "r") -> list[bytes]:
         """A whole Get: plan, load from 'disk', settle, copy out, release."""
@@ -91,7 +91,7 @@ def test_write_through_makes_blocks_durable_parents_first(plane):
     writes = plane.engine.pick_writes(10)
     assert [write.block.key for write in writes] == K("abc")
     # Slots are handed out in order, which stripes them over the drives.
-    assert [write.disk_slot for write in writes] == [0, 1, 2]
+    assert [write.target_slot for write in writes] == [0, 1, 2]
     plane.engine.finish_writes(writes, [True] * 3)
     plane.engine.verify()
     assert [plane.engine.disk_slot(block) for block in plane.engine.lookup(plane.ns, K("abc"))] == [0, 1, 2]
@@ -221,7 +221,7 @@ def test_random_operations_never_serve_a_wrong_block(engine_factory, seed, varia
                 if lease_holder.loads:
                     engine.finish_loads(lease_holder.loads, [True] * len(lease_holder.loads))
                     for load in lease_holder.loads:
-                        plane.host[load.host_slot] = plane.disk[load.disk_slot]
+                        plane.host[load.target_slot] = plane.disk[load.source_slot]
                 engine.expire(10)
         except KvdError:
             pass  # e.g. the host tier full of pins: a refusal, checked elsewhere

@@ -116,7 +116,7 @@ def test_a_corrupt_prefetched_block_is_lost_never_served_and_wasted(plane):
     engine = plane.engine
     plan = prefetch(plane, "abcd")
     get = engine.begin_get(plane.ns, "r", K("ab"), LONG, 0)  # waits for a and b
-    corrupt_c = {plan.loads[2].disk_slot}
+    corrupt_c = {plan.loads[2].source_slot}
     finish(plane, plan.loads, corrupt_c)
     engine.verify()
     assert plane.served(engine.settle_get(get)) == K("ab")
@@ -138,8 +138,8 @@ def test_blocks_lost_while_their_read_is_in_flight_keep_their_slot_until_it_ends
     engine = plane.engine
     plan = prefetch(plane, "abcd")
     first, second = plan.loads[:2], plan.loads[2:]
-    slots = [load.host_slot for load in second]
-    finish(plane, first, {first[0].disk_slot})
+    slots = [load.target_slot for load in second]
+    finish(plane, first, {first[0].source_slot})
     engine.verify()
     for load, slot in zip(second, slots):
         assert load.block.state == BlockState.LOST
@@ -161,8 +161,8 @@ def test_two_gets_a_failed_read_of_one_keeps_the_other_gets_slot_until_its_read_
     second = engine.begin_get(plane.ns, "r2", K("ab"), LONG, 0)
     assert [load.block.key for load in first.loads] == K("a")
     assert [load.block.key for load in second.loads] == [k("ab")] and second.waits == first.matched
-    b_slot = second.loads[0].host_slot
-    engine.finish_loads(first.loads, plane.load(first.loads, {first.loads[0].disk_slot}))
+    b_slot = second.loads[0].target_slot
+    engine.finish_loads(first.loads, plane.load(first.loads, {first.loads[0].source_slot}))
     engine.verify()
     assert engine.host.pool.owners[b_slot] is second.loads[0].block
     engine.finish_loads(second.loads, plane.load(second.loads))
@@ -273,7 +273,7 @@ def test_a_prefetch_under_a_parent_key_reads_the_continuation(plane):
     assert [load.block.key for load in plan.loads] == K("abcd")[2:]
     finish(plane, plan.loads)
     assert tiers(plane, "abcd") == [TierId.DISK] * 2 + [TierId.HOST] * 2
-    assert NO_SLOT not in [load.host_slot for load in plan.loads]
+    assert NO_SLOT not in [load.target_slot for load in plan.loads]
 
 
 # ----------------------------------------------------------------------
@@ -316,7 +316,7 @@ def test_random_interleavings_never_serve_a_wrong_block(engine_factory, seed):
 
     def finish_job(job) -> None:
         jobs.remove(job)
-        corrupt = {load.disk_slot for load in job if rng.random() < 0.1}
+        corrupt = {load.source_slot for load in job if rng.random() < 0.1}
         # A job whose blocks were removed meanwhile fails as a whole (see above).
         if any(load.block.state != BlockState.SEALED for load in job):
             engine.finish_prefetch(job, [False] * len(job))
@@ -338,7 +338,7 @@ def test_random_interleavings_never_serve_a_wrong_block(engine_factory, seed):
             finish_job(rng.choice(jobs))
         elif action < 0.9:
             get = engine.begin_get(plane.ns, "r", K(chain), LONG, 0)
-            engine.finish_loads(get.loads, plane.load(get.loads, {l.disk_slot for l in get.loads if rng.random() < 0.1}))
+            engine.finish_loads(get.loads, plane.load(get.loads, {l.source_slot for l in get.loads if rng.random() < 0.1}))
             plane.journal_removals()
             while any(load.block in get.waits for job in jobs for load in job):
                 finish_job(next(job for job in jobs if any(load.block in get.waits for load in job)))

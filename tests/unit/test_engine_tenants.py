@@ -179,7 +179,7 @@ def flush(engine: Engine) -> list[bytes]:
     engine.finish_writes(writes, [True] * len(writes))
     engine.confirm_disk_removals([slot for _, _, slot in removals])
     engine.verify()
-    return [write.block.key for write in writes if engine.disk_slot(write.block) == write.disk_slot]
+    return [write.block.key for write in writes if engine.disk_slot(write.block) == write.target_slot]
 
 
 def test_a_tenant_at_its_disk_quota_replaces_its_own_disk_blocks_never_anothers():

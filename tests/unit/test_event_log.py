@@ -263,7 +263,7 @@ class Plane:
 
     def get(self, chain: str, client: str = "r") -> int:
         plan = self.engine.begin_get(self.ns, client, K(chain), LONG, 0)
-        self.engine.finish_loads(plan.loads, [load.disk_slot not in self.corrupt for load in plan.loads])
+        self.engine.finish_loads(plan.loads, [load.source_slot not in self.corrupt for load in plan.loads])
         self.journal()
         served = len(self.engine.settle_get(plan))
         if plan.lease is not None:
