@@ -4,8 +4,9 @@ One operation runs at a time and takes `latency + bytes / bandwidth`. Which
 operation runs next is the daemon's own I/O schedule (kvd.core.io_schedule):
 under "slack", removal journals first, then restores, and write-back only
 in the gaps between reads (or its bounded share once the backlog is full);
-under "fifo", arrival order. Which blocks move is the engine's decision
-(pick_writes, begin_get); this only says when they arrive.
+under "fifo", arrival order. Which blocks move, and when a job is made, is
+the engine's and the mover's decision (kvd.core.mover); this only says
+how long each job takes.
 """
 
 from __future__ import annotations

@@ -16,10 +16,14 @@ A request goes through the engine as a client of the daemon would:
     decode done    Put the reply's blocks (reserve + commit at once)
 
 A client that crashes (the trace says which) stops after its reserve and
-holds its leases until they expire. Beside the requests, the drive runs
-disk loads first, then write-back batches (pick_writes / finish_writes,
-under host pressure as the daemon's write-back does, or every sealed block
-in write-through) and removal journals, each taking its modelled time.
+holds its leases until they expire. On request, some Puts wait to be
+acknowledged durable, some prompts are prefetched before their Get, some
+replies are Deleted, and tenants have host quotas.
+
+When bytes move (write-back rounds, removals journalled first, starved
+Gets, durable waits, prefetch jobs) is not decided here: the simulator
+drives the daemon's own mover (kvd.core.mover) and only models how long
+each of its jobs takes on the drive (kvd.sim.disk).
 
 A step is one event. After every `verify_every`th step (1: every step, the
 default here; the command line's is 16) and after the last, the engine's
@@ -443,7 +447,7 @@ class Simulator:
             self._begin_get(flow, final=False)
 
     def _prefetch(self, flow: Flow) -> None:
-        """A router's Prefetch, through the mover as the daemon runs it: PREFETCH read jobs behind restores."""
+        """A router's Prefetch, planned by the mover: PREFETCH read jobs behind restores."""
         plan, jobs = self.mover.prefetch(self.namespace_ids[flow.namespace], flow.keys)
         self.stats.prefetched_blocks += len(plan.loads)
         for loads in jobs:
