@@ -22,7 +22,7 @@ from kvd.core.events import EventLog
 from kvd.core.prefetch_ledger import PrefetchLedger
 from kvd.core.residency import TierStack
 from kvd.core.tier import MemoryTier, StorageTier, TierId
-from kvd.invariants import check
+from kvd.invariants import InvariantError, check
 
 
 class BlockBook:
@@ -113,10 +113,15 @@ class BlockBook:
         return NO_SLOT if self.disk is None else self.tiers.slot_in(block, self.disk)
 
     def tier_of(self, block: Block) -> TierId:
-        if self.host_slot(block) != NO_SLOT and block not in self.loading:
-            return TierId.HOST
-        check(self.disk_slot(block) != NO_SLOT, "{!r} resides in no tier", block)
-        return TierId.DISK
+        """The tier a Get would serve `block` from now: its fastest copy, not
+        counting a host copy whose bytes are still being read in."""
+        loading = block in self.loading
+        if 0 <= block.slot < self._host_end and not loading:
+            return TierId.HOST  # the common case, without a walk
+        for tier, _ in self.tiers.copies(block):
+            if not (loading and tier is self.host):
+                return tier.tier_id
+        raise InvariantError(f"{block!r} resides in no tier")
 
     @staticmethod
     def block_bytes(block: Block) -> int:
