@@ -77,6 +77,21 @@ class MLease:
     parent: bytes | None = None
 
 
+def expected_walk(model: dict, keys: list[bytes], parent: bytes | None) -> tuple[list, bytes | None] | None:
+    """What the model says a reserve's walk from `parent` finds: EXISTS for
+    each stored key up to the first missing or in-flight one, and the last
+    of them; None when a key is stored under another parent (INVALID_ARGUMENT)."""
+    statuses = []
+    for key in keys:
+        node = model.get(key)
+        if node is None or (node.parent == parent and node.state == "W"):
+            break
+        if node.parent != parent:
+            return None
+        statuses.append(ReserveStatus.EXISTS)
+        parent = key
+    return statuses, parent
+
 class EngineMachine(RuleBasedStateMachine):
     # The host eviction policy; nothing here depends on which.
     POLICY = "lru"
@@ -210,20 +225,11 @@ class EngineMachine(RuleBasedStateMachine):
         parent = parent_key or None
         if parent is not None and (parent not in model or model[parent].state != "S"):
             return self.expect_rejected(FailedPrecondition, call)
-        statuses = []
-        first_missing = len(keys)
-        for position, key in enumerate(keys):
-            node = model.get(key)
-            if node is None:
-                first_missing = position
-                break
-            if node.parent != parent:
-                return self.expect_rejected(InvalidArgument, call)
-            if node.state == "W":
-                first_missing = position
-                break
-            statuses.append(ReserveStatus.EXISTS)
-            parent = key
+        walked = expected_walk(model, keys, parent)
+        if walked is None:
+            return self.expect_rejected(InvalidArgument, call)
+        statuses, parent = walked
+        first_missing = len(statuses)
         in_flight = first_missing < len(keys) and keys[first_missing] in model
         if not in_flight and first_missing < len(keys):
             if any(key in model for key in keys[first_missing + 1 :]):
@@ -263,7 +269,17 @@ class EngineMachine(RuleBasedStateMachine):
         assert result.lease.deadline_ms == lease.deadline
         assert lease.lease_id not in self.leases
 
-        # Learn the evictions, then check they were allowed.
+        self.learn_reserve_evictions(refs_before, parent, evictions_before)
+
+        for key in keys[first_missing : first_missing + reserved]:
+            model[key] = MBlock("W", parent)
+            lease.handles.append([key, "W"])
+            parent = key
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    def learn_reserve_evictions(self, refs_before: list[dict], parent: bytes | None, evictions_before: int) -> None:
+        """Learn the blocks a reserve evicted, then check each was allowed to go."""
         evicted = {}
         for ns_index, ns_id in enumerate(self.ns_ids):
             nodes = self.engine.namespace(ns_id).index.nodes
@@ -281,13 +297,6 @@ class EngineMachine(RuleBasedStateMachine):
             for key, node in self.blocks[ns_index].items():
                 assert node.parent is None or node.parent in self.blocks[ns_index], "a block outlived its parent"
         assert sum(map(len, evicted.values())) == self.engine.host.counters.evictions - evictions_before
-
-        for key in keys[first_missing : first_missing + reserved]:
-            model[key] = MBlock("W", parent)
-            lease.handles.append([key, "W"])
-            parent = key
-        self.leases[lease.lease_id] = lease
-        return lease
 
     def check_nothing_evictable(self, parent: bytes | None) -> None:
         # The block a request extends is pinned while slots are found for it,
