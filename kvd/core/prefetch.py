@@ -141,11 +141,9 @@ class Prefetcher:
     def finish(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         """Prefetch reads done (as finish_loads), then unpinned: good blocks stay
         in host memory as ordinary eviction candidates, bad ones are lost."""
-        self.reads.finish_loads(loads, ok)
-        for load in loads:
-            check(load.handle is not None, "a prefetch load without its pin")
-            self.in_flight -= 1
-            load.handle.release()
+        check(all(load.handle is not None for load in loads), "a prefetch load without its pin")
+        self.reads.finish_loads(loads, ok)  # which releases the pins
+        self.in_flight -= len(loads)
 
     def abandon(self, loads: Sequence[Transfer]) -> None:
         """Drop prefetch loads whose reads never started: slots back (counted

@@ -145,36 +145,46 @@ class Reads:
             self.blocks.set_host_slot(block, slot)
             self.blocks.loading.add(block)
             self.disk.eviction.touch(self.blocks.disk_slot(block))
-            plan.loads.append(Transfer(block, self.disk, self.blocks.disk_slot(block), self.host, slot))
+            # The read holds its own pin: the Get's lease may end (expire, be
+            # released) while the bytes are still landing in this slot.
+            plan.loads.append(Transfer(block, self.disk, self.blocks.disk_slot(block), self.host, slot,
+                                       self.blocks.acquire(block)))
         self.blocks.ledger.used(plan.matched)
         return plan
 
     def finish_loads(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
-        """Blocks read from disk: good ones are now in the host tier, bad ones are lost."""
+        """Blocks read from disk: good ones are now in the host tier, bad ones
+        are lost; then each read's own pin is released."""
         check(len(loads) == len(ok), "one outcome per load")
-        disk = self.disk
         for load, good in zip(loads, ok):
-            block = load.block
-            if block not in self.blocks.loading:
-                # An ancestor loaded in this batch was corrupt: lost already.
-                check(block.state in (BlockState.LOST, BlockState.REMOVED), "{!r} was not loading", block)
-                continue
-            check(self.blocks.host_slot(block) == load.target_slot, "{!r} loads into another slot", block)
-            self.blocks.loading.discard(block)
-            if block.state == BlockState.LOST:
-                # Lost while this read was in flight (an ancestor's read
-                # failed): its host slot is free only now that nothing
-                # writes into it any more.
-                self.blocks.clear_host_slot(block, cold_parent=False)
-                continue
-            if good:
-                disk.counters.loaded += 1
-                self.blocks.events.tier_changed(block.index.namespace_id, block.key, TierId.HOST)
-            else:
-                # Corrupt or unreadable: never served, and neither is anything
-                # chained under it.
-                disk.counters.load_failures += 1
-                self.blocks.lose(block)
+            self._finish_load(load, good)
+        for load in loads:
+            if load.handle is not None:
+                load.handle.release()
+
+    def _finish_load(self, load: Transfer, good: bool) -> None:
+        block = load.block
+        if block not in self.blocks.loading:
+            # An ancestor loaded in this batch was corrupt: lost already.
+            check(block.state in (BlockState.LOST, BlockState.REMOVED), "{!r} was not loading", block)
+            return
+        check(self.blocks.host_slot(block) == load.target_slot, "{!r} loads into another slot", block)
+        check(block.ref_count > 0, "{!r} was read in unpinned", block)
+        self.blocks.loading.discard(block)
+        if block.state == BlockState.LOST:
+            # Lost while this read was in flight (an ancestor's read
+            # failed): its host slot is free only now that nothing
+            # writes into it any more.
+            self.blocks.clear_host_slot(block, cold_parent=False)
+            return
+        if good:
+            self.disk.counters.loaded += 1
+            self.blocks.events.tier_changed(block.index.namespace_id, block.key, TierId.HOST)
+        else:
+            # Corrupt or unreadable: never served, and neither is anything
+            # chained under it.
+            self.disk.counters.load_failures += 1
+            self.blocks.lose(block)
 
     def abandon_get(self, plan: GetPlan) -> None:
         """Drop a plan whose loads were never started: slots back, pins released."""
@@ -183,6 +193,8 @@ class Reads:
             if block in self.blocks.loading:
                 self.blocks.loading.discard(block)
                 self.blocks.clear_host_slot(block, cold_parent=False)
+            if load.handle is not None:
+                load.handle.release()
         plan.loads = []
         if plan.lease is not None and not plan.lease.ended:
             self.leases.close(plan.lease)

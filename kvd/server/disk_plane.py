@@ -36,6 +36,7 @@ from kvd.core.engine import Engine, GetPlan, PrefetchPlan, Transfer
 from kvd.core.mover import Mover, MoverSettings, NotDurable, WriteRound
 from kvd.core.io_schedule import IoClass, IoSchedule
 from kvd.errors import Unavailable
+from kvd.invariants import check
 from kvd.io.engine import Op
 from kvd.server.io_executor import ScheduledExecutor
 from kvd.tiers.disk.journal import FsyncPolicy
@@ -310,6 +311,11 @@ class DiskPlane:
     def _write_items(self, round_: WriteRound, positions: list[int]) -> tuple[bytes, int, int, list[tuple]]:
         """Loop thread: one chunk's writes as plain data (one namespace per chunk)."""
         writes = [round_.writes[position] for position in positions]
+        engine = self.engine
+        for write in writes:
+            # The bytes written are the block's own, pinned in its host slot until the round ends.
+            check(write.block.ref_count > 0 and engine.host_slot(write.block) == write.source_slot,
+                  "a write from host slot {} that {!r} does not hold", write.source_slot, write.block)
         namespace_id = writes[0].block.index.namespace_id
         spec = self.engine.namespace(namespace_id).spec
         items = [(write.block.key, write.block.parent.key if write.block.parent is not None else b"",
@@ -431,6 +437,7 @@ class DiskPlane:
         """
         engine = self.engine
         loop = asyncio.get_running_loop()
+        check(not (plan.loads or plan.waits) or plan.lease is not None, "disk reads for a Get that pins nothing")
         # A Get now waits for these prefetches: they are restores from here on.
         for read in dict.fromkeys(filter(None, map(self._prefetch_reads.get, plan.waits))):
             self._io.promote(read, IoClass.RESTORE)
@@ -478,6 +485,7 @@ class DiskPlane:
 
     def _resolve_loads(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         """Tell the Gets waiting for these loads how they went."""
+        check(len(loads) == len(ok), "one outcome per load")
         for load, good in zip(loads, ok):
             future = self._loads.pop(load.block, None)
             if future is not None and not future.done():
@@ -486,7 +494,11 @@ class DiskPlane:
     def _read_work(self, loads: Sequence[Transfer]) -> list[tuple[bytes, int, int, list[tuple[int, int, int]]]]:
         """Loop thread: what to read, as plain data, grouped by namespace."""
         groups: dict[bytes, list[tuple[int, int, int]]] = {}
+        engine = self.engine
         for position, load in enumerate(loads):
+            # The bytes land in a slot only its own block holds, while the engine knows it is being read.
+            check(load.block in engine.loading and engine.host_slot(load.block) == load.target_slot,
+                  "a read into host slot {} that {!r} does not hold", load.target_slot, load.block)
             groups.setdefault(load.block.index.namespace_id, []).append(
                 (position, load.source_slot, self.arena.address(load.target_slot))
             )

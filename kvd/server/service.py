@@ -26,9 +26,10 @@ import grpc
 
 from kvd import __version__, arena_protocol
 from kvd.clock import Clock
-from kvd.core.block import BlockState
+from kvd.core.block import NO_SLOT, BlockState
 from kvd.core.engine import Engine, ReserveStatus, namespace_not_found
 from kvd.core.quota import QuotaExceeded
+from kvd.invariants import check
 from kvd.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -266,12 +267,11 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     async def Reserve(self, request, context):
         self._check_arena(request)
         result = await self._reserve(request, request.lease_ms)
-        slot_bytes = self.arena.layout.slot_bytes
         return kvd_pb2.ReserveResponse(
             lease_id=result.lease.lease_id if result.lease else 0,
             lease_deadline_ms=result.lease.deadline_ms if result.lease else 0,
             statuses=[int(status) for status in result.statuses],
-            offsets=[slot * slot_bytes if slot >= 0 else 0 for slot in result.slots],
+            offsets=self._reserved_offsets(result.slots),
         )
 
     @rpc("Commit")
@@ -422,6 +422,10 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             # On failure complete_get ends the lease itself, once no read
             # into the pinned slots is still running.
             await self.disk_plane.complete_get(plan)
+            if plan.lease is not None and plan.lease.ended:
+                raise FailedPrecondition(
+                    f"the Get's lease ran out before its disk reads finished, so nothing is pinned for it "
+                    f"(lease_ms {request.lease_ms or self.engine.limits.lease_ms_default}); ask for a longer lease_ms")
         return plan.lease, plan.matched, tiers[: len(plan.matched)]
 
     @rpc("Get")
@@ -448,14 +452,28 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             return kvd_pb2.GetResponse(matched=len(matched), blocks=blocks, tiers=tiers)
         self._check_arena(request)
         lease, matched, tiers = await self._pinned_prefix(request, request.client_id)
-        slot_bytes = self.arena.layout.slot_bytes
         return kvd_pb2.GetResponse(
             matched=len(matched),
             lease_id=lease.lease_id if lease else 0,
             lease_deadline_ms=lease.deadline_ms if lease else 0,
-            offsets=[self.engine.host_slot(block) * slot_bytes for block in matched],
+            offsets=self._offsets(lease, matched),
             tiers=tiers,
         )
+
+    def _offsets(self, lease, matched: list) -> list[int]:
+        """Arena offsets of the blocks a Get hands out: each in host memory
+        (never a slot another block may take) and pinned by the Get's lease."""
+        slots = [self.engine.host_slot(block) for block in matched]
+        check(not slots or (min(slots) >= 0 and lease is not None and not lease.ended),
+              "a Get hands out {} blocks without a host slot or a live lease", len(slots))
+        slot_bytes = self.arena.layout.slot_bytes
+        return [slot * slot_bytes for slot in slots]
+
+    def _reserved_offsets(self, slots: list[int]) -> list[int]:
+        """Arena offsets of a reservation's slots (0 where the key got none)."""
+        check(max(slots, default=NO_SLOT) < self.arena.layout.slot_count, "a reserved slot is outside the arena")
+        slot_bytes = self.arena.layout.slot_bytes
+        return [slot * slot_bytes if slot >= 0 else 0 for slot in slots]
 
     @stream_rpc("GetLayers")
     async def GetLayers(self, request, context):
@@ -469,7 +487,6 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         layers = state.spec.num_layers
         plan = await self._begin_get(request, request.client_id)
         matched = list(plan.matched)
-        slot_bytes = self.arena.layout.slot_bytes
         pending = bool(plan.loads or plan.waits)
         lease = plan.lease
         yield kvd_pb2.GetLayersResponse(
@@ -477,7 +494,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             layers_ready=0 if pending else layers,
             lease_id=lease.lease_id if lease else 0,
             lease_deadline_ms=lease.deadline_ms if lease else 0,
-            offsets=[self.engine.host_slot(block) * slot_bytes for block in matched],
+            offsets=self._offsets(lease, matched),
             tiers=convert.tiers(self.engine, matched),
         )
         if not pending:

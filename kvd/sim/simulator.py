@@ -348,6 +348,7 @@ class Simulator:
         # Read operation id -> the Gets waiting for it; prefetch reads in flight.
         self.read_waiters: dict[int, list[Flow]] = {}
         self.prefetch_reads: dict[int, DiskOp] = {}
+        self.get_reads: dict[int, DiskOp] = {}
         self.batch: WriteBatch | None = None
         # Gets starved of host slots, waiting for a write-back batch.
         self.starved: list[Flow] = []
@@ -503,6 +504,7 @@ class Simulator:
             )
             operation.loads = list(plan.loads)
             self.disk.submit(operation)
+            self.get_reads[operation.op_id] = operation
             for load in plan.loads:
                 self.loading[load.block.key] = operation.op_id
             flow.wait_ops.add(operation.op_id)
@@ -712,6 +714,7 @@ class Simulator:
             del self.prefetch_reads[operation.op_id]
             self.mover.prefetch_done(operation.loads, ok)
         else:
+            del self.get_reads[operation.op_id]
             self.engine.finish_loads(operation.loads, ok)
         self.stats.lost_blocks += ok.count(False)
         for load in operation.loads:
@@ -793,7 +796,9 @@ class Simulator:
         if self.batch is not None:
             held += sum(not write.handle.released for write in self.batch.round.writes)
         held += sum(not pin.released for flow in self.durable_flows for pin in flow.durable_pins)
-        held += sum(not load.handle.released for read in self.prefetch_reads.values() for load in read.loads)
+        # ... and by every disk read in flight (its own pin on the block it reads in).
+        held += sum(not load.handle.released for reads in (self.prefetch_reads, self.get_reads)
+                    for read in reads.values() for load in read.loads)
         check(held == engine.live_handles, "{} live handles, {} held by leases and writes", engine.live_handles, held)
         check({block.key for block in engine.loading} == set(self.loading), "blocks loading disagree with the reads")
         for tenant, namespace_id in enumerate(self.namespace_ids):
@@ -821,7 +826,8 @@ class Simulator:
     def _finish(self) -> None:
         """Past every deadline: all leases gone, nothing pinned, nothing leaked."""
         engine = self.engine
-        check(not self.read_waiters and not self.prefetch_reads and self.batch is None and not self.starved
+        check(not self.read_waiters and not self.prefetch_reads and not self.get_reads and self.batch is None
+              and not self.starved
               and not self.durable_flows,
               "requests still waiting after the last event")
         self._advance(self.now_us + engine.limits.lease_ms_max * 1000 + 1000)

@@ -361,3 +361,32 @@ def test_watermarks_reclaim_with_hysteresis_and_puts_then_evict_nothing(engine_f
 def test_watermarks_are_checked(engine_factory):
     with pytest.raises(InvariantError, match="watermarks"):
         engine_factory(10, 64, high_watermark=0.5, low_watermark=0.5)
+
+
+def test_a_get_lease_that_expires_during_its_disk_reads_leaves_their_slots_pinned():
+    """Found in review: the blocks a Get reads in were pinned by its lease
+    only. When the lease expired (or was released) while the reads were in
+    flight, those blocks became eviction candidates, and a Put could take
+    their host slots while the disk thread was still writing into them. Each
+    read now holds its own pin until it ends."""
+    engine = Engine(host_slot_count=4, host_slot_bytes=1 << 10, disk_slot_count=16, disk_slot_bytes=1 << 10)
+    plane = Plane(engine)
+    plane.put("abcd")
+    plane.flush()
+    plane.put("wxyz")  # the host tier is full of these: abcd is on disk only
+    plane.flush()
+    assert [engine.tier_of(block) for block in engine.lookup(plane.ns, K("abcd"))] == [TierId.DISK] * 4
+    plan = engine.begin_get(plane.ns, "r", K("abcd"), 10, 0)
+    assert len(plan.loads) == 4
+    slots = {load.target_slot for load in plan.loads}
+    engine.expire(1_000)  # the Get's lease runs out while its reads are in flight
+    assert plan.lease.ended
+    engine.verify()
+    # No Put can take those slots now: every host slot is being read into.
+    with pytest.raises(KvdError):
+        engine.reserve(plane.ns, "w", b"", K("q"), LONG, 1_000)
+    engine.finish_loads(plan.loads, plane.load(plan.loads))
+    engine.verify()
+    # Read in and unpinned: ordinary candidates now, still holding their own bytes.
+    assert {engine.host_slot(block) for block in engine.lookup(plane.ns, K("abcd"))} == slots
+    assert plane.served(engine.lookup(plane.ns, K("abcd"))) == K("abcd")
