@@ -422,11 +422,16 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             # On failure complete_get ends the lease itself, once no read
             # into the pinned slots is still running.
             await self.disk_plane.complete_get(plan)
-            if plan.lease is not None and plan.lease.ended:
-                raise FailedPrecondition(
-                    f"the Get's lease ran out before its disk reads finished, so nothing is pinned for it "
-                    f"(lease_ms {request.lease_ms or self.engine.limits.lease_ms_default}); ask for a longer lease_ms")
+            self._check_lease_outlived_reads(request, plan)
         return plan.lease, plan.matched, tiers[: len(plan.matched)]
+
+    def _check_lease_outlived_reads(self, request, plan) -> None:
+        """A Get whose lease ended while its disk reads ran has nothing pinned: refuse it by name
+        rather than hand out slots another block may take at any moment."""
+        if plan.lease is not None and plan.lease.ended:
+            raise FailedPrecondition(
+                f"the Get's lease ran out before its disk reads finished, so nothing is pinned for it "
+                f"(lease_ms {request.lease_ms or self.engine.limits.lease_ms_default}); ask for a longer lease_ms")
 
     @rpc("Get")
     async def Get(self, request, context):
@@ -527,6 +532,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         finally:
             if not getting.done():
                 getting.cancel()
+        self._check_lease_outlived_reads(request, plan)
         yield kvd_pb2.GetLayersResponse(matched=min(servable, len(served)), layers_ready=layers)
 
     @rpc("Release")
