@@ -12,6 +12,7 @@ the simulator drive exactly the same code. Its parts, one job each:
 | blocks.py | the block lifecycle: handles, sealing, removal, loss, residency moves |
 | residency.py, slot_pool.py, tier.py | the tier stack: slots and where each block's copies are |
 | eviction.py | host slots: allocation, tenant affinity, quota room, watermarks |
+| part.py | what the request parts below share (limits, namespaces, blocks, host slots, leases) |
 | reads.py | Lookup and Get, with the disk reads a Get needs |
 | prefetch.py, prefetch_ledger.py | reads ahead of a Get, and whether they paid |
 | puts.py | reserve and commit |
@@ -94,7 +95,7 @@ class Engine:
         self.namespace_table = NamespaceTable(self.limits, self.host, self.disk, tenant_quotas)
         self.allocator = HostAllocator(self.blocks)
         self.reads = Reads(self.limits, self.namespace_table, self.blocks, self.allocator, self.leases)
-        self.prefetcher = Prefetcher(self.limits, self.namespace_table, self.blocks, self.allocator, self.reads)
+        self.prefetcher = Prefetcher(self.reads)
         self.puts = Puts(self.limits, self.namespace_table, self.blocks, self.allocator, self.leases)
         self.writeback = WriteBack(self.blocks)
         self.recovery = Recovery(self.namespace_table, self.blocks)

@@ -17,10 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvd.core.block import NO_SLOT, Block
-from kvd.core.blocks import BlockBook
-from kvd.core.eviction import HostAllocator
-from kvd.core.limits import EngineLimits
-from kvd.core.namespaces import NamespaceTable
+from kvd.core.part import EnginePart
 from kvd.core.reads import Reads
 from kvd.core.requests import check_keys, match
 from kvd.core.transfer import Transfer
@@ -53,17 +50,11 @@ class PrefetchPlan:
     limit: PrefetchLimit = PrefetchLimit.NONE
 
 
-class Prefetcher:
-    def __init__(self, limits: EngineLimits, namespaces: NamespaceTable, blocks: BlockBook,
-                 allocator: HostAllocator, reads: Reads) -> None:
-        self.limits = limits
-        self.namespaces = namespaces
-        self.blocks = blocks
-        self.allocator = allocator
+class Prefetcher(EnginePart):
+    def __init__(self, reads: Reads) -> None:
+        super().__init__(reads.limits, reads.namespaces, reads.blocks, reads.allocator, reads.leases)
         self.reads = reads
-        self.host = blocks.host
-        self.disk = blocks.disk
-        self.ledger = blocks.ledger
+        self.ledger = self.blocks.ledger
         # Prefetch loads queued or running.
         self.in_flight = 0
 

@@ -16,11 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvd.core.block import NO_SLOT, Block, BlockState
-from kvd.core.blocks import BlockBook
-from kvd.core.eviction import HostAllocator
-from kvd.core.lease import Lease, LeaseKind, LeaseTable
-from kvd.core.limits import EngineLimits
-from kvd.core.namespaces import NamespaceState, NamespaceTable
+from kvd.core.lease import Lease, LeaseKind
+from kvd.core.namespaces import NamespaceState
+from kvd.core.part import EnginePart
 from kvd.core.radix import PrefixIndex
 from kvd.core.requests import check_client, check_keys, check_lease_room, granted_lease_ms, parent_block
 from kvd.core.tier import TierId
@@ -45,16 +43,7 @@ class ReserveResult:
     slots: list[int]
 
 
-class Puts:
-    def __init__(self, limits: EngineLimits, namespaces: NamespaceTable, blocks: BlockBook,
-                 allocator: HostAllocator, leases: LeaseTable) -> None:
-        self.limits = limits
-        self.namespaces = namespaces
-        self.blocks = blocks
-        self.allocator = allocator
-        self.leases = leases
-        self.host = blocks.host
-
+class Puts(EnginePart):
     def reserve(
         self,
         namespace_id: bytes,

@@ -15,11 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvd.core.block import NO_SLOT, Block, BlockState
-from kvd.core.blocks import BlockBook
-from kvd.core.eviction import HostAllocator
-from kvd.core.lease import Lease, LeaseKind, LeaseTable
-from kvd.core.limits import EngineLimits
-from kvd.core.namespaces import NamespaceState, NamespaceTable
+from kvd.core.lease import Lease, LeaseKind
+from kvd.core.namespaces import NamespaceState
+from kvd.core.part import EnginePart
 from kvd.core.requests import check_client, check_keys, check_lease_room, granted_lease_ms, match
 from kvd.core.tier import TierId
 from kvd.core.transfer import Transfer
@@ -43,17 +41,7 @@ class GetPlan:
     counted: tuple[NamespaceState, int, int, int] | None = None
 
 
-class Reads:
-    def __init__(self, limits: EngineLimits, namespaces: NamespaceTable, blocks: BlockBook,
-                 allocator: HostAllocator, leases: LeaseTable) -> None:
-        self.limits = limits
-        self.namespaces = namespaces
-        self.blocks = blocks
-        self.allocator = allocator
-        self.leases = leases
-        self.host = blocks.host
-        self.disk = blocks.disk
-
+class Reads(EnginePart):
     def lookup(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
         """Longest stored prefix of `keys` (a chain continuing `parent_key`).
 
