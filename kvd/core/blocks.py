@@ -3,11 +3,12 @@
 `BlockBook` is the handle owner (kvd.core.block.HandleOwner): it pins and
 unpins blocks, seals them, aborts unsealed ones, and takes blocks out of
 the index (removed) or out of service (lost, tombstones while pinned). It
-moves residency (host and disk copies) with the tier stack and keeps the
-host tier's eviction candidates in step: a block is a candidate exactly
-while it is sealed, unpinned, resident in host memory and without a child
-resident there. Sealed blocks the disk admission filter accepts go on the
-write-back queue here; the write-back module (kvd.core.writeback) drains it.
+moves residency (host memory and the tiers below it) with the tier stack
+and keeps the host tier's eviction candidates in step: a block is a
+candidate exactly while it is sealed, unpinned, resident in host memory
+and without a child resident there. Sealed blocks a lower tier's admission
+filter accepts go on that tier's write-back queue here; the write-back
+module (kvd.core.writeback) drains each.
 
 Everything else in the core decides *what* to change and calls this.
 """
@@ -21,32 +22,42 @@ from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
 from kvd.core.events import EventLog
 from kvd.core.prefetch_ledger import PrefetchLedger
 from kvd.core.residency import TierStack
-from kvd.core.tier import MemoryTier, StorageTier, TierId
+from kvd.core.tier import MemoryTier, StorageTier, Tier, TierId
 from kvd.invariants import InvariantError, check
 
 
 class BlockBook:
-    def __init__(self, host: MemoryTier, disk: StorageTier | None, events: EventLog, ledger: PrefetchLedger,
+    def __init__(self, host: MemoryTier, lower: Sequence[StorageTier], events: EventLog, ledger: PrefetchLedger,
                  write_queue_max: int) -> None:
-        # The stack: host memory first, at global slot id 0; then the disk.
+        # The stack: host memory first, at global slot id 0; then the tiers
+        # below it, fastest first (a middle memory tier, the disk).
         self.host = host
-        self.disk = disk
-        self.tiers = TierStack([host] + ([disk] if disk is not None else []))
+        self.lower: list[StorageTier] = list(lower)
+        self.tiers = TierStack([host, *self.lower])
         check(host.rank == 0 and host.pool.base == 0, "host memory heads the stack at slot id 0")
+        persistent = [tier for tier in self.lower if tier.caps.persistent]
+        check(len(persistent) <= 1, "one persistent tier at most")
+        # The durable tier: what ACK_DURABLE, tenants' disk quotas and recovery mean.
+        self.disk: StorageTier | None = persistent[0] if persistent else None
         self._host_end = host.pool.end
         # Stored / removed / tier-changed events for KV-aware routers.
         self.events = events
         self.ledger = ledger
-        # Sealed blocks waiting to be written to disk, in seal order, so a
-        # parent is always written no later than its children.
-        self.write_queue: deque[Block] = deque()
+        # Per lower tier, sealed blocks waiting to be written there, in seal
+        # order, so a parent is always written no later than its children.
+        self.write_queues: dict[StorageTier, deque[Block]] = {tier: deque() for tier in self.lower}
         self.write_queue_max = write_queue_max
         self.write_queue_dropped = 0
-        # Blocks whose host slot is being filled from disk.
+        # Blocks whose host slot is being filled from a lower tier.
         self.loading: set[Block] = set()
         self.live_handles = 0
         self.leaked_handles = 0
         self.pinned_blocks = 0
+
+    @property
+    def write_queue(self) -> deque[Block]:
+        """The durable tier's write-back queue (an empty one without a disk)."""
+        return self.write_queues[self.disk] if self.disk is not None else deque()
 
     def acquire(self, block: Block) -> BlockHandle:
         check(block.state == BlockState.SEALED, "read handle on {!r}", block)
@@ -68,12 +79,15 @@ class BlockBook:
         check(block.parent is None or block.parent.state == BlockState.SEALED, "seal before the parent")
         block.state = BlockState.SEALED
         self.host.counters.sealed += 1
-        if self.disk is not None and block.index.disk_enabled and self.disk.admission.record(block.key):
-            self.queue_write(block)
+        if block.index.disk_enabled:
+            for tier in self.lower:
+                if tier.admission.record(block.key):
+                    self.queue_write(block, tier)
 
-    def queue_write(self, block: Block) -> None:
-        if len(self.write_queue) < self.write_queue_max:
-            self.write_queue.append(block)
+    def queue_write(self, block: Block, tier: StorageTier) -> None:
+        queue = self.write_queues[tier]
+        if len(queue) < self.write_queue_max:
+            queue.append(block)
         else:
             self.write_queue_dropped += 1
 
@@ -109,8 +123,25 @@ class BlockBook:
         return slot if slot < self._host_end else NO_SLOT
 
     def disk_slot(self, block: Block) -> int:
-        """`block`'s slot on disk, or NO_SLOT (also without a disk tier)."""
+        """`block`'s slot in the durable tier, or NO_SLOT (also without one)."""
         return NO_SLOT if self.disk is None else self.tiers.slot_in(block, self.disk)
+
+    def slot_in(self, block: Block, tier: Tier) -> int:
+        return self.host_slot(block) if tier is self.host else self.tiers.slot_in(block, tier)
+
+    def lower_copy(self, block: Block) -> tuple[StorageTier, int] | None:
+        """`block`'s fastest copy below host memory: (tier, slot), or None."""
+        gid = block.slot
+        if 0 <= gid < self._host_end:
+            gid = self.host.pool.below[gid]
+        if gid < 0:
+            return None
+        tier = self.tiers.tier_at(gid)
+        return tier, gid - tier.pool.base  # type: ignore[return-value]
+
+    def has_other_copy(self, block: Block, tier: Tier) -> bool:
+        """Whether `block` has a copy in some tier other than `tier`."""
+        return any(holder is not tier for holder, _ in self.tiers.copies(block))
 
     def tier_of(self, block: Block) -> TierId:
         """The tier a Get would serve `block` from now: its fastest copy, not
@@ -153,27 +184,32 @@ class BlockBook:
         if block.parent is not None:
             self.maybe_admit(block.parent, cold=cold_parent)
 
-    def free_disk_slot(self, block: Block) -> None:
-        """Drop a block's disk copy; its slot waits for a durable REMOVE."""
-        disk = self.disk
-        slot = self.disk_slot(block)
-        check(disk is not None and disk.pool.owners[slot] is block, "disk slot owner mismatch")
-        self.tiers.drop_copy(block, disk)
-        disk.pool.release(slot, block)
-        disk.pool.used_bytes -= self.block_bytes(block)
-        if block.index.quota is not None:
-            block.index.quota.disk_used_bytes -= disk.slot_bytes
+    def free_slot(self, block: Block, tier: StorageTier) -> None:
+        """Drop a block's copy in a lower tier; a persistent tier's slot waits for a durable REMOVE."""
+        slot = self.tiers.slot_in(block, tier)
+        check(slot != NO_SLOT and tier.pool.owners[slot] is block, "{} slot owner mismatch", tier.name)
+        self.tiers.drop_copy(block, tier)
+        tier.pool.release(slot, block)
+        tier.pool.used_bytes -= self.block_bytes(block)
+        if tier is self.disk and block.index.quota is not None:
+            block.index.quota.disk_used_bytes -= tier.slot_bytes
+
+    def free_lower_slots(self, block: Block) -> None:
+        for tier, _ in self.tiers.copies(block):
+            if tier is not self.host:
+                self.free_slot(block, tier)  # type: ignore[arg-type]
 
     def evict_from_host(self, victim: Block) -> None:
         """Free the host slot of `victim`, an eviction candidate."""
         host = self.host
         # Evicting a host leaf may make its parent one: it goes next in line,
         # so a cold prefix leaves the host tier from its tail inward.
-        if self.disk_slot(victim) != NO_SLOT:
-            # A durable copy exists: only the host copy goes.
+        lower = self.lower_copy(victim)
+        if lower is not None:
+            # A copy below exists: only the host copy goes.
             self.clear_host_slot(victim, cold_parent=True)
             host.counters.demotions += 1
-            self.events.tier_changed(victim.index.namespace_id, victim.key, TierId.DISK)
+            self.events.tier_changed(victim.index.namespace_id, victim.key, lower[0].tier_id)
         elif victim.children == 0:
             if self.disk is not None and victim.index.disk_enabled and not self.disk.admission.admits(victim.key):
                 # Dropped, never written: the admission filter turned it away.
@@ -196,8 +232,7 @@ class BlockBook:
         self.withdraw(block)
         if self.host_slot(block) != NO_SLOT:
             self.clear_host_slot(block, cold_parent=cold_parent)
-        if self.disk_slot(block) != NO_SLOT:
-            self.free_disk_slot(block)
+        self.free_lower_slots(block)
         parent = block.index.remove(block)
         if parent is not None:
             if parent.state == BlockState.LOST:
@@ -227,8 +262,7 @@ class BlockBook:
             # keeps it until it lets the block go (commit seals nothing LOST).
             if self.host_slot(member) != NO_SLOT and member not in self.loading and member.state != BlockState.WRITABLE:
                 self.clear_host_slot(member, cold_parent=False)
-            if self.disk_slot(member) != NO_SLOT:
-                self.free_disk_slot(member)
+            self.free_lower_slots(member)
             member.state = BlockState.LOST
         for member in block.index.subtree(block):
             if member.state == BlockState.LOST and member.ref_count == 0 and member.children == 0:
@@ -273,13 +307,15 @@ class BlockBook:
                     quota.candidates.move_to_end(last)
 
     def note_sightings(self, matched: Sequence[Block]) -> None:
-        """A Get or a repeated Put saw these blocks (one chain): tell the disk
-        admission filter, and queue for writing those that just qualified."""
-        disk = self.disk
-        if disk is None or not matched or not disk.admission.active or not matched[0].index.disk_enabled:
+        """A Get or a repeated Put saw these blocks (one chain): tell each lower
+        tier's admission filter, and queue for writing those that just qualified."""
+        if not matched or not matched[0].index.disk_enabled:
             return
-        for position in disk.admission.record_many([block.key for block in matched]):
-            block = matched[position]
-            if self.host_slot(block) != NO_SLOT and self.disk_slot(block) == NO_SLOT:
-                self.queue_write(block)
+        for tier in self.lower:
+            if not tier.admission.active:
+                continue
+            for position in tier.admission.record_many([block.key for block in matched]):
+                block = matched[position]
+                if self.host_slot(block) != NO_SLOT and self.tiers.slot_in(block, tier) == NO_SLOT:
+                    self.queue_write(block, tier)
 

@@ -13,10 +13,10 @@ the simulator drive exactly the same code. Its parts, one job each:
 | residency.py, slot_pool.py, tier.py | the tier stack: slots and where each block's copies are |
 | eviction.py | host slots: allocation, tenant affinity, quota room, watermarks |
 | part.py | what the request parts below share (limits, namespaces, blocks, host slots, leases) |
-| reads.py | Lookup and Get, with the disk reads a Get needs |
+| reads.py | Lookup and Get, with the reads from lower tiers a Get needs |
 | prefetch.py, prefetch_ledger.py | reads ahead of a Get, and whether they paid |
 | puts.py | reserve and commit |
-| writeback.py | which blocks are written to disk next, into which slots |
+| writeback.py | which blocks are written to each lower tier next, into which slots |
 | recovery.py | indexing what the disk held at start |
 | verify.py | the invariants between all of the above |
 
@@ -51,7 +51,7 @@ from kvd.core.recovery import Recovery
 from kvd.core.requests import check_client, check_keys, granted_lease_ms
 from kvd.core.residency import TierStack
 from kvd.core.slot_pool import SlotPool
-from kvd.core.tier import MemoryTier, StorageTier, TierId
+from kvd.core.tier import MemoryTier, StorageSpec, StorageTier, TierId
 from kvd.core.verify import verify_blocks, verify_quotas
 from kvd.core.transfer import Transfer
 from kvd.core.writeback import WriteBack
@@ -60,7 +60,7 @@ from kvd.errors import InvalidArgument
 __all__ = [
     "MAX_CLIENT_ID_CHARS", "TENANT_AFFINITY_WINDOW", "Engine", "EngineLimits", "GetPlan",
     "NamespaceState", "PrefetchCounters", "PrefetchLimit", "PrefetchPlan", "ReserveResult", "ReserveStatus",
-    "TierId", "Transfer", "namespace_not_found",
+    "StorageSpec", "TierId", "Transfer", "namespace_not_found",
 ]
 
 
@@ -80,24 +80,33 @@ class Engine:
         high_watermark: float = 0.9,
         low_watermark: float = 0.8,
         tenant_quotas: Sequence[TenantQuota] = (),
+        lower_tiers: Sequence[StorageSpec] = (),
     ) -> None:
+        """`lower_tiers`: tiers between host memory and the disk, fastest first."""
         self.limits = limits or EngineLimits()
-        # Host memory first, at global slot id 0; then the disk.
+        # Host memory first, at global slot id 0; then the tiers below, the disk last.
         self.host = MemoryTier(TierId.HOST, SlotPool(host_slot_count, host_slot_bytes),
                                make_policy(policy, host_slot_count), client_mappable=True,
                                high_watermark=high_watermark, low_watermark=low_watermark)
-        self.disk = (StorageTier(TierId.DISK, SlotPool(disk_slot_count, disk_slot_bytes, base=host_slot_count,
-                                                       persistent=True), disk_policies)
-                     if disk_slot_count else None)
+        specs = list(lower_tiers)
+        if disk_slot_count:
+            specs.append(StorageSpec(TierId.DISK, disk_slot_count, disk_slot_bytes, True, disk_policies))
+        lower: list[StorageTier] = []
+        base = self.host.pool.end
+        for spec in specs:
+            lower.append(spec.build(base))
+            base = lower[-1].pool.end
         self.events = events if events is not None else EventLog()
         self.leases = LeaseTable(self.limits.max_leases, self.limits.max_pins_per_client)
-        self.blocks = BlockBook(self.host, self.disk, self.events, PrefetchLedger(), write_queue_max)
-        self.namespace_table = NamespaceTable(self.limits, self.host, self.disk, tenant_quotas)
+        self.blocks = BlockBook(self.host, lower, self.events, PrefetchLedger(), write_queue_max)
+        # The durable tier, if any (the disk).
+        self.disk = self.blocks.disk
+        self.namespace_table = NamespaceTable(self.limits, self.host, lower, tenant_quotas)
         self.allocator = HostAllocator(self.blocks)
         self.reads = Reads(self.limits, self.namespace_table, self.blocks, self.allocator, self.leases)
         self.prefetcher = Prefetcher(self.reads)
         self.puts = Puts(self.limits, self.namespace_table, self.blocks, self.allocator, self.leases)
-        self.writeback = WriteBack(self.blocks)
+        self.writebacks = {tier: WriteBack(self.blocks, tier) for tier in lower}
         self.recovery = Recovery(self.namespace_table, self.blocks)
 
     # -- state the daemon, metrics and tests read ----------------------------
@@ -240,22 +249,40 @@ class Engine:
                abort_keys: Sequence[bytes], now_ms: int) -> tuple[int, int]:
         return self.puts.commit(namespace_id, client_id, lease_id, keys, abort_keys, now_ms)
 
-    # -- the disk tier (kvd.core.writeback, kvd.core.recovery) -------------------
+    # -- the tiers below host memory (kvd.core.writeback, kvd.core.recovery) ------
 
-    def pick_writes(self, limit: int) -> list[Transfer]:
-        return self.writeback.pick_writes(limit)
+    @property
+    def lower_tiers(self) -> list[StorageTier]:
+        return self.blocks.lower
+
+    def pick_writes(self, limit: int, tier: StorageTier | None = None) -> list[Transfer]:
+        """The next writes to `tier` (default: the durable tier)."""
+        tier = tier or self.disk
+        return [] if tier is None else self.writebacks[tier].pick_writes(limit)
 
     def finish_writes(self, writes: Sequence[Transfer], ok: Sequence[bool]) -> None:
-        self.writeback.finish_writes(writes, ok)
+        if writes:
+            self.writebacks[writes[0].target].finish_writes(writes, ok)
+
+    def write_queue_of(self, tier: StorageTier):
+        return self.blocks.write_queues[tier]
+
+    def take_removals(self, tier: StorageTier) -> list[tuple[bytes, bytes, int]]:
+        """(namespace id, key, slot) of `tier`'s freed slots whose REMOVE must be journalled."""
+        return self.writebacks[tier].take_removals()
+
+    def confirm_removals(self, tier: StorageTier, slots: Sequence[int]) -> None:
+        self.writebacks[tier].confirm_removals(slots)
 
     def take_disk_removals(self) -> list[tuple[bytes, bytes, int]]:
-        return self.writeback.take_removals()
+        return [] if self.disk is None else self.take_removals(self.disk)
 
     def confirm_disk_removals(self, slots: Sequence[int]) -> None:
-        self.writeback.confirm_removals(slots)
+        self.confirm_removals(self.disk, slots)
 
     def require_durable(self, blocks: Iterable[Block]) -> None:
-        self.writeback.require_durable(blocks)
+        if self.disk is not None:
+            self.writebacks[self.disk].require_durable(blocks)
 
     def recover(self, namespace_id: bytes, records: Iterable[tuple[bytes, bytes, int]]) -> int:
         return self.recovery.recover(namespace_id, records)

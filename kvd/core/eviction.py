@@ -57,7 +57,7 @@ class HostAllocator:
     def demote_to_low_watermark(self, limit: int | None = None) -> int:
         """Drop host copies of durable blocks, in eviction order, down to the low watermark.
 
-        Stops at the first candidate without a disk copy: that one must be
+        Stops at the first candidate without a copy below: that one must be
         written back first (or, without a disk tier, be evicted on demand
         when a slot is needed: dropping blocks early would only lose hits).
         Returns the number demoted (at most `limit`).
@@ -66,7 +66,7 @@ class HostAllocator:
         demoted = 0
         while host.pool.resident_blocks > host.low_slots and (limit is None or demoted < limit):
             victim = host.policy.victim()
-            if victim is None or self.blocks.disk_slot(victim) == NO_SLOT:
+            if victim is None or self.blocks.lower_copy(victim) is None:
                 break
             self.blocks.evict_from_host(victim)  # durable: only its host copy goes
             host.counters.background_demotions += 1
@@ -129,9 +129,9 @@ class HostAllocator:
         QuotaExceeded, having changed nothing, if they cannot be made to fit.
 
         `keep` (the block the reservation extends) is never a victim, nor is
-        a candidate that has children but no disk copy: evicting it would
+        a candidate that has children but no copy below: evicting it would
         lose its subtree. Other candidates either are leaves (removed) or
-        have a disk copy (demoted, still stored).
+        have a copy below (demoted, still stored).
         """
         slot_bytes = self.host.slot_bytes
         excess_bytes = quota.host_excess_bytes(slots, slot_bytes)
@@ -177,7 +177,7 @@ class HostAllocator:
             child, parent = block, block.parent
             while count < needed and parent is not None and parent not in counted:
                 # The parent's children once `child` is gone: a non-durable child leaves the index.
-                children_left = parent.children - (0 if self.blocks.disk_slot(child) != NO_SLOT else 1)
+                children_left = parent.children - (0 if self.blocks.lower_copy(child) is not None else 1)
                 if not (self.blocks.host_slot(parent) != NO_SLOT and self.blocks.tiers.resident_children(parent, self.host) == 1 and parent.ref_count == 0
                         and parent.state == BlockState.SEALED and parent.index.quota is quota
                         and self.quota_victim(parent, keep, children_left)):
@@ -204,10 +204,10 @@ class HostAllocator:
     def quota_victim(self, block: Block, keep: Block | None, children: int | None = None) -> bool:
         """Whether a tenant's candidate may go to keep it within its host quota:
         not the block a reservation extends, and not one with children but no
-        disk copy (evicting it would lose its subtree)."""
+        copy below (evicting it would lose its subtree)."""
         if children is None:
             children = block.children
-        return block is not keep and not (children and self.blocks.disk_slot(block) == NO_SLOT)
+        return block is not keep and not (children and self.blocks.lower_copy(block) is None)
 
 
     def verify(self) -> None:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
 from kvd.core.prefetch import PrefetchPlan
+from kvd.core.tier import StorageTier
 from kvd.core.transfer import Transfer
 from kvd.invariants import check
 
@@ -194,7 +195,14 @@ class WriteRound:
     journalled: bool = False
 
     def __post_init__(self) -> None:
+        check(bool(self.writes), "a write round without writes")
+        target = self.writes[0].target
+        check(all(write.target is target for write in self.writes), "a write round goes to one tier")
         self.ok = [False] * len(self.writes)
+
+    @property
+    def target(self) -> StorageTier:
+        return self.writes[0].target  # type: ignore[return-value]
 
     def chunks(self) -> list[list[int]]:
         """Positions of the writes, one list per write job: grouped by
@@ -215,15 +223,26 @@ class WriteRound:
 class Mover:
     def __init__(self, engine: Engine, settings: MoverSettings,
                  admission_reason: Callable[[Block], str] = lambda block: "the disk tier does not take it") -> None:
-        check(engine.disk is not None, "the mover moves blocks to and from a disk tier")
+        check(bool(engine.lower_tiers), "the mover moves blocks to and from tiers below host memory")
         self.engine = engine
         self.settings = settings
-        self.round: WriteRound | None = None
+        # The write round in flight to each lower tier, at most one each.
+        self.in_flight: dict[StorageTier, WriteRound] = {}
         self.durable: DurableWaits = DurableWaits(engine, admission_reason)
         # Gets waiting for write-back to make room: a reason to write now.
         self.starved_gets = 0
         self.draining = False
         self.rounds = 0
+
+    @property
+    def round(self) -> WriteRound | None:
+        """The round in flight to the durable tier (the disk)."""
+        return self.in_flight.get(self.engine.disk) if self.engine.disk is not None else None
+
+    def _target(self, tier: StorageTier | None) -> StorageTier:
+        tier = tier or self.engine.disk or self.engine.lower_tiers[0]
+        check(tier in self.engine.lower_tiers, "{} is no tier below host memory", tier.name)
+        return tier
 
     # -- write-back ------------------------------------------------------------
 
@@ -233,50 +252,59 @@ class Mover:
         return self.engine.host_reclaiming()
 
     def reclaim(self) -> int:
-        """Above the high watermark: demote durable blocks down to the low one; how many."""
+        """Above the high watermark: demote blocks with a copy below down to the low one; how many."""
         engine = self.engine
         return engine.demote_to_low_watermark() if engine.host_reclaiming() else 0
 
-    def backlog(self) -> int:
-        """Blocks waiting for write-back while memory needs them written (for the I/O schedule)."""
-        return len(self.engine.write_queue) if self.should_write() else 0
+    def backlog(self, tier: StorageTier | None = None) -> int:
+        """Blocks waiting for write-back to `tier` (default: the disk) while memory needs them written
+        (for the I/O schedule)."""
+        return len(self.engine.write_queue_of(self._target(tier))) if self.should_write() else 0
 
-    def next_round(self) -> WriteRound | None:
-        """A turn of the writer: reclaim if due, then the next round of
-        write-back if none is in flight, one is due, and there is something
-        to write."""
+    def next_round(self, tier: StorageTier | None = None) -> WriteRound | None:
+        """A turn of the writer to `tier` (default: the disk): reclaim if due,
+        then the next round of write-back if none is in flight to that tier,
+        one is due, and there is something to write."""
+        tier = self._target(tier)
         self.reclaim()
-        if self.round is not None or not self.should_write():
+        if tier in self.in_flight or not self.should_write():
             return None
-        writes = self.engine.pick_writes(self.settings.batch_blocks)
+        writes = self.engine.pick_writes(self.settings.batch_blocks, tier)
         if not writes:
             return None
-        # Taken after the picks: they include the removals of the disk
-        # slots those writes take over from evicted blocks.
-        self.round = WriteRound(writes, self.engine.take_disk_removals(), self.settings.chunk_blocks)
-        return self.round
+        # Taken after the picks: they include the removals of the slots
+        # those writes take over from evicted blocks (persistent tiers).
+        round_ = WriteRound(writes, self.engine.take_removals(tier), self.settings.chunk_blocks)
+        self.in_flight[tier] = round_
+        return round_
+
+    def _check_in_flight(self, round_: WriteRound, journalled: bool, what: str) -> None:
+        check(self.in_flight.get(round_.target) is round_ and round_.journalled == journalled,
+              "{} of a round not in flight", what)
 
     def removals_journalled(self, round_: WriteRound, failed: Collection[int]) -> None:
         """The round's removals are journalled (durable), but those of the `failed` slots."""
-        check(round_ is self.round and not round_.journalled, "removals of a round not in flight")
+        self._check_in_flight(round_, False, "removals")
         failed = frozenset(failed)
-        self.engine.confirm_disk_removals([slot for _, _, slot in round_.removals if slot not in failed])
+        self.engine.confirm_removals(round_.target, [slot for _, _, slot in round_.removals if slot not in failed])
         round_.unusable = failed
         round_.journalled = True
 
     def chunk_written(self, round_: WriteRound, positions: Sequence[int], ok: Sequence[bool]) -> None:
-        check(round_ is self.round and round_.journalled, "a write chunk of a round not in flight")
+        self._check_in_flight(round_, True, "a write chunk")
         check(len(positions) == len(ok), "one outcome per write")
         for position, good in zip(positions, ok):
             round_.ok[position] = bool(good)
 
     def finish_round(self, round_: WriteRound) -> list[tuple[object, NotDurable | None]]:
         """Every chunk of the round has been written (or failed): record what
-        is durable; the outcome for each durable wait on one of its blocks."""
-        check(round_ is self.round and round_.journalled, "finish of a round not in flight")
+        landed; the outcome for each durable wait on one of its blocks."""
+        self._check_in_flight(round_, True, "finish")
         self.engine.finish_writes(round_.writes, round_.ok)
-        self.round = None
+        del self.in_flight[round_.target]
         self.rounds += 1
+        if round_.target is not self.engine.disk:
+            return []
         return self.durable.written(round_.writes, round_.ok)
 
     def abandon_round(self, round_: WriteRound) -> list[tuple[object, NotDurable | None]]:
@@ -324,7 +352,8 @@ class Mover:
     # -- Gets starved of host slots --------------------------------------------
 
     def write_back_pending(self) -> bool:
-        return bool(self.engine.write_queue) or self.round is not None
+        """Whether a write to any tier below is queued or in flight (its end may free host slots)."""
+        return bool(self.in_flight) or any(self.engine.write_queue_of(tier) for tier in self.engine.lower_tiers)
 
     def starved_get_waits(self, now: float, deadline: float) -> bool:
         """Whether a starved Get should wait for the next round (else it takes what it can now)."""
@@ -337,9 +366,8 @@ class Mover:
     def verify(self) -> None:
         check(self.starved_gets >= 0, "a negative count of starved Gets")
         self.durable.verify()
-        round_ = self.round
-        if round_ is not None:
-            disk = self.engine.disk
-            check(all(write.target_slot in disk.pool.incoming for write in round_.writes),
+        for tier, round_ in self.in_flight.items():
+            check(round_.target is tier, "a round in flight to {} is filed under another tier", tier.name)
+            check(all(write.target_slot in tier.pool.incoming for write in round_.writes),
                   "a write of the round in flight lost its incoming slot")
             check(len(round_.ok) == len(round_.writes), "one outcome per write of the round")

@@ -45,11 +45,11 @@ def namespace_not_found(namespace_id: bytes) -> NotFound:
 
 
 class NamespaceTable:
-    def __init__(self, limits: EngineLimits, host: MemoryTier, disk: StorageTier | None,
+    def __init__(self, limits: EngineLimits, host: MemoryTier, lower: Sequence[StorageTier],
                  tenant_quotas: Sequence[TenantQuota]) -> None:
         self.limits = limits
         self.host = host
-        self.disk = disk
+        self.lower = list(lower)
         self._by_id: dict[bytes, NamespaceState] = {}
         # (tenant, the id its clients know) -> namespace: how the daemon
         # finds a tenant's namespace, and only that tenant's.
@@ -109,8 +109,8 @@ class NamespaceTable:
         return state
 
     def enable_disk(self, namespace_id: bytes) -> None:
-        """Write this namespace's sealed blocks to the disk tier from now on."""
-        check(self.disk is not None, "no disk tier")
+        """Write this namespace's sealed blocks to the tiers below host memory from now on."""
+        check(bool(self.lower), "no tier below host memory")
         self.namespace(namespace_id).index.disk_enabled = True
 
     def namespace(self, namespace_id: bytes) -> NamespaceState:

@@ -104,7 +104,8 @@ class Prefetcher(EnginePart):
         if self.in_flight >= max_in_flight:
             plan.limit = PrefetchLimit.IN_FLIGHT
             return False
-        if not self.disk.promotion.promote(block):
+        source, source_slot = self.blocks.lower_copy(block)
+        if not source.promotion.promote(block):
             plan.limit = PrefetchLimit.PROMOTION
             return False
         quota = block.index.quota
@@ -113,20 +114,16 @@ class Prefetcher(EnginePart):
             plan.limit = PrefetchLimit.HOST_FULL
             return False
         # A prefetch is a guess: to make room it may demote a block that has
-        # a disk copy, but never drop one that exists in host memory only.
+        # a copy below, but never drop one that exists in host memory only.
         victim = None if self.host.pool.free_count else self.host.policy.victim()
-        slot = (NO_SLOT if victim is not None and self.blocks.disk_slot(victim) == NO_SLOT
+        slot = (NO_SLOT if victim is not None and self.blocks.lower_copy(victim) is None
                 else self.allocator.allocate(block.index.tenant, prefer_own=False))
         if slot == NO_SLOT:
             plan.limit = PrefetchLimit.HOST_FULL
             return False
-        self.blocks.set_host_slot(block, slot)
-        self.blocks.loading.add(block)
-        self.disk.eviction.touch(self.blocks.disk_slot(block))
+        plan.loads.append(self.reads.start_load(block, source, source_slot, slot))
         self.ledger.queued(block)
         self.in_flight += 1
-        plan.loads.append(Transfer(block, self.disk, self.blocks.disk_slot(block), self.host, slot,
-                                   self.blocks.acquire(block)))
         return True
 
     def finish(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:

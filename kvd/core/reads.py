@@ -1,9 +1,10 @@
-"""Reads: Lookup, and Get with the disk reads it needs first.
+"""Reads: Lookup, and Get with the reads from lower tiers it needs first.
 
 A Get pins the longest stored prefix of its keys under one read lease.
-Blocks only on disk get a host slot at once (evicting if needed) and are
-listed as loads: the caller reads them into those slots and reports with
-`finish_loads`; a block another Get is loading already is waited for.
+Blocks not in host memory get a host slot at once (evicting if needed) and
+are listed as loads, each from the block's fastest copy below (a middle
+tier, else the disk): the caller reads them into those slots and reports
+with `finish_loads`; a block another Get is loading already is waited for.
 When the host tier cannot take a block, or the promotion policy declines
 it, the prefix is cut before it. `settle_get` then gives the servable
 prefix. Hits and misses are counted per namespace and per tier.
@@ -19,18 +20,18 @@ from kvd.core.lease import Lease, LeaseKind
 from kvd.core.namespaces import NamespaceState
 from kvd.core.part import EnginePart
 from kvd.core.requests import check_client, check_keys, check_lease_room, granted_lease_ms, match
-from kvd.core.tier import TierId
+from kvd.core.tier import StorageTier, Tier, TierId
 from kvd.core.transfer import Transfer
 from kvd.invariants import check
 
 
 @dataclass(slots=True)
 class GetPlan:
-    """A Get in progress: the pinned prefix and the disk reads it needs first."""
+    """A Get in progress: the pinned prefix and the reads from lower tiers it needs first."""
 
     lease: Lease | None
     matched: list[Block]
-    # Reads from disk into host slots given now (one hop per block).
+    # Reads into host slots given now, each from the block's fastest copy below.
     loads: list[Transfer] = field(default_factory=list)
     # Blocks another Get is loading already; wait for it, then settle.
     waits: list[Block] = field(default_factory=list)
@@ -38,7 +39,7 @@ class GetPlan:
     starved: bool = False
     # What begin_get counted (Reads.count_get), taken back by abandon_get
     # so that a Get retried after a starved plan counts its keys once.
-    counted: tuple[NamespaceState, int, int, int] | None = None
+    counted: tuple[NamespaceState, int, int, int, dict[Tier, int]] | None = None
 
 
 class Reads(EnginePart):
@@ -122,7 +123,8 @@ class Reads(EnginePart):
                 continue
             if self.blocks.host_slot(block) != NO_SLOT:
                 continue
-            if not self.disk.promotion.promote(block):
+            source, source_slot = self.blocks.lower_copy(block)
+            if not source.promotion.promote(block):
                 self.cut_plan(plan, position)
                 break
             slot = self.allocator.allocate(block.index.tenant)
@@ -130,15 +132,20 @@ class Reads(EnginePart):
                 self.cut_plan(plan, position)
                 plan.starved = True
                 break
-            self.blocks.set_host_slot(block, slot)
-            self.blocks.loading.add(block)
-            self.disk.eviction.touch(self.blocks.disk_slot(block))
-            # The read holds its own pin: the Get's lease may end (expire, be
-            # released) while the bytes are still landing in this slot.
-            plan.loads.append(Transfer(block, self.disk, self.blocks.disk_slot(block), self.host, slot,
-                                       self.blocks.acquire(block)))
+            plan.loads.append(self.start_load(block, source, source_slot, slot))
         self.blocks.ledger.used(plan.matched)
         return plan
+
+    def start_load(self, block: Block, source: StorageTier, source_slot: int, slot: int) -> Transfer:
+        """`block` is read from `source` into host `slot`: the slot is its from
+        now on, and the read holds its own pin (a Get's lease may end, expire
+        or be released, while the bytes are still landing in this slot)."""
+        check(self.blocks.tiers.slot_in(block, source) == source_slot, "{!r} is not in {} slot {}",
+              block, source.name, source_slot)
+        self.blocks.set_host_slot(block, slot)
+        self.blocks.loading.add(block)
+        source.eviction.touch(source_slot)
+        return Transfer(block, source, source_slot, self.host, slot, self.blocks.acquire(block))
 
     def finish_loads(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         """Blocks read from disk: good ones are now in the host tier, bad ones
@@ -152,6 +159,7 @@ class Reads(EnginePart):
 
     def _finish_load(self, load: Transfer, good: bool) -> None:
         block = load.block
+        source = load.source
         if block not in self.blocks.loading:
             # An ancestor loaded in this batch was corrupt: lost already.
             check(block.state in (BlockState.LOST, BlockState.REMOVED), "{!r} was not loading", block)
@@ -166,12 +174,12 @@ class Reads(EnginePart):
             self.blocks.clear_host_slot(block, cold_parent=False)
             return
         if good:
-            self.disk.counters.loaded += 1
+            source.counters.loaded += 1
             self.blocks.events.tier_changed(block.index.namespace_id, block.key, TierId.HOST)
         else:
             # Corrupt or unreadable: never served, and neither is anything
             # chained under it.
-            self.disk.counters.load_failures += 1
+            source.counters.load_failures += 1
             self.blocks.lose(block)
 
     def abandon_get(self, plan: GetPlan) -> None:
@@ -225,27 +233,41 @@ class Reads(EnginePart):
         return matched
 
     def count_get(self, state: NamespaceState, requested: int,
-                   matched: Sequence[Block]) -> tuple[NamespaceState, int, int, int]:
+                  matched: Sequence[Block]) -> tuple[NamespaceState, int, int, int, dict[Tier, int]]:
         """Count a Get's keys per namespace and per tier; returns what it counted.
 
-        A key is looked for in the host tier, then on disk: one resident in
-        host memory is a host hit; any other is a host miss (a page fault),
-        then a disk hit if it was matched (read back, or being read back
-        for another Get) or a disk miss if it was not found at all.
+        A key is looked for in host memory, then in each tier below in
+        order: one resident in host memory is a host hit; any other is a
+        host miss (a page fault), then a hit in the fastest tier below that
+        has it (read back, or being read back for another Get) and a miss
+        in each tier it was looked for in before that.
         """
+        lower_hits: dict[Tier, int] = {}
         in_host = len(matched)
-        if self.disk is not None:
-            in_host = sum(1 for block in matched if self.blocks.host_slot(block) != NO_SLOT and block not in self.blocks.loading)
-        counted = (state, requested, len(matched), in_host)
+        if self.blocks.lower:
+            in_host = 0
+            loading = self.blocks.loading
+            for block in matched:
+                if self.blocks.host_slot(block) != NO_SLOT and block not in loading:
+                    in_host += 1
+                else:
+                    tier = self.blocks.lower_copy(block)[0]
+                    lower_hits[tier] = lower_hits.get(tier, 0) + 1
+        counted = (state, requested, len(matched), in_host, lower_hits)
         self.tally_get(*counted, sign=1)
         return counted
 
-    def tally_get(self, state: NamespaceState, requested: int, matched: int, in_host: int, *, sign: int) -> None:
+    def tally_get(self, state: NamespaceState, requested: int, matched: int, in_host: int,
+                  lower_hits: dict[Tier, int], *, sign: int) -> None:
         state.get_hits += sign * matched
         state.get_misses += sign * (requested - matched)
-        if self.disk is not None:
-            self.disk.counters.hits += sign * (matched - in_host)
-            self.disk.counters.misses += sign * (requested - matched)
         self.host.counters.hits += sign * in_host
         self.host.counters.misses += sign * (requested - in_host)
-
+        # Keys past host memory: each tier below misses what it was asked
+        # for and did not have; what it had goes no further down.
+        asked = requested - in_host
+        for tier in self.blocks.lower:
+            hits = lower_hits.get(tier, 0)
+            tier.counters.hits += sign * hits
+            tier.counters.misses += sign * (asked - hits)
+            asked -= hits

@@ -132,9 +132,15 @@ class SlotPool:
             self.removals.append((namespace_id, key, slot))
 
     def reuse(self, slot: int) -> None:
-        """Take a quarantined slot straight over: the caller journals the
-        pending removals (take_removals) before it writes new bytes there."""
-        self.quarantine.discard(slot)
+        """Take a slot just released straight over for a new block. A
+        persistent tier's caller journals the pending removals
+        (take_removals) before it writes new bytes there; a volatile tier's
+        slot went back to the free list on release and leaves it again."""
+        if self.persistent:
+            self.quarantine.discard(slot)
+        else:
+            check(bool(self._free) and self._free[-1] == self.ids[slot], "slot {} was not just released", slot)
+            self._free.pop()
 
     def take_removals(self) -> list[tuple[bytes, bytes, int]]:
         removals, self.removals = self.removals, []

@@ -80,13 +80,29 @@ class TierCounters:
     admission_rejected: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class StorageSpec:
+    """A tier below host memory, before its slot ids are placed in the stack."""
+
+    tier_id: TierId
+    slot_count: int
+    slot_bytes: int
+    persistent: bool = False
+    policies: DiskPolicies | None = None
+    name: str = ""
+
+    def build(self, base: int) -> StorageTier:
+        pool = SlotPool(self.slot_count, self.slot_bytes, base=base, persistent=self.persistent)
+        return StorageTier(self.tier_id, pool, self.policies, name=self.name)
+
+
 class Tier:
     """One tier of the stack: a slot pool and what kind of tier it is."""
 
-    def __init__(self, tier_id: TierId, caps: Capabilities, pool: SlotPool) -> None:
+    def __init__(self, tier_id: TierId, caps: Capabilities, pool: SlotPool, name: str = "") -> None:
         check(pool.persistent == caps.persistent, "a tier's pool and capabilities disagree on persistence")
         self.tier_id = tier_id
-        self.name = tier_id.name.lower()
+        self.name = name or tier_id.name.lower()
         self.caps = caps
         self.pool = pool
         self.counters = TierCounters()
@@ -139,10 +155,18 @@ class MemoryTier(Tier):
 
 
 class StorageTier(Tier):
-    """A persistent tier: slot-array eviction, admission and promotion policies."""
+    """A tier below host memory: slot-array eviction, admission and promotion policies.
 
-    def __init__(self, tier_id: TierId, pool: SlotPool, policies: DiskPolicies | None = None) -> None:
-        super().__init__(tier_id, Capabilities(persistent=True, client_mappable=False, inclusive=True), pool)
+    Persistent (the disk: its pool quarantines freed slots until their
+    REMOVE is journalled) or volatile (a memory tier between host and
+    disk; the remote tier of other nodes later). Inclusive either way: a
+    block read up from it keeps its copy here.
+    """
+
+    def __init__(self, tier_id: TierId, pool: SlotPool, policies: DiskPolicies | None = None, *,
+                 name: str = "") -> None:
+        super().__init__(tier_id, Capabilities(persistent=pool.persistent, client_mappable=False, inclusive=True),
+                         pool, name)
         policies = policies or DiskPolicies()
         self.eviction = make_slot_policy(policies.eviction, pool.slot_count)
         self.admission = AdmissionFilter.for_slots(policies.admission_min_hits, pool.slot_count)

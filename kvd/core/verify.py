@@ -14,6 +14,7 @@ from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.blocks import BlockBook
 from kvd.core.namespaces import NamespaceState
 from kvd.core.quota import TenantQuota
+from kvd.core.tier import Tier
 from kvd.invariants import check
 
 
@@ -22,7 +23,8 @@ class _Tally:
 
     def __init__(self, blocks: BlockBook) -> None:
         self.resident_children: dict = {tier: {} for tier in blocks.tiers}
-        self.host_blocks = self.disk_blocks = self.host_bytes = self.disk_bytes = 0
+        # Per tier: resident blocks and their bytes.
+        self.resident: dict[Tier, list[int]] = {tier: [0, 0] for tier in blocks.tiers}
         self.pinned = self.refs = 0
 
 
@@ -33,12 +35,9 @@ def verify_blocks(blocks: BlockBook, states: Iterable[NamespaceState], prefetch_
         for block in state.index:
             _verify_block(blocks, block, state.block_bytes, tally)
     blocks.tiers.verify_children(tally.resident_children)
-    host, disk = blocks.host, blocks.disk
-    check(tally.host_blocks == host.pool.resident_blocks, "resident blocks disagree with free slots")
-    check(tally.host_bytes == host.pool.used_bytes, "host used bytes drifted")
-    if disk is not None:
-        check(tally.disk_bytes == disk.pool.used_bytes, "disk used bytes drifted")
-        check(tally.disk_blocks == disk.pool.resident_blocks, "disk resident blocks disagree with its slots")
+    for tier, (resident, used) in tally.resident.items():
+        check(resident == tier.pool.resident_blocks, "{} resident blocks disagree with its slots", tier.name)
+        check(used == tier.pool.used_bytes, "{} used bytes drifted", tier.name)
     check(tally.pinned == blocks.pinned_blocks, "pinned count {} but {} pinned", blocks.pinned_blocks, tally.pinned)
     check(tally.refs == blocks.live_handles, "{} live handles but {} references", blocks.live_handles, tally.refs)
     check(0 <= prefetch_in_flight <= len(blocks.loading), "{} prefetch loads in flight", prefetch_in_flight)
@@ -51,22 +50,23 @@ def verify_blocks(blocks: BlockBook, states: Iterable[NamespaceState], prefetch_
 
 def _verify_block(blocks: BlockBook, block: Block, block_bytes: int, tally: _Tally) -> None:
     blocks.tiers.verify_block(block, tally.resident_children)
-    host_slot, disk_slot = blocks.host_slot(block), blocks.disk_slot(block)
+    copies = blocks.tiers.copies(block)
+    host_slot = blocks.host_slot(block)
     if block.state == BlockState.LOST:
         # Only a pinned tombstone (a load or a writer still using its host slot) keeps that slot.
-        check((host_slot == NO_SLOT or block.ref_count > 0) and disk_slot == NO_SLOT, "tombstone {!r} has slots",
-              block)
+        check((host_slot == NO_SLOT or block.ref_count > 0) and len(copies) == (host_slot != NO_SLOT),
+              "tombstone {!r} has slots", block)
         check(block.ref_count > 0 or block.children > 0, "tombstone {!r} should be gone", block)
     else:
-        check(host_slot != NO_SLOT or disk_slot != NO_SLOT, "{!r} resides nowhere", block)
-    if host_slot != NO_SLOT:
-        tally.host_blocks += 1
-        tally.host_bytes += block_bytes
-    if disk_slot != NO_SLOT:
-        # A durable block's whole prefix is durable (FORMAT.md).
-        check(block.parent is None or blocks.disk_slot(block.parent) != NO_SLOT, "{!r} durable, parent not", block)
-        tally.disk_blocks += 1
-        tally.disk_bytes += block_bytes
+        check(bool(copies), "{!r} resides nowhere", block)
+    for tier, _ in copies:
+        counts = tally.resident[tier]
+        counts[0] += 1
+        counts[1] += block_bytes
+        if tier is not blocks.host:
+            # In every tier below host memory a block's whole prefix is there too (FORMAT.md for the disk).
+            check(block.parent is None or blocks.tiers.slot_in(block.parent, tier) != NO_SLOT,
+                  "{!r} in {}, its parent not", block, tier.name)
     if block in blocks.loading:
         check(block.ref_count > 0 and host_slot != NO_SLOT, "loading {!r} unpinned", block)
     tally.refs += block.ref_count
@@ -75,9 +75,9 @@ def _verify_block(blocks: BlockBook, block: Block, block_bytes: int, tally: _Tal
     candidate = (block.state == BlockState.SEALED and block.ref_count == 0 and host_slot != NO_SLOT
                  and blocks.tiers.resident_children(block, host) == 0)
     check((block in host.policy) == candidate, "{!r} candidate={} but policy membership disagrees", block, candidate)
-    if candidate and disk_slot == NO_SLOT:
+    if candidate and len(copies) == 1:
         # What host eviction drops must be droppable.
-        check(block.children == 0 or blocks.disk is not None, "dirty candidate {!r} has children", block)
+        check(block.children == 0 or bool(blocks.lower), "dirty candidate {!r} has children", block)
 
 
 def verify_quotas(blocks: BlockBook, tenants: dict[str, TenantQuota]) -> None:

@@ -1,9 +1,10 @@
-"""Fake bytes: what each host and disk slot would hold, moved as the daemon moves bytes.
+"""Fake bytes: what each slot of each tier would hold, moved as the daemon moves bytes.
 
 Every slot holds the key of the block whose bytes were written there. A
-writer fills its reserved host slots, write-back copies host slots to disk
-slots, a Get copies disk slots into the host slots the engine chose, and a
-journalled removal empties a disk slot. Whatever the engine then serves can
+writer fills its reserved host slots, write-back copies host slots to the
+slots of a tier below (the disk, a middle tier), a Get copies a lower
+tier's slots into the host slots the engine chose, and a journalled
+removal empties a disk slot. Whatever the engine then serves can
 be checked against the one property that matters: a Get returns the block
 that was Put under that key, or nothing, never another block.
 
@@ -16,6 +17,7 @@ from collections.abc import Container, Sequence
 
 from kvd.core.block import NO_SLOT, Block
 from kvd.core.engine import Engine, Transfer
+from kvd.core.tier import Tier
 from kvd.invariants import check
 
 
@@ -23,7 +25,9 @@ class SlotContents:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.host: dict[int, bytes] = {}
-        self.disk: dict[int, bytes] = {}
+        # Per tier below host memory: slot -> key.
+        self.lower: dict[Tier, dict[int, bytes]] = {tier: {} for tier in engine.lower_tiers}
+        self.disk: dict[int, bytes] = self.lower[engine.disk] if engine.disk is not None else {}
 
     def fill(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """A writer wrote its reserved host slots (NO_SLOT: not reserved)."""
@@ -32,22 +36,25 @@ class SlotContents:
                 self.host[slot] = key
 
     def write(self, writes: Sequence[Transfer], failing: Container[bytes] = ()) -> list[bool]:
-        """Copy host slots to disk slots; blocks whose key is in `failing` fail."""
+        """Copy host slots to a lower tier's slots; blocks whose key is in `failing` fail."""
         ok = []
         for write in writes:
             good = write.block.key not in failing
             if good:
-                self.disk[write.target_slot] = self.host[write.source_slot]
+                self.lower[write.target][write.target_slot] = self.host[write.source_slot]
             ok.append(good)
         return ok
 
-    def load(self, loads: Sequence[Transfer], corrupt: Container[int] = ()) -> list[bool]:
-        """Copy disk slots into host slots; disk slots in `corrupt` read back bad."""
+    def load(self, loads: Sequence[Transfer], corrupt: Container = ()) -> list[bool]:
+        """Copy lower tiers' slots into host slots; those in `corrupt` read back
+        bad (disk slots, or (tier name, slot) pairs for any tier)."""
         ok = []
         for load in loads:
-            good = load.source_slot not in corrupt
+            source = load.source
+            good = ((source.name, load.source_slot) not in corrupt
+                    and not (source is self.engine.disk and load.source_slot in corrupt))
             if good:
-                self.host[load.target_slot] = self.disk[load.source_slot]
+                self.host[load.target_slot] = self.lower[source][load.source_slot]
             ok.append(good)
         return ok
 
