@@ -26,6 +26,13 @@ request falls short only when nothing could be freed.
 
 The disk tier is larger than every block the rules can make, so it never
 evicts: what is on disk is exact.
+
+Each machine also runs with a third tier between host memory and the disk
+(`TierMachine3_*`): a volatile memory tier, test-only, added through the
+engine's `lower_tiers` and nothing else. It is written back on its own
+(flush_middle), its copies are loaded in preference to the disk's, and a
+host copy is demoted when either copy below exists. It is larger than every
+block too, so the model stays exact with three tiers.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvd.core.block import NO_SLOT, BlockHandle, BlockState
-from kvd.core.engine import Engine, ReserveStatus, TierId
+from kvd.core.engine import Engine, ReserveStatus, StorageSpec, TierId
 from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.errors import ResourceExhausted
 from kvd.sim.plane import SlotContents
@@ -45,6 +52,10 @@ from kvd.sim.report import policy_names
 
 HOST_SLOTS = 4
 DISK_SLOTS = 64  # more than the 30 chains of `paths`: the disk never evicts
+MIDDLE_SLOTS = 48  # as large: the middle tier never evicts either
+# The test-only middle tier borrows the id of the remote tier (the wire's
+# Tier enum has no other volatile tier below host memory).
+MIDDLE = StorageSpec(TierId.REMOTE, MIDDLE_SLOTS, 64, name="middle")
 SPEC = NamespaceSpec(model_id="tiers", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
 LONG = 10_000
 
@@ -64,24 +75,36 @@ class MBlock:
     lost: bool = False
     host: bool = True
     disk: bool = False
+    middle: bool = False
+
+    @property
+    def below(self) -> bool:
+        """Has a copy below host memory."""
+        return self.disk or self.middle
+
+    def tier(self) -> TierId:
+        return TierId.HOST if self.host else TierId.REMOTE if self.middle else TierId.DISK
 
 
 class TierMachine(RuleBasedStateMachine):
     policy = "lru"
+    three_tiers = False
 
     def __init__(self) -> None:
         super().__init__()
         self.engine = Engine(
             host_slot_count=HOST_SLOTS, host_slot_bytes=64, policy=self.policy,
-            disk_slot_count=DISK_SLOTS, disk_slot_bytes=64,
+            disk_slot_count=DISK_SLOTS, disk_slot_bytes=64, lower_tiers=[MIDDLE] if self.three_tiers else [],
         )
+        self.middle = self.engine.lower_tiers[0] if self.three_tiers else None
         self.ns = self.engine.register_namespace(SPEC).namespace_id
         self.engine.enable_disk(self.ns)
         self.index = self.engine.namespace(self.ns).index
         self.contents = SlotContents(self.engine)
         self.blocks: dict[bytes, MBlock] = {}
-        # Sealed since the last flush, in seal order: the engine's write queue.
-        self.pending: list[MBlock] = []
+        # Sealed since the last flush, in seal order: the engine's write
+        # queues, per tier below host memory ("disk", "middle").
+        self.pending: dict[str, list[MBlock]] = {"disk": [], "middle": []}
         self.held: list[BlockHandle] = []
         # The chain of every key ever made, to aim requests at stored blocks.
         self.paths: dict[bytes, tuple[int, ...]] = {}
@@ -129,7 +152,7 @@ class TierMachine(RuleBasedStateMachine):
     def lose(self, root: MBlock) -> None:
         """A failed load: the block and everything under it are never served again."""
         for block in self.subtree(root):
-            block.lost, block.host, block.disk = True, False, False
+            block.lost, block.host, block.disk, block.middle = True, False, False, False
         self.bury()
 
     def journal(self) -> None:
@@ -146,20 +169,20 @@ class TierMachine(RuleBasedStateMachine):
         refs = self.refs()
         for block in departed:
             assert not block.lost and not refs.get(block.key) and block.key not in pinned, "a pinned block was evicted"
-            if block.disk:
+            if block.below:
                 event("host: demoted")
-                assert self.index.get(block.key) is not None, "a block with a disk copy was dropped"
+                assert self.index.get(block.key) is not None, "a block with a copy below was dropped"
             else:
                 event("host: dropped")
-                assert self.index.get(block.key) is None, "a block without a disk copy lost its host slot only"
+                assert self.index.get(block.key) is None, "a block without a copy below lost its host slot only"
             block.host = False
         for block in departed:
-            if not block.disk:
+            if not block.below:
                 # Dropped: nothing can have stayed under it.
-                assert all(child in departed and not child.disk for child in self.children(block))
+                assert all(child in departed and not child.below for child in self.children(block))
         for block in departed:
             assert not any(child.host for child in self.children(block)), "evicted while a host child stayed"
-            if not block.disk:
+            if not block.below:
                 del self.blocks[block.key]
         assert len(departed) == max(0, allocated - free_before), "evicted more (or fewer) blocks than needed"
 
@@ -216,7 +239,8 @@ class TierMachine(RuleBasedStateMachine):
         assert self.engine.commit(self.ns, "writer", result.lease.lease_id, [], [], 0) == (reserved, 0)
         for key in keys[len(matched) : len(matched) + reserved]:
             parent = self.blocks[key] = MBlock(key, parent)
-            self.pending.append(parent)
+            for pending in self.pending.values():
+                pending.append(parent)
 
     @rule(data=st.data(), fail=failures)
     def get(self, data, fail):
@@ -235,17 +259,21 @@ class TierMachine(RuleBasedStateMachine):
             assert not self.engine.host.pool.free_slots
             released = {block.key for block in expected[len(matched):]}
             candidates = {block.key for block in self.engine.host.policy.order()}
-            assert candidates <= released or any(not self.blocks[key].disk for key in candidates - released)
+            assert candidates <= released or any(not self.blocks[key].below for key in candidates - released)
         else:
             assert len(matched) == len(expected)
         loads = [load.block.key for load in plan.loads]
         assert loads == [block.key for block in expected[: len(matched)] if not block.host], "wrong blocks loaded"
+        # Each from its fastest copy below.
+        assert [load.source.tier_id for load in plan.loads] == [self.blocks[key].tier() for key in loads]
+        if any(load.source is self.middle for load in plan.loads):
+            event("get: loaded from the middle tier")
         event(f"get: {len(matched)} blocks, {len(loads)} loaded")
         # Everything matched was pinned while slots were found, the cut tail too.
         self.learn_host_departures(before, len(loads), free_before, {block.key for block in expected})
         loading = [self.blocks[key] for key in loads]
         ok = [not fail >> position & 1 for position in range(len(loads))]
-        corrupt = {load.source_slot for load, good in zip(plan.loads, ok) if not good}
+        corrupt = {(load.source.name, load.source_slot) for load, good in zip(plan.loads, ok) if not good}
         self.engine.finish_loads(plan.loads, self.contents.load(plan.loads, corrupt))
         served = self.engine.settle_get(plan)
         self.contents.check_served(served)
@@ -270,33 +298,44 @@ class TierMachine(RuleBasedStateMachine):
 
     @rule(fail=failures)
     def flush(self, fail):
-        """One write-back round, large enough to drain the write queue."""
+        """One write-back round to disk, large enough to drain its write queue."""
+        self.write_back("disk", self.engine.disk, fail)
+
+    @rule(fail=failures)
+    def flush_middle(self, fail):
+        """One write-back round to the middle tier (three tiers only)."""
+        if self.middle is not None:
+            self.write_back("middle", self.middle, fail)
+
+    def write_back(self, tier: str, engine_tier, fail: int) -> None:
         picked: list[MBlock] = []
-        for block in self.pending:
-            if self.blocks.get(block.key) is not block or block.lost or block.disk or not block.host:
+        for block in self.pending[tier]:
+            if self.blocks.get(block.key) is not block or block.lost or getattr(block, tier) or not block.host:
                 continue
             if block in picked:
                 continue
-            if block.parent is not None and not block.parent.disk and block.parent not in picked:
-                continue  # skipped for good: its prefix has no durable copy
+            if block.parent is not None and not getattr(block.parent, tier) and block.parent not in picked:
+                continue  # skipped for good: its prefix has no copy there
             picked.append(block)
-        self.pending = []
-        writes = self.engine.pick_writes(DISK_SLOTS)
+        self.pending[tier] = []
+        writes = self.engine.pick_writes(DISK_SLOTS, engine_tier)
         assert [write.block.key for write in writes] == [block.key for block in picked]
-        event(f"flush: picked {min(len(writes), 3)}+")
+        assert all(write.target is engine_tier for write in writes)
+        event(f"flush {tier}: picked {min(len(writes), 3)}+")
         self.journal()
         ok = [not fail >> position & 1 for position in range(len(writes))]
         failing = {write.block.key for write, good in zip(writes, ok) if not good}
         self.engine.finish_writes(writes, self.contents.write(writes, failing))
         for block, good in zip(picked, ok):
-            block.disk = good and (block.parent is None or block.parent.disk)
+            setattr(block, tier, good and (block.parent is None or getattr(block.parent, tier)))
         self.journal()
 
     @rule(path=paths)
     def put_and_flush(self, path):
-        """Write-through: what is put goes to disk at once (more disk hits to load)."""
+        """Write-through: what is put goes below at once (more hits there to load)."""
         self.put(path)
         self.flush(0)
+        self.flush_middle(0)
 
     @rule(data=st.data())
     def lookup(self, data):
@@ -305,8 +344,8 @@ class TierMachine(RuleBasedStateMachine):
         expected = self.match(keys)
         assert [block.key for block in matched] == [block.key for block in expected]
         tiers = [self.engine.tier_of(block) for block in matched]
-        assert tiers == [TierId.HOST if block.host else TierId.DISK for block in expected]
-        event(f"lookup: {len(matched)} blocks, {tiers.count(TierId.DISK)} on disk")
+        assert tiers == [block.tier() for block in expected]
+        event(f"lookup: {len(matched)} blocks, {len(tiers) - tiers.count(TierId.HOST)} below host memory")
 
     @rule(path_list=st.lists(paths, min_size=1, max_size=2))
     def delete(self, path_list):
@@ -360,10 +399,15 @@ class TierMachine(RuleBasedStateMachine):
             assert (engine_block.parent and engine_block.parent.key) == (block.parent and block.parent.key)
             assert (self.engine.host_slot(engine_block) != NO_SLOT) == block.host, "host residency differs from the model"
             assert (self.engine.disk_slot(engine_block) != NO_SLOT) == block.disk, "disk residency differs from the model"
+            if self.middle is not None:
+                in_middle = self.engine.tiers.slot_in(engine_block, self.middle) != NO_SLOT
+                assert in_middle == block.middle, "middle tier residency differs from the model"
             assert engine_block.ref_count == refs.get(key, 0)
         assert self.engine.host.pool.resident_blocks == self.host_count() <= HOST_SLOTS
         assert self.engine.disk.pool.resident_blocks == sum(block.disk for block in self.blocks.values())
-        assert self.engine.disk.counters.evictions == 0
+        assert all(tier.counters.evictions == 0 for tier in self.engine.lower_tiers)
+        if self.middle is not None:
+            assert self.middle.pool.resident_blocks == sum(block.middle for block in self.blocks.values())
 
     def teardown(self):
         for handle in self.held:
@@ -375,8 +419,10 @@ class TierMachine(RuleBasedStateMachine):
 
 SETTINGS = settings(max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-# One machine per registered policy, so a new policy is checked as it lands.
+# One machine per registered policy, so a new policy is checked as it lands;
+# each with two tiers and with three.
 for _name in policy_names():
-    _machine = type(f"TierMachine_{_name}", (TierMachine,), {"policy": _name})
-    _machine.TestCase.settings = SETTINGS
-    globals()[f"TestTiers_{_name}"] = _machine.TestCase
+    for _count, _three in ((2, False), (3, True)):
+        _machine = type(f"TierMachine{_count}_{_name}", (TierMachine,), {"policy": _name, "three_tiers": _three})
+        _machine.TestCase.settings = SETTINGS
+        globals()[f"TestTiers{_count}_{_name}"] = _machine.TestCase
