@@ -128,16 +128,19 @@ soak-long: setup
 
 # The simulator (python -m kvd.sim) over many more seeds and longer traces
 # than `make test` runs: every policy, two host capacities, write-back and
-# write-through, faulty disk I/O, invariants checked after every step. The
-# first failing seed stops it and prints the command that reproduces it.
+# write-through, faulty disk I/O, invariants checked after every step; every
+# third seed with a middle memory tier between host memory and the disk, and
+# durable Puts, prefetches and Deletes. The first failing seed stops it and
+# prints the command that reproduces it.
 # SIM_FIRST_SEED, SIM_SEEDS and SIM_REQUESTS pick another run.
 sim-long: setup
 	@first=$${SIM_FIRST_SEED:-1}; count=$${SIM_SEEDS:-20}; \
 	for seed in $$(seq $$first $$((first + count - 1))); do \
 	  mode=$$( [ $$((seed % 2)) = 0 ] && echo back || echo through ); \
-	  echo "== seed $$seed ($$((seed - first + 1))/$$count), write-$$mode"; \
+	  extra=$$( [ $$((seed % 3)) = 0 ] && echo "--middle-capacity 12 --durable-share 0.2 --prefetch-share 0.2 --delete-share 0.1" ); \
+	  echo "== seed $$seed ($$((seed - first + 1))/$$count), write-$$mode $$extra"; \
 	  $(PY) -m kvd.sim --seed $$seed --requests $${SIM_REQUESTS:-400} --host-capacity 6,24 --disk-capacity 96 \
-	    --write-mode $$mode --fault-rate 0.02 --verify-every 1 || exit 1; \
+	    --write-mode $$mode --fault-rate 0.02 --verify-every 1 $$extra || exit 1; \
 	done
 
 # Rewrite the generated sections of docs/operations.md (configuration and

@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
                    help="host tier capacities to sweep, comma-separated, in blocks or with a unit (2GiB)")
     p.add_argument("--disk-capacity", default=str(_DEFAULTS.disk_blocks),
                    help="disk tier capacity in blocks or with a unit; 0: no disk tier")
+    p.add_argument("--middle-capacity", default=str(_DEFAULTS.middle_blocks),
+                   help="a volatile memory tier between host memory and the disk, in blocks or with a unit; "
+                        "0: none (the default)")
     p.add_argument("--block-tokens", type=int, default=_DEFAULTS.block_tokens, help="tokens per block")
     p.add_argument("--tenants", type=int, default=_DEFAULTS.trace.tenants, help="tenants (namespaces)")
     p.add_argument("--write-mode", choices=("back", "through"), default=_DEFAULTS.write_mode)
@@ -86,7 +89,8 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         tenant_host_quota_blocks=args.tenant_host_quota, verify_every=args.verify_every, trace=trace,
     )
     disk_blocks = _capacity(args.disk_capacity, config.block_bytes, "--disk-capacity")
-    return dataclasses.replace(config, disk_blocks=disk_blocks)
+    middle_blocks = _capacity(args.middle_capacity, config.block_bytes, "--middle-capacity")
+    return dataclasses.replace(config, disk_blocks=disk_blocks, middle_blocks=middle_blocks)
 
 
 def reproduce_command(config: SimConfig) -> str:
@@ -94,7 +98,8 @@ def reproduce_command(config: SimConfig) -> str:
     words = [
         "python", "-m", "kvd.sim", "--seed", str(config.seed), "--requests", str(config.requests),
         "--policy", config.policy, "--host-capacity", str(config.host_blocks),
-        "--disk-capacity", str(config.disk_blocks), "--block-tokens", str(config.block_tokens),
+        "--disk-capacity", str(config.disk_blocks), "--middle-capacity", str(config.middle_blocks),
+        "--block-tokens", str(config.block_tokens),
         "--tenants", str(config.trace.tenants), "--write-mode", config.write_mode,
         "--io-schedule", config.io_schedule, "--admission-min-hits", str(config.admission_min_hits),
         "--fault-rate", repr(config.fault_rate), "--durable-share", repr(config.durable_share),

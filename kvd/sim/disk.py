@@ -12,6 +12,8 @@ how long each job takes.
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvd.core.engine import Transfer
@@ -30,6 +32,12 @@ class DiskSpec:
     write_latency_us: int = 30
     # One manifest append made durable (an fdatasync).
     journal_latency_us: int = 200
+
+
+# A middle memory tier (CXL-attached or another socket's DRAM, roughly):
+# copies at memory speed, nothing to journal.
+MEMORY_SPEC = DiskSpec(read_bytes_per_s=24.0 * GIB, write_bytes_per_s=24.0 * GIB, read_latency_us=2,
+                       write_latency_us=2, journal_latency_us=0)
 
 
 class DiskOpKind(enum.Enum):
@@ -58,6 +66,8 @@ class DiskOp:
     batch: object = None
     # Its job in the schedule (a prefetch a Get waits for is promoted to a restore).
     job: IoJob | None = None
+    # The modelled device it runs on.
+    device: ModelledDisk | None = None
     start_us: int = -1
     done_us: int = -1
 
@@ -75,22 +85,23 @@ class DiskTraffic:
 
 
 class ModelledDisk:
-    def __init__(self, spec: DiskSpec, schedule: IoSchedule) -> None:
+    """One device under one tier (a drive; a middle tier's memory), one operation at a time."""
+
+    def __init__(self, spec: DiskSpec, schedule: IoSchedule, ids: Iterator[int] | None = None) -> None:
         check(spec.read_bytes_per_s > 0 and spec.write_bytes_per_s > 0, "disk bandwidth must be positive")
         self.spec = spec
         self.schedule = schedule
         self.current: DiskOp | None = None
         self.traffic = DiskTraffic()
-        self._next_id = 1
+        # Operation ids, shared by every device of a simulation so each is unique.
+        self._ids = ids if ids is not None else itertools.count(1)
 
     @property
     def idle(self) -> bool:
         return self.current is None and not len(self.schedule)
 
     def op(self, kind: DiskOpKind, payload_bytes: int, now_us: int) -> DiskOp:
-        operation = DiskOp(self._next_id, kind, payload_bytes, now_us)
-        self._next_id += 1
-        return operation
+        return DiskOp(next(self._ids), kind, payload_bytes, now_us, device=self)
 
     def submit(self, operation: DiskOp) -> None:
         operation.job = self.schedule.push(IoJob(_IO_CLASS[operation.kind], operation, operation.payload_bytes))

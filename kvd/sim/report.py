@@ -104,6 +104,8 @@ def describe(base: SimConfig) -> str:
         )
         if base.admission_min_hits > 1:
             disk += f", written after {base.admission_min_hits} sightings"
+    if base.middle_blocks:
+        disk = f"middle memory tier {base.middle_blocks} blocks ({_gib(base.middle_blocks, base.block_bytes)} GiB), " + disk
     return (
         f"seed {base.seed}: {base.requests} requests, {base.trace.tenants} tenants, "
         f"{base.block_tokens}-token blocks of {base.block_bytes >> 20} MiB, {disk}"
@@ -111,10 +113,11 @@ def describe(base: SimConfig) -> str:
 
 
 def table(base: SimConfig, results: Sequence[RunResult]) -> str:
+    parts = ("host", "middle", "disk", "miss") if base.middle_blocks else ("host", "disk", "miss")
     header = [
         "policy", "host blocks", "host GiB",
-        "host hit", "disk hit", "miss",
-        "host hit (blocks)", "disk hit (blocks)", "miss (blocks)",
+        *(f"{part} hit" if part != "miss" else part for part in parts),
+        *(f"{part} hit (blocks)" if part != "miss" else "miss (blocks)" for part in parts),
         "TTFT mean ms", "TTFT p99 ms",
     ]
     lines = [
@@ -127,8 +130,8 @@ def table(base: SimConfig, results: Sequence[RunResult]) -> str:
         stats, config = result.stats, result.config
         cells = [
             config.policy, str(config.host_blocks), _gib(config.host_blocks, config.block_bytes),
-            *(_percent(stats.share(part, "tokens")) for part in ("host", "disk", "miss")),
-            *(_percent(stats.share(part, "blocks")) for part in ("host", "disk", "miss")),
+            *(_percent(stats.share(part, "tokens")) for part in parts),
+            *(_percent(stats.share(part, "blocks")) for part in parts),
             f"{stats.ttft_mean_ms:.1f}", f"{stats.ttft_p99_ms:.1f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")

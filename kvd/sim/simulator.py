@@ -25,6 +25,10 @@ Gets, durable waits, prefetch jobs) is not decided here: the simulator
 drives the daemon's own mover (kvd.core.mover) and only models how long
 each of its jobs takes on the drive (kvd.sim.disk).
 
+With `middle_blocks`, a third tier sits between host memory and the disk:
+a volatile memory tier on a device of its own (kvd.sim.disk.MEMORY_SPEC),
+written back and read from through the same mover and engine as the disk.
+
 A step is one event. After every `verify_every`th step (1: every step, the
 default here; the command line's is 16) and after the last, the engine's
 own verify() runs, and so do the simulator's invariants (`check_invariants`).
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -44,7 +49,7 @@ import numpy as np
 from kvd.clock import ManualClock
 from kvd.config import DiskSettings, HostConfig, LeaseConfig
 from kvd.core.block import NO_SLOT, BlockState
-from kvd.core.engine import Engine, EngineLimits, GetPlan, ReserveStatus, TierId
+from kvd.core.engine import Engine, EngineLimits, GetPlan, ReserveStatus, StorageSpec, TierId, Transfer
 from kvd.core.mover import Mover, MoverSettings, NotDurable, WriteRound
 from kvd.core.quota import QuotaExceeded, TenantQuota
 from kvd.core.io_schedule import IoSchedule
@@ -52,7 +57,8 @@ from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.core.policy import DiskPolicies
 from kvd.errors import ResourceExhausted
 from kvd.invariants import check
-from kvd.sim.disk import READ_KINDS, DiskOp, DiskOpKind, DiskSpec, ModelledDisk
+from kvd.core.tier import StorageTier
+from kvd.sim.disk import MEMORY_SPEC, READ_KINDS, DiskOp, DiskOpKind, DiskSpec, ModelledDisk
 from kvd.sim.plane import SlotContents
 from kvd.sim.traces import Request, TraceConfig, TraceGenerator
 
@@ -68,6 +74,8 @@ class SimConfig:
     host_blocks: int = 32
     # 0: no disk tier.
     disk_blocks: int = 256
+    # A volatile memory tier between host memory and the disk; 0: none.
+    middle_blocks: int = 0
     # Every tenant's model: Llama-3-8B-shaped KV in bf16 (128 KiB a token),
     # in 256-token blocks (LMCache's chunk size) of 32 MiB.
     block_tokens: int = 256
@@ -112,10 +120,13 @@ class SimConfig:
     fault_rate: float = 0.0
     verify_every: int = 1
     disk: DiskSpec = field(default_factory=DiskSpec)
+    middle: DiskSpec = MEMORY_SPEC
     trace: TraceConfig = field(default_factory=TraceConfig)
 
     def validate(self) -> None:
         check(self.requests >= 1 and self.host_blocks >= 1 and self.disk_blocks >= 0, "sizes must be positive")
+        check(self.middle_blocks >= 0 and (self.disk_blocks or not self.middle_blocks),
+              "a middle tier sits above a disk tier")
         check(self.write_mode in ("back", "through"), f"write_mode must be back or through, got {self.write_mode!r}")
         check(self.write_chunk_blocks >= 1, "write_chunk_blocks must be positive")
         check(0.0 <= self.fault_rate < 1.0, "fault_rate must be in [0, 1)")
@@ -142,6 +153,17 @@ class SimConfig:
     def block_bytes(self) -> int:
         return self.namespace_spec(0).block_bytes
 
+    def middle_tier(self) -> list[StorageSpec]:
+        if not self.middle_blocks:
+            return []
+        return [StorageSpec(MIDDLE_TIER, self.middle_blocks, self.block_bytes,
+                            policies=DiskPolicies(admission_min_hits=self.admission_min_hits), name="middle")]
+
+
+# The middle tier borrows the remote tier's id: the wire's Tier enum has no
+# other volatile tier below host memory.
+MIDDLE_TIER = TierId.REMOTE
+
 
 def tenant_name(tenant: int) -> str:
     return f"tenant-{tenant}"
@@ -157,6 +179,7 @@ class RunStats:
     prompt_tokens: int = 0
     prompt_blocks: int = 0
     host_hit_blocks: int = 0
+    middle_hit_blocks: int = 0
     disk_hit_blocks: int = 0
     miss_blocks: int = 0
     # Gets cut short: no host slot to load into, a load failed, or a lease
@@ -198,16 +221,21 @@ class RunStats:
     disk_write_bytes: int = 0
     disk_busy_share: float = 0.0
     read_wait_mean_us: float = 0.0
+    middle_evictions: int = 0
+    middle_written_blocks: int = 0
+    middle_loaded_blocks: int = 0
 
     def share(self, part: str, weight: str) -> float:
-        """Share of the prompts' `weight` ("tokens" or "blocks") that was `part` ("host", "disk" or "miss")."""
-        blocks = {"host": self.host_hit_blocks, "disk": self.disk_hit_blocks, "miss": self.miss_blocks}[part]
+        """Share of the prompts' `weight` ("tokens" or "blocks") that was `part`
+        ("host", "middle", "disk" or "miss")."""
+        blocks = {"host": self.host_hit_blocks, "middle": self.middle_hit_blocks, "disk": self.disk_hit_blocks,
+                  "miss": self.miss_blocks}[part]
         if weight == "blocks":
             return blocks / self.prompt_blocks if self.prompt_blocks else 0.0
         if not self.prompt_tokens:
             return 0.0
         if part == "miss":
-            hit_blocks = self.host_hit_blocks + self.disk_hit_blocks
+            hit_blocks = self.host_hit_blocks + self.middle_hit_blocks + self.disk_hit_blocks
             return (self.prompt_tokens - hit_blocks * self.block_tokens) / self.prompt_tokens
         return blocks * self.block_tokens / self.prompt_tokens
 
@@ -220,7 +248,7 @@ class RunResult:
     def to_dict(self) -> dict:
         stats = asdict(self.stats)
         for weight in ("tokens", "blocks"):
-            for part in ("host", "disk", "miss"):
+            for part in ("host", "middle", "disk", "miss"):
                 stats[f"{part}_share_{weight}"] = self.stats.share(part, weight)
         config = self.config
         return {
@@ -229,6 +257,7 @@ class RunResult:
             "host_bytes": config.host_blocks * config.block_bytes,
             "disk_blocks": config.disk_blocks,
             "disk_bytes": config.disk_blocks * config.block_bytes,
+            "middle_blocks": config.middle_blocks,
             "stats": stats,
         }
 
@@ -311,14 +340,21 @@ class Simulator:
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
             tenant_quotas=config.tenant_quotas(),
+            lower_tiers=config.middle_tier(),
         )
         self.specs = [config.namespace_spec(tenant) for tenant in range(config.trace.tenants)]
         self.namespace_ids = [self.engine.register_namespace(spec).namespace_id for spec in self.specs]
         self.disk: ModelledDisk | None = None
+        # One modelled device per tier below host memory, the disk's last.
+        self.devices: dict[StorageTier, ModelledDisk] = {}
         if config.disk_blocks:
-            schedule = IoSchedule(config.io_schedule, write_share=config.write_share,
-                                  backlog_limit=config.write_backlog_blocks)
-            self.disk = ModelledDisk(config.disk, schedule)
+            ids = itertools.count(1)
+            for tier in self.engine.lower_tiers:
+                schedule = IoSchedule(config.io_schedule, write_share=config.write_share,
+                                      backlog_limit=config.write_backlog_blocks)
+                spec = config.disk if tier is self.engine.disk else config.middle
+                self.devices[tier] = ModelledDisk(spec, schedule, ids)
+            self.disk = self.devices[self.engine.disk]
             for namespace_id in self.namespace_ids:
                 self.engine.enable_disk(namespace_id)
             # The daemon's rules for when bytes move (kvd.core.mover).
@@ -349,7 +385,8 @@ class Simulator:
         self.read_waiters: dict[int, list[Flow]] = {}
         self.prefetch_reads: dict[int, DiskOp] = {}
         self.get_reads: dict[int, DiskOp] = {}
-        self.batch: WriteBatch | None = None
+        # The mover's write round in flight to each tier below host memory.
+        self.batches: dict[StorageTier, WriteBatch] = {}
         # Gets starved of host slots, waiting for a write-back batch.
         self.starved: list[Flow] = []
         self.ttft_us: list[int] = []
@@ -398,7 +435,7 @@ class Simulator:
             self.starved.remove(payload)
             payload.waiting_write_back = False
             self._begin_get(payload, final=True)
-        self._pump_disk()
+        self._pump_devices()
 
     def _schedule(self, time_us: int, kind: EventKind, payload: object) -> None:
         check(time_us >= self.now_us, "an event scheduled in the past")
@@ -451,14 +488,25 @@ class Simulator:
         """A router's Prefetch, planned by the mover: PREFETCH read jobs behind restores."""
         plan, jobs = self.mover.prefetch(self.namespace_ids[flow.namespace], flow.keys)
         self.stats.prefetched_blocks += len(plan.loads)
-        for loads in jobs:
-            operation = self.disk.op(DiskOpKind.PREFETCH, sum(load.block.index.block_bytes for load in loads),
-                                     self.now_us)
-            operation.loads = list(loads)
-            self.disk.submit(operation)
-            self.prefetch_reads[operation.op_id] = operation
-            for load in loads:
+        for job in jobs:
+            for operation in self._submit_reads(DiskOpKind.PREFETCH, job):
+                self.prefetch_reads[operation.op_id] = operation
+
+    def _submit_reads(self, kind: DiskOpKind, loads: list[Transfer]) -> list[DiskOp]:
+        """One read operation per device the loads come from."""
+        by_source: dict[StorageTier, list[Transfer]] = {}
+        for load in loads:
+            by_source.setdefault(load.source, []).append(load)
+        operations = []
+        for source, group in by_source.items():
+            device = self.devices[source]
+            operation = device.op(kind, sum(load.block.index.block_bytes for load in group), self.now_us)
+            operation.loads = group
+            device.submit(operation)
+            operations.append(operation)
+            for load in group:
                 self.loading[load.block.key] = operation.op_id
+        return operations
 
     def _begin_get(self, flow: Flow, *, final: bool) -> None:
         """begin_get, as the daemon's Get runs it: a plan starved of host slots
@@ -498,20 +546,14 @@ class Simulator:
         if plan.lease is not None:
             self.leases[plan.lease.lease_id] = plan.lease.deadline_ms
             flow.read_lease = plan.lease.lease_id
-        if plan.loads:
-            operation = self.disk.op(
-                DiskOpKind.READ, sum(load.block.index.block_bytes for load in plan.loads), self.now_us
-            )
-            operation.loads = list(plan.loads)
-            self.disk.submit(operation)
+        for operation in self._submit_reads(DiskOpKind.READ, plan.loads):
             self.get_reads[operation.op_id] = operation
-            for load in plan.loads:
-                self.loading[load.block.key] = operation.op_id
             flow.wait_ops.add(operation.op_id)
         waited = {self.loading[block.key] for block in plan.waits}
         # A Get now waits for these prefetch reads: restores from here on (as the daemon promotes them).
         if waited & set(self.prefetch_reads):
-            self.disk.promote(waited & set(self.prefetch_reads))
+            for device in self.devices.values():
+                device.promote(waited & set(self.prefetch_reads))
         flow.wait_ops |= waited
         for op_id in flow.wait_ops:
             self.read_waiters.setdefault(op_id, []).append(flow)
@@ -536,12 +578,15 @@ class Simulator:
             if len(served) < len(flow.tiers):
                 stats.get_starved += 1
         flow.hit_blocks = len(served)
-        host_hits = sum(tier == TierId.HOST for tier in flow.tiers[: len(served)])
+        served_tiers = flow.tiers[: len(served)]
+        host_hits = served_tiers.count(TierId.HOST)
+        middle_hits = served_tiers.count(MIDDLE_TIER)
         stats.requests += 1
         stats.prompt_tokens += len(request.prompt)
         stats.prompt_blocks += len(flow.keys)
         stats.host_hit_blocks += host_hits
-        stats.disk_hit_blocks += len(served) - host_hits
+        stats.middle_hit_blocks += middle_hits
+        stats.disk_hit_blocks += len(served) - host_hits - middle_hits
         stats.miss_blocks += len(flow.keys) - len(served)
         self._reserve(flow)
         if request.client_crashes:
@@ -633,29 +678,31 @@ class Simulator:
     # ------------------------------------------------------------------
     # The drive
 
-    def _pump_disk(self) -> None:
-        """Give the mover its turn (reclaim, the next write round), then start the drive's next job."""
-        disk = self.disk
-        if disk is None:
+    def _pump_devices(self) -> None:
+        """Give the mover its turn for each tier below host memory (reclaim, the
+        next write round), then start each device's next job."""
+        if self.disk is None:
             return
         mover = self.mover
         mover.starved_gets = len(self.starved)
-        round_ = mover.next_round()
+        for tier, device in self.devices.items():
+            round_ = mover.next_round(tier)
+            if round_ is not None:
+                batch = self.batches[tier] = WriteBatch(round_)
+                # As the daemon must: journal the removals of evicted blocks
+                # before new bytes go into their slots.
+                if round_.removals:
+                    self._submit_journal(round_.removals, batch)
+                else:
+                    self._removals_journalled(batch)
         self._durable_outcomes(mover.hopeless_waits())
-        if round_ is not None:
-            self.batch = WriteBatch(round_)
-            # As the daemon must: journal the removals of evicted blocks
-            # before new bytes go into their slots.
-            if round_.removals:
-                self._submit_journal(round_.removals, self.batch)
-            else:
-                self._removals_journalled(self.batch)
-        if disk.idle and self.engine.disk.pool.removals:
+        if self.disk.idle and self.engine.disk.pool.removals:
             # Removals of lost, deleted or evicted blocks, in slack time.
             self._submit_journal(mover.take_removals(), None)
-        operation = disk.start_next(self.now_us, mover.backlog())
-        if operation is not None:
-            self._schedule(operation.done_us, EventKind.DISK_DONE, operation)
+        for tier, device in self.devices.items():
+            operation = device.start_next(self.now_us, mover.backlog(tier))
+            if operation is not None:
+                self._schedule(operation.done_us, EventKind.DISK_DONE, operation)
 
     def _submit_journal(self, removals: list[tuple[bytes, bytes, int]], batch: WriteBatch | None) -> None:
         operation = self.disk.op(DiskOpKind.JOURNAL, 0, self.now_us)
@@ -670,13 +717,14 @@ class Simulator:
 
     def _submit_chunk(self, batch: WriteBatch) -> None:
         writes = [batch.round.writes[position] for position in batch.chunks[batch.next_chunk]]
-        operation = self.disk.op(DiskOpKind.WRITE, sum(w.block.index.block_bytes for w in writes), self.now_us)
+        device = self.devices[batch.round.target]
+        operation = device.op(DiskOpKind.WRITE, sum(w.block.index.block_bytes for w in writes), self.now_us)
         operation.writes = writes
         operation.batch = batch
-        self.disk.submit(operation)
+        device.submit(operation)
 
     def _disk_done(self, operation: DiskOp) -> None:
-        self.disk.complete(operation, self.now_us)
+        operation.device.complete(operation, self.now_us)
         if operation.kind in READ_KINDS:
             self._read_done(operation)
             return
@@ -696,7 +744,7 @@ class Simulator:
             self._submit_chunk(batch)
             return
         outcomes = self.mover.finish_round(batch.round)
-        self.batch = None
+        del self.batches[batch.round.target]
         self._durable_outcomes(outcomes)
         # Starved Gets try again once a round is on disk, after its
         # demotions (as the daemon's wait_for_write_back does).
@@ -793,8 +841,7 @@ class Simulator:
             for handle in (*lease.handles, lease.parent_handle)
             if handle is not None
         )
-        if self.batch is not None:
-            held += sum(not write.handle.released for write in self.batch.round.writes)
+        held += sum(not write.handle.released for batch in self.batches.values() for write in batch.round.writes)
         held += sum(not pin.released for flow in self.durable_flows for pin in flow.durable_pins)
         # ... and by every disk read in flight (its own pin on the block it reads in).
         held += sum(not load.handle.released for reads in (self.prefetch_reads, self.get_reads)
@@ -807,26 +854,28 @@ class Simulator:
             check(counters == self.expected_counters[tenant], "hit counters {} of tenant {} drifted", counters, tenant)
             self._check_contents(state.index)
         stats = self.stats
-        check(stats.host_hit_blocks + stats.disk_hit_blocks + stats.miss_blocks == stats.prompt_blocks,
-              "host hits + disk hits + misses is not every prompt block")
+        check(stats.host_hit_blocks + stats.middle_hit_blocks + stats.disk_hit_blocks + stats.miss_blocks
+              == stats.prompt_blocks, "hits in each tier + misses is not every prompt block")
 
     def _check_contents(self, index) -> None:
         """May lose, never lie: every servable copy holds its own block's bytes."""
-        host, disk = self.contents.host, self.contents.disk
+        host = self.contents.host
         engine = self.engine
         for block in index:
             if block.state != BlockState.SEALED:
                 continue
-            host_slot, disk_slot = engine.host_slot(block), engine.disk_slot(block)
-            if host_slot != NO_SLOT and block not in engine.loading:
-                check(host.get(host_slot) == block.key, "host slot of {!r} holds another block", block)
-            if disk_slot != NO_SLOT:
-                check(disk.get(disk_slot) == block.key, "disk slot of {!r} holds another block", block)
+            for tier, slot in engine.tiers.copies(block):
+                if tier is engine.host:
+                    check(block in engine.loading or host.get(slot) == block.key,
+                          "host slot of {!r} holds another block", block)
+                else:
+                    check(self.contents.lower[tier].get(slot) == block.key, "{} slot of {!r} holds another block",
+                          tier.name, block)
 
     def _finish(self) -> None:
         """Past every deadline: all leases gone, nothing pinned, nothing leaked."""
         engine = self.engine
-        check(not self.read_waiters and not self.prefetch_reads and not self.get_reads and self.batch is None
+        check(not self.read_waiters and not self.prefetch_reads and not self.get_reads and not self.batches
               and not self.starved
               and not self.durable_flows,
               "requests still waiting after the last event")
@@ -851,6 +900,11 @@ class Simulator:
             stats.disk_loaded_blocks = engine.disk.counters.loaded
             stats.prefetch_used = engine.prefetch_counters.used
             stats.prefetch_wasted = engine.prefetch_counters.wasted
+        for tier in engine.lower_tiers:
+            if tier is not engine.disk:
+                stats.middle_evictions += tier.counters.evictions
+                stats.middle_written_blocks += tier.counters.written
+                stats.middle_loaded_blocks += tier.counters.loaded
         if self.disk is not None:
             traffic = self.disk.traffic
             stats.disk_read_bytes = traffic.read_bytes

@@ -65,6 +65,33 @@ def test_a_seed_holds_every_invariant_after_every_step(seed, policy, write_mode,
         assert stats.disk_hit_blocks > 0 and stats.disk_written_blocks > 0
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_three_tiers_hold_every_invariant_after_every_step(policy):
+    """A middle memory tier between host memory and the disk: written back,
+    read from in preference to the disk, evicted on its own, under faults,
+    durable Puts, prefetch, Deletes and crashing clients, checked after
+    every step (the fake bytes of every copy in every tier too)."""
+    config = small(41, policy=policy, middle_blocks=10, requests=200, durable_share=0.3, prefetch_share=0.3,
+                   delete_share=0.2)
+    simulator = Simulator(config)
+    stats = simulator.run().stats
+    assert [tier.name for tier in simulator.engine.tiers] == ["host", "middle", "disk"]
+    for weight in ("tokens", "blocks"):
+        assert sum(stats.share(part, weight) for part in ("host", "middle", "disk", "miss")) == pytest.approx(1.0)
+    assert stats.middle_hit_blocks > 0 and stats.disk_hit_blocks > 0
+    assert stats.middle_written_blocks > 0 and stats.middle_loaded_blocks > 0 and stats.middle_evictions > 0
+    assert stats.durable_acked > 0 and stats.prefetched_blocks > 0 and stats.lost_blocks > 0
+
+
+def test_a_middle_tier_turns_disk_reads_into_middle_reads():
+    """Same trace, same host memory: with a middle tier, some of what was
+    read from disk comes from the middle tier instead, and the disk reads less."""
+    two = Simulator(small(43, fault_rate=0.0, requests=200)).run().stats
+    three = Simulator(small(43, fault_rate=0.0, requests=200, middle_blocks=16)).run().stats
+    assert three.middle_hit_blocks > 0 and two.middle_hit_blocks == 0
+    assert three.disk_loaded_blocks < two.disk_loaded_blocks
+
+
 def test_faults_lose_blocks_and_nothing_wrong_is_served():
     stats = Simulator(small(22, fault_rate=0.2)).run().stats
     assert stats.lost_blocks > 0
@@ -184,6 +211,27 @@ SlotContents.load = load
 def test_a_wrong_block_served_is_caught():
     failed, _ = failure_lines(run_sim(LYING_DISK, ARGV))
     assert "seed 7" in failed and "holds the bytes of another block" in failed
+
+
+# The middle tier's plane serves a neighbouring slot's bytes; the disk's is honest.
+LYING_MIDDLE = """
+from kvd.sim.plane import SlotContents
+honest = SlotContents.load
+def load(self, loads, corrupt=()):
+    ok = honest(self, loads, corrupt)
+    for load in loads:
+        if load.source.name == "middle":
+            self.host[load.target_slot] = self.lower[load.source].get(load.source_slot + 1, b"")
+    return ok
+SlotContents.load = load
+"""
+
+
+def test_a_wrong_block_served_from_the_middle_tier_is_caught():
+    argv = ARGV[:-1] + ["--middle-capacity", "8", "--requests", "80", "--verify-every", "1", "--quiet"]
+    failed, command = failure_lines(run_sim(LYING_MIDDLE, argv))
+    assert "holds the bytes of another block" in failed and "--middle-capacity 8" in command
+    assert run_sim("", argv).returncode == 0
 
 
 DURABLE_ARGV = ["--seed", "3", "--requests", "60", "--policy", "lru", "--host-capacity", "8", "--disk-capacity",
