@@ -73,7 +73,7 @@ def _allocated(size: int) -> int:
 def _measure_child(blocks: int, chain: int, mode: str, policy: str, ring_keys: int) -> dict:
     """Runs in a fresh interpreter: build, insert, measure, report JSON on stdout."""
     from kvd.core.block import BlockState
-    from kvd.core.engine import Engine, EngineLimits
+    from kvd.core.engine import CommitRequest, Engine, EngineLimits, KeysRequest
     from kvd.core.events import EventLog
 
     spec = _spec()
@@ -112,10 +112,10 @@ def _measure_child(blocks: int, chain: int, mode: str, policy: str, ring_keys: i
         length = min(chain, blocks - counter)
         keys = [_key(counter + i) for i in range(length)]
         counter += length
-        reserved = engine.reserve(namespace_id, CLIENT_ID, b"", keys, 0, now_ms)
+        reserved = engine.reserve(KeysRequest(namespace_id, CLIENT_ID, keys, 0, now_ms))
         lease = reserved.lease
         assert lease is not None and len(lease.handles) == length, "every key should be RESERVED"
-        engine.commit(namespace_id, CLIENT_ID, lease.lease_id, [], [], now_ms)
+        engine.commit(CommitRequest(namespace_id, CLIENT_ID, lease.lease_id, now_ms))
         now_ms += 1
         if time.perf_counter() - last_report > 5:
             last_report = time.perf_counter()

@@ -103,15 +103,15 @@ def time_calls(contenders: dict[str, Callable[[], Any]], calls: int, warmup: int
 
 def build_engine(spec, keys: list[bytes], chunk: int = 512):
     """An in-process engine holding `keys` as one sealed chain."""
-    from kvd.core.engine import Engine
+    from kvd.core.engine import CommitRequest, Engine, KeysRequest
 
     engine = Engine(host_slot_count=len(keys) + 16, host_slot_bytes=SLOT_BYTES)
     namespace_id = engine.register_namespace(spec).namespace_id
     parent = b""
     for start in range(0, len(keys), chunk):
         part = keys[start : start + chunk]
-        reserved = engine.reserve(namespace_id, CLIENT_ID, parent, part, 0, 0)
-        engine.commit(namespace_id, CLIENT_ID, reserved.lease.lease_id, [], [], 0)
+        reserved = engine.reserve(KeysRequest(namespace_id, CLIENT_ID, part, 0, 0, parent_key=parent))
+        engine.commit(CommitRequest(namespace_id, CLIENT_ID, reserved.lease.lease_id, 0))
         parent = part[-1]
     return engine, namespace_id
 

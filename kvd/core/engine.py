@@ -48,7 +48,7 @@ from kvd.core.puts import Puts, ReserveResult, ReserveStatus
 from kvd.core.quota import TenantQuota
 from kvd.core.reads import GetPlan, Reads
 from kvd.core.recovery import Recovery
-from kvd.core.requests import check_client, check_keys, granted_lease_ms
+from kvd.core.requests import CommitRequest, KeysRequest, check_client, check_keys, granted_lease_ms
 from kvd.core.residency import TierStack
 from kvd.core.slot_pool import SlotPool
 from kvd.core.tier import MemoryTier, StorageSpec, StorageTier, TierId
@@ -58,7 +58,7 @@ from kvd.core.writeback import WriteBack
 from kvd.errors import InvalidArgument
 
 __all__ = [
-    "MAX_CLIENT_ID_CHARS", "TENANT_AFFINITY_WINDOW", "Engine", "EngineLimits", "GetPlan",
+    "MAX_CLIENT_ID_CHARS", "TENANT_AFFINITY_WINDOW", "CommitRequest", "Engine", "EngineLimits", "GetPlan", "KeysRequest",
     "NamespaceState", "PrefetchCounters", "PrefetchLimit", "PrefetchPlan", "ReserveResult", "ReserveStatus",
     "StorageSpec", "TierId", "Transfer", "namespace_not_found",
 ]
@@ -209,13 +209,11 @@ class Engine:
     def stored(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
         return self.reads.stored(namespace_id, keys, parent_key)
 
-    def get(self, namespace_id: bytes, client_id: str, keys: Sequence[bytes], lease_ms: int, now_ms: int,
-            parent_key: bytes = b""):
-        return self.reads.get(namespace_id, client_id, keys, lease_ms, now_ms, parent_key)
+    def get(self, request: KeysRequest):
+        return self.reads.get(request)
 
-    def begin_get(self, namespace_id: bytes, client_id: str, keys: Sequence[bytes], lease_ms: int, now_ms: int,
-                  parent_key: bytes = b"") -> GetPlan:
-        return self.reads.begin_get(namespace_id, client_id, keys, lease_ms, now_ms, parent_key)
+    def begin_get(self, request: KeysRequest) -> GetPlan:
+        return self.reads.begin_get(request)
 
     def finish_loads(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         self.reads.finish_loads(loads, ok)
@@ -241,13 +239,11 @@ class Engine:
 
     # -- Put (kvd.core.puts) --------------------------------------------------------
 
-    def reserve(self, namespace_id: bytes, client_id: str, parent_key: bytes, keys: Sequence[bytes], lease_ms: int,
-                now_ms: int) -> ReserveResult:
-        return self.puts.reserve(namespace_id, client_id, parent_key, keys, lease_ms, now_ms)
+    def reserve(self, request: KeysRequest) -> ReserveResult:
+        return self.puts.reserve(request)
 
-    def commit(self, namespace_id: bytes, client_id: str, lease_id: int, keys: Sequence[bytes],
-               abort_keys: Sequence[bytes], now_ms: int) -> tuple[int, int]:
-        return self.puts.commit(namespace_id, client_id, lease_id, keys, abort_keys, now_ms)
+    def commit(self, request: CommitRequest) -> tuple[int, int]:
+        return self.puts.commit(request)
 
     # -- the tiers below host memory (kvd.core.writeback, kvd.core.recovery) ------
 

@@ -20,7 +20,8 @@ from kvd.core.lease import Lease, LeaseKind
 from kvd.core.namespaces import NamespaceState
 from kvd.core.part import EnginePart
 from kvd.core.radix import PrefixIndex
-from kvd.core.requests import check_client, check_keys, check_lease_room, granted_lease_ms, parent_block
+from kvd.core.requests import (CommitRequest, KeysRequest, check_client, check_keys, check_lease_room,
+                                granted_lease_ms, parent_block)
 from kvd.core.tier import TierId
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.invariants import check
@@ -44,15 +45,7 @@ class ReserveResult:
 
 
 class Puts(EnginePart):
-    def reserve(
-        self,
-        namespace_id: bytes,
-        client_id: str,
-        parent_key: bytes,
-        keys: Sequence[bytes],
-        lease_ms: int,
-        now_ms: int,
-    ) -> ReserveResult:
+    def reserve(self, request: KeysRequest) -> ReserveResult:
         """Reserve writable slots for the keys of a chain not yet stored.
 
         Walks the chain from `parent_key`: stored keys are EXISTS, keys
@@ -60,16 +53,17 @@ class Puts(EnginePart):
         a slot (RESERVED) until none can be freed (NO_SPACE). The reserved
         keys are always one contiguous run, held by one write lease.
         """
+        namespace_id, client_id, keys, now_ms = request.namespace_id, request.client_id, request.keys, request.now_ms
         state = self.namespaces.namespace(namespace_id)
         check_keys(self.limits, keys, "keys")
         check_client(client_id)
         if len(set(keys)) != len(keys):
             raise InvalidArgument("keys contain duplicates; a chain never repeats a key")
-        deadline_ms = now_ms + granted_lease_ms(self.limits, lease_ms)
+        deadline_ms = now_ms + granted_lease_ms(self.limits, request.lease_ms)
         self.leases.expire(now_ms)
         index = state.index
         # Validate the whole walk before changing anything.
-        existing, parent = self._stored_run(index, keys, parent_block(index, parent_key))
+        existing, parent = self._stored_run(index, keys, parent_block(index, request.parent_key))
         first_missing = len(existing)
         in_flight = first_missing < len(keys) and index.get(keys[first_missing]) is not None
         if not in_flight and first_missing < len(keys):
@@ -157,25 +151,19 @@ class Puts(EnginePart):
             raise ResourceExhausted(f"host tier is full: all {self.host.slot_count} slots are pinned or being written")
         return lease
 
-    def commit(
-        self,
-        namespace_id: bytes,
-        client_id: str,
-        lease_id: int,
-        keys: Sequence[bytes],
-        abort_keys: Sequence[bytes],
-        now_ms: int,
-    ) -> tuple[int, int]:
+    def commit(self, request: CommitRequest) -> tuple[int, int]:
         """Seal `keys` (all, when both lists are empty) and abort `abort_keys`.
 
         Aborting a block aborts the rest of the chain after it. Returns
         (sealed, aborted). All checks run before any block changes.
         """
+        namespace_id, lease_id, keys, abort_keys = (request.namespace_id, request.lease_id, request.keys,
+                                                    request.abort_keys)
         self.namespaces.namespace(namespace_id)
         check_keys(self.limits, keys, "keys")
         check_keys(self.limits, abort_keys, "abort_keys")
-        self.leases.expire(now_ms)
-        lease = self.leases.find(lease_id, client_id)
+        self.leases.expire(request.now_ms)
+        lease = self.leases.find(lease_id, request.client_id)
         if lease.kind != LeaseKind.WRITE:
             raise FailedPrecondition(f"lease {lease_id} is a read lease; only write leases are committed")
         if lease.namespace_id != namespace_id:

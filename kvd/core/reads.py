@@ -19,7 +19,7 @@ from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.lease import Lease, LeaseKind
 from kvd.core.namespaces import NamespaceState
 from kvd.core.part import EnginePart
-from kvd.core.requests import check_client, check_keys, check_lease_room, granted_lease_ms, match
+from kvd.core.requests import KeysRequest, check_client, check_keys, check_lease_room, granted_lease_ms, match
 from kvd.core.tier import StorageTier, Tier, TierId
 from kvd.core.transfer import Transfer
 from kvd.invariants import check
@@ -63,34 +63,18 @@ class Reads(EnginePart):
         check_keys(self.limits, keys, "keys")
         return [block for block in match(state, keys, parent_key) if block.state == BlockState.SEALED]
 
-    def get(
-        self,
-        namespace_id: bytes,
-        client_id: str,
-        keys: Sequence[bytes],
-        lease_ms: int,
-        now_ms: int,
-        parent_key: bytes = b"",
-    ) -> tuple[Lease | None, list[Block]]:
+    def get(self, request: KeysRequest) -> tuple[Lease | None, list[Block]]:
         """Pin the longest stored prefix of `keys` under a read lease.
 
         For prefixes resident in the host tier. With a disk tier, callers use
         begin_get / finish_loads / settle_get, which also bring blocks in from
         disk.
         """
-        plan = self.begin_get(namespace_id, client_id, keys, lease_ms, now_ms, parent_key)
+        plan = self.begin_get(request)
         check(not plan.loads and not plan.waits, "get() of a prefix on disk: use begin_get")
         return plan.lease, plan.matched
 
-    def begin_get(
-        self,
-        namespace_id: bytes,
-        client_id: str,
-        keys: Sequence[bytes],
-        lease_ms: int,
-        now_ms: int,
-        parent_key: bytes = b"",
-    ) -> GetPlan:
+    def begin_get(self, request: KeysRequest) -> GetPlan:
         """Pin the longest stored prefix of `keys` and plan its disk reads.
 
         Every matched block is pinned under one read lease. Blocks only on
@@ -99,12 +83,13 @@ class Reads(EnginePart):
         finish_loads. Blocks another Get is already loading are in `waits`.
         If the host tier cannot take a block, the prefix is cut before it.
         """
+        namespace_id, client_id, keys, now_ms = request.namespace_id, request.client_id, request.keys, request.now_ms
         state = self.namespaces.namespace(namespace_id)
         check_keys(self.limits, keys, "keys")
         check_client(client_id)
-        deadline_ms = now_ms + granted_lease_ms(self.limits, lease_ms)
+        deadline_ms = now_ms + granted_lease_ms(self.limits, request.lease_ms)
         self.leases.expire(now_ms)
-        matched = match(state, keys, parent_key)
+        matched = match(state, keys, request.parent_key)
         if matched:
             check_lease_room(self.leases)
             self.leases.check_pin_room(client_id, len(matched))

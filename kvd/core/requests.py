@@ -1,12 +1,15 @@
-"""Checks of what a client sent, made before any state changes, and prefix matching.
+"""What a client asks of the engine, the checks made on it before any state changes, and prefix matching.
 
-Each raises a KvdError subclass (kvd.errors) naming the field that was
-wrong, so a rejected request leaves every structure exactly as it was.
+`KeysRequest` (a Get, a Put's reserve) and `CommitRequest` carry a call's
+arguments by name, so no caller depends on their order. Each check raises a
+KvdError subclass (kvd.errors) naming the field that was wrong, so a
+rejected request leaves every structure exactly as it was.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvd.core.block import Block, BlockState
 from kvd.core.keys import KEY_BYTES
@@ -15,6 +18,35 @@ from kvd.core.limits import MAX_CLIENT_ID_CHARS, EngineLimits
 from kvd.core.namespaces import NamespaceState
 from kvd.core.radix import PrefixIndex
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+
+
+@dataclass(frozen=True, slots=True)
+class KeysRequest:
+    """A chain of keys to pin under a lease: a Get's read lease, a reserve's write lease.
+
+    `keys` continue the chain ending at `parent_key` (b"": from the root);
+    `lease_ms` asks for a lease length (0: the default), granted within
+    the engine's limits from `now_ms`.
+    """
+
+    namespace_id: bytes
+    client_id: str
+    keys: Sequence[bytes]
+    lease_ms: int
+    now_ms: int
+    parent_key: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRequest:
+    """Seal `keys` of a write lease and abort `abort_keys` (both empty: seal all it reserved)."""
+
+    namespace_id: bytes
+    client_id: str
+    lease_id: int
+    now_ms: int
+    keys: Sequence[bytes] = ()
+    abort_keys: Sequence[bytes] = ()
 
 
 def check_keys(limits: EngineLimits, keys: Sequence[bytes], field_name: str) -> None:

@@ -27,7 +27,7 @@ import grpc
 from kvd import __version__, arena_protocol
 from kvd.clock import Clock
 from kvd.core.block import NO_SLOT, BlockState
-from kvd.core.engine import Engine, ReserveStatus, namespace_not_found
+from kvd.core.engine import CommitRequest, Engine, KeysRequest, ReserveStatus, namespace_not_found
 from kvd.core.quota import QuotaExceeded
 from kvd.invariants import check
 from kvd.errors import (
@@ -242,9 +242,12 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     async def _reserve(self, request, lease_ms: int):
         """engine.reserve, waiting once for an in-flight disk write batch to
         unpin the host tier if that is all that stands in the way."""
-        arguments = (request.namespace_id, request.client_id, request.parent_key, list(request.keys), lease_ms)
+        def reserve():
+            return self.engine.reserve(KeysRequest(request.namespace_id, request.client_id, list(request.keys),
+                                                   lease_ms, self.clock.now_ms(), parent_key=request.parent_key))
+
         try:
-            return self.engine.reserve(*arguments, self.clock.now_ms())
+            return reserve()
         except (PinCapExceeded, QuotaExceeded):
             raise  # the disk writer frees none of this client's pins, nor the tenant's quota
         except ResourceExhausted:
@@ -252,7 +255,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 raise
         # Draining: try once more now rather than after the batch.
         await self._unless_draining(self.disk_plane.writes_idle.wait)
-        return self.engine.reserve(*arguments, self.clock.now_ms())
+        return reserve()
 
     def _check_arena(self, request) -> None:
         """Offsets are only good for the arena of this instance: refuse a client that mapped another."""
@@ -280,14 +283,9 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         durable = request.ack == kvd_pb2.ACK_DURABLE
         blocks = self._lease_blocks(request.client_id, request.lease_id, request.keys, request.abort_keys) \
             if durable else []
-        sealed, aborted = self.engine.commit(
-            request.namespace_id,
-            request.client_id,
-            request.lease_id,
-            request.keys,
-            request.abort_keys,
-            self.clock.now_ms(),
-        )
+        sealed, aborted = self.engine.commit(CommitRequest(
+            request.namespace_id, request.client_id, request.lease_id, self.clock.now_ms(),
+            keys=request.keys, abort_keys=request.abort_keys))
         if self.disk_plane is not None:
             self.disk_plane.wake()  # the write-through starts now
         if durable:
@@ -343,9 +341,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             for position, status in enumerate(result.statuses):
                 if status == ReserveStatus.RESERVED:
                     self.arena.write(result.slots[position], request.blocks[position])
-            sealed, _ = self.engine.commit(
-                request.namespace_id, request.client_id, result.lease.lease_id, [], [], now_ms
-            )
+            sealed, _ = self.engine.commit(CommitRequest(request.namespace_id, request.client_id,
+                                                         result.lease.lease_id, now_ms))
         if self.disk_plane is not None:
             self.disk_plane.wake()
         durable = 0
@@ -375,14 +372,9 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         """engine.begin_get, retried once after an in-flight write batch if starved."""
 
         def begin():
-            return self.engine.begin_get(
-                request.namespace_id,
-                client_id,
-                list(request.keys),
-                request.lease_ms,
-                self.clock.now_ms(),
-                request.parent_key,
-            )
+            return self.engine.begin_get(KeysRequest(request.namespace_id, client_id, list(request.keys),
+                                                     request.lease_ms, self.clock.now_ms(),
+                                                     parent_key=request.parent_key))
 
         plan = begin()
         if self.disk_plane is None:

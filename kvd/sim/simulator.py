@@ -61,6 +61,7 @@ from kvd.core.tier import StorageTier
 from kvd.sim.disk import MEMORY_SPEC, READ_KINDS, DiskOp, DiskOpKind, DiskSpec, ModelledDisk
 from kvd.sim.plane import SlotContents
 from kvd.sim.traces import Request, TraceConfig, TraceGenerator
+from kvd.core.requests import CommitRequest, KeysRequest
 
 _DISK_DEFAULTS = DiskSettings()
 _HOST_DEFAULTS = HostConfig()
@@ -519,7 +520,8 @@ class Simulator:
         matched = engine.namespace(namespace_id).index.match(keys)
         flow.tiers = [engine.tier_of(block) for block in matched]
         try:
-            plan = engine.begin_get(namespace_id, flow.client_id, keys, self.config.lease_ms, self.clock.now_ms())
+            plan = engine.begin_get(KeysRequest(namespace_id, flow.client_id, keys, self.config.lease_ms,
+                                                self.clock.now_ms()))
         except ResourceExhausted:
             self.stats.get_refused += 1
             self._settle(flow)
@@ -601,8 +603,8 @@ class Simulator:
         keys = flow.keys
         namespace_id = self.namespace_ids[flow.namespace]
         try:
-            result = self.engine.reserve(namespace_id, flow.client_id, b"", keys, self.config.lease_ms,
-                                         self.clock.now_ms())
+            result = self.engine.reserve(KeysRequest(namespace_id, flow.client_id, keys, self.config.lease_ms,
+                                                     self.clock.now_ms()))
         except ResourceExhausted as refusal:
             self.stats.put_refused += 1
             self.stats.quota_refused += isinstance(refusal, QuotaExceeded)
@@ -669,9 +671,8 @@ class Simulator:
             check(owner is not None and owner.key == key,
                   f"host slot {slot} was reserved for a writer still writing it, and now belongs to {owner!r}")
         self.contents.fill([key for _, key in flow.reserved], [slot for slot, _ in flow.reserved])
-        sealed, aborted = self.engine.commit(
-            self.namespace_ids[flow.namespace], flow.client_id, flow.write_lease, [], [], self.clock.now_ms()
-        )
+        sealed, aborted = self.engine.commit(CommitRequest(self.namespace_ids[flow.namespace], flow.client_id,
+                                                           flow.write_lease, self.clock.now_ms()))
         check((sealed, aborted) == (len(flow.reserved), 0), f"commit sealed {sealed} and aborted {aborted}")
         del self.leases[flow.write_lease]
 

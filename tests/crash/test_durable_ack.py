@@ -28,6 +28,7 @@ from kvd.core.keys import chain_keys
 from kvd.testing.daemon import run_daemon, start_daemon
 from kvd.testing.put_stream import SPEC, blocks_for
 from kvd.v1 import kvd_pb2
+from kvd.core.requests import CommitRequest, KeysRequest
 
 HOST_SLOTS = 12
 SLOT_BYTES = 8 << 10
@@ -123,11 +124,11 @@ def test_a_failed_write_fails_the_wait_with_its_reason_and_a_later_wait_retries_
     arena = HostArena(ArenaLayout.from_capacity(HOST_SLOTS * SLOT_BYTES, SLOT_BYTES), prefault=False)
 
     def put(engine: Engine, namespace_id: bytes, keys: list[bytes], parent_key: bytes) -> list:
-        reserved = engine.reserve(namespace_id, "client", parent_key, keys, 0, 0)
+        reserved = engine.reserve(KeysRequest(namespace_id, "client", keys, 0, 0, parent_key=parent_key))
         for slot, block in zip(reserved.slots, blocks_for(keys)):
             arena.write(slot, block.tobytes())
         blocks = [handle.block for handle in reserved.lease.handles]
-        engine.commit(namespace_id, "client", reserved.lease.lease_id, [], [], 0)
+        engine.commit(CommitRequest(namespace_id, "client", reserved.lease.lease_id, 0))
         return blocks
 
     async def scenario():

@@ -24,6 +24,7 @@ from kvd.core.keys import chain_keys
 from kvd.server.disk_plane import DiskPlane
 from kvd.sim.simulator import SimConfig, Simulator
 from kvd.tiers.host import ArenaLayout, HostArena
+from kvd.core.requests import CommitRequest, KeysRequest
 
 HOST_SLOTS = 12
 SLOT_BYTES = 8 << 10
@@ -56,10 +57,10 @@ class SimSide:
         self.namespace_id = self.sim.namespace_ids[0]
 
     def put(self, keys: list[bytes]) -> None:
-        reserved = self.engine.reserve(self.namespace_id, "w", b"", keys, LONG_MS, self.sim.clock.now_ms())
+        reserved = self.engine.reserve(KeysRequest(self.namespace_id, "w", keys, LONG_MS, self.sim.clock.now_ms()))
         self.sim.contents.fill(keys, reserved.slots)
         if reserved.lease is not None:
-            self.engine.commit(self.namespace_id, "w", reserved.lease.lease_id, [], [], self.sim.clock.now_ms())
+            self.engine.commit(CommitRequest(self.namespace_id, "w", reserved.lease.lease_id, self.sim.clock.now_ms()))
 
     def delete(self, keys: list[bytes]) -> None:
         self.engine.delete(self.namespace_id, keys)
@@ -97,12 +98,12 @@ class DaemonSide:
         await self.plane.register_namespace(self.engine, self.namespace_id)
 
     def put(self, keys: list[bytes]) -> None:
-        reserved = self.engine.reserve(self.namespace_id, "w", b"", keys, LONG_MS, 0)
+        reserved = self.engine.reserve(KeysRequest(self.namespace_id, "w", keys, LONG_MS, 0))
         for key, slot in zip(keys, reserved.slots):
             if slot >= 0:
                 self.arena.write(slot, key * (self.spec.block_bytes // len(key)))
         if reserved.lease is not None:
-            self.engine.commit(self.namespace_id, "w", reserved.lease.lease_id, [], [], 0)
+            self.engine.commit(CommitRequest(self.namespace_id, "w", reserved.lease.lease_id, 0))
 
     async def delete(self, keys: list[bytes]) -> None:
         self.engine.delete(self.namespace_id, keys)

@@ -36,6 +36,7 @@ from kvd.errors import (
     ResourceExhausted,
 )
 from kvd.testing.engine_snapshot import snapshot
+from kvd.core.requests import CommitRequest, KeysRequest
 
 SLOTS = 6
 MAX_LEASES = 4
@@ -210,7 +211,8 @@ class EngineMachine(RuleBasedStateMachine):
         chain = keys_of(ns, path)
         self.advance_model_clock()
         self.expect_rejected(
-            InvalidArgument, lambda: self.engine.reserve(self.ns_ids[ns], client, b"", chain + chain[:1], 0, self.now)
+            InvalidArgument, lambda: self.engine.reserve(KeysRequest(self.ns_ids[ns], client, chain + chain[:1], 0,
+                                                                     self.now))
         )
 
     def do_reserve(self, ns: int, client: str, parent_key: bytes, keys: list[bytes], lease_ms: int) -> MLease | None:
@@ -220,7 +222,7 @@ class EngineMachine(RuleBasedStateMachine):
         ns_id = self.ns_ids[ns]
 
         def call():
-            return self.engine.reserve(ns_id, client, parent_key, keys, lease_ms, self.now)
+            return self.engine.reserve(KeysRequest(ns_id, client, keys, lease_ms, self.now, parent_key=parent_key))
 
         parent = parent_key or None
         if parent is not None and (parent not in model or model[parent].state != "S"):
@@ -332,7 +334,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def do_commit(self, lease: MLease, client: str, ns_id: bytes, keys: list[bytes], abort: list[bytes]) -> None:
         def call():
-            return self.engine.commit(ns_id, client, lease.lease_id, keys, abort, self.now)
+            return self.engine.commit(CommitRequest(ns_id, client, lease.lease_id, self.now, keys=keys,
+                                                    abort_keys=abort))
 
         error = self.predict_commit(lease, client, ns_id, keys, abort)
         if error is not None:
@@ -400,7 +403,8 @@ class EngineMachine(RuleBasedStateMachine):
             expected = self.match(ns, chain[start:], parent_key or None)
 
         def call():
-            return self.engine.get(self.ns_ids[ns], client, chain[start:], lease_ms, self.now, parent_key)
+            return self.engine.get(KeysRequest(self.ns_ids[ns], client, chain[start:], lease_ms, self.now,
+                                               parent_key=parent_key))
 
         if expected and len(self.leases) >= MAX_LEASES:
             # (snapshot leaves out the hit/miss counters, which get bumps

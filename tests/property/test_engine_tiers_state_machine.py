@@ -49,6 +49,7 @@ from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.errors import ResourceExhausted
 from kvd.sim.plane import SlotContents
 from kvd.sim.report import policy_names
+from kvd.core.requests import CommitRequest, KeysRequest
 
 HOST_SLOTS = 4
 DISK_SLOTS = 64  # more than the 30 chains of `paths`: the disk never evicts
@@ -210,14 +211,14 @@ class TierMachine(RuleBasedStateMachine):
         if len(matched) < len(keys) and keys[len(matched)] in self.blocks:
             # A tombstone a reader still pins: nothing to write from there yet.
             event("put: tombstone in the way")
-            result = self.engine.reserve(self.ns, "writer", b"", keys, LONG, 0)
+            result = self.engine.reserve(KeysRequest(self.ns, "writer", keys, LONG, 0))
             in_flight = [ReserveStatus.IN_FLIGHT] * (len(keys) - len(matched))
             assert result.lease is None and result.statuses == [ReserveStatus.EXISTS] * len(matched) + in_flight
             return
         before = {key for key, block in self.blocks.items() if block.host}
         free_before = len(self.engine.host.pool.free_slots)
         try:
-            result = self.engine.reserve(self.ns, "writer", b"", keys, LONG, 0)
+            result = self.engine.reserve(KeysRequest(self.ns, "writer", keys, LONG, 0))
         except ResourceExhausted:
             event("put: host full")
             self.check_nothing_evictable({parent.key} if parent else set())
@@ -236,7 +237,7 @@ class TierMachine(RuleBasedStateMachine):
             event("put: NO_SPACE")
             self.check_nothing_evictable(set())
         self.contents.fill(keys, result.slots)
-        assert self.engine.commit(self.ns, "writer", result.lease.lease_id, [], [], 0) == (reserved, 0)
+        assert self.engine.commit(CommitRequest(self.ns, "writer", result.lease.lease_id, 0)) == (reserved, 0)
         for key in keys[len(matched) : len(matched) + reserved]:
             parent = self.blocks[key] = MBlock(key, parent)
             for pending in self.pending.values():
@@ -248,7 +249,7 @@ class TierMachine(RuleBasedStateMachine):
         expected = self.match(keys)
         before = {key for key, block in self.blocks.items() if block.host}
         free_before = len(self.engine.host.pool.free_slots)
-        plan = self.engine.begin_get(self.ns, "reader", keys, LONG, 0)
+        plan = self.engine.begin_get(KeysRequest(self.ns, "reader", keys, LONG, 0))
         matched = [block.key for block in plan.matched]
         assert matched == [block.key for block in expected][: len(matched)]
         assert not plan.waits

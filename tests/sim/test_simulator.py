@@ -22,6 +22,7 @@ import pytest
 from kvd.core.io_schedule import IoSchedule
 from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.core.policy import make_policy
+from kvd.core.requests import CommitRequest, KeysRequest
 from kvd.sim.__main__ import main, reproduce_command
 from kvd.sim.disk import DiskOpKind, DiskSpec, ModelledDisk
 from kvd.sim.plane import SlotContents
@@ -112,9 +113,9 @@ def test_a_writers_slot_stays_its_own_when_a_load_of_its_parent_fails(engine_fac
         return chain_keys(spec, [ord(char) for char in text])
 
     def put_durably(text: str) -> None:
-        result = engine.reserve(ns, "w", b"", keys(text), 10_000, 0)
+        result = engine.reserve(KeysRequest(ns, "w", keys(text), 10_000, 0))
         contents.fill(keys(text), result.slots)
-        engine.commit(ns, "w", result.lease.lease_id, [], [], 0)
+        engine.commit(CommitRequest(ns, "w", result.lease.lease_id, 0))
         writes = engine.pick_writes(10)
         engine.finish_writes(writes, contents.write(writes))
 
@@ -122,9 +123,9 @@ def test_a_writers_slot_stays_its_own_when_a_load_of_its_parent_fails(engine_fac
         put_durably("a")
         put_durably("x")
         put_durably("y")  # two host slots: "a" is on disk only now
-        writer = engine.reserve(ns, "writer", b"", keys("ab"), 10_000, 0)  # "b" under disk-only "a"
+        writer = engine.reserve(KeysRequest(ns, "writer", keys("ab"), 10_000, 0))  # "b" under disk-only "a"
         slot = writer.slots[1]
-        plan = engine.begin_get(ns, "reader", keys("a"), 10_000, 0)
+        plan = engine.begin_get(KeysRequest(ns, "reader", keys("a"), 10_000, 0))
         assert [load.block.key for load in plan.loads] == keys("a")
         engine.finish_loads(plan.loads, [False])  # "a" reads back corrupt: lost, "b" with it
         assert engine.settle_get(plan) == []

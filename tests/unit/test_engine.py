@@ -31,6 +31,7 @@ from kvd.errors import (
 )
 from kvd.invariants import InvariantError
 from kvd.testing.engine_snapshot import snapshot
+from kvd.core.requests import CommitRequest, KeysRequest
 
 R, E, F, N = ReserveStatus.RESERVED, ReserveStatus.EXISTS, ReserveStatus.IN_FLIGHT, ReserveStatus.NO_SPACE
 
@@ -96,9 +97,9 @@ def env(make):
 
 def put(engine: Checked, ns: bytes, chain: str, *, client: str = "writer", now: int = 0):
     """Store `chain` (reserve + commit everything); returns the statuses."""
-    result = engine.reserve(ns, client, b"", K(chain), LONG, now)
+    result = engine.reserve(KeysRequest(ns, client, K(chain), LONG, now))
     if result.lease is not None:
-        engine.commit(ns, client, result.lease.lease_id, [], [], now)
+        engine.commit(CommitRequest(ns, client, result.lease.lease_id, now))
     return result.statuses
 
 
@@ -145,7 +146,7 @@ def test_unknown_or_malformed_namespace(env):
     engine, _ = env
     rejected(engine, NotFound, "lookup", OTHER_SPEC.namespace_id(), K("a"))
     rejected(engine, InvalidArgument, "lookup", b"short", K("a"), match="namespace_id")
-    rejected(engine, NotFound, "reserve", OTHER_SPEC.namespace_id(), "c", b"", K("a"), LONG, 0)
+    rejected(engine, NotFound, "reserve", KeysRequest(OTHER_SPEC.namespace_id(), "c", K("a"), LONG, 0))
 
 
 # ----------------------------------------------------------------------
@@ -154,7 +155,7 @@ def test_unknown_or_malformed_namespace(env):
 
 def test_reserve_then_commit_a_fresh_chain(env):
     engine, ns = env
-    result = engine.reserve(ns, "writer", b"", K("abc"), LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "writer", K("abc"), LONG, 0))
     assert result.statuses == [R, R, R]
     assert result.slots == [0, 1, 2]  # empty slots are handed out from 0
     lease = result.lease
@@ -164,13 +165,13 @@ def test_reserve_then_commit_a_fresh_chain(env):
     assert [block(engine, ns, c).state for c in ("a", "ab", "abc")] == [BlockState.WRITABLE] * 3
     # Writable blocks are not discoverable.
     assert engine.lookup(ns, K("abc")) == []
-    assert engine.get(ns, "reader", K("abc"), LONG, 0) == (None, [])
+    assert engine.get(KeysRequest(ns, "reader", K("abc"), LONG, 0)) == (None, [])
     assert (engine.live_handles, engine.pinned_blocks, engine.host.pool.resident_blocks) == (3, 3, 3)
     assert engine.host.pool.used_bytes == 3 * SPEC.block_bytes
     assert engine.host.counters.reserved == 3
     assert policy_order(engine) == []
 
-    assert engine.commit(ns, "writer", lease.lease_id, [], [], 1) == (3, 0)
+    assert engine.commit(CommitRequest(ns, "writer", lease.lease_id, 1)) == (3, 0)
     assert len(engine.leases) == 0  # nothing left to write: the lease ends
     assert [b.key for b in engine.lookup(ns, K("abc"))] == K("abc")
     assert (engine.live_handles, engine.pinned_blocks) == (0, 0)
@@ -183,14 +184,14 @@ def test_reserve_then_commit_a_fresh_chain(env):
 def test_reserve_extends_a_stored_prefix(env):
     engine, ns = env
     put(engine, ns, "abc")
-    result = engine.reserve(ns, "writer", b"", K("abcde"), LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "writer", K("abcde"), LONG, 0))
     assert result.statuses == [E, E, E, R, R]
     assert result.slots == [NO_SLOT, NO_SLOT, NO_SLOT, 3, 4]
     # The prefix being extended is pinned so it cannot be evicted meanwhile.
     assert result.lease.parent_handle.key == k("abc")
     assert block(engine, ns, "abc").ref_count == 1
     assert policy_order(engine) == []
-    assert engine.commit(ns, "writer", result.lease.lease_id, [], [], 0) == (2, 0)
+    assert engine.commit(CommitRequest(ns, "writer", result.lease.lease_id, 0)) == (2, 0)
     assert block(engine, ns, "abc").ref_count == 0
     assert policy_order(engine) == [k("abcde")]
     assert [b.key for b in engine.lookup(ns, K("abcdef"))] == K("abcde")
@@ -199,54 +200,57 @@ def test_reserve_extends_a_stored_prefix(env):
 def test_reserve_from_a_parent_key(env):
     engine, ns = env
     put(engine, ns, "ab")
-    result = engine.reserve(ns, "writer", k("ab"), K("abcd")[2:], LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "writer", K("abcd")[2:], LONG, 0, parent_key=k("ab")))
     assert result.statuses == [R, R]
     assert result.lease.parent_handle.key == k("ab")
-    engine.commit(ns, "writer", result.lease.lease_id, [], [], 0)
+    engine.commit(CommitRequest(ns, "writer", result.lease.lease_id, 0))
     assert block(engine, ns, "abc").parent is block(engine, ns, "ab")
     assert [b.key for b in engine.lookup(ns, K("abcd"))] == K("abcd")
     # A parent key with the whole rest of the chain already stored.
-    result = engine.reserve(ns, "writer", k("ab"), K("abcd")[2:], LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "writer", K("abcd")[2:], LONG, 0, parent_key=k("ab")))
     assert (result.lease, result.statuses) == (None, [E, E])
 
 
 def test_reserve_parent_key_errors(env):
     engine, ns = env
     put(engine, ns, "a")
-    rejected(engine, FailedPrecondition, "reserve", ns, "w", k("zz"), K("zzz")[2:], LONG, 0, match="parent_key")
-    rejected(engine, InvalidArgument, "reserve", ns, "w", b"x" * 31, K("b"), LONG, 0, match="parent_key")
+    rejected(engine, FailedPrecondition, "reserve", KeysRequest(ns, "w", K("zzz")[2:], LONG, 0, parent_key=k("zz")),
+                                                                match="parent_key")
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "w", K("b"), LONG, 0, parent_key=b"x" * 31),
+                                                             match="parent_key")
     # A writable block cannot be extended by anyone.
-    result = engine.reserve(ns, "w", b"", K("ab"), LONG, 0)
-    rejected(engine, FailedPrecondition, "reserve", ns, "w", k("ab"), K("abc")[2:], LONG, 0, match="parent_key")
+    result = engine.reserve(KeysRequest(ns, "w", K("ab"), LONG, 0))
+    rejected(engine, FailedPrecondition, "reserve", KeysRequest(ns, "w", K("abc")[2:], LONG, 0, parent_key=k("ab")),
+                                                                match="parent_key")
     engine.release("w", [result.lease.lease_id])
 
 
 def test_reserve_of_a_stored_chain_opens_no_lease(env):
     engine, ns = env
     put(engine, ns, "ab")
-    result = engine.reserve(ns, "w", b"", K("ab"), LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "w", K("ab"), LONG, 0))
     assert (result.lease, result.statuses, result.slots) == (None, [E, E], [NO_SLOT, NO_SLOT])
     assert len(engine.leases) == 0
-    result = engine.reserve(ns, "w", b"", [], LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "w", [], LONG, 0))
     assert (result.lease, result.statuses, result.slots) == (None, [], [])
 
 
 def test_in_flight_when_another_client_writes(env):
     engine, ns = env
-    first = engine.reserve(ns, "alice", b"", K("abc"), LONG, 0)
+    first = engine.reserve(KeysRequest(ns, "alice", K("abc"), LONG, 0))
     before = snapshot(engine.engine)
-    second = engine.reserve(ns, "bob", b"", K("abcd"), LONG, 0)
+    second = engine.reserve(KeysRequest(ns, "bob", K("abcd"), LONG, 0))
     assert (second.lease, second.statuses, second.slots) == (None, [F, F, F, F], [NO_SLOT] * 4)
     assert snapshot(engine.engine) == before
     # Once the first block is sealed it exists; the walk stops at the next.
-    engine.commit(ns, "alice", first.lease.lease_id, [k("a")], [], 0)
-    second = engine.reserve(ns, "bob", b"", K("abcd"), LONG, 0)
+    engine.commit(CommitRequest(ns, "alice", first.lease.lease_id, 0, keys=[k("a")]))
+    second = engine.reserve(KeysRequest(ns, "bob", K("abcd"), LONG, 0))
     assert (second.lease, second.statuses) == (None, [E, F, F, F])
     # The same client's own unfinished write is in flight too.
-    again = engine.reserve(ns, "alice", b"", K("abc"), LONG, 0)
+    again = engine.reserve(KeysRequest(ns, "alice", K("abc"), LONG, 0))
     assert again.statuses == [E, F, F]
     # A sibling branch is not blocked by the write in flight.
-    sibling = engine.reserve(ns, "bob", b"", K("ax"), LONG, 0)
+    sibling = engine.reserve(KeysRequest(ns, "bob", K("ax"), LONG, 0))
     assert sibling.statuses == [E, R]
     engine.release("bob", [sibling.lease.lease_id])
     engine.release("alice", [first.lease.lease_id])
@@ -254,11 +258,11 @@ def test_in_flight_when_another_client_writes(env):
 
 def test_reserve_stops_with_no_space_when_everything_is_pinned(make):
     engine, ns = make(slots=4)
-    result = engine.reserve(ns, "w", b"", K("abcdef"), LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "w", K("abcdef"), LONG, 0))
     assert result.statuses == [R, R, R, R, N, N]
     assert result.slots == [0, 1, 2, 3, NO_SLOT, NO_SLOT]
     assert [b.key for b in result.lease.blocks()] == K("abcd")
-    assert engine.commit(ns, "w", result.lease.lease_id, [], [], 0) == (4, 0)
+    assert engine.commit(CommitRequest(ns, "w", result.lease.lease_id, 0)) == (4, 0)
     assert engine.host.counters.evictions == 0
 
 
@@ -266,24 +270,25 @@ def test_full_pool_of_pinned_blocks_is_resource_exhausted(make):
     engine, ns = make(slots=6)
     put(engine, ns, "abc")
     put(engine, ns, "xyz")
-    engine.get(ns, "reader", K("abc"), LONG, 0)
-    engine.get(ns, "reader", K("xy"), LONG, 0)
+    engine.get(KeysRequest(ns, "reader", K("abc"), LONG, 0))
+    engine.get(KeysRequest(ns, "reader", K("xy"), LONG, 0))
     # The only candidate left, xyz, is the parent of the request: pinned for it.
-    rejected(engine, ResourceExhausted, "reserve", ns, "w", k("xyz"), K("xyzuvw")[3:], LONG, 0, match="full")
-    engine.get(ns, "reader", K("xyz"), LONG, 0)
-    rejected(engine, ResourceExhausted, "reserve", ns, "w", b"", K("pq"), LONG, 0, match="full")
+    rejected(engine, ResourceExhausted, "reserve", KeysRequest(ns, "w", K("xyzuvw")[3:], LONG, 0,
+                                                               parent_key=k("xyz")), match="full")
+    engine.get(KeysRequest(ns, "reader", K("xyz"), LONG, 0))
+    rejected(engine, ResourceExhausted, "reserve", KeysRequest(ns, "w", K("pq"), LONG, 0), match="full")
     engine.close_all_leases()
 
 
 def test_full_pool_refusal_changes_nothing(make):
     engine, ns = make(slots=3)
-    uncommitted = engine.reserve(ns, "w", b"", K("abc"), LONG, 0)
-    rejected(engine, ResourceExhausted, "reserve", ns, "w2", b"", K("pq"), LONG, 0, match="full")
+    uncommitted = engine.reserve(KeysRequest(ns, "w", K("abc"), LONG, 0))
+    rejected(engine, ResourceExhausted, "reserve", KeysRequest(ns, "w2", K("pq"), LONG, 0), match="full")
     engine.release("w", [uncommitted.lease.lease_id])
     # The only candidate is the block the request extends: still refused,
     # and the candidate keeps its place.
     put(engine, ns, "abc")
-    rejected(engine, ResourceExhausted, "reserve", ns, "w2", b"", K("abcd"), LONG, 0)
+    rejected(engine, ResourceExhausted, "reserve", KeysRequest(ns, "w2", K("abcd"), LONG, 0))
     assert policy_order(engine) == [k("abc")]
 
 
@@ -294,9 +299,9 @@ def test_full_pool_refusal_changes_nothing(make):
 def reserve_and_report_evictions(engine: Checked, ns: bytes, chain: str) -> list[bytes]:
     """Reserve and commit `chain`; the keys it evicted, in eviction order."""
     owners = owner_keys(engine)
-    result = engine.reserve(ns, "w", b"", K(chain), LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "w", K(chain), LONG, 0))
     evicted = [owners[slot] for slot in result.slots if slot in owners]
-    engine.commit(ns, "w", result.lease.lease_id, [], [], 0)
+    engine.commit(CommitRequest(ns, "w", result.lease.lease_id, 0))
     return evicted
 
 
@@ -349,13 +354,13 @@ def test_lru_among_single_blocks(make):
     for chain in ("a", "b", "c", "d"):
         put(engine, ns, chain)
     engine.lookup(ns, K("b"))
-    engine.get(ns, "reader", K("a"), LONG, 0)  # pinned: not a candidate
+    engine.get(KeysRequest(ns, "reader", K("a"), LONG, 0))  # pinned: not a candidate
     engine.lookup(ns, K("c"))
     assert policy_order(engine) == [k("d"), k("b"), k("c")]
     assert reserve_and_report_evictions(engine, ns, "pq") == [k("d"), k("b")]
     assert policy_order(engine) == [k("c"), k("pq")]
     # A reserve that finds its chain stored touches it, like a lookup.
-    assert engine.reserve(ns, "w", b"", K("c"), LONG, 0).statuses == [E]
+    assert engine.reserve(KeysRequest(ns, "w", K("c"), LONG, 0)).statuses == [E]
     assert policy_order(engine) == [k("pq"), k("c")]
     engine.close_all_leases()
 
@@ -383,8 +388,8 @@ def test_eviction_is_shared_across_namespaces(env):
     engine, ns = env
     other = engine.register_namespace(OTHER_SPEC).namespace_id
     put(engine, ns, "abc")
-    result = engine.reserve(other, "w", b"", K("abc", OTHER_SPEC), LONG, 0)
-    engine.commit(other, "w", result.lease.lease_id, [], [], 0)
+    result = engine.reserve(KeysRequest(other, "w", K("abc", OTHER_SPEC), LONG, 0))
+    engine.commit(CommitRequest(other, "w", result.lease.lease_id, 0))
     evicted = reserve_and_report_evictions(engine, ns, "pq")
     assert evicted == [k("abc"), k("ab")]
     assert len(engine.namespace(other).index) == 3
@@ -394,9 +399,9 @@ def test_pinned_blocks_are_never_evicted(env):
     engine, ns = env
     put(engine, ns, "abc")
     put(engine, ns, "xyz")
-    lease, matched = engine.get(ns, "reader", K("abc"), LONG, 0)
+    lease, matched = engine.get(KeysRequest(ns, "reader", K("abc"), LONG, 0))
     assert [b.ref_count for b in matched] == [1, 1, 1]
-    result = engine.reserve(ns, "w", b"", K("pqrs"), LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "w", K("pqrs"), LONG, 0))
     assert result.statuses == [R, R, R, N]
     assert stored(engine, ns) == set(K("abc") + K("pqr"))
     engine.release("w", [result.lease.lease_id])
@@ -408,7 +413,7 @@ def test_a_pinned_inner_block_protects_its_prefix_only(env):
     engine, ns = env
     put(engine, ns, "abc")
     put(engine, ns, "xyz")
-    lease, _ = engine.get(ns, "reader", K("ab"), LONG, 0)
+    lease, _ = engine.get(KeysRequest(ns, "reader", K("ab"), LONG, 0))
     # c is still a candidate (the oldest); after it goes, ab is pinned and
     # not a candidate, so xyz goes next.
     assert reserve_and_report_evictions(engine, ns, "pqrs") == [k("abc"), k("xyz"), k("xy"), k("x")]
@@ -425,58 +430,71 @@ def test_a_pinned_inner_block_protects_its_prefix_only(env):
 def writing(env):
     """A write lease over abcd, nothing committed yet."""
     engine, ns = env
-    result = engine.reserve(ns, "writer", b"", K("abcd"), LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "writer", K("abcd"), LONG, 0))
     return engine, ns, result.lease.lease_id
 
 
 def test_partial_commits_in_order(writing):
     engine, ns, lease_id = writing
-    assert engine.commit(ns, "writer", lease_id, K("ab"), [], 0) == (2, 0)
+    assert engine.commit(CommitRequest(ns, "writer", lease_id, 0, keys=K("ab"))) == (2, 0)
     assert [b.key for b in engine.lookup(ns, K("abcd"))] == K("ab")
     # The sealed blocks stay pinned by the lease until it ends.
     assert block(engine, ns, "ab").ref_count == 1
-    assert engine.commit(ns, "writer", lease_id, [], [], 0) == (2, 0)
+    assert engine.commit(CommitRequest(ns, "writer", lease_id, 0)) == (2, 0)
     assert len(engine.leases) == 0
     assert block(engine, ns, "ab").ref_count == 0
 
 
 def test_duplicate_commit_is_failed_precondition(writing):
     engine, ns, lease_id = writing
-    engine.commit(ns, "writer", lease_id, [k("a")], [], 0)
-    rejected(engine, FailedPrecondition, "commit", ns, "writer", lease_id, [k("a")], [], 0, match="already committed")
-    rejected(engine, FailedPrecondition, "commit", ns, "writer", lease_id, K("ab"), [], 0, match="already committed")
+    engine.commit(CommitRequest(ns, "writer", lease_id, 0, keys=[k("a")]))
+    rejected(engine, FailedPrecondition, "commit", CommitRequest(ns, "writer", lease_id, 0, keys=[k("a")]),
+                                                                 match="already committed")
+    rejected(engine, FailedPrecondition, "commit", CommitRequest(ns, "writer", lease_id, 0, keys=K("ab")),
+                                                                 match="already committed")
     # Once everything is committed the lease has ended: NotFound, not a
     # second success.
-    engine.commit(ns, "writer", lease_id, [], [], 0)
-    rejected(engine, NotFound, "commit", ns, "writer", lease_id, [k("a")], [], 0)
+    engine.commit(CommitRequest(ns, "writer", lease_id, 0))
+    rejected(engine, NotFound, "commit", CommitRequest(ns, "writer", lease_id, 0, keys=[k("a")]))
 
 
 def test_commit_of_a_key_not_in_the_lease(writing):
     engine, ns, lease_id = writing
     put(engine, ns, "xy")
-    rejected(engine, InvalidArgument, "commit", ns, "writer", lease_id, [k("xy")], [], 0, match="not part of lease")
-    rejected(engine, InvalidArgument, "commit", ns, "writer", lease_id, [k("a"), k("zz")], [], 0, match="keys")
-    rejected(engine, InvalidArgument, "commit", ns, "writer", lease_id, [], [k("zz")], 0, match="abort_keys")
+    rejected(engine, InvalidArgument, "commit", CommitRequest(ns, "writer", lease_id, 0, keys=[k("xy")]),
+                                                              match="not part of lease")
+    rejected(engine, InvalidArgument, "commit", CommitRequest(ns, "writer", lease_id, 0, keys=[k("a"), k("zz")]),
+                                                              match="keys")
+    rejected(engine, InvalidArgument, "commit", CommitRequest(ns, "writer", lease_id, 0, abort_keys=[k("zz")]),
+                                                              match="abort_keys")
 
 
 def test_commit_argument_errors(writing):
     engine, ns, lease_id = writing
-    rejected(engine, InvalidArgument, "commit", ns, "writer", lease_id, [k("a")], [k("a")], 0, match="both")
-    rejected(engine, InvalidArgument, "commit", ns, "writer", lease_id, [k("a"), k("a")], [], 0, match="duplicates")
-    rejected(engine, InvalidArgument, "commit", ns, "writer", lease_id, [], [k("ab"), k("ab")], 0, match="duplicates")
-    rejected(engine, FailedPrecondition, "commit", ns, "writer", lease_id, [k("ab")], [], 0, match="parent")
-    rejected(engine, FailedPrecondition, "commit", ns, "writer", lease_id, [k("abc")], [k("ab")], 0, match="after")
-    rejected(engine, InvalidArgument, "commit", ns, "writer", lease_id, [b"short"], [], 0, match=r"keys\[0\]")
-    rejected(engine, InvalidArgument, "commit", ns, "writer", lease_id, [], [b"s"], 0, match=r"abort_keys\[0\]")
+    rejected(engine, InvalidArgument, "commit", CommitRequest(ns, "writer", lease_id, 0, keys=[k("a")],
+                                                              abort_keys=[k("a")]), match="both")
+    rejected(engine, InvalidArgument, "commit", CommitRequest(ns, "writer", lease_id, 0, keys=[k("a"), k("a")]),
+                                                              match="duplicates")
+    rejected(engine, InvalidArgument, "commit", CommitRequest(ns, "writer", lease_id, 0, abort_keys=[k("ab"),
+                                                              k("ab")]), match="duplicates")
+    rejected(engine, FailedPrecondition, "commit", CommitRequest(ns, "writer", lease_id, 0, keys=[k("ab")]),
+                                                                 match="parent")
+    rejected(engine, FailedPrecondition, "commit", CommitRequest(ns, "writer", lease_id, 0, keys=[k("abc")],
+                                                                 abort_keys=[k("ab")]), match="after")
+    rejected(engine, InvalidArgument, "commit", CommitRequest(ns, "writer", lease_id, 0, keys=[b"short"]),
+                                                              match=r"keys\[0\]")
+    rejected(engine, InvalidArgument, "commit", CommitRequest(ns, "writer", lease_id, 0, abort_keys=[b"s"]),
+                                                              match=r"abort_keys\[0\]")
     other = engine.register_namespace(OTHER_SPEC).namespace_id
-    rejected(engine, InvalidArgument, "commit", other, "writer", lease_id, [k("a")], [], 0, match="namespace")
-    rejected(engine, NotFound, "commit", ns, "writer", lease_id + 100, [k("a")], [], 0)
+    rejected(engine, InvalidArgument, "commit", CommitRequest(other, "writer", lease_id, 0, keys=[k("a")]),
+                                                              match="namespace")
+    rejected(engine, NotFound, "commit", CommitRequest(ns, "writer", lease_id + 100, 0, keys=[k("a")]))
 
 
 def test_foreign_lease_is_permission_denied(writing):
     engine, ns, lease_id = writing
-    rejected(engine, PermissionDenied, "commit", ns, "mallory", lease_id, [k("a")], [], 0)
-    rejected(engine, PermissionDenied, "commit", ns, "mallory", lease_id, [], [], 0)
+    rejected(engine, PermissionDenied, "commit", CommitRequest(ns, "mallory", lease_id, 0, keys=[k("a")]))
+    rejected(engine, PermissionDenied, "commit", CommitRequest(ns, "mallory", lease_id, 0))
     rejected(engine, PermissionDenied, "release", "mallory", [lease_id])
     rejected(engine, PermissionDenied, "renew", "mallory", lease_id, LONG, 0)
 
@@ -484,28 +502,29 @@ def test_foreign_lease_is_permission_denied(writing):
 def test_read_lease_cannot_be_committed(env):
     engine, ns = env
     put(engine, ns, "ab")
-    lease, _ = engine.get(ns, "reader", K("ab"), LONG, 0)
-    rejected(engine, FailedPrecondition, "commit", ns, "reader", lease.lease_id, [], [], 0, match="read lease")
+    lease, _ = engine.get(KeysRequest(ns, "reader", K("ab"), LONG, 0))
+    rejected(engine, FailedPrecondition, "commit", CommitRequest(ns, "reader", lease.lease_id, 0), match="read lease")
     engine.release("reader", [lease.lease_id])
 
 
 def test_abort_takes_the_rest_of_the_chain(writing):
     engine, ns, lease_id = writing
     free_before = len(engine.host.pool.free_slots)
-    assert engine.commit(ns, "writer", lease_id, [k("a")], [k("abc")], 0) == (1, 2)
+    assert engine.commit(CommitRequest(ns, "writer", lease_id, 0, keys=[k("a")], abort_keys=[k("abc")])) == (1, 2)
     assert stored(engine, ns) == set(K("ab"))
     assert len(engine.host.pool.free_slots) == free_before + 2
     assert engine.host.counters.aborted == 2
     assert len(engine.leases) == 1  # ab is still being written
-    rejected(engine, FailedPrecondition, "commit", ns, "writer", lease_id, [k("abc")], [], 0, match="aborted")
-    assert engine.commit(ns, "writer", lease_id, [], [], 0) == (1, 0)
+    rejected(engine, FailedPrecondition, "commit", CommitRequest(ns, "writer", lease_id, 0, keys=[k("abc")]),
+                                                                 match="aborted")
+    assert engine.commit(CommitRequest(ns, "writer", lease_id, 0)) == (1, 0)
     assert len(engine.leases) == 0
     assert [b.key for b in engine.lookup(ns, K("abcd"))] == K("ab")
 
 
 def test_abort_everything(writing):
     engine, ns, lease_id = writing
-    assert engine.commit(ns, "writer", lease_id, [], [k("a")], 0) == (0, 4)
+    assert engine.commit(CommitRequest(ns, "writer", lease_id, 0, abort_keys=[k("a")])) == (0, 4)
     assert stored(engine, ns) == set()
     assert len(engine.leases) == 0
     assert engine.host.pool.resident_blocks == 0
@@ -514,10 +533,12 @@ def test_abort_everything(writing):
 
 def test_abort_after_commit_is_refused(writing):
     engine, ns, lease_id = writing
-    engine.commit(ns, "writer", lease_id, K("ab"), [], 0)
-    rejected(engine, FailedPrecondition, "commit", ns, "writer", lease_id, [], [k("a")], 0, match="already committed")
-    rejected(engine, FailedPrecondition, "commit", ns, "writer", lease_id, [], [k("ab")], 0, match="already committed")
-    assert engine.commit(ns, "writer", lease_id, [], [k("abc")], 0) == (0, 2)
+    engine.commit(CommitRequest(ns, "writer", lease_id, 0, keys=K("ab")))
+    rejected(engine, FailedPrecondition, "commit", CommitRequest(ns, "writer", lease_id, 0, abort_keys=[k("a")]),
+                                                                 match="already committed")
+    rejected(engine, FailedPrecondition, "commit", CommitRequest(ns, "writer", lease_id, 0, abort_keys=[k("ab")]),
+                                                                 match="already committed")
+    assert engine.commit(CommitRequest(ns, "writer", lease_id, 0, abort_keys=[k("abc")])) == (0, 2)
     assert len(engine.leases) == 0
     assert policy_order(engine) == [k("ab")]
 
@@ -525,8 +546,8 @@ def test_abort_after_commit_is_refused(writing):
 def test_abort_under_a_stored_parent_readmits_the_parent(env):
     engine, ns = env
     put(engine, ns, "ab")
-    result = engine.reserve(ns, "w", b"", K("abcd"), LONG, 0)
-    assert engine.commit(ns, "w", result.lease.lease_id, [], [k("abc")], 0) == (0, 2)
+    result = engine.reserve(KeysRequest(ns, "w", K("abcd"), LONG, 0))
+    assert engine.commit(CommitRequest(ns, "w", result.lease.lease_id, 0, abort_keys=[k("abc")])) == (0, 2)
     assert policy_order(engine) == [k("ab")]
     assert block(engine, ns, "ab").ref_count == 0
 
@@ -540,17 +561,18 @@ def test_key_under_a_different_parent_is_rejected(env):
     put(engine, ns, "abc")
     put(engine, ns, "xyz")
     # Skipping a block of a stored chain.
-    rejected(engine, InvalidArgument, "reserve", ns, "w", b"", [k("a"), k("abc")], LONG, 0, match=r"keys\[1\]")
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "w", [k("a"), k("abc")], LONG, 0), match=r"keys\[1\]")
     # A stored non-root block presented as a root block.
-    rejected(engine, InvalidArgument, "reserve", ns, "w", b"", [k("ab")], LONG, 0, match=r"keys\[0\]")
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "w", [k("ab")], LONG, 0), match=r"keys\[0\]")
     # Presented under the wrong parent_key.
-    rejected(engine, InvalidArgument, "reserve", ns, "w", k("xyz"), [k("abc")], LONG, 0, match=r"keys\[0\]")
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "w", [k("abc")], LONG, 0, parent_key=k("xyz")),
+                                                             match=r"keys\[0\]")
     # A stored key after a missing one: it cannot be the missing one's child.
-    rejected(engine, InvalidArgument, "reserve", ns, "w", b"", [k("p"), k("ab")], LONG, 0, match=r"keys\[1\]")
-    rejected(engine, InvalidArgument, "reserve", ns, "w", b"", K("abc") + [k("p"), k("xy")], LONG, 0)
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "w", [k("p"), k("ab")], LONG, 0), match=r"keys\[1\]")
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "w", K("abc") + [k("p"), k("xy")], LONG, 0))
     # The parent itself repeated in the chain.
-    rejected(engine, InvalidArgument, "reserve", ns, "w", k("ab"), [k("p"), k("ab")], LONG, 0)
-    rejected(engine, InvalidArgument, "reserve", ns, "w", b"", [k("a"), k("a")], LONG, 0, match="duplicates")
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "w", [k("p"), k("ab")], LONG, 0, parent_key=k("ab")))
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "w", [k("a"), k("a")], LONG, 0), match="duplicates")
 
 
 def test_key_under_a_different_parent_evicts_nothing(make):
@@ -562,17 +584,17 @@ def test_key_under_a_different_parent_evicts_nothing(make):
     for chain in ("a", "b", "c", "d"):
         put(engine, ns, chain)
     assert policy_order(engine) == [k("a"), k("b"), k("c"), k("d")]
-    rejected(engine, InvalidArgument, "reserve", ns, "w", b"", [k("p"), k("c")], LONG, 0, match=r"keys\[1\]")
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "w", [k("p"), k("c")], LONG, 0), match=r"keys\[1\]")
     # a is the next victim: the second key would be the one evicted.
-    rejected(engine, InvalidArgument, "reserve", ns, "w", b"", [k("p"), k("a")], LONG, 0, match=r"keys\[1\]")
-    rejected(engine, InvalidArgument, "reserve", ns, "w", b"", [k("p"), k("q"), k("d")], LONG, 0)
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "w", [k("p"), k("a")], LONG, 0), match=r"keys\[1\]")
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "w", [k("p"), k("q"), k("d")], LONG, 0))
     assert engine.host.counters.evictions == 0
 
 
 def test_writable_key_after_a_missing_one_is_rejected(env):
     engine, ns = env
-    other = engine.reserve(ns, "alice", b"", K("xy"), LONG, 0)
-    rejected(engine, InvalidArgument, "reserve", ns, "bob", b"", [k("p"), k("x")], LONG, 0)
+    other = engine.reserve(KeysRequest(ns, "alice", K("xy"), LONG, 0))
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "bob", [k("p"), k("x")], LONG, 0))
     engine.release("alice", [other.lease.lease_id])
 
 
@@ -583,7 +605,7 @@ def test_writable_key_after_a_missing_one_is_rejected(env):
 def test_get_pins_the_stored_prefix(env):
     engine, ns = env
     put(engine, ns, "abc")
-    lease, matched = engine.get(ns, "reader", K("abcd"), 500, 10)
+    lease, matched = engine.get(KeysRequest(ns, "reader", K("abcd"), 500, 10))
     assert [b.key for b in matched] == K("abc")
     assert lease.kind == LeaseKind.READ and lease.deadline_ms == 510
     assert [b.ref_count for b in matched] == [1, 1, 1]
@@ -592,7 +614,7 @@ def test_get_pins_the_stored_prefix(env):
     state = engine.namespace(ns)
     assert (state.get_hits, state.get_misses) == (3, 1)
     # A second reader shares the blocks.
-    second, _ = engine.get(ns, "other", K("ab"), 500, 10)
+    second, _ = engine.get(KeysRequest(ns, "other", K("ab"), 500, 10))
     assert [b.ref_count for b in matched] == [2, 2, 1]
     assert engine.pinned_blocks == 3 and engine.live_handles == 5
     assert engine.release("reader", [lease.lease_id]) == 1
@@ -604,7 +626,7 @@ def test_get_pins_the_stored_prefix(env):
 
 def test_get_miss_opens_no_lease(env):
     engine, ns = env
-    assert engine.get(ns, "reader", K("ab"), LONG, 0) == (None, [])
+    assert engine.get(KeysRequest(ns, "reader", K("ab"), LONG, 0)) == (None, [])
     assert len(engine.leases) == 0
     assert engine.namespace(ns).get_misses == 2
 
@@ -630,15 +652,16 @@ def test_lookup_and_get_from_a_parent_key(env):
     assert engine.lookup(ns, tail) == []
     # An unknown parent matches nothing (it may have been evicted).
     assert engine.lookup(ns, tail, k("zz")) == []
-    lease, matched = engine.get(ns, "r", tail, LONG, 0, k("ab"))
+    lease, matched = engine.get(KeysRequest(ns, "r", tail, LONG, 0, parent_key=k("ab")))
     assert [b.key for b in matched] == tail and [h.key for h in lease.handles] == tail
     assert block(engine, ns, "ab").ref_count == 0  # only the matched blocks are pinned
-    assert engine.get(ns, "r", tail, LONG, 0, k("zz")) == (None, [])
+    assert engine.get(KeysRequest(ns, "r", tail, LONG, 0, parent_key=k("zz"))) == (None, [])
     rejected(engine, InvalidArgument, "lookup", ns, tail, b"x" * 5, match="parent_key")
-    rejected(engine, InvalidArgument, "get", ns, "r", tail, LONG, 0, b"x" * 5, match="parent_key")
+    rejected(engine, InvalidArgument, "get", KeysRequest(ns, "r", tail, LONG, 0, parent_key=b"x" * 5),
+                                                         match="parent_key")
     engine.release("r", [lease.lease_id])
     # A parent still being written matches nothing.
-    result = engine.reserve(ns, "w", k("abcd"), K("abcdef")[4:], LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "w", K("abcdef")[4:], LONG, 0, parent_key=k("abcd")))
     assert engine.lookup(ns, K("abcdef")[5:], k("abcde")) == []
     engine.release("w", [result.lease.lease_id])
 
@@ -667,7 +690,7 @@ def test_acquire_handles(env):
 
 def test_release_of_a_write_lease_aborts_unsealed_blocks(writing):
     engine, ns, lease_id = writing
-    engine.commit(ns, "writer", lease_id, [k("a")], [], 0)
+    engine.commit(CommitRequest(ns, "writer", lease_id, 0, keys=[k("a")]))
     assert engine.release("writer", [lease_id]) == 1
     assert stored(engine, ns) == {k("a")}
     assert engine.host.counters.aborted == 3
@@ -678,8 +701,8 @@ def test_release_of_a_write_lease_aborts_unsealed_blocks(writing):
 def test_release_is_all_or_nothing(env):
     engine, ns = env
     put(engine, ns, "ab")
-    mine, _ = engine.get(ns, "me", K("ab"), LONG, 0)
-    theirs, _ = engine.get(ns, "them", K("a"), LONG, 0)
+    mine, _ = engine.get(KeysRequest(ns, "me", K("ab"), LONG, 0))
+    theirs, _ = engine.get(KeysRequest(ns, "them", K("a"), LONG, 0))
     rejected(engine, PermissionDenied, "release", "me", [mine.lease_id, theirs.lease_id])
     rejected(engine, NotFound, "release", "me", [mine.lease_id, 999])
     rejected(engine, InvalidArgument, "release", "me", [mine.lease_id, mine.lease_id], match="duplicates")
@@ -693,13 +716,13 @@ def test_release_is_all_or_nothing(env):
 def test_expiry_aborts_writable_blocks_and_drops_read_pins(env):
     engine, ns = env
     put(engine, ns, "xy")
-    write = engine.reserve(ns, "writer", b"", K("abc"), 100, 0)
-    engine.commit(ns, "writer", write.lease.lease_id, [k("a")], [], 50)
-    read, _ = engine.get(ns, "reader", K("xy"), 100, 20)  # deadline 120
+    write = engine.reserve(KeysRequest(ns, "writer", K("abc"), 100, 0))
+    engine.commit(CommitRequest(ns, "writer", write.lease.lease_id, 50, keys=[k("a")]))
+    read, _ = engine.get(KeysRequest(ns, "reader", K("xy"), 100, 20))  # deadline 120
     assert engine.pinned_blocks == 5
     assert engine.expire(99) == 0
     with pytest.raises(NotFound):
-        engine.commit(ns, "writer", write.lease.lease_id, [], [], 100)
+        engine.commit(CommitRequest(ns, "writer", write.lease.lease_id, 100))
     assert len(engine.leases) == 1
     assert stored(engine, ns) == set(K("xy") + [k("a")])
     assert engine.host.pool.resident_blocks == 3 and engine.host.counters.aborted == 2
@@ -718,11 +741,11 @@ def test_every_call_with_now_expires_first(env):
     engine, ns = env
     put(engine, ns, "ab")
     for call in (
-        lambda now: engine.get(ns, "r", K("a"), 0, now),
-        lambda now: engine.reserve(ns, "r", b"", K("ab"), 0, now),
+        lambda now: engine.get(KeysRequest(ns, "r", K("a"), 0, now)),
+        lambda now: engine.reserve(KeysRequest(ns, "r", K("ab"), 0, now)),
         lambda now: engine.renew("r", 12345, 0, now),
     ):
-        lease, _ = engine.get(ns, "reader", K("ab"), 10, 0)
+        lease, _ = engine.get(KeysRequest(ns, "reader", K("ab"), 10, 0))
         try:
             call(10)
         except NotFound:
@@ -734,7 +757,7 @@ def test_every_call_with_now_expires_first(env):
 def test_renew_extends_the_deadline(env):
     engine, ns = env
     put(engine, ns, "ab")
-    lease, _ = engine.get(ns, "reader", K("ab"), 100, 0)
+    lease, _ = engine.get(KeysRequest(ns, "reader", K("ab"), 100, 0))
     assert engine.renew("reader", lease.lease_id, 100, 50) == 150
     assert engine.expire(100) == 0  # the old deadline is stale
     assert engine.leases.next_deadline_ms() == 150
@@ -745,14 +768,14 @@ def test_renew_extends_the_deadline(env):
 def test_lease_ms_bounds(make):
     engine, ns = make(lease_ms_default=1_000, lease_ms_max=LONG)
     put(engine, ns, "a")
-    lease, _ = engine.get(ns, "r", K("a"), 0, 100)
+    lease, _ = engine.get(KeysRequest(ns, "r", K("a"), 0, 100))
     assert lease.deadline_ms == 1_100  # 0 means the default
-    lease, _ = engine.get(ns, "r", K("a"), LONG, 100)
+    lease, _ = engine.get(KeysRequest(ns, "r", K("a"), LONG, 100))
     assert lease.deadline_ms == LONG + 100  # the maximum is inclusive
     assert engine.renew("r", lease.lease_id, 0, 200) == 1_200
     for bad in (-1, LONG + 1, 10**9):
-        rejected(engine, InvalidArgument, "get", ns, "r", K("a"), bad, 100, match="lease_ms")
-        rejected(engine, InvalidArgument, "reserve", ns, "r", b"", K("ab"), bad, 100, match="lease_ms")
+        rejected(engine, InvalidArgument, "get", KeysRequest(ns, "r", K("a"), bad, 100), match="lease_ms")
+        rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "r", K("ab"), bad, 100), match="lease_ms")
         rejected(engine, InvalidArgument, "renew", "r", lease.lease_id, bad, 100, match="lease_ms")
     engine.close_all_leases()
 
@@ -761,15 +784,15 @@ def test_lease_table_full(make):
     engine, ns = make(max_leases=1)
     put(engine, ns, "ab")
     put(engine, ns, "xy")
-    held, _ = engine.get(ns, "r", K("a"), LONG, 0)
+    held, _ = engine.get(KeysRequest(ns, "r", K("a"), LONG, 0))
     assert policy_order(engine) == [k("ab"), k("xy")]
-    rejected(engine, ResourceExhausted, "reserve", ns, "w", b"", K("pq"), LONG, 0, match="leases")
+    rejected(engine, ResourceExhausted, "reserve", KeysRequest(ns, "w", K("pq"), LONG, 0), match="leases")
     # Regression: the refused reserve used to touch the stored prefix first.
-    rejected(engine, ResourceExhausted, "reserve", ns, "w", b"", K("abc"), LONG, 0, match="leases")
+    rejected(engine, ResourceExhausted, "reserve", KeysRequest(ns, "w", K("abc"), LONG, 0), match="leases")
     # Needing no lease, a reserve of a stored chain still works.
-    assert engine.reserve(ns, "w", b"", K("ab"), LONG, 0).statuses == [E, E]
+    assert engine.reserve(KeysRequest(ns, "w", K("ab"), LONG, 0)).statuses == [E, E]
     # A get refused for lack of lease room changes nothing, counters included.
-    rejected(engine, ResourceExhausted, "get", ns, "r", K("ab"), LONG, 0, match="leases")
+    rejected(engine, ResourceExhausted, "get", KeysRequest(ns, "r", K("ab"), LONG, 0), match="leases")
     assert [b.ref_count for b in engine.lookup(ns, K("ab"))] == [1, 0]
     engine.release("r", [held.lease_id])
 
@@ -777,11 +800,11 @@ def test_lease_table_full(make):
 def test_batch_and_client_limits(make):
     engine, ns = make(max_batch_keys=2)
     rejected(engine, InvalidArgument, "lookup", ns, K("abc"), match="at most 2")
-    rejected(engine, InvalidArgument, "reserve", ns, "w", b"", K("abc"), LONG, 0, match="at most 2")
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "w", K("abc"), LONG, 0), match="at most 2")
     rejected(engine, InvalidArgument, "delete", ns, K("abc"))
     rejected(engine, InvalidArgument, "release", "w", [1, 2, 3])
-    rejected(engine, InvalidArgument, "reserve", ns, "", b"", K("ab"), LONG, 0, match="client_id")
-    rejected(engine, InvalidArgument, "get", ns, "", K("ab"), LONG, 0, match="client_id")
+    rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "", K("ab"), LONG, 0), match="client_id")
+    rejected(engine, InvalidArgument, "get", KeysRequest(ns, "", K("ab"), LONG, 0), match="client_id")
     rejected(engine, InvalidArgument, "lookup", ns, [k("a"), b"x" * 33], match=r"keys\[1\] is 33 bytes")
 
 
@@ -808,14 +831,14 @@ def test_delete_removes_a_subtree(env):
 def test_delete_of_a_pinned_subtree_is_refused(env):
     engine, ns = env
     put(engine, ns, "abc")
-    lease, _ = engine.get(ns, "r", K("abc"), LONG, 0)
+    lease, _ = engine.get(KeysRequest(ns, "r", K("abc"), LONG, 0))
     before = snapshot(engine.engine)
     assert engine.delete(ns, [k("a")]) == (0, 1)
     assert engine.delete(ns, [k("abc")]) == (0, 1)
     assert snapshot(engine.engine) == before
     engine.release("r", [lease.lease_id])
     # Pinning an ancestor does not protect the descendants.
-    lease, _ = engine.get(ns, "r", K("a"), LONG, 0)
+    lease, _ = engine.get(KeysRequest(ns, "r", K("a"), LONG, 0))
     assert engine.delete(ns, [k("ab")]) == (2, 0)
     assert engine.delete(ns, [k("a")]) == (0, 1)
     engine.release("r", [lease.lease_id])
@@ -824,7 +847,7 @@ def test_delete_of_a_pinned_subtree_is_refused(env):
 def test_delete_of_a_subtree_being_written_is_refused(env):
     engine, ns = env
     put(engine, ns, "ab")
-    result = engine.reserve(ns, "w", b"", K("abcd"), LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "w", K("abcd"), LONG, 0))
     before = snapshot(engine.engine)
     assert engine.delete(ns, [k("a")]) == (0, 1)
     assert engine.delete(ns, [k("abcd")]) == (0, 1)
@@ -836,7 +859,7 @@ def test_delete_mixed(env):
     engine, ns = env
     put(engine, ns, "ab")
     put(engine, ns, "xy")
-    lease, _ = engine.get(ns, "r", K("xy"), LONG, 0)
+    lease, _ = engine.get(KeysRequest(ns, "r", K("xy"), LONG, 0))
     assert engine.delete(ns, [k("a"), k("x")]) == (2, 1)
     assert stored(engine, ns) == set(K("xy"))
     engine.release("r", [lease.lease_id])
@@ -882,7 +905,7 @@ def test_a_leak_under_warnings_as_errors_still_releases(env, monkeypatch):
 @pytest.mark.allow_leaked_handles
 def test_a_dropped_writer_handle_aborts_its_block(env):
     engine, ns = env
-    result = engine.reserve(ns, "w", b"", K("a"), LONG, 0)
+    result = engine.reserve(KeysRequest(ns, "w", K("a"), LONG, 0))
     lease = result.lease
     engine.leases._leases.pop(lease.lease_id)  # forget the lease: its handle is now owned by nobody
     engine.leases.refund(lease, lease.pinned)  # and charge its client nothing for it
@@ -896,8 +919,8 @@ def test_a_dropped_writer_handle_aborts_its_block(env):
 def test_leases_own_their_handles_so_closing_is_not_a_leak(env):
     engine, ns = env
     put(engine, ns, "abc")
-    engine.get(ns, "r", K("abc"), LONG, 0)
-    engine.reserve(ns, "w", b"", K("abcd"), LONG, 0)
+    engine.get(KeysRequest(ns, "r", K("abc"), LONG, 0))
+    engine.reserve(KeysRequest(ns, "w", K("abcd"), LONG, 0))
     assert engine.close_all_leases() == 2
     gc.collect()
     assert engine.leaked_handles == 0

@@ -22,6 +22,7 @@ from kvd.core.policy.promotion import AlwaysPromote
 from kvd.errors import KvdError
 from kvd.invariants import InvariantError
 from kvd.sim.plane import SlotContents
+from kvd.core.requests import CommitRequest, KeysRequest
 
 SPEC = NamespaceSpec(model_id="disk-test", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
 LONG = 10_000
@@ -46,11 +47,11 @@ class Plane(SlotContents):
 
     def put(self, chain: str, client: str = "w") -> int:
         keys = K(chain)
-        result = self.engine.reserve(self.ns, client, b"", keys, LONG, 0)
+        result = self.engine.reserve(KeysRequest(self.ns, client, keys, LONG, 0))
         self.fill(keys, result.slots)
         if result.lease is None:
             return 0
-        sealed, _ = self.engine.commit(self.ns, client, result.lease.lease_id, [], [], 0)
+        sealed, _ = self.engine.commit(CommitRequest(self.ns, client, result.lease.lease_id, 0))
         return sealed
 
     def flush(self, limit: int = 100, fail: set[bytes] = frozenset()) -> int:
@@ -67,7 +68,7 @@ class Plane(SlotContents):
 
     def get(self, chain: str, client: str = "r") -> list[bytes]:
         """A whole Get: plan, load from 'disk', settle, copy out, release."""
-        plan = self.engine.begin_get(self.ns, client, K(chain), LONG, 0)
+        plan = self.engine.begin_get(KeysRequest(self.ns, client, K(chain), LONG, 0))
         self.engine.finish_loads(plan.loads, self.load(plan.loads, self.corrupt))
         self.journal_removals()
         contents = self.served(self.engine.settle_get(plan))
@@ -217,7 +218,7 @@ def test_random_operations_never_serve_a_wrong_block(engine_factory, seed, varia
                 engine.delete(plane.ns, [rng.choice(K(chain))])
                 plane.journal_removals()
             else:
-                lease_holder = engine.begin_get(plane.ns, "sleeper", K(chain), 5, 0)
+                lease_holder = engine.begin_get(KeysRequest(plane.ns, "sleeper", K(chain), 5, 0))
                 if lease_holder.loads:
                     engine.finish_loads(lease_holder.loads, [True] * len(lease_holder.loads))
                     for load in lease_holder.loads:
@@ -260,7 +261,7 @@ def test_with_min_hits_2_a_block_is_written_once_it_is_used_again(picky):
     assert picky.flush() == 2
     assert durable(picky, "abc") == [True, True, False]
     # A Put of a stored block is a use too.
-    assert picky.engine.reserve(picky.ns, "w", b"", K("abc"), LONG, 0).statuses[-1] == ReserveStatus.EXISTS
+    assert picky.engine.reserve(KeysRequest(picky.ns, "w", K("abc"), LONG, 0)).statuses[-1] == ReserveStatus.EXISTS
     assert picky.flush() == 1
     assert durable(picky, "abc") == [True, True, True]
     assert picky.engine.disk.counters.admission_rejected == 0
@@ -322,7 +323,7 @@ def test_a_declined_promotion_cuts_the_get_before_the_block(plane):
     plane.put("wx")  # c and d demoted: only on disk
     assert tiers(plane, "abcd") == [TierId.HOST, TierId.HOST, TierId.DISK, TierId.DISK]
     plane.engine.disk.promotion = NeverPromote()
-    plan = plane.engine.begin_get(plane.ns, "r", K("abcd"), LONG, 0)
+    plan = plane.engine.begin_get(KeysRequest(plane.ns, "r", K("abcd"), LONG, 0))
     assert plan.matched == plane.engine.lookup(plane.ns, K("ab")) and not plan.loads and not plan.starved
     plane.engine.release("r", [plan.lease.lease_id])
     plane.engine.disk.promotion = AlwaysPromote()
@@ -376,7 +377,7 @@ def test_a_get_lease_that_expires_during_its_disk_reads_leaves_their_slots_pinne
     plane.put("wxyz")  # the host tier is full of these: abcd is on disk only
     plane.flush()
     assert [engine.tier_of(block) for block in engine.lookup(plane.ns, K("abcd"))] == [TierId.DISK] * 4
-    plan = engine.begin_get(plane.ns, "r", K("abcd"), 10, 0)
+    plan = engine.begin_get(KeysRequest(plane.ns, "r", K("abcd"), 10, 0))
     assert len(plan.loads) == 4
     slots = {load.target_slot for load in plan.loads}
     engine.expire(1_000)  # the Get's lease runs out while its reads are in flight
@@ -384,7 +385,7 @@ def test_a_get_lease_that_expires_during_its_disk_reads_leaves_their_slots_pinne
     engine.verify()
     # No Put can take those slots now: every host slot is being read into.
     with pytest.raises(KvdError):
-        engine.reserve(plane.ns, "w", b"", K("q"), LONG, 1_000)
+        engine.reserve(KeysRequest(plane.ns, "w", K("q"), LONG, 1_000))
     engine.finish_loads(plan.loads, plane.load(plan.loads))
     engine.verify()
     # Read in and unpinned: ordinary candidates now, still holding their own bytes.

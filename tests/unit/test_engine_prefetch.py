@@ -17,6 +17,7 @@ from kvd.core.block import NO_SLOT, BlockState
 from kvd.core.engine import Engine, PrefetchLimit, TierId
 from kvd.core.io_schedule import IoClass, IoJob, IoSchedule
 from kvd.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvd.core.requests import CommitRequest, KeysRequest
 from tests.unit.test_engine_disk import LONG, SPEC, K, Plane, k, tiers
 
 BOUND = 256
@@ -62,7 +63,7 @@ def test_prefetch_reads_disk_only_blocks_unpinned_and_a_get_then_uses_them(plane
     counters = engine.prefetch_counters
     assert (counters.queued, counters.missing, counters.used, counters.wasted) == (4, 2, 0, 0)
     # The Get reads nothing from disk and counts the blocks as used.
-    get = engine.begin_get(plane.ns, "r", K("abcd"), LONG, 0)
+    get = engine.begin_get(KeysRequest(plane.ns, "r", K("abcd"), LONG, 0))
     assert not get.loads and not get.waits
     assert plane.served(engine.settle_get(get)) == K("abcd")
     engine.release("r", [get.lease.lease_id])
@@ -101,7 +102,7 @@ def test_prefetched_blocks_evicted_before_any_get_are_wasted(plane):
 def test_a_get_racing_a_prefetch_waits_for_its_reads_and_is_served_the_right_bytes(plane):
     engine = plane.engine
     plan = prefetch(plane, "abcd")
-    get = engine.begin_get(plane.ns, "r", K("abcd"), LONG, 0)
+    get = engine.begin_get(KeysRequest(plane.ns, "r", K("abcd"), LONG, 0))
     # The Get reads nothing itself: it waits for the prefetch's reads.
     assert not get.loads and get.waits == engine.lookup(plane.ns, K("abcd"))
     assert engine.prefetch_counters.used == 4
@@ -115,7 +116,7 @@ def test_a_get_racing_a_prefetch_waits_for_its_reads_and_is_served_the_right_byt
 def test_a_corrupt_prefetched_block_is_lost_never_served_and_wasted(plane):
     engine = plane.engine
     plan = prefetch(plane, "abcd")
-    get = engine.begin_get(plane.ns, "r", K("ab"), LONG, 0)  # waits for a and b
+    get = engine.begin_get(KeysRequest(plane.ns, "r", K("ab"), LONG, 0))  # waits for a and b
     corrupt_c = {plan.loads[2].source_slot}
     finish(plane, plan.loads, corrupt_c)
     engine.verify()
@@ -157,8 +158,8 @@ def test_blocks_lost_while_their_read_is_in_flight_keep_their_slot_until_it_ends
 def test_two_gets_a_failed_read_of_one_keeps_the_other_gets_slot_until_its_read_ends(plane):
     """The same hazard between two Gets: r1 reads a, r2 waits for a and reads b."""
     engine = plane.engine
-    first = engine.begin_get(plane.ns, "r1", K("a"), LONG, 0)
-    second = engine.begin_get(plane.ns, "r2", K("ab"), LONG, 0)
+    first = engine.begin_get(KeysRequest(plane.ns, "r1", K("a"), LONG, 0))
+    second = engine.begin_get(KeysRequest(plane.ns, "r2", K("ab"), LONG, 0))
     assert [load.block.key for load in first.loads] == K("a")
     assert [load.block.key for load in second.loads] == [k("ab")] and second.waits == first.matched
     b_slot = second.loads[0].target_slot
@@ -192,7 +193,7 @@ def test_the_in_flight_bound_truncates_and_says_so(plane):
 
 def test_a_pinned_host_tier_refuses_prefetch(plane):
     engine = plane.engine
-    lease = engine.begin_get(plane.ns, "r", K("wxyz"), LONG, 0).lease  # all 4 host slots pinned
+    lease = engine.begin_get(KeysRequest(plane.ns, "r", K("wxyz"), LONG, 0)).lease  # all 4 host slots pinned
     plan = prefetch(plane, "abcd")
     assert not plan.loads and plan.refused == 4 and plan.limit == PrefetchLimit.HOST_FULL
     assert tiers(plane, "abcd") == [TierId.DISK] * 4
@@ -242,8 +243,8 @@ def test_abandoned_prefetch_loads_give_their_slots_back(plane):
 def test_without_a_disk_tier_everything_stored_is_in_host_memory(engine_factory):
     engine: Engine = engine_factory(4, 64)
     ns = engine.register_namespace(SPEC).namespace_id
-    result = engine.reserve(ns, "w", b"", K("ab"), LONG, 0)
-    engine.commit(ns, "w", result.lease.lease_id, [], [], 0)
+    result = engine.reserve(KeysRequest(ns, "w", K("ab"), LONG, 0))
+    engine.commit(CommitRequest(ns, "w", result.lease.lease_id, 0))
     plan = engine.begin_prefetch(ns, K("abc"), b"", BOUND)
     assert (plan.matched, plan.in_host, plan.missing, len(plan.loads), plan.refused) == (2, 2, 1, 0, 0)
 
@@ -337,7 +338,7 @@ def test_random_interleavings_never_serve_a_wrong_block(engine_factory, seed):
         elif action < 0.6 and jobs:
             finish_job(rng.choice(jobs))
         elif action < 0.9:
-            get = engine.begin_get(plane.ns, "r", K(chain), LONG, 0)
+            get = engine.begin_get(KeysRequest(plane.ns, "r", K(chain), LONG, 0))
             engine.finish_loads(get.loads, plane.load(get.loads, {l.source_slot for l in get.loads if rng.random() < 0.1}))
             plane.journal_removals()
             while any(load.block in get.waits for job in jobs for load in job):

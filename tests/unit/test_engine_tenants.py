@@ -20,6 +20,7 @@ from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.core.quota import QuotaExceeded, TenantQuota
 from kvd.errors import NotFound, PermissionDenied, ResourceExhausted
 from kvd.testing.engine_snapshot import snapshot
+from kvd.core.requests import CommitRequest, KeysRequest
 
 SPEC = NamespaceSpec(model_id="tenant-test", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
 SLOT = 64
@@ -38,10 +39,10 @@ def put(engine: Engine, namespace_id: bytes, chain: str, client: str = "w", pare
         verify: bool = True) -> int:
     keys = K(chain)[len(parent):]
     parent_key = K(parent)[-1] if parent else b""
-    result = engine.reserve(namespace_id, client, parent_key, keys, LONG, 0)
+    result = engine.reserve(KeysRequest(namespace_id, client, keys, LONG, 0, parent_key=parent_key))
     if result.lease is None:
         return 0
-    sealed, _ = engine.commit(namespace_id, client, result.lease.lease_id, [], [], 0)
+    sealed, _ = engine.commit(CommitRequest(namespace_id, client, result.lease.lease_id, 0))
     if verify:
         engine.verify()
     return sealed
@@ -80,7 +81,7 @@ def test_leases_of_another_scope_are_not_found_and_of_another_client_denied():
     engine = Engine(host_slot_count=8, host_slot_bytes=SLOT)
     a = engine.register_namespace(tenant_spec("a")).namespace_id
     put(engine, a, "ab", client="a\x00w")
-    lease, _ = engine.get(a, "a\x00reader", K("ab"), LONG, 0)
+    lease, _ = engine.get(KeysRequest(a, "a\x00reader", K("ab"), LONG, 0))
     with pytest.raises(NotFound):
         engine.release("b\x00reader", [lease.lease_id])
     with pytest.raises(NotFound):
@@ -119,17 +120,17 @@ def test_a_put_past_the_host_quota_evicts_the_tenants_own_least_recently_used_bl
 def test_a_put_the_quota_cannot_make_room_for_is_refused_and_changes_nothing():
     engine, quota, a, b = host_quota_engine(slots=16, limit_slots=3)
     put(engine, a, "abc")
-    lease, _ = engine.get(a, "r", K("abc"), LONG, 0)  # every block of the tenant pinned
+    lease, _ = engine.get(KeysRequest(a, "r", K("abc"), LONG, 0))  # every block of the tenant pinned
     before = snapshot(engine)
     with pytest.raises(QuotaExceeded, match=r"tenant 'a' is over its host quota: its blocks take 192 of its 192 "):
-        engine.reserve(a, "w", b"", K("x"), LONG, 0)
+        engine.reserve(KeysRequest(a, "w", K("x"), LONG, 0))
     assert snapshot(engine) == before
     assert quota.host_used_bytes == 3 * SLOT
     assert quota.counters.host_refused == 1
     # A Put larger than the quota itself can never fit.
     engine.release("r", [lease.lease_id])
     with pytest.raises(QuotaExceeded, match="needs 256 bytes .4 slots of 64 bytes., more than its whole quota of 192"):
-        engine.reserve(a, "w", b"", K("wxyz"), LONG, 0)
+        engine.reserve(KeysRequest(a, "w", K("wxyz"), LONG, 0))
     # The other tenant, with no quota, is not limited by this one's.
     assert put(engine, b, "abcdefgh") == 8
     engine.verify()
@@ -141,9 +142,9 @@ def test_keys_already_stored_are_not_charged_again_and_the_extended_block_is_kep
     put(engine, a, "x")
     # Extending "ab" by one needs one slot: "x" goes, not "ab"'s tail, which
     # the new block hangs under, even though "ab" is older.
-    result = engine.reserve(a, "w", b"", K("abc"), LONG, 0)
+    result = engine.reserve(KeysRequest(a, "w", K("abc"), LONG, 0))
     assert result.statuses == [ReserveStatus.EXISTS, ReserveStatus.EXISTS, ReserveStatus.RESERVED]
-    engine.commit(a, "w", result.lease.lease_id, [], [], 0)
+    engine.commit(CommitRequest(a, "w", result.lease.lease_id, 0))
     assert (stored(engine, a, "abc"), stored(engine, a, "x")) == (3, 0)
     assert quota.host_used_bytes == 3 * SLOT
     engine.verify()
@@ -236,7 +237,7 @@ def test_random_operations_keep_every_tenants_accounting_exact(seed):
             if operation < 0.45:
                 put(engine, namespace_id, chain)
             elif operation < 0.6:
-                plan = engine.begin_get(namespace_id, "r", K(chain), LONG, 0)
+                plan = engine.begin_get(KeysRequest(namespace_id, "r", K(chain), LONG, 0))
                 engine.finish_loads(plan.loads, [True] * len(plan.loads))
                 engine.settle_get(plan)
                 if plan.lease is not None:
@@ -374,11 +375,11 @@ def test_a_tenant_at_its_host_quota_makes_room_for_a_chain_from_its_own_chains()
     assert [stored(engine, a, chain) for chain in chains] == [0, 16, 16]
     assert quota.counters.host_evicted == 16 and quota.counters.host_refused == 0
     # One chain pinned, one pinned but for its last 4 blocks: 4 can go, 16 are needed.
-    leases = [engine.get(a, "w2", K(chains[1]), LONG, 0)[0],
-              engine.get(a, "w2", K(chains[2])[:12], LONG, 0)[0]]
+    leases = [engine.get(KeysRequest(a, "w2", K(chains[1]), LONG, 0))[0],
+              engine.get(KeysRequest(a, "w2", K(chains[2])[:12], LONG, 0))[0]]
     before = snapshot(engine)
     with pytest.raises(QuotaExceeded, match=f"only {4 * SLOT} bytes of its blocks can be evicted"):
-        engine.reserve(a, "w", b"", K(chains[0]), LONG, 0)
+        engine.reserve(KeysRequest(a, "w", K(chains[0]), LONG, 0))
     assert snapshot(engine) == before
     engine.release("w2", [lease.lease_id for lease in leases])
     assert put(engine, a, chains[0]) == 16
@@ -397,10 +398,10 @@ def test_a_slot_the_kernel_will_not_switch_to_the_tenant_is_no_slot_not_an_error
 
     engine.claim_host_slot = claim
     a = engine.register_namespace(tenant_spec("a")).namespace_id
-    result = engine.reserve(a, "w", b"", K("abcd"), LONG, 0)
+    result = engine.reserve(KeysRequest(a, "w", K("abcd"), LONG, 0))
     # Slots 0 and 1 reserved; slot 2 refused: the rest of the chain gets no space, and slot 2 stays free.
     assert result.statuses == [ReserveStatus.RESERVED] * 2 + [ReserveStatus.NO_SPACE] * 2
     assert refused == [2] and engine.claim_failures == 1 and 2 in engine.host.pool.free_slots
-    engine.commit(a, "w", result.lease.lease_id, [], [], 0)
+    engine.commit(CommitRequest(a, "w", result.lease.lease_id, 0))
     engine.verify()
     assert stored(engine, a, "abcd") == 2 and engine.slot_tenants[:2] == ["a", "a"]

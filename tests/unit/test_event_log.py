@@ -21,6 +21,7 @@ from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.errors import FailedPrecondition, ResourceExhausted
 from kvd.invariants import InvariantError
 from kvd.testing.engine_snapshot import snapshot
+from kvd.core.requests import CommitRequest, KeysRequest
 
 STORED, REMOVED, TIER_CHANGED = EventKind.STORED, EventKind.REMOVED, EventKind.TIER_CHANGED
 HOST, DISK = int(TierId.HOST), int(TierId.DISK)
@@ -179,10 +180,10 @@ def new_events(engine: Engine, namespace_id: bytes, after: int) -> list:
 
 def put(engine: Engine, ns: bytes, chain: str, client: str = "w", parent: str = "") -> int:
     keys = K(chain)[len(parent):]
-    result = engine.reserve(ns, client, K(parent)[-1] if parent else b"", keys, LONG, 0)
+    result = engine.reserve(KeysRequest(ns, client, keys, LONG, 0, parent_key=K(parent)[-1] if parent else b""))
     if result.lease is None:
         return 0
-    return engine.commit(ns, client, result.lease.lease_id, [], [], 0)[0]
+    return engine.commit(CommitRequest(ns, client, result.lease.lease_id, 0))[0]
 
 
 def test_a_commit_is_one_stored_event_and_a_continued_chain_joins_it(engine_factory):
@@ -191,9 +192,9 @@ def test_a_commit_is_one_stored_event_and_a_continued_chain_joins_it(engine_fact
     assert put(engine, ns, "abc") == 3
     assert put(engine, ns, "abcde", parent="abc") == 2
     # Sealed in two steps of one lease: the second step continues the chain.
-    result = engine.reserve(ns, "w", b"", K("xyz"), LONG, 0)
-    engine.commit(ns, "w", result.lease.lease_id, K("xyz")[:1], [], 0)
-    engine.commit(ns, "w", result.lease.lease_id, [], [], 0)
+    result = engine.reserve(KeysRequest(ns, "w", K("xyz"), LONG, 0))
+    engine.commit(CommitRequest(ns, "w", result.lease.lease_id, 0, keys=K("xyz")[:1]))
+    engine.commit(CommitRequest(ns, "w", result.lease.lease_id, 0))
     # Nobody read in between: consecutive parts of one chain are one event.
     assert shape(new_events(engine, ns, 0)) == [
         (1, STORED, K("abcde"), b"", HOST),
@@ -213,15 +214,16 @@ def test_each_commit_read_at_once_is_its_own_event(engine_factory):
 def test_aborts_and_rejected_calls_announce_nothing(engine_factory):
     engine = engine_factory(4, 64)
     ns = engine.register_namespace(SPEC).namespace_id
-    result = engine.reserve(ns, "w", b"", K("abc"), LONG, 0)
-    engine.commit(ns, "w", result.lease.lease_id, K("a"), K("abc")[1:], 0)  # seal "a", abort the rest
+    result = engine.reserve(KeysRequest(ns, "w", K("abc"), LONG, 0))
+    engine.commit(CommitRequest(ns, "w", result.lease.lease_id, 0, keys=K("a"),
+                                abort_keys=K("abc")[1:]))  # seal "a", abort the rest
     assert shape(new_events(engine, ns, 0)) == [(1, STORED, K("a"), b"", HOST)]
     # An expired write lease aborts its blocks: nothing to announce.
-    engine.reserve(ns, "w", K("a")[-1], K("ab")[1:], 10, 0)
+    engine.reserve(KeysRequest(ns, "w", K("ab")[1:], 10, 0, parent_key=K("a")[-1]))
     engine.expire(100)
     before = snapshot(engine)
     with pytest.raises(FailedPrecondition):
-        engine.reserve(ns, "w", K("zz")[0], K("zz")[1:], LONG, 0)
+        engine.reserve(KeysRequest(ns, "w", K("zz")[1:], LONG, 0, parent_key=K("zz")[0]))
     assert snapshot(engine) == before
     assert engine.events.last_sequence(ns) == 1
 
@@ -262,7 +264,7 @@ class Plane:
         self.engine.confirm_disk_removals([slot for _, _, slot in removals])
 
     def get(self, chain: str, client: str = "r") -> int:
-        plan = self.engine.begin_get(self.ns, client, K(chain), LONG, 0)
+        plan = self.engine.begin_get(KeysRequest(self.ns, client, K(chain), LONG, 0))
         self.engine.finish_loads(plan.loads, [load.source_slot not in self.corrupt for load in plan.loads])
         self.journal()
         served = len(self.engine.settle_get(plan))
@@ -344,7 +346,7 @@ def test_events_mirror_the_engine_through_random_operations(engine_factory, seed
             engine.delete(ns, [K(chain)[rng.randrange(len(chain))]])
         elif action == "reserve" and len(open_leases) < 2:
             with contextlib.suppress(ResourceExhausted):
-                result = engine.reserve(ns, "slow", b"", K(chain), LONG, 0)
+                result = engine.reserve(KeysRequest(ns, "slow", K(chain), LONG, 0))
                 if result.lease is not None:
                     open_leases.append(result.lease.lease_id)
         elif action == "abandon" and open_leases:

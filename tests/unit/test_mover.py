@@ -17,6 +17,7 @@ from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.core.mover import Mover, MoverSettings
 from kvd.invariants import InvariantError
 from kvd.sim.plane import SlotContents
+from kvd.core.requests import CommitRequest, KeysRequest
 
 SPEC = NamespaceSpec(model_id="mover-test", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
 OTHER = NamespaceSpec(model_id="mover-other", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
@@ -39,10 +40,10 @@ class Rig:
             self.engine.enable_disk(self.ns[spec])
 
     def put(self, chain: str, spec: NamespaceSpec = SPEC) -> None:
-        result = self.engine.reserve(self.ns[spec], "w", b"", keys(spec, chain), LONG, 0)
+        result = self.engine.reserve(KeysRequest(self.ns[spec], "w", keys(spec, chain), LONG, 0))
         self.contents.fill(keys(spec, chain), result.slots)
         if result.lease is not None:
-            self.engine.commit(self.ns[spec], "w", result.lease.lease_id, [], [], 0)
+            self.engine.commit(CommitRequest(self.ns[spec], "w", result.lease.lease_id, 0))
 
     def run_round(self, failed_removals=(), failing=()) -> list[list[int]] | None:
         """One whole round as a driver runs it; the chunks it wrote."""

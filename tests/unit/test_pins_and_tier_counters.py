@@ -18,6 +18,7 @@ from kvd.core.policy import DiskPolicies
 from kvd.errors import ResourceExhausted
 from kvd.metrics import make_registry
 from kvd.testing.engine_snapshot import snapshot
+from kvd.core.requests import CommitRequest, KeysRequest
 
 SPEC = NamespaceSpec(model_id="pins-test", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
 LONG = 10_000
@@ -28,9 +29,9 @@ def K(chain: str) -> list[bytes]:
 
 
 def put(engine, ns: bytes, chain: str, client: str = "writer") -> None:
-    result = engine.reserve(ns, client, b"", K(chain), LONG, 0)
+    result = engine.reserve(KeysRequest(ns, client, K(chain), LONG, 0))
     if result.lease is not None:
-        engine.commit(ns, client, result.lease.lease_id, [], [], 0)
+        engine.commit(CommitRequest(ns, client, result.lease.lease_id, 0))
     engine.verify()
 
 
@@ -56,22 +57,22 @@ def test_a_get_past_the_pin_cap_is_refused_before_anything_changes(capped):
     engine, ns = capped
     put(engine, ns, "abcd")
     put(engine, ns, "abcdef")  # 2 new blocks and their pinned parent: under the cap
-    lease, matched = engine.get(ns, "reader", K("abc"), LONG, 0)
+    lease, matched = engine.get(KeysRequest(ns, "reader", K("abc"), LONG, 0))
     assert len(matched) == 3 and engine.leases.pins_of("reader") == 3
-    error = refused(engine, "get", ns, "reader", K("ab"), LONG, 0)
+    error = refused(engine, "get", KeysRequest(ns, "reader", K("ab"), LONG, 0))
     assert "'reader' pins 3 blocks" in error.message and "2 more" in error.message
     assert "cap of 4 blocks per client (leases.max_pins_per_client)" in error.message
     # Exactly at the cap is allowed, and the cap is per client.
-    engine.get(ns, "reader", K("a"), LONG, 0)
+    engine.get(KeysRequest(ns, "reader", K("a"), LONG, 0))
     assert engine.leases.pins_of("reader") == 4
-    _, other = engine.get(ns, "other", K("abcd"), LONG, 0)
+    _, other = engine.get(KeysRequest(ns, "other", K("abcd"), LONG, 0))
     assert len(other) == 4 and engine.leases.pins_of("other") == 4
     assert (engine.leases.pinning_clients(), engine.leases.max_client_pins(), engine.leases.pinned_total) == (2, 4, 8)
     # A Get that matches nothing pins nothing and is never refused.
-    assert engine.get(ns, "reader", K("xyz"), LONG, 0) == (None, [])
+    assert engine.get(KeysRequest(ns, "reader", K("xyz"), LONG, 0)) == (None, [])
     engine.release("reader", [lease.lease_id])
     assert engine.leases.pins_of("reader") == 1
-    engine.get(ns, "reader", K("abc"), LONG, 0)
+    engine.get(KeysRequest(ns, "reader", K("abc"), LONG, 0))
     engine.verify()
 
 
@@ -79,14 +80,15 @@ def test_a_reserve_counts_every_missing_key_and_the_pinned_parent(capped):
     engine, ns = capped
     put(engine, ns, "ab")
     # "ab" stored: 4 missing keys after it, plus its parent "ab" pinned = 5.
-    error = refused(engine, "reserve", ns, "writer", b"", K("abcdef"), LONG, 0)
+    error = refused(engine, "reserve", KeysRequest(ns, "writer", K("abcdef"), LONG, 0))
     assert "pins 0 blocks" in error.message and "5 more" in error.message
     # A chain of stored keys only reserves nothing and pins nothing.
-    assert engine.reserve(ns, "writer", b"", K("ab"), LONG, 0).lease is None
-    result = engine.reserve(ns, "writer", b"", K("abcde"), LONG, 0)
+    assert engine.reserve(KeysRequest(ns, "writer", K("ab"), LONG, 0)).lease is None
+    result = engine.reserve(KeysRequest(ns, "writer", K("abcde"), LONG, 0))
     assert engine.leases.pins_of("writer") == 4 == result.lease.pinned
     # Aborting the tail gives its pins back at once; sealing keeps them until the lease ends.
-    engine.commit(ns, "writer", result.lease.lease_id, [K("abcde")[2]], [K("abcde")[4]], 0)
+    engine.commit(CommitRequest(ns, "writer", result.lease.lease_id, 0, keys=[K("abcde")[2]],
+                                abort_keys=[K("abcde")[4]]))
     engine.verify()
     assert engine.leases.pins_of("writer") == 3 == result.lease.pinned
     engine.release("writer", [result.lease.lease_id])
@@ -98,11 +100,11 @@ def test_expired_leases_give_their_pins_back_and_the_blocks_become_evictable(eng
     engine = engine_factory(4, 64, limits=EngineLimits(max_pins_per_client=8))
     ns = engine.register_namespace(SPEC).namespace_id
     put(engine, ns, "abcd")
-    engine.get(ns, "dead", K("abcd"), lease_ms=100, now_ms=0)
+    engine.get(KeysRequest(ns, "dead", K("abcd"), 100, 0))
     assert engine.leases.pins_of("dead") == 4 and engine.pinned_blocks == 4
     # Before the deadline the whole host tier is pinned: nothing can be evicted.
     with pytest.raises(ResourceExhausted, match="host tier is full"):
-        engine.reserve(ns, "writer", b"", K("wx"), LONG, now_ms=99)
+        engine.reserve(KeysRequest(ns, "writer", K("wx"), LONG, 99))
     assert engine.expire(now_ms=100) == 1
     assert (engine.leases.pins_of("dead"), engine.leases.pinning_clients(), engine.pinned_blocks) == (0, 0, 0)
     assert engine.leases.expired_total == 1
@@ -116,10 +118,10 @@ def test_pin_metrics(capped):
     engine, ns = capped
     registry, _ = make_registry(engine)
     put(engine, ns, "abcd")
-    engine.get(ns, "r1", K("abc"), LONG, 0)
-    engine.get(ns, "r2", K("a"), LONG, 0)
+    engine.get(KeysRequest(ns, "r1", K("abc"), LONG, 0))
+    engine.get(KeysRequest(ns, "r2", K("a"), LONG, 0))
     with pytest.raises(ResourceExhausted):
-        engine.get(ns, "r1", K("ab"), LONG, 0)
+        engine.get(KeysRequest(ns, "r1", K("ab"), LONG, 0))
     value = registry.get_sample_value
     assert value("kvd_lease_pinned_blocks") == 4
     assert value("kvd_lease_clients") == 2
@@ -133,7 +135,7 @@ def test_get_hits_and_misses_by_tier_without_a_disk(engine_factory):
     ns = engine.register_namespace(SPEC).namespace_id
     registry, _ = make_registry(engine)
     put(engine, ns, "abc")
-    lease, _ = engine.get(ns, "r", K("abcde"), LONG, 0)  # 3 found, 2 not
+    lease, _ = engine.get(KeysRequest(ns, "r", K("abcde"), LONG, 0))  # 3 found, 2 not
     engine.release("r", [lease.lease_id])
     engine.lookup(ns, K("abcde"))  # Lookups are not Gets
     value = registry.get_sample_value
@@ -161,7 +163,7 @@ def flush(engine) -> None:
 
 
 def get(engine, ns: bytes, chain: str, client: str = "r") -> int:
-    plan = engine.begin_get(ns, client, K(chain), LONG, 0)
+    plan = engine.begin_get(KeysRequest(ns, client, K(chain), LONG, 0))
     engine.finish_loads(plan.loads, [True] * len(plan.loads))
     served = engine.settle_get(plan)
     if plan.lease is not None:
@@ -205,7 +207,7 @@ def test_an_abandoned_get_plan_is_not_counted(tiered):
     flush(engine)
     before = (engine.host.counters.hits, engine.host.counters.misses, engine.disk.counters.hits,
               engine.disk.counters.misses, engine.namespace(ns).get_hits, engine.namespace(ns).get_misses)
-    plan = engine.begin_get(ns, "r", K("abcdef"), LONG, 0)
+    plan = engine.begin_get(KeysRequest(ns, "r", K("abcdef"), LONG, 0))
     assert len(plan.loads) == 4 and engine.disk.counters.hits == before[2] + 4
     engine.abandon_get(plan)
     engine.verify()

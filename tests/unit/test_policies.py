@@ -13,6 +13,7 @@ from kvd.core.policy import DiskPolicies, make_policy, make_promotion, make_slot
 from kvd.core.policy.s3fifo import S3FifoPolicy
 from kvd.errors import ConfigError
 from kvd.metrics import make_registry
+from kvd.core.requests import CommitRequest, KeysRequest
 
 
 @pytest.mark.parametrize(
@@ -79,6 +80,6 @@ def test_blocks_turned_away_are_a_metric(engine_factory):
     registry, _ = make_registry(engine)
     assert registry.get_sample_value("kvd_disk_admission_rejected_total") == 0
     for token in range(3):  # two slots: the third Put evicts the first block, unwritten
-        result = engine.reserve(ns, "w", b"", chain_keys(spec, [token]), 1000, 0)
-        engine.commit(ns, "w", result.lease.lease_id, [], [], 0)
+        result = engine.reserve(KeysRequest(ns, "w", chain_keys(spec, [token]), 1000, 0))
+        engine.commit(CommitRequest(ns, "w", result.lease.lease_id, 0))
     assert registry.get_sample_value("kvd_disk_admission_rejected_total") == 1

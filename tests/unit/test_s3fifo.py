@@ -16,6 +16,7 @@ from kvd.core.policy.lru import LruPolicy
 from kvd.core.policy.s3fifo import COLD, FREQUENCY, LINKED, MAIN, S3FifoPolicy
 from kvd.core.radix import PrefixIndex
 from kvd.invariants import InvariantError
+from kvd.core.requests import CommitRequest, KeysRequest
 
 INDEX = PrefixIndex("s3fifo-test")
 NAMES = "abcdefghijklmnopqrstuvwxyz"
@@ -354,8 +355,8 @@ SPEC = NamespaceSpec(model_id="s3fifo-engine", num_layers=1, num_kv_heads=1, hea
 
 
 def engine_put(engine, ns: bytes, chain: str) -> None:
-    result = engine.reserve(ns, "writer", b"", chain_keys(SPEC, [ord(ch) for ch in chain]), 10_000, 0)
-    engine.commit(ns, "writer", result.lease.lease_id, [], [], 0)
+    result = engine.reserve(KeysRequest(ns, "writer", chain_keys(SPEC, [ord(ch) for ch in chain]), 10_000, 0))
+    engine.commit(CommitRequest(ns, "writer", result.lease.lease_id, 0))
 
 
 def stored_chains(engine, ns: bytes, chains: list[str]) -> list[str]:
@@ -380,7 +381,7 @@ def test_engine_scan_resistance(engine_factory, policy, hot_survives, use):
             if use == "lookup":
                 engine.lookup(ns, keys)
             else:
-                lease, _ = engine.get(ns, "reader", keys, 10_000, 0)
+                lease, _ = engine.get(KeysRequest(ns, "reader", keys, 10_000, 0))
                 engine.release("reader", [lease.lease_id])
             engine.verify()
     scan = [chr(0x100 + 2 * n) + chr(0x101 + 2 * n) for n in range(40)]
