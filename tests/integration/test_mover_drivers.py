@@ -68,7 +68,7 @@ class SimSide:
     def settle(self) -> None:
         """Run the modelled drive until nothing is left to do."""
         sim = self.sim
-        sim._pump_disk()
+        sim._pump_devices()
         while sim.events:
             time_us, _, kind, payload = heapq.heappop(sim.events)
             sim._handle(time_us, kind, payload)
