@@ -8,7 +8,7 @@ the simulator drive exactly the same code. Its parts, one job each:
 | module | job |
 |---|---|
 | namespaces.py | cache identities, tenants' namespaces and quotas |
-| requests.py | checks of client input, prefix matching |
+| requests.py | the request dataclasses (KeysRequest, CommitRequest), checks of client input, prefix matching |
 | blocks.py | the block lifecycle: handles, sealing, removal, loss, residency moves |
 | residency.py, slot_pool.py, tier.py | the tier stack: slots and where each block's copies are |
 | eviction.py | host slots: allocation, tenant affinity, quota room, watermarks |
