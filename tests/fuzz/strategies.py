@@ -453,9 +453,7 @@ def foreign_leases(method: str, request: Any, pools: Pools) -> list[int]:
     return []
 
 
-def certainly_invalid(method: str, request: Any, pools: Pools) -> str | None:
-    """Why the daemon must refuse `request`, or None when this oracle cannot tell."""
-    names = {descriptor.name for descriptor in request.DESCRIPTOR.fields}
+def _malformed_ids(method: str, request: Any, pools: Pools, names: set[str]) -> str | None:
     if "namespace_id" in names and len(request.namespace_id) != KEY_BYTES:
         return f"namespace_id of {len(request.namespace_id)} bytes"
     for name in _KEY_FIELDS:
@@ -467,7 +465,16 @@ def certainly_invalid(method: str, request: Any, pools: Pools) -> str | None:
                 return f"a malformed key in {name}"
     if "parent_key" in names and len(request.parent_key) not in (0, KEY_BYTES):
         return f"parent_key of {len(request.parent_key)} bytes"
-    if method in _CLIENT_METHODS or (method in ("Get", "GetLayers") and not request.inline):
+    return None
+
+
+def _leased(method: str, request: Any) -> bool:
+    """Whether the call names a client and asks for a lease (a shared-memory Get does; an inline one not)."""
+    return method in ("Get", "GetLayers") and not request.inline
+
+
+def _client_and_tenancy(method: str, request: Any, pools: Pools, names: set[str]) -> str | None:
+    if method in _CLIENT_METHODS or _leased(method, request):
         if not request.client_id or len(request.client_id) > CLIENT_ID_MAX_CHARS:
             return f"client_id of {len(request.client_id)} characters"
     if pools.scoped_client_ids and "client_id" in names and "\x00" in request.client_id:
@@ -476,9 +483,12 @@ def certainly_invalid(method: str, request: Any, pools: Pools) -> str | None:
         return "another tenant's namespace"
     if foreign_leases(method, request, pools):
         return "another tenant's lease"
-    if method in _LEASE_MS_METHODS or (method in ("Get", "GetLayers") and not request.inline):
-        if request.lease_ms > pools.max_lease_ms:
-            return f"lease_ms {request.lease_ms} over the maximum"
+    return None
+
+
+def _call_shape(method: str, request: Any, pools: Pools, names: set[str]) -> str | None:
+    if (method in _LEASE_MS_METHODS or _leased(method, request)) and request.lease_ms > pools.max_lease_ms:
+        return f"lease_ms {request.lease_ms} over the maximum"
     if method in ("Commit", "PutInline") and request.ack not in kvd_pb2.Ack.values():
         return f"unknown ack {request.ack}"
     if method in ("Reserve", "PutInline") and len(set(request.keys)) != len(request.keys):
@@ -488,14 +498,33 @@ def certainly_invalid(method: str, request: Any, pools: Pools) -> str | None:
         return "duplicate or too many lease_ids"
     if method == "PutInline" and len(request.blocks) != len(request.keys):
         return "blocks and keys differ in number"
-    if method == "RegisterNamespace":
-        if not request.HasField("spec"):
-            return "no spec"
-        spec = request.spec
-        for name in ("kv_dtype", "inner_layout", "kv_order"):
-            value = getattr(spec, name)
-            if value == 0 or value not in spec.DESCRIPTOR.fields_by_name[name].enum_type.values_by_number:
-                return f"spec.{name} {value}"
-        if not spec.model_id or not spec.hash_scheme:
-            return "spec without model_id or hash_scheme"
+    return None
+
+
+def _bad_spec(method: str, request: Any, pools: Pools, names: set[str]) -> str | None:
+    if method != "RegisterNamespace":
+        return None
+    if not request.HasField("spec"):
+        return "no spec"
+    spec = request.spec
+    for name in ("kv_dtype", "inner_layout", "kv_order"):
+        value = getattr(spec, name)
+        if value == 0 or value not in spec.DESCRIPTOR.fields_by_name[name].enum_type.values_by_number:
+            return f"spec.{name} {value}"
+    if not spec.model_id or not spec.hash_scheme:
+        return "spec without model_id or hash_scheme"
+    return None
+
+
+# In the order the daemon checks: the first reason found is the one given.
+_INVALIDITY_CHECKS = (_malformed_ids, _client_and_tenancy, _call_shape, _bad_spec)
+
+
+def certainly_invalid(method: str, request: Any, pools: Pools) -> str | None:
+    """Why the daemon must refuse `request`, or None when this oracle cannot tell."""
+    names = {descriptor.name for descriptor in request.DESCRIPTOR.fields}
+    for check_request in _INVALIDITY_CHECKS:
+        reason = check_request(method, request, pools, names)
+        if reason is not None:
+            return reason
     return None

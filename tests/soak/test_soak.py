@@ -382,120 +382,74 @@ def drain_under_load(fleet: Fleet, daemon: DaemonProcess) -> float:
     return drain_s
 
 
-@pytest.mark.slow
-def test_soak_kills_faults_and_drain(tmp_path):
-    rng = random.Random(SEED)
-    config = daemon_config(tmp_path)
-    control = tmp_path / "control"
-    control.mkdir()
-    directory = tmp_path / "daemon"
-    fleet = Fleet(control, rng)
-    isolation = Isolation()
-    report: dict = {}
-    assert WORKERS >= len(TENANTS), f"KVD_SOAK_WORKERS: at least {len(TENANTS)}, a worker per tenant"
-    try:
-        # 1. Load with kills.
-        daemon = start_daemon(directory, config=config)
-        try:
-            set_target(control, daemon)
-            isolation.watch(daemon)
-            fleet.start()
-            samples: list = []
-            stop_sampling = threading.Event()
-            sampler = threading.Thread(target=sample_rss, args=(daemon, samples, stop_sampling), daemon=True)
-            sampler.start()
-            progress(f"phase 1: {WORKERS} workers, {SOAK_S:.0f}s, kills every {KILL_EVERY_S}s")
-            run_load(fleet, daemon, SOAK_S, isolation, kills=True)
-            stop_sampling.set()
-            sampler.join()
-            # 2. Every client gone: leases end by their deadline, nothing stays pinned.
-            fleet.kill_all()
-            reclaimed_s = wait_for_zero(daemon, "kvd_leases", LEASE_MS / 1000 + 10)
-            wait_for_zero(daemon, "kvd_lease_pinned_blocks", 5)
-            wait_for_zero(daemon, "kvd_tier_pinned_blocks", 20)
-            with grpc.insecure_channel(daemon.unix_target) as channel:
-                for tenant, client_id, lease_id, kind in fleet.held_at_kill:
-                    # As the client that held it, with its tenant's token: ended, not another's.
-                    with pytest.raises(grpc.RpcError) as raised:
-                        TenantStub(channel, TOKENS[tenant]).Release(
-                            kvd_pb2.ReleaseRequest(client_id=client_id, lease_ids=[lease_id]))
-                    assert raised.value.code() == grpc.StatusCode.NOT_FOUND, (kind, raised.value.details())
-            expired = daemon.metric("kvd_leases_expired_total")
-            # Expired, not released: the workers were killed holding them.
-            assert expired >= len(fleet.held_at_kill)
-            isolation.check(force=True)
-            assert all(isolation.own_seen[tenant] for tenant in TENANTS), isolation.own_seen
-            report["phase1"] = {**fleet.summary(), "leases_reclaimed_s": round(reclaimed_s, 1),
-                                "leases_expired": expired, **assert_rss_flat(samples, SOAK_S),
-                                "arena_scans": isolation.scans}
-            progress(f"phase 2: leases reclaimed {reclaimed_s:.1f}s after the last kill; {report['phase1']}")
-            # 3. SIGTERM under load.
-            fleet.start()
-            isolation.check(force=True)
-            report["drain_s"] = drain_under_load(fleet, daemon)
-            isolation.close()
-            assert_clean_log(daemon)
-            progress(f"phase 3: drained in {report['drain_s']}s under load")
-        finally:
-            if daemon.alive():
-                daemon.process.kill()
-                daemon.process.wait()
-        fleet.kill_all()
-        assert not fleet.summary()["bad"], fleet.summary()["bad"][:5]
-        # 4. Nothing acknowledged durable was lost.
-        chains = durable_chains(fleet)
-        daemon = start_daemon(directory, config=config)
-        try:
-            whole, short = check_durable(daemon, chains)
-            assert short == 0, f"{short} of {len(chains)} durable chains came back incomplete after the drain"
-            assert disk_evictions(daemon) == 0
-        finally:
-            assert daemon.stop() == 0
-        assert_clean_log(daemon)
-        report["durable_after_drain"] = whole
-        progress(f"phase 4: {whole} durable chains back after the drain")
-        # 5. Load on faulty disks.
-        daemon = start_daemon(directory, config=config, env={"KVD_INJECT_IO_FAULTS": FAULTS})
-        try:
-            set_target(control, daemon)
-            isolation.watch(daemon)
-            fleet.start()
-            progress(f"phase 5: {FAULT_S:.0f}s with faults {FAULTS}")
-            run_load(fleet, daemon, FAULT_S, isolation, kills=False)
-            isolation.check(force=True)
-            isolation.close()
-            failures = {key: value for key, value in daemon.metric_samples("kvd_disk_failures_total").items()}
-            load_failures = sum(value for key, value in failures.items() if '"load"' in key)
-            assert sum(failures.values()) > 0, f"no injected fault was hit: {failures}"
-            fleet.kill_all()
-            assert daemon.stop() == 0, daemon.log()[-4000:]
-            fault_log = daemon.log()
-        finally:
-            if daemon.alive():
-                daemon.process.kill()
-                daemon.process.wait()
-        report["faults"] = {key.split("{")[1].rstrip("}"): value for key, value in failures.items()}
-        # Failed I/O is logged (warnings); nothing may crash or log a traceback.
-        problems = log_problems(fault_log)
-        assert not problems, "the daemon logged errors under disk faults:\n" + "\n".join(problems[:20])
-        # 6. Every durable block still served bit-exact, but those a failed read dropped.
-        chains = durable_chains(fleet)
-        with run_daemon(directory, config=config) as daemon:
-            whole, short = check_durable(daemon, chains)
-            assert short <= load_failures, f"{short} durable chains cut short, {load_failures} failed loads"
-        assert_clean_log(daemon)
-        report["durable_final"] = {"whole": whole, "cut_by_failed_reads": short}
-        summary = fleet.summary()
-        report["total"] = {key: summary[key] for key in ("ops", "blocks_checked", "errors", "kills", "held_at_kill")}
-        report["isolation"] = {"arena_scans": isolation.scans, "own_blocks_seen": dict(isolation.own_seen),
-                               "blocks_checked_by_tenant": summary["blocks_checked_by_tenant"]}
-    finally:
-        isolation.close()
-        (control / "stop").write_text("")
-        for name, process in fleet.processes.values():
-            process.kill()
-            process.wait()
-    print(json.dumps(report))
+def phase_kills_and_drain(fleet: Fleet, daemon, control, isolation: Isolation, report: dict) -> None:
+    """Phases 1 to 3: load with kills, leases reclaimed after the last kill, SIGTERM under load."""
+    set_target(control, daemon)
+    isolation.watch(daemon)
+    fleet.start()
+    samples: list = []
+    stop_sampling = threading.Event()
+    sampler = threading.Thread(target=sample_rss, args=(daemon, samples, stop_sampling), daemon=True)
+    sampler.start()
+    progress(f"phase 1: {WORKERS} workers, {SOAK_S:.0f}s, kills every {KILL_EVERY_S}s")
+    run_load(fleet, daemon, SOAK_S, isolation, kills=True)
+    stop_sampling.set()
+    sampler.join()
+    # 2. Every client gone: leases end by their deadline, nothing stays pinned.
+    fleet.kill_all()
+    reclaimed_s = wait_for_zero(daemon, "kvd_leases", LEASE_MS / 1000 + 10)
+    wait_for_zero(daemon, "kvd_lease_pinned_blocks", 5)
+    wait_for_zero(daemon, "kvd_tier_pinned_blocks", 20)
+    with grpc.insecure_channel(daemon.unix_target) as channel:
+        for tenant, client_id, lease_id, kind in fleet.held_at_kill:
+            # As the client that held it, with its tenant's token: ended, not another's.
+            with pytest.raises(grpc.RpcError) as raised:
+                TenantStub(channel, TOKENS[tenant]).Release(
+                    kvd_pb2.ReleaseRequest(client_id=client_id, lease_ids=[lease_id]))
+            assert raised.value.code() == grpc.StatusCode.NOT_FOUND, (kind, raised.value.details())
+    expired = daemon.metric("kvd_leases_expired_total")
+    # Expired, not released: the workers were killed holding them.
+    assert expired >= len(fleet.held_at_kill)
+    isolation.check(force=True)
+    assert all(isolation.own_seen[tenant] for tenant in TENANTS), isolation.own_seen
+    report["phase1"] = {**fleet.summary(), "leases_reclaimed_s": round(reclaimed_s, 1),
+                        "leases_expired": expired, **assert_rss_flat(samples, SOAK_S),
+                        "arena_scans": isolation.scans}
+    progress(f"phase 2: leases reclaimed {reclaimed_s:.1f}s after the last kill; {report['phase1']}")
+    # 3. SIGTERM under load.
+    fleet.start()
+    isolation.check(force=True)
+    report["drain_s"] = drain_under_load(fleet, daemon)
+    isolation.close()
+    assert_clean_log(daemon)
+    progress(f"phase 3: drained in {report['drain_s']}s under load")
+
+
+def phase_faults(fleet: Fleet, daemon, control, isolation: Isolation) -> tuple[dict, int, str]:
+    """Phase 5: load on faulty disks; (failures by kind, failed loads, the daemon's log)."""
+    set_target(control, daemon)
+    isolation.watch(daemon)
+    fleet.start()
+    progress(f"phase 5: {FAULT_S:.0f}s with faults {FAULTS}")
+    run_load(fleet, daemon, FAULT_S, isolation, kills=False)
+    isolation.check(force=True)
+    isolation.close()
+    failures = dict(daemon.metric_samples("kvd_disk_failures_total").items())
+    load_failures = sum(value for key, value in failures.items() if '"load"' in key)
+    assert sum(failures.values()) > 0, f"no injected fault was hit: {failures}"
+    fleet.kill_all()
+    assert daemon.stop() == 0, daemon.log()[-4000:]
+    return failures, load_failures, daemon.log()
+
+
+def kill_if_alive(daemon) -> None:
+    if daemon.alive():
+        daemon.process.kill()
+        daemon.process.wait()
+
+
+def check_fleet_summary(fleet: Fleet) -> None:
+    """What the workers saw over the whole run: right bytes, expected statuses, real load."""
     summary = fleet.summary()
     assert not summary["bad"], f"workers got wrong bytes ({summary['foreign']} times another tenant's): " + str(
         summary["bad"][:5])
@@ -509,3 +463,68 @@ def test_soak_kills_faults_and_drain(tmp_path):
     assert summary["held_at_kill"] >= 1, summary
     # Every tenant's workers read back blocks (of the same keys as the other's): none were the other's.
     assert all(summary["blocks_checked_by_tenant"].get(tenant, 0) > 0 for tenant in TENANTS), summary
+
+
+def run_phases(directory, config: dict, control, fleet: Fleet, isolation: Isolation, report: dict) -> None:
+    # 1-3. Load with kills, leases reclaimed, SIGTERM under load.
+    daemon = start_daemon(directory, config=config)
+    try:
+        phase_kills_and_drain(fleet, daemon, control, isolation, report)
+    finally:
+        kill_if_alive(daemon)
+    fleet.kill_all()
+    assert not fleet.summary()["bad"], fleet.summary()["bad"][:5]
+    # 4. Nothing acknowledged durable was lost.
+    chains = durable_chains(fleet)
+    daemon = start_daemon(directory, config=config)
+    try:
+        whole, short = check_durable(daemon, chains)
+        assert short == 0, f"{short} of {len(chains)} durable chains came back incomplete after the drain"
+        assert disk_evictions(daemon) == 0
+    finally:
+        assert daemon.stop() == 0
+    assert_clean_log(daemon)
+    report["durable_after_drain"] = whole
+    progress(f"phase 4: {whole} durable chains back after the drain")
+    # 5. Load on faulty disks.
+    daemon = start_daemon(directory, config=config, env={"KVD_INJECT_IO_FAULTS": FAULTS})
+    try:
+        failures, load_failures, fault_log = phase_faults(fleet, daemon, control, isolation)
+    finally:
+        kill_if_alive(daemon)
+    report["faults"] = {key.split("{")[1].rstrip("}"): value for key, value in failures.items()}
+    # Failed I/O is logged (warnings); nothing may crash or log a traceback.
+    problems = log_problems(fault_log)
+    assert not problems, "the daemon logged errors under disk faults:\n" + "\n".join(problems[:20])
+    # 6. Every durable block still served bit-exact, but those a failed read dropped.
+    chains = durable_chains(fleet)
+    with run_daemon(directory, config=config) as daemon:
+        whole, short = check_durable(daemon, chains)
+        assert short <= load_failures, f"{short} durable chains cut short, {load_failures} failed loads"
+    assert_clean_log(daemon)
+    report["durable_final"] = {"whole": whole, "cut_by_failed_reads": short}
+
+
+@pytest.mark.slow
+def test_soak_kills_faults_and_drain(tmp_path):
+    config = daemon_config(tmp_path)
+    control = tmp_path / "control"
+    control.mkdir()
+    fleet = Fleet(control, random.Random(SEED))
+    isolation = Isolation()
+    report: dict = {}
+    assert WORKERS >= len(TENANTS), f"KVD_SOAK_WORKERS: at least {len(TENANTS)}, a worker per tenant"
+    try:
+        run_phases(tmp_path / "daemon", config, control, fleet, isolation, report)
+        summary = fleet.summary()
+        report["total"] = {key: summary[key] for key in ("ops", "blocks_checked", "errors", "kills", "held_at_kill")}
+        report["isolation"] = {"arena_scans": isolation.scans, "own_blocks_seen": dict(isolation.own_seen),
+                               "blocks_checked_by_tenant": summary["blocks_checked_by_tenant"]}
+    finally:
+        isolation.close()
+        (control / "stop").write_text("")
+        for name, process in fleet.processes.values():
+            process.kill()
+            process.wait()
+    print(json.dumps(report))
+    check_fleet_summary(fleet)
