@@ -153,8 +153,8 @@ docs: setup
 # max-complexity) and functions of at most 70 lines.
 lint: setup
 	$(VENV)/bin/ruff check --select F,E9 --exclude kvd/v1 kvd tests bench examples
-	$(VENV)/bin/ruff check --select C901 kvd tools
-	$(PY) tools/check_function_length.py kvd tools
+	$(VENV)/bin/ruff check --select C901 kvd tools tests bench examples
+	$(PY) tools/check_function_length.py kvd tools tests bench examples
 
 bench: setup vllm-venv
 	$(MAKE) --no-print-directory apt APT_PACKAGES="$(BENCH_APT_PACKAGES)"

@@ -664,6 +664,99 @@ def restore_checks(result: dict[str, Any]) -> dict[str, bool | None]:
 # ---------------------------------------------------------------------------
 
 
+def restore_ratios(out: dict[str, Any], samples: dict, with_fio: bool, with_naive: bool) -> dict[str, Any]:
+    restore = out["restore"]
+    kvd = restore["kvd restore"]
+    return {
+        "restore_vs_fio": ratio(kvd["median_gib_s"], restore["fio read"]["median_gib_s"]) if with_fio else None,
+        "restore_vs_naive": ratio(kvd["median_gib_s"], restore["naive"]["median_gib_s"]) if with_naive else None,
+        "restore_vs_engine_only": ratio(kvd["median_gib_s"], restore["kvd engine only"]["median_gib_s"]),
+        "engine_only_vs_engine_blocks": ratio(restore["kvd engine only"]["median_gib_s"],
+                                              restore["kvd engine blocks"]["median_gib_s"]),
+        "restore_vs_kvd_io_seq_1m": ratio(kvd["median_gib_s"], restore["kvd.io seq 1M"]["median_gib_s"]),
+        "fio_vs_kvd_io_seq_1m": ratio(restore["fio read"]["median_gib_s"],
+                                      restore["kvd.io seq 1M"]["median_gib_s"]) if with_fio else None,
+        "restore_vs_fio_paired": paired_ratio(samples, "kvd restore", "fio read"),
+        "restore_vs_naive_paired": paired_ratio(samples, "kvd restore", "naive"),
+    }
+
+
+def exposed_verification(out: dict[str, Any]) -> dict[str, float]:
+    """How much of the verification the drive's work hides: the restore's time over the engine-only
+    read's, against a crc-only pass over the same bytes (1.0: not hidden at all, 0: fully hidden)."""
+    kvd, engine_only = out["restore"]["kvd restore"], out["restore"]["kvd engine only"]
+    extra = statistics.median(s["seconds"] for s in kvd["samples"]) - \
+        statistics.median(s["seconds"] for s in engine_only["samples"])
+    return {
+        "restore_minus_engine_only_ms": extra * 1e3,
+        "crc_only_pass_ms": kvd["crc_only_wall_seconds_median"] * 1e3,
+        "verification_exposed_fraction": extra / kvd["crc_only_wall_seconds_median"],
+    }
+
+
+def measure_restore(args: argparse.Namespace, label: str, blocks: Blocks, directory: Path, root: Path,
+                    fio_read: Fio | None, out: dict[str, Any]) -> None:
+    """Write the blocks to a tier, then restore them against every baseline, interleaved."""
+    tier = open_tier(directory / "kvd", args.drives, blocks, FsyncPolicy.STRICT, args.tier_queue_depth,
+                     args.read_extent_kib << 10)
+    out["engine_kind"] = getattr(tier.engine, "kind", "?")
+    count, batch_blocks = blocks.count, args.store_batch_blocks
+    progress(f"{label}: writing the blocks to the disk tier ({out['engine_kind']} engine)")
+    for first in range(0, count, batch_blocks):
+        if not all(tier.write_blocks(blocks.namespace_id, blocks.layer_bytes, blocks.num_layers,
+                                     write_items(blocks, first, min(count, first + batch_blocks)))):
+            raise RuntimeError("setup write failed")
+    restore = KvdRestore(tier, blocks)
+    contenders: list[Any] = [restore]
+    naive = None
+    if not args.no_naive:
+        progress(f"{label}: writing {count} naive block files")
+        naive = NaiveFiles(directory / "naive", blocks)
+        contenders.append(naive)
+    if fio_read is not None:
+        contenders.append(fio_read)
+    contenders += [KvdEngineOnly(tier, blocks), KvdEngineWholeBlocks(tier, blocks)]
+    sequential = EngineSequential(root / "fio.bin", blocks, args.queue_depth)
+    contenders.append(sequential)
+    try:
+        samples = interleave(contenders, args.rounds, f"{label} restore")
+    finally:
+        sequential.close()
+    out["restore"] = {name: summarize(blocks.total_bytes, runs) for name, runs in samples.items()}
+    out["checksum_control_caught"] = checksum_control(restore)
+    out["naive_page_cache_dropped"] = None if naive is None else naive.dropped_cache
+    out["ratios"] = restore_ratios(out, samples, fio_read is not None, naive is not None)
+    out["diagnostics"] = exposed_verification(out)
+    out["targets"] = restore_checks(out)
+    out["profile"] = None
+    if args.profile or not all(v for v in out["targets"].values() if v is not None):
+        # A missed target: where does a restore's time go? (While the tier is still open.)
+        text, breakdown = profile_restore(restore, f"kvd restore, {label}")
+        out["profile"] = {"text": text, "breakdown": breakdown}
+    tier.close()
+
+
+def measure_store(args: argparse.Namespace, label: str, blocks: Blocks, directory: Path, fio_write: Fio | None,
+                  out: dict[str, Any]) -> None:
+    batch_blocks = args.store_batch_blocks
+    progress(f"{label}: store, {batch_blocks} blocks ({batch_blocks * blocks.spec.block_bytes >> 20} MiB) "
+             "per write_blocks")
+    stores = [KvdStore(directory / f"store-{policy.value}", args.drives, blocks, policy, args.tier_queue_depth,
+                       batch_blocks) for policy in (FsyncPolicy.STRICT, FsyncPolicy.GROUP, FsyncPolicy.NONE)]
+    contenders = list(stores) + ([fio_write] if fio_write is not None else [])
+    try:
+        samples = interleave(contenders, args.store_rounds, f"{label} store")
+    finally:
+        for store in stores:
+            store.close()
+    out["store"] = {name: summarize(blocks.total_bytes, runs) for name, runs in samples.items()}
+    if fio_write is not None:
+        fio_rate = out["store"]["fio write"]["median_gib_s"]
+        for policy in FsyncPolicy:
+            out["ratios"][f"store_{policy.value}_vs_fio_write"] = ratio(
+                out["store"][f"kvd store {policy.value}"]["median_gib_s"], fio_rate)
+
+
 def run_granularity(args: argparse.Namespace, block_tokens: int, root: Path, fio_read: Fio | None,
                     fio_write: Fio | None, total_bytes: int) -> dict[str, Any]:
     spec = make_spec(block_tokens)
@@ -679,86 +772,9 @@ def run_granularity(args: argparse.Namespace, block_tokens: int, root: Path, fio
         blocks.total_bytes,
     }
     try:
-        # -- restore ---------------------------------------------------------
-        tier = open_tier(directory / "kvd", args.drives, blocks, FsyncPolicy.STRICT, args.tier_queue_depth,
-                         args.read_extent_kib << 10)
-        out["engine_kind"] = getattr(tier.engine, "kind", "?")
-        batch_blocks = args.store_batch_blocks
-        progress(f"{label}: writing the blocks to the disk tier ({out['engine_kind']} engine)")
-        for first in range(0, count, batch_blocks):
-            if not all(tier.write_blocks(blocks.namespace_id, blocks.layer_bytes, blocks.num_layers,
-                                         write_items(blocks, first, min(count, first + batch_blocks)))):
-                raise RuntimeError("setup write failed")
-        restore = KvdRestore(tier, blocks)
-        contenders: list[Any] = [restore]
-        naive = None
-        if not args.no_naive:
-            progress(f"{label}: writing {count} naive block files")
-            naive = NaiveFiles(directory / "naive", blocks)
-            contenders.append(naive)
-        if fio_read is not None:
-            contenders.append(fio_read)
-        contenders.append(KvdEngineOnly(tier, blocks))
-        contenders.append(KvdEngineWholeBlocks(tier, blocks))
-        sequential = EngineSequential(root / "fio.bin", blocks, args.queue_depth)
-        contenders.append(sequential)
-        try:
-            samples = interleave(contenders, args.rounds, f"{label} restore")
-        finally:
-            sequential.close()
-        out["restore"] = {name: summarize(blocks.total_bytes, runs) for name, runs in samples.items()}
-        out["checksum_control_caught"] = checksum_control(restore)
-        out["naive_page_cache_dropped"] = None if naive is None else naive.dropped_cache
-        kvd = out["restore"]["kvd restore"]
-        out["ratios"] = {
-            "restore_vs_fio": ratio(kvd["median_gib_s"], out["restore"]["fio read"]["median_gib_s"])
-            if fio_read else None,
-            "restore_vs_naive": ratio(kvd["median_gib_s"], out["restore"]["naive"]["median_gib_s"])
-            if naive else None,
-            "restore_vs_engine_only": ratio(kvd["median_gib_s"], out["restore"]["kvd engine only"]["median_gib_s"]),
-            "engine_only_vs_engine_blocks": ratio(out["restore"]["kvd engine only"]["median_gib_s"],
-                                                  out["restore"]["kvd engine blocks"]["median_gib_s"]),
-            "restore_vs_kvd_io_seq_1m": ratio(kvd["median_gib_s"], out["restore"]["kvd.io seq 1M"]["median_gib_s"]),
-            "fio_vs_kvd_io_seq_1m": ratio(out["restore"]["fio read"]["median_gib_s"],
-                                          out["restore"]["kvd.io seq 1M"]["median_gib_s"]) if fio_read else None,
-            "restore_vs_fio_paired": paired_ratio(samples, "kvd restore", "fio read"),
-            "restore_vs_naive_paired": paired_ratio(samples, "kvd restore", "naive"),
-        }
-        # How much of the verification the drive's work hides: the restore's time over the engine-only
-        # read's, against a crc-only pass over the same bytes (1.0: not hidden at all, 0: fully hidden).
-        engine_only = out["restore"]["kvd engine only"]
-        extra = statistics.median(s["seconds"] for s in kvd["samples"]) - \
-            statistics.median(s["seconds"] for s in engine_only["samples"])
-        out["diagnostics"] = {
-            "restore_minus_engine_only_ms": extra * 1e3,
-            "crc_only_pass_ms": kvd["crc_only_wall_seconds_median"] * 1e3,
-            "verification_exposed_fraction": extra / kvd["crc_only_wall_seconds_median"],
-        }
-        out["targets"] = restore_checks(out)
-        out["profile"] = None
-        if args.profile or not all(v for v in out["targets"].values() if v is not None):
-            # A missed target: where does a restore's time go? (While the tier is still open.)
-            text, breakdown = profile_restore(restore, f"kvd restore, {label}")
-            out["profile"] = {"text": text, "breakdown": breakdown}
-        tier.close()
+        measure_restore(args, label, blocks, directory, root, fio_read, out)
         shutil.rmtree(directory)
-
-        # -- store -----------------------------------------------------------
-        progress(f"{label}: store, {batch_blocks} blocks ({batch_blocks * spec.block_bytes >> 20} MiB) per write_blocks")
-        stores = [KvdStore(directory / f"store-{policy.value}", args.drives, blocks, policy, args.tier_queue_depth,
-                           batch_blocks) for policy in (FsyncPolicy.STRICT, FsyncPolicy.GROUP, FsyncPolicy.NONE)]
-        contenders = list(stores) + ([fio_write] if fio_write is not None else [])
-        try:
-            samples = interleave(contenders, args.store_rounds, f"{label} store")
-        finally:
-            for store in stores:
-                store.close()
-        out["store"] = {name: summarize(blocks.total_bytes, runs) for name, runs in samples.items()}
-        if fio_write is not None:
-            fio_rate = out["store"]["fio write"]["median_gib_s"]
-            for policy in FsyncPolicy:
-                out["ratios"][f"store_{policy.value}_vs_fio_write"] = ratio(
-                    out["store"][f"kvd store {policy.value}"]["median_gib_s"], fio_rate)
+        measure_store(args, label, blocks, directory, fio_write, out)
         shutil.rmtree(directory)
     finally:
         blocks.close()
@@ -766,7 +782,7 @@ def run_granularity(args: argparse.Namespace, block_tokens: int, root: Path, fio
     return out
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total-mib", type=int, default=2048, help="bytes per restore, both granularities")
     parser.add_argument("--block-tokens", type=int, nargs="+", default=[16, 256])
@@ -785,37 +801,27 @@ def main() -> int:
     parser.add_argument("--no-fio", action="store_true")
     parser.add_argument("--no-naive", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print the restore profile even on a pass")
-    args = parser.parse_args()
-    warn_if_busy()
+    return parser.parse_args()
 
-    total_bytes = args.total_mib << 20
-    for tokens in args.block_tokens:
-        if total_bytes % make_spec(tokens).block_bytes:
-            parser.error(f"--total-mib must be a multiple of the {tokens}-token block size")
-    fio = None if args.no_fio else shutil.which("fio")
-    if fio is None and not args.no_fio:
-        progress("fio not found (Debian package fio): the fio baselines are skipped")
-    root = Path(tempfile.mkdtemp(prefix="kvd-bench-disk-", dir=args.dir))
-    fio_path = root / "fio.bin"
-    results: dict[str, Any] = {}
-    try:
-        fio_read = fio_write = None
-        if fio:
-            fio_write = Fio(fio, fio_path, "write", total_bytes, args.queue_depth)
-            fio_read = Fio(fio, fio_path, "read", total_bytes, args.queue_depth)
-            progress(f"writing the {args.total_mib} MiB fio file {fio_path}")
-            fio_write.run()
-        else:  # the sequential kvd.io reference reads it too
-            with open(fio_path, "wb") as handle:
-                chunk = np.random.default_rng(3).integers(0, 256, 32 << 20, dtype=np.uint8)
-                handle.writelines(chunk.data for _ in range(total_bytes // chunk.size))  # a multiple of 32 MiB
-                os.fsync(handle.fileno())
-        for tokens in args.block_tokens:
-            results[f"tokens{tokens}"] = run_granularity(args, tokens, root, fio_read, fio_write, total_bytes)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
-    # -- report -----------------------------------------------------------------
+def write_fio_file(fio: str | None, fio_path: Path, args: argparse.Namespace, total_bytes: int
+                   ) -> tuple[Fio | None, Fio | None]:
+    """The file fio (or, without fio, the sequential kvd.io reference) reads; fio's read and write runs."""
+    fio_read = fio_write = None
+    if fio:
+        fio_write = Fio(fio, fio_path, "write", total_bytes, args.queue_depth)
+        fio_read = Fio(fio, fio_path, "read", total_bytes, args.queue_depth)
+        progress(f"writing the {args.total_mib} MiB fio file {fio_path}")
+        fio_write.run()
+    else:  # the sequential kvd.io reference reads it too
+        with open(fio_path, "wb") as handle:
+            chunk = np.random.default_rng(3).integers(0, 256, 32 << 20, dtype=np.uint8)
+            handle.writelines(chunk.data for _ in range(total_bytes // chunk.size))  # a multiple of 32 MiB
+            os.fsync(handle.fileno())
+    return fio_read, fio_write
+
+
+def print_results(args: argparse.Namespace, results: dict[str, Any]) -> None:
     report(f"== disk-tier restore: {args.total_mib} MiB per restore, {NUM_LAYERS} layers, bf16, "
            f"{args.drives} tier directories, tier queue depth {args.tier_queue_depth} and extents of about "
            f"{args.read_extent_kib} KiB, fio queue depth {args.queue_depth}, {args.rounds} rounds (store "
@@ -850,7 +856,8 @@ def main() -> int:
                f"{k['cpu_user_us_per_object_excluding_crc']:.1f}); engine-only read: user "
                f"{e['cpu_user_us_per_object']:.2f}, kernel {e['cpu_sys_us_per_object']:.1f}")
 
-    # -- targets ------------------------------------------------------------------
+
+def check_targets(args: argparse.Namespace, results: dict[str, Any], total_bytes: int, fio: str | None) -> None:
     targets = {key: result["targets"] for key, result in results.items()}
     # Submissions do not grow with the block count: the same at both granularities.
     subs = {result["restore"]["kvd restore"]["submissions_per_run"] for result in results.values()}
@@ -880,6 +887,28 @@ def main() -> int:
         "pass": passed,
         "notes": "the VM's host caches O_DIRECT reads and the data set fits the page cache: compare within one run",
     })
+
+
+def main() -> int:
+    args = parse_args()
+    warn_if_busy()
+    total_bytes = args.total_mib << 20
+    for tokens in args.block_tokens:
+        if total_bytes % make_spec(tokens).block_bytes:
+            raise SystemExit(f"--total-mib must be a multiple of the {tokens}-token block size")
+    fio = None if args.no_fio else shutil.which("fio")
+    if fio is None and not args.no_fio:
+        progress("fio not found (Debian package fio): the fio baselines are skipped")
+    root = Path(tempfile.mkdtemp(prefix="kvd-bench-disk-", dir=args.dir))
+    results: dict[str, Any] = {}
+    try:
+        fio_read, fio_write = write_fio_file(fio, root / "fio.bin", args, total_bytes)
+        for tokens in args.block_tokens:
+            results[f"tokens{tokens}"] = run_granularity(args, tokens, root, fio_read, fio_write, total_bytes)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print_results(args, results)
+    check_targets(args, results, total_bytes, fio)
     return 0
 
 

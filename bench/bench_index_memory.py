@@ -70,39 +70,49 @@ def _allocated(size: int) -> int:
     return (size + 15) // 16 * 16 if 0 < size <= 512 else size
 
 
-def _measure_child(blocks: int, chain: int, mode: str, policy: str, ring_keys: int) -> dict:
-    """Runs in a fresh interpreter: build, insert, measure, report JSON on stdout."""
-    from kvd.core.block import BlockState
-    from kvd.core.engine import CommitRequest, Engine, EngineLimits, KeysRequest
-    from kvd.core.events import EventLog
+class _Meter:
+    """Memory in use now: tracemalloc's count (and pymalloc's rounded sizes), or the RSS."""
 
-    spec = _spec()
-    limits = EngineLimits()
-    use_tracemalloc = mode == "tracemalloc"
+    def __init__(self, use_tracemalloc: bool) -> None:
+        self.use_tracemalloc = use_tracemalloc
+        self.rounded: dict[str, int] = {}
+        if use_tracemalloc:
+            tracemalloc.start(1)
 
-    rounded: dict[str, int] = {}
-
-    def current(label: str) -> int:
+    def current(self, label: str) -> int:
         gc.collect()
-        if not use_tracemalloc:
+        if not self.use_tracemalloc:
             return rss_bytes()
         # tracemalloc records requested sizes; pymalloc serves requests of up
         # to 512 bytes from 16-byte size classes, so also sum the rounded
         # sizes: that is what the allocator really hands out.
         snapshot = tracemalloc.take_snapshot()
-        rounded[label] = sum(_allocated(trace.size) for trace in snapshot.traces)
+        self.rounded[label] = sum(_allocated(trace.size) for trace in snapshot.traces)
         del snapshot
         return tracemalloc.get_traced_memory()[0]
 
-    if use_tracemalloc:
-        tracemalloc.start(1)
-    before_engine = current("before_engine")
-    events = EventLog(ring_keys=ring_keys) if ring_keys else EventLog()
-    engine = Engine(host_slot_count=blocks, host_slot_bytes=spec.block_bytes, limits=limits, policy=policy,
-                    events=events)
-    state = engine.register_namespace(spec)
-    namespace_id = state.namespace_id
-    after_engine = current("after_engine")
+    def top_sites(self, blocks: int) -> list[dict]:
+        """The largest allocation sites, per block; stops tracing."""
+        if not self.use_tracemalloc:
+            return []
+        sites = []
+        snapshot = tracemalloc.take_snapshot()
+        base_filter = [tracemalloc.Filter(False, tracemalloc.__file__)]
+        for stat in snapshot.filter_traces(base_filter).statistics("lineno")[:8]:
+            frame = stat.traceback[0]
+            sites.append({
+                "site": f"{os.path.relpath(frame.filename, REPO_ROOT)}:{frame.lineno}",
+                "bytes": stat.size,
+                "count": stat.count,
+                "bytes_per_block": stat.size / blocks,
+            })
+        tracemalloc.stop()
+        return sites
+
+
+def _insert(engine, namespace_id: bytes, blocks: int, chain: int, mode: str) -> tuple[float, int]:
+    """Put `blocks` blocks in chains of `chain` (reserve + commit, as the daemon does); (seconds, now_ms)."""
+    from kvd.core.engine import CommitRequest, KeysRequest
 
     now_ms = 0
     counter = 0
@@ -120,28 +130,31 @@ def _measure_child(blocks: int, chain: int, mode: str, policy: str, ring_keys: i
         if time.perf_counter() - last_report > 5:
             last_report = time.perf_counter()
             progress(f"  [{mode}] inserted {counter:,}/{blocks:,} blocks")
-    del keys, reserved, lease
-    insert_seconds = time.perf_counter() - started
+    return time.perf_counter() - started, now_ms
 
+
+def _measure_child(blocks: int, chain: int, mode: str, policy: str, ring_keys: int) -> dict:
+    """Runs in a fresh interpreter: build, insert, measure, report JSON on stdout."""
+    from kvd.core.block import BlockState
+    from kvd.core.engine import Engine, EngineLimits
+    from kvd.core.events import EventLog
+
+    spec = _spec()
+    limits = EngineLimits()
+    meter = _Meter(mode == "tracemalloc")
+    before_engine = meter.current("before_engine")
+    events = EventLog(ring_keys=ring_keys) if ring_keys else EventLog()
+    engine = Engine(host_slot_count=blocks, host_slot_bytes=spec.block_bytes, limits=limits, policy=policy,
+                    events=events)
+    state = engine.register_namespace(spec)
+    after_engine = meter.current("after_engine")
+    insert_seconds, now_ms = _insert(engine, state.namespace_id, blocks, chain, mode)
     # A running daemon prunes stale lease-deadline entries as time passes;
     # let every deadline pass so the measurement is the steady state.
     heap_entries_before_prune = len(engine.leases._deadlines)
     engine.expire(now_ms + limits.lease_ms_max + 1)
-    after_insert = current("after_insert")
-
-    top_sites: list[dict] = []
-    if use_tracemalloc:
-        snapshot = tracemalloc.take_snapshot()
-        base_filter = [tracemalloc.Filter(False, tracemalloc.__file__)]
-        for stat in snapshot.filter_traces(base_filter).statistics("lineno")[:8]:
-            frame = stat.traceback[0]
-            top_sites.append({
-                "site": f"{os.path.relpath(frame.filename, REPO_ROOT)}:{frame.lineno}",
-                "bytes": stat.size,
-                "count": stat.count,
-                "bytes_per_block": stat.size / blocks,
-            })
-        tracemalloc.stop()
+    after_insert = meter.current("after_insert")
+    top_sites = meter.top_sites(blocks)
 
     # Sanity: the measured index really holds N sealed, unpinned blocks.
     assert len(state.index) == blocks
@@ -164,6 +177,7 @@ def _measure_child(blocks: int, chain: int, mode: str, policy: str, ring_keys: i
         "stale_lease_heap_entries_pruned": heap_entries_before_prune,
         "top_allocation_sites": top_sites,
     }
+    rounded = meter.rounded
     if rounded:
         result["rounded_insert_bytes_per_block"] = (rounded["after_insert"] - rounded["after_engine"]) / blocks
         result["rounded_total_bytes_per_block"] = (rounded["after_insert"] - rounded["before_engine"]) / blocks
@@ -212,7 +226,7 @@ def _breakdown() -> dict:
     }
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--chain", type=int, default=64, help="blocks per chain (one reserve+commit each)")
@@ -220,14 +234,10 @@ def main() -> int:
     parser.add_argument("--no-ring-run", action="store_true", help="skip the run with the default event ring")
     parser.add_argument("--child", choices=("tracemalloc", "rss"), help=argparse.SUPPRESS)
     parser.add_argument("--ring-keys", type=int, default=1, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    if args.child:
-        print(json.dumps(_measure_child(args.sizes[0], args.chain, args.child, args.policy, args.ring_keys)))
-        return 0
 
-    warn_if_busy()
-    report("== bench_index_memory: engine bookkeeping per block (in-process, no arena) ==")
+def print_breakdown() -> dict:
     breakdown = _breakdown()
     report("breakdown of one block:")
     report(f"  Block record   sys.getsizeof = {breakdown['block_record_getsizeof']} B "
@@ -240,6 +250,10 @@ def main() -> int:
     report(f"  host pool      {breakdown['host_pool_owner_entry']} B owners-list entry + slot int "
            f"{breakdown['host_slot_int_getsizeof']} B (class {breakdown['host_slot_int_allocated']} B) per slot")
 
+    return breakdown
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
     runs = []
     for blocks in args.sizes:
         for mode in ("tracemalloc", "rss"):
@@ -260,6 +274,10 @@ def main() -> int:
                    f"{run['rounded_insert_bytes_per_block']:>13.1f} "
                    f"{run['rounded_total_bytes_per_block']:>12.1f}")
 
+    return runs
+
+
+def verdicts(args: argparse.Namespace, runs: list[dict]) -> tuple[list[dict], bool]:
     results = []
     all_pass = True
     for blocks in args.sizes:
@@ -295,19 +313,35 @@ def main() -> int:
         for site in traced["top_allocation_sites"]:
             report(f"    {site['bytes_per_block']:8.1f} B/block  {site['count']:>9,} objs  {site['site']}")
 
-    ring = None
-    if not args.no_ring_run:
-        blocks = max(args.sizes)
-        progress(f"N={blocks:,}: with the default event ring (tracemalloc)")
-        with_ring = _run_child(blocks, args.chain, "tracemalloc", args.policy, ring_keys=0)
-        without = next(r for r in runs if r["blocks"] == blocks and r["mode"] == "tracemalloc")
-        added = (with_ring["rounded_insert_bytes_per_block"] - without["rounded_insert_bytes_per_block"]) * blocks
-        ring = {"blocks": blocks, "bytes_per_block_with_ring": with_ring["rounded_insert_bytes_per_block"],
-                "ring_bytes": added}
-        report("")
-        report(f"with the default event ring at N={blocks:,}: {ring['bytes_per_block_with_ring']:.1f} B/block; the "
-               f"ring adds {added / (1 << 20):.1f} MiB, a fixed bound (events.ring_keys), not a per-block cost")
+    return results, all_pass
 
+
+def ring_run(args: argparse.Namespace, runs: list[dict]) -> dict:
+    """The largest N once more with the default event ring: what the ring adds."""
+    blocks = max(args.sizes)
+    progress(f"N={blocks:,}: with the default event ring (tracemalloc)")
+    with_ring = _run_child(blocks, args.chain, "tracemalloc", args.policy, ring_keys=0)
+    without = next(r for r in runs if r["blocks"] == blocks and r["mode"] == "tracemalloc")
+    added = (with_ring["rounded_insert_bytes_per_block"] - without["rounded_insert_bytes_per_block"]) * blocks
+    ring = {"blocks": blocks, "bytes_per_block_with_ring": with_ring["rounded_insert_bytes_per_block"],
+            "ring_bytes": added}
+    report("")
+    report(f"with the default event ring at N={blocks:,}: {ring['bytes_per_block_with_ring']:.1f} B/block; the "
+           f"ring adds {added / (1 << 20):.1f} MiB, a fixed bound (events.ring_keys), not a per-block cost")
+    return ring
+
+
+def main() -> int:
+    args = parse_args()
+    if args.child:
+        print(json.dumps(_measure_child(args.sizes[0], args.chain, args.child, args.policy, args.ring_keys)))
+        return 0
+    warn_if_busy()
+    report("== bench_index_memory: engine bookkeeping per block (in-process, no arena) ==")
+    breakdown = print_breakdown()
+    runs = measure(args)
+    results, all_pass = verdicts(args, runs)
+    ring = None if args.no_ring_run else ring_run(args, runs)
     write_result("bench_index_memory", {
         "event_ring": ring,
         "target": {"metric": "memory growth per block from inserts (tracemalloc, pymalloc size classes)",

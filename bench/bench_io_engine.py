@@ -183,7 +183,7 @@ def summarize(file_bytes: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--file-mib", type=int, default=1024)
     parser.add_argument("--entry-kib", type=int, default=ENTRY_BYTES_DEFAULT >> 10)
@@ -193,51 +193,54 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="where the test file goes (default: the system temp dir)")
     parser.add_argument("--no-fio", action="store_true")
     args = parser.parse_args()
-    warn_if_busy()
-
-    entry_bytes = args.entry_kib << 10
-    file_bytes = args.file_mib << 20
+    file_bytes, entry_bytes = args.file_mib << 20, args.entry_kib << 10
     if file_bytes % (64 << 20) or file_bytes % (entry_bytes * args.batch_entries):
         parser.error("--file-mib must be a multiple of 64 and of the batch size")
-    fio = None if args.no_fio else shutil.which("fio")
-    if fio is None and not args.no_fio:
-        progress("fio not found (Debian package fio): the fio column is skipped")
+    return args
 
-    directory = Path(tempfile.mkdtemp(prefix="kvd-bench-io-", dir=args.dir))
-    path = directory / "data.bin"
-    progress(f"writing {args.file_mib} MiB to {path}")
-    write_test_file(path, file_bytes, entry_bytes)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    results: dict[str, Any] = {}
-    try:
-        for queue_depth in args.queue_depths:
-            contenders: dict[str, Any] = {
-                "uring": EngineReader("uring", fd, queue_depth, file_bytes, entry_bytes, args.batch_entries, False),
-                "uring+fixed": EngineReader("uring", fd, queue_depth, file_bytes, entry_bytes, args.batch_entries,
-                                            True),
-                "uring+single": EngineReader("uring", fd, queue_depth, file_bytes, entry_bytes, args.batch_entries,
-                                             False, single_issuer=True),
-                "fallback": EngineReader("fallback", fd, queue_depth, file_bytes, entry_bytes, args.batch_entries,
-                                         False),
-            }
-            if fio:
-                contenders["fio"] = FioReader(fio, path, queue_depth, file_bytes, entry_bytes)
-            names = list(contenders)
-            samples: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-            for name in names:  # warm-up: first touches, thread start-up, the host's cache
-                contenders[name].run()
-            for round_index in range(args.rounds):
-                order = names[round_index % len(names):] + names[: round_index % len(names)]
-                for name in order:
-                    samples[name].append(contenders[name].run())
-                progress(f"queue depth {queue_depth}: round {round_index + 1}/{args.rounds} done")
-            for contender in contenders.values():
-                contender.close()
-            results[f"qd{queue_depth}"] = {name: summarize(file_bytes, samples[name]) for name in names}
-    finally:
-        os.close(fd)
-        shutil.rmtree(directory)
 
+def measure_queue_depth(args: argparse.Namespace, fd: int, path: Path, fio: str | None, queue_depth: int
+                        ) -> dict[str, Any]:
+    """Every contender at one queue depth, interleaved round by round."""
+    file_bytes, entry_bytes, batch = args.file_mib << 20, args.entry_kib << 10, args.batch_entries
+    contenders: dict[str, Any] = {
+        "uring": EngineReader("uring", fd, queue_depth, file_bytes, entry_bytes, batch, False),
+        "uring+fixed": EngineReader("uring", fd, queue_depth, file_bytes, entry_bytes, batch, True),
+        "uring+single": EngineReader("uring", fd, queue_depth, file_bytes, entry_bytes, batch, False,
+                                     single_issuer=True),
+        "fallback": EngineReader("fallback", fd, queue_depth, file_bytes, entry_bytes, batch, False),
+    }
+    if fio:
+        contenders["fio"] = FioReader(fio, path, queue_depth, file_bytes, entry_bytes)
+    names = list(contenders)
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for name in names:  # warm-up: first touches, thread start-up, the host's cache
+        contenders[name].run()
+    for round_index in range(args.rounds):
+        order = names[round_index % len(names):] + names[: round_index % len(names)]
+        for name in order:
+            samples[name].append(contenders[name].run())
+        progress(f"queue depth {queue_depth}: round {round_index + 1}/{args.rounds} done")
+    for contender in contenders.values():
+        contender.close()
+    return {name: summarize(file_bytes, samples[name]) for name in names}
+
+
+def ratios_of(by_name: dict[str, Any]) -> dict[str, float | None]:
+    uring = by_name["uring"]["median_gib_s"]
+    return {
+        "uring_vs_fallback": ratio(uring, by_name["fallback"]["median_gib_s"]),
+        "uring_vs_fio": ratio(uring, by_name["fio"]["median_gib_s"]) if "fio" in by_name else None,
+        "uring_fixed_vs_uring": ratio(by_name["uring+fixed"]["median_gib_s"], uring),
+        "uring_single_issuer_vs_uring": ratio(by_name["uring+single"]["median_gib_s"], uring),
+        "uring_single_issuer_vs_uring_cpu_per_entry": ratio(by_name["uring+single"]["cpu_us_per_entry"],
+                                                            by_name["uring"]["cpu_us_per_entry"]),
+        "fallback_vs_uring_cpu_per_entry": ratio(by_name["fallback"]["cpu_us_per_entry"],
+                                                 by_name["uring"]["cpu_us_per_entry"]),
+    }
+
+
+def print_results(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     report(f"== batched O_DIRECT reads: {args.file_mib} MiB file, {args.entry_kib} KiB entries, "
            f"batches of {args.batch_entries} entries, {args.rounds} rounds (median GiB/s) ==")
     report(f"{'queue depth':>11} {'contender':<12} {'GiB/s':>7} {'best':>7} {'CPU us/entry':>13} "
@@ -250,23 +253,35 @@ def main() -> int:
             report(f"{key[2:]:>11} {name:<12} {summary['median_gib_s']:>7.2f} {summary['best_gib_s']:>7.2f} "
                    f"{summary['cpu_us_per_entry']:>13.2f} {'-' if submits is None else f'{submits:.1f}':>14} "
                    f"{'-' if enters is None else f'{enters:.1f}':>13}")
-        uring = by_name["uring"]["median_gib_s"]
-        fixed = by_name["uring+fixed"]["median_gib_s"]
-        ratios[key] = {
-            "uring_vs_fallback": ratio(uring, by_name["fallback"]["median_gib_s"]),
-            "uring_vs_fio": ratio(uring, by_name["fio"]["median_gib_s"]) if "fio" in by_name else None,
-            "uring_fixed_vs_uring": ratio(fixed, uring),
-            "uring_single_issuer_vs_uring": ratio(by_name["uring+single"]["median_gib_s"], uring),
-            "uring_single_issuer_vs_uring_cpu_per_entry": ratio(by_name["uring+single"]["cpu_us_per_entry"],
-                                                                by_name["uring"]["cpu_us_per_entry"]),
-            "fallback_vs_uring_cpu_per_entry": ratio(by_name["fallback"]["cpu_us_per_entry"],
-                                                     by_name["uring"]["cpu_us_per_entry"]),
-        }
+        ratios[key] = ratios_of(by_name)
     report("")
     report("ratios (medians, same run):")
     for key, values in ratios.items():
         report(f"  queue depth {key[2:]}: " + ", ".join(f"{name} {fmt_ratio(value)}" for name, value in values.items()))
+    return ratios
 
+
+def main() -> int:
+    args = parse_args()
+    warn_if_busy()
+    entry_bytes = args.entry_kib << 10
+    file_bytes = args.file_mib << 20
+    fio = None if args.no_fio else shutil.which("fio")
+    if fio is None and not args.no_fio:
+        progress("fio not found (Debian package fio): the fio column is skipped")
+    directory = Path(tempfile.mkdtemp(prefix="kvd-bench-io-", dir=args.dir))
+    path = directory / "data.bin"
+    progress(f"writing {args.file_mib} MiB to {path}")
+    write_test_file(path, file_bytes, entry_bytes)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    results: dict[str, Any] = {}
+    try:
+        for queue_depth in args.queue_depths:
+            results[f"qd{queue_depth}"] = measure_queue_depth(args, fd, path, fio, queue_depth)
+    finally:
+        os.close(fd)
+        shutil.rmtree(directory)
+    ratios = print_results(args, results)
     # Target: the native engine is worth having: faster than the fallback,
     # and within 20% of fio driving the same io_uring reads.
     verdicts = []

@@ -35,6 +35,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -149,187 +150,214 @@ class InProcessHandler:
         self._loop.close()
 
 
-def main() -> int:
-    from kvd.client import Client
-    from kvd.testing.daemon import run_daemon
-    from kvd.v1 import kvd_pb2
-
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=8000, help="prefix length in blocks")
     parser.add_argument("--calls", type=int, default=500, help="timed calls per contender (>= 200)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--profile", action="store_true", help="print the client-side profile even on a pass")
-    args = parser.parse_args()
-    warn_if_busy()
+    return parser.parse_args()
+
+
+@dataclass
+class Setup:
+    """A daemon holding the prefix, a client per transport, and the in-process engine baseline."""
+
+    daemon: Any
+    unix: Any
+    tcp: Any
+    ns: Any
+    ns_tcp: Any
+    keys: list[bytes]
+    engine: Any
+    namespace_id: bytes
+    put_seconds: float
+
+
+def start(stack: contextlib.ExitStack, args: argparse.Namespace) -> Setup:
+    from kvd.client import Client
+    from kvd.testing.daemon import run_daemon
 
     spec = small_spec()
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, 1 << 31, size=args.blocks * spec.block_tokens, dtype=np.int64)
-    report(f"== bench_lookup: Lookup of a {args.blocks:,}-block prefix, {args.calls} calls per contender ==")
+    workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-bench-lookup-")))
+    capacity = max(64 << 20, (args.blocks + 64) * SLOT_BYTES)
+    progress(f"starting kvd (capacity {capacity >> 20} MiB, slot {SLOT_BYTES} B)")
+    daemon = stack.enter_context(
+        run_daemon(workdir / "kvd", config={"host": {"capacity_bytes": capacity, "slot_bytes": SLOT_BYTES}})
+    )
+    unix = stack.enter_context(Client(daemon.unix_target))
+    tcp = stack.enter_context(Client(daemon.tcp_target))
+    ns = unix.register_namespace(spec)
+    ns_tcp = tcp.register_namespace(spec)
+    keys = ns.keys(tokens)
+    assert len(keys) == args.blocks
+    blocks = np.zeros((args.blocks, *spec.block_shape), dtype=np.float16)
+    progress(f"putting {args.blocks:,} blocks in one Client.put call (setup)")
+    started = time.perf_counter()
+    written = unix.put(ns, keys, blocks)
+    put_seconds = time.perf_counter() - started
+    if written != args.blocks:
+        raise RuntimeError(f"setup put wrote {written} of {args.blocks} blocks")
+    progress(f"  setup put took {put_seconds:.2f} s")
+    for client, namespace in ((unix, ns), (tcp, ns_tcp)):
+        matched = client.lookup(namespace, keys).matched
+        if matched != args.blocks:
+            raise RuntimeError(f"lookup matched {matched} of {args.blocks}")
+    progress("building the in-process engine baseline")
+    engine, namespace_id = build_engine(spec, keys)
+    assert len(engine.lookup(namespace_id, keys)) == args.blocks
+    return Setup(daemon, unix, tcp, ns, ns_tcp, keys, engine, namespace_id, put_seconds)
 
-    with contextlib.ExitStack() as stack:
-        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-bench-lookup-")))
-        capacity = max(64 << 20, (args.blocks + 64) * SLOT_BYTES)
-        progress(f"starting kvd (capacity {capacity >> 20} MiB, slot {SLOT_BYTES} B)")
-        daemon = stack.enter_context(
-            run_daemon(workdir / "kvd", config={"host": {"capacity_bytes": capacity, "slot_bytes": SLOT_BYTES}})
-        )
-        unix = stack.enter_context(Client(daemon.unix_target))
-        tcp = stack.enter_context(Client(daemon.tcp_target))
-        ns = unix.register_namespace(spec)
-        ns_tcp = tcp.register_namespace(spec)
-        keys = ns.keys(tokens)
-        assert len(keys) == args.blocks
-        blocks = np.zeros((args.blocks, *spec.block_shape), dtype=np.float16)
 
-        progress(f"putting {args.blocks:,} blocks in one Client.put call (setup)")
-        started = time.perf_counter()
-        written = unix.put(ns, keys, blocks)
-        put_seconds = time.perf_counter() - started
-        if written != args.blocks:
-            raise RuntimeError(f"setup put wrote {written} of {args.blocks} blocks")
-        progress(f"  setup put took {put_seconds:.2f} s")
-        for client, namespace in ((unix, ns), (tcp, ns_tcp)):
-            matched = client.lookup(namespace, keys).matched
-            if matched != args.blocks:
-                raise RuntimeError(f"lookup matched {matched} of {args.blocks}")
+def lookup_call(client, namespace, request_keys, expect) -> Callable[[], None]:
+    def call() -> None:
+        matched = client.lookup(namespace, request_keys).matched
+        if matched != expect:
+            raise RuntimeError(f"lookup matched {matched}, expected {expect}")
+    return call
 
-        progress("building the in-process engine baseline")
-        engine, namespace_id = build_engine(spec, keys)
-        assert len(engine.lookup(namespace_id, keys)) == args.blocks
 
-        def lookup_call(client, namespace, request_keys, expect):
-            def call() -> None:
-                matched = client.lookup(namespace, request_keys).matched
-                if matched != expect:
-                    raise RuntimeError(f"lookup matched {matched}, expected {expect}")
-            return call
+def run_phases(setup: Setup, handler: InProcessHandler, wire: bytes, args: argparse.Namespace
+               ) -> tuple[dict[str, list[float]], dict[str, float | None]]:
+    """The timed calls of the three phases, and the daemon's own handler times."""
+    from kvd.v1 import kvd_pb2
 
-        # Phase 1: the 8,000-key Lookup on both transports, and the engine alone.
-        gc.collect()
-        before = rpc_histogram(daemon.metrics_url)
-        progress(f"phase 1: Lookup({args.blocks} keys) unix / tcp / in-process engine")
-        phase1 = time_calls(
-            {
-                "lookup_unix": lookup_call(unix, ns, keys, args.blocks),
-                "lookup_tcp": lookup_call(tcp, ns_tcp, keys, args.blocks),
-                "engine_inprocess": lambda: engine.lookup(namespace_id, keys),
-            },
-            args.calls, args.warmup, "phase 1",
-        )
-        after1 = rpc_histogram(daemon.metrics_url)
+    unix, tcp, keys, engine = setup.unix, setup.tcp, setup.keys, setup.engine
+    # Phase 1: the 8,000-key Lookup on both transports, and the engine alone.
+    gc.collect()
+    before = rpc_histogram(setup.daemon.metrics_url)
+    progress(f"phase 1: Lookup({args.blocks} keys) unix / tcp / in-process engine")
+    phase1 = time_calls({
+        "lookup_unix": lookup_call(unix, setup.ns, keys, args.blocks),
+        "lookup_tcp": lookup_call(tcp, setup.ns_tcp, keys, args.blocks),
+        "engine_inprocess": lambda: engine.lookup(setup.namespace_id, keys),
+    }, args.calls, args.warmup, "phase 1")
+    after1 = rpc_histogram(setup.daemon.metrics_url)
+    # Phase 2: the fixed cost of a round trip.
+    progress("phase 2: Stats and Lookup(1 key), unix / tcp")
+    one = keys[:1]
+    phase2 = time_calls({
+        "stats_unix": unix.stats,
+        "stats_tcp": tcp.stats,
+        "lookup1_unix": lookup_call(unix, setup.ns, one, 1),
+        "lookup1_tcp": lookup_call(tcp, setup.ns_tcp, one, 1),
+    }, args.calls, args.warmup, "phase 2")
+    after2 = rpc_histogram(setup.daemon.metrics_url)
+    # Phase 3: protobuf costs of the big request, and the daemon's Lookup
+    # handler driven in-process (no transport), on the same engine state.
+    progress("phase 3: protobuf build/serialize/parse, in-process service handler")
+    namespace_id = setup.ns.namespace_id
+    phase3 = time_calls({
+        "service_handler_inprocess": lambda: handler.lookup(wire, args.blocks),
+        "proto_build_serialize": lambda: kvd_pb2.LookupRequest(
+            namespace_id=namespace_id, keys=keys).SerializeToString(),
+        "proto_parse": lambda: kvd_pb2.LookupRequest.FromString(wire),
+        "proto_parse_and_list_keys": lambda: list(kvd_pb2.LookupRequest.FromString(wire).keys),
+    }, args.calls, args.warmup, "phase 3")
+    server = {
+        "lookup_8000_handler_mean_ms": server_mean_ms(before, after1, "Lookup"),
+        "lookup_1_handler_mean_ms": server_mean_ms(after1, after2, "Lookup"),
+        "stats_handler_mean_ms": server_mean_ms(after1, after2, "Stats"),
+    }
+    return {**phase1, **phase2, **phase3}, server
 
-        # Phase 2: the fixed cost of a round trip.
-        progress("phase 2: Stats and Lookup(1 key), unix / tcp")
-        one = keys[:1]
-        phase2 = time_calls(
-            {
-                "stats_unix": unix.stats,
-                "stats_tcp": tcp.stats,
-                "lookup1_unix": lookup_call(unix, ns, one, 1),
-                "lookup1_tcp": lookup_call(tcp, ns_tcp, one, 1),
-            },
-            args.calls, args.warmup, "phase 2",
-        )
-        after2 = rpc_histogram(daemon.metrics_url)
 
-        # Phase 3: protobuf costs of the big request, and the daemon's Lookup
-        # handler driven in-process (no transport), on the same engine state.
-        progress("phase 3: protobuf build/serialize/parse, in-process service handler")
-        wire = kvd_pb2.LookupRequest(namespace_id=ns.namespace_id, keys=keys).SerializeToString()
-        handler = InProcessHandler(engine)
-        phase3 = time_calls(
-            {
-                "service_handler_inprocess": lambda: handler.lookup(wire, args.blocks),
-                "proto_build_serialize": lambda: kvd_pb2.LookupRequest(
-                    namespace_id=ns.namespace_id, keys=keys).SerializeToString(),
-                "proto_parse": lambda: kvd_pb2.LookupRequest.FromString(wire),
-                "proto_parse_and_list_keys": lambda: list(kvd_pb2.LookupRequest.FromString(wire).keys),
-            },
-            args.calls, args.warmup, "phase 3",
-        )
+def print_table(summaries: dict, server: dict, blocks: int) -> None:
+    labels = [
+        ("lookup_unix", f"kvd Lookup({blocks}) unix socket"),
+        ("lookup_tcp", f"kvd Lookup({blocks}) loopback TCP"),
+        ("engine_inprocess", f"Engine.lookup({blocks}) in-process"),
+        ("stats_unix", "kvd Stats unix (empty round trip)"),
+        ("stats_tcp", "kvd Stats TCP (empty round trip)"),
+        ("lookup1_unix", "kvd Lookup(1) unix"),
+        ("lookup1_tcp", "kvd Lookup(1) TCP"),
+        ("proto_build_serialize", f"LookupRequest({blocks}) build+serialize"),
+        ("proto_parse", f"LookupRequest({blocks}) parse"),
+        ("proto_parse_and_list_keys", f"LookupRequest({blocks}) parse+list(keys)"),
+        ("service_handler_inprocess", "service: parse + Lookup handler + serialize"),
+    ]
+    report("")
+    report(f"{'contender':<44} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} {'calls':>6}")
+    for name, label in labels:
+        summary = summaries[name]
+        report(f"{label:<44} {summary['p50_ms']:>8.3f} {summary['p90_ms']:>8.3f} {summary['p99_ms']:>8.3f} "
+               f"{summary['max_ms']:>8.3f} {summary['calls']:>6}")
+    report("")
+    report("server-side handler time (daemon's kvd_rpc_duration_seconds, mean):")
+    for name, value in server.items():
+        report(f"  {name:<34} {'n/a' if value is None else f'{value:.3f} ms'}")
 
-        summaries = {name: summarize_latencies(values) for name, values in {**phase1, **phase2, **phase3}.items()}
-        server = {
-            "lookup_8000_handler_mean_ms": server_mean_ms(before, after1, "Lookup"),
-            "lookup_1_handler_mean_ms": server_mean_ms(after1, after2, "Lookup"),
-            "stats_handler_mean_ms": server_mean_ms(after1, after2, "Stats"),
+
+def verdicts(summaries: dict, blocks: int) -> tuple[dict[str, Any], bool]:
+    """Per transport: the figures against the target, and whether both met it."""
+    results: dict[str, Any] = {}
+    overall = True
+    for transport in ("unix", "tcp"):
+        summary = summaries[f"lookup_{transport}"]
+        passed = summary["p99_ms"] <= TARGET_MS
+        overall &= passed
+        results[transport] = {
+            "p50_ms": summary["p50_ms"],
+            "p99_ms": summary["p99_ms"],
+            "p50_meets_target": summary["p50_ms"] <= TARGET_MS,
+            "p99_over_target": summary["p99_ms"] / TARGET_MS,
+            "p50_over_engine_inprocess": summary["p50_ms"] / summaries["engine_inprocess"]["p50_ms"],
+            "p50_over_empty_round_trip": summary["p50_ms"] / summaries[f"stats_{transport}"]["p50_ms"],
+            "pass": passed,
         }
+    report("")
+    for transport, result in results.items():
+        verdict = "PASS" if result["pass"] else "FAIL"
+        report(f"Lookup({blocks}) {transport:>4}: p50 {result['p50_ms']:.3f} ms, "
+               f"p99 {result['p99_ms']:.3f} ms = {result['p99_over_target']:.2f}x of the {TARGET_MS} ms target: "
+               f"{verdict}; "
+               f"p50 is {result['p50_over_engine_inprocess']:.1f}x the in-process engine and "
+               f"{result['p50_over_empty_round_trip']:.1f}x an empty round trip")
+    return results, overall
 
-        labels = [
-            ("lookup_unix", f"kvd Lookup({args.blocks}) unix socket"),
-            ("lookup_tcp", f"kvd Lookup({args.blocks}) loopback TCP"),
-            ("engine_inprocess", f"Engine.lookup({args.blocks}) in-process"),
-            ("stats_unix", "kvd Stats unix (empty round trip)"),
-            ("stats_tcp", "kvd Stats TCP (empty round trip)"),
-            ("lookup1_unix", "kvd Lookup(1) unix"),
-            ("lookup1_tcp", "kvd Lookup(1) TCP"),
-            ("proto_build_serialize", f"LookupRequest({args.blocks}) build+serialize"),
-            ("proto_parse", f"LookupRequest({args.blocks}) parse"),
-            ("proto_parse_and_list_keys", f"LookupRequest({args.blocks}) parse+list(keys)"),
-            ("service_handler_inprocess", "service: parse + Lookup handler + serialize"),
-        ]
-        report("")
-        report(f"{'contender':<44} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} {'calls':>6}")
-        for name, label in labels:
-            summary = summaries[name]
-            report(f"{label:<44} {summary['p50_ms']:>8.3f} {summary['p90_ms']:>8.3f} {summary['p99_ms']:>8.3f} "
-                   f"{summary['max_ms']:>8.3f} {summary['calls']:>6}")
-        report("")
-        report("server-side handler time (daemon's kvd_rpc_duration_seconds, mean):")
-        for name, value in server.items():
-            report(f"  {name:<34} {'n/a' if value is None else f'{value:.3f} ms'}")
 
-        results: dict[str, Any] = {}
-        overall = True
-        for transport in ("unix", "tcp"):
-            summary = summaries[f"lookup_{transport}"]
-            passed = summary["p99_ms"] <= TARGET_MS
-            overall &= passed
-            results[transport] = {
-                "p50_ms": summary["p50_ms"],
-                "p99_ms": summary["p99_ms"],
-                "p50_meets_target": summary["p50_ms"] <= TARGET_MS,
-                "p99_over_target": summary["p99_ms"] / TARGET_MS,
-                "p50_over_engine_inprocess": summary["p50_ms"] / summaries["engine_inprocess"]["p50_ms"],
-                "p50_over_empty_round_trip": summary["p50_ms"] / summaries[f"stats_{transport}"]["p50_ms"],
-                "pass": passed,
-            }
-        report("")
-        for transport, result in results.items():
-            verdict = "PASS" if result["pass"] else "FAIL"
-            report(f"Lookup({args.blocks}) {transport:>4}: p50 {result['p50_ms']:.3f} ms, "
-                   f"p99 {result['p99_ms']:.3f} ms = {result['p99_over_target']:.2f}x of the {TARGET_MS} ms target: "
-                   f"{verdict}; "
-                   f"p50 is {result['p50_over_engine_inprocess']:.1f}x the in-process engine and "
-                   f"{result['p50_over_empty_round_trip']:.1f}x an empty round trip")
-        report(f"(setup: one Client.put of {args.blocks:,} blocks took {put_seconds:.2f} s)")
+def profiles_of(setup: Setup, handler: InProcessHandler, wire: bytes, blocks: int) -> dict[str, str]:
+    return {
+        "service_handler_inprocess": profile_call(
+            lambda: [handler.lookup(wire, blocks) for _ in range(50)],
+            title=f"daemon side, in-process: 50 x (parse + KvdService.Lookup({blocks}) + serialize)"),
+        "client_lookup_unix": profile_call(
+            lambda: [setup.unix.lookup(setup.ns, setup.keys) for _ in range(50)],
+            title=f"client side of 50 x Lookup({blocks}) over the unix socket"),
+        "engine_lookup": profile_call(
+            lambda: [setup.engine.lookup(setup.namespace_id, setup.keys) for _ in range(50)],
+            title=f"50 x Engine.lookup({blocks}) in-process"),
+    }
 
-        profiles: dict[str, str] = {}
-        if args.profile or not overall:
-            profiles["service_handler_inprocess"] = profile_call(
-                lambda: [handler.lookup(wire, args.blocks) for _ in range(50)],
-                title=f"daemon side, in-process: 50 x (parse + KvdService.Lookup({args.blocks}) + serialize)",
-            )
-            profiles["client_lookup_unix"] = profile_call(
-                lambda: [unix.lookup(ns, keys) for _ in range(50)],
-                title=f"client side of 50 x Lookup({args.blocks}) over the unix socket",
-            )
-            profiles["engine_lookup"] = profile_call(
-                lambda: [engine.lookup(namespace_id, keys) for _ in range(50)],
-                title=f"50 x Engine.lookup({args.blocks}) in-process",
-            )
 
+def main() -> int:
+    from kvd.v1 import kvd_pb2
+
+    args = parse_args()
+    warn_if_busy()
+    report(f"== bench_lookup: Lookup of a {args.blocks:,}-block prefix, {args.calls} calls per contender ==")
+    with contextlib.ExitStack() as stack:
+        setup = start(stack, args)
+        wire = kvd_pb2.LookupRequest(namespace_id=setup.ns.namespace_id, keys=setup.keys).SerializeToString()
+        handler = InProcessHandler(setup.engine)
+        raw, server = run_phases(setup, handler, wire, args)
+        summaries = {name: summarize_latencies(values) for name, values in raw.items()}
+        print_table(summaries, server, args.blocks)
+        results, overall = verdicts(summaries, args.blocks)
+        report(f"(setup: one Client.put of {args.blocks:,} blocks took {setup.put_seconds:.2f} s)")
+        profiles = profiles_of(setup, handler, wire, args.blocks) if args.profile or not overall else {}
         handler.close()
         write_result("bench_lookup", {
             "target": {"metric": f"Lookup of {args.blocks} keys, p99 round trip", "max_ms": TARGET_MS},
             "pass": overall,
             "settings": vars(args),
-            "setup_put_seconds": put_seconds,
+            "setup_put_seconds": setup.put_seconds,
             "results": results,
             "latencies": summaries,
             "server_side": server,
-            "raw_seconds": {name: values for name, values in {**phase1, **phase2, **phase3}.items()},
+            "raw_seconds": raw,
             "profiles": profiles,
         })
         report(f"overall: {'PASS' if overall else 'FAIL'}")

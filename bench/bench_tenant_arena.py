@@ -381,7 +381,7 @@ def median_detail(contender: Contender, field: str) -> float:
     return statistics.median(detail[field] for detail in contender.details)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7, help="measured rounds (after two warm-up rounds)")
     parser.add_argument("--arena-mib", type=int, default=512, help="host arena of each daemon, in MiB "
@@ -396,11 +396,105 @@ def main() -> int:
                         help="slots for the in-process HostArena.claim timing (0: skip)")
     parser.add_argument("--profile", action="store_true",
                         help="print client-side profiles (mixed, worst) and claim's even when the target passes")
-    args = parser.parse_args()
-    warn_if_busy()
+    return parser.parse_args()
 
+
+def start_daemons(stack: contextlib.ExitStack, workdir: Path, arena_bytes: int, block_bytes: int) -> dict:
     from kvd.testing.daemon import run_daemon
 
+    host = {"capacity_bytes": arena_bytes, "slot_bytes": block_bytes}
+    token_auth = {"mode": "token", "tenants_file": str(tenants_file(workdir))}
+    # Each tenant held to half the arena: its Puts evict its own blocks.
+    quota_auth = {"mode": "token",
+                  "tenants_file": str(tenants_file(workdir / "quota-tenants", arena_bytes // len(TOKENS)))}
+    daemons = {}
+    for name, auth in (("split", token_auth), ("mixed", token_auth), ("quota", quota_auth),
+                       ("baseline", token_auth), ("worst", token_auth), ("none", {"mode": "none"})):
+        progress(f"starting kvd for {name} (auth.mode {auth['mode']}, arena {arena_bytes / MIB:.0f} MiB)")
+        daemons[name] = stack.enter_context(run_daemon(workdir / name, config={"host": host, "auth": auth}))
+    return daemons
+
+
+def make_contenders(daemons: dict, spec, count: int, batches: int) -> dict[str, Contender]:
+    both = [TOKENS["a"], TOKENS["b"]]
+    return {
+        "split": Contender("split", f"split: token, 1 tenant, {batches} Puts/round", daemons["split"],
+                           [TOKENS["a"]], spec, count, calls=batches),
+        "mixed": Contender("mixed", f"mixed: token, 2 tenants sharing {batches} Puts", daemons["mixed"],
+                           both, spec, count, calls=batches, turns="shuffled"),
+        "quota": Contender("quota", "quota: mixed, each tenant's host quota 1/2", daemons["quota"],
+                           both, spec, count, calls=batches, turns="shuffled"),
+        "baseline": Contender("baseline", "baseline: token, 1 tenant, 1 Put/round", daemons["baseline"],
+                              [TOKENS["a"]], spec, count),
+        "worst": Contender("worst", "worst: token, 2 tenants, 1 Put, all slots change", daemons["worst"],
+                           both, spec, count),
+        "none": Contender("none", "none: auth.mode none, 1 Put/round (reference)", daemons["none"],
+                          [None], spec, count),
+    }
+
+
+def run_rounds(contenders: dict[str, Contender], fresh_keys, src, out, args: argparse.Namespace,
+               batch_bytes: int) -> None:
+    """Two warm-up rounds, then the measured ones, each contender in turn (the order rotating)."""
+    order = list(contenders)
+    # The first warm-up fills every arena (mixed's with both tenants'
+    # blocks, alternately), and every slot gets written through every
+    # client's mapping (the worst case's two tenants once each), so the
+    # measured rounds see the steady state.
+    total = 2 + args.rounds
+    for number in range(total):
+        warmup = number < 2
+        shift = number % len(order)
+        tag = f"warm-up {number + 1}/2" if warmup else f"round {number - 1}/{args.rounds}"
+        parts = []
+        for name in order[shift:] + order[:shift]:
+            detail = contenders[name].round(fresh_keys, src, out, warmup, args.get_repeats)
+            parts.append(f"{name} put {batch_bytes / detail['put_s'] / (1 << 30):.2f} "
+                         f"get {batch_bytes / detail['get_s'] / (1 << 30):.2f}"
+                         + (f" ({detail['slot_tenant_changes']:.0f} changes)" if name != "none" else ""))
+        progress(f"  {tag}: " + ", ".join(parts) + " GiB/s")
+    for contender in contenders.values():
+        contender.verify(src, out)
+
+
+def time_claims_report(block_bytes: int, slots: int) -> dict:
+    progress(f"timing HostArena.claim in-process ({slots} slots, 2 tenants in turn)")
+    claims = time_claims(block_bytes, slots)
+    report(f"HostArena.claim in-process (no daemon, no RPC; {slots} slots of "
+           f"{block_bytes / MIB:.0f} MiB moving between 2 tenants; medians of {claims['rounds']} rounds): "
+           f"{claims['median_us_per_claim']:.0f} us per claim; then the new tenant's first write of the "
+           f"slot (faults, zeroing) {claims['median_us_per_first_write']:.0f} us, a second write "
+           f"{claims['median_us_per_rewrite']:.0f} us")
+    return claims
+
+
+def profiles(contenders: dict[str, Contender], fresh_keys, src, out, args: argparse.Namespace, block_bytes: int,
+             result: dict[str, Any]) -> None:
+    if args.profile or not result["pass"]:
+        mixed = contenders["mixed"]
+        result["profile_mixed_put"] = profile_call(
+            lambda: [mixed.round(fresh_keys, src, out, warmup=True) for _ in range(2)], top=15,
+            title=f"client side of 2 mixed rounds ({args.batches} Puts, the two tenants' in shuffled turns, each "
+                  "followed by a Get; _blocking is the wait for an RPC)",
+        )
+    if args.profile:
+        worst = contenders["worst"]
+        result["profile_worst_put"] = profile_call(
+            lambda: [worst.round(fresh_keys, src, out, warmup=True) for _ in range(2)], top=15,
+            title="client side of 2 worst-case rounds (Put of the whole arena by the other tenant, then Get; "
+                  "_blocking is the wait for Reserve, which runs the claims in the daemon; the copy takes "
+                  "the first-touch faults)",
+        )
+        result["profile_claims"] = profile_call(
+            lambda: time_claims(block_bytes, max(8, args.claim_slots // 2), rounds=2), top=15,
+            title="HostArena.claim in-process (_fallocate is the allocation and the punch; the mmap is "
+                  "MAP_FIXED only)",
+        )
+
+
+def main() -> int:
+    args = parse_args()
+    warn_if_busy()
     spec = block_spec(args.block_mib)
     count = args.arena_mib * MIB // spec.block_bytes
     if count < 2:
@@ -416,43 +510,17 @@ def main() -> int:
            f"({arena_bytes / MIB:.0f} MiB) per daemon; every round Puts {count} blocks ({batch_bytes / MIB:.0f} MiB): "
            f"split and mixed in {args.batches} Puts of {small} blocks, the others in one; each Put followed by "
            f"{args.get_repeats} Gets of its blocks; {args.rounds} rounds after 2 warm-up rounds")
-
-    host = {"capacity_bytes": arena_bytes, "slot_bytes": spec.block_bytes}
     rng = np.random.default_rng(20240611)
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-bench-tenant-")))
-        token_auth = {"mode": "token", "tenants_file": str(tenants_file(workdir))}
-        # Each tenant held to half the arena: its Puts evict its own blocks.
-        quota_auth = {"mode": "token",
-                      "tenants_file": str(tenants_file(workdir / "quota-tenants", arena_bytes // len(TOKENS)))}
-        daemons = {}
-        for name, auth in (("split", token_auth), ("mixed", token_auth), ("quota", quota_auth),
-                           ("baseline", token_auth), ("worst", token_auth), ("none", {"mode": "none"})):
-            progress(f"starting kvd for {name} (auth.mode {auth['mode']}, arena {arena_bytes / MIB:.0f} MiB)")
-            daemons[name] = stack.enter_context(run_daemon(workdir / name, config={"host": host, "auth": auth}))
-
+        daemons = start_daemons(stack, workdir, arena_bytes, spec.block_bytes)
         progress(f"allocating and filling {2 * batch_bytes / MIB:.0f} MiB of buffers")
         shape = (count, *spec.block_shape)
         src = np.empty(shape, dtype=np.float16)
         src.view(np.uint8).reshape(-1)[:] = rng.integers(0, 256, size=batch_bytes, dtype=np.uint8)
         out = np.empty(shape, dtype=np.float16)
         out.view(np.uint8).reshape(-1)[:] = 0
-
-        both = [TOKENS["a"], TOKENS["b"]]
-        contenders = {
-            "split": Contender("split", f"split: token, 1 tenant, {args.batches} Puts/round", daemons["split"],
-                               [TOKENS["a"]], spec, count, calls=args.batches),
-            "mixed": Contender("mixed", f"mixed: token, 2 tenants sharing {args.batches} Puts", daemons["mixed"],
-                               both, spec, count, calls=args.batches, turns="shuffled"),
-            "quota": Contender("quota", "quota: mixed, each tenant's host quota 1/2", daemons["quota"],
-                               both, spec, count, calls=args.batches, turns="shuffled"),
-            "baseline": Contender("baseline", "baseline: token, 1 tenant, 1 Put/round", daemons["baseline"],
-                                  [TOKENS["a"]], spec, count),
-            "worst": Contender("worst", "worst: token, 2 tenants, 1 Put, all slots change", daemons["worst"],
-                               both, spec, count),
-            "none": Contender("none", "none: auth.mode none, 1 Put/round (reference)", daemons["none"],
-                              [None], spec, count),
-        }
+        contenders = make_contenders(daemons, spec, count, args.batches)
         for contender in contenders.values():
             stack.callback(contender.close)
 
@@ -462,56 +530,11 @@ def main() -> int:
             assert len(keys) == blocks
             return keys
 
-        order = list(contenders)
-        # Two warm-up rounds: the first fills every arena (mixed's with both
-        # tenants' blocks, alternately), and every slot gets written through
-        # every client's mapping (the worst case's two tenants once each),
-        # so the measured rounds see the steady state.
-        total = 2 + args.rounds
-        for number in range(total):
-            warmup = number < 2
-            shift = number % len(order)
-            tag = f"warm-up {number + 1}/2" if warmup else f"round {number - 1}/{args.rounds}"
-            parts = []
-            for name in order[shift:] + order[:shift]:
-                detail = contenders[name].round(fresh_keys, src, out, warmup, args.get_repeats)
-                parts.append(f"{name} put {batch_bytes / detail['put_s'] / (1 << 30):.2f} "
-                             f"get {batch_bytes / detail['get_s'] / (1 << 30):.2f}"
-                             + (f" ({detail['slot_tenant_changes']:.0f} changes)" if name != "none" else ""))
-            progress(f"  {tag}: " + ", ".join(parts) + " GiB/s")
-
-        for contender in contenders.values():
-            contender.verify(src, out)
-
+        run_rounds(contenders, fresh_keys, src, out, args, batch_bytes)
         result = evaluate(contenders, batch_bytes, count)
         if args.claim_slots:
-            progress(f"timing HostArena.claim in-process ({args.claim_slots} slots, 2 tenants in turn)")
-            claims = result["claim_in_process"] = time_claims(spec.block_bytes, args.claim_slots)
-            report(f"HostArena.claim in-process (no daemon, no RPC; {args.claim_slots} slots of "
-                   f"{spec.block_bytes / MIB:.0f} MiB moving between 2 tenants; medians of {claims['rounds']} rounds): "
-                   f"{claims['median_us_per_claim']:.0f} us per claim; then the new tenant's first write of the "
-                   f"slot (faults, zeroing) {claims['median_us_per_first_write']:.0f} us, a second write "
-                   f"{claims['median_us_per_rewrite']:.0f} us")
-        if args.profile or not result["pass"]:
-            mixed = contenders["mixed"]
-            result["profile_mixed_put"] = profile_call(
-                lambda: [mixed.round(fresh_keys, src, out, warmup=True) for _ in range(2)], top=15,
-                title=f"client side of 2 mixed rounds ({args.batches} Puts, the two tenants' in shuffled turns, each "
-                      "followed by a Get; _blocking is the wait for an RPC)",
-            )
-        if args.profile:
-            worst = contenders["worst"]
-            result["profile_worst_put"] = profile_call(
-                lambda: [worst.round(fresh_keys, src, out, warmup=True) for _ in range(2)], top=15,
-                title="client side of 2 worst-case rounds (Put of the whole arena by the other tenant, then Get; "
-                      "_blocking is the wait for Reserve, which runs the claims in the daemon; the copy takes "
-                      "the first-touch faults)",
-            )
-            result["profile_claims"] = profile_call(
-                lambda: time_claims(spec.block_bytes, max(8, args.claim_slots // 2), rounds=2), top=15,
-                title="HostArena.claim in-process (_fallocate is the allocation and the punch; the mmap is "
-                      "MAP_FIXED only)",
-            )
+            result["claim_in_process"] = time_claims_report(spec.block_bytes, args.claim_slots)
+        profiles(contenders, fresh_keys, src, out, args, spec.block_bytes, result)
 
     write_result("bench_tenant_arena", {
         "targets": {"mixed_put_vs_split_put_min": TARGET_MIXED_VS_SPLIT,
@@ -537,44 +560,17 @@ def main() -> int:
     return 0
 
 
-def evaluate(contenders: dict[str, Contender], batch_bytes: int, count: int) -> dict[str, Any]:
-    summaries = {name: {kind: summarize_rates(batch_bytes, seconds) for kind, seconds in contender.samples.items()}
-                 for name, contender in contenders.items()}
-
-    def median(name: str, kind: str) -> float:
-        return summaries[name][kind]["median_gib_s"]
-
-    def changes_of(name: str) -> list[float]:
-        return [detail["slot_tenant_changes"] for detail in contenders[name].details]
-
-    changes, mixed_changes = changes_of("worst"), changes_of("mixed")
-    if any(change < count for change in changes):
-        raise RuntimeError(f"worst case: a round changed the tenant of fewer than all {count} slots: {changes}")
-    for name in ("baseline", "split"):
-        if any(changes_of(name)):
-            raise RuntimeError(f"{name}: slots changed tenant during the measured rounds: {changes_of(name)}")
-    changes_per_round = statistics.median(changes)
-    mixed_per_round = statistics.median(mixed_changes)
-    put_time = {name: statistics.median(contender.samples["put"]) for name, contender in contenders.items()}
-    cost_us = (put_time["worst"] - put_time["baseline"]) / changes_per_round * 1e6
-    ratios = {
-        "put_mixed_vs_split": median("mixed", "put") / median("split", "put"),
-        "put_quota_vs_split": median("quota", "put") / median("split", "put"),
-        "put_worst_vs_baseline": median("worst", "put") / median("baseline", "put"),
-        "put_split_vs_baseline": median("split", "put") / median("baseline", "put"),
-        "put_none_vs_baseline": median("none", "put") / median("baseline", "put"),
-        "get_mixed_vs_split": median("mixed", "get") / median("split", "get"),
-        "get_worst_vs_baseline": median("worst", "get") / median("baseline", "get"),
-        "get_none_vs_baseline": median("none", "get") / median("baseline", "get"),
-    }
-    passed = ratios["put_mixed_vs_split"] >= TARGET_MIXED_VS_SPLIT
-
+def print_rates(contenders: dict[str, Contender], summaries: dict) -> None:
     report("")
     report(f"{'contender':<46} {'Put median':>10} {'best':>6} {'Get median':>10} {'best':>6}  (GiB/s)")
     for name, contender in contenders.items():
         put, get = summaries[name]["put"], summaries[name]["get"]
         report(f"{contender.label:<46} {put['median_gib_s']:>10.2f} {put['best_gib_s']:>6.2f} "
                f"{get['median_gib_s']:>10.2f} {get['best_gib_s']:>6.2f}")
+
+
+def put_breakdown(contenders: dict[str, Contender]) -> dict[str, dict[str, float]]:
+    """Where a round's Put time goes, per contender (medians over rounds), printed as a table."""
     report("")
     report("where a round's Put time goes (sums over the round's Puts, medians over rounds, ms; page faults):")
     report(f"{'contender':<10} {'Puts':>5} {'Put':>7} {'Reserve':>8} {'copy':>7} {'rest':>6} {'client':>8} "
@@ -589,28 +585,86 @@ def evaluate(contenders: dict[str, Contender], batch_bytes: int, count: int) -> 
         report(f"{name:<10} {contender.calls:>5} {row['put_s'] * 1e3:>7.1f} {row['reserve_handler_s'] * 1e3:>8.1f} "
                f"{row['client_copy_s'] * 1e3:>7.1f} {row['rest_s'] * 1e3:>6.1f} {row['client_minflt_put']:>8.0f} "
                f"{row['daemon_minflt_put']:>8.0f} {row['slot_tenant_changes']:>8.0f}")
-    reserve_extra_us = (breakdown["worst"]["reserve_handler_s"] - breakdown["baseline"]["reserve_handler_s"]) \
-        / changes_per_round * 1e6
-    copy_extra_us = (breakdown["worst"]["client_copy_s"] - breakdown["baseline"]["client_copy_s"]) \
-        / changes_per_round * 1e6
+    return breakdown
+
+
+def slot_changes(contenders: dict[str, Contender], count: int) -> dict[str, list[float]]:
+    """Slot tenant changes per round of each contender, checked: the worst case changes every slot,
+    baseline and split none."""
+    changes = {name: [detail["slot_tenant_changes"] for detail in contender.details]
+               for name, contender in contenders.items()}
+    if any(change < count for change in changes["worst"]):
+        raise RuntimeError(f"worst case: a round changed the tenant of fewer than all {count} slots: "
+                           f"{changes['worst']}")
+    for name in ("baseline", "split"):
+        if any(changes[name]):
+            raise RuntimeError(f"{name}: slots changed tenant during the measured rounds: {changes[name]}")
+    return changes
+
+
+def evaluate(contenders: dict[str, Contender], batch_bytes: int, count: int) -> dict[str, Any]:
+    summaries = {name: {kind: summarize_rates(batch_bytes, seconds) for kind, seconds in contender.samples.items()}
+                 for name, contender in contenders.items()}
+
+    def median(name: str, kind: str) -> float:
+        return summaries[name][kind]["median_gib_s"]
+
+    changes = slot_changes(contenders, count)
+    changes_per_round = statistics.median(changes["worst"])
+    put_time = {name: statistics.median(contender.samples["put"]) for name, contender in contenders.items()}
+    cost_us = (put_time["worst"] - put_time["baseline"]) / changes_per_round * 1e6
+    ratios = {
+        "put_mixed_vs_split": median("mixed", "put") / median("split", "put"),
+        "put_quota_vs_split": median("quota", "put") / median("split", "put"),
+        "put_worst_vs_baseline": median("worst", "put") / median("baseline", "put"),
+        "put_split_vs_baseline": median("split", "put") / median("baseline", "put"),
+        "put_none_vs_baseline": median("none", "put") / median("baseline", "put"),
+        "get_mixed_vs_split": median("mixed", "get") / median("split", "get"),
+        "get_worst_vs_baseline": median("worst", "get") / median("baseline", "get"),
+        "get_none_vs_baseline": median("none", "get") / median("baseline", "get"),
+    }
+    passed = ratios["put_mixed_vs_split"] >= TARGET_MIXED_VS_SPLIT
+    print_rates(contenders, summaries)
+    breakdown = put_breakdown(contenders)
+    extra_us = {part: (breakdown["worst"][part] - breakdown["baseline"][part]) / changes_per_round * 1e6
+                for part in ("reserve_handler_s", "client_copy_s")}
+    print_verdicts(contenders, changes, ratios, passed, count, (cost_us, put_time, extra_us))
+    return {
+        "measurements": summaries,
+        "rounds": {name: contender.details for name, contender in contenders.items()},
+        "breakdown_median": breakdown,
+        "mixed_slot_tenant_changes_per_round": statistics.median(changes["mixed"]),
+        "quota_slot_tenant_changes_per_round": statistics.median(changes["quota"]),
+        "slot_tenant_changes_per_round": changes_per_round,
+        "cost_per_slot_change_us": cost_us,
+        "cost_per_slot_change_in_reserve_us": extra_us["reserve_handler_s"],
+        "cost_per_slot_change_in_client_copy_us": extra_us["client_copy_s"],
+        "ratios": ratios,
+        "pass": passed,
+    }
+
+
+def print_verdicts(contenders: dict[str, Contender], changes: dict[str, list[float]], ratios: dict[str, float],
+                   passed: bool, count: int, costs: tuple) -> None:
+    cost_us, put_time, extra_us = costs
+    mixed, quota, worst = changes["mixed"], changes["quota"], changes["worst"]
     report("")
-    report(f"slot tenant changes per mixed round: {mixed_per_round:.0f} of {count} slots "
-           f"(min {min(mixed_changes):.0f}, max {max(mixed_changes):.0f}; the target needs about 0)")
+    report(f"slot tenant changes per mixed round: {statistics.median(mixed):.0f} of {count} slots "
+           f"(min {min(mixed):.0f}, max {max(mixed):.0f}; the target needs about 0)")
     report(f"Put mixed/split median {fmt_ratio(ratios['put_mixed_vs_split'])}, target >= "
            f"{TARGET_MIXED_VS_SPLIT}x: {'PASS' if passed else 'FAIL'}")
     report(f"Get mixed/split median {fmt_ratio(ratios['get_mixed_vs_split'])} (info)")
-    quota_changes = changes_of("quota")
     report(f"Put quota/split median {fmt_ratio(ratios['put_quota_vs_split'])} (info: the mixed Puts with each "
-           f"tenant's host quota half the arena, {statistics.median(quota_changes):.0f} slot tenant changes per "
-           f"round, min {min(quota_changes):.0f}, max {max(quota_changes):.0f})")
+           f"tenant's host quota half the arena, {statistics.median(quota):.0f} slot tenant changes per "
+           f"round, min {min(quota):.0f}, max {max(quota):.0f})")
     report("")
-    report(f"slot tenant changes per worst-case round: {changes_per_round:.0f} of {count} slots "
-           f"(min {min(changes):.0f}, max {max(changes):.0f}); baseline and split: 0")
+    report(f"slot tenant changes per worst-case round: {statistics.median(worst):.0f} of {count} slots "
+           f"(min {min(worst):.0f}, max {max(worst):.0f}); baseline and split: 0")
     report(f"cost per slot tenant change: {cost_us:.0f} us "
            f"((median worst Put {put_time['worst'] * 1e3:.1f} ms - median baseline Put "
-           f"{put_time['baseline'] * 1e3:.1f} ms) / {changes_per_round:.0f}); of it in the daemon's Reserve "
-           f"(the claims) {reserve_extra_us:.0f} us, in the client's copy (first-touch faults, zeroing) "
-           f"{copy_extra_us:.0f} us")
+           f"{put_time['baseline'] * 1e3:.1f} ms) / {statistics.median(worst):.0f}); of it in the daemon's Reserve "
+           f"(the claims) {extra_us['reserve_handler_s']:.0f} us, in the client's copy (first-touch faults, zeroing) "
+           f"{extra_us['client_copy_s']:.0f} us")
     report(f"Put worst/baseline median {fmt_ratio(ratios['put_worst_vs_baseline'])} (info: the whole arena "
            f"changes tenant on every Put)")
     report(f"Put split/baseline median {fmt_ratio(ratios['put_split_vs_baseline'])} (info: "
@@ -618,19 +672,6 @@ def evaluate(contenders: dict[str, Contender], batch_bytes: int, count: int) -> 
     report(f"Put none/baseline  median {fmt_ratio(ratios['put_none_vs_baseline'])} (info)")
     report(f"Get worst/baseline median {fmt_ratio(ratios['get_worst_vs_baseline'])}, "
            f"none/baseline {fmt_ratio(ratios['get_none_vs_baseline'])} (info: Gets read what the Put just wrote)")
-    return {
-        "measurements": summaries,
-        "rounds": {name: contender.details for name, contender in contenders.items()},
-        "breakdown_median": breakdown,
-        "mixed_slot_tenant_changes_per_round": mixed_per_round,
-        "quota_slot_tenant_changes_per_round": statistics.median(quota_changes),
-        "slot_tenant_changes_per_round": changes_per_round,
-        "cost_per_slot_change_us": cost_us,
-        "cost_per_slot_change_in_reserve_us": reserve_extra_us,
-        "cost_per_slot_change_in_client_copy_us": copy_extra_us,
-        "ratios": ratios,
-        "pass": passed,
-    }
 
 
 if __name__ == "__main__":

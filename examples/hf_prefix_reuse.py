@@ -181,16 +181,7 @@ def run_restore(args: argparse.Namespace) -> dict[str, Any]:
             full_times.append(time.perf_counter() - start)
         shared_memory = client.uses_shared_memory
 
-    # Reference: this process's own cache of the same prefix.  It is built
-    # exactly as the store run built its cache (prefill of the whole prompt)
-    # and then cut to the tokens that came back from kvd, so any difference
-    # from the restored run can only come from the store round trip.
-    if matched_tokens > prompt.shape[0]:
-        raise SystemExit(f"kvd returned {matched_tokens} tokens, more than this prompt; another run stored them?")
-    own_cache = forward(model, prompt).past_key_values
-    own_blocks = cache_to_blocks(own_cache, spec, fetched.shape[0])
-    own_cache.crop(matched_tokens - prompt.shape[0])
-    own_logits = forward(model, request[matched_tokens:], own_cache).logits[0]
+    own_blocks, own_logits = own_cache_run(model, prompt, request, spec, fetched.shape[0], matched_tokens)
 
     # Logits of the positions both runs computed: matched_tokens onward.
     full_tail = full_logits[matched_tokens:]
@@ -219,20 +210,41 @@ def run_restore(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.save_logits:
         torch.save({"restored": restored_logits, "own_cache": own_logits, "full": full_tail}, args.save_logits)
+    print_restore(result, request.shape[0], args.repeats)
+    return result
+
+
+def own_cache_run(model, prompt, request, spec, blocks: int, matched_tokens: int):
+    """This process's own cache of the same prefix: (its blocks, the logits of the rest of `request` on it).
+
+    It is built exactly as the store run built its cache (prefill of the
+    whole prompt) and then cut to the tokens that came back from kvd, so any
+    difference from the restored run can only come from the store round trip.
+    """
+    if matched_tokens > prompt.shape[0]:
+        raise SystemExit(f"kvd returned {matched_tokens} tokens, more than this prompt; another run stored them?")
+    own_cache = forward(model, prompt).past_key_values
+    own_blocks = cache_to_blocks(own_cache, spec, blocks)
+    own_cache.crop(matched_tokens - prompt.shape[0])
+    return own_blocks, forward(model, request[matched_tokens:], own_cache).logits[0]
+
+
+def print_restore(result: dict[str, Any], request_tokens: int, repeats: int) -> None:
+    matched_tokens = result["restored_tokens"]
+    path = "shared memory" if result["shared_memory"] else "inline gRPC"
     print(
-        f"restore: {fetched.shape[0]}/{len(keys)} blocks ({matched_tokens} tokens) fetched in {get_s * 1e3:.1f} ms, "
-        f"then ran {request.shape[0] - matched_tokens} tokens ({'shared memory' if shared_memory else 'inline gRPC'})"
+        f"restore: {result['restored_blocks']}/{result['requested_blocks']} blocks ({matched_tokens} tokens) "
+        f"fetched in {result['get_s'] * 1e3:.1f} ms, then ran {request_tokens - matched_tokens} tokens ({path})"
     )
     print(
-        f"TTFT restored {result['ttft_restore_s'] * 1e3:.1f} ms vs full recompute of {request.shape[0]} tokens "
+        f"TTFT restored {result['ttft_restore_s'] * 1e3:.1f} ms vs full recompute of {request_tokens} tokens "
         f"{result['ttft_full_s'] * 1e3:.1f} ms ({result['ttft_full_s'] / result['ttft_restore_s']:.1f}x, "
-        f"best of {args.repeats})"
+        f"best of {repeats})"
     )
     print(
         f"max |logits diff|: vs own in-memory cache {result['max_abs_diff_vs_own_cache']:.3g} "
         f"(bit-exact: {result['restored_equals_own_cache']}), vs full recompute {result['max_abs_diff_vs_full']:.3g}"
     )
-    return result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
