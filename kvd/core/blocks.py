@@ -22,6 +22,7 @@ from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
 from kvd.core.events import EventLog
 from kvd.core.prefetch_ledger import PrefetchLedger
 from kvd.core.residency import TierStack
+from kvd.core.slot_pool import SlotClass
 from kvd.core.tier import MemoryTier, StorageTier, Tier, TierId
 from kvd.invariants import InvariantError, check
 
@@ -158,6 +159,10 @@ class BlockBook:
     def block_bytes(block: Block) -> int:
         return block.index.block_bytes
 
+    def host_class(self, block: Block) -> SlotClass:
+        """The host pool's slot class `block`'s namespace takes."""
+        return self.host.pool.classes[block.index.host_class]
+
     def set_host_slot(self, block: Block, slot: int) -> None:
         check(self.host_slot(block) == NO_SLOT, "{!r} has a host slot already", block)
         host = self.host
@@ -165,7 +170,7 @@ class BlockBook:
         self.tiers.add_copy(block, host, slot)
         host.pool.used_bytes += self.block_bytes(block)
         if block.index.quota is not None:
-            block.index.quota.host_used_bytes += host.slot_bytes
+            block.index.quota.host_used_bytes += self.host_class(block).slot_bytes
         if block.parent is not None:
             # It has a child in host memory now: no longer a candidate.
             self.withdraw(block.parent)
@@ -180,7 +185,7 @@ class BlockBook:
         host.pool.release(slot, block)
         host.pool.used_bytes -= self.block_bytes(block)
         if block.index.quota is not None:
-            block.index.quota.host_used_bytes -= host.slot_bytes
+            block.index.quota.host_used_bytes -= self.host_class(block).slot_bytes
         if block.parent is not None:
             self.maybe_admit(block.parent, cold=cold_parent)
 

@@ -50,7 +50,7 @@ from kvd.core.reads import GetPlan, Reads
 from kvd.core.recovery import Recovery
 from kvd.core.requests import CommitRequest, KeysRequest, check_client, check_keys, granted_lease_ms
 from kvd.core.residency import TierStack
-from kvd.core.slot_pool import SlotPool
+from kvd.core.slot_pool import SlotPool, class_sizes
 from kvd.core.tier import MemoryTier, StorageSpec, StorageTier, TierId
 from kvd.core.verify import verify_blocks, verify_quotas
 from kvd.core.transfer import Transfer
@@ -58,8 +58,8 @@ from kvd.core.writeback import WriteBack
 from kvd.errors import InvalidArgument
 
 __all__ = [
-    "MAX_CLIENT_ID_CHARS", "TENANT_AFFINITY_WINDOW", "CommitRequest", "Engine", "EngineLimits", "GetPlan", "KeysRequest",
-    "NamespaceState", "PrefetchCounters", "PrefetchLimit", "PrefetchPlan", "ReserveResult", "ReserveStatus",
+    "MAX_CLIENT_ID_CHARS", "TENANT_AFFINITY_WINDOW", "CommitRequest", "Engine", "EngineLimits", "GetPlan",
+    "KeysRequest", "NamespaceState", "PrefetchCounters", "PrefetchLimit", "PrefetchPlan", "ReserveResult", "ReserveStatus",
     "StorageSpec", "TierId", "Transfer", "namespace_not_found",
 ]
 
@@ -81,12 +81,16 @@ class Engine:
         low_watermark: float = 0.8,
         tenant_quotas: Sequence[TenantQuota] = (),
         lower_tiers: Sequence[StorageSpec] = (),
+        host_min_slot_bytes: int = 0,
     ) -> None:
-        """`lower_tiers`: tiers between host memory and the disk, fastest first."""
+        """`lower_tiers`: tiers between host memory and the disk, fastest first.
+        `host_min_slot_bytes`: carve host memory into slot classes down to this
+        size (kvd.core.slot_pool); 0: one slot size, `host_slot_bytes`."""
         self.limits = limits or EngineLimits()
         # Host memory first, at global slot id 0; then the tiers below, the disk last.
-        self.host = MemoryTier(TierId.HOST, SlotPool(host_slot_count, host_slot_bytes),
-                               make_policy(policy, host_slot_count), client_mappable=True,
+        classes = class_sizes(host_slot_bytes, host_min_slot_bytes) if host_min_slot_bytes else ()
+        host_pool = SlotPool(host_slot_count, host_slot_bytes, class_bytes=classes)
+        self.host = MemoryTier(TierId.HOST, host_pool, make_policy(policy, host_pool.slot_count), client_mappable=True,
                                high_watermark=high_watermark, low_watermark=low_watermark)
         specs = list(lower_tiers)
         if disk_slot_count:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.blocks import BlockBook
 from kvd.core.quota import QuotaExceeded, TenantQuota
+from kvd.core.slot_pool import SlotClass
 from kvd.invariants import check
 
 # How far past the eviction policy's victim, in blocks that would be
@@ -64,7 +65,7 @@ class HostAllocator:
         """
         host = self.host
         demoted = 0
-        while host.pool.resident_blocks > host.low_slots and (limit is None or demoted < limit):
+        while host.above_low() and (limit is None or demoted < limit):
             victim = host.policy.victim()
             if victim is None or self.blocks.lower_copy(victim) is None:
                 break
@@ -74,12 +75,17 @@ class HostAllocator:
         self.reclaim_due()
         return demoted
 
-    def allocate(self, tenant: str | None = None, *, prefer_own: bool = True) -> int:
-        """A host slot for a block of `tenant` (see free_slot), backed
-        by the tenant's memory; NO_SLOT if none can be had. A slot whose
-        memory cannot be switched to the tenant (the kernel refused the
-        mapping) goes back to the free slots, and the caller sees NO_SLOT,
-        as when the tier is full."""
+    def allocate(self, tenant: str | None = None, *, prefer_own: bool = True,
+                 slot_class: SlotClass | None = None) -> int:
+        """A host slot of `slot_class` (default: the largest) for a block of
+        `tenant` (see free_slot), backed by the tenant's memory; NO_SLOT if
+        none can be had. A slot whose memory cannot be switched to the
+        tenant (the kernel refused the mapping) goes back to the free slots,
+        and the caller sees NO_SLOT, as when the tier is full."""
+        if slot_class is not None and len(self.host.pool.classes) > 1:
+            # The arena's per-tenant files re-back whole slots of one size.
+            check(self.claim_host_slot is None, "per-tenant host memory does not take slot classes yet")
+            return self.class_slot(slot_class)
         slot = self.free_slot(tenant if prefer_own else None)
         claim = self.claim_host_slot
         if slot == NO_SLOT or claim is None or tenant is None or self.slot_tenants[slot] == tenant:
@@ -123,7 +129,74 @@ class HostAllocator:
         check(slot != NO_SLOT, "eviction freed no host slot")
         return slot
 
-    def make_quota_room(self, quota: TenantQuota, slots: int, keep: Block | None) -> None:
+    def class_slot(self, slot_class: SlotClass) -> int:
+        """A free slot of `slot_class`, with slot classes: its own free slot or
+        a free page; else, walking the tier's one eviction order from the
+        oldest candidate (at most TENANT_AFFINITY_WINDOW of them), the first
+        that is of `slot_class` is evicted, or the first whose page can be
+        emptied gives up that page (all its blocks evicted). So the class
+        whose blocks went unused longest gives up memory. NO_SLOT if none
+        of these can be had."""
+        pool, policy = self.host.pool, self.host.policy
+        slot = pool.take_free(slot_class)
+        if slot != NO_SLOT:
+            return slot
+        if pool.take_page(slot_class):
+            return pool.take_free(slot_class)
+        window = max(1, min(TENANT_AFFINITY_WINDOW, len(policy)))
+
+        def usable(block: Block) -> bool:
+            return block.index.host_class == slot_class.index or self.page_reclaimable(self.page_of(block))
+
+        victim = policy.victim_near(usable, window, lambda _: 1)
+        if victim is None or not usable(victim):
+            return NO_SLOT
+        if victim.index.host_class == slot_class.index:
+            self.blocks.evict_from_host(victim)
+            self.host.counters.evictions += 1
+            return pool.take_free(slot_class)
+        page = self.page_of(victim)
+        self.empty_page(page)
+        pool.release_page(page)
+        pool.assign_page(page, slot_class)
+        return pool.take_free(slot_class)
+
+    def page_of(self, block: Block) -> int:
+        return self.host.pool.page_of(self.blocks.host_slot(block))
+
+    def page_residents(self, page: int) -> list[Block]:
+        pool = self.host.pool
+        held = pool.classes[pool.page_class[page]]
+        return [owner for owner in (pool.owners[slot] for slot in pool.page_slots(page, held)) if owner is not None]
+
+    def page_reclaimable(self, page: int) -> bool:
+        """Whether evicting leaves first can empty the page: every block on it
+        sealed, unpinned, not being read in, and its children in host memory
+        all on this page too."""
+        residents = self.page_residents(page)
+        on_page = set(residents)
+        children_here: dict[Block, int] = {}
+        for block in residents:
+            if block.parent in on_page:
+                children_here[block.parent] = children_here.get(block.parent, 0) + 1
+        return all(block.state == BlockState.SEALED and block.ref_count == 0 and block not in self.blocks.loading
+                   and self.blocks.tiers.resident_children(block, self.host) == children_here.get(block, 0)
+                   for block in residents)
+
+    def empty_page(self, page: int) -> None:
+        """Evict every block of a reclaimable page, leaves first (each is then a candidate)."""
+        left = self.page_residents(page)
+        while left:
+            ready = [block for block in left if block in self.host.policy]
+            check(bool(ready), "page {} cannot be emptied: none of its blocks is a candidate", page)
+            for block in ready:
+                self.blocks.evict_from_host(block)
+                self.host.counters.evictions += 1
+            left = [block for block in left
+                    if self.blocks.host_slot(block) != NO_SLOT and block.state != BlockState.REMOVED]
+        check(not self.page_residents(page), "page {} kept blocks after it was emptied", page)
+
+    def make_quota_room(self, quota: TenantQuota, slots: int, keep: Block | None, slot_bytes: int = 0) -> None:
         """Before `slots` host slots are reserved for the tenant: evict its own
         least recently used candidates until they fit its host quota, or raise
         QuotaExceeded, having changed nothing, if they cannot be made to fit.
@@ -133,7 +206,9 @@ class HostAllocator:
         lose its subtree. Other candidates either are leaves (removed) or
         have a copy below (demoted, still stored).
         """
-        slot_bytes = self.host.slot_bytes
+        # With slot classes, counted in the reserving namespace's slot size
+        # (a tenant whose namespaces take several sizes is approximated).
+        slot_bytes = slot_bytes or self.host.slot_bytes
         excess_bytes = quota.host_excess_bytes(slots, slot_bytes)
         if excess_bytes <= 0:
             return

@@ -79,10 +79,9 @@ class NamespaceTable:
             )
         quota = self.tenant_quota(spec.tenant) if spec.tenant else None
         public_id = spec.without_tenant().namespace_id() if spec.tenant else namespace_id
-        state = NamespaceState(
-            namespace_id, spec, spec.block_bytes, PrefixIndex(spec.model_id, spec.block_bytes, namespace_id, quota),
-            public_id=public_id, quota=quota,
-        )
+        index = PrefixIndex(spec.model_id, spec.block_bytes, namespace_id, quota)
+        index.host_class = self.host.pool.class_for(spec.block_bytes).index
+        state = NamespaceState(namespace_id, spec, spec.block_bytes, index, public_id=public_id, quota=quota)
         self._by_id[namespace_id] = state
         self._public[(spec.tenant, public_id)] = state
         return state

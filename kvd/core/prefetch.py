@@ -109,15 +109,18 @@ class Prefetcher(EnginePart):
             plan.limit = PrefetchLimit.PROMOTION
             return False
         quota = block.index.quota
-        if quota is not None and quota.host_excess_bytes(1, self.host.slot_bytes) > 0:
+        slot_class = self.blocks.host_class(block)
+        if quota is not None and quota.host_excess_bytes(1, slot_class.slot_bytes) > 0:
             # A guess never takes its tenant past its host quota.
             plan.limit = PrefetchLimit.HOST_FULL
             return False
         # A prefetch is a guess: to make room it may demote a block that has
         # a copy below, but never drop one that exists in host memory only.
-        victim = None if self.host.pool.free_count else self.host.policy.victim()
+        pool = self.host.pool
+        room = pool.free_count_of(slot_class) or pool.free_pages
+        victim = None if room else self.host.policy.victim()
         slot = (NO_SLOT if victim is not None and self.blocks.lower_copy(victim) is None
-                else self.allocator.allocate(block.index.tenant, prefer_own=False))
+                else self.allocator.allocate(block.index.tenant, prefer_own=False, slot_class=slot_class))
         if slot == NO_SLOT:
             plan.limit = PrefetchLimit.HOST_FULL
             return False

@@ -120,7 +120,8 @@ class Puts(EnginePart):
         # At most every missing key, and the parent pinned under them.
         self.leases.check_pin_room(client_id, len(keys) - first_missing + (parent is not None))
         if state.quota is not None:
-            self.allocator.make_quota_room(state.quota, len(keys) - first_missing, keep=parent)
+            slot_bytes = self.host.pool.classes[state.index.host_class].slot_bytes
+            self.allocator.make_quota_room(state.quota, len(keys) - first_missing, keep=parent, slot_bytes=slot_bytes)
 
     def _reserve_missing(self, state: NamespaceState, client_id: str, missing: Sequence[bytes],
                          parent: Block | None, deadline_ms: int, statuses: list[ReserveStatus],
@@ -133,7 +134,7 @@ class Puts(EnginePart):
         for position, key in enumerate(missing):
             # Checked missing above; evicting only ever removes keys.
             check(key not in index.nodes, "reserved key appeared in the index during reserve")
-            slot = self.allocator.allocate(index.tenant)
+            slot = self.allocator.allocate(index.tenant, slot_class=self.host.pool.classes[index.host_class])
             if slot == NO_SLOT:
                 statuses.extend([ReserveStatus.NO_SPACE] * (len(missing) - position))
                 slots.extend([NO_SLOT] * (len(missing) - position))
@@ -148,6 +149,11 @@ class Puts(EnginePart):
         self.leases.charge(lease, len(lease.handles) + (lease.parent_handle is not None))
         if not lease.handles:
             self.leases.close(lease)
+            pool = self.host.pool
+            if len(pool.classes) > 1:
+                raise ResourceExhausted(
+                    f"host tier is full: no slot of {pool.classes[state.index.host_class].slot_bytes} bytes can be "
+                    f"freed (every page of the {pool.page_count} holds blocks that are pinned or being written)")
             raise ResourceExhausted(f"host tier is full: all {self.host.slot_count} slots are pinned or being written")
         return lease
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 class PrefixIndex:
-    __slots__ = ("nodes", "name", "block_bytes", "namespace_id", "disk_enabled", "quota", "tenant")
+    __slots__ = ("nodes", "name", "block_bytes", "namespace_id", "host_class", "disk_enabled", "quota", "tenant")
 
     def __init__(self, name: str = "", block_bytes: int = 0, namespace_id: bytes = b"",
                  quota: TenantQuota | None = None) -> None:
@@ -45,6 +45,8 @@ class PrefixIndex:
         self.block_bytes = block_bytes
         self.namespace_id = namespace_id
         # Whether this namespace's blocks are written to the disk tier.
+        # The host pool's slot class its blocks take (kvd.core.slot_pool).
+        self.host_class = 0
         self.disk_enabled = False
         # The usage and quota of the tenant whose namespace this is; None
         # without tenants (kvd.core.quota).

@@ -112,7 +112,7 @@ class Reads(EnginePart):
             if not source.promotion.promote(block):
                 self.cut_plan(plan, position)
                 break
-            slot = self.allocator.allocate(block.index.tenant)
+            slot = self.allocator.allocate(block.index.tenant, slot_class=self.blocks.host_class(block))
             if slot == NO_SLOT:
                 self.cut_plan(plan, position)
                 plan.starved = True

@@ -132,8 +132,10 @@ class SlotPool:
         self.retired: set[int] = set()
         # (namespace id, key, slot) freed but not yet journalled as removed.
         self.removals: list[tuple[bytes, bytes, int]] = []
-        # Payload bytes of resident blocks (each block's own size).
+        # Payload bytes of resident blocks (each block's own size), and the
+        # bytes of the slots that have an owner (whole slots).
         self.used_bytes = 0
+        self.owned_bytes = 0
 
     # -- classes and pages -------------------------------------------------------
 
@@ -258,6 +260,7 @@ class SlotPool:
         """`block` owns `slot` from now on (a free slot just taken, or one being reused)."""
         check(self.owners[slot] is None and slot not in self.retired, "slot {} is not free to assign", slot)
         self.owners[slot] = block
+        self.owned_bytes += self.slot_bytes if len(self.classes) == 1 else self.slot_bytes_of(slot)
 
     def give_back(self, slot: int) -> None:
         """Return an unowned slot to the free list."""
@@ -269,6 +272,7 @@ class SlotPool:
         until the REMOVE of its record is durable; any other is free at once."""
         check(self.owners[slot] is block, "slot {} released by a block that does not own it", slot)
         self.owners[slot] = None
+        self.owned_bytes -= self.slot_bytes if len(self.classes) == 1 else self.slot_bytes_of(slot)
         if self.persistent:
             self.quarantine.add(slot)
             self.removals.append((block.index.namespace_id, block.key, slot))
@@ -344,6 +348,8 @@ class SlotPool:
         for slot in self.incoming:
             check(self.owners[slot] is not None, "slot {} is filled for nobody", slot)
         check(all(count > 0 for count in self.stray_children.values()), "a stray child count is not positive")
+        owned = sum(self.slot_bytes_of(slot) for slot, owner in enumerate(self.owners) if owner is not None)
+        check(owned == self.owned_bytes, "owned bytes {} but owned slots hold {}", self.owned_bytes, owned)
 
     def _verify_pages(self) -> None:
         """Each class's free slots lie in its own pages; slots of unassigned pages are unused."""

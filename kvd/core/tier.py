@@ -134,18 +134,27 @@ class MemoryTier(Tier):
         check(0.0 < low_watermark < high_watermark <= 1.0, "watermarks need 0 < low < high <= 1")
         self.policy = policy
         # Reclaim (write back, then demote) from when occupancy reaches the
-        # high watermark until it is back at the low one.
-        slot_count = pool.slot_count
-        self.high_slots = max(1, int(slot_count * high_watermark))
-        self.low_slots = min(self.high_slots - 1, int(slot_count * low_watermark)) if self.high_slots > 1 else 0
+        # high watermark until it is back at the low one. Occupancy counts
+        # slots, or, with slot classes, the bytes of the slots in use.
+        self.in_bytes = len(pool.classes) > 1
+        total = pool.page_count * pool.page_bytes if self.in_bytes else pool.slot_count
+        self.high_slots = max(1, int(total * high_watermark))
+        self.low_slots = min(self.high_slots - 1, int(total * low_watermark)) if self.high_slots > 1 else 0
         self.reclaiming = False
+
+    def occupancy(self) -> int:
+        """What the watermarks measure: resident blocks, or with slot classes the bytes of their slots."""
+        return self.pool.owned_bytes if self.in_bytes else self.pool.resident_blocks
+
+    def above_low(self) -> bool:
+        return self.occupancy() > self.low_slots
 
     def reclaim_due(self) -> bool:
         """Hysteresis between the watermarks: True from the high one until back at the low one."""
-        resident = self.pool.resident_blocks
-        if resident >= self.high_slots:
+        occupancy = self.occupancy()
+        if occupancy >= self.high_slots:
             self.reclaiming = True
-        elif resident <= self.low_slots:
+        elif occupancy <= self.low_slots:
             self.reclaiming = False
         return self.reclaiming
 

@@ -87,9 +87,9 @@ def verify_quotas(blocks: BlockBook, tenants: dict[str, TenantQuota]) -> None:
     quotas = list(tenants.values())
     used = {tier: dict.fromkeys(quotas, 0) for tier in blocks.tiers}
     for tier in blocks.tiers:
-        for owner in tier.pool.owners:
+        for slot, owner in enumerate(tier.pool.owners):
             if owner is not None and owner.index.quota is not None:
-                used[tier][owner.index.quota] += tier.slot_bytes
+                used[tier][owner.index.quota] += tier.pool.slot_bytes_of(slot)
     candidates: dict[TenantQuota, list[Block]] = {quota: [] for quota in quotas}
     for block in blocks.host.policy.order():
         if block.index.quota is not None:
