@@ -132,11 +132,12 @@ class HostAllocator:
     def class_slot(self, slot_class: SlotClass) -> int:
         """A free slot of `slot_class`, with slot classes: its own free slot or
         a free page; else, walking the tier's one eviction order from the
-        oldest candidate (at most TENANT_AFFINITY_WINDOW of them), the first
-        that is of `slot_class` is evicted, or the first whose page can be
-        emptied gives up that page (all its blocks evicted). So the class
-        whose blocks went unused longest gives up memory. NO_SLOT if none
-        of these can be had."""
+        oldest candidate (the first TENANT_AFFINITY_WINDOW of them, then,
+        only if none there will do, all of them), the first that is of
+        `slot_class` is evicted, or the first whose page can be emptied
+        gives up that page (all its blocks evicted). So the class whose
+        blocks went unused longest gives up memory. NO_SLOT only if no
+        candidate is of the class and no page can be emptied."""
         pool, policy = self.host.pool, self.host.policy
         slot = pool.take_free(slot_class)
         if slot != NO_SLOT:
@@ -149,7 +150,11 @@ class HostAllocator:
             return block.index.host_class == slot_class.index or self.page_reclaimable(self.page_of(block))
 
         victim = policy.victim_near(usable, window, lambda _: 1)
-        if victim is None or not usable(victim):
+        if victim is not None and not usable(victim):
+            # Nothing near the front of the order: look through all of it (O(candidates), rare) rather
+            # than report the tier full while something could still go.
+            victim = next((block for block in policy.order() if usable(block)), None)
+        if victim is None:
             return NO_SLOT
         if victim.index.host_class == slot_class.index:
             self.blocks.evict_from_host(victim)

@@ -63,7 +63,7 @@ class Rig:
                 spans.append((pool.offset_of(slot), pool.offset_of(slot) + pool.slot_bytes_of(slot)))
         spans.sort()
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), "two blocks share bytes"
-        assert all(end <= PAGES * PAGE for _, end in spans)
+        assert all(end <= pool.page_count * pool.page_bytes for _, end in spans)
 
 
 def test_namespaces_map_to_the_smallest_class_that_holds_their_blocks():
@@ -107,6 +107,29 @@ def test_a_page_with_a_pinned_block_is_never_reclaimed():
     assert rig.put(BIG, "X") == 1  # a big block of its own class goes instead
     rig.check()
     assert rig.stored(SMALL, "abcd") == 4 and rig.stored(BIG, "ABCDEFG") == 6
+    for pin in pins:
+        pin.release()
+    rig.check()
+
+
+def test_a_class_finds_its_own_candidate_past_the_front_of_the_eviction_order():
+    """80 pages: 70 hold four small blocks each, one of them pinned (so no
+    such page can be emptied), and their 210 unpinned blocks are the oldest
+    candidates; 10 pages hold big blocks. A big Put must still evict a big
+    block, however far down the order the first one is."""
+    engine = Engine(host_slot_count=80, host_slot_bytes=PAGE, host_min_slot_bytes=16 << 10)
+    rig = Rig.__new__(Rig)
+    rig.engine = engine
+    rig.ns = {spec.model_id: engine.register_namespace(spec).namespace_id for spec in (BIG, SMALL)}
+    small_chains = [f"s{page:03d}{position}" for page in range(70) for position in range(4)]
+    for chain in small_chains:
+        assert rig.put(SMALL, chain) >= 1
+    assert rig.put(BIG, "ABCDEFGHIJ") == 10
+    pins = [pin for chain in small_chains[::4] for pin in engine.acquire(rig.ns["small"], keys(SMALL, chain))]
+    assert len(engine.host.policy) > 64 and not engine.host.pool.free_pages
+    assert rig.put(BIG, "X") == 1
+    rig.check()
+    assert rig.stored(BIG, "ABCDEFGHIJ") == 9  # its leaf went
     for pin in pins:
         pin.release()
     rig.check()
