@@ -127,9 +127,6 @@ class BlockBook:
         """`block`'s slot in the durable tier, or NO_SLOT (also without one)."""
         return NO_SLOT if self.disk is None else self.tiers.slot_in(block, self.disk)
 
-    def slot_in(self, block: Block, tier: Tier) -> int:
-        return self.host_slot(block) if tier is self.host else self.tiers.slot_in(block, tier)
-
     def lower_copy(self, block: Block) -> tuple[StorageTier, int] | None:
         """`block`'s fastest copy below host memory: (tier, slot), or None."""
         gid = block.slot

@@ -123,8 +123,7 @@ class HostAllocator:
             victim = host.policy.victim()
         if victim is None:
             return NO_SLOT
-        self.blocks.evict_from_host(victim)
-        host.counters.evictions += 1
+        self.evict(victim)
         slot = host.pool.take_free()
         check(slot != NO_SLOT, "eviction freed no host slot")
         return slot
@@ -157,14 +156,18 @@ class HostAllocator:
         if victim is None:
             return NO_SLOT
         if victim.index.host_class == slot_class.index:
-            self.blocks.evict_from_host(victim)
-            self.host.counters.evictions += 1
+            self.evict(victim)
             return pool.take_free(slot_class)
         page = self.page_of(victim)
         self.empty_page(page)
         pool.release_page(page)
         pool.assign_page(page, slot_class)
         return pool.take_free(slot_class)
+
+    def evict(self, victim: Block) -> None:
+        """Evict a candidate on demand (counted as an eviction)."""
+        self.blocks.evict_from_host(victim)
+        self.host.counters.evictions += 1
 
     def page_of(self, block: Block) -> int:
         return self.host.pool.page_of(self.blocks.host_slot(block))
@@ -190,16 +193,11 @@ class HostAllocator:
 
     def empty_page(self, page: int) -> None:
         """Evict every block of a reclaimable page, leaves first (each is then a candidate)."""
-        left = self.page_residents(page)
-        while left:
+        while left := self.page_residents(page):
             ready = [block for block in left if block in self.host.policy]
             check(bool(ready), "page {} cannot be emptied: none of its blocks is a candidate", page)
             for block in ready:
-                self.blocks.evict_from_host(block)
-                self.host.counters.evictions += 1
-            left = [block for block in left
-                    if self.blocks.host_slot(block) != NO_SLOT and block.state != BlockState.REMOVED]
-        check(not self.page_residents(page), "page {} kept blocks after it was emptied", page)
+                self.evict(block)
 
     def make_quota_room(self, quota: TenantQuota, slots: int, keep: Block | None, slot_bytes: int = 0) -> None:
         """Before `slots` host slots are reserved for the tenant: evict its own

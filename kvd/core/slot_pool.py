@@ -224,8 +224,6 @@ class SlotPool:
 
     @property
     def free_count(self) -> int:
-        if len(self._free_by_class) == 1:
-            return len(self._free)
         return sum(len(free) for free in self._free_by_class)
 
     def free_count_of(self, slot_class: SlotClass) -> int:
@@ -242,11 +240,8 @@ class SlotPool:
 
     @property
     def occupied_bytes(self) -> int:
-        """Capacity taken: whole slots, however small the blocks in them."""
-        if len(self.classes) == 1:
-            return self.resident_blocks * self.slot_bytes
-        return sum(self.slot_bytes_of(slot) for slot, owner in enumerate(self.owners)
-                   if owner is not None and slot not in self.incoming)
+        """Capacity taken: whole slots, however small the blocks in them (not counting those being filled)."""
+        return self.owned_bytes - sum(self.slot_bytes_of(slot) for slot in self.incoming)
 
     def take_free(self, slot_class: SlotClass | None = None) -> int:
         """A free slot of `slot_class` (default: the largest), the lowest; NO_SLOT if none is free."""
@@ -254,13 +249,13 @@ class SlotPool:
         return free.pop() - self.base if free else NO_SLOT
 
     def _free_list(self, slot: int) -> list[int]:
-        return self._free if len(self.classes) == 1 else self._free_by_class[self.class_of(slot).index]
+        return self._free_by_class[self.class_of(slot).index]
 
     def assign(self, slot: int, block: Block) -> None:
         """`block` owns `slot` from now on (a free slot just taken, or one being reused)."""
         check(self.owners[slot] is None and slot not in self.retired, "slot {} is not free to assign", slot)
         self.owners[slot] = block
-        self.owned_bytes += self.slot_bytes if len(self.classes) == 1 else self.slot_bytes_of(slot)
+        self.owned_bytes += self.slot_bytes_of(slot)
 
     def give_back(self, slot: int) -> None:
         """Return an unowned slot to the free list."""
@@ -272,7 +267,7 @@ class SlotPool:
         until the REMOVE of its record is durable; any other is free at once."""
         check(self.owners[slot] is block, "slot {} released by a block that does not own it", slot)
         self.owners[slot] = None
-        self.owned_bytes -= self.slot_bytes if len(self.classes) == 1 else self.slot_bytes_of(slot)
+        self.owned_bytes -= self.slot_bytes_of(slot)
         if self.persistent:
             self.quarantine.add(slot)
             self.removals.append((block.index.namespace_id, block.key, slot))

@@ -17,18 +17,15 @@ import pytest
 
 from kvd.core.block import NO_SLOT
 from kvd.core.engine import CommitRequest, Engine, KeysRequest
-from kvd.core.keys import NamespaceSpec, chain_keys
+from kvd.core.keys import NamespaceSpec
 from kvd.errors import ResourceExhausted
+from kvd.testing.chains import text_chain as keys
 
 PAGE = 64 << 10
 PAGES = 8
 BIG = NamespaceSpec(model_id="big", num_layers=4, num_kv_heads=1, head_dim=4096, block_tokens=1)
 SMALL = NamespaceSpec(model_id="small", num_layers=1, num_kv_heads=1, head_dim=4096, block_tokens=1)
 LONG = 10_000
-
-
-def keys(spec: NamespaceSpec, chain: str) -> list[bytes]:
-    return chain_keys(spec, [ord(ch) for ch in chain])
 
 
 class Rig:

@@ -13,19 +13,16 @@ import pytest
 
 from kvd.core.block import NO_SLOT
 from kvd.core.engine import Engine
-from kvd.core.keys import NamespaceSpec, chain_keys
+from kvd.core.keys import NamespaceSpec
 from kvd.core.mover import Mover, MoverSettings
 from kvd.invariants import InvariantError
 from kvd.sim.plane import SlotContents
 from kvd.core.requests import CommitRequest, KeysRequest
+from kvd.testing.chains import text_chain as keys
 
 SPEC = NamespaceSpec(model_id="mover-test", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
 OTHER = NamespaceSpec(model_id="mover-other", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
 LONG = 10_000
-
-
-def keys(spec: NamespaceSpec, chain: str) -> list[bytes]:
-    return chain_keys(spec, [ord(char) for char in chain])
 
 
 class Rig:
