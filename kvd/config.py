@@ -82,6 +82,11 @@ class MetricsConfig:
 class HostConfig:
     capacity_bytes: int = 1 << 30
     slot_bytes: int = 2 << 20
+    # Slot size classes: host memory is carved into pages of slot_bytes,
+    # and each page into slots of one size, slot_bytes halved down to this
+    # (a namespace takes the smallest that holds its blocks), so models of
+    # different block sizes share memory. slot_bytes: one size only.
+    min_slot_bytes: int = 64 << 10
     prefault: bool = True
     huge_pages: bool = False
     # Watermarks, as fractions of the host slots: from high_watermark
@@ -245,6 +250,9 @@ class Config:
                 "host.capacity_bytes",
                 f"{self.host.capacity_bytes} is smaller than one slot ({self.host.slot_bytes} bytes)",
             )
+        _positive("host.min_slot_bytes", self.host.min_slot_bytes)
+        if self.host.min_slot_bytes % 4096:
+            raise ConfigError("host.min_slot_bytes", f"must be a multiple of 4096, got {self.host.min_slot_bytes}")
         _one_of("host.policy", self.host.policy, HOST_POLICIES)
         if not 0.0 < self.host.low_watermark < self.host.high_watermark <= 1.0:
             raise ConfigError(

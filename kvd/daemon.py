@@ -40,11 +40,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd import __version__, arena_protocol
 from kvd.clock import Clock, MonotonicClock
-from kvd.config import Config, ConfigError, ServerConfig, TenantSettings, load_tenants, parse_address
+from kvd.config import Config, ConfigError, HostConfig, ServerConfig, TenantSettings, load_tenants, parse_address
 from kvd.core.engine import Engine, EngineLimits
 from kvd.core.events import EventLog
 from kvd.core.policy import DiskPolicies
 from kvd.core.quota import TenantQuota
+from kvd.core.slot_pool import class_sizes
 from kvd.errors import StartupFailed
 from kvd.metrics import ArenaCollector, DiskIoMetrics, make_registry
 from kvd.server.arena_socket import ArenaSocket
@@ -169,9 +170,11 @@ class Daemon:
             raise OSError(f"cannot create state_dir {state_dir}: {error.strerror or error}") from None
         layout = ArenaLayout.from_capacity(config.host.capacity_bytes, config.host.slot_bytes)
         recovery = await self._open_tiers(layout)
-        self.engine = _build_engine(config, layout, self.disk_plane, tenants)
+        self.engine = _build_engine(config, layout, self.host_classes, self.disk_plane, tenants)
         if self.arena.per_tenant:
-            self.engine.claim_host_slot = self.arena.claim
+            pool, arena = self.engine.host.pool, self.arena
+            self.engine.claim_host_slot = lambda slot, tenant: arena.claim_range(
+                pool.offset_of(slot), pool.slot_bytes_of(slot), tenant)
         if self.disk_plane is not None:
             indexed = await self.disk_plane.recover(self.engine, recovery)
             log.info("disk tier recovered", extra={"indexed_blocks": indexed})
@@ -199,10 +202,10 @@ class Daemon:
         config = self.config
         # With tenants, every tenant's slots are in memory of its own (kvd.tiers.host).
         per_tenant = config.auth.mode == "token"
-        if per_tenant:
-            _check_map_count(layout.slot_count)
+        self.host_classes = host_slot_classes(config.host, layout, per_tenant)
+        granule = self.host_classes[-1]
         self.arena = HostArena(layout, prefault=config.host.prefault, huge_pages=config.host.huge_pages,
-                               per_tenant=per_tenant)
+                               per_tenant=per_tenant, granule_bytes=granule)
         if not config.disk.directories:
             return None
         from kvd.server.disk_plane import DiskPlane
@@ -413,10 +416,12 @@ def _listen(add_port, setting: str, address: str) -> int:
     return port
 
 
-def _build_engine(config: Config, layout: ArenaLayout, disk_plane, tenants: list[TenantSettings]) -> Engine:
+def _build_engine(config: Config, layout: ArenaLayout, host_classes: tuple[int, ...], disk_plane,
+                  tenants: list[TenantSettings]) -> Engine:
     return Engine(
         host_slot_count=layout.slot_count,
         host_slot_bytes=layout.slot_bytes,
+        host_min_slot_bytes=host_classes[-1],
         policy=config.host.policy,
         high_watermark=config.host.high_watermark,
         low_watermark=config.host.low_watermark,
@@ -456,22 +461,44 @@ def _tls_credentials(server: ServerConfig) -> grpc.ServerCredentials | None:
                                        require_client_auth=client_ca is not None)
 
 
-def _check_map_count(slot_count: int) -> None:
-    """A per-tenant arena can take one memory mapping per slot; refuse a
-    layout the kernel's vm.max_map_count could not hold at start, not when
-    a claim fails under load."""
-    try:
-        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
-    except (OSError, ValueError):
-        return
-    headroom = 4096  # the interpreter's, the libraries', the I/O engine's own mappings
-    if slot_count + headroom > limit:
+def host_slot_classes(host: HostConfig, layout: ArenaLayout, per_tenant: bool) -> tuple[int, ...]:
+    """The host tier's slot sizes, largest (the arena's slot, a page) first.
+
+    With tenants the arena can take one memory mapping per smallest slot
+    (kvd.tiers.host.HostArena.claim_range), so the smallest classes are
+    dropped, with a warning, until the kernel's vm.max_map_count holds
+    that many; if even one slot size does not fit, the start is refused."""
+    sizes = class_sizes(layout.slot_bytes, min(host.min_slot_bytes, layout.slot_bytes))
+    if not per_tenant:
+        return sizes
+    limit = _max_map_count()
+    kept = sizes
+    while len(kept) > 1 and layout.arena_bytes // kept[-1] + MAP_COUNT_HEADROOM > limit:
+        kept = kept[:-1]
+    if kept != sizes:
+        log.warning("with tenants, the smallest host slots would need more memory mappings than "
+                    "vm.max_map_count allows; using larger ones", extra={
+                        "min_slot_bytes": kept[-1], "configured_min_slot_bytes": sizes[-1], "max_map_count": limit})
+    slot_count = layout.slot_count
+    if slot_count + MAP_COUNT_HEADROOM > limit:
         raise ConfigError(
             "host.slot_bytes",
             f"with tenants (auth.mode = \"token\") the arena can need one memory mapping per slot: "
             f"{slot_count} slots and the kernel allows {limit} mappings (vm.max_map_count); "
-            f"use larger slots or raise vm.max_map_count above {slot_count + headroom}",
+            f"use larger slots or raise vm.max_map_count above {slot_count + MAP_COUNT_HEADROOM}",
         )
+    return kept
+
+
+# Memory mappings of the interpreter, the libraries and the I/O engine, beside the arena's.
+MAP_COUNT_HEADROOM = 4096
+
+
+def _max_map_count() -> int:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 1 << 62
 
 
 def _give_socket_to_group(path: Path, group: str) -> None:

@@ -183,7 +183,12 @@ def _parallel(copy: Callable[[int, int], None], rows: int, total_bytes: int) -> 
 
 
 class ArenaMapping:
-    """A client's mapping of the daemon's host arena (its tenant's file of it)."""
+    """A client's mapping of the daemon's host arena (its tenant's file of it).
+
+    The arena is pages of `slot_bytes`, each carved into slots of one size
+    class; a namespace's blocks are in slots of the smallest class that
+    holds them (kvd.v1.ArenaInfoResponse.class_bytes), so its offsets are
+    multiples of that size and the arena is, for it, rows of that size."""
 
     def __init__(self, info: kvd_pb2.ArenaInfoResponse, fd: int) -> None:
         """Map the arena file `fd` (the caller still owns and closes it)."""
@@ -192,7 +197,27 @@ class ArenaMapping:
         self._mmap = mmap.mmap(fd, info.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.instance_id = info.instance_id
         self.slot_bytes = info.slot_bytes
-        self.slots = np.frombuffer(self._mmap, dtype=np.uint8).reshape(info.slot_count, info.slot_bytes)
+        self.class_bytes = tuple(info.class_bytes) or (info.slot_bytes,)
+        if any(size <= 0 or info.arena_bytes % size for size in self.class_bytes):
+            raise InvalidArgument(f"the daemon's slot classes {self.class_bytes} do not divide its arena")
+        self._array = np.frombuffer(self._mmap, dtype=np.uint8)
+        # Rows of the largest slot (pages), and of each class as it is asked for.
+        self._rows: dict[int, np.ndarray] = {}
+        self.slots = self.rows(self.slot_bytes)
+
+    def stride(self, block_bytes: int) -> int:
+        """Slot size of blocks of `block_bytes`: the smallest class that holds them."""
+        fits = [size for size in self.class_bytes if size >= block_bytes]
+        if not fits:
+            raise InvalidArgument(f"blocks of {block_bytes} bytes fit no slot of the daemon's arena")
+        return min(fits)
+
+    def rows(self, stride: int) -> np.ndarray:
+        """The arena as rows of `stride` bytes (a view; no copy)."""
+        view = self._rows.get(stride)
+        if view is None:
+            view = self._rows[stride] = self._array.reshape(len(self._array) // stride, stride)
+        return view
 
     @classmethod
     def receive(cls, path: Path, token: str | None, info: kvd_pb2.ArenaInfoResponse) -> ArenaMapping:
@@ -205,28 +230,31 @@ class ArenaMapping:
         finally:
             os.close(fd)
 
-    def slot_indices(self, offsets: Sequence[int]) -> np.ndarray:
-        """Slot numbers of arena offsets, checked: a bad offset is an error, not a clamp."""
+    def slot_indices(self, offsets: Sequence[int], block_bytes: int | None = None) -> np.ndarray:
+        """Row numbers, in rows(stride(block_bytes)) (default: pages), of arena
+        offsets, checked: a bad offset is an error, not a clamp."""
+        stride = self.slot_bytes if block_bytes is None else self.stride(block_bytes)
         offsets = np.asarray(offsets, dtype=np.int64)
-        slots, remainders = np.divmod(offsets, self.slot_bytes)
-        if len(slots) and (remainders.any() or slots.min() < 0 or slots.max() >= len(self.slots)):
+        slots, remainders = np.divmod(offsets, stride)
+        if len(slots) and (remainders.any() or slots.min() < 0 or slots.max() >= len(self.rows(stride))):
             raise InvalidArgument("daemon returned an arena offset outside the arena or off a slot boundary")
         return slots
 
     def scatter(self, rows: np.ndarray, offsets: Sequence[int]) -> None:
-        """Write rows[i] into the slot at offsets[i]: one numpy call per copy thread."""
+        """Write rows[i] (one block each) into the slot at offsets[i]: one numpy call per copy thread."""
         width = rows.shape[1]
-        slots = self.slot_indices(offsets)
+        slots = self.slot_indices(offsets, width)
+        target = self.rows(self.stride(width))
 
         def copy(start: int, stop: int) -> None:
-            self.slots[slots[start:stop], :width] = rows[start:stop]
+            target[slots[start:stop], :width] = rows[start:stop]
 
         _parallel(copy, len(slots), len(slots) * width)
 
     def gather(self, offsets: Sequence[int], width: int, out: np.ndarray) -> None:
-        """Copy the first `width` bytes of each slot into out's rows: one numpy call per copy thread."""
-        slots = self.slot_indices(offsets)
-        source = self.slots[:, :width]
+        """Copy the `width` bytes of the block in each slot into out's rows: one numpy call per copy thread."""
+        slots = self.slot_indices(offsets, width)
+        source = self.rows(self.stride(width))[:, :width]
 
         def copy(start: int, stop: int) -> None:
             # mode="clip": with the default mode="raise" numpy buffers `out`
@@ -238,6 +266,8 @@ class ArenaMapping:
 
     def close(self) -> None:
         self.slots = None  # type: ignore[assignment]
+        self._rows.clear()
+        self._array = None  # type: ignore[assignment]
         try:
             self._mmap.close()
         except BufferError:

@@ -141,7 +141,8 @@ class Client(_ops.ClientBase):
                 self._run(_ops.remap(self.session))
         matched = first.matched
         rows = _wire.output_rows(namespace, matched, out)
-        slots = arena.slot_indices(first.offsets)
+        slots = arena.slot_indices(first.offsets, namespace.block_bytes)
+        source = arena.rows(arena.stride(namespace.block_bytes))
         layer_bytes = namespace.layer_bytes
         copied = 0
         try:
@@ -149,7 +150,7 @@ class Client(_ops.ClientBase):
                 matched = min(matched, message.matched)
                 while copied < message.layers_ready:
                     low, high = copied * layer_bytes, (copied + 1) * layer_bytes
-                    np.take(arena.slots[:, low:high], slots[:matched], axis=0, out=rows[:matched, low:high], mode="clip")
+                    np.take(source[:, low:high], slots[:matched], axis=0, out=rows[:matched, low:high], mode="clip")
                     copied += 1
                 yield copied, _wire.blocks_to_output(namespace, rows, matched)
         finally:

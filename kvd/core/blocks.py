@@ -194,7 +194,7 @@ class BlockBook:
         tier.pool.release(slot, block)
         tier.pool.used_bytes -= self.block_bytes(block)
         if tier is self.disk and block.index.quota is not None:
-            block.index.quota.disk_used_bytes -= tier.slot_bytes
+            block.index.quota.disk_used_bytes -= tier.pool.slot_bytes_of(slot)
 
     def free_lower_slots(self, block: Block) -> None:
         for tier, _ in self.tiers.copies(block):

@@ -82,10 +82,11 @@ class Engine:
         tenant_quotas: Sequence[TenantQuota] = (),
         lower_tiers: Sequence[StorageSpec] = (),
         host_min_slot_bytes: int = 0,
+        disk_min_slot_bytes: int = 0,
     ) -> None:
         """`lower_tiers`: tiers between host memory and the disk, fastest first.
-        `host_min_slot_bytes`: carve host memory into slot classes down to this
-        size (kvd.core.slot_pool); 0: one slot size, `host_slot_bytes`."""
+        `host_min_slot_bytes`, `disk_min_slot_bytes`: carve the tier into slot
+        classes down to this size (kvd.core.slot_pool); 0: one slot size."""
         self.limits = limits or EngineLimits()
         # Host memory first, at global slot id 0; then the tiers below, the disk last.
         classes = class_sizes(host_slot_bytes, host_min_slot_bytes) if host_min_slot_bytes else ()
@@ -94,7 +95,9 @@ class Engine:
                                high_watermark=high_watermark, low_watermark=low_watermark)
         specs = list(lower_tiers)
         if disk_slot_count:
-            specs.append(StorageSpec(TierId.DISK, disk_slot_count, disk_slot_bytes, True, disk_policies))
+            disk_classes = class_sizes(disk_slot_bytes, disk_min_slot_bytes) if disk_min_slot_bytes else ()
+            specs.append(StorageSpec(TierId.DISK, disk_slot_count, disk_slot_bytes, True, disk_policies,
+                                     class_bytes=disk_classes))
         lower: list[StorageTier] = []
         base = self.host.pool.end
         for spec in specs:
@@ -287,8 +290,8 @@ class Engine:
     def recover(self, namespace_id: bytes, records: Iterable[tuple[bytes, bytes, int]]) -> int:
         return self.recovery.recover(namespace_id, records)
 
-    def retire_disk_slots(self, slots: Sequence[int]) -> None:
-        self.recovery.retire_disk_slots(slots)
+    def retire_disk_pages(self, pages: Sequence[int]) -> None:
+        self.recovery.retire_disk_pages(pages)
 
     def host_reclaiming(self) -> bool:
         return self.allocator.reclaim_due()

@@ -82,13 +82,15 @@ class HostAllocator:
         none can be had. A slot whose memory cannot be switched to the
         tenant (the kernel refused the mapping) goes back to the free slots,
         and the caller sees NO_SLOT, as when the tier is full."""
-        if slot_class is not None and len(self.host.pool.classes) > 1:
-            # The arena's per-tenant files re-back whole slots of one size.
-            check(self.claim_host_slot is None, "per-tenant host memory does not take slot classes yet")
-            return self.class_slot(slot_class)
-        slot = self.free_slot(tenant if prefer_own else None)
+        classes = slot_class is not None and len(self.host.pool.classes) > 1
+        if classes:
+            # Slots of a class share pages, so which tenant backs a slot's bytes
+            # is the arena's to know (claim is a no-op when it is this one).
+            slot = self.class_slot(slot_class)
+        else:
+            slot = self.free_slot(tenant if prefer_own else None)
         claim = self.claim_host_slot
-        if slot == NO_SLOT or claim is None or tenant is None or self.slot_tenants[slot] == tenant:
+        if slot == NO_SLOT or claim is None or tenant is None or (not classes and self.slot_tenants[slot] == tenant):
             return slot
         try:
             claim(slot, tenant)
@@ -96,7 +98,8 @@ class HostAllocator:
             self.host.pool.give_back(slot)
             self.claim_failures += 1
             return NO_SLOT
-        self.slot_tenants[slot] = tenant
+        if not classes:
+            self.slot_tenants[slot] = tenant
         return slot
 
     def free_slot(self, tenant: str | None = None) -> int:

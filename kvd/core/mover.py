@@ -150,7 +150,7 @@ class DurableWaits(Generic[Token]):
         if parent is not None and engine.disk_slot(parent) == NO_SLOT:
             return NotDurable(block, "UNAVAILABLE", "its parent block could not be made durable (a block is only "
                               "ever on disk with its whole prefix)")
-        if quota is not None and quota.disk_full(engine.disk.slot_bytes):
+        if quota is not None and quota.disk_full(engine.disk.pool.class_for(block.index.block_bytes).slot_bytes):
             return NotDurable(block, "RESOURCE_EXHAUSTED", f"tenant {quota.name!r} is at its disk quota")
         if engine.host_slot(block) == NO_SLOT:
             return NotDurable(block, "UNAVAILABLE", "it left host memory before it was written")

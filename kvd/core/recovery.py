@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from kvd.core.block import BlockState
 from kvd.core.blocks import BlockBook
 from kvd.core.namespaces import NamespaceTable
+from kvd.core.slot_pool import NO_CLASS
 from kvd.core.tier import TierId
 from kvd.invariants import check
 
@@ -58,9 +59,7 @@ class Recovery:
             for key in reversed(chain):
                 parent_key, slot = pending.pop(key)
                 parent = index.nodes.get(parent_key) if parent_key else None
-                valid_slot = (0 <= slot < disk.slot_count and disk.pool.owners[slot] is None
-                              and slot not in disk.pool.quarantine and slot not in disk.pool.retired)
-                if (parent_key and (parent is None or parent.state != BlockState.SEALED)) or not valid_slot:
+                if (parent_key and (parent is None or parent.state != BlockState.SEALED)) or not self._place(slot):
                     drop(key, slot)
                     continue
                 block = index.insert(key, parent)
@@ -69,7 +68,7 @@ class Recovery:
                 self.blocks.tiers.add_copy(block, disk, slot)
                 disk.pool.used_bytes += state.block_bytes
                 if state.quota is not None:
-                    state.quota.disk_used_bytes += disk.slot_bytes
+                    state.quota.disk_used_bytes += disk.pool.slot_bytes_of(slot)
                 recovered += 1
                 self.blocks.events.stored(namespace_id, [key], parent_key, TierId.DISK)
             if start in pending:
@@ -80,8 +79,22 @@ class Recovery:
         disk.pool.rebuild_free()
         return recovered
 
-    def retire_disk_slots(self, slots: Sequence[int]) -> None:
-        """Never use these disk slots (a drive out of service); call before recover."""
-        check(self.disk is not None, "retire_disk_slots without a disk tier")
-        self.disk.pool.retire(slots)
+    def _place(self, slot: int) -> bool:
+        """Whether a recovered block may take disk `slot`: in range, free, and
+        in a page of its class (an unassigned page is given to that class)."""
+        pool = self.disk.pool
+        if not (0 <= slot < pool.slot_count and pool.owners[slot] is None
+                and slot not in pool.quarantine and slot not in pool.retired):
+            return False
+        if len(pool.classes) == 1:
+            return True
+        page, wanted = pool.page_of(slot), pool.class_of(slot)
+        if pool.page_class[page] == NO_CLASS and page not in pool.retired_pages:
+            pool.assign_page(page, wanted)
+        return pool.page_class[page] == wanted.index
+
+    def retire_disk_pages(self, pages: Sequence[int]) -> None:
+        """Never use these disk pages (a drive out of service); call before recover."""
+        check(self.disk is not None, "retire_disk_pages without a disk tier")
+        self.disk.pool.retire_pages(pages)
 

@@ -130,6 +130,11 @@ class SlotPool:
         self.incoming: set[int] = set()
         self.quarantine: set[int] = set()
         self.retired: set[int] = set()
+        # Pages out of service (pools with classes; one class retires slots).
+        self.retired_pages: set[int] = set()
+        # Quarantined slots whose page went to another class before their
+        # REMOVE was durable (take_over_page), until confirm_removals.
+        self.handed_over: set[int] = set()
         # (namespace id, key, slot) freed but not yet journalled as removed.
         self.removals: list[tuple[bytes, bytes, int]] = []
         # Payload bytes of resident blocks (each block's own size), and the
@@ -166,6 +171,25 @@ class SlotPool:
         slot_class = self.class_of(slot)
         page, position = divmod(slot - slot_class.start, slot_class.per_page)
         return page * self.page_bytes + position * slot_class.slot_bytes
+
+    def offsets_of(self, slots: Sequence[int]) -> list[int]:
+        """offset_of each slot (one multiplication each when the pool has one class)."""
+        if len(self.classes) == 1:
+            page_bytes = self.page_bytes
+            return [slot * page_bytes for slot in slots]
+        return [self.offset_of(slot) for slot in slots]
+
+    def position_of(self, slot: int) -> int:
+        """The slot's place in its page (0 .. per_page - 1)."""
+        slot_class = self.class_of(slot)
+        return (slot - slot_class.start) % slot_class.per_page
+
+    def slot_at(self, page: int, class_index: int, position: int) -> int:
+        """The local slot of class `class_index` at `position` in `page` (inverse of page_of, position_of)."""
+        slot_class = self.classes[class_index]
+        check(0 <= page < self.page_count and 0 <= position < slot_class.per_page,
+              "no slot {} of class {} in page {}", position, class_index, page)
+        return slot_class.start + page * slot_class.per_page + position
 
     def page_slots(self, page: int, slot_class: SlotClass) -> range:
         first = slot_class.start + page * slot_class.per_page
@@ -212,6 +236,31 @@ class SlotPool:
         self.free_pages.sort(reverse=True)
         self.available -= slot_class.per_page
 
+    def take_over_page(self, page: int, slot_class: SlotClass) -> None:
+        """Give a persistent tier's page, whose blocks were all just evicted, to
+        `slot_class` at once: like `reuse`, the caller journals the pending
+        removals (take_removals) of its old slots before it writes new bytes."""
+        held = self.classes[self.page_class[page]]
+        slots = self.page_slots(page, held)
+        check(all(self.owners[slot] is None and slot not in self.incoming for slot in slots),
+              "page {} taken over while in use", page)
+        for slot in slots:
+            if slot in self.quarantine:
+                self.quarantine.discard(slot)
+                self.handed_over.add(slot)
+        self.release_page(page)
+        self.assign_page(page, slot_class)
+
+    def retire_pages(self, pages: Iterable[int]) -> None:
+        """Take whole pages out of service for good (a quarantined drive's), before any is assigned."""
+        if len(self.classes) == 1:
+            self.retire(pages)
+            return
+        retired = set(pages)
+        check(all(self.page_class[page] == NO_CLASS for page in retired), "retiring a page in use")
+        self.retired_pages |= retired
+        self.free_pages[:] = [page for page in self.free_pages if page not in retired]
+
     @property
     def end(self) -> int:
         """One past the last global id of this pool."""
@@ -232,7 +281,7 @@ class SlotPool:
     @property
     def capacity_bytes(self) -> int:
         """What the pages in service can hold (retired slots count for nothing)."""
-        return (self.page_count - len(self.retired)) * self.page_bytes
+        return (self.page_count - len(self.retired) - len(self.retired_pages)) * self.page_bytes
 
     @property
     def resident_blocks(self) -> int:
@@ -279,7 +328,12 @@ class SlotPool:
         (a failed write, a record dropped at recovery): quarantine it until
         a REMOVE for it is durable."""
         check(self.persistent and self.owners[slot] is None, "slot {} forgotten while owned", slot)
-        if slot not in self.quarantine:
+        if self.page_class[self.page_of(slot)] != self.class_of(slot).index:
+            # A record of a slot whose page is not (or not now) of its class:
+            # journal its REMOVE, but the slot is not this pool's to hold.
+            self.handed_over.add(slot)
+            self.removals.append((namespace_id, key, slot))
+        elif slot not in self.quarantine:
             self.quarantine.add(slot)
             self.removals.append((namespace_id, key, slot))
 
@@ -305,6 +359,8 @@ class SlotPool:
             if slot in self.quarantine:
                 self.quarantine.discard(slot)
                 self._free_list(slot).append(self.ids[slot])
+            elif slot in self.handed_over:
+                self.handed_over.discard(slot)  # its page serves another class now
             else:
                 # Taken straight over by a new write after its eviction.
                 check(self.owners[slot] is not None, "slot {} was not awaiting removal", slot)
@@ -350,10 +406,12 @@ class SlotPool:
         """Each class's free slots lie in its own pages; slots of unassigned pages are unused."""
         assigned = 0
         free_pages = set(self.free_pages)
-        check(len(free_pages) == len(self.free_pages), "a page is listed unassigned twice")
+        check(len(free_pages) == len(self.free_pages) and not free_pages & self.retired_pages,
+              "a page is listed unassigned twice")
         for page in range(self.page_count):
             index = self.page_class[page]
-            check((index == NO_CLASS) == (page in free_pages), "page {} free-page bookkeeping drifted", page)
+            unassigned = page in free_pages or page in self.retired_pages
+            check((index == NO_CLASS) == unassigned, "page {} free-page bookkeeping drifted", page)
             if index != NO_CLASS:
                 assigned += self.classes[index].per_page
         check(assigned == self.available, "available slots {} but pages hold {}", self.available, assigned)

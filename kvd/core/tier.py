@@ -90,9 +90,12 @@ class StorageSpec:
     persistent: bool = False
     policies: DiskPolicies | None = None
     name: str = ""
+    # Slot size classes (kvd.core.slot_pool): sizes that divide slot_bytes; none: one size.
+    class_bytes: tuple[int, ...] = ()
 
     def build(self, base: int) -> StorageTier:
-        pool = SlotPool(self.slot_count, self.slot_bytes, base=base, persistent=self.persistent)
+        pool = SlotPool(self.slot_count, self.slot_bytes, base=base, persistent=self.persistent,
+                        class_bytes=self.class_bytes)
         return StorageTier(self.tier_id, pool, self.policies, name=self.name)
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.blocks import BlockBook
 from kvd.core.quota import TenantQuota
+from kvd.core.slot_pool import SlotClass
 from kvd.core.tier import StorageTier
 from kvd.core.transfer import Transfer
 from kvd.invariants import check
@@ -85,7 +86,7 @@ class WriteBack:
         if parent is None or self.blocks.tiers.slot_in(parent, tier) != NO_SLOT or parent in picked:
             return False
         quota = block.index.quota
-        if self.quotas and quota is not None and quota.disk_full(tier.slot_bytes):
+        if self.quotas and quota is not None and quota.disk_full(tier.pool.class_for(block.index.block_bytes).slot_bytes):
             quota.counters.disk_refused += 1  # most likely its parent was, for the same reason
         else:
             tier.counters.write_failures += 1
@@ -95,12 +96,13 @@ class WriteBack:
         """A slot for `block`; NO_SLOT when none may be had now; None when its
         tenant's disk quota refuses it (the tenant joins `full_tenants`)."""
         quota = block.index.quota
-        if not (self.quotas and quota is not None and quota.disk_full(self.tier.slot_bytes)):
-            return self.allocate_slot()
+        slot_class = self.tier.pool.class_for(block.index.block_bytes)
+        if not (self.quotas and quota is not None and quota.disk_full(slot_class.slot_bytes)):
+            return self.allocate_slot(slot_class)
         # The tenant's own block makes room, never another tenant's; or it is not written.
         # A tenant found with nothing to give up is not searched again in this call:
         # each search may sweep every slot.
-        slot = NO_SLOT if quota in full_tenants else self.take_own_slot(quota)
+        slot = NO_SLOT if quota in full_tenants else self.take_own_slot(quota, slot_class)
         if slot == NO_SLOT:
             full_tenants.add(quota)
             quota.counters.disk_refused += 1
@@ -111,7 +113,7 @@ class WriteBack:
         tier = self.tier
         tier.pool.assign(slot, block)
         if self.quotas and block.index.quota is not None:
-            block.index.quota.disk_used_bytes += tier.slot_bytes
+            block.index.quota.disk_used_bytes += tier.pool.slot_bytes_of(slot)
         tier.pool.incoming.add(slot)
         return Transfer(block, self.host, self.blocks.host_slot(block), tier, slot, self.blocks.acquire(block))
 
@@ -135,7 +137,7 @@ class WriteBack:
             else:
                 tier.pool.release(write.target_slot, block)
                 if self.quotas and block.index.quota is not None:
-                    block.index.quota.disk_used_bytes -= tier.slot_bytes
+                    block.index.quota.disk_used_bytes -= tier.pool.slot_bytes_of(write.target_slot)
                 tier.counters.write_failures += 1
             write.handle.release()
 
@@ -182,22 +184,70 @@ class WriteBack:
                     queued.add(member)
                     appended.add(member)
 
-    def allocate_slot(self) -> int:
-        """A free slot, or the slot of the tier's eviction victim; NO_SLOT if none may go."""
-        slot = self.tier.pool.take_free()
+    def allocate_slot(self, slot_class: SlotClass | None = None) -> int:
+        """A free slot of `slot_class` (default: the largest), or the slot of the
+        tier's eviction victim; NO_SLOT if none may go (yet)."""
+        pool = self.tier.pool
+        if slot_class is not None and len(pool.classes) > 1:
+            return self.class_slot(slot_class)
+        slot = pool.take_free()
         if slot != NO_SLOT:
             return slot
         victim = self.victim(_evictable)
         return NO_SLOT if victim is None else self.evict(victim)
 
+    def class_slot(self, slot_class: SlotClass) -> int:
+        """With slot classes: a free slot of the class, else a free page, else
+        the slot of the class's own eviction victim; failing those, the
+        eviction policy's victim of any class has its whole page emptied
+        (the page's evictable blocks, leaves first) and, if that empties
+        it, the page goes to this class. NO_SLOT when nothing was freed for
+        the class this time (a later round goes on where this one stopped)."""
+        pool = self.tier.pool
+        slot = pool.take_free(slot_class)
+        if slot != NO_SLOT:
+            return slot
+        if pool.take_page(slot_class):
+            return pool.take_free(slot_class)
+        victim = self.victim(lambda block: _evictable(block) and self.class_index(block) == slot_class.index)
+        if victim is not None:
+            return self.evict(victim)
+        victim = self.victim(_evictable)
+        if victim is None:
+            return NO_SLOT
+        page = pool.page_of(self.blocks.tiers.slot_in(victim, self.tier))
+        if not self.empty_page(page):
+            return NO_SLOT
+        pool.take_over_page(page, slot_class)
+        return pool.take_free(slot_class)
+
+    def class_index(self, block: Block) -> int:
+        pool = self.tier.pool
+        return pool.class_of(self.blocks.tiers.slot_in(block, self.tier)).index
+
+    def empty_page(self, page: int) -> bool:
+        """Evict the page's evictable blocks, leaves first; whether none is left on it."""
+        pool = self.tier.pool
+        slots = pool.page_slots(page, pool.classes[pool.page_class[page]])
+        while True:
+            residents = [(slot, pool.owners[slot]) for slot in slots if pool.owners[slot] is not None]
+            ready = [block for slot, block in residents if slot not in pool.incoming and _evictable(block)]
+            if not ready:
+                return not residents
+            for block in ready:
+                self.drop_copy(block)
+
     def victim(self, evictable: Callable[[Block], bool]) -> Block | None:
         pool = self.tier.pool
         return self.tier.eviction.victim(pool.owners, pool.incoming, evictable)
 
-    def take_own_slot(self, quota: TenantQuota) -> int:
+    def take_own_slot(self, quota: TenantQuota, slot_class: SlotClass | None = None) -> int:
         """The slot of one of the tenant's own blocks (the eviction policy's
-        pick among them), evicted for a newer one; NO_SLOT if none may go."""
-        victim = self.victim(lambda block: block.index.quota is quota and _evictable(block))
+        pick among them, of `slot_class` if given), evicted for a newer one;
+        NO_SLOT if none may go."""
+        index = None if slot_class is None or len(self.tier.pool.classes) == 1 else slot_class.index
+        victim = self.victim(lambda block: block.index.quota is quota and _evictable(block)
+                             and (index is None or self.class_index(block) == index))
         if victim is None:
             return NO_SLOT
         quota.counters.disk_evicted += 1
@@ -205,15 +255,19 @@ class WriteBack:
 
     def evict(self, victim: Block) -> int:
         """Evict `victim`'s copy here (the block too, if it has no other) and hand out its slot."""
+        slot = self.blocks.tiers.slot_in(victim, self.tier)
+        self.drop_copy(victim)
+        # Reused at once: for a persistent tier the caller journals
+        # take_removals() before it writes the new bytes (see pick_writes).
+        self.tier.pool.reuse(slot)
+        return slot
+
+    def drop_copy(self, victim: Block) -> None:
+        """Evict `victim`'s copy here, and the block too if it has no other (counted)."""
         tier = self.tier
         tier.counters.evictions += 1
-        slot = self.blocks.tiers.slot_in(victim, tier)
         if self.blocks.has_other_copy(victim, tier):
             self.blocks.free_slot(victim, tier)
         else:
             tier.counters.dropped += 1
             self.blocks.remove(victim, cold_parent=False)
-        # Reused at once: for a persistent tier the caller journals
-        # take_removals() before it writes the new bytes (see pick_writes).
-        tier.pool.reuse(slot)
-        return slot

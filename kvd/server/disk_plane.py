@@ -186,7 +186,7 @@ class DiskPlane:
             admission_reason=lambda block: self._admission(block).reason)
         drives = self.config.drive_count
         for drive in recovery.quarantined:
-            engine.retire_disk_slots(range(drive, self.config.slot_count, drives))
+            engine.retire_disk_pages(range(drive, self.config.slot_count, drives))
         indexed = 0
         for namespace_id, entry in recovery.namespaces.items():
             if entry.spec is None:
@@ -318,8 +318,9 @@ class DiskPlane:
                   "a write from host slot {} that {!r} does not hold", write.source_slot, write.block)
         namespace_id = writes[0].block.index.namespace_id
         spec = self.engine.namespace(namespace_id).spec
+        host = engine.host.pool
         items = [(write.block.key, write.block.parent.key if write.block.parent is not None else b"",
-                  write.target_slot, self.arena.address(write.source_slot)) for write in writes]
+                  write.target_slot, self.arena.address_at(host.offset_of(write.source_slot))) for write in writes]
         return namespace_id, spec.layer_bytes, spec.num_layers, items
 
     def _write_piece(self, namespace_id, layer_bytes, num_layers, items) -> list[bool]:
@@ -500,7 +501,7 @@ class DiskPlane:
             check(load.block in engine.loading and engine.host_slot(load.block) == load.target_slot,
                   "a read into host slot {} that {!r} does not hold", load.target_slot, load.block)
             groups.setdefault(load.block.index.namespace_id, []).append(
-                (position, load.source_slot, self.arena.address(load.target_slot))
+                (position, load.source_slot, self.arena.address_at(engine.host.pool.offset_of(load.target_slot)))
             )
         work = []
         for namespace_id, items in groups.items():

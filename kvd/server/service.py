@@ -207,10 +207,11 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         state = self.engine.register_namespace(spec)
         if self.disk_plane is not None:
             await self.disk_plane.register_namespace(self.engine, state.namespace_id)
-        slot_bytes = self.arena.layout.slot_bytes
+        slot_bytes = self.engine.host.pool.classes[state.index.host_class].slot_bytes
         if len(self.engine.namespaces()) > known and state.block_bytes * 2 <= slot_bytes:
             log.warning(
-                "namespace blocks fill at most half a host slot; set host.slot_bytes near the block size",
+                "namespace blocks fill at most half a host slot; set host.min_slot_bytes (or host.slot_bytes) "
+                "near the block size",
                 extra={
                     "model_id": spec.model_id,
                     "block_bytes": state.block_bytes,
@@ -230,6 +231,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             arena_bytes=layout.arena_bytes,
             slot_bytes=layout.slot_bytes,
             slot_count=layout.slot_count,
+            class_bytes=[slot_class.slot_bytes for slot_class in self.engine.host.pool.classes],
             instance_id=self.arena.instance_id,
             max_message_bytes=self.max_message_bytes,
         )
@@ -338,9 +340,10 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         if result.lease is not None:
             # Reserve, copy and seal without an await in between: no other
             # request can observe the half-written blocks.
+            pool = self.engine.host.pool
             for position, status in enumerate(result.statuses):
                 if status == ReserveStatus.RESERVED:
-                    self.arena.write(result.slots[position], request.blocks[position])
+                    self.arena.write_at(pool.offset_of(result.slots[position]), request.blocks[position])
             sealed, _ = self.engine.commit(CommitRequest(request.namespace_id, request.client_id,
                                                          result.lease.lease_id, now_ms))
         if self.disk_plane is not None:
@@ -442,7 +445,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                         f"{self.max_message_bytes}-byte message limit; ask for at most "
                         f"{max(1, self.max_message_bytes // (state.block_bytes + 8) - 1)} keys per call"
                     )
-                blocks = [self.arena.read(self.engine.host_slot(block), state.block_bytes) for block in matched]
+                offsets = self.engine.host.pool.offsets_of([self.engine.host_slot(block) for block in matched])
+                blocks = [self.arena.read_at(offset, state.block_bytes) for offset in offsets]
             finally:
                 if lease is not None and not lease.ended:
                     self.engine.leases.close(lease)
@@ -463,14 +467,13 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         slots = [self.engine.host_slot(block) for block in matched]
         check(not slots or (min(slots) >= 0 and lease is not None and not lease.ended),
               "a Get hands out {} blocks without a host slot or a live lease", len(slots))
-        slot_bytes = self.arena.layout.slot_bytes
-        return [slot * slot_bytes for slot in slots]
+        return self.engine.host.pool.offsets_of(slots)
 
     def _reserved_offsets(self, slots: list[int]) -> list[int]:
         """Arena offsets of a reservation's slots (0 where the key got none)."""
-        check(max(slots, default=NO_SLOT) < self.arena.layout.slot_count, "a reserved slot is outside the arena")
-        slot_bytes = self.arena.layout.slot_bytes
-        return [slot * slot_bytes if slot >= 0 else 0 for slot in slots]
+        pool = self.engine.host.pool
+        check(max(slots, default=NO_SLOT) < pool.slot_count, "a reserved slot is outside the host tier")
+        return [pool.offset_of(slot) if slot >= 0 else 0 for slot in slots]
 
     @stream_rpc("GetLayers")
     async def GetLayers(self, request, context):

@@ -96,8 +96,13 @@ class HostArena:
     """Owner of the arena's files and of the daemon's mapping; `close()` drops both."""
 
     def __init__(self, layout: ArenaLayout, *, prefault: bool = True, huge_pages: bool = False,
-                 per_tenant: bool = False) -> None:
+                 per_tenant: bool = False, granule_bytes: int = 0) -> None:
+        """`granule_bytes`: the smallest slot (of the smallest size class) a
+        tenant's file may back on its own; default the whole slot."""
         self.layout = layout
+        self.granule_bytes = granule_bytes or layout.slot_bytes
+        check(self.granule_bytes % PAGE_BYTES == 0 and layout.slot_bytes % self.granule_bytes == 0,
+              "arena granules must be whole pages that divide a slot")
         self.instance_id = secrets.token_hex(8)
         self.per_tenant = per_tenant
         self._prefault = prefault
@@ -107,8 +112,12 @@ class HostArena:
         self._closed = True
         backing = self._new_file("spare") if per_tenant else self.tenant_fd(DEFAULT_TENANT)
         self._spare = backing if per_tenant else None
-        # The tenant whose file backs each slot (None: the spare file).
-        self.slot_tenants: list[str | None] = [None if per_tenant else DEFAULT_TENANT] * layout.slot_count
+        # The tenant whose file backs each granule, as an index into
+        # _tenant_names (-1: the spare file).
+        self._tenant_names: list[str] = []
+        self._tenant_indices: dict[str, int] = {}
+        self._granule_tenants = np.full(layout.arena_bytes // self.granule_bytes,
+                                        -1 if per_tenant else self._tenant_index(DEFAULT_TENANT), dtype=np.int32)
         self._mmap = mmap.mmap(backing, layout.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._closed = False
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
@@ -152,59 +161,95 @@ class HostArena:
         return fd
 
     def claim(self, slot: int, tenant: str) -> None:
-        """Back `slot` with `tenant`'s file, before a block of that tenant goes in it.
+        """Back page-sized `slot` with `tenant`'s file (see claim_range)."""
+        slot_bytes = self.layout.slot_bytes
+        self.claim_range(slot * slot_bytes, slot_bytes, tenant)
+
+    def tenant_at(self, offset: int) -> str | None:
+        """The tenant whose file backs the arena byte at `offset` (None: the spare file)."""
+        index = int(self._granule_tenants[offset // self.granule_bytes])
+        return None if index < 0 else self._tenant_names[index]
+
+    def claim_range(self, offset: int, length: int, tenant: str) -> None:
+        """Back arena bytes [offset, offset + length) with `tenant`'s file,
+        before a block of that tenant goes there (a slot of any size class:
+        whole granules, `granule_bytes` being the smallest slot).
 
         A no-op when it already is. Otherwise the new file's pages for the
-        slot are allocated (when the arena is pre-faulted: charged to kvd,
+        range are allocated (when the arena is pre-faulted: charged to kvd,
         and a shortage shows here, not in a client), the file is mapped
-        over the slot, and the previous tenant's (or the spare) file loses
-        the slot's pages, so its clients can no longer read what was there.
-        The kernel zeroes the new pages: that, not the calls, is the cost
-        (about 1.3-1.5 ms per 2 MiB slot with 4 KiB pages; far less with huge
-        pages), which is why the engine prefers a tenant's own slots.
+        over the range, and the files that backed it before (a previous
+        tenant's, or several, or the spare) lose those pages, so their
+        clients can no longer read what was there. The kernel zeroes the
+        new pages: that, not the calls, is the cost (about 1.3-1.5 ms per
+        2 MiB with 4 KiB pages; far less with huge pages), which is why the
+        engine prefers a tenant's own slots.
         """
-        previous = self.slot_tenants[slot]
-        if previous == tenant:
+        granule = self.granule_bytes
+        check(offset % granule == 0 and length % granule == 0 and 0 < length
+              and offset + length <= self.layout.arena_bytes, "claim of bytes {}+{} off the granules", offset, length)
+        index = self._tenant_index(tenant)
+        first, last = offset // granule, (offset + length) // granule
+        owners = self._granule_tenants[first:last]
+        if (owners == index).all():
             return
         check(self.per_tenant, "slots change tenant only in a per-tenant arena")
-        slot_bytes = self.layout.slot_bytes
-        offset = slot * slot_bytes
+        previous = self._runs(first, owners)
         fd = self.tenant_fd(tenant)
         if self._prefault and not self._huge_pages:
             try:
-                _fallocate(fd, 0, offset, slot_bytes)
+                _fallocate(fd, 0, offset, length)
             except OSError as error:
                 log.warning("arena slot not preallocated; its pages come on first touch", extra={"reason": str(error)})
-        old_fd = self._spare if previous is None else self._files[previous]
-        if not self._map_slot(slot, fd):
-            error = ctypes.get_errno()
-            # A failed MAP_FIXED may have unmapped the slot: map the previous
-            # file back, and give back the pages allocated above.
-            restored = self._map_slot(slot, old_fd)
-            try:
-                _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, slot_bytes)
-            except OSError:
-                pass
-            log.error("arena slot not switched to another tenant's memory; the request gets no slot",
-                      extra={"slot": slot, "reason": os.strerror(error), "previous_restored": restored})
-            check(restored, f"arena slot {slot} is mapped to no file")
-            raise OSError(error, f"mmap of slot {slot} for a tenant: {os.strerror(error)}")
+        if not self._map_range(offset, length, fd):
+            self._restore(offset, length, fd, previous)
         if self._huge_pages:
             # Advice first, then the pages: allocated any other way they are 4 KiB ones.
-            self._advise_huge_pages(offset, slot_bytes)
-            if self._prefault and _libc.madvise(self._base + offset, slot_bytes, _MADV_POPULATE_WRITE) != 0:
+            self._advise_huge_pages(offset, length)
+            if self._prefault and _libc.madvise(self._base + offset, length, _MADV_POPULATE_WRITE) != 0:
                 try:
-                    _fallocate(fd, 0, offset, slot_bytes)  # kernels before 5.14
+                    _fallocate(fd, 0, offset, length)  # kernels before 5.14
                 except OSError:
                     pass
-        _fallocate(old_fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, slot_bytes)
-        self.slot_tenants[slot] = tenant
+        for run_offset, run_length, old_fd in previous:
+            _fallocate(old_fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, run_offset, run_length)
+        owners[:] = index
         self.reassigned_slots += 1
 
-    def _map_slot(self, slot: int, fd: int) -> bool:
-        """Map `fd` over the slot, at the slot's own offset in it (MAP_FIXED); False on failure (errno set)."""
-        offset = slot * self.layout.slot_bytes
-        address = _libc.mmap(self._base + offset, self.layout.slot_bytes, mmap.PROT_READ | mmap.PROT_WRITE,
+    def _tenant_index(self, tenant: str) -> int:
+        if tenant not in self._tenant_indices:
+            self._tenant_indices[tenant] = len(self._tenant_names)
+            self._tenant_names.append(tenant)
+        return self._tenant_indices[tenant]
+
+    def _runs(self, first: int, owners: np.ndarray) -> list[tuple[int, int, int]]:
+        """(offset, length, fd) of each run of granules backed by one file."""
+        granule = self.granule_bytes
+        edges = [0, *(np.flatnonzero(owners[1:] != owners[:-1]) + 1).tolist(), len(owners)]
+        runs = []
+        for start, stop in zip(edges, edges[1:]):
+            index = int(owners[start])
+            fd = self._spare if index < 0 else self._files[self._tenant_names[index]]
+            runs.append(((first + start) * granule, (stop - start) * granule, fd))
+        return runs
+
+    def _restore(self, offset: int, length: int, fd: int, previous: list[tuple[int, int, int]]) -> None:
+        """After a failed MAP_FIXED (which may have unmapped the range): map the
+        previous files back, give back the pages allocated, and raise."""
+        error = ctypes.get_errno()
+        restored = all([self._map_range(run_offset, run_length, old_fd) for run_offset, run_length, old_fd in previous])
+        try:
+            _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)
+        except OSError:
+            pass
+        log.error("arena slot not switched to another tenant's memory; the request gets no slot",
+                  extra={"offset": offset, "reason": os.strerror(error), "previous_restored": restored})
+        check(restored, f"arena bytes at {offset} are mapped to no file")
+        raise OSError(error, f"mmap of arena bytes {offset}+{length} for a tenant: {os.strerror(error)}")
+
+    def _map_range(self, offset: int, length: int, fd: int) -> bool:
+        """Map `fd` over the range, at the range's own offset in it (MAP_FIXED); False on failure (errno set)."""
+        address = _libc.mmap(self._base + offset, length, mmap.PROT_READ | mmap.PROT_WRITE,
                              mmap.MAP_SHARED | _MAP_FIXED, fd, offset)
         if address in (None, _MAP_FAILED):
             return False
@@ -236,19 +281,30 @@ class HostArena:
         return slot * self.layout.slot_bytes
 
     def address(self, slot: int) -> int:
-        """Virtual address of a slot in this process (for native I/O)."""
+        """Virtual address of a page-sized slot in this process (for native I/O)."""
         check(0 <= slot < self.layout.slot_count, "slot out of range")
         return self._base + slot * self.layout.slot_bytes
 
+    def address_at(self, offset: int) -> int:
+        """Virtual address of arena byte `offset` in this process (a slot of any class)."""
+        check(0 <= offset < self.layout.arena_bytes, "arena offset {} out of range", offset)
+        return self._base + offset
+
     def write(self, slot: int, payload: bytes | memoryview) -> None:
         check(len(payload) <= self.layout.slot_bytes, "payload larger than a slot")
-        start = self.offset(slot)
-        self._mmap[start : start + len(payload)] = payload
+        self.write_at(self.offset(slot), payload)
+
+    def write_at(self, offset: int, payload: bytes | memoryview) -> None:
+        check(0 <= offset and offset + len(payload) <= self.layout.arena_bytes, "write past the arena")
+        self._mmap[offset : offset + len(payload)] = payload
 
     def read(self, slot: int, length: int) -> bytes:
         check(length <= self.layout.slot_bytes, "read past a slot")
-        start = self.offset(slot)
-        return self._mmap[start : start + length]
+        return self.read_at(self.offset(slot), length)
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        check(0 <= offset and offset + length <= self.layout.arena_bytes, "read past the arena")
+        return self._mmap[offset : offset + length]
 
     def close(self) -> None:
         """Idempotent: close the files (clients keep what they mapped), then unmap."""

@@ -173,20 +173,22 @@ class ArenaInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ArenaInfoResponse(_message.Message):
-    __slots__ = ("arena_socket", "arena_bytes", "slot_bytes", "slot_count", "instance_id", "max_message_bytes")
+    __slots__ = ("arena_socket", "arena_bytes", "slot_bytes", "slot_count", "class_bytes", "instance_id", "max_message_bytes")
     ARENA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CLASS_BYTES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     arena_socket: str
     arena_bytes: int
     slot_bytes: int
     slot_count: int
+    class_bytes: _containers.RepeatedScalarFieldContainer[int]
     instance_id: str
     max_message_bytes: int
-    def __init__(self, arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., instance_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., class_bytes: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace_id", "keys", "parent_key")

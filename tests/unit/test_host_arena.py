@@ -35,7 +35,7 @@ def test_a_slot_that_changes_tenant_shows_zeros_to_the_old_tenant_and_its_bytes_
     arena.write(3, b"B" * 100)
     assert a[3 * SLOT: 4 * SLOT] == bytes(SLOT)  # punched: not even a's old bytes
     assert b[3 * SLOT: 3 * SLOT + 100] == b"B" * 100 and arena.read(3, 100) == b"B" * 100
-    assert arena.slot_tenants[3] == "b" and arena.reassigned_slots == 2
+    assert arena.tenant_at(3 * SLOT) == "b" and arena.reassigned_slots == 2
     # Memory follows the slot: the spare file gave slot 3's pages up, and so did a.
     assert arena.resident_bytes(None) == (SLOTS - 1) * SLOT
     assert arena.resident_bytes("b") >= SLOT
@@ -47,19 +47,19 @@ def test_a_claim_the_kernel_refuses_leaves_the_slot_with_its_previous_tenant(are
     arena.claim(5, "a")
     arena.write(5, b"kept" * 10)
     calls = []
-    real = HostArena._map_slot
+    real = HostArena._map_range
 
-    def refuse_once(self, slot, fd):
+    def refuse_once(self, offset, length, fd):
         calls.append(fd)
         if len(calls) == 1:
             return False  # as if mmap had failed (and unmapped the slot)
-        return real(self, slot, fd)
+        return real(self, offset, length, fd)
 
-    monkeypatch.setattr(HostArena, "_map_slot", refuse_once)
-    with pytest.raises(OSError, match="mmap of slot 5"):
+    monkeypatch.setattr(HostArena, "_map_range", refuse_once)
+    with pytest.raises(OSError, match=f"mmap of arena bytes {5 * SLOT}"):
         arena.claim(5, "b")
     assert calls == [arena.tenant_fd("b"), arena.tenant_fd("a")]  # mapped back to a's file
-    assert arena.slot_tenants[5] == "a" and arena.read(5, 40) == b"kept" * 10
+    assert arena.tenant_at(5 * SLOT) == "a" and arena.read(5, 40) == b"kept" * 10
     assert arena.resident_bytes("b") == 0  # the pages allocated for b went back
 
 
@@ -68,3 +68,33 @@ def test_files_are_sealed_and_distinct(arena):
     assert os.fstat(fd_a).st_ino != os.fstat(fd_b).st_ino
     with pytest.raises(PermissionError):
         os.ftruncate(fd_a, 0)
+
+
+def test_small_slots_of_one_page_are_backed_per_tenant_and_a_whole_page_claim_takes_them_all():
+    """With slot classes a page holds slots of several tenants: each tenant's
+    file backs only its own granules, and when the page goes whole to a
+    third tenant, both lose theirs."""
+    granule = SLOT // 4
+    arena = HostArena(ArenaLayout(SLOT, SLOTS), prefault=True, per_tenant=True, granule_bytes=granule)
+    try:
+        arena.claim_range(2 * SLOT, granule, "a")
+        arena.claim_range(2 * SLOT + granule, granule, "b")
+        arena.write_at(2 * SLOT, b"A" * granule)
+        arena.write_at(2 * SLOT + granule, b"B" * granule)
+        a, b = view(arena, "a"), view(arena, "b")
+        first, second = slice(2 * SLOT, 2 * SLOT + granule), slice(2 * SLOT + granule, 2 * SLOT + 2 * granule)
+        assert a[first] == b"A" * granule and b[second] == b"B" * granule
+        assert [arena.tenant_at(2 * SLOT + i * granule) for i in range(4)] == ["a", "b", None, None]
+        arena.claim(2, "c")
+        # Checked before any read of a hole: a client reading one faults a zero page into its file.
+        assert arena.resident_bytes("a") == 0 and arena.resident_bytes("b") == 0
+        assert {arena.tenant_at(2 * SLOT + i * granule) for i in range(4)} == {"c"}
+        assert arena.read_at(2 * SLOT, 2 * granule) == bytes(2 * granule)  # c's fresh pages
+        for mapping in (a, b):
+            assert mapping[first] == bytes(granule) and mapping[second] == bytes(granule)
+        with pytest.raises(Exception, match="off the granules"):
+            arena.claim_range(2 * SLOT + 100, granule, "a")
+        a.close()
+        b.close()
+    finally:
+        arena.close()

@@ -94,7 +94,7 @@ class Link:
         start, stop = reserved_run(response.statuses)
         if start == stop:
             return None
-        slots = self.arena.slot_indices(response.offsets[start:stop])
+        slots = self.arena.slot_indices(response.offsets[start:stop], namespace.block_bytes)
         return Reservation(response.lease_id, start, stop, slots)
 
     def commit(self, namespace: Namespace, lease_id: int) -> None:
@@ -124,7 +124,7 @@ class Link:
             )
             call = self.client._stub.GetLayers(request, timeout=self.client.timeout_s, metadata=self.client._metadata)
             try:
-                return LayerStream(self, call, next(call), namespace.spec.num_layers)
+                return LayerStream(self, call, next(call), namespace)
             except grpc.RpcError as error:
                 if attempt == 2:
                     raise
@@ -145,14 +145,14 @@ class LayerStream:
     from disk that fails its checksum ends the servable prefix there).
     """
 
-    def __init__(self, link: Link, call, first, layers: int) -> None:
+    def __init__(self, link: Link, call, first, namespace: Namespace) -> None:
         self._link = link
         self._call = call
-        self._layers = layers
+        self._layers = namespace.spec.num_layers
         self._ready = first.layers_ready
         self._changed = threading.Condition()
         self.matched = first.matched
-        self.slots = link.arena.slot_indices(first.offsets)
+        self.slots = link.arena.slot_indices(first.offsets, namespace.block_bytes)
         self.lease_id = first.lease_id
         self.error: str | None = None
         self._closing = False

@@ -92,8 +92,10 @@ class WorkerSide:
 
     # ---- the arena as torch, rebuilt when the daemon restarted and the client remapped
     def _arena(self) -> torch.Tensor:
-        """The arena's slots as rows of the layout's word (slot sizes are multiples of 4 KiB)."""
-        return torch.from_numpy(self.link.arena.slots).view(self.layout.word)
+        """The arena's slots of this namespace's size class as rows of the layout's
+        word (slot sizes are multiples of 4 KiB)."""
+        arena = self.link.arena
+        return torch.from_numpy(arena.rows(arena.stride(self.namespace.block_bytes))).view(self.layout.word)
 
     # ---- step start
     def start(self, metadata: KvdConnectorMetadata) -> None:
