@@ -106,6 +106,11 @@ class DiskSettings:
     directories: list[str] = field(default_factory=list)
     capacity_bytes: int = 16 << 30  # per directory
     slot_bytes: int = 2 << 20
+    # Slot size classes, as in host memory: disk pages of slot_bytes carved
+    # into slots of slot_bytes halved down to this. Each slot of each class
+    # costs 35-55 B of memory, so the disk's smallest slots are larger than host
+    # memory's. slot_bytes: one size only.
+    min_slot_bytes: int = 512 << 10
     segment_bytes: int = 1 << 30
     # "back": write a block to disk only when the host tier runs short of
     # free slots (or a Put asks for ACK_DURABLE), so short-lived blocks never

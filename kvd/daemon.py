@@ -433,6 +433,7 @@ def _build_engine(config: Config, layout: ArenaLayout, host_classes: tuple[int, 
         ),
         disk_slot_count=disk_plane.slot_count if disk_plane else 0,
         disk_slot_bytes=config.disk.slot_bytes,
+        disk_min_slot_bytes=disk_plane.config.class_bytes[-1] if disk_plane else 0,
         events=EventLog(config.events.ring_events, config.events.ring_keys),
         disk_policies=DiskPolicies(
             eviction=config.disk.policy,

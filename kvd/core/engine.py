@@ -358,6 +358,8 @@ class Engine:
         """Check every structure and every invariant between them (tests call this after each step)."""
         self.tiers.verify()
         self.allocator.verify()
+        for writeback in self.writebacks.values():
+            writeback.verify()
         self.leases.verify()
         self.events.verify()
         self.namespace_table.verify()

@@ -9,7 +9,8 @@ removals of evicted blocks before it writes any bytes (so no replay after
 a crash pairs an old record with new bytes), writes the batch and reports
 each block's outcome to `finish_writes`. In every lower tier a block's
 whole prefix is there too: a block whose parent has no copy in the tier is
-never written to it, and only index leaves are evicted from it.
+never written to it, and a block leaves it only when no child has a copy
+there (and, if it has no copy elsewhere, when it has no child at all).
 
 Tenants' disk quotas apply to the durable tier only.
 """
@@ -27,9 +28,6 @@ from kvd.core.transfer import Transfer
 from kvd.invariants import check
 
 
-def _evictable(block: Block) -> bool:
-    # An index leaf only, so a block's prefix stays in the tier with it.
-    return block.ref_count == 0 and block.children == 0 and block.state == BlockState.SEALED
 
 
 class WriteBack:
@@ -41,6 +39,9 @@ class WriteBack:
         self.queue = blocks.write_queues[tier]
         # Tenants' disk quotas bind in the durable tier only.
         self.quotas = tier is blocks.disk
+        # Parents of the blocks being written here, with how many: their
+        # copies here stay until those writes end (a child needs its parent).
+        self.writing_parents: dict[Block | None, int] = {}  # None: roots
 
     def pick_writes(self, limit: int) -> list[Transfer]:
         """The next sealed blocks to write to this tier, parents before children.
@@ -62,7 +63,12 @@ class WriteBack:
             if self._skip(block, picked):
                 queue.popleft()
                 continue
-            slot = self._slot_for(block, full_tenants)
+            # The block's parent keeps its copy here while a slot is found for it.
+            self.writing_parents[block.parent] = self.writing_parents.get(block.parent, 0) + 1
+            try:
+                slot = self._slot_for(block, full_tenants)
+            finally:
+                self._unmark_parent(block.parent)
             if slot is None:
                 queue.popleft()  # its tenant is at its disk quota with nothing of its own to give up
                 continue
@@ -115,6 +121,7 @@ class WriteBack:
         if self.quotas and block.index.quota is not None:
             block.index.quota.disk_used_bytes += tier.pool.slot_bytes_of(slot)
         tier.pool.incoming.add(slot)
+        self.writing_parents[block.parent] = self.writing_parents.get(block.parent, 0) + 1
         return Transfer(block, self.host, self.blocks.host_slot(block), tier, slot, self.blocks.acquire(block))
 
     def finish_writes(self, writes: Sequence[Transfer], ok: Sequence[bool]) -> None:
@@ -128,6 +135,7 @@ class WriteBack:
                   and tier.pool.owners[write.target_slot] is block, "unknown write to {}", tier.name)
             tier.pool.incoming.discard(write.target_slot)
             parent = block.parent
+            self._unmark_parent(parent)
             whole_prefix = parent is None or self.blocks.tiers.slot_in(parent, tier) != NO_SLOT
             if good and whole_prefix and block.state == BlockState.SEALED:
                 self.blocks.tiers.add_copy(block, tier, write.target_slot)
@@ -140,6 +148,19 @@ class WriteBack:
                     block.index.quota.disk_used_bytes -= tier.pool.slot_bytes_of(write.target_slot)
                 tier.counters.write_failures += 1
             write.handle.release()
+
+    def _unmark_parent(self, parent: Block | None) -> None:
+        left = self.writing_parents.pop(parent) - 1
+        if left:
+            self.writing_parents[parent] = left
+
+    def verify(self) -> None:
+        pool = self.tier.pool
+        writing: dict[Block | None, int] = {}
+        for slot in pool.incoming:
+            parent = pool.owners[slot].parent
+            writing[parent] = writing.get(parent, 0) + 1
+        check(writing == self.writing_parents, "{}: the parents of the writes in flight drifted", self.tier.name)
 
     def take_removals(self) -> list[tuple[bytes, bytes, int]]:
         """(namespace id, key, slot) whose REMOVE must be journalled (persistent tiers)."""
@@ -193,7 +214,7 @@ class WriteBack:
         slot = pool.take_free()
         if slot != NO_SLOT:
             return slot
-        victim = self.victim(_evictable)
+        victim = self.victim(self.evictable)
         return NO_SLOT if victim is None else self.evict(victim)
 
     def class_slot(self, slot_class: SlotClass) -> int:
@@ -209,10 +230,10 @@ class WriteBack:
             return slot
         if pool.take_page(slot_class):
             return pool.take_free(slot_class)
-        victim = self.victim(lambda block: _evictable(block) and self.class_index(block) == slot_class.index)
+        victim = self.victim(lambda block: self.evictable(block) and self.class_index(block) == slot_class.index)
         if victim is not None:
             return self.evict(victim)
-        victim = self.victim(_evictable)
+        victim = self.victim(self.evictable)
         if victim is None:
             return NO_SLOT
         page = pool.page_of(self.blocks.tiers.slot_in(victim, self.tier))
@@ -220,6 +241,19 @@ class WriteBack:
             return NO_SLOT
         pool.take_over_page(page, slot_class)
         return pool.take_free(slot_class)
+
+    def evictable(self, block: Block) -> bool:
+        """Whether the block's copy here may go: unpinned and sealed, and no
+        child has a copy here (a block's prefix stays in the tier with it);
+        a block with no other copy leaves the index with it, so it must
+        have no child at all (an index leaf)."""
+        if block.ref_count or block.state != BlockState.SEALED:
+            return False
+        if block.children == 0:
+            return True
+        blocks = self.blocks
+        return (block not in self.writing_parents and blocks.tiers.resident_children(block, self.tier) == 0
+                and blocks.has_other_copy(block, self.tier))
 
     def class_index(self, block: Block) -> int:
         pool = self.tier.pool
@@ -231,7 +265,7 @@ class WriteBack:
         slots = pool.page_slots(page, pool.classes[pool.page_class[page]])
         while True:
             residents = [(slot, pool.owners[slot]) for slot in slots if pool.owners[slot] is not None]
-            ready = [block for slot, block in residents if slot not in pool.incoming and _evictable(block)]
+            ready = [block for slot, block in residents if slot not in pool.incoming and self.evictable(block)]
             if not ready:
                 return not residents
             for block in ready:
@@ -246,7 +280,7 @@ class WriteBack:
         pick among them, of `slot_class` if given), evicted for a newer one;
         NO_SLOT if none may go."""
         index = None if slot_class is None or len(self.tier.pool.classes) == 1 else slot_class.index
-        victim = self.victim(lambda block: block.index.quota is quota and _evictable(block)
+        victim = self.victim(lambda block: block.index.quota is quota and self.evictable(block)
                              and (index is None or self.class_index(block) == index))
         if victim is None:
             return NO_SLOT

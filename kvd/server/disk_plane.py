@@ -40,7 +40,7 @@ from kvd.invariants import check
 from kvd.io.engine import Op
 from kvd.server.io_executor import ScheduledExecutor
 from kvd.tiers.disk.journal import FsyncPolicy
-from kvd.tiers.disk.layout import DiskConfig
+from kvd.tiers.disk.layout import DiskConfig, location_of, split_location
 from kvd.tiers.disk.tier import DiskRecovery, DiskTier
 from kvd.tiers.host import HostArena
 
@@ -90,6 +90,7 @@ def disk_config(settings: DiskSettings) -> DiskConfig:
         directories=tuple(settings.directories),
         capacity_bytes=settings.capacity_bytes,
         slot_bytes=settings.slot_bytes,
+        min_slot_bytes=settings.min_slot_bytes,
         segment_bytes=settings.segment_bytes,
         fsync_policy=FsyncPolicy(settings.fsync),
         queue_depth=settings.queue_depth,
@@ -198,7 +199,8 @@ class DiskPlane:
             records = recovery.blocks.get(namespace_id, [])
             indexed += engine.recover(
                 namespace_id,
-                [(record.key, record.parent_key if any(record.parent_key) else b"", record.location) for record in records],
+                [(record.key, record.parent_key if any(record.parent_key) else b"", self._slot(record.location))
+                 for record in records],
             )
         await self._journal_removals()
         self.counters.recovery = {
@@ -320,8 +322,26 @@ class DiskPlane:
         spec = self.engine.namespace(namespace_id).spec
         host = engine.host.pool
         items = [(write.block.key, write.block.parent.key if write.block.parent is not None else b"",
-                  write.target_slot, self.arena.address_at(host.offset_of(write.source_slot))) for write in writes]
+                  self._location(write.target_slot), self.arena.address_at(host.offset_of(write.source_slot)))
+                 for write in writes]
         return namespace_id, spec.layer_bytes, spec.num_layers, items
+
+    def _location(self, slot: int) -> int:
+        """The disk tier's location (kvd.tiers.disk.layout) of the engine's disk slot."""
+        pool = self.engine.disk.pool
+        if len(pool.classes) == 1:
+            return slot
+        return location_of(pool.page_of(slot), pool.class_of(slot).index, pool.position_of(slot))
+
+    def _slot(self, location: int) -> int:
+        """The engine's disk slot at a location the disk tier found; -1 if it has none."""
+        pool = self.engine.disk.pool
+        if len(pool.classes) == 1:
+            return location
+        page, class_index, position = split_location(location)
+        if class_index >= len(pool.classes) or page >= pool.page_count:
+            return -1
+        return pool.slot_at(page, class_index, position)
 
     def _write_piece(self, namespace_id, layer_bytes, num_layers, items) -> list[bool]:
         """I/O thread: one write job; durable, per block."""
@@ -334,7 +354,8 @@ class DiskPlane:
         for namespace_id, key, slot in removals:
             by_namespace.setdefault(namespace_id, []).append((key, slot))
         for namespace_id, items in by_namespace.items():
-            results = self.tier.remove_blocks(namespace_id, items, deleted=deleted)
+            located = [(key, self._location(slot)) for key, slot in items]
+            results = self.tier.remove_blocks(namespace_id, located, deleted=deleted)
             failed.update(slot for (_, slot), good in zip(items, results) if not good)
         if deleted:
             # Earlier REMOVEs too (an evicted disk copy of a block this Delete
@@ -501,7 +522,8 @@ class DiskPlane:
             check(load.block in engine.loading and engine.host_slot(load.block) == load.target_slot,
                   "a read into host slot {} that {!r} does not hold", load.target_slot, load.block)
             groups.setdefault(load.block.index.namespace_id, []).append(
-                (position, load.source_slot, self.arena.address_at(engine.host.pool.offset_of(load.target_slot)))
+                (position, self._location(load.source_slot),
+                 self.arena.address_at(engine.host.pool.offset_of(load.target_slot)))
             )
         work = []
         for namespace_id, items in groups.items():

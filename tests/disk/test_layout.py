@@ -103,7 +103,7 @@ def test_a_drive_of_another_set_is_refused(drives, tmp_path):
 @pytest.mark.parametrize(
     ("edit", "field"),
     [
-        (lambda fields: fields.update(format_version=2), "format_version"),
+        (lambda fields: fields.update(format_version=3), "format_version"),
         (lambda fields: fields.update(magic="leveldb"), "magic"),
         (lambda fields: fields.pop("set_uuid"), "set_uuid"),
     ],

@@ -119,3 +119,30 @@ def test_tenants_share_pages_of_small_slots_and_each_maps_only_its_own_blocks(tm
             name = "ab"[turn % 2]
             found = clients[name].get_numpy(namespaces[name], chain(namespaces[name], 1, 1000 * turn))
             assert found.view(np.uint8).reshape(width).tobytes() in written[name]
+
+
+def durable_after_restart(tmp_path, min_slot_bytes: int) -> int:
+    """Make 64 small blocks durable on an 8-page disk, restart, count what came back (bit-exact)."""
+    config = {"host": {"capacity_bytes": 2 * PAGE, "slot_bytes": PAGE},
+              "disk": {"directories": [str(tmp_path / "disk")], "capacity_bytes": 8 * PAGE, "slot_bytes": PAGE,
+                       "segment_bytes": 8 * PAGE, "min_slot_bytes": min_slot_bytes}}
+    chains, length = 8, 8
+    blocks = random_blocks(SMALL_SPEC, chains * length, seed=9).reshape(chains, length, *SMALL_SPEC.block_shape)
+    with run_daemon(tmp_path / "run", config=config) as process, Client(process.unix_target) as client:
+        namespace = client.register_namespace(SMALL_SPEC)
+        keys = [chain(namespace, length, 20_000 * number) for number in range(chains)]
+        for number in range(chains):
+            assert client.put(namespace, keys[number], blocks[number], durable=True) == length
+    back = 0
+    with run_daemon(tmp_path / "run", config=config) as process, Client(process.unix_target) as client:
+        namespace = client.register_namespace(SMALL_SPEC)
+        for number in range(chains):
+            found = client.get_numpy(namespace, keys[number])
+            assert np.array_equal(found, blocks[number][: len(found)])
+            back += len(found)
+    return back
+
+
+def test_the_disk_packs_small_blocks_into_its_pages_where_one_slot_size_keeps_a_block_a_page(tmp_path):
+    assert durable_after_restart(tmp_path / "classes", 64 << 10) == 64  # 16 to a page: 4 of the 8 pages
+    assert durable_after_restart(tmp_path / "one-size", PAGE) <= 8

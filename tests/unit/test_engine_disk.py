@@ -161,6 +161,23 @@ def test_disk_eviction_is_clock_over_index_leaves(plane):
     assert plane.engine.disk.pool.resident_blocks == 6
 
 
+def test_a_disk_full_of_one_chain_gives_its_tail_up_for_another_while_the_host_keeps_it(engine_factory):
+    """A block whose children have no disk copy may lose its own disk copy
+    if it has another: a full disk of one long chain makes room for the next
+    chain from its tail inward, and never frees a slot that a write in the
+    same batch needs as a parent."""
+    plane = Plane(engine_factory(16, 64, disk_slot_count=4, disk_slot_bytes=64))
+    assert plane.put("abcd") == 4 and plane.flush() == 4
+    assert plane.put("wxyz") == 4 and plane.flush() == 4
+    engine = plane.engine
+    assert [engine.disk_slot(block) != NO_SLOT for block in engine.lookup(plane.ns, K("wxyz"))] == [True] * 4
+    # "abcd" left the disk from its tail, and is whole in host memory.
+    assert [engine.disk_slot(block) != NO_SLOT for block in engine.lookup(plane.ns, K("abcd"))] == [False] * 4
+    assert plane.get("abcd") == K("abcd") and plane.get("wxyz") == K("wxyz")
+    assert engine.disk.counters.evictions == 4 and engine.disk.counters.write_failures == 0
+    engine.verify()
+
+
 def test_recovery_rebuilds_the_index_and_drops_orphans(engine_factory):
     engine = engine_factory(4, 64, disk_slot_count=8, disk_slot_bytes=64)
     ns = engine.register_namespace(SPEC).namespace_id

@@ -20,6 +20,7 @@ refused (the message names the file and field).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -34,14 +35,17 @@ from kvd.errors import KvdError
 from kvd.io.engine import address_of, aligned_empty
 from kvd.tiers.disk.journal import FsyncPolicy, Manifest, MetadataDamage, PutRecord
 from kvd.tiers.disk.layout import (
+    ALIGN_BYTES,
     IDENTITY,
     DiskConfig,
     DiskIdentityError,
     Identity,
     IdentityDamaged,
+    drive_of,
     holds_kvd_files,
     read_identity,
     segment_number,
+    split_location,
     write_identity,
 )
 from kvd.tiers.disk.registry import NamespaceRegistry
@@ -172,6 +176,8 @@ def config_from_directories(directories: Sequence[Path]) -> DiskConfig:
         slot_bytes=first.slot_bytes,
         segment_bytes=first.segment_bytes,
         fsync_policy=FsyncPolicy.STRICT,
+        # Every slot size class a record can name, whatever the daemon's configuration.
+        min_slot_bytes=ALIGN_BYTES,
     )
 
 
@@ -287,6 +293,14 @@ def _tally_failures(report: FsckReport, group: list[PutRecord], reasons: list[in
     return bad
 
 
+def _slot_name(config: DiskConfig, location: int) -> str:
+    """A slot as a person reads it: its page, and its place if it is smaller than a page."""
+    page, class_index, position = split_location(location)
+    if not class_index:
+        return str(page)
+    return f"{page}.{position} ({config.slot_bytes >> class_index} bytes)"
+
+
 def fsck_tier(tier: DiskTier, progress_stream: TextIO | None = None, repair: bool = False) -> FsckReport:
     """Read and verify every live block of an open tier."""
     report = FsckReport()
@@ -348,10 +362,7 @@ def fsck(
     progress_stream = progress_stream or sys.stderr
     config = config_from_directories(directories)
     if io_engine != config.io_engine:
-        config = DiskConfig(
-            config.directories, config.capacity_bytes, config.slot_bytes, config.segment_bytes,
-            config.fsync_policy, config.queue_depth, io_engine,
-        )
+        config = dataclasses.replace(config, io_engine=io_engine)
     actions = repair_drives(config) if repair else []
     with DiskTier(config, read_only=not repair) as tier:
         recovery = tier.open()
@@ -375,7 +386,7 @@ def fsck(
         out.write(f"short segment: {path}\n")
     for kind, record in report.bad_blocks:
         out.write(
-            f"{kind}: drive {record.location % config.drive_count} slot {record.location} "
+            f"{kind}: drive {drive_of(config, record.location)} slot {_slot_name(config, record.location)} "
             f"namespace {record.namespace_id.hex()[:16]} key {record.key.hex()[:16]}\n"
         )
     for action in actions:

@@ -26,6 +26,7 @@ not: a wrong slot size or drive order would pair records with the wrong bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import uuid
@@ -35,17 +36,26 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from kvd.core.slot_pool import class_sizes
 from kvd.errors import ConfigError, FailedPrecondition
 from kvd.invariants import check
 from kvd.tiers.disk.journal import FsyncPolicy
 
 FORMAT_MAGIC = "kvd-disk"
-FORMAT_VERSION = 1
+# 2: slot size classes (a record's location names its class). A version 1
+# directory is a version 2 one whose blocks are all of the largest class,
+# so it is taken as it is and its IDENTITY rewritten (Identity.migrated).
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 IDENTITY = "IDENTITY"
 NAMESPACES = "NAMESPACES"
 SEGMENT_PREFIX = "seg-"
 SEGMENT_SUFFIX = ".kvd"
 ALIGN_BYTES = 4096
+
+# Locations (format 2): the slot's class in the top byte.
+LOCATION_CLASS_SHIFT = 56
+_LOCATION_NUMBER_MASK = (1 << LOCATION_CLASS_SHIFT) - 1
 
 # Limits: each bounds a table the tier allocates at open.
 MAX_DRIVES = 64
@@ -106,6 +116,8 @@ class DiskConfig:
     # long (at least one layer): bigger extents are closer to the drive's
     # sequential bandwidth, smaller ones hand the first layers over sooner.
     read_extent_bytes: int = 512 << 10
+    # Slot size classes: slot_bytes (a page) halved down to this; 0: one size.
+    min_slot_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directories", tuple(Path(d) for d in self.directories))
@@ -117,13 +129,7 @@ class DiskConfig:
         resolved = [os.path.realpath(d) for d in self.directories]
         if len(set(resolved)) != len(resolved):
             raise ConfigError("disk.directories", "the same directory is listed twice")
-        for name, value in (("slot_bytes", self.slot_bytes), ("segment_bytes", self.segment_bytes)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % ALIGN_BYTES:
-                raise ConfigError(f"disk.{name}", f"must be a positive multiple of {ALIGN_BYTES}, got {value!r}")
-        if self.slot_bytes > MAX_SLOT_BYTES:
-            raise ConfigError("disk.slot_bytes", f"must be at most {MAX_SLOT_BYTES}")
-        if self.segment_bytes % self.slot_bytes:
-            raise ConfigError("disk.segment_bytes", f"must be a multiple of slot_bytes ({self.slot_bytes})")
+        self._validate_slots()
         if (
             not isinstance(self.capacity_bytes, int)
             or self.capacity_bytes <= 0
@@ -141,9 +147,25 @@ class DiskConfig:
         if not isinstance(self.read_extent_bytes, int) or not 0 < self.read_extent_bytes <= MAX_SLOT_BYTES:
             raise ConfigError("disk.read_extent_bytes", f"must be in [1, {MAX_SLOT_BYTES}]")
 
+    def _validate_slots(self) -> None:
+        for name, value in (("slot_bytes", self.slot_bytes), ("segment_bytes", self.segment_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % ALIGN_BYTES:
+                raise ConfigError(f"disk.{name}", f"must be a positive multiple of {ALIGN_BYTES}, got {value!r}")
+        if not isinstance(self.min_slot_bytes, int) or self.min_slot_bytes < 0 or self.min_slot_bytes % ALIGN_BYTES:
+            raise ConfigError("disk.min_slot_bytes", f"must be a multiple of {ALIGN_BYTES}, got {self.min_slot_bytes!r}")
+        if self.slot_bytes > MAX_SLOT_BYTES:
+            raise ConfigError("disk.slot_bytes", f"must be at most {MAX_SLOT_BYTES}")
+        if self.segment_bytes % self.slot_bytes:
+            raise ConfigError("disk.segment_bytes", f"must be a multiple of slot_bytes ({self.slot_bytes})")
+
     @property
     def drive_count(self) -> int:
         return len(self.directories)
+
+    @property
+    def class_bytes(self) -> tuple[int, ...]:
+        """Slot sizes, largest (slot_bytes, a page) first; class k is slot_bytes >> k."""
+        return class_sizes(self.slot_bytes, min(self.min_slot_bytes or self.slot_bytes, self.slot_bytes))
 
     @property
     def segments_per_drive(self) -> int:
@@ -192,23 +214,54 @@ def file_index(config: DiskConfig, drive: int, segment: int) -> int:
     return drive * config.segments_per_drive + segment
 
 
+def location_of(page: int, class_index: int, position: int) -> int:
+    """A slot's location, as records hold it: class k (slot_bytes >> k bytes)
+    in the top byte, then the slot's number among that class's slots
+    (page * 2**k + position). The largest class's location is its page."""
+    check(0 <= position < 1 << class_index and 0 <= page, "no slot {} of class {}", position, class_index)
+    return (class_index << LOCATION_CLASS_SHIFT) | (page << class_index) | position
+
+
+def split_location(location: int) -> tuple[int, int, int]:
+    """(page, class index, position in the page) of a location."""
+    class_index = location >> LOCATION_CLASS_SHIFT
+    number = location & _LOCATION_NUMBER_MASK
+    return number >> class_index, class_index, number & ((1 << class_index) - 1)
+
+
+def drive_of(config: DiskConfig, location: int) -> int:
+    return split_location(location)[0] % config.drive_count
+
+
+def valid_location(config: DiskConfig, location: int) -> bool:
+    page, class_index, _ = split_location(location)
+    return 0 <= location and class_index < len(config.class_bytes) and page < config.slot_count
+
+
 def locate(config: DiskConfig, slot: int) -> SlotPlace:
-    check(0 <= slot < config.slot_count, f"disk slot {slot} out of range [0, {config.slot_count})")
-    drive = slot % config.drive_count
-    local = slot // config.drive_count
-    segment, index = divmod(local, config.slots_per_segment)
-    return SlotPlace(drive, segment, index * config.slot_bytes, file_index(config, drive, segment))
+    """Where the slot at location `slot` is."""
+    check(valid_location(config, slot), f"disk slot {slot} out of range ({config.slot_count} pages)")
+    page, class_index, position = split_location(slot)
+    drive = page % config.drive_count
+    segment, index = divmod(page // config.drive_count, config.slots_per_segment)
+    offset = index * config.slot_bytes + position * (config.slot_bytes >> class_index)
+    return SlotPlace(drive, segment, offset, file_index(config, drive, segment))
 
 
 def locate_many(config: DiskConfig, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(drive, file index, offset) of each slot, as arrays; one call per batch."""
+    """(drive, file index, offset) of each slot location, as arrays; one call per batch."""
     slots = np.asarray(slots, dtype=np.int64)
+    classes = slots >> LOCATION_CLASS_SHIFT
+    numbers = slots & _LOCATION_NUMBER_MASK
+    pages = numbers >> classes
     if slots.size:
-        check(int(slots.min()) >= 0 and int(slots.max()) < config.slot_count, "disk slot out of range")
-    drives = slots % config.drive_count
-    local = slots // config.drive_count
+        check(int(slots.min()) >= 0 and int(classes.max()) < len(config.class_bytes)
+              and int(pages.max()) < config.slot_count, "disk slot out of range")
+    positions = numbers & ((1 << classes) - 1)
+    drives = pages % config.drive_count
+    local = pages // config.drive_count
     segments = local // config.slots_per_segment
-    offsets = (local % config.slots_per_segment) * config.slot_bytes
+    offsets = (local % config.slots_per_segment) * config.slot_bytes + positions * (config.slot_bytes >> classes)
     return drives, drives * config.segments_per_drive + segments, offsets
 
 
@@ -275,11 +328,13 @@ class Identity:
             raise IdentityDamaged(directory, "its checksum does not match its fields (a damaged file)")
         if fields.get("magic") != FORMAT_MAGIC:
             raise DiskIdentityError(directory, "magic", f"expected {FORMAT_MAGIC!r}, found {fields.get('magic')!r}")
-        if fields.get("format_version") != FORMAT_VERSION:
+        version = fields.get("format_version")
+        if version not in READABLE_VERSIONS:
             raise DiskIdentityError(
                 directory,
                 "format_version",
-                f"this kvd reads version {FORMAT_VERSION}, the directory has {fields.get('format_version')!r}",
+                f"this kvd reads versions {', '.join(map(str, READABLE_VERSIONS))} (and writes {FORMAT_VERSION}), "
+                f"the directory has {version!r}",
             )
         values = {}
         for name, kind in (
@@ -293,7 +348,12 @@ class Identity:
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise IdentityDamaged(directory, f"field {name!r} is missing or not a {kind.__name__}: {value!r}")
             values[name] = value
-        return Identity(**values)
+        return Identity(**values, format_version=version)
+
+    @property
+    def migrated(self) -> Identity:
+        """This identity in the format this kvd writes (what an older one becomes)."""
+        return dataclasses.replace(self, format_version=FORMAT_VERSION)
 
     def expect(self, directory: Path, expected: Identity) -> None:
         """Raise naming the first field in which this identity differs."""

@@ -36,7 +36,7 @@ import errno
 import logging
 import os
 import resource
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -62,18 +62,23 @@ from kvd.tiers.disk.journal import (
 from kvd.tiers.disk.layout import (
     ALIGN_BYTES,
     IDENTITY,
+    FORMAT_VERSION,
     Admission,
     DiskConfig,
     DiskIdentityError,
     Identity,
     IdentityDamaged,
+    drive_of,
     file_index,
     fsync_directory,
     holds_kvd_files,
     identities_for,
+    locate,
     locate_many,
     read_identity,
     segment_name,
+    split_location,
+    valid_location,
     write_identity,
 )
 from kvd.tiers.disk.registry import NamespaceEntry, NamespaceRegistry, RegistryReport, decode_spec
@@ -130,6 +135,7 @@ class DiskRecovery:
     truncated_bytes: int = 0  # torn manifest/registry tails cut off, all drives
     dropped: DroppedCounts = field(default_factory=DroppedCounts)
     created_drives: list[int] = field(default_factory=list)  # got a new IDENTITY now
+    migrated_drives: list[int] = field(default_factory=list)  # IDENTITY rewritten from an older format
     missing_segments: list[Path] = field(default_factory=list)
     short_segments: list[Path] = field(default_factory=list)
     manifests: list[ReplayReport] = field(default_factory=list)
@@ -379,7 +385,23 @@ class DiskTier:
             (self.config.directories[drive] / (IDENTITY + ".tmp")).unlink(missing_ok=True)
             write_identity(self.config.directories[drive], expected[drive])
             recovery.created_drives.append(drive)
+        if not self.read_only:
+            self._migrate(found, recovery)
         return set(missing)
+
+    def _migrate(self, found: list[Identity | None], recovery: DiskRecovery) -> None:
+        """Rewrite the IDENTITY of drives of an older format: every version
+        this kvd reads is a subset of the one it writes (FORMAT.md), so the
+        drive's files stay as they are."""
+        for drive, identity in enumerate(found):
+            if identity is None or drive in self.quarantined or identity.format_version == FORMAT_VERSION:
+                continue
+            directory = self.config.directories[drive]
+            write_identity(directory, identity.migrated)
+            recovery.migrated_drives.append(drive)
+            log.warning("disk directory migrated to a newer format; a kvd older than this one can no longer "
+                        "open it", extra={"directory": str(directory), "from_version": identity.format_version,
+                                          "to_version": FORMAT_VERSION})
 
     def _check_directory(self, directory: Path) -> None:
         """The drive directory exists, or is created; its parent never is."""
@@ -487,6 +509,11 @@ class DiskTier:
                 self._owners[slot] = record
             for identity in doomed:
                 manifest.live.pop(identity, None)
+            for record in self._overlapping(manifest.live.values()):
+                dropped.duplicate_slot += 1
+                doomed.append((record.namespace_id, record.key))
+                manifest.live.pop((record.namespace_id, record.key))
+                del self._owners[record.location]
             if (doomed or recovery.manifests[drive].damaged) and not self.read_only:
                 # A snapshot without them, durable before any of their slots
                 # (or a re-created segment) can take new bytes; and without
@@ -497,10 +524,28 @@ class DiskTier:
                 recovery.blocks.setdefault(record.namespace_id, []).append(record)
         check(len(self._owners) == recovery.block_count, "a kept record lost its slot")
 
+    @staticmethod
+    def _overlapping(records: Iterable[PutRecord]) -> list[PutRecord]:
+        """Records in a page whose bytes a newer record of another slot size
+        class overlaps: a page holds slots of one class at a time, and its
+        old class's REMOVEs were durable before the new class wrote there.
+        (Never after a correct REMOVE.)"""
+        classes: dict[int, dict[int, int]] = {}  # page -> class -> newest sequence
+        for record in records:
+            page, class_index, _ = split_location(record.location)
+            newest = classes.setdefault(page, {})
+            newest[class_index] = max(newest.get(class_index, -1), record.sequence)
+        keep = {page: max(newest, key=newest.__getitem__) for page, newest in classes.items() if len(newest) > 1}
+        if not keep:
+            return []
+        return [record for record in records
+                if (page := split_location(record.location)[0]) in keep
+                and split_location(record.location)[1] != keep[page]]
+
     def _record_problem(self, drive: int, record: PutRecord) -> str | None:
         config = self.config
         slot = record.location
-        if not 0 <= slot < config.slot_count or slot % config.drive_count != drive:
+        if not valid_location(config, slot) or drive_of(config, slot) != drive:
             return "out_of_range"
         entry = self.namespaces.get(record.namespace_id)
         if entry is None:
@@ -510,12 +555,13 @@ class DiskTier:
             if layers != entry.spec.num_layers or not config.admit(entry.spec.layer_bytes, layers):
                 return "malformed"
             extent_bytes = layers * entry.spec.layer_bytes
-        else:
-            extent_bytes = config.slot_bytes  # shape unknown: the whole slot must be there
-        # locate() without its per-call checks: this runs once per record.
-        segment, index = divmod(slot // config.drive_count, config.slots_per_segment)
-        size = int(self._file_sizes[file_index(config, drive, segment)])
-        if size < index * config.slot_bytes + extent_bytes:
+        slot_bytes = config.slot_bytes >> split_location(slot)[1]
+        if entry.spec is None:
+            extent_bytes = slot_bytes  # shape unknown: the whole slot must be there
+        elif extent_bytes > slot_bytes:
+            return "malformed"  # a block larger than the slot of the class its record names
+        place = locate(config, slot)
+        if int(self._file_sizes[place.file_index]) < place.offset + extent_bytes:
             return "missing_segment"
         return None
 
@@ -947,7 +993,7 @@ class DiskTier:
         ok = np.ones(count, dtype=bool)
         by_drive: dict[int, list[int]] = {}
         for position, (key, slot) in enumerate(keys_and_slots):
-            drive = slot % self.config.drive_count
+            drive = drive_of(self.config, slot)
             if slot not in self._owners and drive not in self.failed_drives:
                 # A write that failed before its PUT was journalled (EIO,
                 # ENOSPC, a short write, a failed fdatasync): the engine
@@ -1129,7 +1175,7 @@ class DiskTier:
         for drive, manifest in enumerate(self._manifests):
             for identity, record in manifest.live.items():
                 check(identity == (record.namespace_id, record.key), "manifest live map keyed wrongly")
-                check(record.location % self.config.drive_count == drive, "record on the wrong drive")
+                check(drive_of(self.config, record.location) == drive, "record on the wrong drive")
                 check(record.location not in owners, "slot {} held twice", record.location)
                 owners[record.location] = record
         check(owners == self._owners, "slot owners differ from the manifests")
