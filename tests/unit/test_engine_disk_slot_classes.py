@@ -22,12 +22,7 @@ from kvd.core.keys import NamespaceSpec
 from kvd.core.quota import TenantQuota
 from kvd.core.slot_pool import NO_CLASS
 from kvd.testing.chains import text_chain as keys
-
-PAGE = 64 << 10
-PAGES = 8
-BIG = NamespaceSpec(model_id="big", num_layers=4, num_kv_heads=1, head_dim=4096, block_tokens=1)
-SMALL = NamespaceSpec(model_id="small", num_layers=1, num_kv_heads=1, head_dim=4096, block_tokens=1)
-LONG = 10_000
+from tests.unit.test_engine_slot_classes import BIG, LONG, PAGE, PAGES, SMALL
 
 
 class Rig:
