@@ -156,6 +156,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=500, help="timed calls per contender (>= 200)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--profile", action="store_true", help="print the client-side profile even on a pass")
+    parser.add_argument("--disk", action="store_true", help="give the daemon a disk tier too (two tiers to report)")
     return parser.parse_args()
 
 
@@ -184,9 +185,12 @@ def start(stack: contextlib.ExitStack, args: argparse.Namespace) -> Setup:
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-bench-lookup-")))
     capacity = max(64 << 20, (args.blocks + 64) * SLOT_BYTES)
     progress(f"starting kvd (capacity {capacity >> 20} MiB, slot {SLOT_BYTES} B)")
-    daemon = stack.enter_context(
-        run_daemon(workdir / "kvd", config={"host": {"capacity_bytes": capacity, "slot_bytes": SLOT_BYTES}})
-    )
+    config: dict = {"host": {"capacity_bytes": capacity, "slot_bytes": SLOT_BYTES}}
+    if args.disk:
+        # A second tier: Lookup then reports each block's tier (kvd.server.convert.tiers).
+        config["disk"] = {"directories": [str(workdir / "disk")], "capacity_bytes": 64 << 20,
+                          "slot_bytes": 1 << 20, "segment_bytes": 64 << 20}
+    daemon = stack.enter_context(run_daemon(workdir / "kvd", config=config))
     unix = stack.enter_context(Client(daemon.unix_target))
     tcp = stack.enter_context(Client(daemon.tcp_target))
     ns = unix.register_namespace(spec)

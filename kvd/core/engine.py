@@ -185,6 +185,9 @@ class Engine:
     def disk_slot(self, block: Block) -> int:
         return self.blocks.disk_slot(block)
 
+    def tier_bytes(self, blocks: Sequence[Block]) -> bytes:
+        return self.blocks.tier_bytes(blocks)
+
     def tier_of(self, block: Block) -> TierId:
         return self.blocks.tier_of(block)
 

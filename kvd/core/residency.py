@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvd.core.block import NO_SLOT, Block
 from kvd.core.tier import Tier, TierId
 from kvd.invariants import check
@@ -47,12 +49,22 @@ class TierStack:
         first = self.tiers[0]
         # Fast path: the fastest tier's pool starts at global id 0.
         self._top_end = first.pool.end if first.pool.base == 0 else 0
+        # For tier_ids_of: each tier's end and id byte, by base.
+        self._ends = np.array([tier.pool.end for tier in self._by_base], dtype=np.int64)
+        self._id_bytes = np.array([int(tier.tier_id) for tier in self._by_base], dtype=np.uint8)
 
     def __iter__(self):
         return iter(self.tiers)
 
     def __len__(self) -> int:
         return len(self.tiers)
+
+    def tier_ids_of(self, gids: np.ndarray) -> np.ndarray:
+        """The TierId byte of the tier owning each global slot id (one numpy pass)."""
+        if len(gids):
+            check(int(gids.min()) >= self._by_base[0].pool.base and int(gids.max()) < int(self._ends[-1]),
+                  "a global slot id belongs to no tier")
+        return self._id_bytes[np.searchsorted(self._ends, gids, side="right")]
 
     def tier_at(self, gid: int) -> Tier:
         for tier in self._by_base:

@@ -65,7 +65,7 @@ def tiers(engine: Engine, blocks: Sequence[Block]) -> bytes:
     """One Tier byte per block."""
     if len(engine.tiers) == 1:
         return _HOST_TIER_BYTE * len(blocks)
-    return bytes(int(engine.tier_of(block)) for block in blocks)
+    return engine.tier_bytes(blocks)
 
 
 def event_message(event: Event, namespace_id: bytes | None = None) -> kvd_pb2.KvEvent:

@@ -346,6 +346,8 @@ class TierMachine(RuleBasedStateMachine):
         assert [block.key for block in matched] == [block.key for block in expected]
         tiers = [self.engine.tier_of(block) for block in matched]
         assert tiers == [block.tier() for block in expected]
+        # What Lookup answers: the same, in one pass.
+        assert self.engine.tier_bytes(matched) == bytes(int(tier) for tier in tiers)
         event(f"lookup: {len(matched)} blocks, {len(tiers) - tiers.count(TierId.HOST)} below host memory")
 
     @rule(path_list=st.lists(paths, min_size=1, max_size=2))

@@ -178,6 +178,25 @@ def test_a_disk_full_of_one_chain_gives_its_tail_up_for_another_while_the_host_k
     engine.verify()
 
 
+def test_tier_bytes_say_what_tier_of_says_while_blocks_are_read_in(plane):
+    """Lookup's tier report for a whole prefix in one pass: a block whose host
+    copy is still being read in is reported in the tier it is read from."""
+    engine = plane.engine
+    for chain in ("ab", "cd", "ef"):
+        plane.put(chain)
+        plane.flush()
+    plan = engine.begin_get(KeysRequest(plane.ns, "r", K("ab"), LONG, 0))
+    assert plan.loads and all(load.block in engine.loading for load in plan.loads)
+    everything = [block for chain in ("ab", "cd", "ef") for block in engine.lookup(plane.ns, K(chain))]
+    per_block = [engine.tier_of(block) for block in everything]
+    assert engine.tier_bytes(everything) == bytes(int(tier) for tier in per_block)
+    assert TierId.DISK in per_block and TierId.HOST in per_block
+    engine.finish_loads(plan.loads, plane.load(plan.loads, set()))
+    engine.settle_get(plan)
+    engine.release("r", [plan.lease.lease_id])
+    assert engine.tier_bytes(engine.lookup(plane.ns, K("ab"))) == bytes([int(TierId.HOST)] * 2)
+
+
 def test_recovery_rebuilds_the_index_and_drops_orphans(engine_factory):
     engine = engine_factory(4, 64, disk_slot_count=8, disk_slot_bytes=64)
     ns = engine.register_namespace(SPEC).namespace_id
