@@ -166,10 +166,15 @@ class SlotPool:
         slot_class = self.class_of(slot)
         return (slot - slot_class.start) // slot_class.per_page
 
-    def offset_of(self, slot: int) -> int:
-        """Where the slot's bytes start in the tier (its page's, plus its place in the page)."""
+    def place_of(self, slot: int) -> tuple[int, SlotClass, int]:
+        """(page, class, place in the page) of a slot; slot_at is the inverse."""
         slot_class = self.class_of(slot)
         page, position = divmod(slot - slot_class.start, slot_class.per_page)
+        return page, slot_class, position
+
+    def offset_of(self, slot: int) -> int:
+        """Where the slot's bytes start in the tier (its page's, plus its place in the page)."""
+        page, slot_class, position = self.place_of(slot)
         return page * self.page_bytes + position * slot_class.slot_bytes
 
     def offsets_of(self, slots: Sequence[int]) -> list[int]:
@@ -179,13 +184,8 @@ class SlotPool:
             return [slot * page_bytes for slot in slots]
         return [self.offset_of(slot) for slot in slots]
 
-    def position_of(self, slot: int) -> int:
-        """The slot's place in its page (0 .. per_page - 1)."""
-        slot_class = self.class_of(slot)
-        return (slot - slot_class.start) % slot_class.per_page
-
     def slot_at(self, page: int, class_index: int, position: int) -> int:
-        """The local slot of class `class_index` at `position` in `page` (inverse of page_of, position_of)."""
+        """The local slot of class `class_index` at `position` in `page` (inverse of place_of)."""
         slot_class = self.classes[class_index]
         check(0 <= page < self.page_count and 0 <= position < slot_class.per_page,
               "no slot {} of class {} in page {}", position, class_index, page)

@@ -28,8 +28,6 @@ from kvd.core.transfer import Transfer
 from kvd.invariants import check
 
 
-
-
 class WriteBack:
     def __init__(self, blocks: BlockBook, tier: StorageTier) -> None:
         check(tier in blocks.lower, "write-back goes to a tier below host memory")
@@ -64,7 +62,7 @@ class WriteBack:
                 queue.popleft()
                 continue
             # The block's parent keeps its copy here while a slot is found for it.
-            self.writing_parents[block.parent] = self.writing_parents.get(block.parent, 0) + 1
+            self._mark_parent(block.parent)
             try:
                 slot = self._slot_for(block, full_tenants)
             finally:
@@ -121,7 +119,7 @@ class WriteBack:
         if self.quotas and block.index.quota is not None:
             block.index.quota.disk_used_bytes += tier.pool.slot_bytes_of(slot)
         tier.pool.incoming.add(slot)
-        self.writing_parents[block.parent] = self.writing_parents.get(block.parent, 0) + 1
+        self._mark_parent(block.parent)
         return Transfer(block, self.host, self.blocks.host_slot(block), tier, slot, self.blocks.acquire(block))
 
     def finish_writes(self, writes: Sequence[Transfer], ok: Sequence[bool]) -> None:
@@ -148,6 +146,9 @@ class WriteBack:
                     block.index.quota.disk_used_bytes -= tier.pool.slot_bytes_of(write.target_slot)
                 tier.counters.write_failures += 1
             write.handle.release()
+
+    def _mark_parent(self, parent: Block | None) -> None:
+        self.writing_parents[parent] = self.writing_parents.get(parent, 0) + 1
 
     def _unmark_parent(self, parent: Block | None) -> None:
         left = self.writing_parents.pop(parent) - 1

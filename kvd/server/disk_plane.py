@@ -331,7 +331,8 @@ class DiskPlane:
         pool = self.engine.disk.pool
         if len(pool.classes) == 1:
             return slot
-        return location_of(pool.page_of(slot), pool.class_of(slot).index, pool.position_of(slot))
+        page, slot_class, position = pool.place_of(slot)
+        return location_of(page, slot_class.index, position)
 
     def _slot(self, location: int) -> int:
         """The engine's disk slot at a location the disk tier found; -1 if it has none."""

@@ -72,25 +72,6 @@ def test_offsets_are_slots_of_the_namespace_class_and_inline_and_shared_memory_a
         shm._run(_ops.release(shm.session, [response.lease_id]))
 
 
-def test_small_blocks_go_to_disk_and_come_back_into_their_class_across_a_restart(tmp_path):
-    config = {"host": {"capacity_bytes": 2 * PAGE, "slot_bytes": PAGE},
-              "disk": {"directories": [str(tmp_path / "disk")], "capacity_bytes": 64 * PAGE, "slot_bytes": PAGE,
-                       "segment_bytes": 16 * PAGE}}
-    chains, length = 8, 8  # 64 blocks: twice what host memory holds
-    blocks = random_blocks(SMALL_SPEC, chains * length, seed=5).reshape(chains, length, *SMALL_SPEC.block_shape)
-    with run_daemon(tmp_path / "run", config=config) as process, Client(process.unix_target) as client:
-        namespace = client.register_namespace(SMALL_SPEC)
-        keys = [chain(namespace, length, 10_000 * number) for number in range(chains)]
-        for number in range(chains):
-            assert client.put(namespace, keys[number], blocks[number], durable=True) == length
-        assert all(client.lookup(namespace, keys[number]).matched == length for number in range(chains))
-        assert np.array_equal(client.get_numpy(namespace, keys[0]), blocks[0])  # evicted, read back from disk
-    with run_daemon(tmp_path / "run", config=config) as process, Client(process.unix_target) as client:
-        namespace = client.register_namespace(SMALL_SPEC)
-        for number in range(chains):
-            assert np.array_equal(client.get_numpy(namespace, keys[number]), blocks[number]), number
-
-
 def test_tenants_share_pages_of_small_slots_and_each_maps_only_its_own_blocks(tmp_path):
     """With tokens, each tenant's file backs only its own small slots, so a
     page holds blocks of both tenants and neither client can read the other's."""
@@ -121,28 +102,39 @@ def test_tenants_share_pages_of_small_slots_and_each_maps_only_its_own_blocks(tm
             assert found.view(np.uint8).reshape(width).tobytes() in written[name]
 
 
-def durable_after_restart(tmp_path, min_slot_bytes: int) -> int:
-    """Make 64 small blocks durable on an 8-page disk, restart, count what came back (bit-exact)."""
-    config = {"host": {"capacity_bytes": 2 * PAGE, "slot_bytes": PAGE},
-              "disk": {"directories": [str(tmp_path / "disk")], "capacity_bytes": 8 * PAGE, "slot_bytes": PAGE,
-                       "segment_bytes": 8 * PAGE, "min_slot_bytes": min_slot_bytes}}
+def durable_after_restart(tmp_path, disk_pages: int, min_slot_bytes: int | None = None) -> tuple[int, int]:
+    """Make 64 small blocks durable (8 chains, four times what host memory
+    holds) on a disk of `disk_pages` pages; how many blocks of the first
+    chain a Get finds before the restart (read back from disk), and of all
+    of them after it. Whatever is found is bit-exact."""
+    disk = {"directories": [str(tmp_path / "disk")], "capacity_bytes": disk_pages * PAGE, "slot_bytes": PAGE,
+            "segment_bytes": 8 * PAGE}
+    if min_slot_bytes is not None:
+        disk["min_slot_bytes"] = min_slot_bytes
+    config = {"host": {"capacity_bytes": PAGE, "slot_bytes": PAGE}, "disk": disk}
     chains, length = 8, 8
     blocks = random_blocks(SMALL_SPEC, chains * length, seed=9).reshape(chains, length, *SMALL_SPEC.block_shape)
+
+    def found(client, namespace, number: int) -> int:
+        got = client.get_numpy(namespace, keys[number])
+        assert np.array_equal(got, blocks[number][: len(got)]), number
+        return len(got)
+
     with run_daemon(tmp_path / "run", config=config) as process, Client(process.unix_target) as client:
         namespace = client.register_namespace(SMALL_SPEC)
         keys = [chain(namespace, length, 20_000 * number) for number in range(chains)]
         for number in range(chains):
             assert client.put(namespace, keys[number], blocks[number], durable=True) == length
-    back = 0
+        before = found(client, namespace, 0)
     with run_daemon(tmp_path / "run", config=config) as process, Client(process.unix_target) as client:
         namespace = client.register_namespace(SMALL_SPEC)
-        for number in range(chains):
-            found = client.get_numpy(namespace, keys[number])
-            assert np.array_equal(found, blocks[number][: len(found)])
-            back += len(found)
-    return back
+        return before, sum(found(client, namespace, number) for number in range(chains))
+
+
+def test_small_blocks_go_to_disk_and_come_back_into_their_class_across_a_restart(tmp_path):
+    assert durable_after_restart(tmp_path, disk_pages=64) == (8, 64)  # the daemon's default disk classes
 
 
 def test_the_disk_packs_small_blocks_into_its_pages_where_one_slot_size_keeps_a_block_a_page(tmp_path):
-    assert durable_after_restart(tmp_path / "classes", 64 << 10) == 64  # 16 to a page: 4 of the 8 pages
-    assert durable_after_restart(tmp_path / "one-size", PAGE) <= 8
+    assert durable_after_restart(tmp_path / "classes", 8, 64 << 10)[1] == 64  # 16 to a page: 4 of the 8 pages
+    assert durable_after_restart(tmp_path / "one-size", 8, PAGE)[1] <= 8
