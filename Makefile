@@ -18,7 +18,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast vllm-venv engines lint bench proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long fuzz-long soak-long docs
+.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long fuzz-long soak-long docs
 
 setup: $(BUILT_STAMP)
 
@@ -159,6 +159,17 @@ lint: setup
 bench: setup vllm-venv
 	$(MAKE) --no-print-directory apt APT_PACKAGES="$(BENCH_APT_PACKAGES)"
 	$(PY) bench/run_all.py
+
+# kvd side by side with the stores users would otherwise run (not in `make
+# test`: it builds two more venvs, about 2 GB, and runs for tens of minutes):
+# vLLM's FS tier from the engine venv, LMCache and Mooncake each in their own
+# venv (bench/peers/install_*.sh), Redis and fio from Debian.
+BENCH_PEERS_ARGS ?=
+bench-peers: setup vllm-venv
+	$(MAKE) --no-print-directory apt APT_PACKAGES="$(BENCH_APT_PACKAGES)"
+	bash bench/peers/install_lmcache.sh
+	bash bench/peers/install_mooncake.sh
+	$(PY) bench/bench_peers.py $(BENCH_PEERS_ARGS)
 
 # Regenerate kvd/v1/*_pb2*.py from protos/ (generated code is committed).
 proto: setup

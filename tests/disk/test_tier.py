@@ -380,6 +380,76 @@ def test_a_failed_fdatasync_fails_the_blocks_of_that_file(drives, arena, io_engi
     tier.close()
 
 
+def _log_syncs(tier: DiskTier) -> list[str]:
+    """Record, in order, each segment fdatasync ("data <file>") and manifest sync ("manifest <drive>")."""
+    events: list[str] = []
+    fdatasync = tier._fdatasync
+
+    def logged_fdatasync(index: int) -> int:
+        events.append(f"data {index}")
+        return fdatasync(index)
+
+    tier._fdatasync = logged_fdatasync
+    for drive, manifest in enumerate(tier._manifests):
+        def logged_sync(*, force: bool = False, sync=manifest.sync, drive=drive) -> None:
+            if manifest.unsynced_bytes or force:
+                events.append(f"manifest {drive}")
+            sync(force=force)
+
+        manifest.sync = logged_sync
+    return events
+
+
+def test_group_policy_flushes_the_data_at_the_group_commit_before_the_records(drives, arena):
+    """Under group the data of a batch is not fdatasynced with the batch:
+    the group commit flushes every segment file written since the last one,
+    and only then the manifest that points into them."""
+    config = make_config(drives, policy=FsyncPolicy.GROUP)
+    tier, _ = open_tier(config)
+    events = _log_syncs(tier)
+    assert all(write(tier, arena, {0: 1, 1: 2, 2: 3}))
+    assert events == [] and tier.stats.fsyncs == 0
+    tier.sync()
+    files = sorted({locate(config, slot).file_index for slot in (0, 1, 2)})
+    data = [f"data {index}" for index in files]
+    assert sorted(event for event in events if event.startswith("data")) == data
+    for drive in (0, 1):
+        drive_files = {f"data {locate(config, slot).file_index}" for slot in (0, 1, 2)
+                       if locate(config, slot).drive == drive}
+        assert all(events.index(f) < events.index(f"manifest {drive}") for f in drive_files)
+    events.clear()
+    tier.sync()
+    assert events == []  # nothing written since: nothing to flush
+    tier.close()
+
+
+def test_none_policy_never_fdatasyncs_the_data(drives, arena):
+    config = make_config(drives, policy=FsyncPolicy.NONE)
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {0: 1, 1: 2}))
+    tier.sync()
+    assert tier.stats.fsyncs == 0
+    tier.close()
+    tier, recovery = open_tier(config)  # a process restart keeps what the kernel was handed
+    assert sorted(r.location for r in recovery.blocks[NAMESPACE]) == [0, 1]
+    tier.close()
+
+
+def test_a_failed_group_fdatasync_takes_the_drive_out_before_its_manifest_is_synced(drives, arena, io_engine):
+    config = make_config(drives, policy=FsyncPolicy.GROUP, engine=io_engine)
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {0: 1, 1: 2}))
+    place = locate(config, 1)
+    tier.engine.inject_fault(Op.FSYNC, file_index=place.file_index, errno=errno.EIO)
+    tier.sync()
+    assert place.drive in tier.failed_drives and "fdatasync" in tier.failed_drives[place.drive]
+    assert tier._manifests[place.drive].unsynced_bytes > 0  # its records were not made durable
+    other = 1 - place.drive
+    assert other not in tier.failed_drives and tier._manifests[other].unsynced_bytes == 0
+    assert tier.stats.errors["fsync_EIO"] == 1
+    tier.close()
+
+
 class FailingAppends(OsFileSystem):
     """Manifest appends fail with EIO once armed (a drive dying under the log)."""
 

@@ -15,9 +15,11 @@ loop hands it work and takes results back. No asyncio here.
 The rule everything serves: the tier may lose a block, but it never reports
 a wrong one as good.
 
-  * write: checksum each layer from the source memory, write, fdatasync the
-    segment files, then append the PUT records (fsync per policy). A block
-    is reported durable only if every step succeeded.
+  * write: checksum each layer from the source memory, write, then append
+    the PUT records; the segment files are fdatasynced before the manifest
+    is synced (per batch under strict, at the group commit under group,
+    never under none). A block is reported written only if every step
+    succeeded.
   * read: verify every layer's crc32c against the record before the block
     counts as read; a block with any bad layer is a miss.
   * reuse: a slot's REMOVE is synced before new bytes go into that slot;
@@ -266,6 +268,9 @@ class DiskTier:
         self._tombstone = aligned_empty(ALIGN_BYTES)
         # Per drive: slots whose REMOVE was appended but not yet synced (GROUP).
         self._unsynced_removals: list[set[int]] = [set() for _ in config.directories]
+        # GROUP: segment files written since the drive's last sync; their
+        # fdatasync goes with the manifest's, just before it.
+        self._unsynced_data: list[set[int]] = [set() for _ in config.directories]
         # Per drive: why it takes no more writes (its manifest could not be
         # appended or synced, so the log's tail is no longer trustworthy).
         self.failed_drives: dict[int, str] = {}
@@ -711,11 +716,7 @@ class DiskTier:
         # call for every layer of every block.
         checksums = crc32c_chunks(sources, layer_bytes, num_layers)
         self._write_data(ok, files, offsets, block_bytes, sources)
-        for index in np.unique(files[ok]).tolist():
-            result = self._fdatasync(index)
-            if result != 0:
-                ok[files == index] = False
-                self.stats.count_error("fsync_" + _error_kind(result, "fsync"))
+        self._sync_data(ok, drives, files)
         for drive in np.unique(drives[ok]).tolist():
             members = np.nonzero(ok & (drives == drive))[0].tolist()
             manifest = self._manifests[drive]
@@ -733,6 +734,27 @@ class DiskTier:
         self.stats.blocks_written += written
         self.stats.write_failures += count - written
         return ok.tolist()
+
+    def _sync_data(self, ok: np.ndarray, drives: np.ndarray, files: np.ndarray) -> None:
+        """Make the written data durable as the policy says, before its records are.
+
+        STRICT: fdatasync every segment file written, now (a failure clears
+        `ok` for its blocks). GROUP: the files wait for the drive's next
+        sync, which flushes them before the manifest. NONE: never; a record
+        that outlives its data after a power loss reads back as a checksum
+        failure, a miss, never wrong bytes.
+        """
+        policy = self.config.fsync_policy
+        if policy == FsyncPolicy.GROUP:
+            for drive, index in set(zip(drives[ok].tolist(), files[ok].tolist())):
+                self._unsynced_data[drive].add(index)
+        if policy != FsyncPolicy.STRICT:
+            return
+        for index in np.unique(files[ok]).tolist():
+            result = self._fdatasync(index)
+            if result != 0:
+                ok[files == index] = False
+                self.stats.count_error("fsync_" + _error_kind(result, "fsync"))
 
     def _sync_reused_slots(self, drives: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Which items may be written: their drive takes writes, and the REMOVE
@@ -1070,7 +1092,16 @@ class DiskTier:
                 self._sync_drive(drive, force=force)
 
     def _sync_drive(self, drive: int, *, force: bool = False) -> bool:
-        """Sync a drive's manifest (whatever the policy if `force`); False takes the drive out of writes."""
+        """Sync a drive's manifest (whatever the policy if `force`), the data its
+        records point at first; False takes the drive out of writes."""
+        pending = self._unsynced_data[drive]
+        for index in sorted(pending):
+            result = self._fdatasync(index)
+            if result != 0:
+                self.stats.count_error("fsync_" + _error_kind(result, "fsync"))
+                self._fail_drive(drive, f"segment fdatasync failed: {os.strerror(-result)}")
+                return False
+            pending.discard(index)
         try:
             self._manifests[drive].sync(force=force)
         except OSError as error:

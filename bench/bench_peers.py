@@ -1,0 +1,449 @@
+#!/usr/bin/env python3
+"""kvd side by side with the stores its users would otherwise run, same bytes, same run.
+
+Run:  make bench-peers      (installs the peers' environments, then this)
+      .venv/bin/python bench/bench_peers.py [--total-mib 2048] [--host-mib 1024] [--rounds 5]
+                                            [--only kvd vllm-fs ...] [--skip-host] [--skip-disk]
+
+Every contender is a long-lived process in its own virtual environment,
+driven over a line protocol (bench/peers/protocol.py), so rounds are
+interleaved (the order rotates every round) and nothing is started inside
+a timed section. All hold the same bytes (a seeded pattern) laid out as a
+Llama-3-8B-like bf16 cache: 32 layers of 8 KV heads x 128 dims, at 16
+tokens per block (64 KiB layers, 2 MiB blocks) and 256 tokens per block
+(1 MiB layers, 32 MiB blocks). Every read is checked against the pattern
+after its timed section.
+
+Disk, per block size (--total-mib per round, each contender in its own
+directory on one file system):
+  * kvd: a real daemon (bench/peers/kvd_driver.py) with two disk-tier
+    drives; store = a durable Put under fsync none, group and strict;
+    restore = a Get into the caller's array after a daemon restart (cold
+    host tier), checksums verified by the daemon.
+  * vllm-fs: vLLM's FS secondary tier (its native fs_io_C batch calls, one
+    O_DIRECT file per block, 16 threads), from .venv-vllm.
+  * lmcache-disk: LMCache's local disk backend, from .venv-lmcache.
+  * fio: the physical reference. Before the rounds, fio sweeps jobs x queue
+    depths (1 MiB O_DIRECT io_uring) over a file of the same size; the best
+    read and write settings then run in every round.
+  Before every store the contender's previous data is removed; before
+  every restore the contender drops what it holds in memory and the page
+  cache is dropped (as root).
+Host memory, per block size (--host-mib, blocks already in the store):
+  * kvd without a disk tier, Mooncake's store (.venv-mooncake, shared
+    memory and TCP modes), Redis; memcpy with one and two threads is the
+    ceiling (kvd's client copies with two).
+  * Lookup of an 8,000-block prefix: kvd, Mooncake's batch_is_exist, Redis
+    pipelined EXISTS.
+
+Targets (issue 13, medians): restore >= 1.1x the best peer; store with fsync
+none >= 1.0x the best peer's unsynced store, group >= 0.9x of it, strict >=
+1.0x the best peer's store plus a final sync; host Get >= 0.9x memcpy with
+two threads; Lookup p50 <= 2 ms. A peer whose environment is missing is
+reported as absent, never as beaten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+
+import protocol  # noqa: E402
+from _common import REPO_ROOT, progress, report, summarize_latencies, warn_if_busy, write_result  # noqa: E402
+
+MIB = 1 << 20
+LAYERS, TOKEN_BYTES = 32, 2 * 8 * 128 * 2  # K and V of 8 heads x 128 dims in bf16
+SHAPES = {"tokens16": 16, "tokens256": 256}
+PEERS_DIR = REPO_ROOT / "bench" / "peers"
+TARGETS = {"restore": 1.1, "store_none": 1.0, "store_group": 0.9, "store_strict": 1.0, "host_get": 0.9,
+           "lookup_p50_ms": 2.0}
+LOOKUP_KEYS = 8000
+
+
+@dataclass(frozen=True)
+class ContenderSpec:
+    name: str
+    venv: str
+    script: str
+    args: tuple[str, ...] = ()
+    store_variants: tuple[tuple[str, dict], ...] = ()
+
+    @property
+    def python(self) -> Path:
+        return REPO_ROOT / self.venv / "bin" / "python"
+
+    def available(self) -> bool:
+        return self.python.exists() and (PEERS_DIR / self.script).exists()
+
+
+PEER_STORE = (("store", {"sync": False}), ("store+sync", {"sync": True}))
+KVD_STORE = tuple((f"store {mode}", {"fsync": mode}) for mode in ("none", "group", "strict"))
+DISK_CONTENDERS = (
+    ContenderSpec("kvd", ".venv", "kvd_driver.py", store_variants=KVD_STORE),
+    ContenderSpec("vllm-fs", ".venv-vllm", "vllm_fs.py", store_variants=PEER_STORE),
+    ContenderSpec("lmcache-disk", ".venv-lmcache", "lmcache_disk.py", store_variants=PEER_STORE),
+)
+HOST_CONTENDERS = (
+    ContenderSpec("kvd", ".venv", "kvd_driver.py", ("--no-disk",)),
+    ContenderSpec("mooncake-shm", ".venv-mooncake", "mooncake_store.py", ("--mode", "shm")),
+    ContenderSpec("mooncake-tcp", ".venv-mooncake", "mooncake_store.py", ("--mode", "tcp")),
+    ContenderSpec("redis", ".venv", "redis_driver.py"),
+    ContenderSpec("memcpy x1", ".venv", "memcpy_driver.py", ("1",)),
+    ContenderSpec("memcpy x2", ".venv", "memcpy_driver.py", ("2",)),
+)
+
+
+class Contender:
+    """One driver process; ask() sends a command and returns its answer."""
+
+    def __init__(self, spec: ContenderSpec, workload: protocol.Workload, log_dir: Path) -> None:
+        self.spec = spec
+        self.log_path = log_dir / f"{spec.name.replace(' ', '_')}.log"
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            [str(spec.python), str(PEERS_DIR / spec.script), workload.to_json(), *spec.args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=REPO_ROOT)
+        hello = self._read()
+        if not hello.get("ready"):
+            raise RuntimeError(f"{spec.name} did not start: {hello}")
+        self.version = hello.get("version", "?")
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{self.spec.name} exited ({self.process.poll()}):\n{tail}")
+        return json.loads(line)
+
+    def ask(self, op: str, **fields: Any) -> dict:
+        self.process.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.process.stdin.flush()
+        answer = self._read()
+        if "error" in answer:
+            raise RuntimeError(f"{self.spec.name} {op}: {answer['error']} (log: {self.log_path})")
+        if answer.get("ok") is False:
+            raise RuntimeError(f"{self.spec.name} {op}: the bytes read back are not the bytes stored")
+        return answer
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.write('{"op": "quit"}\n')
+                self.process.stdin.flush()
+                self.process.wait(120)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def drop_page_cache() -> bool:
+    """Write back and drop the page cache (root only); False where not allowed."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def start_all(specs, workload_of, log_dir: Path) -> dict[str, Contender]:
+    started = {}
+    for spec in specs:
+        if not spec.available():
+            progress(f"{spec.name}: not installed ({spec.venv} or bench/peers/{spec.script} missing), left out")
+            continue
+        progress(f"starting {spec.name}")
+        try:
+            started[spec.name] = Contender(spec, workload_of(spec), log_dir)
+        except RuntimeError as error:
+            progress(f"{spec.name}: failed to start, left out: {str(error)[-600:]}")
+    return started
+
+
+def close_all(contenders: dict[str, Contender]) -> None:
+    for contender in contenders.values():
+        contender.close()
+
+
+# ---------------------------------------------------------------------------
+# fio, the physical reference
+
+
+@dataclass
+class FioSetting:
+    jobs: int
+    depth: int
+    rw: str
+    end_fsync: bool = False
+
+    @property
+    def label(self) -> str:
+        sync = " +fsync" if self.end_fsync else ""
+        return f"fio {self.rw} {self.jobs}j qd{self.depth}{sync}"
+
+    def command(self, path: Path, total: int) -> list[str]:
+        per_job = total // self.jobs // MIB * MIB
+        command = [shutil.which("fio") or "fio", "--name=peers", f"--filename={path}", f"--rw={self.rw}",
+                   "--bs=1M", "--direct=1", "--ioengine=io_uring", f"--iodepth={self.depth}",
+                   f"--numjobs={self.jobs}", f"--size={per_job}", f"--offset_increment={per_job}",
+                   "--group_reporting", "--output-format=json"]
+        return command + (["--end_fsync=1"] if self.end_fsync else [])
+
+    def run(self, path: Path, total: int) -> float:
+        drop_page_cache()
+        out = subprocess.run(self.command(path, total), capture_output=True, text=True, check=True)
+        side = json.loads(out.stdout)["jobs"][0]["read" if self.rw == "read" else "write"]
+        if side["io_bytes"] < total // self.jobs // MIB * MIB * self.jobs:
+            raise RuntimeError(f"{self.label} moved {side['io_bytes']} bytes")
+        return side["io_bytes"] / side["bw_bytes"] * total / side["io_bytes"]  # seconds for `total` bytes
+
+
+def fio_sweep(path: Path, total: int, jobs: list[int], depths: list[int]) -> dict[str, Any]:
+    """Every jobs x depth for reads and writes once; the best of each, by bandwidth."""
+    seen: dict[str, float] = {}
+    best: dict[str, FioSetting] = {}
+    for rw in ("write", "read"):  # the write lays the file out for the reads
+        for count in jobs:
+            for depth in depths:
+                setting = FioSetting(count, depth, rw)
+                seconds = setting.run(path, total)
+                seen[setting.label] = total / seconds / (1 << 30)
+                progress(f"  {setting.label}: {seen[setting.label]:.2f} GiB/s")
+                if rw not in best or seconds < total / (seen[best[rw].label] * (1 << 30)):
+                    best[rw] = setting
+    write = best["write"]
+    best["write+fsync"] = FioSetting(write.jobs, write.depth, "write", end_fsync=True)
+    return {"gib_s": seen, "best": best}
+
+
+# ---------------------------------------------------------------------------
+# Rounds
+
+
+@dataclass
+class Samples:
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, label: str, seconds: float) -> None:
+        self.seconds.setdefault(label, []).append(seconds)
+
+    def summary(self, nbytes: int) -> dict[str, Any]:
+        out = {}
+        for label, values in self.seconds.items():
+            rates = [nbytes / s / (1 << 30) for s in values]
+            out[label] = {"median_gib_s": statistics.median(rates), "best_gib_s": max(rates), "gib_s": rates}
+        return out
+
+
+def disk_round(contenders: dict[str, Contender], order: list[str], fio: dict, fio_path: Path,
+               total: int, samples: Samples) -> None:
+    for name in order:
+        contender = contenders[name]
+        for label, fields in contender.spec.store_variants:
+            contender.ask("clear")
+            drop_page_cache()
+            samples.add(f"{name} {label}", contender.ask("store", **fields)["seconds"])
+    for name in order:
+        contenders[name].ask("cold")
+        drop_page_cache()
+        samples.add(f"{name} restore", contenders[name].ask("restore")["seconds"])
+    for key in ("read", "write", "write+fsync"):
+        setting = fio["best"][key]
+        samples.add(f"fio {key}", setting.run(fio_path, total))
+
+
+def host_round(contenders: dict[str, Contender], order: list[str], samples: Samples) -> None:
+    for name in order:
+        samples.add(f"{name} get", contenders[name].ask("get_memory")["seconds"])
+
+
+def rotated(names: list[str], round_index: int) -> list[str]:
+    shift = round_index % max(1, len(names))
+    return names[shift:] + names[:shift]
+
+
+# ---------------------------------------------------------------------------
+# Phases
+
+
+def workload(root: Path, name: str, layer_bytes: int, total: int) -> protocol.Workload:
+    directory = root / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return protocol.Workload(dir=str(directory), layers=LAYERS, layer_bytes=layer_bytes,
+                             blocks=max(1, total // (LAYERS * layer_bytes)))
+
+
+def disk_phase(args, shape: str, tokens: int, root: Path) -> dict[str, Any]:
+    layer_bytes = tokens * TOKEN_BYTES
+    total = args.total_mib * MIB
+    base = root / shape
+    specs = [s for s in DISK_CONTENDERS if not args.only or s.name in args.only]
+    contenders = start_all(specs, lambda s: workload(base, s.name.replace(" ", "_"), layer_bytes, total), base)
+    try:
+        progress(f"{shape}: fio sweep")
+        fio = fio_sweep(base / "fio.bin", total, args.fio_jobs, args.fio_depths)
+        samples = Samples()
+        for index in range(args.rounds):
+            progress(f"{shape}: disk round {index + 1}/{args.rounds}")
+            disk_round(contenders, rotated(sorted(contenders), index), fio, base / "fio.bin", total, samples)
+        versions = {name: c.version for name, c in contenders.items()}
+    finally:
+        close_all(contenders)
+        shutil.rmtree(base, ignore_errors=True)
+    results = samples.summary(total)
+    return {"layer_bytes": layer_bytes, "total_bytes": total, "versions": versions,
+            "fio_sweep_gib_s": fio["gib_s"], "fio_best": {k: v.label for k, v in fio["best"].items()},
+            "results": results, "ratios": disk_ratios(results)}
+
+
+def host_phase(args, shape: str, tokens: int, root: Path, with_lookup: bool) -> dict[str, Any]:
+    layer_bytes = tokens * TOKEN_BYTES
+    total = args.host_mib * MIB
+    base = root / f"host-{shape}"
+    specs = [s for s in HOST_CONTENDERS if not args.only or s.name in args.only]
+    contenders = start_all(specs, lambda s: workload(base, s.name.replace(" ", "_"), layer_bytes, total), base)
+    lookups: dict[str, Any] = {}
+    try:
+        for contender in contenders.values():
+            contender.ask("put_memory")
+        samples = Samples()
+        for index in range(args.rounds):
+            progress(f"{shape}: host round {index + 1}/{args.rounds}")
+            host_round(contenders, rotated(sorted(contenders), index), samples)
+        if with_lookup:
+            lookups = lookup_phase(contenders, args.lookup_repeats)
+        versions = {name: c.version for name, c in contenders.items()}
+    finally:
+        close_all(contenders)
+        shutil.rmtree(base, ignore_errors=True)
+    results = samples.summary(total)
+    return {"layer_bytes": layer_bytes, "total_bytes": total, "versions": versions, "results": results,
+            "ratios": host_ratios(results), "lookup": lookups}
+
+
+def lookup_phase(contenders: dict[str, Contender], repeats: int) -> dict[str, Any]:
+    out = {}
+    for name, contender in contenders.items():
+        answer = contender.ask("lookup", keys=LOOKUP_KEYS, repeats=repeats)
+        if answer.get("unsupported"):
+            continue
+        progress(f"lookup {LOOKUP_KEYS} keys: {name}")
+        out[name] = summarize_latencies(answer["latencies_s"])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Ratios and the report
+
+
+def _median(results: dict, label: str) -> float | None:
+    entry = results.get(label)
+    return entry["median_gib_s"] if entry else None
+
+
+def _best_peer(results: dict, suffix: str, exclude: tuple[str, ...] = ("kvd", "fio")) -> tuple[str | None, float]:
+    best_name, best = None, 0.0
+    for label, entry in results.items():
+        if label.endswith(suffix) and not label.startswith(exclude) and entry["median_gib_s"] > best:
+            best_name, best = label, entry["median_gib_s"]
+    return best_name, best
+
+
+def disk_ratios(results: dict) -> dict[str, Any]:
+    ratios: dict[str, Any] = {}
+    restore_peer, restore_best = _best_peer(results, " restore")
+    store_peer, store_best = _best_peer(results, " store")
+    synced_peer, synced_best = _best_peer(results, " store+sync")
+    pairs = {
+        "restore": ("kvd restore", restore_peer, restore_best),
+        "store_none": ("kvd store none", store_peer, store_best),
+        "store_group": ("kvd store group", store_peer, store_best),
+        "store_strict": ("kvd store strict", synced_peer, synced_best),
+    }
+    for key, (mine, peer, best) in pairs.items():
+        value = _median(results, mine)
+        ratios[key] = {"vs": peer, "ratio": value / best if value and best else None, "target": TARGETS[key]}
+    fio_read = _median(results, "fio read")
+    kvd_restore = _median(results, "kvd restore")
+    ratios["restore_vs_fio_best"] = kvd_restore / fio_read if kvd_restore and fio_read else None
+    return ratios
+
+
+def host_ratios(results: dict) -> dict[str, Any]:
+    kvd = _median(results, "kvd get")
+    ratios: dict[str, Any] = {}
+    for label, entry in results.items():
+        if not label.startswith("kvd") and kvd:
+            ratios[f"kvd / {label.removesuffix(' get')}"] = kvd / entry["median_gib_s"]
+    memcpy = _median(results, "memcpy x2 get")
+    ratios["host_get"] = {"vs": "memcpy x2", "ratio": kvd / memcpy if kvd and memcpy else None,
+                          "target": TARGETS["host_get"]}
+    return ratios
+
+
+def print_phase(title: str, phase: dict[str, Any]) -> None:
+    report(f"\n{title}  ({phase['total_bytes'] / MIB:.0f} MiB, {phase['layer_bytes'] // 1024} KiB layers)")
+    for label, entry in sorted(phase["results"].items()):
+        report(f"  {label:28s} median {entry['median_gib_s']:6.2f} GiB/s   best {entry['best_gib_s']:6.2f}")
+    for key, value in phase["ratios"].items():
+        if isinstance(value, dict):
+            shown = "n/a" if value["ratio"] is None else f"{value['ratio']:.2f}x"
+            met = "" if value["ratio"] is None else ("  met" if value["ratio"] >= value["target"] else "  MISSED")
+            report(f"  {key:28s} {shown} of {value['vs']} (target {value['target']}x){met}")
+        elif value is not None:
+            report(f"  {key:28s} {value:.2f}x")
+    for name, latency in phase.get("lookup", {}).items():
+        report(f"  lookup {LOOKUP_KEYS} {name:18s} p50 {latency['p50_ms']:7.2f} ms   p99 {latency['p99_ms']:7.2f} ms")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--total-mib", type=int, default=2048, help="bytes per disk round")
+    parser.add_argument("--host-mib", type=int, default=1024, help="bytes per host-memory round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--only", nargs="+", help="contender names to run (kvd, vllm-fs, lmcache-disk, ...)")
+    parser.add_argument("--skip-disk", action="store_true")
+    parser.add_argument("--skip-host", action="store_true")
+    parser.add_argument("--fio-jobs", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--fio-depths", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--lookup-repeats", type=int, default=50)
+    parser.add_argument("--dir", default=None, help="where the contenders' directories go (default: a temp dir "
+                        "under the repository, on the same file system as the daemon's)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    warn_if_busy()
+    root = Path(tempfile.mkdtemp(prefix="kvd-peers-", dir=args.dir or REPO_ROOT))
+    out: dict[str, Any] = {"parameters": vars(args), "targets": TARGETS, "page_cache_dropped": drop_page_cache()}
+    try:
+        for shape in args.shapes:
+            tokens = SHAPES[shape]
+            if not args.skip_disk:
+                out[f"disk {shape}"] = phase = disk_phase(args, shape, tokens, root)
+                print_phase(f"disk, {tokens}-token blocks", phase)
+            if not args.skip_host:
+                out[f"host {shape}"] = phase = host_phase(args, shape, tokens, root, shape == args.shapes[0])
+                print_phase(f"host memory, {tokens}-token blocks", phase)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    write_result("bench_peers", out)
+
+
+if __name__ == "__main__":
+    main()

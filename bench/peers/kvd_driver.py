@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""kvd as a contender of bench_peers.py: a real daemon, driven through its client.
+
+    .venv/bin/python bench/peers/kvd_driver.py '<Workload JSON>' [--no-disk]
+
+The daemon runs in its own process with the workload's directory as two
+disk-tier drives (two directories on one file system, as a host with two
+NVMe drives would configure it), host memory sized to hold every block
+below the write-back watermark, and slots exactly one block long. Blocks
+are one prefix chain, stored with a durable Put (the call returns once
+every block is on disk, under the daemon's fsync policy, which the store
+command picks with its "fsync" key: none, group or strict). A restore is a
+Get into the caller's array after a daemon restart, so the host tier is
+cold and every byte comes from disk, checksums verified; the caller's array
+is filled from the arena by the client as the daemon answers.
+
+With --no-disk the daemon has host memory only (the host-memory Get and
+Lookup contender).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+import protocol  # noqa: E402
+
+import kvd  # noqa: E402
+from kvd.client import Client  # noqa: E402
+from kvd.core.keys import DType, NamespaceSpec  # noqa: E402
+from kvd.testing.daemon import start_daemon  # noqa: E402
+
+HEADS, HEAD_DIM, ITEM = 8, 128, 2  # a Llama-3-8B-like layer in bf16: 4 KiB per token
+WATERMARK_HEADROOM = 0.85  # host blocks / capacity, below the 0.9 write-back mark
+LOOKUP_MAX_KEYS = 8192  # the lookup's tiny blocks the host tier makes room for
+LOOKUP_SPEC = NamespaceSpec("bench-peers-lookup", num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=16,
+                            kv_dtype=DType.BFLOAT16)
+
+
+def block_keys(count: int, salt: bytes = b"") -> list[bytes]:
+    return [hashlib.blake2b(salt + i.to_bytes(8, "little"), digest_size=32).digest() for i in range(count)]
+
+
+class KvdContender:
+    def __init__(self, workload: protocol.Workload, disk: bool) -> None:
+        tokens, remainder = divmod(workload.layer_bytes, 2 * HEADS * HEAD_DIM * ITEM)
+        if remainder:
+            raise SystemExit(f"layer_bytes {workload.layer_bytes} is not a whole number of bf16 tokens")
+        self.workload = workload
+        self.disk = disk
+        self.spec = NamespaceSpec("bench-peers", num_layers=workload.layers, num_kv_heads=HEADS,
+                                  head_dim=HEAD_DIM, block_tokens=tokens, kv_dtype=DType.BFLOAT16)
+        self.keys = block_keys(workload.blocks)
+        self.buffer = protocol.aligned_buffer(workload.total_bytes)
+        protocol.fill(self.buffer, workload.seed)
+        self.blocks = self.buffer.view(np.uint16).reshape(workload.blocks, *self.spec.block_shape)
+        self.root = Path(workload.dir)
+        self.fsync = "none"
+        self.daemon = None
+        self.client: Client | None = None
+        self.namespace = None
+
+    # -- the daemon
+
+    def _config(self) -> dict:
+        workload = self.workload
+        pages = int(workload.blocks / WATERMARK_HEADROOM) + 2
+        smallest = workload.block_bytes
+        if not self.disk:  # room for the lookup's tiny blocks, in 4 KiB slots of their own pages
+            smallest = 4096
+            pages += -(-int(LOOKUP_MAX_KEYS * smallest / WATERMARK_HEADROOM) // workload.block_bytes) + 1
+        config: dict = {
+            "host": {"capacity_bytes": pages * workload.block_bytes, "slot_bytes": workload.block_bytes,
+                     "min_slot_bytes": smallest},
+            "log": {"level": "warning"},
+        }
+        if self.disk:
+            segment = max(workload.block_bytes, 1 << 30) // workload.block_bytes * workload.block_bytes
+            per_drive = -(-workload.total_bytes // segment) * segment
+            config["disk"] = {
+                "directories": [str(self.root / "drive0"), str(self.root / "drive1")],
+                "capacity_bytes": per_drive, "slot_bytes": workload.block_bytes,
+                "min_slot_bytes": workload.block_bytes, "segment_bytes": segment, "fsync": self.fsync,
+            }
+        return config
+
+    def start(self) -> None:
+        self.daemon = start_daemon(self.root / "daemon", self._config())
+        self.client = Client(self.daemon.unix_target)
+        self.namespace = self.client.register_namespace(self.spec)
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.daemon is not None:
+            code = self.daemon.stop()
+            if code != 0:
+                raise RuntimeError(f"kvd exited with {code}:\n{self.daemon.log()[-2000:]}")
+            self.daemon = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    # -- the ops
+
+    def store(self, command: dict) -> dict:
+        fsync = command.get("fsync", "none")
+        if fsync != self.fsync or self.daemon is None:
+            self.fsync = fsync
+            self.restart()
+        seconds, stored = protocol.timed(lambda: self.client.put(self.namespace, self.keys, self.blocks, durable=True))
+        return {"seconds": seconds, "ok": stored == len(self.keys), "fsync": fsync}
+
+    def clear(self, command: dict) -> dict:
+        self.stop()
+        for name in ("daemon", "drive0", "drive1"):
+            shutil.rmtree(self.root / name, ignore_errors=True)
+        self.start()
+        return {"ok": True}
+
+    def cold(self, command: dict) -> dict:
+        self.restart()  # host memory is not kept across a restart: the next Get reads the disk
+        return {"ok": True}
+
+    def _get(self) -> dict:
+        protocol.scramble(self.buffer)
+        seconds, out = protocol.timed(lambda: self.client.get_numpy(self.namespace, self.keys, out=self.blocks))
+        ok = out.shape[0] == len(self.keys) and protocol.check(self.buffer, self.workload.seed)
+        protocol.fill(self.buffer, self.workload.seed)  # the source for the next store
+        return {"seconds": seconds, "ok": bool(ok)}
+
+    def put_memory(self, command: dict) -> dict:
+        if self.daemon is None:
+            self.start()
+        stored = self.client.put(self.namespace, self.keys, self.blocks)
+        return {"ok": stored == len(self.keys)}
+
+    def lookup(self, command: dict) -> dict:
+        count, repeats = int(command["keys"]), int(command.get("repeats", 20))
+        if self.daemon is None:
+            self.start()
+        tiny = self.client.register_namespace(LOOKUP_SPEC)
+        keys = block_keys(count, b"lookup")
+        blocks = np.zeros((count, *LOOKUP_SPEC.block_shape), dtype=np.uint16)
+        self.client.put(tiny, keys, blocks)
+        latencies, matched = [], []
+        for _ in range(repeats):
+            seconds, result = protocol.timed(lambda: self.client.lookup(tiny, keys))
+            latencies.append(seconds)
+            matched.append(result.matched)
+        return {"latencies_s": latencies, "ok": all(m == count for m in matched)}
+
+    def handlers(self) -> dict:
+        return {"store": self.store, "clear": self.clear, "cold": self.cold,
+                "restore": lambda command: self._get(), "put_memory": self.put_memory,
+                "get_memory": lambda command: self._get(), "lookup": self.lookup}
+
+
+def main() -> None:
+    workload = protocol.Workload.from_json(sys.argv[1])
+    contender = KvdContender(workload, disk="--no-disk" not in sys.argv[2:])
+    contender.start()
+    try:
+        protocol.serve("kvd", kvd.__version__, contender.handlers())
+    finally:
+        contender.stop()
+
+
+if __name__ == "__main__":
+    main()
