@@ -182,6 +182,15 @@ def _parallel(copy: Callable[[int, int], None], rows: int, total_bytes: int) -> 
         future.result()
 
 
+def take_columns(source: np.ndarray, slots: np.ndarray, out: np.ndarray, low: int, high: int) -> None:
+    """out[i, low:high] = source[slots[i], low:high]: the bytes of some layers
+    of every block, one numpy call per copy thread."""
+    def copy(start: int, stop: int) -> None:
+        np.take(source[:, low:high], slots[start:stop], axis=0, out=out[start:stop, low:high], mode="clip")
+
+    _parallel(copy, len(slots), len(slots) * (high - low))
+
+
 class ArenaMapping:
     """A client's mapping of the daemon's host arena (its tenant's file of it).
 

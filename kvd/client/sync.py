@@ -148,10 +148,10 @@ class Client(_ops.ClientBase):
         try:
             for message in itertools.chain([first], stream):
                 matched = min(matched, message.matched)
-                while copied < message.layers_ready:
-                    low, high = copied * layer_bytes, (copied + 1) * layer_bytes
-                    np.take(source[:, low:high], slots[:matched], axis=0, out=rows[:matched, low:high], mode="clip")
-                    copied += 1
+                if copied < message.layers_ready:
+                    _wire.take_columns(source, slots[:matched], rows[:matched], copied * layer_bytes,
+                                       message.layers_ready * layer_bytes)
+                    copied = message.layers_ready
                 yield copied, _wire.blocks_to_output(namespace, rows, matched)
         finally:
             stream.cancel()
