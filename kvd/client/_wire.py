@@ -182,6 +182,23 @@ def _parallel(copy: Callable[[int, int], None], rows: int, total_bytes: int) -> 
         future.result()
 
 
+# Rows at least this wide are copied as runs of consecutive slots with
+# np.copyto, which ran at twice the speed of np.take for 2 MiB rows (12.5 vs
+# 6.8 GiB/s, two threads, memfd or anonymous memory alike); narrower rows
+# keep one np.take, whose per-row cost is lower than a Python call's.
+RUN_COPY_MIN_BYTES = 64 << 10
+
+
+def slot_runs(slots: np.ndarray, start: int, stop: int) -> list[tuple[int, int]]:
+    """Positions [first, last) within [start, stop) whose slots are consecutive
+    (slots[first] + k == slots[first + k]): one per run, in order."""
+    if stop <= start:
+        return []
+    breaks = np.flatnonzero(np.diff(slots[start:stop]) != 1) + 1 + start
+    bounds = [start, *breaks.tolist(), stop]
+    return list(zip(bounds, bounds[1:]))
+
+
 def take_columns(source: np.ndarray, slots: np.ndarray, out: np.ndarray, low: int, high: int) -> None:
     """out[i, low:high] = source[slots[i], low:high]: the bytes of some layers
     of every block, one numpy call per copy thread."""
@@ -250,26 +267,34 @@ class ArenaMapping:
         return slots
 
     def scatter(self, rows: np.ndarray, offsets: Sequence[int]) -> None:
-        """Write rows[i] (one block each) into the slot at offsets[i]: one numpy call per copy thread."""
+        """Write rows[i] (one block each) into the slot at offsets[i], over the copy threads."""
         width = rows.shape[1]
         slots = self.slot_indices(offsets, width)
         target = self.rows(self.stride(width))
 
         def copy(start: int, stop: int) -> None:
-            target[slots[start:stop], :width] = rows[start:stop]
+            if width < RUN_COPY_MIN_BYTES:
+                target[slots[start:stop], :width] = rows[start:stop]
+                return
+            for first, last in slot_runs(slots, start, stop):
+                np.copyto(target[slots[first]:slots[first] + last - first, :width], rows[first:last])
 
         _parallel(copy, len(slots), len(slots) * width)
 
     def gather(self, offsets: Sequence[int], width: int, out: np.ndarray) -> None:
-        """Copy the `width` bytes of the block in each slot into out's rows: one numpy call per copy thread."""
+        """Copy the `width` bytes of the block in each slot into out's rows, over the copy threads."""
         slots = self.slot_indices(offsets, width)
         source = self.rows(self.stride(width))[:, :width]
 
         def copy(start: int, stop: int) -> None:
-            # mode="clip": with the default mode="raise" numpy buffers `out`
-            # and copies twice (measured 2.3 vs 8.4 GiB/s for 2 MiB rows);
-            # slot_indices already checked the range.
-            np.take(source, slots[start:stop], axis=0, out=out[start:stop], mode="clip")
+            if width < RUN_COPY_MIN_BYTES:
+                # mode="clip": with the default mode="raise" numpy buffers `out`
+                # and copies twice (measured 2.3 vs 8.4 GiB/s for 2 MiB rows);
+                # slot_indices already checked the range.
+                np.take(source, slots[start:stop], axis=0, out=out[start:stop], mode="clip")
+                return
+            for first, last in slot_runs(slots, start, stop):
+                np.copyto(out[first:last], source[slots[first]:slots[first] + last - first])
 
         _parallel(copy, len(slots), len(slots) * width)
 

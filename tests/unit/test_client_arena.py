@@ -43,6 +43,39 @@ def test_scatter_then_gather_round_trips(arena, rows):
     assert np.array_equal(out, data)
 
 
+SLOT_PATTERNS = {
+    "one run": list(range(5, 35)),
+    "runs and gaps": [3, 4, 5, 9, 10, 0, 1, 2, 30, 31, 32, 33, 20, 39] + list(range(11, 20)),
+    "descending": list(range(39, 9, -1)),
+}
+
+
+@pytest.mark.parametrize("pattern", SLOT_PATTERNS)
+@pytest.mark.parametrize("width", [(1 << 20) - 4096, 16 << 10])  # copied as slot runs / with one np.take
+def test_scatter_and_gather_of_slot_runs(arena, pattern, width):
+    owner, mapping = arena
+    slots = np.array(SLOT_PATTERNS[pattern])
+    data = np.random.default_rng(len(slots)).integers(0, 256, (len(slots), width), dtype=np.uint8)
+    offsets = (slots * (1 << 20)).tolist()
+    mapping.scatter(data, offsets)
+    for row, slot in enumerate(slots):
+        assert owner.read(int(slot), width) == data[row].tobytes()
+    out = np.zeros_like(data)
+    mapping.gather(offsets, width, out)
+    assert np.array_equal(out, data)
+
+
+def test_slot_runs_cover_the_range_in_maximal_runs():
+    slots = np.array(SLOT_PATTERNS["runs and gaps"])
+    runs = _wire.slot_runs(slots, 0, len(slots))
+    assert runs[0] == (0, 3) and runs[1] == (3, 5) and runs[2] == (5, 8)
+    assert [first for first, _ in runs[1:]] == [last for _, last in runs[:-1]] and runs[-1][1] == len(slots)
+    for first, last in runs:
+        assert np.array_equal(slots[first:last], np.arange(slots[first], slots[first] + last - first))
+    assert all(slots[last] != slots[last - 1] + 1 for _, last in runs[:-1])
+    assert _wire.slot_runs(slots, 4, 4) == [] and _wire.slot_runs(slots, 4, 9) == [(4, 5), (5, 8), (8, 9)]
+
+
 @pytest.mark.parametrize("offset", [-(1 << 20), 40 << 20, (1 << 20) + 1])
 def test_bad_offsets_are_rejected_not_clamped(arena, offset):
     _, mapping = arena
