@@ -32,7 +32,12 @@ def test_scatter_then_gather_round_trips(arena, rows):
     assert (rows << 20 >= _wire.PARALLEL_COPY_MIN_BYTES) == (rows == 30)
     width = (1 << 20) - 4096  # blocks smaller than their slot
     data = np.random.default_rng(rows).integers(0, 256, (rows, width), dtype=np.uint8)
-    slots = np.random.default_rng(1).permutation(40)[:rows]
+    round_trip(owner, mapping, data, np.random.default_rng(1).permutation(40)[:rows])
+
+
+def round_trip(owner: HostArena, mapping: ArenaMapping, data: np.ndarray, slots: np.ndarray) -> None:
+    """Scatter data's rows into 1 MiB slots `slots`, check them from the daemon's side, gather them back."""
+    width = data.shape[1]
     offsets = (slots * (1 << 20)).tolist()
     mapping.scatter(data, offsets)
     # The daemon's own mapping sees exactly these bytes in exactly those slots.
@@ -56,13 +61,7 @@ def test_scatter_and_gather_of_slot_runs(arena, pattern, width):
     owner, mapping = arena
     slots = np.array(SLOT_PATTERNS[pattern])
     data = np.random.default_rng(len(slots)).integers(0, 256, (len(slots), width), dtype=np.uint8)
-    offsets = (slots * (1 << 20)).tolist()
-    mapping.scatter(data, offsets)
-    for row, slot in enumerate(slots):
-        assert owner.read(int(slot), width) == data[row].tobytes()
-    out = np.zeros_like(data)
-    mapping.gather(offsets, width, out)
-    assert np.array_equal(out, data)
+    round_trip(owner, mapping, data, slots)
 
 
 def test_slot_runs_cover_the_range_in_maximal_runs():
