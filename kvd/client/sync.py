@@ -149,7 +149,7 @@ class Client(_ops.ClientBase):
             for message in itertools.chain([first], stream):
                 matched = min(matched, message.matched)
                 if copied < message.layers_ready:
-                    _wire.take_columns(source, slots[:matched], rows[:matched], copied * layer_bytes,
+                    _wire.copy_rows(source, slots[:matched], rows[:matched], copied * layer_bytes,
                                        message.layers_ready * layer_bytes)
                     copied = message.layers_ready
                 yield copied, _wire.blocks_to_output(namespace, rows, matched)
