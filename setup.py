@@ -39,8 +39,8 @@ def native_extension() -> Extension:
         compile_args += ["-O2"]
     return Extension(
         "kvd._native",
-        sources=["native/module.c", "native/uring_batch.c", "native/checksum.c"],
-        depends=["native/uring_batch.h", "native/checksum.h"],
+        sources=["native/module.c", "native/uring_batch.c", "native/checksum.c", "native/prefix.c"],
+        depends=["native/uring_batch.h", "native/checksum.h", "native/prefix.h"],
         include_dirs=["native"],
         libraries=["uring", "isal"],
         extra_compile_args=compile_args,

@@ -1,5 +1,5 @@
 /*
- * kvd._native: a thin CPython binding of uring_batch.
+ * kvd._native: a thin CPython binding of uring_batch (and of prefix.c's walk).
  *
  * It only converts arguments (buffer-protocol arrays, never numpy's C API,
  * so the build needs no numpy headers), releases the GIL around anything
@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "checksum.h"
+#include "prefix.h"
 #include "uring_batch.h"
 
 #ifdef KVD_CHECK_ADDRESSES
@@ -484,6 +485,8 @@ static PyObject *native_crc32c_chunks(PyObject *Py_UNUSED(module), PyObject *arg
 static PyMethodDef native_functions[] = {
     {"crc32c_chunks", native_crc32c_chunks, METH_VARARGS,
      "crc32c_chunks(addresses: uint64 array, chunk, chunks, out: uint32 array) -> None"},
+    {"match_chain", kvd_match_chain, METH_VARARGS,
+     "match_chain(nodes: dict, keys: bytes, key_bytes, parent, sealed) -> list of the matched nodes"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -21,7 +21,7 @@ from kvd import arena_protocol
 from kvd.client import _wire
 from kvd.client._wire import ArenaMapping, LookupResult, Namespace, PrefetchResult
 from kvd.client.errors import NotDurableError
-from kvd.core.keys import NamespaceSpec
+from kvd.core.keys import KEY_BYTES, NamespaceSpec
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 Call = tuple[str, Any]
@@ -203,10 +203,13 @@ def register_namespace(session: Session, spec: NamespaceSpec) -> Op:
 
 
 def lookup(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes) -> Op:
-    response = yield (
-        "Lookup",
-        kvd_pb2.LookupRequest(namespace_id=namespace.namespace_id, keys=keys, parent_key=parent_key),
-    )
+    request = kvd_pb2.LookupRequest(namespace_id=namespace.namespace_id, parent_key=parent_key)
+    packed = b"".join(keys)
+    if len(packed) == KEY_BYTES * len(keys):
+        request.packed_keys = packed
+    else:  # a key of the wrong size: the daemon names it (keys[i] is N bytes)
+        request.keys.extend(keys)
+    response = yield ("Lookup", request)
     return LookupResult(response.matched, list(response.tiers))
 
 

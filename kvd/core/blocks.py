@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from operator import attrgetter
 
 import numpy as np
 
@@ -27,6 +28,8 @@ from kvd.core.residency import TierStack
 from kvd.core.slot_pool import SlotClass
 from kvd.core.tier import MemoryTier, StorageTier, Tier, TierId
 from kvd.invariants import InvariantError, check
+
+_SLOT_OF = attrgetter("slot")
 
 
 class BlockBook:
@@ -157,7 +160,7 @@ class BlockBook:
     def tier_bytes(self, blocks: Sequence[Block]) -> bytes:
         """tier_of each block, as one TierId byte each, in one pass (a
         Lookup of thousands of blocks; every block resides somewhere)."""
-        gids = np.fromiter((block.slot for block in blocks), dtype=np.int64, count=len(blocks))
+        gids = np.fromiter(map(_SLOT_OF, blocks), dtype=np.int64, count=len(blocks))
         codes = self.tiers.tier_ids_of(gids)
         if self.loading:
             # A host copy still being read in does not count: those few walk their chain.

@@ -265,6 +265,42 @@ class ExtraKey:
         return _field(self.tag.encode(), self.value)
 
 
+class PackedKeys(Sequence[bytes]):
+    """Keys of KEY_BYTES each, back to back in one bytes object.
+
+    A Lookup of a long prefix carries its keys this way (LookupRequest's
+    packed_keys): one protobuf field instead of thousands of bytes objects
+    to build, parse and check, and the prefix index walks it in native code
+    (PrefixIndex.match). Indexing and iteration give the keys as bytes, so
+    it is a Sequence[bytes] wherever one is expected.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes, field_name: str = "packed_keys") -> None:
+        if len(data) % KEY_BYTES:
+            raise InvalidArgument(
+                f"{field_name} is {len(data)} bytes, not a whole number of {KEY_BYTES}-byte keys"
+            )
+        self.data = bytes(data)
+
+    def __len__(self) -> int:
+        return len(self.data) // KEY_BYTES
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self.data[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(*index.indices(len(self)))]
+        count = len(self)
+        if not -count <= index < count:
+            raise IndexError("PackedKeys index out of range")
+        index %= count
+        return self.data[index * KEY_BYTES : (index + 1) * KEY_BYTES]
+
+    def __iter__(self) -> Iterator[bytes]:
+        data = self.data
+        return (data[i : i + KEY_BYTES] for i in range(0, len(data), KEY_BYTES))
+
+
 def block_key(parent: bytes, token_ids: bytes, extras: Sequence[ExtraKey] = ()) -> bytes:
     """Key of one block given its parent key and its tokens as u32le bytes."""
     if len(parent) != KEY_BYTES:

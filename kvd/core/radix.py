@@ -29,7 +29,13 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvd.core.block import Block, BlockState
+from kvd.core.keys import KEY_BYTES, PackedKeys
 from kvd.invariants import check
+
+try:
+    from kvd._native import match_chain as _native_match_chain
+except ImportError:  # not built: the same walk in Python (match's loop)
+    _native_match_chain = None
 
 if TYPE_CHECKING:
     from kvd.core.quota import TenantQuota
@@ -67,8 +73,11 @@ class PrefixIndex:
         """Longest prefix of `keys` stored as sealed blocks under `parent`.
 
         The hot path of Lookup and Get: one dict probe and two identity
-        checks per key.
+        checks per key. Packed keys (a long Lookup) are walked in native
+        code, which stops at the same key with the same result.
         """
+        if _native_match_chain is not None and isinstance(keys, PackedKeys):
+            return _native_match_chain(self.nodes, keys.data, KEY_BYTES, parent, BlockState.SEALED)
         # map() probes the dict at C speed; the loop only checks links.
         found = list(map(self.nodes.get, keys))
         sealed = BlockState.SEALED

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvd.core.block import Block, BlockState
-from kvd.core.keys import KEY_BYTES
+from kvd.core.keys import KEY_BYTES, PackedKeys
 from kvd.core.lease import LeaseTable
 from kvd.core.limits import MAX_CLIENT_ID_CHARS, EngineLimits
 from kvd.core.namespaces import NamespaceState
@@ -50,8 +50,12 @@ class CommitRequest:
 
 
 def check_keys(limits: EngineLimits, keys: Sequence[bytes], field_name: str) -> None:
+    if isinstance(keys, PackedKeys):
+        field_name = "packed_keys"
     if len(keys) > limits.max_batch_keys:
         raise InvalidArgument(f"{field_name} has {len(keys)} keys; at most {limits.max_batch_keys} per call")
+    if isinstance(keys, PackedKeys):
+        return  # whole keys by construction
     if keys and set(map(len, keys)) == {KEY_BYTES}:
         return
     for position, key in enumerate(keys):

@@ -14,7 +14,7 @@ import grpc
 from kvd.core.block import Block
 from kvd.core.engine import Engine, PrefetchPlan, TierId
 from kvd.core.events import Event
-from kvd.core.keys import DType, InnerLayout, KvOrder, NamespaceSpec
+from kvd.core.keys import DType, InnerLayout, KvOrder, NamespaceSpec, PackedKeys
 from kvd.errors import InvalidArgument, KvdError
 from kvd.v1 import kvd_pb2
 
@@ -59,6 +59,15 @@ def spec_from_proto(message: kvd_pb2.NamespaceSpec) -> NamespaceSpec:
 
 
 _HOST_TIER_BYTE = bytes((int(TierId.HOST),))
+
+
+def lookup_keys(request: kvd_pb2.LookupRequest) -> Sequence[bytes]:
+    """A Lookup's keys: packed_keys as they came (no object per key), else the repeated field."""
+    if not request.packed_keys:
+        return list(request.keys)
+    if request.keys:
+        raise InvalidArgument("set keys or packed_keys, not both")
+    return PackedKeys(request.packed_keys)
 
 
 def tiers(engine: Engine, blocks: Sequence[Block]) -> bytes:

@@ -238,7 +238,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
 
     @rpc("Lookup")
     async def Lookup(self, request, context):
-        matched = self.engine.lookup(request.namespace_id, list(request.keys), request.parent_key)
+        matched = self.engine.lookup(request.namespace_id, convert.lookup_keys(request), request.parent_key)
         return kvd_pb2.LookupResponse(matched=len(matched), tiers=convert.tiers(self.engine, matched))
 
     async def _reserve(self, request, lease_ms: int):

@@ -86,6 +86,35 @@ def test_unknown_namespace_and_malformed_keys(stub, client, stored):
     assert_unchanged(client, stored)
 
 
+def test_packed_lookup_keys(stub, client, stored):
+    namespace, keys, _ = stored
+    ns = namespace.namespace_id
+
+    def lookup(**fields):
+        return stub.Lookup(kvd_pb2.LookupRequest(namespace_id=ns, **fields))
+
+    # Packed and listed keys give the same answer, from any parent; tiers per block.
+    for prefix, parent in ((keys, b""), (keys[:5] + [b"\x09" * 32] + keys[6:], b""), (keys[3:], keys[2])):
+        listed = lookup(keys=prefix, parent_key=parent)
+        packed = lookup(packed_keys=b"".join(prefix), parent_key=parent)
+        assert (packed.matched, packed.tiers) == (listed.matched, listed.tiers)
+        assert len(packed.tiers) == packed.matched
+    assert lookup(packed_keys=b"".join(keys)).matched == len(keys)
+    assert lookup(packed_keys=b"".join(keys[3:]), parent_key=keys[2]).matched == len(keys) - 3
+    assert lookup(packed_keys=b"".join(keys[3:])).matched == 0  # keys[3] is not a root block
+    assert_status(lambda: lookup(packed_keys=b"".join(keys) + b"x"),
+                  grpc.StatusCode.INVALID_ARGUMENT, f"packed_keys is {32 * len(keys) + 1} bytes, not a whole number")
+    assert_status(lambda: lookup(packed_keys=b"".join(keys), keys=keys[:1]),
+                  grpc.StatusCode.INVALID_ARGUMENT, "set keys or packed_keys, not both")
+    assert_status(lambda: lookup(packed_keys=bytes(32 * 100_000)),
+                  grpc.StatusCode.INVALID_ARGUMENT, "packed_keys has 100000 keys; at most")
+    # The client packs whole keys and sends a bad one as listed keys, so the daemon can name it.
+    assert client.lookup(namespace, keys).matched == len(keys)
+    with pytest.raises(grpc.RpcError, match=r"keys\[2\] is 31 bytes"):
+        client.lookup(namespace, [keys[0], keys[1], b"x" * 31])
+    assert_unchanged(client, stored)
+
+
 def test_wrong_payload_sizes(stub, client, stored):
     namespace, keys, _ = stored
     fresh = namespace.keys(np.arange(3 * 16) + 900_000)

@@ -104,7 +104,8 @@ def imports_native(path: Path) -> bool:
     return False
 
 
-def test_only_kvd_io_imports_the_native_module():
-    """kvd._native is imported by two kvd.io modules only, so nothing bypasses kvd.io's checks and fallback."""
+def test_only_kvd_io_and_the_prefix_index_import_the_native_module():
+    """kvd._native's I/O is imported by two kvd.io modules only, so nothing bypasses kvd.io's checks and
+    fallback; the prefix index imports its walk (match_chain), with its own Python loop as the fallback."""
     importers = sorted(module_name(path) for path in PACKAGE.rglob("*.py") if imports_native(path))
-    assert importers == ["kvd.io.checksum", "kvd.io.uring"], importers
+    assert importers == ["kvd.core.radix", "kvd.io.checksum", "kvd.io.uring"], importers

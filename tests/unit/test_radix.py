@@ -7,11 +7,17 @@ The index does not seal blocks (the engine does), so these tests set
 from __future__ import annotations
 
 import hashlib
+import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvd.core import radix
 from kvd.core.block import Block, BlockState
+from kvd.core.keys import PackedKeys
 from kvd.core.radix import PrefixIndex
+from kvd.errors import InvalidArgument
 from kvd.invariants import InvariantError
 
 
@@ -102,6 +108,81 @@ def test_match_does_not_change_the_index(index):
     index.match([key("a"), key("b"), key("zz")])
     assert {k: (n.state, n.children, n.ref_count, n.parent) for k, n in index.nodes.items()} == before
     assert len(index) == len(blocks)
+
+
+# ----------------------------------------------------------------------
+# match of packed keys (a long Lookup): the native walk, same answers
+
+
+def packed_and_listed(index: PrefixIndex, keys: list[bytes], parent: Block | None = None) -> list[Block]:
+    """index.match of `keys` packed (the native walk) and listed (the Python loop): the same blocks."""
+    listed = index.match(keys, parent)
+    packed = index.match(PackedKeys(b"".join(keys)), parent)
+    assert len(packed) == len(listed) and all(a is b for a, b in zip(packed, listed, strict=True))
+    return packed
+
+
+def test_packed_keys_take_the_native_walk():
+    # The native module is built by `make setup`; without it the packed path is the Python loop.
+    assert radix._native_match_chain is not None
+
+
+def test_packed_match_stops_where_the_loop_does(index):
+    a, b, c = sealed_chain(index, ["a", "b", "c"])
+    (b2,) = sealed_chain(index, ["b2"], parent=a)
+    d = index.insert(key("d"), c)  # WRITABLE
+    assert packed_and_listed(index, [key("a"), key("b"), key("c"), key("d")]) == [a, b, c]
+    assert packed_and_listed(index, [key("a"), key("c")]) == [a]
+    assert packed_and_listed(index, [key("a"), key("b2"), key("c")]) == [a, b2]
+    assert packed_and_listed(index, [key("b"), key("c")]) == []
+    assert packed_and_listed(index, [key("b"), key("c")], parent=a) == [b, c]
+    assert packed_and_listed(index, [key("a"), key("a")]) == [a]
+    assert packed_and_listed(index, []) == []
+    d.state = BlockState.LOST
+    assert packed_and_listed(index, [key("a"), key("b"), key("c"), key("d")]) == [a, b, c]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parents=st.lists(st.integers(min_value=-1, max_value=30), min_size=1, max_size=30),
+    states=st.lists(st.sampled_from([BlockState.SEALED] * 4 + [BlockState.WRITABLE, BlockState.LOST]),
+                    min_size=30, max_size=30),
+    query=st.lists(st.integers(min_value=0, max_value=40), max_size=40),
+    start=st.integers(min_value=-1, max_value=30),
+)
+def test_packed_match_equals_the_loop_on_any_forest(parents, states, query, start):
+    index = PrefixIndex("test", 64)
+    blocks: list[Block] = []
+    for position, parent in enumerate(parents):
+        # Node i hangs under an earlier node (or is a root): any forest.
+        under = blocks[parent % position] if parent >= 0 and position else None
+        blocks.append(index.insert(key(str(position)), under))
+        blocks[-1].state = states[position]
+    # Queries mix stored keys (any order) with keys never stored (numbers past the forest).
+    keys = [key(str(number)) for number in query]
+    parent = blocks[start % len(blocks)] if start >= 0 else None
+    packed_and_listed(index, keys, parent)
+
+
+def test_native_walk_reads_fields_of_any_node_type():
+    # Blocks are read through their slot offsets; any other object through getattr, with the same answer.
+    nodes, parent = {}, None
+    for name in "abcd":
+        parent = nodes[key(name)] = types.SimpleNamespace(key=key(name), parent=parent, state=BlockState.SEALED)
+    nodes[key("c")].state = BlockState.WRITABLE
+    walk = [key(name) for name in "abcd"]
+    assert radix._native_match_chain(nodes, b"".join(walk), 32, None, BlockState.SEALED) == [nodes[key("a")],
+                                                                                            nodes[key("b")]]
+    del nodes[key("a")].key  # a field that is not there is an error, not a guess
+    with pytest.raises(AttributeError):
+        radix._native_match_chain(nodes, b"".join(walk[:2]), 32, None, BlockState.SEALED)
+
+
+def test_packed_keys_must_be_whole_keys():
+    with pytest.raises(InvalidArgument, match="packed_keys is 33 bytes, not a whole number of 32-byte keys"):
+        PackedKeys(bytes(33))
+    with pytest.raises(ValueError, match="not a whole number of 32-byte keys"):
+        radix._native_match_chain({}, bytes(33), 32, None, BlockState.SEALED)
 
 
 # ----------------------------------------------------------------------
