@@ -710,12 +710,7 @@ class DiskTier:
         check(all(int(slot) not in self._owners for slot in slots), "writing into a slot whose block was not removed")
         drives, files, offsets = locate_many(config, slots)
         ok = self._sync_reused_slots(drives, slots)
-        # Checksums come from the source, before the write: if the source
-        # changes under us the record disagrees with the disk and the block
-        # reads back as corrupt (a miss), never as wrong bytes. One native
-        # call for every layer of every block.
-        checksums = crc32c_chunks(sources, layer_bytes, num_layers)
-        self._write_data(ok, files, offsets, block_bytes, sources)
+        checksums = self._write_data(ok, files, offsets, block_bytes, sources, layer_bytes)
         self._sync_data(ok, drives, files)
         for drive in np.unique(drives[ok]).tolist():
             members = np.nonzero(ok & (drives == drive))[0].tolist()
@@ -770,19 +765,32 @@ class DiskTier:
         return ok
 
     def _write_data(self, ok: np.ndarray, files: np.ndarray, offsets: np.ndarray, block_bytes: int,
-                    sources: np.ndarray) -> None:
-        """Write the blocks still `ok` (one extent each, all in one batch); clear `ok` where a write fell short."""
+                    sources: np.ndarray, layer_bytes: int) -> np.ndarray:
+        """Write the blocks still `ok` (one extent each, all in one batch); clear `ok` where a write fell short.
+
+        Returns every block's layer checksums, computed from the source
+        while the drive writes it (one native call, the GIL released): the
+        drive and the checksum read the same pinned bytes. Should the source
+        change under us anyway, the record disagrees with the disk and the
+        block reads back as corrupt (a miss), never as wrong bytes.
+        """
         chosen = np.nonzero(ok)[0]
-        if not chosen.size:
-            return
         # The block's layers are contiguous in the slot and in the source.
-        results = self._transfer(self._op_write, files[chosen], offsets[chosen], block_bytes, sources[chosen])
+        batch = self._submit(self._op_write, files[chosen], offsets[chosen], block_bytes, sources[chosen]) \
+            if chosen.size else None
+        try:
+            checksums = crc32c_chunks(sources, layer_bytes, block_bytes // layer_bytes)
+        finally:
+            results = self._engine.wait(batch) if batch is not None else None
+        if results is None:
+            return checksums
         for position, result in zip(chosen.tolist(), results.tolist(), strict=True):
             if result == block_bytes:
                 self.stats.bytes_written += block_bytes
             else:
                 ok[position] = False
                 self.stats.count_error(_error_kind(result, "short_write"))
+        return checksums
 
     def _transfer(
         self, op: int, files: np.ndarray, offsets: np.ndarray, length: int, addresses: np.ndarray
