@@ -95,6 +95,8 @@ class KvdContender:
         self.daemon = start_daemon(self.root / "daemon", self._config())
         self.client = Client(self.daemon.unix_target)
         self.namespace = self.client.register_namespace(self.spec)
+        # Connect now (map the arena), as an engine does once at start: set-up, not part of a store or restore.
+        self.client.arena_info()
 
     def stop(self) -> None:
         if self.client is not None:

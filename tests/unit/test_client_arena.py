@@ -83,3 +83,31 @@ def test_bad_offsets_are_rejected_not_clamped(arena, offset):
         mapping.gather([0, offset], 16, out)
     with pytest.raises(InvalidArgument, match="arena offset"):
         mapping.scatter(out, [0, offset])
+
+
+def mapped_kib(mapping: ArenaMapping) -> int:
+    """Resident KiB of the mapping's own range, from /proc/self/smaps."""
+    start = mapping.slots.ctypes.data
+    lines = open("/proc/self/smaps").read().splitlines()
+    for number, line in enumerate(lines):
+        if line[0] in "0123456789abcdef" and int(line.split("-")[0], 16) == start:
+            return next(int(row.split()[1]) for row in lines[number + 1:] if row.startswith("Rss:"))
+    raise AssertionError("the mapping is not in /proc/self/smaps")
+
+
+@pytest.mark.parametrize("populate", [True, False], ids=["populated", "too-large-to-populate"])
+def test_the_arena_is_mapped_populated_up_to_a_size(monkeypatch, populate):
+    """A client maps the daemon's (preallocated) arena with its pages in place, so its first copies take no
+    page faults; past ARENA_POPULATE_MAX_BYTES it maps them on first touch instead."""
+    layout = ArenaLayout(slot_bytes=1 << 20, slot_count=8)
+    owner = HostArena(layout, prefault=True)
+    if not populate:
+        monkeypatch.setattr(_wire, "ARENA_POPULATE_MAX_BYTES", layout.arena_bytes - 1)
+    info = kvd_pb2.ArenaInfoResponse(arena_bytes=layout.arena_bytes, slot_bytes=layout.slot_bytes,
+                                     slot_count=layout.slot_count, instance_id=owner.instance_id)
+    mapping = ArenaMapping(info, owner.tenant_fd(""))
+    try:
+        assert mapped_kib(mapping) == (layout.arena_bytes >> 10 if populate else 0)
+    finally:
+        mapping.close()
+        owner.close()
