@@ -14,6 +14,7 @@ from kvd.invariants import InvariantError
 from kvd.io import Op
 from kvd.tiers.disk.journal import FsyncPolicy, OsFileSystem
 from kvd.tiers.disk.layout import locate, segment_name
+from kvd.tiers.disk import tier as tier_module
 from kvd.tiers.disk.tier import DiskTier, ReadFailure
 from tests.disk.conftest import (
     BLOCK_BYTES,
@@ -69,6 +70,31 @@ def test_round_trip_is_bit_exact_through_a_host_arena(drives, arena, io_engine, 
     assert engine_stats["entries"] == 10 + 10 * groups
     assert engine_stats["checksum_chunks"] == 10 * LAYERS  # every layer checksummed by the engine
     tier.verify()
+    tier.close()
+
+
+@pytest.mark.parametrize("read_ahead", [64 << 20, 0], ids=["read-ahead", "two-groups"])
+def test_layer_groups_are_read_ahead_within_the_byte_budget(drives, arena, io_engine, monkeypatch, read_ahead):
+    """One layer per group (3 groups): all three are in flight at once while they fit in READ_AHEAD_BYTES;
+    with no budget, two at a time (the floor). The bytes are bit-exact either way."""
+    monkeypatch.setattr(tier_module, "READ_AHEAD_BYTES", read_ahead)
+    config = make_config(drives, engine=io_engine, read_extent_bytes=LAYER_BYTES)
+    tier, _ = open_tier(config)
+    blocks = {slot: 300 + slot for slot in range(6)}
+    assert write(tier, arena, blocks) == [True] * 6
+    engine, most = tier.engine, []
+    submit = engine.submit
+
+    def counting_submit(*args, **kwargs):
+        batch = submit(*args, **kwargs)
+        most.append(engine.batches_in_flight)
+        return batch
+
+    monkeypatch.setattr(engine, "submit", counting_submit)
+    assert read(tier, arena, list(blocks)).tolist() == [True] * 6
+    assert max(most) == (LAYERS if read_ahead else 2) and len(most) == LAYERS
+    for i, seed in enumerate(blocks.values()):
+        assert host_bytes(arena, 32 + i) == expected_bytes(seed)
     tier.close()
 
 

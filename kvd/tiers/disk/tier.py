@@ -94,6 +94,11 @@ LayerCallback = Callable[[int, np.ndarray], None]
 WriteItem = tuple[bytes, bytes, int, int]  # key, parent key (b"" for a root), slot, source address
 # key, slot, destination address, layer checksums (packed u32le, as in PutRecord)
 ReadItem = tuple[bytes, int, int, bytes]
+# read_blocks keeps layer groups in flight up to this many bytes (two groups
+# at least). With 2 groups a restore of 32 MiB blocks in 1 MiB layers (one
+# layer per group) read 1.69 GiB/s here; with up to 8 in flight, 2.68.
+READ_AHEAD_BYTES = 256 << 20
+READ_AHEAD_GROUPS = 8  # and at most this many (an engine takes 64 batches at a time)
 
 
 # ----------------------------------------------------------------------
@@ -861,7 +866,7 @@ class DiskTier:
         items: (key, slot, destination address, the layer checksums of its
         record). Layers are read in groups: one extent of `width` layers per
         block (about config.read_extent_bytes), ONE batch of N extents per
-        group, so O(L) submissions at most. The next group is in flight
+        group, so O(L) submissions at most. Later groups are in flight
         while this one is checked; the engine computes every layer's crc32c
         as it is reaped, and this method compares whole arrays.
         on_layer(layer, ok) is called, in layer order, once layer `layer` of
@@ -914,12 +919,14 @@ class DiskTier:
                            destinations: np.ndarray, expected: np.ndarray, ok: np.ndarray, reasons: np.ndarray,
                            on_layer: LayerCallback | None) -> None:
         """Each block in extents of `width` whole layers: one batch per group
-        of layers, every block in it, so O(L / width) submissions; the next
-        group is in flight while this one is checked."""
+        of layers, every block in it, so O(L / width) submissions. Later
+        groups are in flight while this one is checked: two at least, more
+        (up to READ_AHEAD_GROUPS) while they hold at most READ_AHEAD_BYTES."""
         width = max(1, min(num_layers, self.config.read_extent_bytes // layer_bytes))
         groups = [(first, min(first + width, num_layers)) for first in range(0, num_layers, width)]
-        # (group, batch id, positions, checksum cells) in order; at most two in flight.
-        flights: collections.deque[tuple[int, int, np.ndarray, np.ndarray]] = collections.deque()
+        # (group, batch id, positions, checksum cells, bytes) in order.
+        flights: collections.deque[tuple[int, int, np.ndarray, np.ndarray, int]] = collections.deque()
+        submitted = 0  # groups submitted (or skipped: no block left to read)
 
         def submit(group: int) -> None:
             chosen = np.nonzero(ok)[0]  # blocks already failed are not read further
@@ -934,16 +941,25 @@ class DiskTier:
                 self._op_read, files[chosen], offsets[chosen] + shift, (stop - first) * layer_bytes,
                 destinations[chosen] + np.uint64(shift), checksums=cells, checksum_chunk=layer_bytes,
             )
-            flights.append((group, batch, chosen, cells))
+            flights.append((group, batch, chosen, cells, chosen.size * (stop - first) * layer_bytes))
+
+        def top_up() -> None:
+            nonlocal submitted
+            while submitted < len(groups):
+                first, stop = groups[submitted]
+                in_flight = sum(flight[4] for flight in flights)
+                if len(flights) >= 2 and (len(flights) >= READ_AHEAD_GROUPS or
+                                          in_flight + len(files) * (stop - first) * layer_bytes > READ_AHEAD_BYTES):
+                    return
+                submit(submitted)
+                submitted += 1
 
         try:
-            submit(0)
             for group, (first, stop) in enumerate(groups):
-                if group + 1 < len(groups):
-                    submit(group + 1)  # the drive works on the next group while this one is checked
+                top_up()  # the drive works on the next groups while this one is checked
                 good_through = None
                 if flights and flights[0][0] == group:
-                    _, batch, chosen, cells = flights.popleft()
+                    _, batch, chosen, cells, _ = flights.popleft()
                     results = self._engine.wait(batch)
                     good_through = self._verify_group(
                         first, stop, layer_bytes, chosen, results, cells, expected, ok, reasons
