@@ -115,11 +115,10 @@ static int reaches(Walk *walk, Py_ssize_t m, Py_ssize_t lo, PyObject *anchor) {
 
 /* The matched length, path[0..length-1] its nodes; -1 on error. */
 static Py_ssize_t matched_length(Walk *walk, Py_ssize_t count, PyObject *parent) {
-    Py_ssize_t lo = 0, hi = count; /* lo keys match; more than hi do not */
-    PyObject *anchor = parent;
     int full = count > 0 ? reaches(walk, count, 0, parent) : 0;
     if (full != 0) return full < 0 ? -1 : count;
-    hi = count - 1;
+    Py_ssize_t lo = 0, hi = count - 1; /* lo keys match; more than hi do not */
+    PyObject *anchor = parent;
     while (lo < hi) {
         Py_ssize_t mid = lo + (hi - lo + 1) / 2;
         int found = reaches(walk, mid, lo, anchor);

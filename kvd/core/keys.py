@@ -277,11 +277,9 @@ class PackedKeys(Sequence[bytes]):
 
     __slots__ = ("data",)
 
-    def __init__(self, data: bytes, field_name: str = "packed_keys") -> None:
+    def __init__(self, data: bytes) -> None:
         if len(data) % KEY_BYTES:
-            raise InvalidArgument(
-                f"{field_name} is {len(data)} bytes, not a whole number of {KEY_BYTES}-byte keys"
-            )
+            raise InvalidArgument(f"packed_keys is {len(data)} bytes, not a whole number of {KEY_BYTES}-byte keys")
         self.data = bytes(data)
 
     def __len__(self) -> int:

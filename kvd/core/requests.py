@@ -50,12 +50,12 @@ class CommitRequest:
 
 
 def check_keys(limits: EngineLimits, keys: Sequence[bytes], field_name: str) -> None:
-    if isinstance(keys, PackedKeys):
-        field_name = "packed_keys"
+    packed = isinstance(keys, PackedKeys)  # whole keys by construction; only their count to check
     if len(keys) > limits.max_batch_keys:
-        raise InvalidArgument(f"{field_name} has {len(keys)} keys; at most {limits.max_batch_keys} per call")
-    if isinstance(keys, PackedKeys):
-        return  # whole keys by construction
+        name = "packed_keys" if packed else field_name
+        raise InvalidArgument(f"{name} has {len(keys)} keys; at most {limits.max_batch_keys} per call")
+    if packed:
+        return
     if keys and set(map(len, keys)) == {KEY_BYTES}:
         return
     for position, key in enumerate(keys):

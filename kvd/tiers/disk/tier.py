@@ -779,16 +779,16 @@ class DiskTier:
         change under us anyway, the record disagrees with the disk and the
         block reads back as corrupt (a miss), never as wrong bytes.
         """
+        layers = block_bytes // layer_bytes
         chosen = np.nonzero(ok)[0]
+        if not chosen.size:
+            return crc32c_chunks(sources, layer_bytes, layers)
         # The block's layers are contiguous in the slot and in the source.
-        batch = self._submit(self._op_write, files[chosen], offsets[chosen], block_bytes, sources[chosen]) \
-            if chosen.size else None
+        batch = self._submit(self._op_write, files[chosen], offsets[chosen], block_bytes, sources[chosen])
         try:
-            checksums = crc32c_chunks(sources, layer_bytes, block_bytes // layer_bytes)
+            checksums = crc32c_chunks(sources, layer_bytes, layers)
         finally:
-            results = self._engine.wait(batch) if batch is not None else None
-        if results is None:
-            return checksums
+            results = self._engine.wait(batch)  # never leave a batch reading the source behind
         for position, result in zip(chosen.tolist(), results.tolist(), strict=True):
             if result == block_bytes:
                 self.stats.bytes_written += block_bytes
