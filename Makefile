@@ -7,13 +7,14 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvd-installed
 BUILT_STAMP := $(VENV)/.kvd-built
-# Debian packages: liburing-dev and libisal-dev (crc32c) to build the native
+# Debian packages: etcd-server and etcd-client for the cluster tests (a real
+# etcd the harness starts); liburing-dev and libisal-dev (crc32c) to build the native
 # I/O engine (kvd._native);
 # the benchmarks also compare against redis-server and fio.
 # tests/deploy also run kubectl (kustomize; not in Debian's repositories:
 # the build machines' image has it, any kubectl >= 1.27 will do) and
 # systemd-analyze (Debian: systemd), both already on the build machines.
-APT_PACKAGES ?= liburing-dev libisal-dev
+APT_PACKAGES ?= liburing-dev libisal-dev etcd-server etcd-client
 BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
 PYTEST_ARGS ?=
