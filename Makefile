@@ -19,7 +19,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long fuzz-long soak-long docs
+.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim fuzz-long soak-long docs
 
 setup: $(BUILT_STAMP)
 
@@ -126,6 +126,12 @@ fuzz-long: setup
 soak-long: setup
 	KVD_SOAK_SECONDS=$${KVD_SOAK_SECONDS:-300} KVD_SOAK_FAULT_SECONDS=$${KVD_SOAK_FAULT_SECONDS:-120} \
 	  KVD_SOAK_PROGRESS=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/soak
+
+# The cluster directory's simulation at 10, 100 and 1,000 nodes (docs/CLUSTER.md):
+# load, memory and messages per segment length; the table, its JSON and a plot.
+cluster-sim: setup
+	$(PY) -m kvd.cluster.dirsim --nodes 10,100,1000 --segments 16,64,256,0 \
+	  --json bench/results/cluster_directory.json --plot docs/cluster_directory.png
 
 # The simulator (python -m kvd.sim) over many more seeds and longer traces
 # than `make test` runs: every policy, two host capacities, write-back and

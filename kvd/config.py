@@ -21,6 +21,10 @@ from typing import Any, get_type_hints
 
 from kvd.errors import ConfigError
 
+# The member record's rule for node names (kvd.cluster.members checks the
+# same pattern; this module imports nothing from the cluster package).
+NODE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
 ENV_PREFIX = "KVD_"
 
 # The registries of kvd.core.policy (this module imports nothing from the
@@ -190,6 +194,32 @@ class AuthConfig:
 
 
 @dataclass(slots=True)
+class ClusterConfig:
+    # etcd endpoints, "host:port" each; empty: this daemon stands alone.
+    etcd_endpoints: list[str] = field(default_factory=list)
+    # This node's name in the cluster (its member key); "": the host name.
+    node_name: str = ""
+    # host:port other daemons reach this one at; "": server.tcp_address
+    # (which must then not be loopback-only for a real cluster).
+    advertise_address: str = ""
+    # Every key kvd writes in etcd starts with this.
+    key_prefix: str = "/kvd/"
+    # The member key's lease: a node that dies leaves the cluster this long
+    # after its last refresh (refreshed every third of it).
+    lease_ttl_s: int = 5
+    # Deadline of every etcd call.
+    etcd_timeout_s: float = 2.0
+    # TLS to etcd: the CA bundle that etcd's certificate must chain to, and
+    # this daemon's client certificate and key (both or neither).
+    etcd_ca_file: str = ""
+    etcd_cert_file: str = ""
+    etcd_key_file: str = ""
+    # Directory: a chain is cut into segments of about this many blocks, each
+    # owned by one node (kvd.cluster.placement).
+    segment_blocks: int = 64
+
+
+@dataclass(slots=True)
 class LogConfig:
     level: str = "info"
     # "json" (one object per line) or "text".
@@ -206,6 +236,7 @@ class Config:
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
@@ -220,6 +251,7 @@ class Config:
         self._validate_server()
         self._validate_host()
         self._validate_disk()
+        self._validate_cluster()
         self._validate_rest()
 
     def _validate_server(self) -> None:
@@ -289,6 +321,31 @@ class Config:
                          "read_extent_bytes", "write_chunk_blocks", "write_backlog_blocks", "write_share",
                          "prefetch_max_blocks", "prefetch_chunk_blocks"):
                 _positive(f"disk.{name}", getattr(self.disk, name))
+
+    def _validate_cluster(self) -> None:
+        cluster = self.cluster
+        for i, endpoint in enumerate(cluster.etcd_endpoints):
+            parse_address(f"cluster.etcd_endpoints[{i}]", endpoint)
+        if not cluster.etcd_endpoints:
+            return
+        if cluster.node_name and not NODE_NAME_RE.match(cluster.node_name):
+            raise ConfigError("cluster.node_name", f"{cluster.node_name!r} is not 1-63 letters, digits, '.', '_' or '-'")
+        if cluster.advertise_address:
+            parse_address("cluster.advertise_address", cluster.advertise_address)
+        elif not self.server.tcp_address:
+            raise ConfigError("cluster.advertise_address", "a cluster node needs a TCP address other nodes can reach")
+        if not cluster.key_prefix.startswith("/") or not cluster.key_prefix.endswith("/"):
+            raise ConfigError("cluster.key_prefix", f"must start and end with '/', got {cluster.key_prefix!r}")
+        if not 1 <= cluster.lease_ttl_s <= 3600:
+            raise ConfigError("cluster.lease_ttl_s", f"must be 1..3600 seconds, got {cluster.lease_ttl_s}")
+        if not cluster.etcd_timeout_s > 0:
+            raise ConfigError("cluster.etcd_timeout_s", "must be positive")
+        if bool(cluster.etcd_cert_file) != bool(cluster.etcd_key_file):
+            raise ConfigError("cluster.etcd_cert_file", "an etcd client certificate needs both cert and key files")
+        if cluster.etcd_cert_file and not cluster.etcd_ca_file:
+            raise ConfigError("cluster.etcd_ca_file", "TLS to etcd needs the CA bundle (cluster.etcd_ca_file)")
+        if not 1 <= cluster.segment_blocks <= 1 << 20:
+            raise ConfigError("cluster.segment_blocks", f"must be 1..{1 << 20}, got {cluster.segment_blocks}")
 
     def _validate_rest(self) -> None:
         """Leases, events and logging."""

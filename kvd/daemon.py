@@ -47,7 +47,7 @@ from kvd.core.policy import DiskPolicies
 from kvd.core.quota import TenantQuota
 from kvd.core.slot_pool import class_sizes
 from kvd.errors import StartupFailed
-from kvd.metrics import ArenaCollector, DiskIoMetrics, make_registry
+from kvd.metrics import ArenaCollector, ClusterCollector, DiskIoMetrics, make_registry
 from kvd.server.arena_socket import ArenaSocket
 from kvd.server.auth import FAILURE_REASONS, AuthInterceptor, TokenTable
 from kvd.server.drain import RpcTracker, describe, stop_server
@@ -136,6 +136,7 @@ class Daemon:
         self.bound_tcp_port: int | None = None
         self.tokens: TokenTable | None = None
         self.arena_socket: ArenaSocket | None = None
+        self.cluster = None  # kvd.cluster.node.ClusterNode with [cluster] etcd_endpoints
 
     def reload_tokens(self) -> None:
         """SIGHUP: re-read the tenants file and take its token digests (rotation without a restart).
@@ -192,10 +193,27 @@ class Daemon:
         _log_exposure(config, tenants)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._join_cluster(registry)
         self._serve_metrics(registry)
         self._sweeper = asyncio.create_task(self._sweep_leases(), name="lease-sweeper")
         self._write_endpoints(state_dir)
         self._announce_ready(layout)
+
+    def _join_cluster(self, registry) -> None:
+        """Start membership when etcd endpoints are configured (the etcd client is imported only then)."""
+        config = self.config
+        if not config.cluster.etcd_endpoints:
+            return
+        try:
+            from kvd.cluster.node import ClusterNode
+        except ImportError as error:
+            raise ConfigError("cluster.etcd_endpoints",
+                              f"the cluster needs the etcd client (pip install 'kvd[cluster]'): {error}") from None
+        disk_bytes = config.disk.capacity_bytes * len(config.disk.directories)
+        self.cluster = cluster = ClusterNode(config, self.bound_tcp_port, disk_bytes)
+        cluster.start()
+        registry.register(ClusterCollector(lambda: len(cluster.view), cluster.membership.joined.is_set,
+                                           lambda: cluster.membership.sessions))
 
     async def _open_tiers(self, layout: ArenaLayout):
         """Create the host arena and open the disk tier (its recovery, if any, to index next)."""
@@ -370,6 +388,9 @@ class Daemon:
         log.info("draining", extra={"grace_period_s": self.config.server.grace_period_s})
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
+        if self.cluster is not None:
+            # Leave first, so that peers stop sending work here during the drain.
+            await self.cluster.close()
         if self.service is not None:
             # Event streams never finish on their own, and starved Gets
             # would wait for write-back: end them now rather than at the end

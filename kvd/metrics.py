@@ -383,3 +383,21 @@ def make_registry(engine: Engine) -> tuple[CollectorRegistry, RpcMetrics]:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EngineCollector(engine))
     return registry, RpcMetrics(registry)
+
+
+class ClusterCollector(Collector):
+    """Cluster membership as this daemon sees it, read when scraped."""
+
+    def __init__(self, members: Callable[[], int], joined: Callable[[], bool], sessions: Callable[[], int]) -> None:
+        self._members = members
+        self._joined = joined
+        self._sessions = sessions
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("kvd_cluster_members", "Live cluster members in this daemon's view, itself included.",
+                                value=self._members())
+        yield GaugeMetricFamily("kvd_cluster_joined",
+                                "1 while this daemon holds its member lease and watches the members; 0 while "
+                                "etcd is out of reach (the view is then as last seen).", value=int(self._joined()))
+        yield CounterMetricFamily("kvd_cluster_etcd_sessions",
+                                  "etcd sessions this daemon has joined through (1 + rejoins).", value=self._sessions())

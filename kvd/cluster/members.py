@@ -20,17 +20,15 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvd.config import NODE_NAME_RE  # node names become etcd key suffixes and label values
 from kvd.invariants import check
 
 log = logging.getLogger("kvd.cluster")
 
 RECORD_VERSION = 1
-# Node names become etcd key suffixes and metric label values.
-NODE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 MAX_RECORD_BYTES = 64 << 10
 
 

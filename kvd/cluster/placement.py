@@ -30,7 +30,7 @@ import numpy as np
 
 from kvd.core.keys import KEY_BYTES
 
-DEFAULT_SEGMENT_BLOCKS = 256
+DEFAULT_SEGMENT_BLOCKS = 64
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)

@@ -18,6 +18,9 @@ FORBIDDEN = {
     "kvd.metrics": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing"],
     "kvd.server": ["kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing"],
     "kvd.daemon": ["kvd.cli", "kvd.client", "kvd.testing"],
+    # The cluster: membership, directory placement and shards; beside the server, below the daemon.
+    "kvd.cluster": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing", "kvd.sim", "kvd.tiers",
+                    "kvd.io"],
     "kvd.client": ["kvd.server", "kvd.daemon", "kvd.tiers", "kvd.io", "kvd.cli", "kvd.metrics", "kvd.testing"],
     # Engine connectors: clients of the daemon that live in an engine's process.
     "kvd.connectors": ["kvd.server", "kvd.daemon", "kvd.tiers", "kvd.io", "kvd.cli", "kvd.metrics", "kvd.testing",

@@ -1,0 +1,44 @@
+"""The [cluster] section: defaults, environment, and a precise error for each mistake."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd import config as kvd_config
+from kvd.cluster.node import advertised_address, etcd_settings, node_name
+from kvd.errors import ConfigError
+
+
+def load(**overrides):
+    config = kvd_config.load(env={}, overrides=overrides)
+    config.validate()
+    return config
+
+
+def test_standalone_by_default_and_endpoints_from_the_environment():
+    assert load().cluster.etcd_endpoints == []
+    config = kvd_config.load(env={"KVD_CLUSTER_ETCD_ENDPOINTS": "10.0.0.1:2379,10.0.0.2:2379",
+                                  "KVD_CLUSTER_NODE_NAME": "gpu-07"})
+    config.validate()
+    settings = etcd_settings(config)
+    assert list(settings.endpoints) == [("10.0.0.1", 2379), ("10.0.0.2", 2379)]
+    assert settings.member_key("gpu-07") == b"/kvd/members/gpu-07" and node_name(config) == "gpu-07"
+    assert advertised_address(config, 43210) == "127.0.0.1:43210"
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"cluster.etcd_endpoints": "nohost"}, "cluster.etcd_endpoints[0]"),
+    ({"cluster.etcd_endpoints": "h:1", "cluster.node_name": "bad/name"}, "cluster.node_name"),
+    ({"cluster.etcd_endpoints": "h:1", "cluster.advertise_address": "x"}, "cluster.advertise_address"),
+    ({"cluster.etcd_endpoints": "h:1", "server.tcp_address": ""}, "cluster.advertise_address"),
+    ({"cluster.etcd_endpoints": "h:1", "cluster.key_prefix": "kvd"}, "cluster.key_prefix"),
+    ({"cluster.etcd_endpoints": "h:1", "cluster.lease_ttl_s": 0}, "cluster.lease_ttl_s"),
+    ({"cluster.etcd_endpoints": "h:1", "cluster.etcd_cert_file": "c.pem"}, "cluster.etcd_cert_file"),
+    ({"cluster.etcd_endpoints": "h:1", "cluster.etcd_cert_file": "c", "cluster.etcd_key_file": "k"},
+     "cluster.etcd_ca_file"),
+    ({"cluster.etcd_endpoints": "h:1", "cluster.segment_blocks": 0}, "cluster.segment_blocks"),
+])
+def test_each_mistake_names_its_setting(overrides, field):
+    with pytest.raises(ConfigError) as caught:
+        load(**overrides)
+    assert caught.value.field == field, str(caught.value)
