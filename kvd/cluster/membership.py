@@ -116,6 +116,8 @@ class Membership:
         # Set while a session holds a live lease and a watch; waiters use it.
         self.joined = asyncio.Event()
         self.sessions = 0
+        # Sessions that ended in an etcd error (connect, lease, key, watch or refresh).
+        self.failed_sessions = 0
         self._closing = False
         self._client: _Client | None = None
         self._lease_id: int | None = None
@@ -129,6 +131,7 @@ class Membership:
                 await self._session()
                 delay = self.settings.retry_min_s
             except _ETCD_ERRORS as error:
+                self.failed_sessions += 1
                 log.warning("etcd session ended", extra={"node": self.member.name, "reason": _describe(error)})
             finally:
                 self.joined.clear()

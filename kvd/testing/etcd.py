@@ -11,11 +11,14 @@ from __future__ import annotations
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from kvd.testing.certs import Certificates
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -25,7 +28,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EtcdServer:
-    def __init__(self, data_dir: Path | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, data_dir: Path | None = None, host: str = "127.0.0.1",
+                 tls: Certificates | None = None) -> None:
         binary = shutil.which("etcd")
         if binary is None:
             raise RuntimeError("etcd is not installed (apt-get install etcd-server; make test installs it)")
@@ -36,20 +40,27 @@ class EtcdServer:
         self.client_port = free_port(host)
         self.peer_port = free_port(host)
         self.process: subprocess.Popen | None = None
+        # With certificates: clients must connect over TLS with a client
+        # certificate signed by tls.ca (etcd's --client-cert-auth).
+        self.tls = tls
 
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.client_port}"
 
     def start(self, timeout_s: float = 20.0) -> EtcdServer:
-        client_url = f"http://{self.host}:{self.client_port}"
+        scheme = "https" if self.tls else "http"
+        client_url = f"{scheme}://{self.host}:{self.client_port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
+        tls_flags = [] if self.tls is None else [
+            "--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
+            "--client-cert-auth", "--trusted-ca-file", str(self.tls.ca)]
         log = open(self.data_dir.parent / f"{self.data_dir.name}.log", "ab")
         self.process = subprocess.Popen(
             [self.binary, "--name", "kvd-test", "--data-dir", str(self.data_dir / "data"),
              "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
              "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-             "--initial-cluster", f"kvd-test={peer_url}"],
+             "--initial-cluster", f"kvd-test={peer_url}", *tls_flags],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self._wait_healthy(client_url, timeout_s)
@@ -57,11 +68,15 @@ class EtcdServer:
 
     def _wait_healthy(self, client_url: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=str(self.tls.ca))
+            context.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.process.returncode}; see {self.data_dir}.log")
             try:
-                with urllib.request.urlopen(f"{client_url}/health", timeout=1) as reply:
+                with urllib.request.urlopen(f"{client_url}/health", timeout=1, context=context) as reply:
                     if b'"health":"true"' in reply.read():
                         return
             except OSError:

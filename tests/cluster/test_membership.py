@@ -11,6 +11,7 @@ import aetcd
 
 from kvd.cluster.members import Member, MemberView
 from kvd.cluster.membership import EtcdSettings, Membership
+from kvd.testing.certs import make_certificates
 from kvd.testing.etcd import EtcdServer
 
 TTL_S = 2
@@ -191,3 +192,33 @@ def test_garbage_under_the_prefix_is_ignored(etcd):
         for node in (a, b):
             await node.close()
     asyncio.run(scenario())
+
+
+def test_membership_over_mutual_tls(tmp_path):
+    certs = make_certificates(tmp_path / "certs")
+
+    async def scenario(server: EtcdServer):
+        settings = settings_for(server)
+        settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file = (
+            str(certs.ca), str(certs.client_cert), str(certs.client_key))
+        a, b = Node(settings, "a", 7001).start(), Node(settings, "b", 7002).start()
+        await a.until(names_are("a", "b"))
+        await asyncio.wait_for(b.membership.joined.wait(), 5)
+        # A member without a client certificate never joins (etcd refuses it).
+        plain = settings_for(server)
+        plain.key_prefix = settings.key_prefix
+        outsider = Node(plain, "outsider", 7003).start()
+        async def refused_twice():
+            while outsider.membership.failed_sessions < 2:
+                await asyncio.sleep(0.05)
+        await asyncio.wait_for(refused_twice(), 15)
+        assert outsider.membership.sessions == 0 and "outsider" not in a.view
+        await outsider.crash()
+        for node in (a, b):
+            await node.close()
+
+    server = EtcdServer(tmp_path / "etcd", host="127.0.0.1", tls=certs).start()
+    try:
+        asyncio.run(scenario(server))
+    finally:
+        server.close()
