@@ -217,6 +217,13 @@ class ClusterConfig:
     # Directory: a chain is cut into segments of about this many blocks, each
     # owned by one node (kvd.cluster.placement).
     segment_blocks: int = 64
+    # The cluster credential: a file holding one secret (16+ printable ASCII
+    # characters), the same on every node; node-to-node calls carry it.
+    secret_file: str = ""
+    # Deadline of every node-to-node call (directory updates and queries).
+    rpc_timeout_s: float = 1.0
+    # How often this node sends its stored and removed blocks to the directory.
+    publish_interval_ms: int = 50
 
 
 @dataclass(slots=True)
@@ -336,16 +343,29 @@ class Config:
             raise ConfigError("cluster.advertise_address", "a cluster node needs a TCP address other nodes can reach")
         if not cluster.key_prefix.startswith("/") or not cluster.key_prefix.endswith("/"):
             raise ConfigError("cluster.key_prefix", f"must start and end with '/', got {cluster.key_prefix!r}")
-        if not 1 <= cluster.lease_ttl_s <= 3600:
-            raise ConfigError("cluster.lease_ttl_s", f"must be 1..3600 seconds, got {cluster.lease_ttl_s}")
-        if not cluster.etcd_timeout_s > 0:
-            raise ConfigError("cluster.etcd_timeout_s", "must be positive")
+        if not cluster.secret_file:
+            raise ConfigError("cluster.secret_file", "node-to-node calls are authenticated: set the cluster secret file")
+        if self.server.tls_cert_file:
+            raise ConfigError("cluster.etcd_endpoints", "TLS between cluster nodes is not built yet: a cluster node's "
+                                                        "TCP listener must not use server.tls_cert_file")
         if bool(cluster.etcd_cert_file) != bool(cluster.etcd_key_file):
             raise ConfigError("cluster.etcd_cert_file", "an etcd client certificate needs both cert and key files")
         if cluster.etcd_cert_file and not cluster.etcd_ca_file:
             raise ConfigError("cluster.etcd_ca_file", "TLS to etcd needs the CA bundle (cluster.etcd_ca_file)")
+        self._validate_cluster_numbers()
+
+    def _validate_cluster_numbers(self) -> None:
+        cluster = self.cluster
+        if not 1 <= cluster.lease_ttl_s <= 3600:
+            raise ConfigError("cluster.lease_ttl_s", f"must be 1..3600 seconds, got {cluster.lease_ttl_s}")
+        if not 0 < cluster.etcd_timeout_s <= 60:
+            raise ConfigError("cluster.etcd_timeout_s", f"must be in (0, 60], got {cluster.etcd_timeout_s}")
+        if not 0 < cluster.rpc_timeout_s <= 60:
+            raise ConfigError("cluster.rpc_timeout_s", f"must be in (0, 60], got {cluster.rpc_timeout_s}")
         if not 1 <= cluster.segment_blocks <= 1 << 20:
             raise ConfigError("cluster.segment_blocks", f"must be 1..{1 << 20}, got {cluster.segment_blocks}")
+        if not 1 <= cluster.publish_interval_ms <= 60_000:
+            raise ConfigError("cluster.publish_interval_ms", f"must be 1..60000, got {cluster.publish_interval_ms}")
 
     def _validate_rest(self) -> None:
         """Leases, events and logging."""

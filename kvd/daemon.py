@@ -185,6 +185,7 @@ class Daemon:
             disk_metrics = DiskIoMetrics(registry, self.disk_plane.io.queued, self.disk_plane.io_bytes,
                                          self.disk_plane.drive_states, self.disk_plane.recovery_lost_blocks)
             self.disk_plane.io.on_job = disk_metrics.observe_job
+        self._prepare_cluster()
         self._build_server(tenants, rpc_metrics)
         await self._listen(tls, rpc_metrics)
         arena, arena_socket = self.arena, self.arena_socket
@@ -199,20 +200,24 @@ class Daemon:
         self._write_endpoints(state_dir)
         self._announce_ready(layout)
 
-    def _join_cluster(self, registry) -> None:
-        """Start membership when etcd endpoints are configured (the etcd client is imported only then)."""
-        config = self.config
-        if not config.cluster.etcd_endpoints:
+    def _prepare_cluster(self) -> None:
+        """With etcd endpoints configured: the cluster node (the etcd client is imported only then)."""
+        if not self.config.cluster.etcd_endpoints:
             return
         try:
             from kvd.cluster.node import ClusterNode
         except ImportError as error:
             raise ConfigError("cluster.etcd_endpoints",
                               f"the cluster needs the etcd client (pip install 'kvd[cluster]'): {error}") from None
-        disk_bytes = config.disk.capacity_bytes * len(config.disk.directories)
-        self.cluster = cluster = ClusterNode(config, self.bound_tcp_port, disk_bytes)
-        cluster.start()
-        registry.register(ClusterCollector(lambda: len(cluster.view), cluster.membership.joined.is_set,
+        self.cluster = ClusterNode(self.config, self.engine)
+
+    def _join_cluster(self, registry) -> None:
+        cluster = self.cluster
+        if cluster is None:
+            return
+        config = self.config
+        cluster.start(self.bound_tcp_port, config.disk.capacity_bytes * len(config.disk.directories))
+        registry.register(ClusterCollector(lambda: len(cluster.view), cluster.joined.is_set,
                                            lambda: cluster.membership.sessions))
 
     async def _open_tiers(self, layout: ArenaLayout):
@@ -267,6 +272,9 @@ class Daemon:
         # Bytes that are not a valid request message get INVALID_ARGUMENT, not UNKNOWN.
         add_kvd_service(self.service, self.server,
                         lambda method: rpc_metrics.total.labels(method, "INVALID_ARGUMENT").inc())
+        if self.cluster is not None:
+            self.cluster.register(self.server)
+            self.service.cluster = self.cluster
         self.health = HealthService()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 

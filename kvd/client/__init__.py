@@ -29,13 +29,13 @@ with `BlockMirror` to keep a copy of a namespace; see kvd.client.events.
 """
 
 from kvd.client._ops import TlsConfig
-from kvd.client._wire import LookupResult, Namespace, PrefetchResult
+from kvd.client._wire import ClusterLookupResult, LookupResult, Namespace, NodeMatch, PrefetchResult
 from kvd.client.aio import AsyncClient
 from kvd.client.errors import NotDurableError
 from kvd.client.events import BlockMirror, EventKind, EventSnapshot, KvEvent, ResyncRequired
 from kvd.client.sync import Client
 
 __all__ = [
-    "AsyncClient", "BlockMirror", "Client", "EventKind", "EventSnapshot", "KvEvent", "LookupResult", "Namespace",
-    "NotDurableError", "PrefetchResult", "ResyncRequired", "TlsConfig",
+    "AsyncClient", "BlockMirror", "Client", "ClusterLookupResult", "EventKind", "EventSnapshot", "KvEvent",
+    "LookupResult", "Namespace", "NodeMatch", "NotDurableError", "PrefetchResult", "ResyncRequired", "TlsConfig",
 ]

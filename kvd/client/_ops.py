@@ -19,7 +19,7 @@ import numpy as np
 
 from kvd import arena_protocol
 from kvd.client import _wire
-from kvd.client._wire import ArenaMapping, LookupResult, Namespace, PrefetchResult
+from kvd.client._wire import ArenaMapping, ClusterLookupResult, LookupResult, Namespace, NodeMatch, PrefetchResult
 from kvd.client.errors import NotDurableError
 from kvd.core.keys import KEY_BYTES, NamespaceSpec
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
@@ -211,6 +211,13 @@ def lookup(session: Session, namespace: Namespace, keys: Sequence[bytes], parent
         request.keys.extend(keys)
     response = yield ("Lookup", request)
     return LookupResult(response.matched, list(response.tiers))
+
+
+def cluster_lookup(session: Session, namespace: Namespace, keys: Sequence[bytes]) -> Op:
+    request = kvd_pb2.ClusterLookupRequest(namespace_id=namespace.namespace_id, packed_keys=b"".join(keys))
+    response = yield ("ClusterLookup", request)
+    nodes = [NodeMatch(n.node, n.address, n.matched, n.local) for n in response.nodes]
+    return ClusterLookupResult(nodes, response.segments, response.segments_unanswered)
 
 
 def prefetch(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes, wait: bool) -> Op:

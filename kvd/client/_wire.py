@@ -79,6 +79,28 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeMatch:
+    """One node's share of a prefix, from ClusterLookup."""
+
+    node: str
+    # host:port the node serves kvd on.
+    address: str
+    matched: int
+    # The node that answered (its match is exact; the others' come from the directory).
+    local: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterLookupResult:
+    # Longest match first; nodes holding no leading block are left out.
+    nodes: list[NodeMatch]
+    # Segments the prefix was cut into, and those whose directory owner did
+    # not answer in time (matches stop at the first of those).
+    segments: int
+    segments_unanswered: int
+
+
+@dataclass(frozen=True, slots=True)
 class PrefetchResult:
     """What a Prefetch found: each of the `matched` stored blocks is in exactly
     one of in_host, loading, queued and refused; `missing` keys are stored in

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 
 from kvd.client import _ops
-from kvd.client._wire import LookupResult, Namespace, PrefetchResult
+from kvd.client._wire import ClusterLookupResult, LookupResult, Namespace, PrefetchResult
 from kvd.client.events import AsyncEventWatch, EventSnapshot, SnapshotParts, snapshot_request, watch_request
 from kvd.core.keys import NamespaceSpec
 from kvd.v1 import kvd_pb2
@@ -63,6 +63,10 @@ class AsyncClient(_ops.ClientBase):
 
     async def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> LookupResult:
         return await self._run(_ops.lookup(self.session, namespace, keys, parent_key))
+
+    async def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> ClusterLookupResult:
+        """Which nodes of the cluster hold how much of the chain `keys` (given from its root)."""
+        return await self._run(_ops.cluster_lookup(self.session, namespace, keys))
 
     async def prefetch(
         self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"", wait: bool = False

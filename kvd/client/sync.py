@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 
 from kvd.client import _ops, _wire
-from kvd.client._wire import LookupResult, Namespace, PrefetchResult
+from kvd.client._wire import ClusterLookupResult, LookupResult, Namespace, PrefetchResult
 from kvd.client.events import EventSnapshot, EventWatch, SnapshotParts, snapshot_request, watch_request
 from kvd.core.keys import NamespaceSpec
 from kvd.errors import FailedPrecondition
@@ -72,6 +72,10 @@ class Client(_ops.ClientBase):
 
     def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> LookupResult:
         return self._run(_ops.lookup(self.session, namespace, keys, parent_key))
+
+    def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> ClusterLookupResult:
+        """Which nodes of the cluster hold how much of the chain `keys` (given from its root)."""
+        return self._run(_ops.cluster_lookup(self.session, namespace, keys))
 
     def prefetch(
         self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"", wait: bool = False

@@ -95,6 +95,12 @@ class DirectoryShard:
         self._names[slot] = None
         return len(touched)
 
+    def clear(self) -> None:
+        """Forget every entry (this node was out of the cluster: what it held may be stale)."""
+        self._entries.clear()
+        self._names.clear()
+        self._slot_of.clear()
+
     def remove_slot(self, slot: int, keys: Sequence[bytes]) -> None:
         for key in keys:
             rest = tuple(h for h in self._entries[key] if h != slot)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aetcd
@@ -118,6 +118,9 @@ class Membership:
         self.sessions = 0
         # Sessions that ended in an etcd error (connect, lease, key, watch or refresh).
         self.failed_sessions = 0
+        # Called when a session had to create the member key anew after an
+        # earlier session: the key had expired, so every peer saw this node leave.
+        self.on_rejoined_as_new: Callable[[], None] | None = None
         self._closing = False
         self._client: _Client | None = None
         self._lease_id: int | None = None
@@ -182,6 +185,8 @@ class Membership:
                 success=[tx.put(key, value, lease_id)],
                 failure=[tx.get(key)])
             if created:
+                if self.sessions and self.on_rejoined_as_new is not None:
+                    self.on_rejoined_as_new()
                 return
             held = _decode_held(responses)
             if held is not None and held[0].address == self.member.address:

@@ -1,21 +1,38 @@
-"""This daemon's place in the cluster: its member record and the membership task.
+"""This daemon's place in the cluster: membership, its directory shard, publishing, lookups.
 
-Built by the daemon when `[cluster] etcd_endpoints` is set, after the
-listeners are bound (the record carries the bound TCP port). Membership
-runs as a task for the daemon's life and never stops the daemon: with etcd
-out of reach the local tiers keep serving and the view stays as last seen.
+Built by the daemon when `[cluster] etcd_endpoints` is set, in two steps:
+`ClusterNode(config, engine)` before the gRPC server is built (its Cluster
+service is registered there), `start(bound_tcp_port)` once the listeners
+are bound (the member record carries the bound port). Nothing here ever
+stops the daemon: with etcd or a peer out of reach the local tiers keep
+serving, lookups report what they could learn, and publishing catches up.
+
+Membership changes are applied on the publishing loop's next turn, once
+however many members the view's snapshot changed: the publisher re-queues
+the keys whose owner moved (or whose owner came back empty), the router
+and peers follow, and a leaver's entries leave this node's shard at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
 
+import grpc
+
+from kvd.cluster.directory import DirectoryShard
 from kvd.cluster.members import Member, MemberView
 from kvd.cluster.membership import EtcdSettings, Membership
-from kvd.config import Config, parse_address
+from kvd.cluster.publisher import Publisher
+from kvd.cluster.router import ClusterRouter
+from kvd.cluster.rpc import DirectoryServicer, Peers
+from kvd.config import Config, ConfigError, parse_address
+from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+
+log = logging.getLogger("kvd.cluster")
 
 
 def node_name(config: Config) -> str:
@@ -37,27 +54,126 @@ def etcd_settings(config: Config) -> EtcdSettings:
         tls_ca_file=cluster.etcd_ca_file, tls_cert_file=cluster.etcd_cert_file, tls_key_file=cluster.etcd_key_file)
 
 
+def read_secret(path: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            secret = file.read().strip()
+    except OSError as error:
+        raise ConfigError("cluster.secret_file", f"cannot read {path}: {error.strerror or error}") from None
+    if len(secret) < 16 or not secret.isascii() or any(c < 0x21 for c in secret):
+        raise ConfigError("cluster.secret_file", f"{path} must hold one printable ASCII secret of 16 characters or more")
+    return secret
+
+
 class ClusterNode:
-    def __init__(self, config: Config, bound_tcp_port: int | None, disk_capacity_bytes: int) -> None:
-        name = node_name(config)
+    def __init__(self, config: Config, engine) -> None:
+        cluster = config.cluster
+        self.config = config
+        self.engine = engine
+        self.name = node_name(config)
+        self.secret = read_secret(cluster.secret_file)
+        self.shard = DirectoryShard()
+        self.peers = Peers(self.name, self.secret, cluster.rpc_timeout_s)
+        self._fresh: set[str] = set()
+        self._members_changed = True
+        self.view = MemberView(self.name, on_join=self._joined, on_leave=self._left)
+        self.publisher = Publisher(engine, cluster.segment_blocks)
+        self.router = ClusterRouter(self.name, self.view, self.shard, self.peers, cluster.segment_blocks,
+                                    cluster.rpc_timeout_s)
+        self.servicer = DirectoryServicer(self.shard, self.view, self.secret)
+        self.member: Member | None = None
+        self.membership: Membership | None = None
+        self.joined = asyncio.Event()
+        self.updates_sent = 0
+        self.updates_failed = 0
+        self._tasks: list[asyncio.Task] = []
+
+    def register(self, server: grpc.aio.Server) -> None:
+        kvd_pb2_grpc.add_ClusterServicer_to_server(self.servicer, server)
+
+    def start(self, bound_tcp_port: int | None, disk_capacity_bytes: int) -> None:
         self.member = Member(
-            name=name,
-            address=advertised_address(config, bound_tcp_port),
-            # New on every start: peers tell this process from an earlier one.
-            incarnation=time.time_ns(),
-            host_capacity_bytes=config.host.capacity_bytes,
+            name=self.name,
+            address=advertised_address(self.config, bound_tcp_port),
+            incarnation=time.time_ns(),  # new on every start: peers tell this process from an earlier one
+            host_capacity_bytes=self.config.host.capacity_bytes,
             disk_capacity_bytes=disk_capacity_bytes,
         )
-        self.view = MemberView(name)
-        self.membership = Membership(etcd_settings(config), self.member, self.view)
-        self._task: asyncio.Task | None = None
+        self.membership = Membership(etcd_settings(self.config), self.member, self.view)
+        self.membership.on_rejoined_as_new = self._rejoined_as_new
+        self.joined = self.membership.joined
+        self._tasks = [asyncio.create_task(self.membership.run(), name="cluster-membership"),
+                       asyncio.create_task(self._publish_loop(), name="cluster-publisher")]
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self.membership.run(), name="cluster-membership")
+    def _joined(self, member: Member) -> None:
+        self.peers.join(member)
+        self._fresh.add(member.name)
+        self._members_changed = True
+
+    def _left(self, member: Member) -> None:
+        self.peers.leave(member)
+        self.shard.drop_node(member.name)
+        self._fresh.discard(member.name)
+        self._members_changed = True
+
+    def _rejoined_as_new(self) -> None:
+        """Peers saw this node leave: they dropped its entries and it missed their removals.
+        Start its shard over, and send every held key to its owner again."""
+        self.shard.clear()
+        self._fresh.update(member.name for member in self.view.members())
+        self._fresh.add(self.name)
+        self._members_changed = True
+        log.info("rejoined after the member key expired: directory shard cleared, blocks re-published")
+
+    async def lookup(self, namespace_id: bytes, packed: bytes, local_matched: int) -> kvd_pb2.ClusterLookupResponse:
+        return await self.router.lookup(namespace_id, packed, local_matched)
+
+    async def _publish_loop(self) -> None:
+        interval = self.config.cluster.publish_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.publish_once()
+            except Exception:  # a bug here must not end publishing for the daemon's life
+                log.exception("directory publishing failed; retrying")
+
+    async def publish_once(self) -> None:
+        if self._members_changed and self.name in self.view:
+            names = [member.name for member in self.view.members()]
+            fresh, self._fresh, self._members_changed = self._fresh, set(), False
+            self.publisher.set_members(names, fresh)
+            self.router.set_members(names)
+        self.publisher.poll()
+        batches = self.publisher.take()
+        await asyncio.gather(*(self._send(owner, stored, removed) for owner, (stored, removed) in batches.items()))
+
+    async def _send(self, owner: str, stored: list[bytes], removed: list[bytes]) -> None:
+        if owner == self.name:
+            self.shard.remove(self.name, removed)
+            self.shard.add(self.name, stored)
+            return
+        stub = self.peers.stub(owner)
+        if stub is None:
+            return  # the owner left: set_members re-queues its keys for the new owner
+        request = kvd_pb2.DirectoryUpdateRequest(node=self.name, incarnation=self.member.incarnation,
+                                                 stored_keys=b"".join(stored), removed_keys=b"".join(removed))
+        try:
+            await stub.DirectoryUpdate(request, timeout=self.config.cluster.rpc_timeout_s, metadata=self.peers.metadata)
+            self.updates_sent += 1
+        except grpc.RpcError as error:
+            self.updates_failed += 1
+            # FAILED_PRECONDITION: the owner has not seen this node join yet; it will.
+            level = logging.DEBUG if error.code() == grpc.StatusCode.FAILED_PRECONDITION else logging.WARNING
+            log.log(level, "directory update not delivered", extra={"owner": owner, "code": str(error.code()),
+                                                                 "keys": len(stored) + len(removed)})
+            if owner in self.view:
+                self.publisher.requeue(owner, stored, removed)
 
     async def close(self) -> None:
-        await self.membership.close()
-        if self._task is not None:
-            self._task.cancel()
+        if self.membership is not None:
+            await self.membership.close()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
+        await self.peers.close()

@@ -90,7 +90,14 @@ def segment_starts(keys: Sequence[bytes], segment_blocks: int = DEFAULT_SEGMENT_
     packed = b"".join(keys)
     if len(packed) != len(keys) * KEY_BYTES:
         raise ValueError(f"every key must be {KEY_BYTES} bytes")
-    words = np.frombuffer(packed, dtype="<u4").reshape(len(keys), KEY_BYTES // 4)[:, 2]
+    return packed_segment_starts(packed, segment_blocks)
+
+
+def packed_segment_starts(packed: bytes, segment_blocks: int = DEFAULT_SEGMENT_BLOCKS) -> list[int]:
+    """segment_starts of packed keys (32 bytes each, back to back)."""
+    if not packed:
+        return []
+    words = np.frombuffer(packed, dtype="<u4").reshape(-1, KEY_BYTES // 4)[:, 2]
     starts = np.flatnonzero(words % np.uint32(segment_blocks) == 0).tolist()
     return starts if starts[:1] == [0] else [0, *starts]
 

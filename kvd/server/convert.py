@@ -14,7 +14,7 @@ import grpc
 from kvd.core.block import Block
 from kvd.core.engine import Engine, PrefetchPlan, TierId
 from kvd.core.events import Event
-from kvd.core.keys import DType, InnerLayout, KvOrder, NamespaceSpec, PackedKeys
+from kvd.core.keys import KEY_BYTES, DType, InnerLayout, KvOrder, NamespaceSpec, PackedKeys
 from kvd.errors import InvalidArgument, KvdError
 from kvd.v1 import kvd_pb2
 
@@ -68,6 +68,17 @@ def lookup_keys(request: kvd_pb2.LookupRequest) -> Sequence[bytes]:
     if request.keys:
         raise InvalidArgument("set keys or packed_keys, not both")
     return PackedKeys(request.packed_keys)
+
+
+def cluster_lookup_keys(request: kvd_pb2.ClusterLookupRequest, max_keys: int) -> PackedKeys:
+    """ClusterLookup's keys: whole 32-byte keys, at least one, at most max_keys."""
+    packed = request.packed_keys
+    if not packed or len(packed) % KEY_BYTES:
+        raise InvalidArgument(f"packed_keys: {len(packed)} bytes is not a non-empty whole number of "
+                              f"{KEY_BYTES}-byte keys")
+    if len(packed) // KEY_BYTES > max_keys:
+        raise InvalidArgument(f"packed_keys: {len(packed) // KEY_BYTES} keys, at most {max_keys} (max_batch_keys)")
+    return PackedKeys(packed)
 
 
 def tiers(engine: Engine, blocks: Sequence[Block]) -> bytes:

@@ -158,6 +158,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         # idle subscribers wait on it.
         self._events_published = asyncio.Event()
         self._publish_scheduled = False
+        # kvd.cluster.node.ClusterNode when this daemon is in a cluster (set by the daemon).
+        self.cluster = None
 
     def _caller(self) -> Tenant | None:
         """The tenant of the call being served; None without auth."""
@@ -695,6 +697,14 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         self.engine.events.flush()
         published, self._events_published = self._events_published, asyncio.Event()
         published.set()
+
+    @rpc("ClusterLookup")
+    async def ClusterLookup(self, request, context):
+        if self.cluster is None:
+            raise FailedPrecondition("this kvd is not in a cluster ([cluster] etcd_endpoints is empty)")
+        keys = convert.cluster_lookup_keys(request, self.engine.limits.max_batch_keys)
+        local = self.engine.lookup(request.namespace_id, keys)
+        return await self.cluster.lookup(request.namespace_id, request.packed_keys, len(local))
 
     @rpc("Stats")
     async def Stats(self, request, context):

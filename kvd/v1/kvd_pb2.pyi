@@ -564,3 +564,75 @@ class PrefetchResponse(_message.Message):
     limit: PrefetchLimit
     loaded: int
     def __init__(self, matched: _Optional[int] = ..., in_host: _Optional[int] = ..., loading: _Optional[int] = ..., queued: _Optional[int] = ..., refused: _Optional[int] = ..., missing: _Optional[int] = ..., limit: _Optional[_Union[PrefetchLimit, str]] = ..., loaded: _Optional[int] = ...) -> None: ...
+
+class ClusterLookupRequest(_message.Message):
+    __slots__ = ("namespace_id", "packed_keys")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    packed_keys: bytes
+    def __init__(self, namespace_id: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
+
+class NodeMatch(_message.Message):
+    __slots__ = ("node", "address", "matched", "local")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    address: str
+    matched: int
+    local: bool
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., matched: _Optional[int] = ..., local: _Optional[bool] = ...) -> None: ...
+
+class ClusterLookupResponse(_message.Message):
+    __slots__ = ("nodes", "segments", "segments_unanswered")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_UNANSWERED_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeMatch]
+    segments: int
+    segments_unanswered: int
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeMatch, _Mapping]]] = ..., segments: _Optional[int] = ..., segments_unanswered: _Optional[int] = ...) -> None: ...
+
+class DirectoryUpdateRequest(_message.Message):
+    __slots__ = ("node", "incarnation", "stored_keys", "removed_keys", "reset")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STORED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    incarnation: int
+    stored_keys: bytes
+    removed_keys: bytes
+    reset: bool
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[int] = ..., stored_keys: _Optional[bytes] = ..., removed_keys: _Optional[bytes] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class DirectoryUpdateResponse(_message.Message):
+    __slots__ = ("applied",)
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    applied: int
+    def __init__(self, applied: _Optional[int] = ...) -> None: ...
+
+class DirectoryQueryRequest(_message.Message):
+    __slots__ = ("segments",)
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, segments: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class SegmentHolders(_message.Message):
+    __slots__ = ("holder_counts", "holders")
+    HOLDER_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    holder_counts: bytes
+    holders: bytes
+    def __init__(self, holder_counts: _Optional[bytes] = ..., holders: _Optional[bytes] = ...) -> None: ...
+
+class DirectoryQueryResponse(_message.Message):
+    __slots__ = ("nodes", "segments")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentHolders]
+    def __init__(self, nodes: _Optional[_Iterable[str]] = ..., segments: _Optional[_Iterable[_Union[SegmentHolders, _Mapping]]] = ...) -> None: ...

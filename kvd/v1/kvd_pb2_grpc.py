@@ -122,6 +122,11 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.PrefetchResponse.FromString,
                 _registered_method=True)
+        self.ClusterLookup = channel.unary_unary(
+                '/kvd.v1.Kvd/ClusterLookup',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.ClusterLookupRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.ClusterLookupResponse.FromString,
+                _registered_method=True)
 
 
 class KvdServicer:
@@ -240,6 +245,14 @@ class KvdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClusterLookup(self, request, context):
+        """Which nodes of the cluster hold how much of a prefix (a KV-aware
+        router's question). FAILED_PRECONDITION on a daemon not in a cluster.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -322,6 +335,11 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.Prefetch,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.PrefetchRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'ClusterLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClusterLookup,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.ClusterLookupRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.ClusterLookupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -764,6 +782,157 @@ class Kvd:
             '/kvd.v1.Kvd/Prefetch',
             kvd_dot_v1_dot_kvd__pb2.PrefetchRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClusterLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/ClusterLookup',
+            kvd_dot_v1_dot_kvd__pb2.ClusterLookupRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.ClusterLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ClusterStub:
+    """The daemons' service to one another, on the same listener as Kvd. Every
+    call carries the cluster credential (metadata x-kvd-cluster-secret) unless
+    the listener is mutual TLS; without it: UNAUTHENTICATED.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.DirectoryUpdate = channel.unary_unary(
+                '/kvd.v1.Cluster/DirectoryUpdate',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.DirectoryUpdateRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.DirectoryUpdateResponse.FromString,
+                _registered_method=True)
+        self.DirectoryQuery = channel.unary_unary(
+                '/kvd.v1.Cluster/DirectoryQuery',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.DirectoryQueryRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.DirectoryQueryResponse.FromString,
+                _registered_method=True)
+
+
+class ClusterServicer:
+    """The daemons' service to one another, on the same listener as Kvd. Every
+    call carries the cluster credential (metadata x-kvd-cluster-secret) unless
+    the listener is mutual TLS; without it: UNAUTHENTICATED.
+    """
+
+    def DirectoryUpdate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DirectoryQuery(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ClusterServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'DirectoryUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.DirectoryUpdate,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.DirectoryUpdateRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.DirectoryUpdateResponse.SerializeToString,
+            ),
+            'DirectoryQuery': grpc.unary_unary_rpc_method_handler(
+                    servicer.DirectoryQuery,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.DirectoryQueryRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.DirectoryQueryResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvd.v1.Cluster', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvd.v1.Cluster', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Cluster:
+    """The daemons' service to one another, on the same listener as Kvd. Every
+    call carries the cluster credential (metadata x-kvd-cluster-secret) unless
+    the listener is mutual TLS; without it: UNAUTHENTICATED.
+    """
+
+    @staticmethod
+    def DirectoryUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Cluster/DirectoryUpdate',
+            kvd_dot_v1_dot_kvd__pb2.DirectoryUpdateRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.DirectoryUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DirectoryQuery(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Cluster/DirectoryQuery',
+            kvd_dot_v1_dot_kvd__pb2.DirectoryQueryRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.DirectoryQueryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,7 +18,7 @@ def load(**overrides):
 def test_standalone_by_default_and_endpoints_from_the_environment():
     assert load().cluster.etcd_endpoints == []
     config = kvd_config.load(env={"KVD_CLUSTER_ETCD_ENDPOINTS": "10.0.0.1:2379,10.0.0.2:2379",
-                                  "KVD_CLUSTER_NODE_NAME": "gpu-07"})
+                                  "KVD_CLUSTER_NODE_NAME": "gpu-07", "KVD_CLUSTER_SECRET_FILE": "/etc/kvd/secret"})
     config.validate()
     settings = etcd_settings(config)
     assert list(settings.endpoints) == [("10.0.0.1", 2379), ("10.0.0.2", 2379)]
@@ -26,17 +26,24 @@ def test_standalone_by_default_and_endpoints_from_the_environment():
     assert advertised_address(config, 43210) == "127.0.0.1:43210"
 
 
+E = {"cluster.etcd_endpoints": "h:1", "cluster.secret_file": "/s"}
+
+
 @pytest.mark.parametrize("overrides, field", [
+    ({"cluster.etcd_endpoints": "h:1"}, "cluster.secret_file"),
+    ({**E, "server.tls_cert_file": "c", "server.tls_key_file": "k"}, "cluster.etcd_endpoints"),
+    ({**E, "cluster.rpc_timeout_s": 0}, "cluster.rpc_timeout_s"),
+    ({**E, "cluster.publish_interval_ms": 0}, "cluster.publish_interval_ms"),
     ({"cluster.etcd_endpoints": "nohost"}, "cluster.etcd_endpoints[0]"),
-    ({"cluster.etcd_endpoints": "h:1", "cluster.node_name": "bad/name"}, "cluster.node_name"),
-    ({"cluster.etcd_endpoints": "h:1", "cluster.advertise_address": "x"}, "cluster.advertise_address"),
-    ({"cluster.etcd_endpoints": "h:1", "server.tcp_address": ""}, "cluster.advertise_address"),
-    ({"cluster.etcd_endpoints": "h:1", "cluster.key_prefix": "kvd"}, "cluster.key_prefix"),
-    ({"cluster.etcd_endpoints": "h:1", "cluster.lease_ttl_s": 0}, "cluster.lease_ttl_s"),
-    ({"cluster.etcd_endpoints": "h:1", "cluster.etcd_cert_file": "c.pem"}, "cluster.etcd_cert_file"),
-    ({"cluster.etcd_endpoints": "h:1", "cluster.etcd_cert_file": "c", "cluster.etcd_key_file": "k"},
+    ({**E, "cluster.node_name": "bad/name"}, "cluster.node_name"),
+    ({**E, "cluster.advertise_address": "x"}, "cluster.advertise_address"),
+    ({**E, "server.tcp_address": ""}, "cluster.advertise_address"),
+    ({**E, "cluster.key_prefix": "kvd"}, "cluster.key_prefix"),
+    ({**E, "cluster.lease_ttl_s": 0}, "cluster.lease_ttl_s"),
+    ({**E, "cluster.etcd_cert_file": "c.pem"}, "cluster.etcd_cert_file"),
+    ({**E, "cluster.etcd_cert_file": "c", "cluster.etcd_key_file": "k"},
      "cluster.etcd_ca_file"),
-    ({"cluster.etcd_endpoints": "h:1", "cluster.segment_blocks": 0}, "cluster.segment_blocks"),
+    ({**E, "cluster.segment_blocks": 0}, "cluster.segment_blocks"),
 ])
 def test_each_mistake_names_its_setting(overrides, field):
     with pytest.raises(ConfigError) as caught:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -16,9 +18,14 @@ TTL_S = 2
 POLL_S = 0.05
 
 
+SECRET = "test-cluster-secret-0123456789"
+
+
 def cluster_config(etcd: EtcdServer, name: str, prefix: str) -> dict:
+    secret = Path(tempfile.gettempdir()) / "kvd-test-cluster-secret"
+    secret.write_text(SECRET + "\n")
     return {"cluster": {"etcd_endpoints": [etcd.endpoint], "node_name": name, "key_prefix": prefix,
-                        "lease_ttl_s": TTL_S, "etcd_timeout_s": 1.0}}
+                        "lease_ttl_s": TTL_S, "etcd_timeout_s": 1.0, "secret_file": str(secret)}}
 
 
 def wait_metric(daemon, name: str, value: float, timeout_s: float = 15.0) -> float:

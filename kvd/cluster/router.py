@@ -1,0 +1,98 @@
+"""ClusterLookup: the matched prefix per node, in one parallel round of directory queries.
+
+The chain's directory keys are cut into segments (kvd.cluster.placement);
+each owner gets one DirectoryQuery with all of its segments, every owner at
+once, each under the cluster deadline. The answers compose into a matched
+length per node (kvd.cluster.directory.longest_prefixes), stopping at the
+first segment whose owner did not answer. This node's own match comes from
+its index, exactly, and replaces what the directory says about it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+
+import grpc
+import numpy as np
+
+from kvd.cluster.directory import DirectoryShard, longest_prefixes
+from kvd.cluster.keys import KEY_BYTES, mask_keys, namespace_mask, rendezvous_ids, split
+from kvd.cluster.members import MemberView
+from kvd.cluster.placement import Rendezvous, packed_segment_starts
+from kvd.cluster.rpc import Peers, decode_answer, query_response
+from kvd.v1 import kvd_pb2
+
+log = logging.getLogger("kvd.cluster")
+
+
+class ClusterRouter:
+    def __init__(self, self_name: str, view: MemberView, shard: DirectoryShard, peers: Peers,
+                 segment_blocks: int, timeout_s: float) -> None:
+        self.self_name = self_name
+        self.view = view
+        self.shard = shard
+        self.peers = peers
+        self.segment_blocks = segment_blocks
+        self.timeout_s = timeout_s
+        self.owners: Rendezvous | None = None
+        self.unanswered_queries = 0
+
+    def set_members(self, names: list[str]) -> None:
+        self.owners = Rendezvous(names) if names else None
+
+    async def lookup(self, namespace_id: bytes, packed: bytes, local_matched: int) -> kvd_pb2.ClusterLookupResponse:
+        keys = mask_keys(packed, namespace_mask(namespace_id))
+        starts = packed_segment_starts(keys, self.segment_blocks)
+        bounds = list(zip(starts, [*starts[1:], len(keys) // KEY_BYTES]))
+        answers: list[list[tuple[str, ...]] | None] = [None] * len(bounds)
+        if self.owners is not None and bounds:
+            await self._ask_owners(keys, bounds, answers)
+        answered = next((i for i, answer in enumerate(answers) if answer is None), len(answers))
+        matched = longest_prefixes(answers[:answered], [end - start for start, end in bounds[:answered]])
+        matched.pop(self.self_name, None)
+        if local_matched:
+            matched[self.self_name] = local_matched
+        nodes = []
+        for node, length in sorted(matched.items(), key=lambda item: (-item[1], item[0])):
+            member = self.view.get(node)
+            if member is not None:
+                nodes.append(kvd_pb2.NodeMatch(node=node, address=member.address, matched=length,
+                                               local=node == self.self_name))
+        return kvd_pb2.ClusterLookupResponse(nodes=nodes, segments=len(bounds),
+                                             segments_unanswered=sum(answer is None for answer in answers))
+
+    async def _ask_owners(self, keys: bytes, bounds: list[tuple[int, int]], answers: list) -> None:
+        anchors = np.frombuffer(keys, dtype=np.uint8).reshape(-1, KEY_BYTES)[[start for start, _ in bounds]]
+        owner_of = self.owners.owner_indices(rendezvous_ids(anchors.tobytes()))
+        by_owner: dict[str, list[int]] = defaultdict(list)
+        for segment, owner in enumerate(owner_of):
+            by_owner[self.owners.members[owner]].append(segment)
+        segment_keys = [keys[start * KEY_BYTES:end * KEY_BYTES] for start, end in bounds]
+        await asyncio.gather(*(self._ask(owner, segments, segment_keys, answers)
+                               for owner, segments in by_owner.items()))
+
+    async def _ask(self, owner: str, segments: list[int], segment_keys: list[bytes], answers: list) -> None:
+        request = [segment_keys[i] for i in segments]
+        if owner == self.self_name:
+            response = query_response(self.shard, [split(data) for data in request])
+        else:
+            stub = self.peers.stub(owner)
+            if stub is None:
+                return
+            try:
+                response = await stub.DirectoryQuery(kvd_pb2.DirectoryQueryRequest(segments=request),
+                                                     timeout=self.timeout_s, metadata=self.peers.metadata)
+            except grpc.RpcError as error:
+                self.unanswered_queries += 1
+                log.warning("directory query failed", extra={"owner": owner, "code": str(error.code())})
+                return
+        if len(response.segments) != len(segments):
+            return
+        try:
+            decoded = [decode_answer(segment, response.nodes) for segment in response.segments]
+        except (ValueError, IndexError):
+            return
+        for i, answer in zip(segments, decoded):
+            answers[i] = answer

@@ -1,0 +1,144 @@
+"""The daemons' Cluster service and the client side of it.
+
+`DirectoryServicer` serves kvd.v1.Cluster on the daemon's listener: a
+holder's DirectoryUpdate lands in this node's DirectoryShard, a router's
+DirectoryQuery reads it. Every call must carry the cluster credential; an
+update must come from a live member under its current incarnation (so a
+node that left, or a process that restarted, cannot write entries for the
+one that replaced it).
+
+`Peers` keeps one gRPC channel per live peer, opened on join and closed on
+leave, and makes the calls with the credential and a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import struct
+from collections.abc import Sequence
+
+import grpc
+
+from kvd.cluster.directory import DirectoryShard
+from kvd.cluster.keys import split
+from kvd.cluster.members import Member, MemberView
+from kvd.core.keys import KEY_BYTES
+from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+
+log = logging.getLogger("kvd.cluster")
+
+SECRET_METADATA = "x-kvd-cluster-secret"
+SERVICE_NAME = "kvd.v1.Cluster"
+MAX_QUERY_KEYS = 1 << 16
+MAX_UPDATE_KEYS = 1 << 18
+
+
+def _packed(name: str, data: bytes, limit: int) -> list[bytes]:
+    if len(data) % KEY_BYTES:
+        raise ValueError(f"{name}: {len(data)} bytes is not a whole number of {KEY_BYTES}-byte keys")
+    if len(data) // KEY_BYTES > limit:
+        raise ValueError(f"{name}: {len(data) // KEY_BYTES} keys, at most {limit}")
+    return split(data)
+
+
+def encode_answer(answer: Sequence[Sequence[str]], names: dict[str, int], order: list[str]) -> kvd_pb2.SegmentHolders:
+    counts, holders = bytearray(), bytearray()
+    for key_holders in answer:
+        counts.append(len(key_holders))
+        for node in key_holders:
+            index = names.get(node)
+            if index is None:
+                index = names[node] = len(order)
+                order.append(node)
+            holders += struct.pack("<H", index)
+    return kvd_pb2.SegmentHolders(holder_counts=bytes(counts), holders=bytes(holders))
+
+
+def decode_answer(segment: kvd_pb2.SegmentHolders, nodes: Sequence[str]) -> list[tuple[str, ...]]:
+    indices = struct.unpack(f"<{len(segment.holders) // 2}H", segment.holders)
+    if sum(segment.holder_counts) != len(indices) or any(i >= len(nodes) for i in indices):
+        raise ValueError("a directory answer whose holder counts and indices disagree")
+    answer, at = [], 0
+    for count in segment.holder_counts:
+        answer.append(tuple(nodes[i] for i in indices[at:at + count]))
+        at += count
+    return answer
+
+
+class DirectoryServicer(kvd_pb2_grpc.ClusterServicer):
+    def __init__(self, shard: DirectoryShard, view: MemberView, secret: bytes) -> None:
+        self.shard = shard
+        self.view = view
+        self.secret = secret
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        sent = dict(context.invocation_metadata() or ()).get(SECRET_METADATA, "")
+        if not self.secret or not hmac.compare_digest(sent.encode(), self.secret):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a node-to-node call needs the cluster credential")
+
+    async def DirectoryUpdate(self, request, context):
+        await self._authenticate(context)
+        member = self.view.get(request.node)
+        if member is None or member.incarnation != request.incarnation:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{request.node!r} incarnation {request.incarnation} is not a live member here")
+        try:
+            stored = _packed("stored_keys", request.stored_keys, MAX_UPDATE_KEYS)
+            removed = _packed("removed_keys", request.removed_keys, MAX_UPDATE_KEYS)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if request.reset:
+            self.shard.drop_node(request.node)
+        applied = self.shard.remove(request.node, removed) + self.shard.add(request.node, stored)
+        return kvd_pb2.DirectoryUpdateResponse(applied=applied)
+
+    async def DirectoryQuery(self, request, context):
+        await self._authenticate(context)
+        total = sum(len(segment) for segment in request.segments) // KEY_BYTES
+        if total > MAX_QUERY_KEYS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{total} keys in one query, at most {MAX_QUERY_KEYS}")
+        try:
+            segments = [_packed(f"segments[{i}]", data, MAX_QUERY_KEYS) for i, data in enumerate(request.segments)]
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return query_response(self.shard, segments)
+
+
+def query_response(shard: DirectoryShard, segments: Sequence[Sequence[bytes]]) -> kvd_pb2.DirectoryQueryResponse:
+    names: dict[str, int] = {}
+    order: list[str] = []
+    answers = [encode_answer(shard.query(keys), names, order) for keys in segments]
+    return kvd_pb2.DirectoryQueryResponse(nodes=order, segments=answers)
+
+
+class Peers:
+    """One channel per live peer; calls carry the credential and a deadline."""
+
+    def __init__(self, self_name: str, secret: bytes, timeout_s: float) -> None:
+        self.self_name = self_name
+        self.metadata = ((SECRET_METADATA, secret.decode()),)
+        self.timeout_s = timeout_s
+        self._stubs: dict[str, tuple[grpc.aio.Channel, kvd_pb2_grpc.ClusterStub]] = {}
+
+    def join(self, member: Member) -> None:
+        if member.name == self.self_name:
+            return
+        self.leave(member)
+        channel = grpc.aio.insecure_channel(member.address)
+        self._stubs[member.name] = (channel, kvd_pb2_grpc.ClusterStub(channel))
+
+    def leave(self, member: Member) -> None:
+        entry = self._stubs.pop(member.name, None)
+        if entry is not None:
+            asyncio.get_running_loop().create_task(entry[0].close())
+
+    def stub(self, name: str) -> kvd_pb2_grpc.ClusterStub | None:
+        entry = self._stubs.get(name)
+        return entry[1] if entry is not None else None
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()

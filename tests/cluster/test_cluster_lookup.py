@@ -1,0 +1,110 @@
+"""ClusterLookup across real daemons: the directory follows Puts, Deletes, namespaces and crashes."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvd.client import Client
+from kvd.core.keys import DType, NamespaceSpec
+from kvd.testing.daemon import run_daemon, start_daemon
+from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+from tests.cluster.test_daemon_cluster import SECRET, TTL_S, cluster_config, wait_metric
+from tests.integration.conftest import SMALL_SPEC, random_blocks
+
+OTHER_SPEC = NamespaceSpec(model_id="other-model", num_layers=4, num_kv_heads=2, head_dim=16, block_tokens=16,
+                           kv_dtype=DType.FLOAT32)
+
+
+def matches(client: Client, namespace, keys) -> dict[str, int]:
+    return {n.node: n.matched for n in client.cluster_lookup(namespace, keys).nodes}
+
+
+def wait_matches(client: Client, namespace, keys, expected: dict[str, int], timeout_s: float = 15.0) -> float:
+    started = time.monotonic()
+    while (seen := matches(client, namespace, keys)) != expected:
+        assert time.monotonic() - started < timeout_s, f"saw {seen}, expected {expected}"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def test_cluster_lookup_follows_puts_deletes_and_a_crash(tmp_path, etcd):
+    prefix = "/kvd-lookup-1/"
+    with run_daemon(tmp_path / "b", cluster_config(etcd, "b", prefix)) as b, \
+            run_daemon(tmp_path / "c", cluster_config(etcd, "c", prefix)) as c:
+        a = start_daemon(tmp_path / "a", cluster_config(etcd, "a", prefix))
+        try:
+            for daemon in (a, b, c):
+                wait_metric(daemon, "kvd_cluster_members", 3)
+            with Client(a.unix_target) as ca, Client(b.unix_target) as cb, Client(c.unix_target) as cc:
+                ns_a, ns_b, ns_c = (client.register_namespace(SMALL_SPEC) for client in (ca, cb, cc))
+                keys = ns_a.keys(np.arange(300 * 16) + 7)
+                blocks = random_blocks(SMALL_SPEC, 300, seed=4)
+                assert ca.put(ns_a, keys, blocks) == 300
+                assert cb.put(ns_b, keys[:50], blocks[:50]) == 50
+                wait_matches(cc, ns_c, keys, {"a": 300, "b": 50})
+                answer = ca.cluster_lookup(ns_a, keys)
+                assert [(n.node, n.matched, n.local) for n in answer.nodes] == [("a", 300, True), ("b", 50, False)]
+                assert answer.segments >= 2 and answer.segments_unanswered == 0
+                assert answer.nodes[1].address == b.tcp_target.removeprefix("ipv4:").removeprefix("dns:")
+                # A shorter query, and one that goes past what anyone holds.
+                assert matches(cc, ns_c, keys[:20]) == {"a": 20, "b": 20}
+                longer = ns_a.keys(np.arange(320 * 16) + 7)
+                assert matches(cc, ns_c, longer) == {"a": 300, "b": 50}
+                # The same keys in another namespace are not these blocks.
+                other = cc.register_namespace(OTHER_SPEC)
+                assert matches(cc, other, keys) == {}
+                # A Delete on a shortens its match everywhere.
+                ca.delete(ns_a, keys[120:])
+                wait_matches(cc, ns_c, keys, {"a": 120, "b": 50})
+            a.process.send_signal(signal.SIGKILL)
+            a.process.wait()
+            with Client(c.unix_target) as cc:
+                ns_c = cc.register_namespace(SMALL_SPEC)
+                took = wait_matches(cc, ns_c, keys, {"b": 50}, timeout_s=TTL_S + 10)
+                assert took <= TTL_S + 3.0, f"a crashed holder left the lookups after {took:.1f} s"
+        finally:
+            a.stop()
+
+
+def test_cluster_rpcs_refuse_bad_calls(tmp_path, etcd):
+    with run_daemon(tmp_path / "a", cluster_config(etcd, "a", "/kvd-lookup-2/")) as a, \
+            run_daemon(tmp_path / "solo") as solo:
+        wait_metric(a, "kvd_cluster_members", 1)
+        with Client(a.unix_target) as client, Client(solo.unix_target) as solo_client:
+            namespace = client.register_namespace(SMALL_SPEC)
+            keys = namespace.keys(np.arange(4 * 16))
+            with pytest.raises(grpc.RpcError) as caught:
+                solo_client.cluster_lookup(solo_client.register_namespace(SMALL_SPEC), keys)
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with grpc.insecure_channel(a.tcp_target) as channel:
+            kvd = kvd_pb2_grpc.KvdStub(channel)
+            for packed, words in ((b"", "non-empty"), (b"x" * 33, "33 bytes")):
+                with pytest.raises(grpc.RpcError) as caught:
+                    kvd.ClusterLookup(kvd_pb2.ClusterLookupRequest(namespace_id=namespace.namespace_id,
+                                                                   packed_keys=packed))
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in caught.value.details()
+            cluster = kvd_pb2_grpc.ClusterStub(channel)
+            query = kvd_pb2.DirectoryQueryRequest(segments=[b"k" * 32])
+            for metadata in ((), (("x-kvd-cluster-secret", "wrong-secret-wrong-secret"),)):
+                with pytest.raises(grpc.RpcError) as caught:
+                    cluster.DirectoryQuery(query, metadata=metadata)
+                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            good = (("x-kvd-cluster-secret", SECRET),)
+            assert list(cluster.DirectoryQuery(query, metadata=good).segments[0].holder_counts) == []
+            with pytest.raises(grpc.RpcError) as caught:
+                cluster.DirectoryQuery(kvd_pb2.DirectoryQueryRequest(segments=[b"k" * 31]), metadata=good)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # Only a live member, under its current incarnation, may write entries.
+            update = kvd_pb2.DirectoryUpdateRequest(node="intruder", incarnation=1, stored_keys=b"k" * 32)
+            with pytest.raises(grpc.RpcError) as caught:
+                cluster.DirectoryUpdate(update, metadata=good)
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            update = kvd_pb2.DirectoryUpdateRequest(node="a", incarnation=1, stored_keys=b"k" * 32)
+            with pytest.raises(grpc.RpcError) as caught:
+                cluster.DirectoryUpdate(update, metadata=good)
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
