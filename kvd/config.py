@@ -224,6 +224,11 @@ class ClusterConfig:
     rpc_timeout_s: float = 1.0
     # How often this node sends its stored and removed blocks to the directory.
     publish_interval_ms: int = 50
+    # A Get of a chain that misses here fetches the missing blocks from the
+    # node holding most of them (one directory lookup first), within
+    # fetch_timeout_s; what does not arrive verified by then is a miss.
+    fetch_on_get: bool = True
+    fetch_timeout_s: float = 5.0
 
 
 @dataclass(slots=True)
@@ -360,8 +365,9 @@ class Config:
             raise ConfigError("cluster.lease_ttl_s", f"must be 1..3600 seconds, got {cluster.lease_ttl_s}")
         if not 0 < cluster.etcd_timeout_s <= 60:
             raise ConfigError("cluster.etcd_timeout_s", f"must be in (0, 60], got {cluster.etcd_timeout_s}")
-        if not 0 < cluster.rpc_timeout_s <= 60:
-            raise ConfigError("cluster.rpc_timeout_s", f"must be in (0, 60], got {cluster.rpc_timeout_s}")
+        for name in ("rpc_timeout_s", "fetch_timeout_s"):
+            if not 0 < getattr(cluster, name) <= 60:
+                raise ConfigError(f"cluster.{name}", f"must be in (0, 60], got {getattr(cluster, name)}")
         if not 1 <= cluster.segment_blocks <= 1 << 20:
             raise ConfigError("cluster.segment_blocks", f"must be 1..{1 << 20}, got {cluster.segment_blocks}")
         if not 1 <= cluster.publish_interval_ms <= 60_000:

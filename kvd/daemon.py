@@ -49,6 +49,7 @@ from kvd.core.slot_pool import class_sizes
 from kvd.errors import StartupFailed
 from kvd.metrics import ArenaCollector, ClusterCollector, DiskIoMetrics, make_registry
 from kvd.server.arena_socket import ArenaSocket
+from kvd.server.cluster_blocks import ClusterBlocks
 from kvd.server.auth import FAILURE_REASONS, AuthInterceptor, TokenTable
 from kvd.server.drain import RpcTracker, describe, stop_server
 from kvd.server.health import HealthService
@@ -275,6 +276,10 @@ class Daemon:
         if self.cluster is not None:
             self.cluster.register(self.server)
             self.service.cluster = self.cluster
+            blocks = ClusterBlocks(self.service, self.cluster, config.cluster.fetch_timeout_s)
+            self.cluster.servicer.blocks = blocks
+            if config.cluster.fetch_on_get:
+                self.service.cluster_blocks = blocks
         self.health = HealthService()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 

@@ -73,7 +73,7 @@ class ClusterNode:
         self.name = node_name(config)
         self.secret = read_secret(cluster.secret_file)
         self.shard = DirectoryShard()
-        self.peers = Peers(self.name, self.secret, cluster.rpc_timeout_s)
+        self.peers = Peers(self.name, self.secret, cluster.rpc_timeout_s, config.server.max_message_bytes)
         self._fresh: set[str] = set()
         self._members_changed = True
         self.view = MemberView(self.name, on_join=self._joined, on_leave=self._left)

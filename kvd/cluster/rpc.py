@@ -72,18 +72,31 @@ class DirectoryServicer(kvd_pb2_grpc.ClusterServicer):
         self.shard = shard
         self.view = view
         self.secret = secret
+        # What serves ReadBlocks (kvd.server.cluster_blocks.ClusterBlocks); set by the daemon.
+        self.blocks = None
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
         sent = dict(context.invocation_metadata() or ()).get(SECRET_METADATA, "")
         if not self.secret or not hmac.compare_digest(sent.encode(), self.secret):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a node-to-node call needs the cluster credential")
 
-    async def DirectoryUpdate(self, request, context):
-        await self._authenticate(context)
+    async def _check_member(self, request, context: grpc.aio.ServicerContext) -> None:
         member = self.view.get(request.node)
         if member is None or member.incarnation != request.incarnation:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{request.node!r} incarnation {request.incarnation} is not a live member here")
+
+    async def ReadBlocks(self, request, context):
+        await self._authenticate(context)
+        await self._check_member(request, context)
+        if self.blocks is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node serves no blocks yet")
+        async for message in self.blocks.serve(request, context):
+            yield message
+
+    async def DirectoryUpdate(self, request, context):
+        await self._authenticate(context)
+        await self._check_member(request, context)
         try:
             stored = _packed("stored_keys", request.stored_keys, MAX_UPDATE_KEYS)
             removed = _packed("removed_keys", request.removed_keys, MAX_UPDATE_KEYS)
@@ -116,8 +129,10 @@ def query_response(shard: DirectoryShard, segments: Sequence[Sequence[bytes]]) -
 class Peers:
     """One channel per live peer; calls carry the credential and a deadline."""
 
-    def __init__(self, self_name: str, secret: bytes, timeout_s: float) -> None:
+    def __init__(self, self_name: str, secret: bytes, timeout_s: float, max_message_bytes: int = 64 << 20) -> None:
         self.self_name = self_name
+        self.options = [("grpc.max_receive_message_length", max_message_bytes),
+                        ("grpc.max_send_message_length", max_message_bytes)]
         self.metadata = ((SECRET_METADATA, secret.decode()),)
         self.timeout_s = timeout_s
         self._stubs: dict[str, tuple[grpc.aio.Channel, kvd_pb2_grpc.ClusterStub]] = {}
@@ -126,7 +141,7 @@ class Peers:
         if member.name == self.self_name:
             return
         self.leave(member)
-        channel = grpc.aio.insecure_channel(member.address)
+        channel = grpc.aio.insecure_channel(member.address, options=self.options)
         self._stubs[member.name] = (channel, kvd_pb2_grpc.ClusterStub(channel))
 
     def leave(self, member: Member) -> None:

@@ -158,8 +158,10 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         # idle subscribers wait on it.
         self._events_published = asyncio.Event()
         self._publish_scheduled = False
-        # kvd.cluster.node.ClusterNode when this daemon is in a cluster (set by the daemon).
+        # kvd.cluster.node.ClusterNode when this daemon is in a cluster, and
+        # kvd.server.cluster_blocks.ClusterBlocks when its Gets fetch from peers (set by the daemon).
         self.cluster = None
+        self.cluster_blocks = None
 
     def _caller(self) -> Tenant | None:
         """The tenant of the call being served; None without auth."""
@@ -430,8 +432,15 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 f"the Get's lease ran out before its disk reads finished, so nothing is pinned for it "
                 f"(lease_ms {request.lease_ms or self.engine.limits.lease_ms_default}); ask for a longer lease_ms")
 
+    async def _fetch_remote(self, request) -> None:
+        """In a cluster: bring what a peer holds of a chain that misses here (kvd.server.cluster_blocks)."""
+        if self.cluster_blocks is None or request.parent_key or not request.keys:
+            return
+        await self.cluster_blocks.fetch_for_get(request.namespace_id, list(request.keys))
+
     @rpc("Get")
     async def Get(self, request, context):
+        await self._fetch_remote(request)
         if request.inline:
             state = self.engine.namespace(request.namespace_id)
             # Pinned under a private lease while the bytes are copied out.
@@ -485,6 +494,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
 
     async def _get_layers(self, request):
         self._check_arena(request)
+        await self._fetch_remote(request)
         state = self.engine.namespace(request.namespace_id)
         layers = state.spec.num_layers
         plan = await self._begin_get(request, request.client_id)

@@ -636,3 +636,29 @@ class DirectoryQueryResponse(_message.Message):
     nodes: _containers.RepeatedScalarFieldContainer[str]
     segments: _containers.RepeatedCompositeFieldContainer[SegmentHolders]
     def __init__(self, nodes: _Optional[_Iterable[str]] = ..., segments: _Optional[_Iterable[_Union[SegmentHolders, _Mapping]]] = ...) -> None: ...
+
+class ReadBlocksRequest(_message.Message):
+    __slots__ = ("node", "incarnation", "namespace_id", "packed_keys", "first", "lease_ms")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    incarnation: int
+    namespace_id: bytes
+    packed_keys: bytes
+    first: int
+    lease_ms: int
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[int] = ..., namespace_id: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ..., first: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class ReadBlocksResponse(_message.Message):
+    __slots__ = ("first", "blocks", "crc32c")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    blocks: _containers.RepeatedScalarFieldContainer[bytes]
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first: _Optional[int] = ..., blocks: _Optional[_Iterable[bytes]] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...

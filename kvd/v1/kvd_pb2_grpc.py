@@ -842,6 +842,11 @@ class ClusterStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.DirectoryQueryRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.DirectoryQueryResponse.FromString,
                 _registered_method=True)
+        self.ReadBlocks = channel.unary_stream(
+                '/kvd.v1.Cluster/ReadBlocks',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.ReadBlocksRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.ReadBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterServicer:
@@ -862,6 +867,12 @@ class ClusterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -874,6 +885,11 @@ def add_ClusterServicer_to_server(servicer, server):
                     servicer.DirectoryQuery,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.DirectoryQueryRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.DirectoryQueryResponse.SerializeToString,
+            ),
+            'ReadBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlocks,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.ReadBlocksRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.ReadBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -933,6 +949,33 @@ class Cluster:
             '/kvd.v1.Cluster/DirectoryQuery',
             kvd_dot_v1_dot_kvd__pb2.DirectoryQueryRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.DirectoryQueryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.v1.Cluster/ReadBlocks',
+            kvd_dot_v1_dot_kvd__pb2.ReadBlocksRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.ReadBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,153 @@
+"""Blocks between nodes over gRPC: a holder serves a peer its pinned blocks, a Get fetches a peer's prefix.
+
+Holder (`serve`, the Cluster service's ReadBlocks). The blocks asked for
+are pinned under a lease of the peer's own client id for as long as the
+stream runs (a disk-only block is read into host memory first, as for any
+Get), copied out in messages of about CHUNK_BYTES, each block with the
+CRC-32C computed from the pinned copy, and the lease is closed when the
+stream ends, however it ends: nothing stays pinned for a peer.
+
+Fetcher (`fetch_for_get`). A Get of a chain from its root that misses
+locally asks the directory (ClusterLookup) which node holds more of it,
+reserves host slots for the missing blocks, and streams them from the
+longest holder under `cluster.fetch_timeout_s`. Each block is checked
+(size and CRC-32C) before it is written to its slot; the verified prefix is
+sealed (these are ordinary local blocks from then on, published to the
+directory like any other) and the rest of the reservation is aborted. A
+peer that dies, is cut off or sends a wrong byte turns the rest of the
+fetch into misses, never into wrong data. The Get then goes on as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import crc32c
+import grpc
+
+from kvd.cluster.keys import split
+from kvd.core.engine import CommitRequest, KeysRequest, ReserveStatus
+from kvd.errors import KvdError
+from kvd.server import convert
+from kvd.v1 import kvd_pb2
+
+log = logging.getLogger("kvd.cluster")
+
+CHUNK_BYTES = 8 << 20
+FETCH_CLIENT = "kvd-cluster-fetch"
+PEER_CLIENT_PREFIX = "kvd-cluster-peer:"
+
+
+class ClusterBlocks:
+    def __init__(self, service, node, fetch_timeout_s: float) -> None:
+        self.service = service
+        self.node = node
+        self.fetch_timeout_s = fetch_timeout_s
+        self.fetched_blocks = 0
+        self.failed_fetches = 0
+
+    # -- holder ---------------------------------------------------------------
+
+    async def serve(self, request, context):
+        engine = self.service.engine
+        try:
+            state = engine.namespace(request.namespace_id)
+            keys = split(request.packed_keys)
+            if len(request.packed_keys) % 32 or not keys or request.first >= len(keys):
+                raise ValueError("packed_keys must be whole 32-byte keys, and first inside them")
+            get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, keys=keys[request.first:],
+                                     parent_key=keys[request.first - 1] if request.first else b"",
+                                     lease_ms=request.lease_ms)
+            lease, matched, _ = await self.service._pinned_prefix(get, PEER_CLIENT_PREFIX + request.node)
+        except KvdError as error:
+            await context.abort(convert.status_of(error), error.message)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        try:
+            offsets = engine.host.pool.offsets_of([engine.host_slot(block) for block in matched])
+            chunk = min(CHUNK_BYTES, self.service.max_message_bytes // 2)
+            per_message = max(1, chunk // state.block_bytes)
+            for start in range(0, len(offsets), per_message):
+                blocks = [self.service.arena.read_at(offset, state.block_bytes)
+                          for offset in offsets[start:start + per_message]]
+                yield kvd_pb2.ReadBlocksResponse(first=request.first + start, blocks=blocks,
+                                                 crc32c=[crc32c.crc32c(block) for block in blocks])
+        finally:
+            if lease is not None and not lease.ended:
+                engine.leases.close(lease)
+
+    # -- fetcher --------------------------------------------------------------
+
+    async def fetch_for_get(self, namespace_id: bytes, keys: list[bytes]) -> int:
+        """Bring the part of `keys` (a chain from its root) that a peer holds and this node lacks."""
+        engine = self.service.engine
+        local = len(engine.lookup(namespace_id, keys))
+        if local >= len(keys) or self.node.router.owners is None:
+            return 0
+        answer = await self.node.lookup(namespace_id, b"".join(keys), local)
+        best = next((n for n in answer.nodes if not n.local and n.matched > local), None)
+        if best is None:
+            return 0
+        return await self._fetch(best.node, namespace_id, keys, local, best.matched)
+
+    async def _fetch(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> int:
+        engine, service = self.service.engine, self.service
+        stub = self.node.peers.stub(peer)
+        if stub is None:
+            return 0
+        lease_ms = int(self.fetch_timeout_s * 1000) + 1000
+        reserve = KeysRequest(namespace_id, FETCH_CLIENT, keys[first:end], lease_ms, service.clock.now_ms(),
+                              parent_key=keys[first - 1] if first else b"")
+        try:
+            result = engine.reserve(reserve)
+        except KvdError as error:
+            log.info("remote fetch skipped: no room", extra={"peer": peer, "reason": error.message})
+            return 0
+        if result.lease is None:
+            return 0
+        verified = await self._receive(stub, peer, namespace_id, keys, first, result)
+        reserved = [keys[first + i] for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
+        # The verified prefix is sealed, the rest given back: a cut-short fetch leaves misses, not holes.
+        sealed, _ = engine.commit(CommitRequest(namespace_id, FETCH_CLIENT, result.lease.lease_id,
+                                                service.clock.now_ms(), keys=reserved[:verified],
+                                                abort_keys=reserved[verified:]))
+        self.fetched_blocks += sealed
+        return sealed
+
+    async def _receive(self, stub, peer: str, namespace_id: bytes, keys: list[bytes], first: int, result) -> int:
+        """Stream the blocks into their reserved slots; returns how many reserved ones are verified, in order."""
+        engine, arena = self.service.engine, self.service.arena
+        block_bytes = engine.namespace(namespace_id).block_bytes
+        end = first + len(result.statuses)
+        request = kvd_pb2.ReadBlocksRequest(node=self.node.name, incarnation=self.node.member.incarnation,
+                                            namespace_id=namespace_id, packed_keys=b"".join(keys[:end]), first=first,
+                                            lease_ms=int(self.fetch_timeout_s * 1000))
+        position, verified = first, 0
+        try:
+            async with asyncio.timeout(self.fetch_timeout_s):
+                call = stub.ReadBlocks(request, timeout=self.fetch_timeout_s, metadata=self.node.peers.metadata)
+                async for message in call:
+                    if message.first != position or len(message.crc32c) != len(message.blocks):
+                        raise ValueError(f"a ReadBlocks message for position {message.first}, expected {position}")
+                    for block, crc in zip(message.blocks, message.crc32c):
+                        index = position - first
+                        if index >= len(result.statuses):
+                            raise ValueError("more blocks than asked for")
+                        if len(block) != block_bytes or crc32c.crc32c(block) != crc:
+                            raise ValueError(f"block {position} failed its size or CRC-32C check")
+                        if result.statuses[index] == ReserveStatus.RESERVED:
+                            arena.write_at(engine.host.pool.offset_of(result.slots[index]), block)
+                            verified += 1
+                        position += 1
+        except (grpc.RpcError, TimeoutError, ValueError) as error:
+            self.failed_fetches += 1
+            log.warning("remote fetch cut short", extra={"peer": peer, "fetched": position - first,
+                                                         "reason": _describe(error)})
+        return verified
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, grpc.RpcError):
+        return f"{error.code()}: {error.details()}"
+    return f"{type(error).__name__}: {error}"

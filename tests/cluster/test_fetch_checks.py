@@ -1,0 +1,133 @@
+"""The fetcher's checks, against a real engine and a peer that lies, stalls or dies mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import crc32c
+import grpc
+
+from kvd.clock import ManualClock
+from kvd.core.engine import Engine
+from kvd.core.keys import NamespaceSpec, chain_keys
+from kvd.server.cluster_blocks import ClusterBlocks
+from kvd.v1 import kvd_pb2
+
+SPEC = NamespaceSpec(model_id="fetch-test", num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=1)
+
+
+class Arena:
+    def __init__(self) -> None:
+        self.writes: dict[int, bytes] = {}
+
+    def write_at(self, offset: int, payload: bytes) -> None:
+        self.writes[offset] = bytes(payload)
+
+
+class Peer:
+    """ReadBlocks as a script: a list of messages, then an ending (None, an error, or a stall)."""
+
+    def __init__(self, messages, ending=None) -> None:
+        self.messages, self.ending = messages, ending
+        self.requests = []
+
+    def ReadBlocks(self, request, timeout, metadata):
+        self.requests.append(request)
+
+        async def stream():
+            for message in self.messages:
+                yield message
+            if self.ending == "stall":
+                await asyncio.sleep(3600)
+            elif self.ending is not None:
+                raise self.ending
+        return stream()
+
+
+class Dead(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection reset"
+
+
+def setup(peer: Peer, timeout_s: float = 5.0):
+    engine = Engine(host_slot_count=64, host_slot_bytes=64)
+    namespace_id = engine.register_namespace(SPEC).namespace_id
+    arena = Arena()
+    service = SimpleNamespace(engine=engine, arena=arena, clock=ManualClock(), max_message_bytes=1 << 20)
+    node = SimpleNamespace(name="me", member=SimpleNamespace(incarnation=7),
+                           peers=SimpleNamespace(stub=lambda name: peer, metadata=()))
+    return ClusterBlocks(service, node, timeout_s), engine, namespace_id, arena
+
+
+def payloads(n: int) -> list[bytes]:
+    return [bytes([i]) * SPEC.block_bytes for i in range(n)]
+
+
+def message(first: int, blocks: list[bytes], crcs: list[int] | None = None) -> kvd_pb2.ReadBlocksResponse:
+    return kvd_pb2.ReadBlocksResponse(first=first, blocks=blocks,
+                                      crc32c=crcs if crcs is not None else [crc32c.crc32c(b) for b in blocks])
+
+
+def fetch(blocks: ClusterBlocks, namespace_id: bytes, keys, first: int = 0) -> int:
+    return asyncio.run(blocks._fetch("peer", namespace_id, keys, first, len(keys)))
+
+
+def test_a_good_stream_is_sealed_with_the_bytes_sent():
+    data = payloads(6)
+    peer = Peer([message(0, data[:4]), message(4, data[4:])])
+    blocks, engine, namespace_id, arena = setup(peer)
+    keys = chain_keys(SPEC, list(range(6)))
+    assert fetch(blocks, namespace_id, keys) == 6
+    assert len(engine.lookup(namespace_id, keys)) == 6
+    assert sorted(arena.writes.values()) == sorted(data)
+    assert peer.requests[0].first == 0 and len(peer.requests[0].packed_keys) == 6 * 32
+
+
+def test_a_wrong_checksum_ends_the_fetch_and_only_the_verified_prefix_is_kept():
+    data = payloads(6)
+    crcs = [crc32c.crc32c(b) for b in data]
+    crcs[3] ^= 1
+    blocks, engine, namespace_id, arena = setup(Peer([message(0, data, crcs)]))
+    keys = chain_keys(SPEC, list(range(6)))
+    assert fetch(blocks, namespace_id, keys) == 3
+    assert len(engine.lookup(namespace_id, keys)) == 3 and blocks.failed_fetches == 1
+    # The aborted reservations are gone: a later Put of the same keys gets slots again.
+    engine.verify()
+
+
+def test_short_or_misplaced_blocks_are_refused():
+    data = payloads(4)
+    blocks, engine, namespace_id, _ = setup(Peer([message(0, [data[0], data[1][:-1]])]))
+    keys = chain_keys(SPEC, list(range(4)))
+    assert fetch(blocks, namespace_id, keys) == 1
+    blocks, engine, namespace_id, _ = setup(Peer([message(1, data[:2])]))
+    assert fetch(blocks, namespace_id, keys) == 0
+    assert len(engine.lookup(namespace_id, keys)) == 0
+
+
+def test_a_peer_that_dies_or_stalls_leaves_misses_within_the_deadline():
+    data = payloads(5)
+    keys = chain_keys(SPEC, list(range(5)))
+    blocks, engine, namespace_id, _ = setup(Peer([message(0, data[:2])], ending=Dead()))
+    assert fetch(blocks, namespace_id, keys) == 2
+    blocks, engine, namespace_id, _ = setup(Peer([message(0, data[:1])], ending="stall"), timeout_s=0.2)
+    assert fetch(blocks, namespace_id, keys) == 1
+    assert len(engine.lookup(namespace_id, keys)) == 1
+    engine.verify()
+
+
+def test_a_fetch_continues_a_local_prefix():
+    data = payloads(6)
+    peer = Peer([message(0, data[:2])])
+    blocks, engine, namespace_id, arena = setup(peer)
+    keys = chain_keys(SPEC, list(range(6)))
+    assert fetch(blocks, namespace_id, keys[:2]) == 2
+    peer.messages = [message(2, data[2:])]
+    assert fetch(blocks, namespace_id, keys, first=2) == 4
+    assert peer.requests[-1].first == 2 and len(peer.requests[-1].packed_keys) == 6 * 32
+    assert len(engine.lookup(namespace_id, keys)) == 6
+    assert sorted(arena.writes.values()) == sorted(data)

@@ -1,0 +1,75 @@
+"""A Get fetches what a peer holds: real daemons, real bytes, verified, nothing left pinned."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+
+from kvd.client import Client
+from kvd.testing.daemon import run_daemon, start_daemon
+from tests.cluster.test_cluster_lookup import wait_matches
+from tests.cluster.test_daemon_cluster import cluster_config, wait_metric
+from tests.integration.conftest import SMALL_SPEC, random_blocks
+
+
+def config(etcd, name: str, prefix: str, **cluster) -> dict:
+    values = cluster_config(etcd, name, prefix)
+    values["cluster"].update(cluster)
+    values["host"] = {"capacity_bytes": 128 << 20, "slot_bytes": 1 << 20}
+    return values
+
+
+def test_a_get_fetches_the_missing_blocks_from_the_longest_holder(tmp_path, etcd):
+    prefix = "/kvd-fetch-1/"
+    with run_daemon(tmp_path / "a", config(etcd, "a", prefix)) as a, \
+            run_daemon(tmp_path / "b", config(etcd, "b", prefix)) as b, \
+            run_daemon(tmp_path / "c", config(etcd, "c", prefix)) as c:
+        for daemon in (a, b, c):
+            wait_metric(daemon, "kvd_cluster_members", 3)
+        with Client(a.unix_target) as ca, Client(b.unix_target) as cb, Client(c.unix_target) as cc:
+            ns_a, ns_b, ns_c = (client.register_namespace(SMALL_SPEC) for client in (ca, cb, cc))
+            keys = ns_a.keys(np.arange(400 * 16) + 11)
+            blocks = random_blocks(SMALL_SPEC, 400, seed=5)
+            assert ca.put(ns_a, keys, blocks) == 400
+            assert cb.put(ns_b, keys[:60], blocks[:60]) == 60
+            # c holds the first 10 itself.
+            assert cc.put(ns_c, keys[:10], blocks[:10]) == 10
+            wait_matches(cc, ns_c, keys, {"a": 400, "b": 60, "c": 10})
+            got = cc.get_numpy(ns_c, keys)
+            assert got.shape[0] == 400 and np.array_equal(got, blocks)
+            # Sealed here now: c answers for itself, and the directory learns it.
+            assert cc.lookup(ns_c, keys).matched == 400
+            wait_matches(ca, ns_a, keys, {"a": 400, "b": 60, "c": 400})
+            # The holder pinned the blocks only while it streamed them.
+            assert a.metric("kvd_lease_pinned_blocks") == 0
+            # An inline Get (no shared memory) fetches too.
+            with Client(b.tcp_target, use_shared_memory=False) as inline:
+                ns = inline.register_namespace(SMALL_SPEC)
+                assert np.array_equal(inline.get_numpy(ns, keys[:100]), blocks[:100])
+
+
+def test_a_frozen_holder_costs_a_miss_within_the_deadline(tmp_path, etcd):
+    prefix = "/kvd-fetch-2/"
+    with run_daemon(tmp_path / "c", config(etcd, "c", prefix, fetch_timeout_s=1.0, rpc_timeout_s=0.5)) as c:
+        a = start_daemon(tmp_path / "a", config(etcd, "a", prefix, lease_ttl_s=30))
+        try:
+            wait_metric(c, "kvd_cluster_members", 2)
+            with Client(a.unix_target) as ca, Client(c.unix_target) as cc:
+                ns_a, ns_c = ca.register_namespace(SMALL_SPEC), cc.register_namespace(SMALL_SPEC)
+                keys = ns_a.keys(np.arange(200 * 16) + 3)
+                blocks = random_blocks(SMALL_SPEC, 200, seed=6)
+                assert ca.put(ns_a, keys, blocks) == 200
+                assert cc.put(ns_c, keys[:5], blocks[:5]) == 5
+                wait_matches(cc, ns_c, keys, {"a": 200, "c": 5})
+                # Frozen: its member key stays alive (a long TTL), but it answers nothing.
+                a.process.send_signal(signal.SIGSTOP)
+                started = time.monotonic()
+                got = cc.get_numpy(ns_c, keys)
+                took = time.monotonic() - started
+                assert got.shape[0] == 5 and np.array_equal(got, blocks[:5])
+                assert took < 0.5 + 1.0 + 1.5, took
+        finally:
+            a.process.send_signal(signal.SIGCONT)
+            a.stop()
