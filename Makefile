@@ -37,6 +37,9 @@ $(STAMP): pyproject.toml requirements.txt | apt
 	# The CPU build of torch, installed alone so nothing pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -r requirements.txt
+	# NIXL for one-sided reads between cluster nodes, without its dependencies
+	# (they would pull CUDA builds): the UCX backend needs none on the CPU.
+	$(PIP) install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1
 	touch $(STAMP)
 
 # The package itself, editable. Building it compiles kvd._native from

@@ -229,6 +229,10 @@ class ClusterConfig:
     # fetch_timeout_s; what does not arrive verified by then is a miss.
     fetch_on_get: bool = True
     fetch_timeout_s: float = 5.0
+    # How blocks move between nodes: "auto" (NIXL one-sided READs where the
+    # nixl package is installed and the peer has an agent, else gRPC
+    # streams), "nixl" (required: start fails without it) or "grpc".
+    transport: str = "auto"
 
 
 @dataclass(slots=True)
@@ -357,6 +361,8 @@ class Config:
             raise ConfigError("cluster.etcd_cert_file", "an etcd client certificate needs both cert and key files")
         if cluster.etcd_cert_file and not cluster.etcd_ca_file:
             raise ConfigError("cluster.etcd_ca_file", "TLS to etcd needs the CA bundle (cluster.etcd_ca_file)")
+        if cluster.transport not in ("auto", "nixl", "grpc"):
+            raise ConfigError("cluster.transport", f"must be auto, nixl or grpc, got {cluster.transport!r}")
         self._validate_cluster_numbers()
 
     def _validate_cluster_numbers(self) -> None:

@@ -210,7 +210,7 @@ class Daemon:
         except ImportError as error:
             raise ConfigError("cluster.etcd_endpoints",
                               f"the cluster needs the etcd client (pip install 'kvd[cluster]'): {error}") from None
-        self.cluster = ClusterNode(self.config, self.engine)
+        self.cluster = ClusterNode(self.config, self.engine, self.arena)
 
     def _join_cluster(self, registry) -> None:
         cluster = self.cluster
@@ -218,8 +218,10 @@ class Daemon:
             return
         config = self.config
         cluster.start(self.bound_tcp_port, config.disk.capacity_bytes * len(config.disk.directories))
+        blocks = cluster.servicer.blocks
         registry.register(ClusterCollector(lambda: len(cluster.view), cluster.joined.is_set,
-                                           lambda: cluster.membership.sessions))
+                                           lambda: cluster.membership.sessions, lambda: blocks.fetched_blocks,
+                                           lambda: blocks.failed_fetches))
 
     async def _open_tiers(self, layout: ArenaLayout):
         """Create the host arena and open the disk tier (its recovery, if any, to index next)."""

@@ -388,10 +388,13 @@ def make_registry(engine: Engine) -> tuple[CollectorRegistry, RpcMetrics]:
 class ClusterCollector(Collector):
     """Cluster membership as this daemon sees it, read when scraped."""
 
-    def __init__(self, members: Callable[[], int], joined: Callable[[], bool], sessions: Callable[[], int]) -> None:
+    def __init__(self, members: Callable[[], int], joined: Callable[[], bool], sessions: Callable[[], int],
+                 fetched: Callable[[], Mapping[str, int]] = dict, failed_fetches: Callable[[], int] = int) -> None:
         self._members = members
         self._joined = joined
         self._sessions = sessions
+        self._fetched = fetched
+        self._failed_fetches = failed_fetches
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("kvd_cluster_members", "Live cluster members in this daemon's view, itself included.",
@@ -401,3 +404,12 @@ class ClusterCollector(Collector):
                                 "etcd is out of reach (the view is then as last seen).", value=int(self._joined()))
         yield CounterMetricFamily("kvd_cluster_etcd_sessions",
                                   "etcd sessions this daemon has joined through (1 + rejoins).", value=self._sessions())
+        fetched = CounterMetricFamily("kvd_cluster_fetched_blocks",
+                                      "Blocks fetched from peers, verified and sealed here, by transport.",
+                                      labels=["transport"])
+        for transport, count in sorted(self._fetched().items()):
+            fetched.add_metric([transport], count)
+        yield fetched
+        yield CounterMetricFamily("kvd_cluster_failed_fetches",
+                                  "Fetches from peers cut short (dead or slow peer, bad bytes); the rest were misses.",
+                                  value=self._failed_fetches())

@@ -66,7 +66,7 @@ def read_secret(path: str) -> bytes:
 
 
 class ClusterNode:
-    def __init__(self, config: Config, engine) -> None:
+    def __init__(self, config: Config, engine, arena=None) -> None:
         cluster = config.cluster
         self.config = config
         self.engine = engine
@@ -81,6 +81,9 @@ class ClusterNode:
         self.router = ClusterRouter(self.name, self.view, self.shard, self.peers, cluster.segment_blocks,
                                     cluster.rpc_timeout_s)
         self.servicer = DirectoryServicer(self.shard, self.view, self.secret)
+        self.arena = arena
+        # kvd.cluster.nixl_transport.NixlTransport once started, where NIXL is used.
+        self.transport = None
         self.member: Member | None = None
         self.membership: Membership | None = None
         self.joined = asyncio.Event()
@@ -92,12 +95,15 @@ class ClusterNode:
         kvd_pb2_grpc.add_ClusterServicer_to_server(self.servicer, server)
 
     def start(self, bound_tcp_port: int | None, disk_capacity_bytes: int) -> None:
+        incarnation = time.time_ns()  # new on every start: peers tell this process from an earlier one
+        self.transport = self._open_transport(incarnation)
         self.member = Member(
             name=self.name,
             address=advertised_address(self.config, bound_tcp_port),
-            incarnation=time.time_ns(),  # new on every start: peers tell this process from an earlier one
+            incarnation=incarnation,
             host_capacity_bytes=self.config.host.capacity_bytes,
             disk_capacity_bytes=disk_capacity_bytes,
+            nixl_metadata=self.transport.metadata if self.transport is not None else b"",
         )
         self.membership = Membership(etcd_settings(self.config), self.member, self.view)
         self.membership.on_rejoined_as_new = self._rejoined_as_new
@@ -105,12 +111,30 @@ class ClusterNode:
         self._tasks = [asyncio.create_task(self.membership.run(), name="cluster-membership"),
                        asyncio.create_task(self._publish_loop(), name="cluster-publisher")]
 
+    def _open_transport(self, incarnation: int):
+        """The NIXL agent, with the arena registered (cluster.transport auto or nixl)."""
+        mode = self.config.cluster.transport
+        if mode == "grpc" or self.arena is None:
+            return None
+        from kvd.cluster.nixl_transport import NixlTransport, nixl_available
+
+        if not nixl_available():
+            if mode == "nixl":
+                raise ConfigError("cluster.transport", "nixl, but the nixl package is not installed")
+            log.info("NIXL not installed: blocks move between nodes over gRPC streams")
+            return None
+        return NixlTransport(self.name, incarnation, self.arena.address_at(0), self.arena.layout.arena_bytes)
+
     def _joined(self, member: Member) -> None:
+        if self.transport is not None and member.name != self.name:
+            asyncio.get_running_loop().create_task(self.transport.add_peer(member.name, member.nixl_metadata))
         self.peers.join(member)
         self._fresh.add(member.name)
         self._members_changed = True
 
     def _left(self, member: Member) -> None:
+        if self.transport is not None:
+            asyncio.get_running_loop().create_task(self.transport.remove_peer(member.name))
         self.peers.leave(member)
         self.shard.drop_node(member.name)
         self._fresh.discard(member.name)
@@ -177,3 +201,5 @@ class ClusterNode:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.peers.close()
+        if self.transport is not None:
+            await self.transport.close()

@@ -94,6 +94,20 @@ class DirectoryServicer(kvd_pb2_grpc.ClusterServicer):
         async for message in self.blocks.serve(request, context):
             yield message
 
+    async def PinBlocks(self, request, context):
+        await self._authenticate(context)
+        await self._check_member(request, context)
+        if self.blocks is None or self.blocks.node.transport is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no NIXL agent; use ReadBlocks")
+        return await self.blocks.pin(request, context)
+
+    async def ReleasePins(self, request, context):
+        await self._authenticate(context)
+        await self._check_member(request, context)
+        if self.blocks is None or not self.blocks.unpin(request.node, request.lease_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no pins of {request.node!r} under lease {request.lease_id}")
+        return kvd_pb2.ReleasePinsResponse()
+
     async def DirectoryUpdate(self, request, context):
         await self._authenticate(context)
         await self._check_member(request, context)

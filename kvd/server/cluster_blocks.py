@@ -25,10 +25,12 @@ import logging
 
 import crc32c
 import grpc
+import numpy as np
 
 from kvd.cluster.keys import split
 from kvd.core.engine import CommitRequest, KeysRequest, ReserveStatus
 from kvd.errors import KvdError
+from kvd.io.checksum import crc32c_chunks
 from kvd.server import convert
 from kvd.v1 import kvd_pb2
 
@@ -44,8 +46,11 @@ class ClusterBlocks:
         self.service = service
         self.node = node
         self.fetch_timeout_s = fetch_timeout_s
-        self.fetched_blocks = 0
+        # Blocks sealed here from peers, by transport; fetches cut short.
+        self.fetched_blocks = {"nixl": 0, "grpc": 0}
         self.failed_fetches = 0
+        # Pins held for peers' NIXL reads: lease id -> (peer, lease).
+        self._pins: dict[int, tuple[str, object]] = {}
 
     # -- holder ---------------------------------------------------------------
 
@@ -77,6 +82,51 @@ class ClusterBlocks:
             if lease is not None and not lease.ended:
                 engine.leases.close(lease)
 
+    async def pin(self, request, context) -> kvd_pb2.PinBlocksResponse:
+        """Pin blocks for a peer's one-sided READ until it releases them or lease_ms passes."""
+        engine, arena = self.service.engine, self.service.arena
+        try:
+            state = engine.namespace(request.namespace_id)
+            keys = split(request.packed_keys)
+            if len(request.packed_keys) % 32 or not keys or request.first >= len(keys):
+                raise ValueError("packed_keys must be whole 32-byte keys, and first inside them")
+            get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, keys=keys[request.first:],
+                                     parent_key=keys[request.first - 1] if request.first else b"",
+                                     lease_ms=request.lease_ms)
+            lease, matched, _ = await self.service._pinned_prefix(get, PEER_CLIENT_PREFIX + request.node)
+        except KvdError as error:
+            await context.abort(convert.status_of(error), error.message)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if lease is None or not matched:
+            if lease is not None:
+                engine.leases.close(lease)
+            return kvd_pb2.PinBlocksResponse(block_bytes=state.block_bytes, arena_address=arena.address_at(0))
+        offsets = engine.host.pool.offsets_of([engine.host_slot(block) for block in matched])
+        addresses = np.array([arena.address_at(offset) for offset in offsets], dtype=np.uint64)
+        crcs = crc32c_chunks(addresses, state.block_bytes, 1)[:, 0]
+        self._pins[lease.lease_id] = (request.node, lease)
+        self.node.transport.serving(+1)
+        asyncio.get_running_loop().call_later(max(lease.deadline_ms - self.service.clock.now_ms(), 0) / 1000 + 0.1,
+                                              self._unpin, lease.lease_id)
+        return kvd_pb2.PinBlocksResponse(lease_id=lease.lease_id, offsets=offsets, crc32c=crcs.tolist(),
+                                         block_bytes=state.block_bytes, arena_address=arena.address_at(0))
+
+    def unpin(self, node: str, lease_id: int) -> bool:
+        pinned = self._pins.get(lease_id)
+        if pinned is None or pinned[0] != node:
+            return False
+        self._unpin(lease_id)
+        return True
+
+    def _unpin(self, lease_id: int) -> None:
+        pinned = self._pins.pop(lease_id, None)
+        if pinned is None:
+            return
+        if not pinned[1].ended:
+            self.service.engine.leases.close(pinned[1])
+        self.node.transport.serving(-1)
+
     # -- fetcher --------------------------------------------------------------
 
     async def fetch_for_get(self, namespace_id: bytes, keys: list[bytes]) -> int:
@@ -89,6 +139,11 @@ class ClusterBlocks:
         best = next((n for n in answer.nodes if not n.local and n.matched > local), None)
         if best is None:
             return 0
+        transport = self.node.transport
+        if transport is not None and transport.has_peer(best.node):
+            fetched = await self._fetch_nixl(best.node, namespace_id, keys, local, best.matched)
+            if fetched is not None:
+                return fetched
         return await self._fetch(best.node, namespace_id, keys, local, best.matched)
 
     async def _fetch(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> int:
@@ -112,8 +167,74 @@ class ClusterBlocks:
         sealed, _ = engine.commit(CommitRequest(namespace_id, FETCH_CLIENT, result.lease.lease_id,
                                                 service.clock.now_ms(), keys=reserved[:verified],
                                                 abort_keys=reserved[verified:]))
-        self.fetched_blocks += sealed
+        self.fetched_blocks["grpc"] += sealed
         return sealed
+
+    async def _fetch_nixl(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> int | None:
+        """Pin on the holder, READ into reserved slots, verify, seal; None: use the gRPC stream instead."""
+        stub = self.node.peers.stub(peer)
+        if stub is None:
+            return None
+        lease_ms = int(self.fetch_timeout_s * 1000) + 1000
+        request = kvd_pb2.PinBlocksRequest(node=self.node.name, incarnation=self.node.member.incarnation,
+                                           namespace_id=namespace_id, packed_keys=b"".join(keys[:end]), first=first,
+                                           lease_ms=lease_ms)
+        try:
+            pin = await stub.PinBlocks(request, timeout=self.fetch_timeout_s, metadata=self.node.peers.metadata)
+        except grpc.RpcError as error:
+            log.info("NIXL pin refused; streaming instead", extra={"peer": peer, "reason": _describe(error)})
+            return None
+        try:
+            sealed, read = await self._read_pinned(peer, namespace_id, keys, first, pin)
+            # A READ that failed (not a bad checksum) is tried again over the gRPC stream.
+            return sealed if read else None
+        finally:
+            if pin.lease_id:
+                release = kvd_pb2.ReleasePinsRequest(node=self.node.name, incarnation=self.node.member.incarnation,
+                                                     lease_id=pin.lease_id)
+                try:
+                    await stub.ReleasePins(release, timeout=self.node.peers.timeout_s,
+                                           metadata=self.node.peers.metadata)
+                except grpc.RpcError:
+                    pass  # its lease ends the pins on its own
+
+    async def _read_pinned(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int,
+                           pin) -> tuple[int, bool]:
+        """(blocks sealed, whether the READ itself completed)."""
+        engine, service = self.service.engine, self.service
+        block_bytes = engine.namespace(namespace_id).block_bytes
+        if not pin.offsets or pin.block_bytes != block_bytes or len(pin.crc32c) != len(pin.offsets):
+            return 0, True
+        count = len(pin.offsets)
+        reserve = KeysRequest(namespace_id, FETCH_CLIENT, keys[first:first + count],
+                              int(self.fetch_timeout_s * 1000) + 1000, service.clock.now_ms(),
+                              parent_key=keys[first - 1] if first else b"")
+        try:
+            result = engine.reserve(reserve)
+        except KvdError:
+            return 0, True
+        if result.lease is None:
+            return 0, True
+        positions = [i for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
+        local = [service.arena.address_at(engine.host.pool.offset_of(result.slots[i])) for i in positions]
+        remote = [pin.arena_address + pin.offsets[i] for i in positions]
+        verified = 0
+        read = await self.node.transport.read(peer, local, remote, block_bytes, self.fetch_timeout_s)
+        if read:
+            crcs = crc32c_chunks(np.array(local, dtype=np.uint64), block_bytes, 1)[:, 0]
+            for position, crc in zip(positions, crcs.tolist()):
+                if crc != pin.crc32c[position]:
+                    log.warning("NIXL read failed its CRC-32C check", extra={"peer": peer, "block": first + position})
+                    break
+                verified += 1
+        else:
+            self.failed_fetches += 1
+        reserved = [keys[first + i] for i in positions]
+        sealed, _ = engine.commit(CommitRequest(namespace_id, FETCH_CLIENT, result.lease.lease_id,
+                                                service.clock.now_ms(), keys=reserved[:verified],
+                                                abort_keys=reserved[verified:]))
+        self.fetched_blocks["nixl"] += sealed
+        return sealed, read
 
     async def _receive(self, stub, peer: str, namespace_id: bytes, keys: list[bytes], first: int, result) -> int:
         """Stream the blocks into their reserved slots; returns how many reserved ones are verified, in order."""

@@ -662,3 +662,47 @@ class ReadBlocksResponse(_message.Message):
     blocks: _containers.RepeatedScalarFieldContainer[bytes]
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, first: _Optional[int] = ..., blocks: _Optional[_Iterable[bytes]] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PinBlocksRequest(_message.Message):
+    __slots__ = ("node", "incarnation", "namespace_id", "packed_keys", "first", "lease_ms")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    incarnation: int
+    namespace_id: bytes
+    packed_keys: bytes
+    first: int
+    lease_ms: int
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[int] = ..., namespace_id: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ..., first: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class PinBlocksResponse(_message.Message):
+    __slots__ = ("lease_id", "offsets", "crc32c", "block_bytes", "arena_address")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    block_bytes: int
+    arena_address: int
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., crc32c: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., arena_address: _Optional[int] = ...) -> None: ...
+
+class ReleasePinsRequest(_message.Message):
+    __slots__ = ("node", "incarnation", "lease_id")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    incarnation: int
+    lease_id: int
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleasePinsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

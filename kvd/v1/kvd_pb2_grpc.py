@@ -847,6 +847,16 @@ class ClusterStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.ReadBlocksRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.ReadBlocksResponse.FromString,
                 _registered_method=True)
+        self.PinBlocks = channel.unary_unary(
+                '/kvd.v1.Cluster/PinBlocks',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.PinBlocksRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.PinBlocksResponse.FromString,
+                _registered_method=True)
+        self.ReleasePins = channel.unary_unary(
+                '/kvd.v1.Cluster/ReleasePins',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.ReleasePinsRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.ReleasePinsResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterServicer:
@@ -873,6 +883,18 @@ class ClusterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleasePins(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -890,6 +912,16 @@ def add_ClusterServicer_to_server(servicer, server):
                     servicer.ReadBlocks,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.ReadBlocksRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.ReadBlocksResponse.SerializeToString,
+            ),
+            'PinBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinBlocks,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.PinBlocksRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.PinBlocksResponse.SerializeToString,
+            ),
+            'ReleasePins': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleasePins,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.ReleasePinsRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.ReleasePinsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -976,6 +1008,60 @@ class Cluster:
             '/kvd.v1.Cluster/ReadBlocks',
             kvd_dot_v1_dot_kvd__pb2.ReadBlocksRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.ReadBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Cluster/PinBlocks',
+            kvd_dot_v1_dot_kvd__pb2.PinBlocksRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.PinBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleasePins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Cluster/ReleasePins',
+            kvd_dot_v1_dot_kvd__pb2.ReleasePinsRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.ReleasePinsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,7 @@ import signal
 import time
 
 import numpy as np
+import pytest
 
 from kvd.client import Client
 from kvd.testing.daemon import run_daemon, start_daemon
@@ -21,11 +22,20 @@ def config(etcd, name: str, prefix: str, **cluster) -> dict:
     return values
 
 
-def test_a_get_fetches_the_missing_blocks_from_the_longest_holder(tmp_path, etcd):
-    prefix = "/kvd-fetch-1/"
-    with run_daemon(tmp_path / "a", config(etcd, "a", prefix)) as a, \
-            run_daemon(tmp_path / "b", config(etcd, "b", prefix)) as b, \
-            run_daemon(tmp_path / "c", config(etcd, "c", prefix)) as c:
+def fetched(daemon, transport: str) -> float:
+    return daemon.metric_samples("kvd_cluster_fetched_blocks_total").get(
+        f'kvd_cluster_fetched_blocks_total{{transport="{transport}"}}', 0.0)
+
+
+# NIXL over shared memory (UCX copies between the processes), over TCP (the
+# holder's own progress moves the bytes, as across hosts), and the gRPC stream.
+@pytest.mark.parametrize("transport, env", [("nixl", {}), ("nixl", {"UCX_TLS": "tcp"}), ("grpc", {})],
+                         ids=["nixl-shm", "nixl-tcp", "grpc"])
+def test_a_get_fetches_the_missing_blocks_from_the_longest_holder(tmp_path, etcd, transport, env):
+    prefix = f"/kvd-fetch-1-{transport}-{len(env)}/"
+    with run_daemon(tmp_path / "a", config(etcd, "a", prefix, transport=transport), env) as a, \
+            run_daemon(tmp_path / "b", config(etcd, "b", prefix, transport=transport), env) as b, \
+            run_daemon(tmp_path / "c", config(etcd, "c", prefix, transport=transport), env) as c:
         for daemon in (a, b, c):
             wait_metric(daemon, "kvd_cluster_members", 3)
         with Client(a.unix_target) as ca, Client(b.unix_target) as cb, Client(c.unix_target) as cc:
@@ -39,6 +49,7 @@ def test_a_get_fetches_the_missing_blocks_from_the_longest_holder(tmp_path, etcd
             wait_matches(cc, ns_c, keys, {"a": 400, "b": 60, "c": 10})
             got = cc.get_numpy(ns_c, keys)
             assert got.shape[0] == 400 and np.array_equal(got, blocks)
+            assert fetched(c, transport) == 390 and c.metric("kvd_cluster_failed_fetches_total") == 0
             # Sealed here now: c answers for itself, and the directory learns it.
             assert cc.lookup(ns_c, keys).matched == 400
             wait_matches(ca, ns_a, keys, {"a": 400, "b": 60, "c": 400})

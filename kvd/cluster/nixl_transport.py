@@ -1,0 +1,149 @@
+"""One-sided reads between daemons' arenas with NIXL (UCX backend).
+
+One agent per daemon process, named `<node>-<incarnation>`, with NIXL's
+progress thread off (it burns a core idle on small machines, FIELD-NOTES):
+every agent call runs on one dedicated thread of this module, so the agent
+is never entered by two threads at once, and the event loop only awaits.
+The whole host arena is registered once; its metadata travels in the
+member record, and a peer is added when it joins and removed when it
+leaves.
+
+Progress. A READ over UCX's TCP transport needs the *holder* to make
+progress too, so while a peer holds pins here (`serving`) a task drives the
+agent every millisecond; over shared memory (CMA) the reader's transfer
+call does all the work. Connections are made when a peer joins, while both
+sides make progress.
+
+Deadlines. NIXL reports nothing for a READ across a cut link (FIELD-NOTES),
+so `read` polls against its own deadline and, past it, releases the
+transfer handle (which cancels it) and reports failure: the caller then
+aborts the reserved slots, and the blocks are misses.
+
+UCX's InfiniBand modules are kept from loading (UCX_MODULES=^ib,rdmacm,
+unless set): the wheel's bundled libnl crashes in its exit destructor on
+hosts without RDMA, turning every daemon exit into SIGSEGV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+
+import numpy as np
+
+log = logging.getLogger("kvd.cluster")
+
+PROGRESS_INTERVAL_S = 0.001
+
+
+def nixl_available() -> bool:
+    os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class NixlTransport:
+    def __init__(self, node: str, incarnation: int, arena_address: int, arena_bytes: int) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = f"{node}-{incarnation}"
+        self.arena_address = arena_address
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-nixl")
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self.agent = self._thread.submit(nixl_agent, self.name, config).result()
+        self._registration = self._thread.submit(
+            self.agent.register_memory, [(arena_address, arena_bytes, 0, "")], "DRAM").result()
+        self.metadata: bytes = self._thread.submit(self.agent.get_agent_metadata).result()
+        self._peers: dict[str, str] = {}
+        self._serving = 0
+        self._progress: asyncio.Task | None = None
+        self.reads = 0
+        self.failed_reads = 0
+
+    async def _call(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
+
+    def has_peer(self, node: str) -> bool:
+        return node in self._peers
+
+    async def add_peer(self, node: str, metadata: bytes) -> None:
+        if not metadata:
+            return
+        try:
+            name = await self._call(self.agent.add_remote_agent, metadata)
+        except Exception as error:  # NIXL raises its own error types; a bad peer must not stop us
+            log.warning("NIXL peer not added", extra={"node": node, "reason": str(error)})
+            return
+        self._peers[node] = name.decode() if isinstance(name, bytes) else name
+
+    async def remove_peer(self, node: str) -> None:
+        name = self._peers.pop(node, None)
+        if name is not None:
+            try:
+                await self._call(self.agent.remove_remote_agent, name)
+            except Exception as error:
+                log.warning("NIXL peer not removed", extra={"node": node, "reason": str(error)})
+
+    def serving(self, change: int) -> None:
+        """Pins held for peers went up or down: keep the agent progressing while any are."""
+        self._serving = max(0, self._serving + change)
+        if self._serving and (self._progress is None or self._progress.done()):
+            self._progress = asyncio.get_running_loop().create_task(self._progress_while_serving())
+
+    async def _progress_while_serving(self) -> None:
+        while self._serving:
+            await self._call(self.agent.get_new_notifs)
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+
+    async def read(self, node: str, local_addresses: list[int], remote_addresses: list[int], length: int,
+                   timeout_s: float) -> bool:
+        """READ `length` bytes at each remote address into the local one; False if not all arrived in time."""
+        peer = self._peers.get(node)
+        if peer is None or not local_addresses:
+            return False
+        deadline = time.monotonic() + timeout_s
+        handle = None
+        try:
+            handle = await self._call(self._start_read, peer, local_addresses, remote_addresses, length)
+            state = await self._call(self.agent.transfer, handle)
+            while state == "PROC" and time.monotonic() < deadline:
+                await asyncio.sleep(PROGRESS_INTERVAL_S)
+                state = await self._call(self.agent.check_xfer_state, handle)
+        except Exception as error:
+            log.warning("NIXL read failed", extra={"node": node, "reason": str(error)})
+            state = "ERR"
+        finally:
+            if handle is not None:
+                try:
+                    await self._call(self.agent.release_xfer_handle, handle)
+                except Exception as error:
+                    log.error("NIXL transfer could not be cancelled", extra={"node": node, "reason": str(error)})
+        self.reads += 1
+        if state != "DONE":
+            self.failed_reads += 1
+            return False
+        return True
+
+    def _start_read(self, peer: str, local: list[int], remote: list[int], length: int):
+        def descs(addresses: list[int]):
+            rows = np.zeros((len(addresses), 3), dtype=np.uint64)
+            rows[:, 0] = addresses
+            rows[:, 1] = length
+            return self.agent.get_xfer_descs(rows, "DRAM")
+        return self.agent.initialize_xfer("READ", descs(local), descs(remote), peer)
+
+    async def close(self) -> None:
+        self._serving = 0
+        for node in list(self._peers):
+            await self.remove_peer(node)
+        try:
+            await self._call(self.agent.deregister_memory, self._registration)
+        except Exception as error:
+            log.warning("NIXL deregistration failed", extra={"reason": str(error)})
+        self._thread.shutdown(wait=True)
