@@ -33,6 +33,8 @@ SECRET_METADATA = "x-kvd-cluster-secret"
 SERVICE_NAME = "kvd.v1.Cluster"
 MAX_QUERY_KEYS = 1 << 16
 MAX_UPDATE_KEYS = 1 << 18
+# Longer than any node-to-node call's deadline (config caps them at 60 s).
+CLOSE_GRACE_S = 61.0
 
 
 def _packed(name: str, data: bytes, limit: int) -> list[bytes]:
@@ -161,7 +163,10 @@ class Peers:
     def leave(self, member: Member) -> None:
         entry = self._stubs.pop(member.name, None)
         if entry is not None:
-            asyncio.get_running_loop().create_task(entry[0].close())
+            # Calls in flight end by their own deadlines (a dead peer's fail
+            # then); closing without a grace would cancel them, and a
+            # cancelled call raises CancelledError into the Get waiting on it.
+            asyncio.get_running_loop().create_task(entry[0].close(grace=CLOSE_GRACE_S))
 
     def stub(self, name: str) -> kvd_pb2_grpc.ClusterStub | None:
         entry = self._stubs.get(name)

@@ -261,11 +261,18 @@ class ClusterBlocks:
                             arena.write_at(engine.host.pool.offset_of(result.slots[index]), block)
                             verified += 1
                         position += 1
+        except asyncio.CancelledError as error:
+            if asyncio.current_task().cancelling():
+                raise  # the Get itself was cancelled
+            # The call was cancelled under us (its channel closed): the fetch failed, the Get goes on.
+            self._cut_short(peer, position - first, error)
         except (grpc.RpcError, TimeoutError, ValueError) as error:
-            self.failed_fetches += 1
-            log.warning("remote fetch cut short", extra={"peer": peer, "fetched": position - first,
-                                                         "reason": _describe(error)})
+            self._cut_short(peer, position - first, error)
         return verified
+
+    def _cut_short(self, peer: str, fetched: int, error: BaseException) -> None:
+        self.failed_fetches += 1
+        log.warning("remote fetch cut short", extra={"peer": peer, "fetched": fetched, "reason": _describe(error)})
 
 
 def _describe(error: BaseException) -> str:

@@ -74,6 +74,9 @@ class DaemonProcess:
     state_dir: Path
     log_path: Path
     endpoints: dict[str, Any]
+    # The address its TCP and metrics listeners are bound to (a network
+    # namespace's, kvd.testing.netns, or loopback).
+    host: str = "127.0.0.1"
 
     @property
     def unix_target(self) -> str:
@@ -81,11 +84,11 @@ class DaemonProcess:
 
     @property
     def tcp_target(self) -> str:
-        return f"127.0.0.1:{self.endpoints['tcp_port']}"
+        return f"{self.host}:{self.endpoints['tcp_port']}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.endpoints['metrics_port']}/metrics"
+        return f"http://{self.host}:{self.endpoints['metrics_port']}/metrics"
 
     @property
     def arena_socket(self) -> str:
@@ -167,16 +170,20 @@ def _serving(target: str) -> bool:
 
 
 def start_daemon(
-    directory: Path, config: dict[str, Any] | None = None, env: dict[str, str] | None = None
+    directory: Path, config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+    netns_host=None,
 ) -> DaemonProcess:
+    """Start kvd on a config built from test defaults and `config`; `netns_host` (a
+    kvd.testing.netns.Host) runs it inside that namespace, listening on its address."""
+    host = netns_host.address if netns_host is not None else "127.0.0.1"
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state_dir = directory / "state"
     config_path = directory / "kvd.toml"
     values: dict[str, Any] = {
         "state_dir": str(state_dir),
-        "server": {"tcp_address": "127.0.0.1:0", "grace_period_s": 5.0},
-        "metrics": {"address": "127.0.0.1:0"},
+        "server": {"tcp_address": f"{host}:0", "grace_period_s": 5.0},
+        "metrics": {"address": f"{host}:0"},
         "host": {"capacity_bytes": 64 << 20, "slot_bytes": 1 << 20},
         "log": {"level": "info", "format": "json"},
     }
@@ -190,8 +197,9 @@ def start_daemon(
     child_env = dict(os.environ)
     child_env.update(env or {})
     with open(log_path, "wb") as log_file:
+        command = [sys.executable, "-m", "kvd", "serve", "--config", str(config_path)]
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvd", "serve", "--config", str(config_path)],
+            netns_host.wrap(command) if netns_host is not None else command,
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=child_env,
@@ -203,7 +211,7 @@ def start_daemon(
             process.kill()
             process.wait()
         raise
-    return DaemonProcess(process, state_dir, log_path, endpoints)
+    return DaemonProcess(process, state_dir, log_path, endpoints, host)
 
 
 @contextlib.contextmanager
@@ -212,8 +220,9 @@ def run_daemon(
     config: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     check_clean_exit: bool = True,
+    netns_host=None,
 ) -> Iterator[DaemonProcess]:
-    daemon = start_daemon(directory, config, env)
+    daemon = start_daemon(directory, config, env, netns_host)
     leaked = None
     try:
         yield daemon
