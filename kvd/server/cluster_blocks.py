@@ -54,7 +54,9 @@ class ClusterBlocks:
 
     # -- holder ---------------------------------------------------------------
 
-    async def serve(self, request, context):
+    async def _pin_for_peer(self, request, context):
+        """Pin what the holder has of the chain from `request.first` on, under the peer's own
+        client id: (block bytes, lease or None, arena offsets of the pinned blocks)."""
         engine = self.service.engine
         try:
             state = engine.namespace(request.namespace_id)
@@ -69,48 +71,38 @@ class ClusterBlocks:
             await context.abort(convert.status_of(error), error.message)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        offsets = engine.host.pool.offsets_of([engine.host_slot(block) for block in matched])
+        return state.block_bytes, lease, offsets
+
+    async def serve(self, request, context):
+        block_bytes, lease, offsets = await self._pin_for_peer(request, context)
         try:
-            offsets = engine.host.pool.offsets_of([engine.host_slot(block) for block in matched])
             chunk = min(CHUNK_BYTES, self.service.max_message_bytes // 2)
-            per_message = max(1, chunk // state.block_bytes)
+            per_message = max(1, chunk // block_bytes)
             for start in range(0, len(offsets), per_message):
-                blocks = [self.service.arena.read_at(offset, state.block_bytes)
-                          for offset in offsets[start:start + per_message]]
+                blocks = [self.service.arena.read_at(offset, block_bytes) for offset in offsets[start:start + per_message]]
                 yield kvd_pb2.ReadBlocksResponse(first=request.first + start, blocks=blocks,
                                                  crc32c=[crc32c.crc32c(block) for block in blocks])
         finally:
             if lease is not None and not lease.ended:
-                engine.leases.close(lease)
+                self.service.engine.leases.close(lease)
 
     async def pin(self, request, context) -> kvd_pb2.PinBlocksResponse:
         """Pin blocks for a peer's one-sided READ until it releases them or lease_ms passes."""
         engine, arena = self.service.engine, self.service.arena
-        try:
-            state = engine.namespace(request.namespace_id)
-            keys = split(request.packed_keys)
-            if len(request.packed_keys) % 32 or not keys or request.first >= len(keys):
-                raise ValueError("packed_keys must be whole 32-byte keys, and first inside them")
-            get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, keys=keys[request.first:],
-                                     parent_key=keys[request.first - 1] if request.first else b"",
-                                     lease_ms=request.lease_ms)
-            lease, matched, _ = await self.service._pinned_prefix(get, PEER_CLIENT_PREFIX + request.node)
-        except KvdError as error:
-            await context.abort(convert.status_of(error), error.message)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if lease is None or not matched:
+        block_bytes, lease, offsets = await self._pin_for_peer(request, context)
+        if lease is None or not offsets:
             if lease is not None:
                 engine.leases.close(lease)
-            return kvd_pb2.PinBlocksResponse(block_bytes=state.block_bytes, arena_address=arena.address_at(0))
-        offsets = engine.host.pool.offsets_of([engine.host_slot(block) for block in matched])
+            return kvd_pb2.PinBlocksResponse(block_bytes=block_bytes, arena_address=arena.address_at(0))
         addresses = np.array([arena.address_at(offset) for offset in offsets], dtype=np.uint64)
-        crcs = crc32c_chunks(addresses, state.block_bytes, 1)[:, 0]
+        crcs = crc32c_chunks(addresses, block_bytes, 1)[:, 0]
         self._pins[lease.lease_id] = (request.node, lease)
         self.node.transport.serving(+1)
         asyncio.get_running_loop().call_later(max(lease.deadline_ms - self.service.clock.now_ms(), 0) / 1000 + 0.1,
                                               self._unpin, lease.lease_id)
         return kvd_pb2.PinBlocksResponse(lease_id=lease.lease_id, offsets=offsets, crc32c=crcs.tolist(),
-                                         block_bytes=state.block_bytes, arena_address=arena.address_at(0))
+                                         block_bytes=block_bytes, arena_address=arena.address_at(0))
 
     def unpin(self, node: str, lease_id: int) -> bool:
         pinned = self._pins.get(lease_id)
