@@ -130,11 +130,15 @@ soak-long: setup
 	KVD_SOAK_SECONDS=$${KVD_SOAK_SECONDS:-300} KVD_SOAK_FAULT_SECONDS=$${KVD_SOAK_FAULT_SECONDS:-120} \
 	  KVD_SOAK_PROGRESS=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/soak
 
-# The cluster directory's simulation at 10, 100 and 1,000 nodes (docs/CLUSTER.md):
-# load, memory and messages per segment length; the table, its JSON and a plot.
+# The cluster's simulations (docs/CLUSTER.md): the directory at 10, 100 and
+# 1,000 nodes (load, memory and messages per segment length), then routing
+# (where prompt blocks come from: local, a peer, or recomputed, per policy);
+# each prints its table and writes its JSON and a plot.
 cluster-sim: setup
 	$(PY) -m kvd.cluster.dirsim --nodes 10,100,1000 --segments 16,64,256,0 \
 	  --json bench/results/cluster_directory.json --plot docs/cluster_directory.png
+	$(PY) -m kvd.cluster.routesim --nodes 4,16,64 \
+	  --json bench/results/cluster_routing.json --plot docs/cluster_routing.png
 
 # The simulator (python -m kvd.sim) over many more seeds and longer traces
 # than `make test` runs: every policy, two host capacities, write-back and
