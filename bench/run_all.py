@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "io_engine": ([], ["--file-mib", "256", "--rounds", "2"]),
     "disk_restore": ([], ["--total-mib", "512", "--rounds", "2", "--store-rounds", "2"]),
     "vllm_connector": ([], ["--prefix-tokens", "1024", "--prefixes", "3", "--disk-modes", "async"]),
+    "cluster_fetch": ([], ["--mib", "64", "--rounds", "2"]),
 }
 
 
