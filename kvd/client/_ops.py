@@ -202,8 +202,10 @@ def register_namespace(session: Session, spec: NamespaceSpec) -> Op:
     return _wire.namespace_from(spec, response)
 
 
-def lookup(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes) -> Op:
-    request = kvd_pb2.LookupRequest(namespace_id=namespace.namespace_id, parent_key=parent_key)
+def lookup(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes,
+           include_remote: bool = False) -> Op:
+    request = kvd_pb2.LookupRequest(namespace_id=namespace.namespace_id, parent_key=parent_key,
+                                    include_remote=include_remote)
     packed = b"".join(keys)
     if len(packed) == KEY_BYTES * len(keys):
         request.packed_keys = packed

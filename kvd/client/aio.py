@@ -61,8 +61,10 @@ class AsyncClient(_ops.ClientBase):
     async def register_namespace(self, spec: NamespaceSpec) -> Namespace:
         return await self._run(_ops.register_namespace(self.session, spec))
 
-    async def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> LookupResult:
-        return await self._run(_ops.lookup(self.session, namespace, keys, parent_key))
+    async def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"",
+                     include_remote: bool = False) -> LookupResult:
+        """The stored prefix of `keys`; include_remote: also what a peer holds (TIER_REMOTE), in a cluster."""
+        return await self._run(_ops.lookup(self.session, namespace, keys, parent_key, include_remote))
 
     async def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> ClusterLookupResult:
         """Which nodes of the cluster hold how much of the chain `keys` (given from its root)."""

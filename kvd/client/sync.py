@@ -70,8 +70,10 @@ class Client(_ops.ClientBase):
     def register_namespace(self, spec: NamespaceSpec) -> Namespace:
         return self._run(_ops.register_namespace(self.session, spec))
 
-    def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> LookupResult:
-        return self._run(_ops.lookup(self.session, namespace, keys, parent_key))
+    def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"",
+               include_remote: bool = False) -> LookupResult:
+        """The stored prefix of `keys`; include_remote: also what a peer holds (TIER_REMOTE), in a cluster."""
+        return self._run(_ops.lookup(self.session, namespace, keys, parent_key, include_remote))
 
     def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> ClusterLookupResult:
         """Which nodes of the cluster hold how much of the chain `keys` (given from its root)."""

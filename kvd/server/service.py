@@ -242,8 +242,24 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
 
     @rpc("Lookup")
     async def Lookup(self, request, context):
-        matched = self.engine.lookup(request.namespace_id, convert.lookup_keys(request), request.parent_key)
-        return kvd_pb2.LookupResponse(matched=len(matched), tiers=convert.tiers(self.engine, matched))
+        keys = convert.lookup_keys(request)
+        matched = self.engine.lookup(request.namespace_id, keys, request.parent_key)
+        tiers = convert.tiers(self.engine, matched)
+        if request.include_remote:
+            tiers += await self._remote_tiers(request, keys, len(matched))
+        return kvd_pb2.LookupResponse(matched=len(tiers), tiers=tiers)
+
+    async def _remote_tiers(self, request, keys, local: int) -> bytes:
+        """TIER_REMOTE for the blocks past `local` that the longest peer holds."""
+        if self.cluster is None:
+            raise FailedPrecondition("include_remote: this kvd is not in a cluster ([cluster] etcd_endpoints is empty)")
+        if request.parent_key:
+            raise InvalidArgument("include_remote needs the chain from its root: parent_key must be empty")
+        if local >= len(keys):
+            return b""
+        answer = await self.cluster.lookup(request.namespace_id, b"".join(keys), local)
+        remote = max((node.matched for node in answer.nodes if not node.local), default=0)
+        return bytes([kvd_pb2.TIER_REMOTE]) * max(0, remote - local)
 
     async def _reserve(self, request, lease_ms: int):
         """engine.reserve, waiting once for an in-flight disk write batch to

@@ -191,16 +191,18 @@ class ArenaInfoResponse(_message.Message):
     def __init__(self, arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., class_bytes: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "parent_key", "packed_keys")
+    __slots__ = ("namespace_id", "keys", "parent_key", "packed_keys", "include_remote")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_REMOTE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent_key: bytes
     packed_keys: bytes
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent_key: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
+    include_remote: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent_key: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ..., include_remote: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("matched", "tiers")

@@ -47,6 +47,10 @@ def test_cluster_lookup_follows_puts_deletes_and_a_crash(tmp_path, etcd):
                 assert ca.put(ns_a, keys, blocks) == 300
                 assert cb.put(ns_b, keys[:50], blocks[:50]) == 50
                 wait_matches(cc, ns_c, keys, {"a": 300, "b": 50})
+                # Lookup can count what peers hold, as TIER_REMOTE.
+                result = cb.lookup(ns_b, keys, include_remote=True)
+                assert result.matched == 300 and result.tiers == [2] * 50 + [4] * 250
+                assert cb.lookup(ns_b, keys).matched == 50
                 answer = ca.cluster_lookup(ns_a, keys)
                 assert [(n.node, n.matched, n.local) for n in answer.nodes] == [("a", 300, True), ("b", 50, False)]
                 assert answer.segments >= 2 and answer.segments_unanswered == 0
@@ -81,6 +85,12 @@ def test_cluster_rpcs_refuse_bad_calls(tmp_path, etcd):
             with pytest.raises(grpc.RpcError) as caught:
                 solo_client.cluster_lookup(solo_client.register_namespace(SMALL_SPEC), keys)
             assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(grpc.RpcError) as caught:
+                solo_client.lookup(solo_client.register_namespace(SMALL_SPEC), keys, include_remote=True)
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(grpc.RpcError) as caught:
+                client.lookup(namespace, keys[1:], parent_key=keys[0], include_remote=True)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parent_key" in caught.value.details()
         with grpc.insecure_channel(a.tcp_target) as channel:
             kvd = kvd_pb2_grpc.KvdStub(channel)
             for packed, words in ((b"", "non-empty"), (b"x" * 33, "33 bytes")):
@@ -108,3 +118,31 @@ def test_cluster_rpcs_refuse_bad_calls(tmp_path, etcd):
             with pytest.raises(grpc.RpcError) as caught:
                 cluster.DirectoryUpdate(update, metadata=good)
             assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_holder_restarted_with_its_disk_tier_is_found_and_fetched_from_again(tmp_path, etcd):
+    prefix = "/kvd-lookup-3/"
+    disk = {"directories": [str(tmp_path / "a-nvme")], "capacity_bytes": 64 << 20, "slot_bytes": 64 << 10,
+            "segment_bytes": 16 << 20, "fsync": "strict"}
+    a_config = {**cluster_config(etcd, "a", prefix), "disk": disk}
+    with run_daemon(tmp_path / "c", cluster_config(etcd, "c", prefix)) as c:
+        a = start_daemon(tmp_path / "a", a_config)
+        try:
+            with Client(a.unix_target) as ca:
+                ns_a = ca.register_namespace(SMALL_SPEC)
+                keys = ns_a.keys(np.arange(80 * 16) + 5)
+                blocks = random_blocks(SMALL_SPEC, 80, seed=9)
+                assert ca.put(ns_a, keys, blocks, durable=True) == 80
+            with Client(c.unix_target) as cc:
+                ns_c = cc.register_namespace(SMALL_SPEC)
+                wait_matches(cc, ns_c, keys, {"a": 80})
+                a.process.send_signal(signal.SIGKILL)
+                a.process.wait()
+                wait_matches(cc, ns_c, keys, {}, timeout_s=TTL_S + 10)
+                a = start_daemon(tmp_path / "a", a_config)
+                # Recovered from its disk, published again under the new incarnation.
+                wait_matches(cc, ns_c, keys, {"a": 80}, timeout_s=15)
+                got = cc.get_numpy(ns_c, keys)
+                assert np.array_equal(got, blocks)
+        finally:
+            a.stop()
