@@ -229,6 +229,9 @@ class ClusterConfig:
     # fetch_timeout_s; what does not arrive verified by then is a miss.
     fetch_on_get: bool = True
     fetch_timeout_s: float = 5.0
+    # Entries this node's directory shard keeps at most (100-130 B each; the
+    # oldest go first past it: the directory is a hint, and fetches verify).
+    directory_max_entries: int = 1 << 20
     # How blocks move between nodes: "auto" (NIXL one-sided READs where the
     # nixl package is installed and the peer has an agent, else gRPC
     # streams), "nixl" (required: start fails without it) or "grpc".
@@ -376,6 +379,8 @@ class Config:
                 raise ConfigError(f"cluster.{name}", f"must be in (0, 60], got {getattr(cluster, name)}")
         if not 1 <= cluster.segment_blocks <= 1 << 20:
             raise ConfigError("cluster.segment_blocks", f"must be 1..{1 << 20}, got {cluster.segment_blocks}")
+        if not 1 <= cluster.directory_max_entries <= 1 << 30:
+            raise ConfigError("cluster.directory_max_entries", f"must be 1..{1 << 30}, got {cluster.directory_max_entries}")
         if not 1 <= cluster.publish_interval_ms <= 60_000:
             raise ConfigError("cluster.publish_interval_ms", f"must be 1..60000, got {cluster.publish_interval_ms}")
 

@@ -72,7 +72,7 @@ class ClusterNode:
         self.engine = engine
         self.name = node_name(config)
         self.secret = read_secret(cluster.secret_file)
-        self.shard = DirectoryShard()
+        self.shard = DirectoryShard(max_entries=cluster.directory_max_entries)
         self.peers = Peers(self.name, self.secret, cluster.rpc_timeout_s, config.server.max_message_bytes)
         self._fresh: set[str] = set()
         self._members_changed = True

@@ -34,6 +34,8 @@ E = {"cluster.etcd_endpoints": "h:1", "cluster.secret_file": "/s"}
     ({**E, "server.tls_cert_file": "c", "server.tls_key_file": "k"}, "cluster.etcd_endpoints"),
     ({**E, "cluster.rpc_timeout_s": 0}, "cluster.rpc_timeout_s"),
     ({**E, "cluster.publish_interval_ms": 0}, "cluster.publish_interval_ms"),
+    ({**E, "cluster.directory_max_entries": 0}, "cluster.directory_max_entries"),
+    ({**E, "cluster.transport": "rdma"}, "cluster.transport"),
     ({"cluster.etcd_endpoints": "nohost"}, "cluster.etcd_endpoints[0]"),
     ({**E, "cluster.node_name": "bad/name"}, "cluster.node_name"),
     ({**E, "cluster.advertise_address": "x"}, "cluster.advertise_address"),
