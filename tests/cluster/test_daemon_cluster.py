@@ -70,7 +70,7 @@ def test_three_daemons_converge_and_follow_crashes_and_leaves(tmp_path, etcd):
 
 
 def test_a_daemon_serves_through_an_etcd_outage_and_rejoins(tmp_path):
-    etcd = EtcdServer(tmp_path / "etcd").start()
+    etcd = EtcdServer().start()
     prefix = "/kvd-daemons-2/"
     try:
         with run_daemon(tmp_path / "a", cluster_config(etcd, "a", prefix)) as a, \
@@ -92,7 +92,7 @@ def test_a_daemon_serves_through_an_etcd_outage_and_rejoins(tmp_path):
 
 
 def test_a_daemon_starts_with_etcd_down_and_joins_when_it_comes(tmp_path):
-    etcd = EtcdServer(tmp_path / "etcd")
+    etcd = EtcdServer()
     try:
         with run_daemon(tmp_path / "a", cluster_config(etcd, "a", "/kvd-daemons-3/")) as a:
             assert a.metric("kvd_cluster_joined") == 0

@@ -128,7 +128,7 @@ def test_members_ride_out_an_etcd_restart(tmp_path):
         await b.crash()
         await a.until(names_are("a"), timeout_s=TTL_S + 5)
         await a.close()
-    server = EtcdServer(tmp_path / "etcd").start()
+    server = EtcdServer().start()
     try:
         asyncio.run(scenario(server))
     finally:
@@ -217,7 +217,7 @@ def test_membership_over_mutual_tls(tmp_path):
         for node in (a, b):
             await node.close()
 
-    server = EtcdServer(tmp_path / "etcd", host="127.0.0.1", tls=certs).start()
+    server = EtcdServer(host="127.0.0.1", tls=certs).start()
     try:
         asyncio.run(scenario(server))
     finally:

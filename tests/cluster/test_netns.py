@@ -41,7 +41,7 @@ def network():
 
 def test_fetches_cross_the_veths_and_cuts_and_kills_cost_only_misses(tmp_path, network):
     net = network
-    etcd = EtcdServer(tmp_path / "etcd", host=net.gateway).start()
+    etcd = EtcdServer(host=net.gateway).start()
     daemons = []
     try:
         for i, name in enumerate("abc"):
