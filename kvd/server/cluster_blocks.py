@@ -139,27 +139,36 @@ class ClusterBlocks:
         return await self._fetch(best.node, namespace_id, keys, local, best.matched)
 
     async def _fetch(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> int:
-        engine, service = self.service.engine, self.service
         stub = self.node.peers.stub(peer)
         if stub is None:
             return 0
-        lease_ms = int(self.fetch_timeout_s * 1000) + 1000
-        reserve = KeysRequest(namespace_id, FETCH_CLIENT, keys[first:end], lease_ms, service.clock.now_ms(),
-                              parent_key=keys[first - 1] if first else b"")
-        try:
-            result = engine.reserve(reserve)
-        except KvdError as error:
-            log.info("remote fetch skipped: no room", extra={"peer": peer, "reason": error.message})
-            return 0
-        if result.lease is None:
+        result = self._reserve(peer, namespace_id, keys, first, end)
+        if result is None:
             return 0
         verified = await self._receive(stub, peer, namespace_id, keys, first, result)
+        return self._seal(namespace_id, keys, first, result, verified, "grpc")
+
+    def _reserve(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int):
+        """Host slots for keys[first:end] under a fetch lease; None when nothing could be reserved."""
+        lease_ms = int(self.fetch_timeout_s * 1000) + 1000
+        reserve = KeysRequest(namespace_id, FETCH_CLIENT, keys[first:end], lease_ms, self.service.clock.now_ms(),
+                              parent_key=keys[first - 1] if first else b"")
+        try:
+            result = self.service.engine.reserve(reserve)
+        except KvdError as error:
+            log.info("remote fetch skipped: no room", extra={"peer": peer, "reason": error.message})
+            return None
+        return result if result.lease is not None else None
+
+    def _seal(self, namespace_id: bytes, keys: list[bytes], first: int, result, verified: int,
+              transport: str) -> int:
+        """Seal the first `verified` reserved blocks and give the rest back: a cut-short fetch leaves
+        misses, not holes."""
         reserved = [keys[first + i] for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
-        # The verified prefix is sealed, the rest given back: a cut-short fetch leaves misses, not holes.
-        sealed, _ = engine.commit(CommitRequest(namespace_id, FETCH_CLIENT, result.lease.lease_id,
-                                                service.clock.now_ms(), keys=reserved[:verified],
-                                                abort_keys=reserved[verified:]))
-        self.fetched_blocks["grpc"] += sealed
+        sealed, _ = self.service.engine.commit(CommitRequest(namespace_id, FETCH_CLIENT, result.lease.lease_id,
+                                                             self.service.clock.now_ms(), keys=reserved[:verified],
+                                                             abort_keys=reserved[verified:]))
+        self.fetched_blocks[transport] += sealed
         return sealed
 
     async def _fetch_nixl(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> int | None:
@@ -197,15 +206,8 @@ class ClusterBlocks:
         block_bytes = engine.namespace(namespace_id).block_bytes
         if not pin.offsets or pin.block_bytes != block_bytes or len(pin.crc32c) != len(pin.offsets):
             return 0, True
-        count = len(pin.offsets)
-        reserve = KeysRequest(namespace_id, FETCH_CLIENT, keys[first:first + count],
-                              int(self.fetch_timeout_s * 1000) + 1000, service.clock.now_ms(),
-                              parent_key=keys[first - 1] if first else b"")
-        try:
-            result = engine.reserve(reserve)
-        except KvdError:
-            return 0, True
-        if result.lease is None:
+        result = self._reserve(peer, namespace_id, keys, first, first + len(pin.offsets))
+        if result is None:
             return 0, True
         positions = [i for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
         local = [service.arena.address_at(engine.host.pool.offset_of(result.slots[i])) for i in positions]
@@ -221,12 +223,8 @@ class ClusterBlocks:
                 verified += 1
         else:
             self.failed_fetches += 1
-        reserved = [keys[first + i] for i in positions]
-        sealed, _ = engine.commit(CommitRequest(namespace_id, FETCH_CLIENT, result.lease.lease_id,
-                                                service.clock.now_ms(), keys=reserved[:verified],
-                                                abort_keys=reserved[verified:]))
-        self.fetched_blocks["nixl"] += sealed
-        return sealed, read
+        return self._seal(namespace_id, keys, first, result, verified, "nixl"), read
+
 
     async def _receive(self, stub, peer: str, namespace_id: bytes, keys: list[bytes], first: int, result) -> int:
         """Stream the blocks into their reserved slots; returns how many reserved ones are verified, in order."""
