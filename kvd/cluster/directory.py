@@ -73,17 +73,9 @@ class DirectoryShard:
         slot = self._slot_of.get(node)
         if slot is None:
             return 0
-        entries, removed = self._entries, 0
-        for key in keys:
-            holders = entries.get(key)
-            if holders is not None and slot in holders:
-                rest = tuple(h for h in holders if h != slot)
-                if rest:
-                    entries[key] = rest
-                else:
-                    del entries[key]
-                removed += 1
-        return removed
+        held = [key for key in dict.fromkeys(keys) if slot in self._entries.get(key, ())]
+        self.remove_slot(slot, held)
+        return len(held)
 
     def drop_node(self, node: str) -> int:
         """Forget every entry of a node that left; returns how many it was in."""
