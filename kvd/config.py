@@ -234,8 +234,20 @@ class ClusterConfig:
     directory_max_entries: int = 1 << 20
     # How blocks move between nodes: "auto" (NIXL one-sided READs where the
     # nixl package is installed and the peer has an agent, else gRPC
-    # streams), "nixl" (required: start fails without it) or "grpc".
+    # streams), "nixl" (required: start fails without it) or "grpc". Where
+    # the listener uses TLS, "auto" means gRPC: NIXL's bytes are not encrypted.
     transport: str = "auto"
+    # TLS between nodes: on when this node's TCP listener uses TLS
+    # (server.tls_cert_file). Calls to peers then check that a peer's
+    # certificate chains to peer_ca_file (default server.tls_client_ca_file)
+    # and carries peer_server_name ("" = the host of its address), and present
+    # peer_cert_file and peer_key_file (default the listener's own pair, which
+    # then needs extendedKeyUsage serverAuth and clientAuth when peers require
+    # client certificates).
+    peer_ca_file: str = ""
+    peer_cert_file: str = ""
+    peer_key_file: str = ""
+    peer_server_name: str = ""
 
 
 @dataclass(slots=True)
@@ -357,9 +369,7 @@ class Config:
             raise ConfigError("cluster.key_prefix", f"must start and end with '/', got {cluster.key_prefix!r}")
         if not cluster.secret_file:
             raise ConfigError("cluster.secret_file", "node-to-node calls are authenticated: set the cluster secret file")
-        if self.server.tls_cert_file:
-            raise ConfigError("cluster.etcd_endpoints", "TLS between cluster nodes is not built yet: a cluster node's "
-                                                        "TCP listener must not use server.tls_cert_file")
+        self._validate_peer_tls()
         if bool(cluster.etcd_cert_file) != bool(cluster.etcd_key_file):
             raise ConfigError("cluster.etcd_cert_file", "an etcd client certificate needs both cert and key files")
         if cluster.etcd_cert_file and not cluster.etcd_ca_file:
@@ -367,6 +377,19 @@ class Config:
         if cluster.transport not in ("auto", "nixl", "grpc"):
             raise ConfigError("cluster.transport", f"must be auto, nixl or grpc, got {cluster.transport!r}")
         self._validate_cluster_numbers()
+
+    def _validate_peer_tls(self) -> None:
+        cluster, server = self.cluster, self.server
+        if bool(cluster.peer_cert_file) != bool(cluster.peer_key_file):
+            raise ConfigError("cluster.peer_cert_file", "a peer client certificate needs both cert and key files")
+        if not server.tls_cert_file:
+            for name in ("peer_ca_file", "peer_cert_file", "peer_server_name"):
+                if getattr(cluster, name):
+                    raise ConfigError(f"cluster.{name}", "nodes use TLS between them only when their listener "
+                                                         "does: set server.tls_cert_file too")
+        elif not (cluster.peer_ca_file or server.tls_client_ca_file):
+            raise ConfigError("cluster.peer_ca_file", "TLS between nodes needs the CA bundle that peers' "
+                                                      "certificates chain to (or server.tls_client_ca_file)")
 
     def _validate_cluster_numbers(self) -> None:
         cluster = self.cluster

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import socket
 import time
+from pathlib import Path
 
 import grpc
 
@@ -54,6 +55,28 @@ def etcd_settings(config: Config) -> EtcdSettings:
         tls_ca_file=cluster.etcd_ca_file, tls_cert_file=cluster.etcd_cert_file, tls_key_file=cluster.etcd_key_file)
 
 
+def _read_pem(field: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise ConfigError(field, f"cannot read {path}: {error.strerror or error}") from None
+
+
+def peer_credentials(config: Config) -> grpc.ChannelCredentials | None:
+    """TLS for calls to peers where this node's listener uses TLS, else None (plaintext)."""
+    cluster, server = config.cluster, config.server
+    if not server.tls_cert_file:
+        return None
+    ca_field = "cluster.peer_ca_file" if cluster.peer_ca_file else "server.tls_client_ca_file"
+    own = bool(cluster.peer_cert_file)
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_pem(ca_field, cluster.peer_ca_file or server.tls_client_ca_file),
+        private_key=_read_pem("cluster.peer_key_file" if own else "server.tls_key_file",
+                              cluster.peer_key_file or server.tls_key_file),
+        certificate_chain=_read_pem("cluster.peer_cert_file" if own else "server.tls_cert_file",
+                                    cluster.peer_cert_file or server.tls_cert_file))
+
+
 def read_secret(path: str) -> bytes:
     try:
         with open(path, "rb") as file:
@@ -73,7 +96,8 @@ class ClusterNode:
         self.name = node_name(config)
         self.secret = read_secret(cluster.secret_file)
         self.shard = DirectoryShard(max_entries=cluster.directory_max_entries)
-        self.peers = Peers(self.name, self.secret, cluster.rpc_timeout_s, config.server.max_message_bytes)
+        self.peers = Peers(self.name, self.secret, cluster.rpc_timeout_s, config.server.max_message_bytes,
+                           credentials=peer_credentials(config), server_name=cluster.peer_server_name)
         self._fresh: set[str] = set()
         self._members_changed = True
         self.view = MemberView(self.name, on_join=self._joined, on_leave=self._left)
@@ -116,6 +140,12 @@ class ClusterNode:
         mode = self.config.cluster.transport
         if mode == "grpc" or self.arena is None:
             return None
+        if self.config.server.tls_cert_file:
+            if mode == "auto":
+                log.info("TLS between nodes: blocks move over gRPC streams (NIXL would not encrypt them)")
+                return None
+            log.warning("cluster.transport is nixl: blocks cross the network unencrypted although the listener "
+                        "uses TLS")
         from kvd.cluster.nixl_transport import NixlTransport, nixl_available
 
         if not nixl_available():

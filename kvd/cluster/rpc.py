@@ -145,10 +145,15 @@ def query_response(shard: DirectoryShard, segments: Sequence[Sequence[bytes]]) -
 class Peers:
     """One channel per live peer; calls carry the credential and a deadline."""
 
-    def __init__(self, self_name: str, secret: bytes, timeout_s: float, max_message_bytes: int = 64 << 20) -> None:
+    def __init__(self, self_name: str, secret: bytes, timeout_s: float, max_message_bytes: int = 64 << 20,
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = "") -> None:
         self.self_name = self_name
         self.options = [("grpc.max_receive_message_length", max_message_bytes),
                         ("grpc.max_send_message_length", max_message_bytes)]
+        if server_name:
+            self.options.append(("grpc.ssl_target_name_override", server_name))
+        # TLS (mutual where peers ask for a client certificate) or plaintext.
+        self.credentials = credentials
         self.metadata = ((SECRET_METADATA, secret.decode()),)
         self.timeout_s = timeout_s
         self._stubs: dict[str, tuple[grpc.aio.Channel, kvd_pb2_grpc.ClusterStub]] = {}
@@ -157,7 +162,10 @@ class Peers:
         if member.name == self.self_name:
             return
         self.leave(member)
-        channel = grpc.aio.insecure_channel(member.address, options=self.options)
+        if self.credentials is not None:
+            channel = grpc.aio.secure_channel(member.address, self.credentials, options=self.options)
+        else:
+            channel = grpc.aio.insecure_channel(member.address, options=self.options)
         self._stubs[member.name] = (channel, kvd_pb2_grpc.ClusterStub(channel))
 
     def leave(self, member: Member) -> None:

@@ -3,10 +3,11 @@
     certs = make_certificates(tmp_path)
     # certs.ca, certs.server_cert, certs.server_key, certs.client_cert, certs.client_key
 
-A CA, a server certificate for localhost and 127.0.0.1 and a client
-certificate, all signed by the CA (P-256 keys, valid for a day), as PEM
-files. A second, unrelated CA signs `stranger_cert`, a client certificate
-the daemon must refuse.
+A CA, a server certificate for localhost and 127.0.0.1, a client
+certificate and a node certificate (for localhost and 127.0.0.1, good for
+both ends of a call, as a cluster node's is), all signed by the CA (P-256
+keys, valid for a day), as PEM files. A second, unrelated CA signs
+`stranger_cert`, a node certificate the daemons must refuse.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class Certificates:
     server_key: Path
     client_cert: Path
     client_key: Path
+    node_cert: Path
+    node_key: Path
     stranger_cert: Path
     stranger_key: Path
 
@@ -57,5 +60,7 @@ def make_certificates(directory: Path) -> Certificates:
     server = _issue(directory, "localhost", authority,
                     "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth")
     client = _issue(directory, "client", authority, "extendedKeyUsage=clientAuth")
-    stranger = _issue(directory, "stranger", _authority(directory, "other-ca"), "extendedKeyUsage=clientAuth")
-    return Certificates(authority[0], *server, *client, *stranger)
+    node_extensions = "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth"
+    node = _issue(directory, "node", authority, node_extensions)
+    stranger = _issue(directory, "stranger", _authority(directory, "other-ca"), node_extensions)
+    return Certificates(authority[0], *server, *client, *node, *stranger)

@@ -31,7 +31,11 @@ E = {"cluster.etcd_endpoints": "h:1", "cluster.secret_file": "/s"}
 
 @pytest.mark.parametrize("overrides, field", [
     ({"cluster.etcd_endpoints": "h:1"}, "cluster.secret_file"),
-    ({**E, "server.tls_cert_file": "c", "server.tls_key_file": "k"}, "cluster.etcd_endpoints"),
+    ({**E, "server.tls_cert_file": "c", "server.tls_key_file": "k"}, "cluster.peer_ca_file"),
+    ({**E, "cluster.peer_ca_file": "ca"}, "cluster.peer_ca_file"),
+    ({**E, "cluster.peer_server_name": "kvd"}, "cluster.peer_server_name"),
+    ({**E, "server.tls_cert_file": "c", "server.tls_key_file": "k", "cluster.peer_ca_file": "ca",
+      "cluster.peer_cert_file": "p"}, "cluster.peer_cert_file"),
     ({**E, "cluster.rpc_timeout_s": 0}, "cluster.rpc_timeout_s"),
     ({**E, "cluster.publish_interval_ms": 0}, "cluster.publish_interval_ms"),
     ({**E, "cluster.directory_max_entries": 0}, "cluster.directory_max_entries"),
