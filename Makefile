@@ -135,8 +135,10 @@ soak-long: setup
 # (where prompt blocks come from: local, a peer, or recomputed, per policy);
 # each prints its table and writes its JSON and a plot.
 cluster-sim: setup
-	$(PY) -m kvd.cluster.dirsim --nodes 10,100,1000 --segments 16,64,256,0 \
+	$(PY) -m kvd.cluster.dirsim --nodes 10,100,1000 --segments 16,64,256,0 --replicas 2 \
 	  --json bench/results/cluster_directory.json --plot docs/cluster_directory.png
+	$(PY) -m kvd.cluster.dirsim --nodes 10,100,1000 --segments 64 --replicas 1,2,3 \
+	  --json bench/results/cluster_directory_replicas.json
 	$(PY) -m kvd.cluster.routesim --nodes 4,16,64 \
 	  --json bench/results/cluster_routing.json --plot docs/cluster_routing.png
 

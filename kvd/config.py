@@ -232,6 +232,11 @@ class ClusterConfig:
     # Entries this node's directory shard keeps at most (100-130 B each; the
     # oldest go first past it: the directory is a hint, and fetches verify).
     directory_max_entries: int = 1 << 20
+    # Nodes each directory segment's entries live on (kvd.cluster.placement):
+    # a lookup asks one of them, so a popular prefix's lookups spread over
+    # them, and a segment stays answerable while one of them is down. Costs
+    # this many times the directory memory and update messages.
+    directory_replicas: int = 2
     # How blocks move between nodes: "auto" (NIXL one-sided READs where the
     # nixl package is installed and the peer has an agent, else gRPC
     # streams), "nixl" (required: start fails without it) or "grpc". Where
@@ -404,6 +409,8 @@ class Config:
             raise ConfigError("cluster.segment_blocks", f"must be 1..{1 << 20}, got {cluster.segment_blocks}")
         if not 1 <= cluster.directory_max_entries <= 1 << 30:
             raise ConfigError("cluster.directory_max_entries", f"must be 1..{1 << 30}, got {cluster.directory_max_entries}")
+        if not 1 <= cluster.directory_replicas <= 8:
+            raise ConfigError("cluster.directory_replicas", f"must be 1..8, got {cluster.directory_replicas}")
         if not 1 <= cluster.publish_interval_ms <= 60_000:
             raise ConfigError("cluster.publish_interval_ms", f"must be 1..60000, got {cluster.publish_interval_ms}")
 

@@ -26,7 +26,7 @@ import argparse
 import json
 import sys
 import tracemalloc
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,12 +48,14 @@ class Workload:
     max_chain_blocks: int = 8000
     lookups: int = 2000
     max_holders: int = 4
+    replicas: int = 1
 
 
 @dataclass(slots=True)
 class Row:
     nodes: int
     segment: str
+    replicas: int
     entries_mean: float
     entries_max: int
     entry_bytes_max: int
@@ -129,8 +131,9 @@ class _Fill:
         self.family_holders = np.zeros(families, dtype=np.int64)
         self.update_msgs: list[int] = []
 
-    def owners(self, anchors: list[int]) -> list[int]:
-        return self.hrw.owner_indices(np.array(anchors, dtype=np.uint64)).tolist()
+    def owners(self, anchors: list[int]) -> list[list[int]]:
+        """Each anchor's replica set (indices into members)."""
+        return self.hrw.replica_indices(np.array(anchors, dtype=np.uint64), self.work.replicas).tolist()
 
     def run(self) -> None:
         for _node in range(len(self.members)):
@@ -148,14 +151,14 @@ class _Fill:
     def _record(self, family: int, words: np.ndarray, prefix_len: int, new_prefix: bool) -> None:
         cut = self.chains.cut(words)
         told = set()
-        for (anchor, start, end), owner in zip(cut, self.owners([a for a, _, _ in cut])):
+        for (anchor, start, end), owners in zip(cut, self.owners([a for a, _, _ in cut])):
             if start < prefix_len:
                 self.prefix_groups[(family, anchor)] = min(end, prefix_len) - start
                 if new_prefix:
-                    told.add(owner)
+                    told.update(owners)
             if end > prefix_len:
                 self.unique[anchor] = self.unique.get(anchor, 0) + end - max(start, prefix_len)
-                told.add(owner)
+                told.update(owners)
         self.update_msgs.append(len(told))
 
     def entry_records(self) -> tuple[np.ndarray, np.ndarray]:
@@ -168,26 +171,30 @@ class _Fill:
 
 
 def _lookups(fill: _Fill) -> tuple[np.ndarray, np.ndarray]:
-    """Owners asked per lookup, and lookups received per node."""
+    """Owners asked per lookup (one replica of each segment, at random), and lookups received per node."""
     load = np.zeros(len(fill.members), dtype=np.int64)
     msgs = []
     for _ in range(fill.work.lookups):
         _, words = fill.chains.request()
-        owners = set(fill.owners([anchor for anchor, _, _ in fill.chains.cut(words)]))
+        replicas = fill.owners([anchor for anchor, _, _ in fill.chains.cut(words)])
+        owners = {choices[0] if len(choices) == 1 else choices[int(fill.rng.integers(len(choices)))]
+                  for choices in replicas}
         msgs.append(len(owners))
         load[list(owners)] += 1
     return np.array(msgs), load
 
 
 def _moved(fill: _Fill, anchors: np.ndarray, entries: np.ndarray, owners: np.ndarray) -> tuple[float, float]:
-    """Share of entries that change owner when one node joins, and when one leaves."""
-    total = entries.sum()
+    """Share of (replicated) entries that move when one node joins, and when one leaves."""
+    r = owners.shape[1]
+    total = entries.sum() * r
     joined = Rendezvous([*fill.members, "node-joining"])
-    after_join = np.array(joined.members)[joined.owner_indices(anchors)]
+    after_join = np.array(joined.members)[joined.replica_indices(anchors, r)]
     before = np.array(fill.hrw.members)[owners]
-    on_join = entries[after_join != before].sum() / total
+    new_copies = (after_join == "node-joining").any(axis=1)  # each such set gains one replica
+    on_join = entries[new_copies].sum() / total
     leaver = fill.hrw.members[0]
-    on_leave = entries[before == leaver].sum() / total
+    on_leave = entries[(before == leaver).any(axis=1)].sum() / total
     return float(on_join), float(on_leave)
 
 
@@ -195,14 +202,15 @@ def simulate(nodes: int, segment_blocks: int, work: Workload, seed: int, bytes_p
     fill = _Fill(nodes, segment_blocks, work, seed)
     fill.run()
     anchors, entries = fill.entry_records()
-    owners = fill.hrw.owner_indices(anchors)
-    per_owner = np.bincount(owners, weights=entries, minlength=nodes)
+    owners = fill.hrw.replica_indices(anchors, work.replicas)
+    per_owner = np.bincount(owners.ravel(), weights=np.repeat(entries, owners.shape[1]), minlength=nodes)
     msgs, load = _lookups(fill)
     on_join, on_leave = _moved(fill, anchors, entries, owners)
     worst = bytes_per_entry[work.max_holders]
     return Row(
         nodes=nodes,
         segment="whole chain" if segment_blocks == WHOLE_CHAIN else f"{segment_blocks} blocks",
+        replicas=work.replicas,
         entries_mean=float(per_owner.mean()),
         entries_max=int(per_owner.max()),
         entry_bytes_max=int(per_owner.max() * worst),
@@ -221,13 +229,13 @@ def table(rows: list[Row], work: Workload, bytes_per_entry: dict[int, float]) ->
         f"{work.lookups} lookups; a directory entry costs {bytes_per_entry[1]:.0f} B with one holder, "
         f"{bytes_per_entry[work.max_holders]:.0f} B with {work.max_holders}",
         "",
-        "| nodes | segment | entries per owner (mean / max) | max shard memory | owners per lookup (mean / p99) "
+        "| nodes | segment | replicas | entries per owner (mean / max) | max shard memory | owners per lookup (mean / p99) "
         "| lookup load max/mean | owners per stored request | moved on join | moved on leave |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.nodes} | {r.segment} | {r.entries_mean:,.0f} / {r.entries_max:,} | {r.entry_bytes_max / 2**20:.1f} MiB "
+            f"| {r.nodes} | {r.segment} | {r.replicas} | {r.entries_mean:,.0f} / {r.entries_max:,} | {r.entry_bytes_max / 2**20:.1f} MiB "
             f"| {r.lookup_msgs_mean:.1f} / {r.lookup_msgs_p99:.0f} | {r.lookup_load_max_over_mean:.1f} "
             f"| {r.update_msgs_mean:.1f} | {r.moved_on_join:.2%} | {r.moved_on_leave:.2%} |")
     return "\n".join(lines)
@@ -239,12 +247,13 @@ def write_plot(path: Path, rows: list[Row]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for segment in dict.fromkeys(r.segment for r in rows):
-        picked = [r for r in rows if r.segment == segment]
+    for segment, replicas in dict.fromkeys((r.segment, r.replicas) for r in rows):
+        picked = [r for r in rows if (r.segment, r.replicas) == (segment, replicas)]
+        label = segment if replicas == 1 else f"{segment}, {replicas} replicas"
         x = [r.nodes for r in picked]
-        axes[0].plot(x, [r.lookup_msgs_mean for r in picked], marker="o", label=segment)
-        axes[1].plot(x, [r.lookup_load_max_over_mean for r in picked], marker="o", label=segment)
-        axes[2].plot(x, [r.entries_max / max(r.entries_mean, 1) for r in picked], marker="o", label=segment)
+        axes[0].plot(x, [r.lookup_msgs_mean for r in picked], marker="o", label=label)
+        axes[1].plot(x, [r.lookup_load_max_over_mean for r in picked], marker="o", label=label)
+        axes[2].plot(x, [r.entries_max / max(r.entries_mean, 1) for r in picked], marker="o", label=label)
     titles = ("owners asked per lookup (one round trip)", "lookup load: busiest node / mean", "entries: largest shard / mean")
     for ax, title in zip(axes, titles):
         ax.set_xscale("log")
@@ -260,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvd.cluster.dirsim", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", default="10,100,1000", help="cluster sizes, comma-separated")
     p.add_argument("--segments", default="64,256,0", help="segment_blocks values; 0: the whole chain")
+    p.add_argument("--replicas", default="1", help="directory replicas per segment, comma-separated")
     p.add_argument("--blocks-per-node", type=int, default=Workload().blocks_per_node)
     p.add_argument("--lookups", type=int, default=Workload().lookups)
     p.add_argument("--seed", type=int, default=1)
@@ -269,10 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     work = Workload(blocks_per_node=args.blocks_per_node, lookups=args.lookups)
     bytes_per_entry = {h: entry_bytes(h) for h in sorted({1, work.max_holders})}
     rows = []
-    runs = [(int(n), int(s)) for n in args.nodes.split(",") for s in args.segments.split(",")]
-    for i, (nodes, segment) in enumerate(runs, 1):
-        print(f"[{i}/{len(runs)}] {nodes} nodes, segment {segment or 'whole chain'}", file=sys.stderr, flush=True)
-        rows.append(simulate(nodes, segment, work, args.seed, bytes_per_entry))
+    runs = [(int(n), int(s), int(r)) for n in args.nodes.split(",") for s in args.segments.split(",")
+            for r in args.replicas.split(",")]
+    for i, (nodes, segment, replicas) in enumerate(runs, 1):
+        print(f"[{i}/{len(runs)}] {nodes} nodes, segment {segment or 'whole chain'}, {replicas} replicas",
+              file=sys.stderr, flush=True)
+        rows.append(simulate(nodes, segment, replace(work, replicas=replicas), args.seed, bytes_per_entry))
     print(table(rows, work, bytes_per_entry))
     if args.json:
         args.json.write_text(json.dumps({"workload": asdict(work), "bytes_per_entry": bytes_per_entry,

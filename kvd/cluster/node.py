@@ -101,9 +101,9 @@ class ClusterNode:
         self._fresh: set[str] = set()
         self._members_changed = True
         self.view = MemberView(self.name, on_join=self._joined, on_leave=self._left)
-        self.publisher = Publisher(engine, cluster.segment_blocks)
+        self.publisher = Publisher(engine, cluster.segment_blocks, cluster.directory_replicas)
         self.router = ClusterRouter(self.name, self.view, self.shard, self.peers, cluster.segment_blocks,
-                                    cluster.rpc_timeout_s)
+                                    cluster.rpc_timeout_s, cluster.directory_replicas)
         self.servicer = DirectoryServicer(self.shard, self.view, self.secret)
         self.arena = arena
         # kvd.cluster.nixl_transport.NixlTransport once started, where NIXL is used.

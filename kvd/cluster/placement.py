@@ -16,6 +16,16 @@ once: one network round trip however long the prefix. When a member joins
 or leaves, only the segments whose highest score it holds (or held) move:
 1/N of them, and no other owner changes.
 
+Replicas. A segment's entries can live on its `r` highest-scoring members
+instead of one (`cluster.directory_replicas`): a holder tells all of them,
+and a lookup asks one, itself where it is one of them, else one at random.
+A popular family's segments are asked for by every request of that family,
+so their owners are the directory's hot spots; r replicas divide that load
+by r, and a segment whose owner dies is still answered by the others while
+the holders re-publish. The cost is r times the entries and the update
+messages. Adding or removing a member changes the replica set of about
+r/N of the segments.
+
 Scores are a 64-bit mix (SplitMix64's finalizer) of the anchor's first
 8 bytes XOR a per-member seed (BLAKE2b of the member name), computed for all
 members at once with numpy.
@@ -31,6 +41,8 @@ import numpy as np
 from kvd.core.keys import KEY_BYTES
 
 DEFAULT_SEGMENT_BLOCKS = 64
+# Anchors scored at once: bounds the score matrix to _CHUNK x members x 8 bytes.
+_CHUNK = 4096
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -64,11 +76,30 @@ class Rendezvous:
         self.members = tuple(sorted(set(members)))
         self._seeds = np.array([_seed(name) for name in self.members], dtype=np.uint64)
 
-    def owner_indices(self, anchor_ids: np.ndarray) -> np.ndarray:
-        """Index into `members` of each anchor's owner."""
+    def _scores(self, anchor_ids: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
-            scores = _mix(anchor_ids[:, None] ^ self._seeds[None, :])
-        return scores.argmax(axis=1)
+            return _mix(anchor_ids[:, None] ^ self._seeds[None, :])
+
+    def owner_indices(self, anchor_ids: np.ndarray) -> np.ndarray:
+        """Index into `members` of each anchor's owner (its highest score)."""
+        out = np.empty(len(anchor_ids), dtype=np.intp)
+        for start in range(0, len(anchor_ids), _CHUNK):
+            out[start:start + _CHUNK] = self._scores(anchor_ids[start:start + _CHUNK]).argmax(axis=1)
+        return out
+
+    def replica_indices(self, anchor_ids: np.ndarray, replicas: int) -> np.ndarray:
+        """(anchors, min(replicas, members)) indices into `members`: each anchor's highest
+        scores, best first (column 0 is owner_indices)."""
+        r = min(replicas, len(self.members))
+        if r == 1:
+            return self.owner_indices(anchor_ids)[:, None]
+        out = np.empty((len(anchor_ids), r), dtype=np.intp)
+        for start in range(0, len(anchor_ids), _CHUNK):
+            scores = self._scores(anchor_ids[start:start + _CHUNK])
+            top = np.argpartition(scores, len(self.members) - r, axis=1)[:, -r:]
+            order = np.argsort(np.take_along_axis(scores, top, axis=1), axis=1)[:, ::-1]
+            out[start:start + _CHUNK] = np.take_along_axis(top, order, axis=1)
+        return out
 
     def owners(self, anchors: Sequence[bytes]) -> list[str]:
         if not anchors:

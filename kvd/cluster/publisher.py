@@ -63,13 +63,15 @@ class _Namespace:
 
 
 class Publisher:
-    def __init__(self, engine, segment_blocks: int) -> None:
+    def __init__(self, engine, segment_blocks: int, replicas: int = 1) -> None:
         self.engine = engine
         self.segment_blocks = segment_blocks
+        self.replicas = replicas
         self._namespaces: dict[bytes, _Namespace] = {}
         self._owners: Rendezvous | None = None
-        # owner -> (stored, removed) directory keys waiting to be sent
-        self._queued: dict[str, tuple[list[bytes], list[bytes]]] = defaultdict(lambda: ([], []))
+        # owner -> directory key -> True (stored) or False (removed), waiting to be sent. A key's
+        # latest change wins: a block stored and removed between two sends is removed.
+        self._queued: dict[str, dict[bytes, bool]] = defaultdict(dict)
         self.resyncs = 0
 
     @property
@@ -77,28 +79,50 @@ class Publisher:
         return sum(len(ns.anchors) for ns in self._namespaces.values())
 
     def set_members(self, names: Iterable[str], fresh: Iterable[str] = ()) -> None:
-        """New membership: every held key whose owner changed moves (removed from the old owner
-        if it is still a member, so no stale entry answers should it own the key again), and
-        every key whose owner is `fresh` (a node that (re)joined with an empty shard) is sent again."""
+        """New membership: every held key moves to the replicas it gained (and is removed from
+        those it lost that are still members, so no stale entry answers should one of them own
+        the key again), and every key a `fresh` replica (a node that (re)joined with an empty
+        shard) owns is sent to it again."""
         before = self._owners
         self._owners = Rendezvous(list(names))
         staying, fresh = set(self._owners.members), set(fresh)
+        for gone in set(self._queued) - staying:
+            del self._queued[gone]  # its shard went with it
         for ns in self._namespaces.values():
             if not ns.anchors:
                 continue
             anchors = list(ns.anchors.values())
-            now = self._owner_names(anchors)
-            old = self._owner_names(anchors, before) if before is not None else now
-            for key, owner, previous in zip(ns.anchors, now, old):
-                if owner != previous and previous in staying and previous not in fresh:
-                    self._queued[previous][1].append(key)
-                if owner != previous or owner in fresh:
-                    self._queued[owner][0].append(key)
+            now = self._owner_sets(anchors)
+            old = self._owner_sets(anchors, before) if before is not None else now
+            for key, owners, previous in zip(ns.anchors, now, old):
+                if owners == previous and not fresh:
+                    continue
+                for owner in previous:
+                    if owner not in owners and owner in staying and owner not in fresh:
+                        self._set(owner, key, False)
+                for owner in owners:
+                    if owner not in previous or owner in fresh:
+                        self._set(owner, key, True)
 
-    def _owner_names(self, anchor_ids: list[int], owners: Rendezvous | None = None) -> list[str]:
+    def _owner_sets(self, anchor_ids: list[int], owners: Rendezvous | None = None) -> list[tuple[str, ...]]:
+        """Each anchor's replica set; anchors repeat (one per key), so each distinct one is scored once."""
         owners = owners or self._owners
-        indices = owners.owner_indices(np.array(anchor_ids, dtype=np.uint64))
-        return [owners.members[i] for i in indices]
+        distinct, which = np.unique(np.array(anchor_ids, dtype=np.uint64), return_inverse=True)
+        indices = owners.replica_indices(distinct, self.replicas)
+        sets = [tuple(owners.members[i] for i in row) for row in indices.tolist()]
+        return [sets[i] for i in which.tolist()]
+
+    def _set(self, owner: str, key: bytes, stored: bool) -> None:
+        queue = self._queued[owner]
+        queue.pop(key, None)  # re-inserted last: a queue's order is the order of the latest changes
+        queue[key] = stored
+
+    def _queue(self, stored: bool, keys: list[bytes], anchor_ids: list[int]) -> None:
+        """Queue keys as stored or removed for every replica of their segments."""
+        if keys:
+            for key, owners in zip(keys, self._owner_sets(anchor_ids)):
+                for owner in owners:
+                    self._set(owner, key, stored)
 
     def poll(self) -> None:
         """Read every namespace's new events (or its index, when resynchronising) into the queues."""
@@ -129,9 +153,7 @@ class Publisher:
         elif event.kind is EventKind.REMOVED:
             removed = [ns.directory_key(key) for key in event.keys]
             gone = [(key, ns.anchors.pop(key)) for key in removed if key in ns.anchors]
-            if gone:
-                for (key, _), owner in zip(gone, self._owner_names([anchor for _, anchor in gone])):
-                    self._queued[owner][1].append(key)
+            self._queue(False, [key for key, _ in gone], [anchor for _, anchor in gone])
 
     def _stored(self, ns: _Namespace, state, parent_key: bytes, keys: list[bytes]) -> None:
         anchor = self._anchor_of_parent(ns, state, parent_key) if parent_key else None
@@ -143,8 +165,7 @@ class Publisher:
             ns.anchors[directory_key] = anchor
             stored.append(directory_key)
             anchors.append(anchor)
-        for key, owner in zip(stored, self._owner_names(anchors)):
-            self._queued[owner][0].append(key)
+        self._queue(True, stored, anchors)
 
     def _anchor_of_parent(self, ns: _Namespace, state, parent_key: bytes) -> int | None:
         known = ns.anchors.get(ns.directory_key(parent_key))
@@ -182,23 +203,25 @@ class Publisher:
             by_block[id(block)] = anchor
             fresh[ns.directory_key(block.key)] = anchor
         gone = [(key, anchor) for key, anchor in ns.anchors.items() if key not in fresh]
-        for (key, _), owner in zip(gone, self._owner_names([a for _, a in gone]) if gone else []):
-            self._queued[owner][1].append(key)
+        self._queue(False, [key for key, _ in gone], [anchor for _, anchor in gone])
         ns.anchors = fresh
-        if fresh:
-            for key, owner in zip(fresh, self._owner_names(list(fresh.values()))):
-                self._queued[owner][0].append(key)
+        self._queue(True, list(fresh), list(fresh.values()))
 
     def take(self) -> dict[str, tuple[list[bytes], list[bytes]]]:
-        """The queued batches, per owner; the queues start over empty."""
-        queued, self._queued = dict(self._queued), defaultdict(lambda: ([], []))
-        return queued
+        """The queued (stored, removed) keys, per owner; the queues start over empty.
+        A key is in at most one of an owner's two lists, so their order does not matter."""
+        queued, self._queued = self._queued, defaultdict(dict)
+        return {owner: ([key for key, stored in queue.items() if stored],
+                        [key for key, stored in queue.items() if not stored])
+                for owner, queue in queued.items() if queue}
 
     def requeue(self, owner: str, stored: list[bytes], removed: list[bytes]) -> None:
-        """Put back a batch its owner did not take (sent again with the next one)."""
+        """Put back a batch its owner did not take (sent again with the next one), under
+        any newer change to the same keys queued since."""
         queue = self._queued[owner]
-        queue[0].extend(stored)
-        queue[1].extend(removed)
+        for keys, kind in ((stored, True), (removed, False)):
+            for key in keys:
+                queue.setdefault(key, kind)
 
     def verify(self) -> None:
         for ns in self._namespaces.values():

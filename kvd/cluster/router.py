@@ -2,7 +2,9 @@
 
 The chain's directory keys are cut into segments (kvd.cluster.placement);
 each owner gets one DirectoryQuery with all of its segments, every owner at
-once, each under the cluster deadline. The answers compose into a matched
+once, each under the cluster deadline. Where segments have several replicas
+(cluster.directory_replicas), this node answers a segment it is a replica of
+itself, and asks one reachable replica at random for each other one. The answers compose into a matched
 length per node (kvd.cluster.directory.longest_prefixes), stopping at the
 first segment whose owner did not answer. This node's own match comes from
 its index, exactly, and replaces what the directory says about it.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections import defaultdict
 
 import grpc
@@ -29,8 +32,10 @@ log = logging.getLogger("kvd.cluster")
 
 class ClusterRouter:
     def __init__(self, self_name: str, view: MemberView, shard: DirectoryShard, peers: Peers,
-                 segment_blocks: int, timeout_s: float) -> None:
+                 segment_blocks: int, timeout_s: float, replicas: int = 1) -> None:
         self.self_name = self_name
+        self.replicas = replicas
+        self._random = random.Random()
         self.view = view
         self.shard = shard
         self.peers = peers
@@ -64,16 +69,37 @@ class ClusterRouter:
                                              segments_unanswered=sum(answer is None for answer in answers))
 
     async def _ask_owners(self, keys: bytes, bounds: list[tuple[int, int]], answers: list) -> None:
+        """One round of queries, one replica per segment; segments whose replica failed fast
+        (a dead node refuses at once) are asked of their next replica, within the same deadline."""
         anchors = np.frombuffer(keys, dtype=np.uint8).reshape(-1, KEY_BYTES)[[start for start, _ in bounds]]
-        owner_of = self.owners.owner_indices(rendezvous_ids(anchors.tobytes()))
-        by_owner: dict[str, list[int]] = defaultdict(list)
-        for segment, owner in enumerate(owner_of):
-            by_owner[self.owners.members[owner]].append(segment)
+        replica_sets = self.owners.replica_indices(rendezvous_ids(anchors.tobytes()), self.replicas)
+        untried = [[self.owners.members[i] for i in row] for row in replica_sets.tolist()]
         segment_keys = [keys[start * KEY_BYTES:end * KEY_BYTES] for start, end in bounds]
-        await asyncio.gather(*(self._ask(owner, segments, segment_keys, answers)
-                               for owner, segments in by_owner.items()))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        pending = list(range(len(bounds)))
+        while pending and (remaining := deadline - loop.time()) > 0:
+            by_owner: dict[str, list[int]] = defaultdict(list)
+            for segment in pending:
+                if untried[segment]:
+                    owner = self._pick(untried[segment])
+                    untried[segment].remove(owner)
+                    by_owner[owner].append(segment)
+            if not by_owner:
+                return
+            await asyncio.gather(*(self._ask(owner, segments, segment_keys, answers, remaining)
+                                   for owner, segments in by_owner.items()))
+            pending = [segment for segment in pending if answers[segment] is None]
 
-    async def _ask(self, owner: str, segments: list[int], segment_keys: list[bytes], answers: list) -> None:
+    def _pick(self, replicas: list[str]) -> str:
+        """This node where it is a replica, else one with a channel at random (the first if none has)."""
+        if self.self_name in replicas:
+            return self.self_name
+        reachable = [name for name in replicas if self.peers.stub(name) is not None]
+        return self._random.choice(reachable) if reachable else replicas[0]
+
+    async def _ask(self, owner: str, segments: list[int], segment_keys: list[bytes], answers: list,
+                   timeout_s: float) -> None:
         request = [segment_keys[i] for i in segments]
         if owner == self.self_name:
             response = query_response(self.shard, [split(data) for data in request])
@@ -83,7 +109,7 @@ class ClusterRouter:
                 return
             try:
                 response = await stub.DirectoryQuery(kvd_pb2.DirectoryQueryRequest(segments=request),
-                                                     timeout=self.timeout_s, metadata=self.peers.metadata)
+                                                     timeout=timeout_s, metadata=self.peers.metadata)
             except grpc.RpcError as error:
                 self.unanswered_queries += 1
                 log.warning("directory query failed", extra={"owner": owner, "code": str(error.code())})

@@ -39,6 +39,7 @@ E = {"cluster.etcd_endpoints": "h:1", "cluster.secret_file": "/s"}
     ({**E, "cluster.rpc_timeout_s": 0}, "cluster.rpc_timeout_s"),
     ({**E, "cluster.publish_interval_ms": 0}, "cluster.publish_interval_ms"),
     ({**E, "cluster.directory_max_entries": 0}, "cluster.directory_max_entries"),
+    ({**E, "cluster.directory_replicas": 9}, "cluster.directory_replicas"),
     ({**E, "cluster.transport": "rdma"}, "cluster.transport"),
     ({"cluster.etcd_endpoints": "nohost"}, "cluster.etcd_endpoints[0]"),
     ({**E, "cluster.node_name": "bad/name"}, "cluster.node_name"),

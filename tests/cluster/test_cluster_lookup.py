@@ -75,6 +75,43 @@ def test_cluster_lookup_follows_puts_deletes_and_a_crash(tmp_path, etcd):
             a.stop()
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_dead_directory_replica_is_answered_for_by_the_other(tmp_path, etcd, replicas):
+    """b dies but its member key lives on (a long lease): with one replica per segment, b's
+    segments go unanswered until the lease ends; with two, the lookup asks the other one."""
+    prefix = f"/kvd-lookup-replicas-{replicas}/"
+
+    def config(name: str, ttl_s: int = TTL_S) -> dict:
+        values = cluster_config(etcd, name, prefix)
+        values["cluster"].update(directory_replicas=replicas, segment_blocks=16, lease_ttl_s=ttl_s)
+        return values
+
+    with run_daemon(tmp_path / "a", config("a")) as a, run_daemon(tmp_path / "c", config("c")) as c:
+        b = start_daemon(tmp_path / "b", config("b", ttl_s=60))
+        try:
+            for daemon in (a, b, c):
+                wait_metric(daemon, "kvd_cluster_members", 3)
+            with Client(a.unix_target) as ca, Client(c.unix_target) as cc:
+                ns_a, ns_c = ca.register_namespace(SMALL_SPEC), cc.register_namespace(SMALL_SPEC)
+                keys = ns_a.keys(np.arange(300 * 16) + 17)
+                assert ca.put(ns_a, keys, random_blocks(SMALL_SPEC, 300, seed=8)) == 300
+                wait_matches(cc, ns_c, keys, {"a": 300})
+                b.process.send_signal(signal.SIGKILL)
+                b.process.wait()
+                answer = cc.cluster_lookup(ns_c, keys)
+                assert answer.segments >= 10
+                if replicas == 1:
+                    # b owned some of the segments: the match stops at the first of them.
+                    assert answer.segments_unanswered > 0
+                    assert [n.matched for n in answer.nodes] < [300]
+                else:
+                    assert answer.segments_unanswered == 0
+                    assert [(n.node, n.matched) for n in answer.nodes] == [("a", 300)]
+                assert c.metric("kvd_cluster_members") == 3  # b is still a member all along
+        finally:
+            b.stop()
+
+
 def test_cluster_rpcs_refuse_bad_calls(tmp_path, etcd):
     with run_daemon(tmp_path / "a", cluster_config(etcd, "a", "/kvd-lookup-2/")) as a, \
             run_daemon(tmp_path / "solo") as solo:

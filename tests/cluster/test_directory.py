@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvd.cluster.directory import DirectoryShard, longest_prefixes
+from kvd.cluster.keys import rendezvous_ids
 from kvd.cluster.placement import Rendezvous, anchor_of_block, is_anchor, segment_starts, segments
 
 
@@ -73,6 +74,31 @@ def test_rendezvous_spreads_evenly_and_moves_only_what_it_must():
     assert all(a == "node-0" for a, _ in changed) and len(changed) == before.count("node-0")
     # Order of the member list does not matter.
     assert Rendezvous(list(reversed(members))).owners(anchors[:100]) == before[:100]
+
+
+def test_replica_sets_are_the_top_scores_and_change_only_where_they_must():
+    ids = rendezvous_ids(b"".join(random_keys(20_000, seed=2)))
+    members = [f"node-{i}" for i in range(10)]
+    hrw = Rendezvous(members)
+    sets = hrw.replica_indices(ids, 3)
+    assert sets.shape == (len(ids), 3) and (sets[:, 0] == hrw.owner_indices(ids)).all()
+    assert all(len(set(row)) == 3 for row in sets.tolist())
+    # Evenly spread: each member is in about 3/10 of the sets.
+    counts = np.bincount(sets.ravel(), minlength=10)
+    assert counts.max() / counts.min() < 1.1
+    before = [{members[i] for i in row} for row in sets.tolist()]
+    # A join puts the new node into about 3/11 of the sets, replacing one member each; nothing else changes.
+    joined = Rendezvous([*members, "node-new"])
+    after = [{joined.members[i] for i in row} for row in joined.replica_indices(ids, 3).tolist()]
+    changed = [(b, a) for b, a in zip(before, after) if a != b]
+    assert all("node-new" in a and len(a - b) == 1 for b, a in changed)
+    assert abs(len(changed) / len(ids) - 3 / 11) < 0.02
+    # A leave changes exactly the sets the leaver was in.
+    left = Rendezvous(members[1:])
+    after = [{left.members[i] for i in row} for row in left.replica_indices(ids, 3).tolist()]
+    assert [b != a for b, a in zip(before, after)] == ["node-0" in b for b in before]
+    # More replicas than members: every member, best first.
+    assert Rendezvous(["a", "b"]).replica_indices(ids[:5], 4).shape == (5, 2)
 
 
 class ReferenceShard:

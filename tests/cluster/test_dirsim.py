@@ -27,3 +27,17 @@ def test_short_simulation_writes_consistent_rows(tmp_path, capsys):
     assert by[(40, "16 blocks")]["lookup_load_max_over_mean"] < by[(40, "whole chain")]["lookup_load_max_over_mean"]
     assert plot.stat().st_size > 10_000
     assert "| 40 | 16 blocks |" in capsys.readouterr().out
+
+
+def test_replicas_multiply_entries_and_spread_the_busiest_owner(tmp_path):
+    out = tmp_path / "replicas.json"
+    assert dirsim.main(["--nodes", "200", "--segments", "64", "--replicas", "1,3", "--blocks-per-node", "512",
+                        "--lookups", "400", "--json", str(out)]) == 0
+    one, three = json.loads(out.read_text())["rows"]
+    assert (one["replicas"], three["replicas"]) == (1, 3)
+    # The same contents, each entry kept three times.
+    assert abs(three["entries_mean"] - 3 * one["entries_mean"]) < 1e-6
+    assert one["update_msgs_mean"] < three["update_msgs_mean"] <= 3 * one["update_msgs_mean"]
+    # A lookup still asks one node per segment; the hottest segments' lookups spread over three.
+    assert abs(three["lookup_msgs_mean"] - one["lookup_msgs_mean"]) < 1.0
+    assert three["lookup_load_max_over_mean"] < 0.8 * one["lookup_load_max_over_mean"]

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvd.cluster.directory import DirectoryShard
-from kvd.cluster.keys import mask_keys, namespace_mask
+from kvd.cluster.keys import mask_keys, namespace_mask, rendezvous_ids
 from kvd.cluster.placement import Rendezvous, packed_segment_starts
 from kvd.cluster.publisher import Publisher
 from kvd.core.block import BlockState
@@ -33,7 +33,8 @@ def put(engine: Engine, namespace_id: bytes, tokens: list[int]) -> None:
         engine.commit(CommitRequest(namespace_id, "w", result.lease.lease_id, 0))
 
 
-def expected_owner(owners: Rendezvous, namespace_id: bytes, block) -> tuple[bytes, str]:
+def expected_replicas(owners: Rendezvous, namespace_id: bytes, block, replicas: int) -> tuple[bytes, set[str]]:
+    """A sealed block's directory key, and the nodes its segment's entries live on."""
     chain = []
     while block is not None:
         chain.append(block.key)
@@ -41,7 +42,10 @@ def expected_owner(owners: Rendezvous, namespace_id: bytes, block) -> tuple[byte
     chain.reverse()
     masked = mask_keys(b"".join(chain), namespace_mask(namespace_id))
     anchor_at = [s for s in packed_segment_starts(masked, SEGMENT) if s < len(chain)][-1]
-    return masked[-32:], owners.owner(masked[anchor_at * 32:anchor_at * 32 + 32])
+    anchor = masked[anchor_at * 32:anchor_at * 32 + 32]
+    picked = owners.replica_indices(rendezvous_ids(anchor), replicas)[0]
+    assert owners.members[picked[0]] == owners.owner(anchor)
+    return masked[-32:], {owners.members[i] for i in picked}
 
 
 class Owners:
@@ -57,36 +61,38 @@ class Owners:
             shard.add(ME, stored)
 
 
-def check_directory(engine: Engine, namespace_id: bytes, owners: Rendezvous, shards: Owners, gone: set[bytes]):
+def check_directory(engine: Engine, namespace_id: bytes, owners: Rendezvous, shards: Owners, gone: set[bytes],
+                    replicas: int = 1):
     state = engine.namespace(namespace_id)
     for block in state.index:
         if block.state != BlockState.SEALED:
             continue
-        key, owner = expected_owner(owners, namespace_id, block)
-        assert shards.shards[owner].query([key]) == [(ME,)], "a sealed block is listed at its owner"
+        key, listed_at = expected_replicas(owners, namespace_id, block, replicas)
+        for name, shard in shards.shards.items():
+            listed = shard.query([key]) == [(ME,)]
+            assert listed == (name in listed_at), f"{name}: a sealed block is listed at its replicas, and only there"
         gone.discard(key)
-    mask = namespace_mask(namespace_id)
     for key in gone:
         for shard in shards.shards.values():
             assert ME not in (shard.query([key]) or [()])[0], "a removed block is listed nowhere it was sent"
-    del mask
 
 
-ops = st.lists(st.tuples(st.sampled_from(["put", "put", "put", "delete", "members"]), st.integers(0, 10_000)),
-               min_size=1, max_size=40)
+# (operation, seed, whether the publisher reads and sends after it: several changes can meet in one batch)
+ops = st.lists(st.tuples(st.sampled_from(["put", "put", "put", "delete", "members"]), st.integers(0, 10_000),
+                         st.booleans()), min_size=1, max_size=40)
 
 
-@settings(max_examples=60, deadline=None)
-@given(ops, st.sampled_from([8, 1 << 16]))
-def test_published_directory_matches_the_index(operations, ring_keys):
+@settings(max_examples=80, deadline=None)
+@given(ops, st.sampled_from([8, 1 << 16]), st.sampled_from([1, 2, 3]))
+def test_published_directory_matches_the_index(operations, ring_keys, replicas):
     engine = Engine(host_slot_count=4096, host_slot_bytes=64, events=EventLog(ring_events=8, ring_keys=ring_keys))
     namespace_id = engine.register_namespace(SPEC).namespace_id
-    publisher = Publisher(engine, SEGMENT)
+    publisher = Publisher(engine, SEGMENT, replicas)
     members = [ME, "n1", "n2"]
     publisher.set_members(members, fresh=members)
     shards = Owners()
     removed: set[bytes] = set()
-    for op, seed in operations:
+    for op, seed, send in operations:
         rng = random.Random(seed)
         if op == "put":
             base = [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
@@ -103,10 +109,15 @@ def test_published_directory_matches_the_index(operations, ring_keys):
             # A leaver's shard goes with it; a node that joins (again) starts empty.
             shards.shards = {name: shard for name, shard in shards.shards.items() if name in members}
             fresh = [m for m in members if m not in shards.shards]
+            for name in fresh:
+                shards.shards[name] = DirectoryShard()
             publisher.set_members(members, fresh)
-        publisher.poll()
-        shards.deliver(publisher)
-    check_directory(engine, namespace_id, Rendezvous(members), shards, removed)
+        if send:
+            publisher.poll()
+            shards.deliver(publisher)
+    publisher.poll()
+    shards.deliver(publisher)
+    check_directory(engine, namespace_id, Rendezvous(members), shards, removed, replicas)
 
 
 def _descends(block, ancestor) -> bool:
