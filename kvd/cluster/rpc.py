@@ -106,9 +106,10 @@ class DirectoryServicer(kvd_pb2_grpc.ClusterServicer):
     async def ReleasePins(self, request, context):
         await self._authenticate(context)
         await self._check_member(request, context)
-        if self.blocks is None or not self.blocks.unpin(request.node, request.lease_id):
+        checksums = await self.blocks.release(request.node, request.lease_id) if self.blocks is not None else None
+        if checksums is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no pins of {request.node!r} under lease {request.lease_id}")
-        return kvd_pb2.ReleasePinsResponse()
+        return kvd_pb2.ReleasePinsResponse(crc32c=checksums)
 
     async def DirectoryUpdate(self, request, context):
         await self._authenticate(context)

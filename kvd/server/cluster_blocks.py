@@ -16,12 +16,22 @@ sealed (these are ordinary local blocks from then on, published to the
 directory like any other) and the rest of the reservation is aborted. A
 peer that dies, is cut off or sends a wrong byte turns the rest of the
 fetch into misses, never into wrong data. The Get then goes on as usual.
+
+Over NIXL (`pin`, `release`, `_fetch_nixl`) the holder pins the blocks
+under a lease and answers their arena offsets at once; it computes their
+CRC-32Cs on a worker thread while the fetcher READs them into reserved
+slots, and hands them over when the fetcher releases the pins. Pins still
+held at that release were held for the whole READ; a release that finds
+them gone (their lease ran out first) gives no checksums, and the read
+blocks become misses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass
 
 import crc32c
 import grpc
@@ -41,6 +51,14 @@ FETCH_CLIENT = "kvd-cluster-fetch"
 PEER_CLIENT_PREFIX = "kvd-cluster-peer:"
 
 
+@dataclass(slots=True)
+class _Pin:
+    node: str
+    lease: object
+    # crc32c_chunks of the pinned blocks, running on a worker thread.
+    checksums: asyncio.Future
+
+
 class ClusterBlocks:
     def __init__(self, service, node, fetch_timeout_s: float) -> None:
         self.service = service
@@ -49,8 +67,8 @@ class ClusterBlocks:
         # Blocks sealed here from peers, by transport; fetches cut short.
         self.fetched_blocks = {"nixl": 0, "grpc": 0}
         self.failed_fetches = 0
-        # Pins held for peers' NIXL reads: lease id -> (peer, lease).
-        self._pins: dict[int, tuple[str, object]] = {}
+        # Pins held for peers' NIXL reads, by lease id.
+        self._pins: dict[int, _Pin] = {}
 
     # -- holder ---------------------------------------------------------------
 
@@ -88,7 +106,9 @@ class ClusterBlocks:
                 self.service.engine.leases.close(lease)
 
     async def pin(self, request, context) -> kvd_pb2.PinBlocksResponse:
-        """Pin blocks for a peer's one-sided READ until it releases them or lease_ms passes."""
+        """Pin blocks for a peer's one-sided READ until it releases them or lease_ms passes.
+        Their CRC-32Cs are computed under the pins, on a worker thread while the peer READs,
+        and handed over by `release`."""
         engine, arena = self.service.engine, self.service.arena
         block_bytes, lease, offsets = await self._pin_for_peer(request, context)
         if lease is None or not offsets:
@@ -96,27 +116,38 @@ class ClusterBlocks:
                 engine.leases.close(lease)
             return kvd_pb2.PinBlocksResponse(block_bytes=block_bytes, arena_address=arena.address_at(0))
         addresses = np.array([arena.address_at(offset) for offset in offsets], dtype=np.uint64)
-        crcs = crc32c_chunks(addresses, block_bytes, 1)[:, 0]
-        self._pins[lease.lease_id] = (request.node, lease)
+        loop = asyncio.get_running_loop()
+        checksums = loop.run_in_executor(None, crc32c_chunks, addresses, block_bytes, 1)
+        self._pins[lease.lease_id] = _Pin(request.node, lease, checksums)
         self.node.transport.serving(+1)
-        asyncio.get_running_loop().call_later(max(lease.deadline_ms - self.service.clock.now_ms(), 0) / 1000 + 0.1,
-                                              self._unpin, lease.lease_id)
-        return kvd_pb2.PinBlocksResponse(lease_id=lease.lease_id, offsets=offsets, crc32c=crcs.tolist(),
-                                         block_bytes=block_bytes, arena_address=arena.address_at(0))
+        loop.call_later(max(lease.deadline_ms - self.service.clock.now_ms(), 0) / 1000 + 0.1,
+                        self._expire, lease.lease_id)
+        return kvd_pb2.PinBlocksResponse(lease_id=lease.lease_id, offsets=offsets, block_bytes=block_bytes,
+                                         arena_address=arena.address_at(0))
 
-    def unpin(self, node: str, lease_id: int) -> bool:
+    async def release(self, node: str, lease_id: int) -> list[int] | None:
+        """End a peer's pins; their CRC-32Cs, or None when they are not (or no longer) held:
+        what the peer read is then not to be trusted."""
         pinned = self._pins.get(lease_id)
-        if pinned is None or pinned[0] != node:
-            return False
-        self._unpin(lease_id)
-        return True
+        if pinned is None or pinned.node != node:
+            return None
+        del self._pins[lease_id]
+        try:
+            checksums = await pinned.checksums
+            held = not pinned.lease.ended
+        finally:
+            self._close(pinned)
+        return checksums[:, 0].tolist() if held else None
 
-    def _unpin(self, lease_id: int) -> None:
+    def _expire(self, lease_id: int) -> None:
         pinned = self._pins.pop(lease_id, None)
-        if pinned is None:
-            return
-        if not pinned[1].ended:
-            self.service.engine.leases.close(pinned[1])
+        if pinned is not None:
+            # The blocks stay pinned until the checksum thread is done reading them.
+            pinned.checksums.add_done_callback(lambda _: self._close(pinned))
+
+    def _close(self, pinned: _Pin) -> None:
+        if not pinned.lease.ended:
+            self.service.engine.leases.close(pinned.lease)
         self.node.transport.serving(-1)
 
     # -- fetcher --------------------------------------------------------------
@@ -127,10 +158,13 @@ class ClusterBlocks:
         local = len(engine.lookup(namespace_id, keys))
         if local >= len(keys) or self.node.router.owners is None:
             return 0
+        started = time.perf_counter()
         answer = await self.node.lookup(namespace_id, b"".join(keys), local)
         best = next((n for n in answer.nodes if not n.local and n.matched > local), None)
         if best is None:
             return 0
+        log.debug("remote fetch: directory answered", extra={"peer": best.node, "matched": best.matched,
+                                                             "lookup_ms": _ms(started, time.perf_counter())})
         transport = self.node.transport
         if transport is not None and transport.has_peer(best.node):
             fetched = await self._fetch_nixl(best.node, namespace_id, keys, local, best.matched)
@@ -172,7 +206,8 @@ class ClusterBlocks:
         return sealed
 
     async def _fetch_nixl(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> int | None:
-        """Pin on the holder, READ into reserved slots, verify, seal; None: use the gRPC stream instead."""
+        """Pin on the holder, READ into reserved slots, release (which hands over the checksums),
+        verify, seal; None: use the gRPC stream instead."""
         stub = self.node.peers.stub(peer)
         if stub is None:
             return None
@@ -180,51 +215,81 @@ class ClusterBlocks:
         request = kvd_pb2.PinBlocksRequest(node=self.node.name, incarnation=self.node.member.incarnation,
                                            namespace_id=namespace_id, packed_keys=b"".join(keys[:end]), first=first,
                                            lease_ms=lease_ms)
+        started = time.perf_counter()
         try:
             pin = await stub.PinBlocks(request, timeout=self.fetch_timeout_s, metadata=self.node.peers.metadata)
         except grpc.RpcError as error:
             log.info("NIXL pin refused; streaming instead", extra={"peer": peer, "reason": _describe(error)})
             return None
+        log.debug("NIXL pin", extra={"peer": peer, "blocks": len(pin.offsets), "pin_ms": _ms(started, time.perf_counter())})
+        released = False
         try:
-            sealed, read = await self._read_pinned(peer, namespace_id, keys, first, pin)
+            sealed, read = await self._read_pinned(stub, peer, namespace_id, keys, first, pin)
+            released = True
             # A READ that failed (not a bad checksum) is tried again over the gRPC stream.
             return sealed if read else None
         finally:
-            if pin.lease_id:
-                release = kvd_pb2.ReleasePinsRequest(node=self.node.name, incarnation=self.node.member.incarnation,
-                                                     lease_id=pin.lease_id)
-                try:
-                    await stub.ReleasePins(release, timeout=self.node.peers.timeout_s,
-                                           metadata=self.node.peers.metadata)
-                except grpc.RpcError:
-                    pass  # its lease ends the pins on its own
+            if not released:
+                await self._release(stub, peer, pin.lease_id)
 
-    async def _read_pinned(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int,
+    async def _release(self, stub, peer: str, lease_id: int) -> list[int] | None:
+        """Release the holder's pins: their CRC-32Cs, or None if the holder no longer held them."""
+        if not lease_id:
+            return None
+        release = kvd_pb2.ReleasePinsRequest(node=self.node.name, incarnation=self.node.member.incarnation,
+                                             lease_id=lease_id)
+        try:
+            response = await stub.ReleasePins(release, timeout=self.node.peers.timeout_s,
+                                              metadata=self.node.peers.metadata)
+        except grpc.RpcError as error:
+            log.info("NIXL pins not released", extra={"peer": peer, "reason": _describe(error)})
+            return None  # its lease ends the pins on its own
+        return list(response.crc32c)
+
+    async def _read_pinned(self, stub, peer: str, namespace_id: bytes, keys: list[bytes], first: int,
                            pin) -> tuple[int, bool]:
-        """(blocks sealed, whether the READ itself completed)."""
+        """(blocks sealed, whether the READ itself completed); releases the pins either way."""
         engine, service = self.service.engine, self.service
         block_bytes = engine.namespace(namespace_id).block_bytes
-        if not pin.offsets or pin.block_bytes != block_bytes or len(pin.crc32c) != len(pin.offsets):
-            return 0, True
-        result = self._reserve(peer, namespace_id, keys, first, first + len(pin.offsets))
+        result = None
+        if pin.offsets and pin.block_bytes == block_bytes:
+            result = self._reserve(peer, namespace_id, keys, first, first + len(pin.offsets))
         if result is None:
+            await self._release(stub, peer, pin.lease_id)
             return 0, True
         positions = [i for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
-        local = [service.arena.address_at(engine.host.pool.offset_of(result.slots[i])) for i in positions]
+        local = np.array([service.arena.address_at(engine.host.pool.offset_of(result.slots[i])) for i in positions],
+                         dtype=np.uint64)
         remote = [pin.arena_address + pin.offsets[i] for i in positions]
+        started = time.perf_counter()
+        read = await self.node.transport.read(peer, local.tolist(), remote, block_bytes, self.fetch_timeout_s)
+        read_at = time.perf_counter()
+        # Released only now: pins that were still held at the release were held for the whole READ.
+        expected = await self._release(stub, peer, pin.lease_id)
         verified = 0
-        read = await self.node.transport.read(peer, local, remote, block_bytes, self.fetch_timeout_s)
-        if read:
-            crcs = crc32c_chunks(np.array(local, dtype=np.uint64), block_bytes, 1)[:, 0]
-            for position, crc in zip(positions, crcs.tolist()):
-                if crc != pin.crc32c[position]:
-                    log.warning("NIXL read failed its CRC-32C check", extra={"peer": peer, "block": first + position})
-                    break
-                verified += 1
-        else:
+        if not read:
             self.failed_fetches += 1
-        return self._seal(namespace_id, keys, first, result, verified, "nixl"), read
+        elif expected is None or len(expected) != len(pin.offsets):
+            log.warning("NIXL read not verified: the holder's pins were gone", extra={"peer": peer})
+        else:
+            verified = await self._verified_prefix(peer, first, local, block_bytes,
+                                                   [expected[i] for i in positions])
+        verified_at = time.perf_counter()
+        sealed = self._seal(namespace_id, keys, first, result, verified, "nixl")
+        log.debug("NIXL fetch", extra={"peer": peer, "blocks": len(positions), "read_ms": _ms(started, read_at),
+                                       "verify_ms": _ms(read_at, verified_at),
+                                       "seal_ms": _ms(verified_at, time.perf_counter())})
+        return sealed, read
 
+    async def _verified_prefix(self, peer: str, first: int, addresses: np.ndarray, block_bytes: int,
+                               expected: list[int]) -> int:
+        """How many of the blocks at `addresses`, in order, match their expected CRC-32C."""
+        crcs = await asyncio.to_thread(crc32c_chunks, addresses, block_bytes, 1)
+        mismatch = np.flatnonzero(crcs[:, 0] != np.array(expected, dtype=np.uint32))
+        if len(mismatch):
+            log.warning("NIXL read failed its CRC-32C check", extra={"peer": peer, "block": first + int(mismatch[0])})
+            return int(mismatch[0])
+        return len(expected)
 
     async def _receive(self, stub, peer: str, namespace_id: bytes, keys: list[bytes], first: int, result) -> int:
         """Stream the blocks into their reserved slots; returns how many reserved ones are verified, in order."""
@@ -263,6 +328,10 @@ class ClusterBlocks:
     def _cut_short(self, peer: str, fetched: int, error: BaseException) -> None:
         self.failed_fetches += 1
         log.warning("remote fetch cut short", extra={"peer": peer, "fetched": fetched, "reason": _describe(error)})
+
+
+def _ms(start: float, end: float) -> float:
+    return round((end - start) * 1000, 2)
 
 
 def _describe(error: BaseException) -> str:

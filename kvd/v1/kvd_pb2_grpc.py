@@ -822,8 +822,8 @@ class Kvd:
 
 class ClusterStub:
     """The daemons' service to one another, on the same listener as Kvd. Every
-    call carries the cluster credential (metadata x-kvd-cluster-secret) unless
-    the listener is mutual TLS; without it: UNAUTHENTICATED.
+    call carries the cluster credential (metadata x-kvd-cluster-secret), over
+    TLS as well; without it: UNAUTHENTICATED.
     """
 
     def __init__(self, channel):
@@ -861,8 +861,8 @@ class ClusterStub:
 
 class ClusterServicer:
     """The daemons' service to one another, on the same listener as Kvd. Every
-    call carries the cluster credential (metadata x-kvd-cluster-secret) unless
-    the listener is mutual TLS; without it: UNAUTHENTICATED.
+    call carries the cluster credential (metadata x-kvd-cluster-secret), over
+    TLS as well; without it: UNAUTHENTICATED.
     """
 
     def DirectoryUpdate(self, request, context):
@@ -933,8 +933,8 @@ def add_ClusterServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Cluster:
     """The daemons' service to one another, on the same listener as Kvd. Every
-    call carries the cluster credential (metadata x-kvd-cluster-secret) unless
-    the listener is mutual TLS; without it: UNAUTHENTICATED.
+    call carries the cluster credential (metadata x-kvd-cluster-secret), over
+    TLS as well; without it: UNAUTHENTICATED.
     """
 
     @staticmethod

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 from types import SimpleNamespace
 
 import crc32c
 import grpc
+import numpy as np
 
 from kvd.clock import ManualClock
 from kvd.core.engine import Engine
@@ -131,3 +133,99 @@ def test_a_fetch_continues_a_local_prefix():
     assert peer.requests[-1].first == 2 and len(peer.requests[-1].packed_keys) == 6 * 32
     assert len(engine.lookup(namespace_id, keys)) == 6
     assert sorted(arena.writes.values()) == sorted(data)
+
+
+# -- the NIXL path: offsets from PinBlocks, a one-sided READ, checksums from ReleasePins ------------
+
+class MemoryArena:
+    """A real buffer with addresses, as the daemon's arena has."""
+
+    def __init__(self, size: int) -> None:
+        self.buffer = np.zeros(size, dtype=np.uint8)
+
+    def address_at(self, offset: int) -> int:
+        return self.buffer.ctypes.data + offset
+
+
+class Holder:
+    """PinBlocks and ReleasePins of a holder whose blocks sit in its own buffer."""
+
+    def __init__(self, data: list[bytes], release_crcs=None, release_error=None) -> None:
+        self.memory = MemoryArena(len(data) * SPEC.block_bytes)
+        for i, block in enumerate(data):
+            self.memory.buffer[i * SPEC.block_bytes:(i + 1) * SPEC.block_bytes] = np.frombuffer(block, np.uint8)
+        self.crcs = release_crcs if release_crcs is not None else [crc32c.crc32c(b) for b in data]
+        self.release_error = release_error
+        self.released = []
+
+    async def PinBlocks(self, request, timeout, metadata):
+        count = len(request.packed_keys) // 32 - request.first
+        return kvd_pb2.PinBlocksResponse(lease_id=9, offsets=[i * SPEC.block_bytes for i in range(count)],
+                                         block_bytes=SPEC.block_bytes, arena_address=self.memory.address_at(0))
+
+    async def ReleasePins(self, request, timeout, metadata):
+        self.released.append(request.lease_id)
+        if self.release_error is not None:
+            raise self.release_error
+        return kvd_pb2.ReleasePinsResponse(crc32c=self.crcs)
+
+
+class Copying:
+    """transport.read as a memmove (what a completed one-sided READ leaves behind)."""
+
+    async def read(self, node, local, remote, length, timeout_s):
+        for target, source in zip(local, remote):
+            ctypes.memmove(target, source, length)
+        return True
+
+
+class Gone(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.NOT_FOUND
+
+    def details(self):
+        return "no pins under lease 9"
+
+
+def nixl_setup(holder: Holder):
+    engine = Engine(host_slot_count=64, host_slot_bytes=SPEC.block_bytes)
+    namespace_id = engine.register_namespace(SPEC).namespace_id
+    arena = MemoryArena(64 * SPEC.block_bytes)
+    service = SimpleNamespace(engine=engine, arena=arena, clock=ManualClock(), max_message_bytes=1 << 20)
+    node = SimpleNamespace(name="me", member=SimpleNamespace(incarnation=7), transport=Copying(),
+                           peers=SimpleNamespace(stub=lambda name: holder, metadata=(), timeout_s=1.0))
+    return ClusterBlocks(service, node, 5.0), engine, namespace_id, arena
+
+
+def test_a_nixl_read_is_sealed_once_the_release_s_checksums_match():
+    data = payloads(6)
+    holder = Holder(data)
+    blocks, engine, namespace_id, arena = nixl_setup(holder)
+    keys = chain_keys(SPEC, list(range(6)))
+    assert asyncio.run(blocks._fetch_nixl("peer", namespace_id, keys, 0, 6)) == 6
+    assert holder.released == [9] and blocks.fetched_blocks["nixl"] == 6
+    matched = engine.lookup(namespace_id, keys)
+    offsets = engine.host.pool.offsets_of([engine.host_slot(block) for block in matched])
+    assert [arena.buffer[o:o + SPEC.block_bytes].tobytes() for o in offsets] == data
+
+
+def test_a_nixl_read_keeps_only_the_prefix_its_checksums_vouch_for():
+    data = payloads(6)
+    crcs = [crc32c.crc32c(b) for b in data]
+    crcs[4] ^= 1
+    blocks, engine, namespace_id, _ = nixl_setup(Holder(data, release_crcs=crcs))
+    keys = chain_keys(SPEC, list(range(6)))
+    assert asyncio.run(blocks._fetch_nixl("peer", namespace_id, keys, 0, 6)) == 4
+    assert len(engine.lookup(namespace_id, keys)) == 4
+    engine.verify()
+
+
+def test_a_nixl_read_whose_pins_were_gone_at_release_is_all_misses():
+    """The holder's lease ran out before the release: the READ may have raced a reused slot."""
+    data = payloads(5)
+    holder = Holder(data, release_error=Gone())
+    blocks, engine, namespace_id, _ = nixl_setup(holder)
+    keys = chain_keys(SPEC, list(range(5)))
+    assert asyncio.run(blocks._fetch_nixl("peer", namespace_id, keys, 0, 5)) == 0
+    assert holder.released == [9] and len(engine.lookup(namespace_id, keys)) == 0
+    engine.verify()
