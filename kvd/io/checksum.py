@@ -40,3 +40,12 @@ def crc32c_chunks(addresses: np.ndarray, chunk: int, chunks: int) -> np.ndarray:
         for j in range(chunks):
             out[i, j] = crc32c.crc32c(chunk_type.from_address(address + j * chunk))
     return out
+
+
+def crc32c_of_buffers(buffers, chunk: int, chunks: int) -> np.ndarray:
+    """crc32c_chunks over bytes-like objects (each at least chunk * chunks bytes), in one call."""
+    views = [np.frombuffer(buffer, dtype=np.uint8) for buffer in buffers]
+    if any(len(view) < chunk * chunks for view in views):
+        raise InvalidArgument(f"every buffer must hold {chunks} chunks of {chunk} bytes")
+    addresses = np.array([view.ctypes.data for view in views], dtype=np.uint64)
+    return crc32c_chunks(addresses, chunk, chunks)  # `views` keeps the buffers alive until here

@@ -4,14 +4,15 @@ Holder (`serve`, the Cluster service's ReadBlocks). The blocks asked for
 are pinned under a lease of the peer's own client id for as long as the
 stream runs (a disk-only block is read into host memory first, as for any
 Get), copied out in messages of about CHUNK_BYTES, each block with the
-CRC-32C computed from the pinned copy, and the lease is closed when the
+CRC-32C of each of its layers, computed from the pinned copy, and the lease is closed when the
 stream ends, however it ends: nothing stays pinned for a peer.
 
 Fetcher (`fetch_for_get`). A Get of a chain from its root that misses
 locally asks the directory (ClusterLookup) which node holds more of it,
 reserves host slots for the missing blocks, and streams them from the
 longest holder under `cluster.fetch_timeout_s`. Each block is checked
-(size and CRC-32C) before it is written to its slot; the verified prefix is
+(size and every layer's CRC-32C, one native call per message) before it is
+written to its slot; the verified prefix is
 sealed (these are ordinary local blocks from then on, published to the
 directory like any other) and the rest of the reservation is aborted. A
 peer that dies, is cut off or sends a wrong byte turns the rest of the
@@ -19,7 +20,7 @@ fetch into misses, never into wrong data. The Get then goes on as usual.
 
 Over NIXL (`pin`, `release`, `_fetch_nixl`) the holder pins the blocks
 under a lease and answers their arena offsets at once; it computes their
-CRC-32Cs on a worker thread while the fetcher READs them into reserved
+per-layer CRC-32Cs on a worker thread while the fetcher READs them into reserved
 slots, and hands them over when the fetcher releases the pins. Pins still
 held at that release were held for the whole READ; a release that finds
 them gone (their lease ran out first) gives no checksums, and the read
@@ -33,14 +34,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-import crc32c
 import grpc
 import numpy as np
 
 from kvd.cluster.keys import split
 from kvd.core.engine import CommitRequest, KeysRequest, ReserveStatus
 from kvd.errors import KvdError
-from kvd.io.checksum import crc32c_chunks
+from kvd.io.checksum import crc32c_chunks, crc32c_of_buffers
 from kvd.server import convert
 from kvd.v1 import kvd_pb2
 
@@ -55,7 +55,7 @@ PEER_CLIENT_PREFIX = "kvd-cluster-peer:"
 class _Pin:
     node: str
     lease: object
-    # crc32c_chunks of the pinned blocks, running on a worker thread.
+    # layer_checksums of the pinned blocks, running on a worker thread.
     checksums: asyncio.Future
 
 
@@ -74,7 +74,7 @@ class ClusterBlocks:
 
     async def _pin_for_peer(self, request, context):
         """Pin what the holder has of the chain from `request.first` on, under the peer's own
-        client id: (block bytes, lease or None, arena offsets of the pinned blocks)."""
+        client id: (the namespace's spec, lease or None, arena offsets of the pinned blocks)."""
         engine = self.service.engine
         try:
             state = engine.namespace(request.namespace_id)
@@ -90,17 +90,20 @@ class ClusterBlocks:
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         offsets = engine.host.pool.offsets_of([engine.host_slot(block) for block in matched])
-        return state.block_bytes, lease, offsets
+        return state.spec, lease, offsets
 
     async def serve(self, request, context):
-        block_bytes, lease, offsets = await self._pin_for_peer(request, context)
+        spec, lease, offsets = await self._pin_for_peer(request, context)
+        arena = self.service.arena
         try:
             chunk = min(CHUNK_BYTES, self.service.max_message_bytes // 2)
-            per_message = max(1, chunk // block_bytes)
+            per_message = max(1, chunk // spec.block_bytes)
             for start in range(0, len(offsets), per_message):
-                blocks = [self.service.arena.read_at(offset, block_bytes) for offset in offsets[start:start + per_message]]
-                yield kvd_pb2.ReadBlocksResponse(first=request.first + start, blocks=blocks,
-                                                 crc32c=[crc32c.crc32c(block) for block in blocks])
+                part = offsets[start:start + per_message]
+                crcs = await asyncio.to_thread(layer_checksums, arena, part, spec)
+                yield kvd_pb2.ReadBlocksResponse(first=request.first + start,
+                                                 blocks=[arena.read_at(offset, spec.block_bytes) for offset in part],
+                                                 crc32c=crcs.ravel().tolist())
         finally:
             if lease is not None and not lease.ended:
                 self.service.engine.leases.close(lease)
@@ -110,19 +113,18 @@ class ClusterBlocks:
         Their CRC-32Cs are computed under the pins, on a worker thread while the peer READs,
         and handed over by `release`."""
         engine, arena = self.service.engine, self.service.arena
-        block_bytes, lease, offsets = await self._pin_for_peer(request, context)
+        spec, lease, offsets = await self._pin_for_peer(request, context)
         if lease is None or not offsets:
             if lease is not None:
                 engine.leases.close(lease)
-            return kvd_pb2.PinBlocksResponse(block_bytes=block_bytes, arena_address=arena.address_at(0))
-        addresses = np.array([arena.address_at(offset) for offset in offsets], dtype=np.uint64)
+            return kvd_pb2.PinBlocksResponse(block_bytes=spec.block_bytes, arena_address=arena.address_at(0))
         loop = asyncio.get_running_loop()
-        checksums = loop.run_in_executor(None, crc32c_chunks, addresses, block_bytes, 1)
+        checksums = loop.run_in_executor(None, layer_checksums, arena, offsets, spec)
         self._pins[lease.lease_id] = _Pin(request.node, lease, checksums)
         self.node.transport.serving(+1)
         loop.call_later(max(lease.deadline_ms - self.service.clock.now_ms(), 0) / 1000 + 0.1,
                         self._expire, lease.lease_id)
-        return kvd_pb2.PinBlocksResponse(lease_id=lease.lease_id, offsets=offsets, block_bytes=block_bytes,
+        return kvd_pb2.PinBlocksResponse(lease_id=lease.lease_id, offsets=offsets, block_bytes=spec.block_bytes,
                                          arena_address=arena.address_at(0))
 
     async def release(self, node: str, lease_id: int) -> list[int] | None:
@@ -137,7 +139,7 @@ class ClusterBlocks:
             held = not pinned.lease.ended
         finally:
             self._close(pinned)
-        return checksums[:, 0].tolist() if held else None
+        return checksums.ravel().tolist() if held else None
 
     def _expire(self, lease_id: int) -> None:
         pinned = self._pins.pop(lease_id, None)
@@ -250,7 +252,8 @@ class ClusterBlocks:
                            pin) -> tuple[int, bool]:
         """(blocks sealed, whether the READ itself completed); releases the pins either way."""
         engine, service = self.service.engine, self.service
-        block_bytes = engine.namespace(namespace_id).block_bytes
+        spec = engine.namespace(namespace_id).spec
+        block_bytes = spec.block_bytes
         result = None
         if pin.offsets and pin.block_bytes == block_bytes:
             result = self._reserve(peer, namespace_id, keys, first, first + len(pin.offsets))
@@ -269,11 +272,11 @@ class ClusterBlocks:
         verified = 0
         if not read:
             self.failed_fetches += 1
-        elif expected is None or len(expected) != len(pin.offsets):
+        elif expected is None or len(expected) != len(pin.offsets) * spec.num_layers:
             log.warning("NIXL read not verified: the holder's pins were gone", extra={"peer": peer})
         else:
-            verified = await self._verified_prefix(peer, first, local, block_bytes,
-                                                   [expected[i] for i in positions])
+            expected = np.array(expected, dtype=np.uint32).reshape(len(pin.offsets), spec.num_layers)[positions]
+            verified = await self._verified_prefix(peer, first, local, spec, expected)
         verified_at = time.perf_counter()
         sealed = self._seal(namespace_id, keys, first, result, verified, "nixl")
         log.debug("NIXL fetch", extra={"peer": peer, "blocks": len(positions), "read_ms": _ms(started, read_at),
@@ -281,11 +284,11 @@ class ClusterBlocks:
                                        "seal_ms": _ms(verified_at, time.perf_counter())})
         return sealed, read
 
-    async def _verified_prefix(self, peer: str, first: int, addresses: np.ndarray, block_bytes: int,
-                               expected: list[int]) -> int:
-        """How many of the blocks at `addresses`, in order, match their expected CRC-32C."""
-        crcs = await asyncio.to_thread(crc32c_chunks, addresses, block_bytes, 1)
-        mismatch = np.flatnonzero(crcs[:, 0] != np.array(expected, dtype=np.uint32))
+    async def _verified_prefix(self, peer: str, first: int, addresses: np.ndarray, spec,
+                               expected: np.ndarray) -> int:
+        """How many of the blocks at `addresses`, in order, match their expected per-layer CRC-32Cs."""
+        crcs = await asyncio.to_thread(crc32c_chunks, addresses, spec.layer_bytes, spec.num_layers)
+        mismatch = np.flatnonzero((crcs != expected).any(axis=1))
         if len(mismatch):
             log.warning("NIXL read failed its CRC-32C check", extra={"peer": peer, "block": first + int(mismatch[0])})
             return int(mismatch[0])
@@ -294,7 +297,7 @@ class ClusterBlocks:
     async def _receive(self, stub, peer: str, namespace_id: bytes, keys: list[bytes], first: int, result) -> int:
         """Stream the blocks into their reserved slots; returns how many reserved ones are verified, in order."""
         engine, arena = self.service.engine, self.service.arena
-        block_bytes = engine.namespace(namespace_id).block_bytes
+        spec = engine.namespace(namespace_id).spec
         end = first + len(result.statuses)
         request = kvd_pb2.ReadBlocksRequest(node=self.node.name, incarnation=self.node.member.incarnation,
                                             namespace_id=namespace_id, packed_keys=b"".join(keys[:end]), first=first,
@@ -304,18 +307,14 @@ class ClusterBlocks:
             async with asyncio.timeout(self.fetch_timeout_s):
                 call = stub.ReadBlocks(request, timeout=self.fetch_timeout_s, metadata=self.node.peers.metadata)
                 async for message in call:
-                    if message.first != position or len(message.crc32c) != len(message.blocks):
-                        raise ValueError(f"a ReadBlocks message for position {message.first}, expected {position}")
-                    for block, crc in zip(message.blocks, message.crc32c):
-                        index = position - first
-                        if index >= len(result.statuses):
-                            raise ValueError("more blocks than asked for")
-                        if len(block) != block_bytes or crc32c.crc32c(block) != crc:
-                            raise ValueError(f"block {position} failed its size or CRC-32C check")
+                    good = await self._checked(message, position, end, spec)
+                    for index, block in enumerate(message.blocks[:good], position - first):
                         if result.statuses[index] == ReserveStatus.RESERVED:
                             arena.write_at(engine.host.pool.offset_of(result.slots[index]), block)
                             verified += 1
-                        position += 1
+                    position += good
+                    if good < len(message.blocks):
+                        raise ValueError(f"block {position} failed its size or per-layer CRC-32C check")
         except asyncio.CancelledError as error:
             if asyncio.current_task().cancelling():
                 raise  # the Get itself was cancelled
@@ -325,9 +324,34 @@ class ClusterBlocks:
             self._cut_short(peer, position - first, error)
         return verified
 
+    @staticmethod
+    async def _checked(message, position: int, end: int, spec) -> int:
+        """How many of a ReadBlocks message's blocks, in order, pass their per-layer CRC-32Cs;
+        ValueError for a message out of place or of the wrong shape."""
+        if message.first != position:
+            raise ValueError(f"a ReadBlocks message for position {message.first}, expected {position}")
+        count = len(message.blocks)
+        if position + count > end:
+            raise ValueError("more blocks than asked for")
+        if len(message.crc32c) != count * spec.num_layers:
+            raise ValueError(f"{len(message.crc32c)} checksums for {count} blocks of {spec.num_layers} layers")
+        sized = next((i for i, block in enumerate(message.blocks) if len(block) != spec.block_bytes), count)
+        if not sized:
+            raise ValueError(f"block {position} is not {spec.block_bytes} bytes")
+        crcs = await asyncio.to_thread(crc32c_of_buffers, message.blocks[:sized], spec.layer_bytes, spec.num_layers)
+        expected = np.array(message.crc32c, dtype=np.uint32).reshape(count, spec.num_layers)[:sized]
+        mismatch = np.flatnonzero((crcs != expected).any(axis=1))
+        return int(mismatch[0]) if len(mismatch) else sized
+
     def _cut_short(self, peer: str, fetched: int, error: BaseException) -> None:
         self.failed_fetches += 1
         log.warning("remote fetch cut short", extra={"peer": peer, "fetched": fetched, "reason": _describe(error)})
+
+
+def layer_checksums(arena, offsets, spec) -> np.ndarray:
+    """(blocks, layers) CRC-32Cs of the blocks at `offsets` in the arena, in one native call."""
+    addresses = np.asarray(offsets, dtype=np.uint64) + np.uint64(arena.address_at(0))
+    return crc32c_chunks(addresses, spec.layer_bytes, spec.num_layers)
 
 
 def _ms(start: float, end: float) -> float:

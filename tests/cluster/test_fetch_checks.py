@@ -16,7 +16,7 @@ from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.server.cluster_blocks import ClusterBlocks
 from kvd.v1 import kvd_pb2
 
-SPEC = NamespaceSpec(model_id="fetch-test", num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=1)
+SPEC = NamespaceSpec(model_id="fetch-test", num_layers=2, num_kv_heads=1, head_dim=4, block_tokens=1)
 
 
 class Arena:
@@ -66,12 +66,19 @@ def setup(peer: Peer, timeout_s: float = 5.0):
 
 
 def payloads(n: int) -> list[bytes]:
-    return [bytes([i]) * SPEC.block_bytes for i in range(n)]
+    """Blocks whose two layers differ (a checksum of the whole block would not tell them apart)."""
+    half = SPEC.layer_bytes
+    return [bytes([i]) * half + bytes([100 + i]) * half for i in range(n)]
+
+
+def layer_crcs(blocks: list[bytes]) -> list[int]:
+    """CRC-32C of each layer of each block, block by block (what the holder sends)."""
+    half = SPEC.layer_bytes
+    return [crc32c.crc32c(block[j * half:(j + 1) * half]) for block in blocks for j in range(SPEC.num_layers)]
 
 
 def message(first: int, blocks: list[bytes], crcs: list[int] | None = None) -> kvd_pb2.ReadBlocksResponse:
-    return kvd_pb2.ReadBlocksResponse(first=first, blocks=blocks,
-                                      crc32c=crcs if crcs is not None else [crc32c.crc32c(b) for b in blocks])
+    return kvd_pb2.ReadBlocksResponse(first=first, blocks=blocks, crc32c=crcs if crcs is not None else layer_crcs(blocks))
 
 
 def fetch(blocks: ClusterBlocks, namespace_id: bytes, keys, first: int = 0) -> int:
@@ -91,8 +98,8 @@ def test_a_good_stream_is_sealed_with_the_bytes_sent():
 
 def test_a_wrong_checksum_ends_the_fetch_and_only_the_verified_prefix_is_kept():
     data = payloads(6)
-    crcs = [crc32c.crc32c(b) for b in data]
-    crcs[3] ^= 1
+    crcs = layer_crcs(data)
+    crcs[3 * SPEC.num_layers + 1] ^= 1  # block 3's second layer
     blocks, engine, namespace_id, arena = setup(Peer([message(0, data, crcs)]))
     keys = chain_keys(SPEC, list(range(6)))
     assert fetch(blocks, namespace_id, keys) == 3
@@ -154,7 +161,7 @@ class Holder:
         self.memory = MemoryArena(len(data) * SPEC.block_bytes)
         for i, block in enumerate(data):
             self.memory.buffer[i * SPEC.block_bytes:(i + 1) * SPEC.block_bytes] = np.frombuffer(block, np.uint8)
-        self.crcs = release_crcs if release_crcs is not None else [crc32c.crc32c(b) for b in data]
+        self.crcs = release_crcs if release_crcs is not None else layer_crcs(data)
         self.release_error = release_error
         self.released = []
 
@@ -211,8 +218,8 @@ def test_a_nixl_read_is_sealed_once_the_release_s_checksums_match():
 
 def test_a_nixl_read_keeps_only_the_prefix_its_checksums_vouch_for():
     data = payloads(6)
-    crcs = [crc32c.crc32c(b) for b in data]
-    crcs[4] ^= 1
+    crcs = layer_crcs(data)
+    crcs[4 * SPEC.num_layers + 1] ^= 1  # block 4's second layer
     blocks, engine, namespace_id, _ = nixl_setup(Holder(data, release_crcs=crcs))
     keys = chain_keys(SPEC, list(range(6)))
     assert asyncio.run(blocks._fetch_nixl("peer", namespace_id, keys, 0, 6)) == 4
@@ -229,3 +236,12 @@ def test_a_nixl_read_whose_pins_were_gone_at_release_is_all_misses():
     assert asyncio.run(blocks._fetch_nixl("peer", namespace_id, keys, 0, 5)) == 0
     assert holder.released == [9] and len(engine.lookup(namespace_id, keys)) == 0
     engine.verify()
+
+
+def test_a_message_with_a_checksum_per_block_instead_of_per_layer_is_refused():
+    data = payloads(3)
+    whole_block = [crc32c.crc32c(b) for b in data]
+    blocks, engine, namespace_id, _ = setup(Peer([message(0, data, whole_block)]))
+    keys = chain_keys(SPEC, list(range(3)))
+    assert fetch(blocks, namespace_id, keys) == 0 and blocks.failed_fetches == 1
+    assert len(engine.lookup(namespace_id, keys)) == 0
