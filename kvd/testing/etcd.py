@@ -41,7 +41,7 @@ class EtcdServer:
         # fsync can stall for seconds, which delays a lease's expiry past any
         # bound a test can state (a crashed member was once not gone in 7 s).
         shm = "/dev/shm" if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else None
-        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="kvd-etcd-", dir=shm))
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="etcd-test-", dir=shm))
         self.host = host
         self.client_port = free_port(host)
         self.peer_port = free_port(host)
