@@ -97,7 +97,7 @@ test: setup engines proto-check lint
 # The fast lane for daily work (a few minutes): the unit, property, disk
 # format and native engine tests, in process, no daemon started. `make test`
 # (what CI runs) is everything.
-FAST_TESTS := tests/unit tests/property tests/disk tests/native
+FAST_TESTS := tests/unit tests/property tests/disk tests/native tests/device
 test-fast: setup proto-check lint
 	$(PY) -m pytest $(PYTEST_ARGS) $(FAST_TESTS)
 

@@ -482,7 +482,45 @@ static PyObject *native_crc32c_chunks(PyObject *Py_UNUSED(module), PyObject *arg
     Py_RETURN_NONE;
 }
 
+/* copy_chunks(dst_addresses, src_addresses, nbytes): memcpy of `nbytes` from
+ * each src_addresses[i] to dst_addresses[i], in order, with the GIL
+ * released. The CPU device's batched copies (kvd/device/cpu.py); the caller
+ * vouches for the memory, as for crc32c_chunks. */
+static PyObject *native_copy_chunks(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *dst_object;
+    PyObject *src_object;
+    unsigned long long nbytes;
+    if (!PyArg_ParseTuple(args, "OOK", &dst_object, &src_object, &nbytes)) return NULL;
+    Py_buffer dst_view;
+    Py_buffer src_view;
+    Py_ssize_t count = get_array(dst_object, &dst_view, 8, 0, "dst_addresses");
+    if (count < 0) return NULL;
+    Py_ssize_t sources = get_array(src_object, &src_view, 8, 0, "src_addresses");
+    if (sources < 0) {
+        PyBuffer_Release(&dst_view);
+        return NULL;
+    }
+    if (sources != count) {
+        PyBuffer_Release(&dst_view);
+        PyBuffer_Release(&src_view);
+        PyErr_SetString(PyExc_ValueError, "dst_addresses and src_addresses must be the same length");
+        return NULL;
+    }
+    const uint64_t *dst = dst_view.buf;
+    const uint64_t *src = src_view.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        memmove((void *)(uintptr_t)dst[i], (const void *)(uintptr_t)src[i], (size_t)nbytes);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst_view);
+    PyBuffer_Release(&src_view);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef native_functions[] = {
+    {"copy_chunks", native_copy_chunks, METH_VARARGS,
+     "copy_chunks(dst_addresses: uint64 array, src_addresses: uint64 array, nbytes) -> None"},
     {"crc32c_chunks", native_crc32c_chunks, METH_VARARGS,
      "crc32c_chunks(addresses: uint64 array, chunk, chunks, out: uint32 array) -> None"},
     {"match_chain", kvd_match_chain, METH_VARARGS,

@@ -1,0 +1,254 @@
+"""The CPU device: the device interface (kvd.device.api) on host memory and threads.
+
+- Memory is a memfd file mapped into this process: `alloc` creates one per
+  allocation, and its IPC handle is the owner's pid and descriptor, which
+  another process of the same host opens through /proc (as CUDA's
+  cudaIpcOpenMemHandle maps another process's allocation). `open` maps a
+  handle once per process and counts references.
+- A stream is one worker thread running its operations in order; `copy_blocks`
+  is one native call per batch (kvd._native.copy_chunks, the GIL released).
+- Flag words are 64-bit integers in such memory. A store is an aligned 8-byte
+  write, a wait polls it (backing off to 1 ms), the same protocol a GPU
+  stream follows with cuStreamWriteValue64 / cuStreamWaitValue64.
+- The device UUID is derived from the host's boot id and the device index, so
+  two processes on one host agree on it and another host's handle is refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import os
+import queue
+import threading
+import time
+import uuid as uuid_module
+from pathlib import Path
+
+import numpy as np
+
+from kvd.device.api import FLAG_BYTES, Device, DeviceError, Event, IpcHandle, Memory, Stream
+
+try:
+    from kvd._native import copy_chunks as _native_copy
+except ImportError:  # not built: one memmove per block
+    _native_copy = None
+
+_POLL_MAX_S = 0.001
+_ids = itertools.count(1)
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "no-boot-id"
+
+
+def copy_chunks(dst: np.ndarray, src: np.ndarray, nbytes: int) -> None:
+    """memmove of nbytes from each src address to the dst address beside it."""
+    if _native_copy is not None:
+        _native_copy(dst, src, nbytes)
+        return
+    for target, source in zip(dst.tolist(), src.tolist()):
+        ctypes.memmove(target, source, nbytes)
+
+
+class _Mapping:
+    """One mapped memfd: the mmap, its address, and who holds it."""
+
+    def __init__(self, fd: int, nbytes: int, owned: bool) -> None:
+        self.fd, self.nbytes, self.owned = fd, nbytes, owned
+        self.map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.references = 1
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+class CpuEvent(Event):
+    def __init__(self, stream: CpuStream) -> None:
+        self._stream = stream
+        self._done = threading.Event()
+
+    def _complete(self) -> None:
+        self._done.set()
+
+    def query(self) -> bool:
+        done = self._done.is_set()
+        if done:
+            self._stream.raise_error()
+        return done
+
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        if not self._done.wait(timeout_s):
+            raise DeviceError(f"the stream did not reach this event within {timeout_s} s")
+        self._stream.raise_error()
+
+
+class CpuStream(Stream):
+    def __init__(self, device: CpuDevice) -> None:
+        self.device = device
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kvd-cpu-stream-{next(_ids)}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            operation = self._queue.get()
+            if operation is None:
+                return
+            try:
+                if self._error is None or isinstance(operation, CpuEvent):
+                    operation._complete() if isinstance(operation, CpuEvent) else operation()
+            except BaseException as error:  # sticky, as a GPU stream's error is
+                self._error = error
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            raise DeviceError(f"an operation on this stream failed: {self._error}") from self._error
+
+    def _issue(self, operation) -> None:
+        if self._closed:
+            raise DeviceError("the stream is closed")
+        self._queue.put(operation)
+
+    def copy_blocks(self, dst: Memory, dst_offsets, src: Memory, src_offsets, nbytes: int) -> None:
+        dst_offsets = np.asarray(dst_offsets, dtype=np.uint64)
+        src_offsets = np.asarray(src_offsets, dtype=np.uint64)
+        if len(dst_offsets) != len(src_offsets):
+            raise DeviceError(f"{len(dst_offsets)} destinations for {len(src_offsets)} sources")
+        if nbytes <= 0 or not len(dst_offsets):
+            return
+        targets = dst.at(dst_offsets + np.uint64(nbytes - 1)) - np.uint64(nbytes - 1)
+        sources = src.at(src_offsets + np.uint64(nbytes - 1)) - np.uint64(nbytes - 1)
+        self._issue(lambda: copy_chunks(targets, sources, nbytes))
+
+    def write_flag(self, flags: Memory, index: int, value: int) -> None:
+        word = _flag_word(flags, index)
+        self._issue(lambda: setattr(word, "value", value))
+
+    def wait_flag(self, flags: Memory, index: int, value: int) -> None:
+        word = _flag_word(flags, index)
+
+        def wait() -> None:
+            pause = 1e-6
+            while word.value < value:
+                if self._closed:
+                    raise DeviceError("the stream closed while it waited on a flag")
+                time.sleep(pause)
+                pause = min(pause * 2, _POLL_MAX_S)
+        self._issue(wait)
+
+    def record(self) -> CpuEvent:
+        event = CpuEvent(self)
+        self._issue(event)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        if not isinstance(event, CpuEvent):
+            raise DeviceError("an event of another kind of device")
+        self._issue(lambda: event.synchronize())
+
+    def close(self) -> None:
+        if not self._closed:
+            self._queue.put(None)
+            self._closed = True
+            self._thread.join()
+
+
+def _flag_word(flags: Memory, index: int) -> ctypes.c_uint64:
+    if index < 0 or (index + 1) * FLAG_BYTES > flags.nbytes:
+        raise DeviceError(f"flag word {index} is outside {flags.nbytes} bytes of flags")
+    return ctypes.c_uint64.from_address(flags.address + index * FLAG_BYTES)
+
+
+class CpuDevice(Device):
+    kind = "cpu"
+
+    def __init__(self, index: int = 0) -> None:
+        if index < 0:
+            raise DeviceError(f"device index {index}")
+        self.index = index
+        self.uuid = str(uuid_module.uuid5(uuid_module.NAMESPACE_OID, f"kvd-cpu-device/{_boot_id()}/{index}"))
+        self._allocations: dict[int, _Mapping] = {}
+        self._opened: dict[tuple[int, int], _Mapping] = {}
+        self._lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> Memory:
+        if nbytes <= 0:
+            raise DeviceError(f"cannot allocate {nbytes} bytes")
+        fd = os.memfd_create(f"kvd-cpu-device-{self.index}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = _Mapping(fd, nbytes, owned=True)
+        except OSError as error:
+            os.close(fd)
+            raise DeviceError(f"cannot allocate {nbytes} bytes: {error.strerror}", error.errno) from None
+        with self._lock:
+            self._allocations[mapping.address] = mapping
+        return Memory(mapping.address, nbytes, self.uuid, token=mapping)
+
+    def free(self, memory: Memory) -> None:
+        with self._lock:
+            mapping = self._allocations.pop(memory.address, None)
+        if mapping is None:
+            raise DeviceError(f"no allocation of this device at {memory.address:#x}")
+        mapping.close()
+
+    def export(self, memory: Memory, offset: int = 0, nbytes: int | None = None) -> IpcHandle:
+        mapping = self._allocations.get(memory.address)
+        if mapping is None:
+            raise DeviceError("only memory this process allocated can be exported")
+        nbytes = mapping.nbytes - offset if nbytes is None else nbytes
+        if offset < 0 or nbytes <= 0 or offset + nbytes > mapping.nbytes:
+            raise DeviceError(f"[{offset}, {offset + nbytes}) is outside the {mapping.nbytes}-byte allocation")
+        handle = f"{os.getpid()}:{mapping.fd}:{mapping.nbytes}".encode()
+        return IpcHandle(self.kind, self.uuid, handle, offset, nbytes)
+
+    def open(self, handle: IpcHandle) -> Memory:
+        self.check_handle(handle)
+        try:
+            pid, fd, size = (int(part) for part in handle.handle.decode().split(":"))
+        except ValueError:
+            raise DeviceError(f"not a CPU device IPC handle: {handle.handle!r}") from None
+        if handle.offset + handle.nbytes > size:
+            raise DeviceError(f"[{handle.offset}, {handle.offset + handle.nbytes}) is outside {size} bytes")
+        with self._lock:
+            mapping = self._opened.get((pid, fd))
+            if mapping is None:
+                mapping = self._opened[(pid, fd)] = self._map_other(pid, fd, size)
+            else:
+                mapping.references += 1
+        return Memory(mapping.address + handle.offset, handle.nbytes, self.uuid, token=(pid, fd))
+
+    @staticmethod
+    def _map_other(pid: int, fd: int, size: int) -> _Mapping:
+        try:
+            own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as error:
+            raise DeviceError(f"cannot open process {pid}'s memory {fd}: {error.strerror}", error.errno) from None
+        if os.fstat(own).st_size != size:
+            os.close(own)
+            raise DeviceError(f"process {pid}'s descriptor {fd} is not the {size}-byte allocation it was")
+        return _Mapping(own, size, owned=False)
+
+    def close(self, memory: Memory) -> None:
+        key = memory.token
+        with self._lock:
+            mapping = self._opened.get(key) if isinstance(key, tuple) else None
+            if mapping is None:
+                raise DeviceError("this memory was not opened from an IPC handle")
+            mapping.references -= 1
+            if mapping.references:
+                return
+            del self._opened[key]
+        mapping.close()
+
+    def stream(self) -> CpuStream:
+        return CpuStream(self)
