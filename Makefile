@@ -19,7 +19,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim fuzz-long soak-long docs
+.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim gpu-check fuzz-long soak-long docs
 
 setup: $(BUILT_STAMP)
 
@@ -141,6 +141,11 @@ cluster-sim: setup
 	  --json bench/results/cluster_directory_replicas.json
 	$(PY) -m kvd.cluster.routesim --nodes 4,16,64 \
 	  --json bench/results/cluster_routing.json --plot docs/cluster_routing.png
+
+# On a machine with a GPU: the device interface tests with CUDA required
+# (they fail where it does not open). Never run on a GPU so far.
+gpu-check: setup
+	KVD_REQUIRE_GPU=1 $(PY) -m pytest -q -p no:cacheprovider tests/device
 
 # The simulator (python -m kvd.sim) over many more seeds and longer traces
 # than `make test` runs: every policy, two host capacities, write-back and

@@ -22,5 +22,7 @@ def open_device(kind: str = "cpu", index: int = 0) -> Device:
 
         return CpuDevice(index)
     if kind == "cuda":
-        raise NoDevice("the CUDA device is not built yet (kvd.device.cpu is the only implementation)")
+        from kvd.device.cuda import CudaDevice
+
+        return CudaDevice(index)
     raise DeviceError(f"unknown device kind {kind!r}: cpu or cuda")

@@ -149,6 +149,13 @@ class Device(ABC):
     def free(self, memory: Memory) -> None: ...
 
     @abstractmethod
+    def register_host(self, address: int, nbytes: int) -> Memory:
+        """Host memory (the arena) made usable by this device's copies (CUDA: cudaHostRegister)."""
+
+    @abstractmethod
+    def unregister_host(self, memory: Memory) -> None: ...
+
+    @abstractmethod
     def export(self, memory: Memory, offset: int = 0, nbytes: int | None = None) -> IpcHandle:
         """An IPC handle for [offset, offset + nbytes) of memory this process allocated."""
 

@@ -178,6 +178,7 @@ class CpuDevice(Device):
         self.uuid = str(uuid_module.uuid5(uuid_module.NAMESPACE_OID, f"kvd-cpu-device/{_boot_id()}/{index}"))
         self._allocations: dict[int, _Mapping] = {}
         self._opened: dict[tuple[int, int], _Mapping] = {}
+        self._registered: set[int] = set()
         self._lock = threading.Lock()
 
     def alloc(self, nbytes: int) -> Memory:
@@ -200,6 +201,20 @@ class CpuDevice(Device):
         if mapping is None:
             raise DeviceError(f"no allocation of this device at {memory.address:#x}")
         mapping.close()
+
+    def register_host(self, address: int, nbytes: int) -> Memory:
+        """Host memory is this device's memory already; registering only records the range."""
+        if address <= 0 or nbytes <= 0:
+            raise DeviceError(f"cannot register {nbytes} bytes at {address:#x}")
+        with self._lock:
+            self._registered.add(address)
+        return Memory(address, nbytes, self.uuid, token="host")
+
+    def unregister_host(self, memory: Memory) -> None:
+        with self._lock:
+            if memory.address not in self._registered:
+                raise DeviceError(f"no host registration at {memory.address:#x}")
+            self._registered.discard(memory.address)
 
     def export(self, memory: Memory, offset: int = 0, nbytes: int | None = None) -> IpcHandle:
         mapping = self._allocations.get(memory.address)

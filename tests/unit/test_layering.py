@@ -14,6 +14,9 @@ FORBIDDEN = {
     # Native adapters: below the tiers, beside the core.
     "kvd.io": ["kvd.tiers", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.metrics", "kvd.v1",
                "kvd.testing"],
+    # Devices (CPU and CUDA): memory, streams and copies; below the tiers, beside kvd.io.
+    "kvd.device": ["kvd.core", "kvd.tiers", "kvd.io", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client",
+                   "kvd.metrics", "kvd.v1", "kvd.testing", "kvd.sim", "kvd.cluster", "kvd.connectors"],
     "kvd.tiers": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.v1", "kvd.testing"],
     "kvd.metrics": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing"],
     "kvd.server": ["kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing"],
@@ -109,8 +112,9 @@ def imports_native(path: Path) -> bool:
     return False
 
 
-def test_only_kvd_io_and_the_prefix_index_import_the_native_module():
+def test_only_kvd_io_the_prefix_index_and_the_cpu_device_import_the_native_module():
     """kvd._native's I/O is imported by two kvd.io modules only, so nothing bypasses kvd.io's checks and
-    fallback; the prefix index imports its walk (match_chain), with its own Python loop as the fallback."""
+    fallback; the prefix index imports its walk (match_chain) and the CPU device its batched copy
+    (copy_chunks), each with its own Python loop as the fallback."""
     importers = sorted(module_name(path) for path in PACKAGE.rglob("*.py") if imports_native(path))
-    assert importers == ["kvd.core.radix", "kvd.io.checksum", "kvd.io.uring"], importers
+    assert importers == ["kvd.core.radix", "kvd.device.cpu", "kvd.io.checksum", "kvd.io.uring"], importers
