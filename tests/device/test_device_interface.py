@@ -20,40 +20,7 @@ import pytest
 from kvd.device import DeviceError, IpcHandle, Memory, NoDevice, open_device
 from kvd.device.api import FLAG_BYTES
 from kvd.device.layers import copy_layers
-
-
-def _kinds() -> list[str]:
-    kinds = ["cpu"]
-    try:
-        open_device("cuda")
-        kinds.append("cuda")
-    except NoDevice as error:
-        if os.environ.get("KVD_REQUIRE_GPU"):
-            raise AssertionError(f"KVD_REQUIRE_GPU is set and CUDA does not open: {error}") from None
-    return kinds
-
-
-@pytest.fixture(params=_kinds())
-def device(request):
-    return open_device(request.param)
-
-
-class Staging:
-    """A registered host buffer: how a test writes and reads any device's memory."""
-
-    def __init__(self, device, nbytes: int) -> None:
-        self.host = np.zeros(nbytes, dtype=np.uint8)
-        self.memory = device.register_host(self.host.ctypes.data, nbytes)
-
-    def put(self, stream, memory, offset: int, data: np.ndarray) -> None:
-        self.host[:len(data)] = data
-        stream.copy_blocks(memory, [offset], self.memory, [0], len(data))
-        stream.synchronize(timeout_s=20)
-
-    def get(self, stream, memory, offset: int, nbytes: int) -> np.ndarray:
-        stream.copy_blocks(self.memory, [0], memory, [offset], nbytes)
-        stream.synchronize(timeout_s=20)
-        return self.host[:nbytes].copy()
+from tests.device.staging import Staging
 
 
 def test_batched_copies_move_exactly_the_blocks_named(device):
@@ -108,7 +75,7 @@ ENGINE = textwrap.dedent("""
     import sys
     import numpy as np
     from kvd.device import IpcHandle, open_device
-    from tests.device.test_device_interface import Staging
+    from tests.device.staging import Staging
 
     device = open_device(sys.argv[1])
     pool = device.open(IpcHandle.from_bytes(bytes.fromhex(sys.argv[2])))

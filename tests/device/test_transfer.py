@@ -7,7 +7,7 @@ import pytest
 
 from kvd.device import DeviceError, Memory
 from kvd.device.transfer import PoolLayout, load_layers, save_layers
-from tests.device.test_device_interface import Staging, device  # noqa: F401  (the fixture)
+from tests.device.staging import Staging
 
 LAYERS, PAGES, PAGE = 4, 32, 2048
 
@@ -21,7 +21,7 @@ def pattern(layer: int, page: int) -> np.ndarray:
     return np.full(PAGE, (layer * 37 + page * 11 + 1) % 256, dtype=np.uint8)
 
 
-def test_a_save_waits_for_each_layer_and_a_load_puts_every_page_back(device):  # noqa: F811
+def test_a_save_waits_for_each_layer_and_a_load_puts_every_page_back(device):
     layout = engine_pool(device)
     arena = device.alloc(16 * LAYERS * PAGE)
     engine_flags, kvd_flags = device.alloc(4096), device.alloc(4096)  # each side writes its own
@@ -56,7 +56,7 @@ def test_a_save_waits_for_each_layer_and_a_load_puts_every_page_back(device):  #
     kvd.close()
 
 
-def test_layouts_and_block_ids_are_checked_before_anything_is_issued(device):  # noqa: F811
+def test_layouts_and_block_ids_are_checked_before_anything_is_issued(device):
     memory = device.alloc(PAGES * PAGE)
     with pytest.raises(DeviceError, match="less than"):
         PoolLayout((memory,), PAGE, PAGES + 1)

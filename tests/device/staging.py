@@ -1,0 +1,23 @@
+"""A registered host buffer through which tests write and read any device's memory."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Staging:
+    """A registered host buffer: how a test writes and reads any device's memory."""
+
+    def __init__(self, device, nbytes: int) -> None:
+        self.host = np.zeros(nbytes, dtype=np.uint8)
+        self.memory = device.register_host(self.host.ctypes.data, nbytes)
+
+    def put(self, stream, memory, offset: int, data: np.ndarray) -> None:
+        self.host[:len(data)] = data
+        stream.copy_blocks(memory, [offset], self.memory, [0], len(data))
+        stream.synchronize(timeout_s=20)
+
+    def get(self, stream, memory, offset: int, nbytes: int) -> np.ndarray:
+        stream.copy_blocks(self.memory, [0], memory, [offset], nbytes)
+        stream.synchronize(timeout_s=20)
+        return self.host[:nbytes].copy()
