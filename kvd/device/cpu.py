@@ -103,11 +103,13 @@ class CpuStream(Stream):
             operation = self._queue.get()
             if operation is None:
                 return
-            try:
-                if self._error is None or isinstance(operation, CpuEvent):
-                    operation._complete() if isinstance(operation, CpuEvent) else operation()
-            except BaseException as error:  # sticky, as a GPU stream's error is
-                self._error = error
+            if isinstance(operation, CpuEvent):
+                operation._complete()  # even after an error: its synchronize then raises it
+            elif self._error is None:  # after one, the rest is skipped (sticky, as on a GPU)
+                try:
+                    operation()
+                except BaseException as error:
+                    self._error = error
 
     def raise_error(self) -> None:
         if self._error is not None:
