@@ -19,7 +19,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim gpu-check fuzz-long soak-long docs
+.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim gpu-check cuda fuzz-long soak-long docs
 
 setup: $(BUILT_STAMP)
 
@@ -91,15 +91,39 @@ include mk/sglang.mk
 
 engines: vllm-venv sglang-venv
 
-test: setup engines proto-check lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: setup engines proto-check lint cuda
+	KVD_NVCC="$(NVCC)" $(PY) -m pytest $(PYTEST_ARGS)
+
+# CUDA sources (native/gpu/*.cu) compile for sm_80 and sm_90 in `make test`,
+# no GPU needed: with the machine's nvcc, or where it has none with the CUDA
+# compiler wheels in .venv-cuda (their nvcc compiles; nothing here links
+# against their lib/, which nvcc would look for in lib64/).
+CUDA_VENV := .venv-cuda
+CUDA_WHEELS := "nvidia-cuda-nvcc==13.0.*" "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-crt==13.0.*" \
+	"nvidia-nvvm==13.0.*" "nvidia-cuda-cccl==13.0.*"
+NVCC ?= $(or $(shell command -v nvcc 2>/dev/null),$(CURDIR)/$(CUDA_VENV)/bin/kvd-nvcc)
+CUDA_ARCHS := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+CUDA_OBJECTS := build/cuda/io_ring_kernel.o
+
+cuda: $(CUDA_OBJECTS)
+
+$(CURDIR)/$(CUDA_VENV)/bin/kvd-nvcc:
+	test -x $(CUDA_VENV)/bin/python || python3 -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install -q $(CUDA_WHEELS)
+	printf '#!/bin/sh\nexec "%s/nvidia/cu13/bin/nvcc" "$$@"\n' \
+	  "$$($(CUDA_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > $@
+	chmod +x $@
+
+build/cuda/%.o: native/gpu/%.cu native/gpu/io_ring.h | $(NVCC)
+	mkdir -p build/cuda
+	"$(NVCC)" -c -O2 $(CUDA_ARCHS) -o $@ $<
 
 # The fast lane for daily work (a few minutes): the unit, property, disk
 # format and native engine tests, in process, no daemon started. `make test`
 # (what CI runs) is everything.
 FAST_TESTS := tests/unit tests/property tests/disk tests/native tests/device
-test-fast: setup proto-check lint
-	$(PY) -m pytest $(PYTEST_ARGS) $(FAST_TESTS)
+test-fast: setup proto-check lint cuda
+	KVD_NVCC="$(NVCC)" $(PY) -m pytest $(PYTEST_ARGS) $(FAST_TESTS)
 
 # The daemon crash test (SIGKILL under a durable Put stream) with many more
 # kills than `make test` runs; KVD_CRASH_SEED picks another run.
