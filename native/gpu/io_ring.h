@@ -21,7 +21,7 @@
  * g++ alike), cuda::atomic_ref at system scope under nvcc, so the GPU and
  * the CPU see one another's stores through host-mapped memory. Whether a
  * GPU polls host-mapped memory correctly can only be seen on a GPU; this
- * header's host side is tested in tests/native/test_io_ring.py.
+ * header's host side is tested in tests/device/test_io_ring.py.
  */
 #ifndef KVD_IO_RING_H
 #define KVD_IO_RING_H
