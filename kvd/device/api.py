@@ -71,6 +71,27 @@ class Memory:
         return offsets + np.uint64(self.address)
 
 
+def copy_addresses(dst: Memory, dst_offsets, src: Memory, src_offsets,
+                   nbytes: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Absolute (targets, sources) of a batched copy, every byte of it bounds-checked;
+    None when there is nothing to copy."""
+    dst_offsets = np.asarray(dst_offsets, dtype=np.uint64)
+    src_offsets = np.asarray(src_offsets, dtype=np.uint64)
+    if len(dst_offsets) != len(src_offsets):
+        raise DeviceError(f"{len(dst_offsets)} destinations for {len(src_offsets)} sources")
+    if nbytes <= 0 or not len(dst_offsets):
+        return None
+    last = np.uint64(nbytes - 1)
+    return dst.at(dst_offsets + last) - last, src.at(src_offsets + last) - last
+
+
+def flag_address(flags: Memory, index: int) -> int:
+    """Address of 64-bit flag word `index`, checked to lie inside `flags`."""
+    if index < 0 or (index + 1) * FLAG_BYTES > flags.nbytes:
+        raise DeviceError(f"flag word {index} is outside {flags.nbytes} bytes of flags")
+    return flags.address + index * FLAG_BYTES
+
+
 @dataclass(frozen=True, slots=True)
 class IpcHandle:
     """Everything another process needs to map a range of device memory."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd.device.api import FLAG_BYTES, Device, DeviceError, Event, IpcHandle, Memory, Stream
+from kvd.device.api import Device, DeviceError, Event, IpcHandle, Memory, Stream, copy_addresses, flag_address
 
 try:
     from kvd._native import copy_chunks as _native_copy
@@ -121,15 +121,9 @@ class CpuStream(Stream):
         self._queue.put(operation)
 
     def copy_blocks(self, dst: Memory, dst_offsets, src: Memory, src_offsets, nbytes: int) -> None:
-        dst_offsets = np.asarray(dst_offsets, dtype=np.uint64)
-        src_offsets = np.asarray(src_offsets, dtype=np.uint64)
-        if len(dst_offsets) != len(src_offsets):
-            raise DeviceError(f"{len(dst_offsets)} destinations for {len(src_offsets)} sources")
-        if nbytes <= 0 or not len(dst_offsets):
-            return
-        targets = dst.at(dst_offsets + np.uint64(nbytes - 1)) - np.uint64(nbytes - 1)
-        sources = src.at(src_offsets + np.uint64(nbytes - 1)) - np.uint64(nbytes - 1)
-        self._issue(lambda: copy_chunks(targets, sources, nbytes))
+        addresses = copy_addresses(dst, dst_offsets, src, src_offsets, nbytes)
+        if addresses is not None:
+            self._issue(lambda: copy_chunks(*addresses, nbytes))
 
     def write_flag(self, flags: Memory, index: int, value: int) -> None:
         word = _flag_word(flags, index)
@@ -165,9 +159,7 @@ class CpuStream(Stream):
 
 
 def _flag_word(flags: Memory, index: int) -> ctypes.c_uint64:
-    if index < 0 or (index + 1) * FLAG_BYTES > flags.nbytes:
-        raise DeviceError(f"flag word {index} is outside {flags.nbytes} bytes of flags")
-    return ctypes.c_uint64.from_address(flags.address + index * FLAG_BYTES)
+    return ctypes.c_uint64.from_address(flag_address(flags, index))
 
 
 class CpuDevice(Device):

@@ -29,9 +29,8 @@ import threading
 import time
 import uuid as uuid_module
 
-import numpy as np
-
-from kvd.device.api import FLAG_BYTES, Device, DeviceError, Event, IpcHandle, Memory, NoDevice, Stream
+from kvd.device.api import (Device, DeviceError, Event, IpcHandle, Memory, NoDevice, Stream, copy_addresses,
+                            flag_address)
 
 NO_DEVICE_ERRORS = (35, 100)  # cudaErrorInsufficientDriver, cudaErrorNoDevice
 _NOT_READY = 600  # cudaErrorNotReady
@@ -100,15 +99,10 @@ class CudaStream(Stream):
         self._attributes = [attributes]
 
     def copy_blocks(self, dst: Memory, dst_offsets, src: Memory, src_offsets, nbytes: int) -> None:
-        dst_offsets = np.asarray(dst_offsets, dtype=np.uint64)
-        src_offsets = np.asarray(src_offsets, dtype=np.uint64)
-        if len(dst_offsets) != len(src_offsets):
-            raise DeviceError(f"{len(dst_offsets)} destinations for {len(src_offsets)} sources")
-        if nbytes <= 0 or not len(dst_offsets):
+        addresses = copy_addresses(dst, dst_offsets, src, src_offsets, nbytes)
+        if addresses is None:
             return
-        last = np.uint64(nbytes - 1)
-        targets = (dst.at(dst_offsets + last) - last).tolist()
-        sources = (src.at(src_offsets + last) - last).tolist()
+        targets, sources = (array.tolist() for array in addresses)
         self.device.make_current()
         count = len(targets)
         _check(self.device.runtime.cudaMemcpyBatchAsync(targets, sources, [nbytes] * count, count,
@@ -116,13 +110,13 @@ class CudaStream(Stream):
                "cudaMemcpyBatchAsync")
 
     def write_flag(self, flags: Memory, index: int, value: int) -> None:
-        address = _flag_address(flags, index)
+        address = flag_address(flags, index)
         _check(self.device.driver.cuStreamWriteValue64(self._driver_stream, address, value, 0), "cuStreamWriteValue64")
 
     def wait_flag(self, flags: Memory, index: int, value: int) -> None:
         driver = self.device.driver
         geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        _check(driver.cuStreamWaitValue64(self._driver_stream, _flag_address(flags, index), value, geq),
+        _check(driver.cuStreamWaitValue64(self._driver_stream, flag_address(flags, index), value, geq),
                "cuStreamWaitValue64")
 
     def record(self) -> CudaEvent:
@@ -140,12 +134,6 @@ class CudaStream(Stream):
             _check(rt.cudaStreamSynchronize(self.handle), "cudaStreamSynchronize")
             _check(rt.cudaStreamDestroy(self.handle), "cudaStreamDestroy")
             self.handle = None
-
-
-def _flag_address(flags: Memory, index: int) -> int:
-    if index < 0 or (index + 1) * FLAG_BYTES > flags.nbytes:
-        raise DeviceError(f"flag word {index} is outside {flags.nbytes} bytes of flags")
-    return flags.address + index * FLAG_BYTES
 
 
 class CudaDevice(Device):
