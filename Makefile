@@ -16,7 +16,7 @@ BUILT_STAMP := $(VENV)/.kvd-built
 # systemd-analyze (Debian: systemd), both already on the build machines.
 APT_PACKAGES ?= liburing-dev libisal-dev etcd-server etcd-client
 BENCH_APT_PACKAGES := redis-server fio
-NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h)
+NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h native/gpu/*.h)
 PYTEST_ARGS ?=
 
 .PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim gpu-check cuda fuzz-long soak-long docs

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "checksum.h"
+#include "module.h"
 #include "prefix.h"
 #include "uring_batch.h"
 
@@ -37,7 +38,7 @@ typedef struct {
     char *holding_checksums;  /* exported likewise when it asked for them */
 } RingObject;
 
-static PyObject *raise_error(int negative_errno) {
+PyObject *raise_error(int negative_errno) {
     errno = -negative_errno;
     return PyErr_SetFromErrno(PyExc_OSError);
 }
@@ -68,7 +69,7 @@ static void release_results(RingObject *self, uint32_t slot) {
 }
 
 /* A 1-D C-contiguous buffer of `itemsize`-byte items; returns its length or -1. */
-static Py_ssize_t get_array(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, int writable,
+Py_ssize_t get_array(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, int writable,
                             const char *name) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(object, view, flags) < 0) return -1;
@@ -540,7 +541,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&RingType) < 0) return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL) return NULL;
-    if (PyModule_AddObjectRef(module, "Ring", (PyObject *)&RingType) < 0 ||
+    if (PyModule_AddObjectRef(module, "Ring", (PyObject *)&RingType) < 0 || kvd_add_ring_proxy(module) < 0 ||
         PyModule_AddIntConstant(module, "OP_READ", KVD_OP_READ) < 0 ||
         PyModule_AddIntConstant(module, "OP_WRITE", KVD_OP_WRITE) < 0 ||
         PyModule_AddIntConstant(module, "OP_FSYNC", KVD_OP_FSYNC) < 0 ||

@@ -13,7 +13,7 @@
  *   is consumed + 1 (acquire), copies the descriptor out, and frees the slot
  *   (consumed + 1, release). Wrap-around is the sequence check: a slot's
  *   sequence names the ticket it holds, never an older lap's.
- * - When a read is done (verified, and copied to its target), the proxy
+ * - When a read is done (its crc32c checked, and copied to its target), the proxy
  *   adds one to done[layer] (release); on failure it also sets failed[layer].
  *   A waiter reads them with acquire.
  *
@@ -28,7 +28,7 @@
 
 #include <stdint.h>
 
-#define KVD_IO_RING_VERSION 1u
+#define KVD_IO_RING_VERSION 2u
 #define KVD_IO_RING_MAX_LAYERS 256u
 
 #if defined(__CUDACC__)
@@ -44,7 +44,8 @@
 #define KVD_FETCH_ADD(p, v) __atomic_fetch_add((p), (v), __ATOMIC_ACQ_REL)
 #endif
 
-/* One read: `length` bytes of registered file `file` at `offset`, into `target`. */
+/* One read: `length` bytes of registered file `file` at `offset`, into
+ * `target`, where they land only if their crc32c is `checksum`. */
 typedef struct kvd_io_desc {
     uint64_t sequence; /* ticket + 1 once published (written last) */
     uint64_t offset;
@@ -53,7 +54,7 @@ typedef struct kvd_io_desc {
     uint64_t file;     /* index into the proxy's registered files */
     uint64_t layer;    /* completions are counted per layer */
     uint64_t tag;      /* the producer's own (block index, say) */
-    uint64_t spare;
+    uint64_t checksum; /* crc32c of the bytes (low 32 bits): a read that does not match it fails */
 } kvd_io_desc;
 
 typedef struct kvd_io_ring {
@@ -64,16 +65,19 @@ typedef struct kvd_io_ring {
     uint64_t consumed; /* next ticket the proxy takes; slots below it are free */
     uint64_t done[KVD_IO_RING_MAX_LAYERS];
     uint64_t failed[KVD_IO_RING_MAX_LAYERS];
+    uint64_t pad[3];     /* the slots start on a 64-byte line */
     kvd_io_desc slots[]; /* capacity of them */
 } kvd_io_ring;
 
 #if defined(__cplusplus)
 static_assert(sizeof(kvd_io_desc) == 64, "a descriptor is one 64-byte line");
+static_assert(sizeof(kvd_io_ring) % 64 == 0, "the slots start on a 64-byte line");
 #else
 _Static_assert(sizeof(kvd_io_desc) == 64, "a descriptor is one 64-byte line");
+_Static_assert(sizeof(kvd_io_ring) % 64 == 0, "the slots start on a 64-byte line");
 #endif
 
-/* Bytes of a ring of `capacity` slots. */
+/* Bytes of a ring of `capacity` slots (the header is a whole number of descriptors). */
 KVD_RING_FN uint64_t kvd_io_ring_bytes(uint64_t capacity) {
     return (uint64_t)sizeof(kvd_io_ring) + capacity * (uint64_t)sizeof(kvd_io_desc);
 }
@@ -90,7 +94,8 @@ KVD_RING_FN int kvd_io_ring_slot_free(kvd_io_ring *ring, uint64_t ticket) {
 
 /* Producer: write a descriptor into the ticket's (free) slot and publish it. */
 KVD_RING_FN void kvd_io_ring_publish(kvd_io_ring *ring, uint64_t ticket, uint64_t file, uint64_t offset,
-                                     uint64_t length, uint64_t target, uint64_t layer, uint64_t tag) {
+                                     uint64_t length, uint64_t target, uint64_t layer, uint64_t tag,
+                                     uint64_t checksum) {
     kvd_io_desc *slot = &ring->slots[ticket & (ring->capacity - 1)];
     slot->offset = offset;
     slot->length = length;
@@ -98,6 +103,7 @@ KVD_RING_FN void kvd_io_ring_publish(kvd_io_ring *ring, uint64_t ticket, uint64_
     slot->file = file;
     slot->layer = layer;
     slot->tag = tag;
+    slot->checksum = checksum;
     KVD_STORE_RELEASE(&slot->sequence, ticket + 1);
 }
 

@@ -39,7 +39,7 @@ static void *produce(void *arg) {
         uint64_t ticket = kvd_io_ring_ticket(ring);
         while (!kvd_io_ring_slot_free(ring, ticket)) sched_yield();
         kvd_io_ring_publish(ring, ticket, 0, offset_of(n), READ_BYTES,
-                            (uint64_t)(uintptr_t)(targets + n * READ_BYTES), n % LAYERS, n);
+                            (uint64_t)(uintptr_t)(targets + n * READ_BYTES), n % LAYERS, n, 0);
     }
     return NULL;
 }

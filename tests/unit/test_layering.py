@@ -112,9 +112,11 @@ def imports_native(path: Path) -> bool:
     return False
 
 
-def test_only_kvd_io_the_prefix_index_and_the_cpu_device_import_the_native_module():
+def test_only_kvd_io_the_prefix_index_and_the_device_data_paths_import_the_native_module():
     """kvd._native's I/O is imported by two kvd.io modules only, so nothing bypasses kvd.io's checks and
     fallback; the prefix index imports its walk (match_chain) and the CPU device its batched copy
-    (copy_chunks), each with its own Python loop as the fallback."""
+    (copy_chunks), each with its own Python loop as the fallback; the I/O ring's proxy (kvd.device.io_ring)
+    exists only natively."""
     importers = sorted(module_name(path) for path in PACKAGE.rglob("*.py") if imports_native(path))
-    assert importers == ["kvd.core.radix", "kvd.device.cpu", "kvd.io.checksum", "kvd.io.uring"], importers
+    assert importers == ["kvd.core.radix", "kvd.device.cpu", "kvd.device.io_ring", "kvd.io.checksum",
+                         "kvd.io.uring"], importers

@@ -1,0 +1,233 @@
+/*
+ * kvd._native.RingProxy: the binding of ring_proxy.c (and cuda_copy.c).
+ *
+ * A RingProxy holds the exported buffers of its ring and its staging until
+ * it is stopped, so the proxy thread never touches freed memory; stop()
+ * joins the thread with the GIL released. io_ring_init() lays out a ring
+ * in any writable buffer (a memfd mapping shared with a producer process,
+ * or host-mapped memory a GPU writes to).
+ */
+#include "module.h"
+
+#include <errno.h>
+#include <string.h>
+
+#include "cuda_copy.h"
+#include "ring_proxy.h"
+
+typedef struct {
+    PyObject_HEAD
+    struct kvd_proxy *proxy;          /* NULL once stopped */
+    struct kvd_cuda_copier *copier;   /* device >= 0 only */
+    Py_buffer ring_view;
+    Py_buffer staging_view;
+    int holding;                      /* both views are exported */
+    struct kvd_proxy_stats final;     /* what stop() saw last */
+} ProxyObject;
+
+static int check_ring_memory(Py_buffer *view) {
+    if ((uintptr_t)view->buf % 64 != 0) {
+        PyErr_SetString(PyExc_ValueError, "ring: the memory must be 64-byte aligned");
+        return -1;
+    }
+    if (kvd_proxy_check_ring(view->buf, (uint64_t)view->len) < 0) {
+        PyErr_Format(PyExc_ValueError, "ring: not a kvd_io_ring (version %u, a power-of-two capacity that fits in "
+                     "the buffer, 1..%u layers); lay one out with io_ring_init", KVD_IO_RING_VERSION,
+                     KVD_IO_RING_MAX_LAYERS);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_staging(Py_buffer *view) {
+    if ((uintptr_t)view->buf % KVD_PROXY_ALIGN != 0 || view->len == 0 || view->len % (2 * KVD_PROXY_ALIGN) != 0) {
+        PyErr_Format(PyExc_ValueError, "staging: the memory must be %u-byte aligned and a non-zero multiple of "
+                     "%u bytes", KVD_PROXY_ALIGN, 2 * KVD_PROXY_ALIGN);
+        return -1;
+    }
+    return 0;
+}
+
+static int open_copier(ProxyObject *self, int device) {
+    int rc = kvd_cuda_copier_open(&self->copier, device);
+    if (rc == -ENODEV) {
+        PyErr_Format(PyExc_OSError, "CUDA device %d: no driver (libcuda.so.1) or no such device", device);
+        return -1;
+    }
+    if (rc < 0) {
+        raise_error(rc);
+        return -1;
+    }
+    return 0;
+}
+
+static void release_views(ProxyObject *self) {
+    if (self->holding) {
+        PyBuffer_Release(&self->ring_view);
+        PyBuffer_Release(&self->staging_view);
+        self->holding = 0;
+    }
+    if (self->copier != NULL) {
+        kvd_cuda_copier_close(self->copier);
+        self->copier = NULL;
+    }
+}
+
+static int start(ProxyObject *self, PyObject *fds_object, unsigned int batch_entries, unsigned int queue_depth) {
+    Py_buffer fds_view;
+    Py_ssize_t files = get_array(fds_object, &fds_view, sizeof(int32_t), 0, "fds");
+    if (files < 0) return -1;
+    struct kvd_proxy_config config = {
+        .ring = self->ring_view.buf,
+        .ring_bytes = (uint64_t)self->ring_view.len,
+        .fds = fds_view.buf,
+        .file_count = (uint32_t)files,
+        .staging = self->staging_view.buf,
+        .staging_bytes = (uint64_t)self->staging_view.len,
+        .batch_entries = batch_entries,
+        .queue_depth = queue_depth,
+        .copy = self->copier != NULL ? kvd_cuda_copy : kvd_copy_host,
+        .copy_context = self->copier,
+        .copy_each = self->copier == NULL,
+    };
+    int rc = files > KVD_MAX_FILES ? -EINVAL : kvd_proxy_start(&self->proxy, &config);
+    PyBuffer_Release(&fds_view);
+    if (rc == -EINVAL) {
+        PyErr_Format(PyExc_ValueError, "batch_entries must be 1..%u, queue_depth 1..%u, fds at most %u",
+                     KVD_PROXY_MAX_BATCH, KVD_MAX_QUEUE_DEPTH, KVD_MAX_FILES);
+        return -1;
+    }
+    if (rc < 0) {
+        raise_error(rc);
+        return -1;
+    }
+    return 0;
+}
+
+static int proxy_init(ProxyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"ring", "fds", "staging", "batch_entries", "queue_depth", "device", NULL};
+    PyObject *ring_object, *fds_object, *staging_object;
+    unsigned int batch_entries = 64, queue_depth = 64;
+    int device = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|IIi", keywords, &ring_object, &fds_object, &staging_object,
+                                     &batch_entries, &queue_depth, &device)) {
+        return -1;
+    }
+    if (self->proxy != NULL || self->holding) {
+        PyErr_SetString(PyExc_RuntimeError, "RingProxy is already initialised");
+        return -1;
+    }
+    if (PyObject_GetBuffer(ring_object, &self->ring_view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (PyObject_GetBuffer(staging_object, &self->staging_view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&self->ring_view);
+        return -1;
+    }
+    self->holding = 1;
+    if (check_ring_memory(&self->ring_view) < 0 || check_staging(&self->staging_view) < 0 ||
+        (device >= 0 && open_copier(self, device) < 0) || start(self, fds_object, batch_entries, queue_depth) < 0) {
+        release_views(self);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *proxy_stop(ProxyObject *self, PyObject *Py_UNUSED(ignored)) {
+    struct kvd_proxy *proxy = self->proxy;
+    self->proxy = NULL;
+    if (proxy != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        kvd_proxy_stop(proxy, &self->final);
+        Py_END_ALLOW_THREADS
+    }
+    release_views(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *proxy_stats(ProxyObject *self, PyObject *Py_UNUSED(ignored)) {
+    struct kvd_proxy_stats s = self->final;
+    if (self->proxy != NULL) kvd_proxy_read_stats(self->proxy, &s);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsK}", "reads", s.reads, "failed", s.failed, "bytes", s.bytes,
+                         "checksum_mismatches", s.checksum_mismatches, "rejected", s.rejected, "dropped", s.dropped,
+                         "batches", s.batches, "copy_calls", s.copy_calls, "copy_errors", s.copy_errors,
+                         "idle_sleeps", s.idle_sleeps);
+}
+
+static PyObject *proxy_get_running(ProxyObject *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(self->proxy != NULL);
+}
+
+static void proxy_dealloc(ProxyObject *self) {
+    Py_XDECREF(proxy_stop(self, NULL));
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef proxy_methods[] = {
+    {"stop", (PyCFunction)proxy_stop, METH_NOARGS,
+     "stop() -> None: takes no new descriptors, finishes the reads it holds, joins the thread; idempotent"},
+    {"stats", (PyCFunction)proxy_stats, METH_NOARGS, "stats() -> dict of counters"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef proxy_getset[] = {
+    {"running", (getter)proxy_get_running, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ProxyType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvd._native.RingProxy",
+    .tp_doc = "RingProxy(ring, fds, staging, batch_entries=64, queue_depth=64, device=-1): a thread draining an I/O "
+              "ring's reads into io_uring (see native/ring_proxy.h); device >= 0 copies to that CUDA device.",
+    .tp_basicsize = sizeof(ProxyObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)proxy_init,
+    .tp_dealloc = (destructor)proxy_dealloc,
+    .tp_methods = proxy_methods,
+    .tp_getset = proxy_getset,
+};
+
+/* io_ring_init(buffer, capacity, layers) -> bytes the ring takes: zeroes and lays out a ring. */
+static PyObject *native_io_ring_init(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *object;
+    unsigned long long capacity;
+    unsigned int layers;
+    if (!PyArg_ParseTuple(args, "OKI", &object, &capacity, &layers)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(object, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    uint64_t bytes = kvd_io_ring_bytes(capacity);
+    int fits = capacity > 0 && (capacity & (capacity - 1)) == 0 && capacity <= (1ull << 32) &&
+               bytes <= (uint64_t)view.len && (uintptr_t)view.buf % 64 == 0;
+    if (!fits || layers == 0 || layers > KVD_IO_RING_MAX_LAYERS) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "io_ring_init: capacity must be a power of two up to 2**32 whose ring fits "
+                     "the 64-byte aligned buffer, layers 1..%u", KVD_IO_RING_MAX_LAYERS);
+        return NULL;
+    }
+    kvd_io_ring *ring = view.buf;
+    memset(ring, 0, bytes);
+    ring->version = KVD_IO_RING_VERSION;
+    ring->capacity = capacity;
+    ring->layers = layers;
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(bytes);
+}
+
+static PyMethodDef proxy_functions[] = {
+    {"io_ring_init", native_io_ring_init, METH_VARARGS,
+     "io_ring_init(buffer, capacity, layers) -> bytes: lays out an empty I/O ring (native/gpu/io_ring.h)"},
+    {NULL, NULL, 0, NULL},
+};
+
+int kvd_add_ring_proxy(PyObject *module) {
+    if (PyType_Ready(&ProxyType) < 0) return -1;
+    if (PyModule_AddObjectRef(module, "RingProxy", (PyObject *)&ProxyType) < 0 ||
+        PyModule_AddFunctions(module, proxy_functions) < 0 ||
+        PyModule_AddIntConstant(module, "IO_RING_VERSION", KVD_IO_RING_VERSION) < 0 ||
+        PyModule_AddIntConstant(module, "IO_RING_MAX_LAYERS", KVD_IO_RING_MAX_LAYERS) < 0 ||
+        PyModule_AddIntConstant(module, "IO_RING_HEADER_BYTES", (long)sizeof(kvd_io_ring)) < 0 ||
+        PyModule_AddIntConstant(module, "PROXY_ALIGN", KVD_PROXY_ALIGN) < 0) {
+        return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,122 @@
+/*
+ * ring_proxy: the CPU end of the GPU-initiated I/O ring (gpu/io_ring.h).
+ *
+ * One thread drains the ring's read descriptors into an io_uring of its own
+ * (uring_batch), reads each into a slice of staging memory (pinned, so the
+ * copy to a GPU is a DMA; the caller opens the files, with O_DIRECT), checks
+ * its crc32c against the descriptor's, copies it to its target, and only
+ * then counts it done in its layer (done[layer] + 1, failed[layer] + 1 too
+ * when any step failed: the target then holds nothing to trust).
+ *
+ *   ring ──take──> batch A ──io_uring──> staging half A ──crc, copy──> targets
+ *                  batch B ──io_uring──> staging half B ──crc, copy──> targets
+ *
+ * Two batches alternate over the two halves of staging: while one batch's
+ * reads are in the kernel, the other is checked, copied and completed, so
+ * the drive keeps working while the CPU verifies and copies.
+ *
+ * The copy goes through a hook: memcpy when targets are host memory (the
+ * CPU device), called per read right after its check while its bytes are
+ * still in cache; the CUDA driver's host-to-device copies on one stream
+ * when they are device memory (cuda_copy.c), called once per batch with
+ * all of its verified reads and one synchronize.
+ *
+ * A descriptor that cannot be read (unknown file, no target, a length of 0
+ * or more than half of staging) fails without I/O. One whose layer has no
+ * counter cannot be completed at all: it is dropped and counted in
+ * stats.dropped. A stopping proxy takes no new descriptors, finishes the
+ * reads it holds and fails the one it had taken but not yet placed.
+ *
+ * Idle: with nothing published the thread sleeps, backing off from 1 us to
+ * KVD_PROXY_IDLE_MAX_US, and starts over at the next descriptor it takes.
+ */
+#ifndef KVD_RING_PROXY_H
+#define KVD_RING_PROXY_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "gpu/io_ring.h"
+#include "uring_batch.h"
+
+#define KVD_PROXY_ALIGN 4096u
+#define KVD_PROXY_IDLE_MAX_US 200u
+#define KVD_PROXY_MAX_BATCH 4096u
+
+/* One verified read to put at its target. */
+struct kvd_copy {
+    uint64_t target;
+    const void *source;
+    uint64_t length;
+};
+
+/* Copies every entry; 0, or -errno when any copy failed (all count as failed). */
+typedef int (*kvd_copy_fn)(void *context, const struct kvd_copy *copies, uint32_t count);
+
+/* The copy hook for targets in this process's host memory. */
+int kvd_copy_host(void *context, const struct kvd_copy *copies, uint32_t count);
+
+struct kvd_proxy_config {
+    kvd_io_ring *ring;          /* initialised: version, capacity (a power of two), layers */
+    uint64_t ring_bytes;        /* of the memory holding it */
+    const int32_t *fds;         /* registered as files 0 .. file_count - 1 */
+    uint32_t file_count;
+    void *staging;              /* KVD_PROXY_ALIGN-aligned */
+    uint64_t staging_bytes;     /* a multiple of 2 * KVD_PROXY_ALIGN */
+    uint32_t batch_entries;     /* most reads per batch, <= KVD_MAX_BATCH */
+    uint32_t queue_depth;
+    kvd_copy_fn copy;
+    void *copy_context;
+    int copy_each;              /* call `copy` per read, right after its check (host memory: the
+                                   bytes are still in cache); 0: once per batch (a device's DMA) */
+};
+
+struct kvd_proxy_stats {
+    uint64_t reads;              /* descriptors completed, failed ones included */
+    uint64_t failed;             /* ... of which failed */
+    uint64_t bytes;              /* bytes delivered to targets */
+    uint64_t checksum_mismatches;/* read in full, but not the bytes the descriptor named */
+    uint64_t rejected;           /* failed without I/O (bad file, length or target) */
+    uint64_t dropped;            /* layer out of range: not completed at all */
+    uint64_t batches;
+    uint64_t copy_calls;
+    uint64_t copy_errors;
+    uint64_t idle_sleeps;
+};
+
+struct kvd_proxy_batch {
+    kvd_io_desc *descs;
+    int64_t *results;
+    uint64_t *staging_offsets;
+    uint32_t count;
+    int in_flight;
+    uint64_t id;
+};
+
+struct kvd_proxy {
+    struct kvd_proxy_config config;
+    struct kvd_ring uring;
+    pthread_t thread;
+    int stop;                    /* set by kvd_proxy_stop (atomic) */
+    struct kvd_proxy_batch batches[2];
+    struct kvd_copy *copies;     /* batch_entries of them */
+    uint32_t *copied;            /* the read each of `copies` is for */
+    kvd_io_desc carry;           /* taken, but did not fit the batch being filled */
+    int carrying;
+    struct kvd_proxy_stats stats;/* written by the thread; read with atomics */
+};
+
+/* Checks the ring header against the memory holding it: 0 or -EINVAL. */
+int kvd_proxy_check_ring(const kvd_io_ring *ring, uint64_t bytes);
+
+/* Opens the io_uring, registers files and staging, starts the thread. */
+int kvd_proxy_start(struct kvd_proxy **out, const struct kvd_proxy_config *config);
+
+/* Stops and joins the thread (see above), copies its last counters into
+ * `final` (may be NULL), then frees everything. */
+void kvd_proxy_stop(struct kvd_proxy *proxy, struct kvd_proxy_stats *final);
+
+/* A consistent-enough snapshot: every counter read atomically. */
+void kvd_proxy_read_stats(struct kvd_proxy *proxy, struct kvd_proxy_stats *out);
+
+#endif

@@ -1,0 +1,213 @@
+"""The I/O ring end to end without a GPU: a producer process (C, threads, the ring's own header) publishes
+reads into a ring in shared memory; kvd's native proxy drains them through its io_uring engine from real
+files opened with O_DIRECT, checks each read's crc32c, copies it into device memory and completes it per
+layer. Faults: damaged bytes on disk, reads past the end, unaligned O_DIRECT reads, unknown files,
+oversized reads and layers the ring has no counter for."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from crc32c import crc32c
+
+from kvd._native import RingProxy
+from kvd.device.io_ring import RingMemory, start_proxy
+from tests.device.staging import Staging
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = ROOT / "native" / "gpu"
+FILE_BYTES = 4 << 20
+PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def producer(tmp_path_factory) -> Path:
+    binary = tmp_path_factory.mktemp("producer") / "io_ring_producer"
+    subprocess.run(["gcc", "-std=c11", "-D_GNU_SOURCE", "-O2", "-Wall", "-Wextra", "-Werror", "-pthread", f"-I{GPU}",
+                    str(GPU / "io_ring_producer.c"), "-o", str(binary)], check=True, capture_output=True)
+    return binary
+
+
+class Disk:
+    """Two real files of random bytes, opened with O_DIRECT for the proxy."""
+
+    def __init__(self, directory: Path) -> None:
+        self.paths = [directory / f"blocks-{i}" for i in range(2)]
+        self.data = []
+        for path in self.paths:
+            data = os.urandom(FILE_BYTES)
+            path.write_bytes(data)
+            self.data.append(data)
+        self.fds = [os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC) for path in self.paths]
+
+    def read(self, file: int, offset: int, length: int) -> bytes:
+        return self.data[file][offset:offset + length]
+
+    def damage(self, file: int, offset: int) -> None:
+        with open(self.paths[file], "r+b") as f:
+            f.seek(offset)
+            f.write(bytes([self.data[file][offset] ^ 0x5A]))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+@pytest.fixture
+def disk(tmp_path):
+    disk = Disk(tmp_path)
+    yield disk
+    disk.close()
+
+
+def plan_of(reads: list[tuple[int, int, int, int, int, int]]) -> np.ndarray:
+    """(file, offset, length, target, layer, checksum) records, as the producer reads them."""
+    return np.array(reads, dtype=np.uint64).reshape(-1, 6)
+
+
+def run_producer(producer: Path, ring: RingMemory, plan: np.ndarray, tmp_path: Path, threads: int) -> dict:
+    plan_path = tmp_path / "plan"
+    plan.tofile(plan_path)
+    run = subprocess.run([str(producer), ring.path, str(plan_path), str(threads), "60"], check=False,
+                         capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr)
+    counts = {}
+    for line in run.stdout.splitlines():
+        _, layer, _, done, _, failed = line.split()
+        counts[int(layer)] = (int(done), int(failed))
+    return counts
+
+
+def random_reads(disk: Disk, count: int, layers: int, lengths: list[int], seed: int):
+    """Reads at random aligned offsets, with the checksums of what is on disk."""
+    rng = np.random.default_rng(seed)
+    reads = []
+    for n in range(count):
+        file = int(rng.integers(2))
+        length = int(rng.choice(lengths))
+        offset = int(rng.integers((FILE_BYTES - length) // PAGE)) * PAGE
+        reads.append((file, offset, length, n % layers, crc32c(disk.read(file, offset, length))))
+    return reads
+
+
+def with_targets(memory, reads, slot_bytes: int) -> np.ndarray:
+    return plan_of([(f, o, n, memory.address + i * slot_bytes, layer, c)
+                    for i, (f, o, n, layer, c) in enumerate(reads)])
+
+
+@pytest.mark.parametrize("capacity, threads, lengths, staging_kib, batch", [
+    (4, 4, [PAGE], 64, 64),                 # a ring of 4 wrapping ~500 times under 4 producers
+    (64, 1, [PAGE, 4 * PAGE], 256, 16),     # mixed lengths, small batches
+    (16, 8, [12 * PAGE], 128, 64),          # each half of staging fits one read: every batch carries one over
+])
+def test_reads_published_by_a_producer_process_land_in_device_memory_exactly(device, disk, producer, tmp_path,
+                                                                              capacity, threads, lengths,
+                                                                              staging_kib, batch):
+    layers, count, slot = 8, 2000, max(lengths)
+    reads = random_reads(disk, count, layers, lengths, seed=capacity)
+    memory = device.alloc(count * slot)
+    ring = RingMemory(str(tmp_path / "ring"), capacity, layers)
+    proxy = start_proxy(device, ring, disk.fds, staging_bytes=staging_kib << 10, batch_entries=batch)
+    try:
+        counts = run_producer(producer, ring, with_targets(memory, reads, slot), tmp_path, threads)
+    finally:
+        stats = proxy.stop()
+    assert counts == {layer: (count // layers, 0) for layer in range(layers)}
+    assert stats["reads"] == count and stats["failed"] == 0 and stats["bytes"] == sum(r[2] for r in reads)
+    assert stats["batches"] > 1
+    staging = Staging(device, count * slot)
+    landed = staging.get(device.stream(), memory, 0, count * slot)
+    for i, (file, offset, length, _, _) in enumerate(reads):
+        assert landed[i * slot:i * slot + length].tobytes() == disk.read(file, offset, length), f"read {i}"
+    ring.close()
+
+
+def test_faulty_reads_fail_in_their_layer_and_leave_their_targets_untouched(device, disk, producer, tmp_path):
+    layers, slot = 4, 2 * PAGE
+    good = random_reads(disk, 400, layers, [PAGE, 2 * PAGE], seed=7)
+    disk.damage(1, 5 * PAGE + 100)
+    bad = [
+        (1, 5 * PAGE, PAGE, 0, crc32c(disk.read(1, 5 * PAGE, PAGE))),        # the bytes on disk were damaged
+        (0, 3 * PAGE, PAGE, 1, crc32c(disk.read(0, 3 * PAGE, PAGE)) ^ 1),    # checksum that does not match
+        (0, FILE_BYTES - PAGE, 2 * PAGE, 2, 0),                               # past the end: a short read
+        (0, PAGE + 1, PAGE, 3, crc32c(disk.read(0, PAGE + 1, PAGE))),        # unaligned: O_DIRECT refuses it
+        (7, 0, PAGE, 0, 0),                                                   # no such file
+        (0, 0, 64 * PAGE, 1, 0),                                              # larger than half of staging
+    ]
+    reads = good[:100] + bad + good[100:]
+    memory = device.alloc(len(reads) * slot)
+    ring = RingMemory(str(tmp_path / "ring"), 8, layers)
+    proxy = start_proxy(device, ring, disk.fds, staging_bytes=64 << 10, batch_entries=32)
+    plan = with_targets(memory, reads, slot)
+    plan = np.vstack([plan, plan_of([(0, 0, PAGE, memory.address, layers + 3, 0)])])  # a layer with no counter
+    try:
+        counts = run_producer(producer, ring, plan, tmp_path, threads=3)
+    finally:
+        stats = proxy.stop()
+    failed_per_layer = {layer: sum(1 for r in bad if r[3] == layer) for layer in range(layers)}
+    assert counts == {layer: (sum(1 for r in reads if r[3] == layer), failed_per_layer[layer])
+                      for layer in range(layers)}
+    assert stats["failed"] == len(bad) and stats["checksum_mismatches"] == 2 and stats["rejected"] == 2
+    assert stats["dropped"] == 1 and stats["reads"] == len(reads)
+    landed = Staging(device, len(reads) * slot).get(device.stream(), memory, 0, len(reads) * slot)
+    for i, (file, offset, length, _, _) in enumerate(reads):
+        length = min(length, slot)
+        want = bytes(length) if reads[i] in bad else disk.read(file, offset, length)
+        assert landed[i * slot:i * slot + length].tobytes() == want, f"read {i}"
+    ring.close()
+
+
+def test_a_ring_or_staging_the_proxy_cannot_use_is_refused_precisely(device, disk, tmp_path):
+    ring = RingMemory(str(tmp_path / "ring"), 8, 2)
+    ring.buffer[0:8] = (99).to_bytes(8, "little")
+    with pytest.raises(ValueError, match="not a kvd_io_ring"):
+        start_proxy(device, ring, disk.fds)
+    ring.close()
+    ring = RingMemory(str(tmp_path / "ring2"), 8, 2)
+    with pytest.raises(ValueError, match="batch_entries must be"):
+        start_proxy(device, ring, disk.fds, batch_entries=0)
+    with pytest.raises(ValueError, match="capacity must be a power of two"):
+        RingMemory(str(tmp_path / "ring3"), 6, 2)
+    proxy = start_proxy(device, ring, disk.fds)
+    assert proxy.native.running
+    proxy.stop()
+    proxy.stop()
+    assert not proxy.native.running and proxy.native.stats()["reads"] == 0
+    ring.close()
+
+
+def test_the_cuda_copy_hook_opens_only_where_a_driver_and_device_are(disk, tmp_path):
+    ring = RingMemory(str(tmp_path / "ring"), 8, 2)
+    fds = np.asarray(disk.fds, dtype=np.int32)
+    if CUDA_DEVICES == 0:
+        with pytest.raises(OSError, match="CUDA device 0: no driver"):
+            RingProxy(ring.buffer, fds, mmap.mmap(-1, 1 << 16), device=0)
+    else:
+        RingProxy(ring.buffer, fds, mmap.mmap(-1, 1 << 16), device=0).stop()
+    with pytest.raises(OSError, match=f"CUDA device {CUDA_DEVICES}: no driver"):
+        RingProxy(ring.buffer, fds, mmap.mmap(-1, 1 << 16), device=CUDA_DEVICES)
+    ring.close()
+
+
+def _cuda_devices() -> int:
+    """GPUs the driver reports (0 without a driver), asked through ctypes, independently of kvd."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+CUDA_DEVICES = _cuda_devices()
