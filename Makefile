@@ -48,12 +48,12 @@ $(BUILT_STAMP): $(STAMP) pyproject.toml $(NATIVE_SOURCES)
 	$(PIP) install -q --no-deps -e .
 	touch $(BUILT_STAMP)
 
-# kvd._native rebuilt in place with -O0 -g, then tests/native. The debug
+# kvd._native rebuilt in place with -O0 -g, then tests/native and the ring proxy's tests. The debug
 # build stays for gdb until the next `make setup` (the stamp is dropped).
 native-debug: setup
 	rm -f $(BUILT_STAMP)
 	KVD_NATIVE_DEBUG=1 $(PIP) install -q --no-deps -e .
-	$(PY) -m pytest -q -p no:cacheprovider tests/native
+	$(PY) -m pytest -q -p no:cacheprovider tests/native tests/device/test_ring_proxy.py
 
 # The same under AddressSanitizer and UBSan. Python is not instrumented,
 # so libasan is preloaded; its leak checker is off (the interpreter keeps
@@ -63,7 +63,7 @@ native-sanitize: setup
 	KVD_NATIVE_SANITIZE=1 $(PIP) install -q --no-deps -e .
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  $(PY) -m pytest -q -p no:cacheprovider tests/native
+	  $(PY) -m pytest -q -p no:cacheprovider tests/native tests/device/test_ring_proxy.py
 
 run: setup
 	$(VENV)/bin/kvd serve

@@ -1,4 +1,4 @@
-"""Type stub of kvd._native, built from native/module.c (see native/uring_batch.h).
+"""Type stub of kvd._native, built from native/module.c and native/proxy_module.c.
 
 Callers use kvd.io.open_engine; only kvd.io.uring imports this module.
 Arrays are anything with the buffer protocol, 1-D and C-contiguous, with
@@ -62,3 +62,26 @@ class Ring:
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None:
         """Drains the I/O the kernel holds, cancels the rest; idempotent."""
+
+IO_RING_VERSION: int
+IO_RING_MAX_LAYERS: int
+IO_RING_HEADER_BYTES: int
+PROXY_ALIGN: int
+
+def io_ring_init(buffer: Buffer, capacity: int, layers: int, /) -> int:
+    """Zeroes and lays out an I/O ring (native/gpu/io_ring.h) in a 64-byte aligned writable buffer;
+    returns the bytes it takes. ValueError when capacity is not a power of two or it does not fit."""
+
+class RingProxy:
+    """A thread draining an I/O ring's reads into io_uring (native/ring_proxy.h)."""
+
+    def __init__(self, ring: Buffer, fds: Buffer, staging: Buffer, batch_entries: int = 64,
+                 queue_depth: int = 64, device: int = -1) -> None:
+        """ring: laid out by io_ring_init; fds: int32, registered as files 0..n-1; staging: writable,
+        4096-aligned, a multiple of 8192 bytes; device >= 0: targets are on that CUDA device
+        (OSError without a driver)."""
+    @property
+    def running(self) -> bool: ...
+    def stop(self) -> None:
+        """Takes no new descriptors, finishes those it holds, joins the thread; idempotent."""
+    def stats(self) -> dict[str, int]: ...
