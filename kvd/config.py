@@ -256,6 +256,19 @@ class ClusterConfig:
 
 
 @dataclass(slots=True)
+class DeviceConfig:
+    # The device plane (docs/GPU.md): "off", "cpu" (the CPU device: memfd
+    # memory and threads, for tests and CPU-only engines) or "cuda".
+    kind: str = "off"
+    index: int = 0
+    # Engines' pools registered at once, and how long one lives without use.
+    max_pools: int = 64
+    pool_lease_ms: int = 300_000
+    # How long a SaveLayers waits for the engine's flag of a layer.
+    flag_timeout_ms: int = 10_000
+
+
+@dataclass(slots=True)
 class LogConfig:
     level: str = "info"
     # "json" (one object per line) or "text".
@@ -273,6 +286,7 @@ class Config:
     events: EventsConfig = field(default_factory=EventsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
@@ -288,6 +302,7 @@ class Config:
         self._validate_host()
         self._validate_disk()
         self._validate_cluster()
+        self._validate_device()
         self._validate_rest()
 
     def _validate_server(self) -> None:
@@ -413,6 +428,19 @@ class Config:
             raise ConfigError("cluster.directory_replicas", f"must be 1..8, got {cluster.directory_replicas}")
         if not 1 <= cluster.publish_interval_ms <= 60_000:
             raise ConfigError("cluster.publish_interval_ms", f"must be 1..60000, got {cluster.publish_interval_ms}")
+
+    def _validate_device(self) -> None:
+        device = self.device
+        if device.kind not in ("off", "cpu", "cuda"):
+            raise ConfigError("device.kind", f"must be off, cpu or cuda, got {device.kind!r}")
+        if not 0 <= device.index < 1024:
+            raise ConfigError("device.index", f"must be 0..1023, got {device.index}")
+        if not 1 <= device.max_pools <= 4096:
+            raise ConfigError("device.max_pools", f"must be 1..4096, got {device.max_pools}")
+        if not 1_000 <= device.pool_lease_ms <= 86_400_000:
+            raise ConfigError("device.pool_lease_ms", f"must be 1000..86400000, got {device.pool_lease_ms}")
+        if not 1 <= device.flag_timeout_ms <= 600_000:
+            raise ConfigError("device.flag_timeout_ms", f"must be 1..600000, got {device.flag_timeout_ms}")
 
     def _validate_rest(self) -> None:
         """Leases, events and logging."""

@@ -124,6 +124,7 @@ class Daemon:
         self.arena: HostArena | None = None
         self.engine: Engine | None = None
         self.disk_plane = None  # kvd.server.disk_plane.DiskPlane when a disk tier is configured
+        self.device_plane = None  # kvd.server.device_plane.DevicePlane with [device] kind other than "off"
         self.server: grpc.aio.Server | None = None
         self.service: KvdService | None = None
         self.health: HealthService | None = None
@@ -232,6 +233,7 @@ class Daemon:
         granule = self.host_classes[-1]
         self.arena = HostArena(layout, prefault=config.host.prefault, huge_pages=config.host.huge_pages,
                                per_tenant=per_tenant, granule_bytes=granule)
+        self.device_plane = _open_device_plane(config, self.arena)
         if not config.disk.directories:
             return None
         from kvd.server.disk_plane import DiskPlane
@@ -272,6 +274,7 @@ class Daemon:
             max_subscribers=config.events.max_subscribers, auth_required=config.auth.mode == "token",
             arena_socket=str(arena_protocol.socket_path(socket_path.resolve())) if socket_path else "",
         )
+        self.service.device_plane = self.device_plane
         # Bytes that are not a valid request message get INVALID_ARGUMENT, not UNKNOWN.
         add_kvd_service(self.service, self.server,
                         lambda method: rpc_metrics.total.labels(method, "INVALID_ARGUMENT").inc())
@@ -380,6 +383,8 @@ class Daemon:
             expired = self.engine.expire(self.clock.now_ms())
             if expired:
                 log.info("leases expired", extra={"count": expired})
+            if self.device_plane is not None:
+                await self.device_plane.sweep(self.clock.now_ms())
 
     def request_stop(self) -> None:
         if self._stop.is_set() and self.server is not None:
@@ -416,6 +421,8 @@ class Daemon:
         if self.server is not None:
             await stop_server(self.server, self.config.server.grace_period_s, self.rpcs)
         await _cancelled(self._sweeper)
+        if self.device_plane is not None:
+            await self.device_plane.close()  # every pool's stream drained before the arena goes
         leases = self.engine.close_all_leases() if self.engine is not None else 0
         if self.disk_plane is not None:
             # Queued write-through gets what is left of the grace period.
@@ -450,6 +457,23 @@ def _listen(add_port, setting: str, address: str) -> int:
     if port == 0:
         raise OSError(f"cannot listen on {address} ({setting}): the address is in use or not available")
     return port
+
+
+def _open_device_plane(config: Config, arena: HostArena):
+    """The device plane over the arena ([device] kind), or None when it is off."""
+    if config.device.kind == "off":
+        return None
+    from kvd.device import DeviceError, open_device
+    from kvd.server.device_plane import DevicePlane
+
+    try:
+        device = open_device(config.device.kind, config.device.index)
+        plane = DevicePlane(device, arena.address_at(0), arena.layout.arena_bytes, config.device.max_pools,
+                            config.device.pool_lease_ms, config.device.flag_timeout_ms)
+    except DeviceError as error:
+        raise StartupFailed(f"[device] kind = {config.device.kind!r}, index {config.device.index}: {error}") from None
+    log.info("device plane on", extra={"device": f"{device.kind}:{device.index}", "device_uuid": device.uuid})
+    return plane
 
 
 def _build_engine(config: Config, layout: ArenaLayout, host_classes: tuple[int, ...], disk_plane,

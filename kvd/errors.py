@@ -62,6 +62,12 @@ class Unavailable(KvdError):
     code = "UNAVAILABLE"
 
 
+class DeadlineExceeded(KvdError):
+    """Something the call depends on outside kvd did not happen in time (an engine's flag word)."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
 class StartupFailed(KvdError):
     """The daemon cannot start (a port taken, a directory it cannot create,
     ...): `kvd serve` says so in one line and exits 2, which a restart

@@ -496,3 +496,31 @@ def arena_info(session: Session) -> Op:
 def uses_shared_memory(session: Session) -> Op:
     yield from connect(session)
     return session.arena is not None
+
+
+def register_pool(session: Session, namespace: Namespace, layers: Sequence[bytes], num_blocks: int, flags: bytes,
+                  lease_ms: int) -> Op:
+    response = yield ("RegisterPool", kvd_pb2.RegisterPoolRequest(
+        namespace_id=namespace.namespace_id, client_id=session.client_id, layers=layers, num_blocks=num_blocks,
+        flags=flags, lease_ms=lease_ms))
+    return response
+
+
+def unregister_pool(session: Session, pool_id: int) -> Op:
+    yield ("UnregisterPool", kvd_pb2.UnregisterPoolRequest(client_id=session.client_id, pool_id=pool_id))
+
+
+def save_layers(session: Session, namespace: Namespace, pool_id: int, keys: Sequence[bytes], pages: Sequence[int],
+                engine_flag: int, kvd_flag: int, base: int, parent_key: bytes) -> Op:
+    response = yield ("SaveLayers", kvd_pb2.SaveLayersRequest(
+        namespace_id=namespace.namespace_id, client_id=session.client_id, pool_id=pool_id, parent_key=parent_key,
+        keys=keys, pages=pages, engine_flag=engine_flag, kvd_flag=kvd_flag, base=base))
+    return response
+
+
+def load_layers(session: Session, namespace: Namespace, pool_id: int, keys: Sequence[bytes], pages: Sequence[int],
+                kvd_flag: int, base: int, parent_key: bytes) -> Op:
+    response = yield ("LoadLayers", kvd_pb2.LoadLayersRequest(
+        namespace_id=namespace.namespace_id, client_id=session.client_id, pool_id=pool_id, parent_key=parent_key,
+        keys=keys, pages=pages, kvd_flag=kvd_flag, base=base))
+    return response

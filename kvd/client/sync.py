@@ -174,6 +174,26 @@ class Client(_ops.ClientBase):
         """Remove blocks (and their descendants); returns (deleted, pinned)."""
         return self._run(_ops.delete(self.session, namespace, keys))
 
+    def register_pool(self, namespace: Namespace, layers: Sequence[bytes], num_blocks: int, flags: bytes,
+                      lease_ms: int = 0) -> kvd_pb2.RegisterPoolResponse:
+        """Register an engine's paged KV pool (IPC handles, one per layer, and its flag words' handle);
+        kvd.client.device.DevicePool is the engine-side helper."""
+        return self._run(_ops.register_pool(self.session, namespace, layers, num_blocks, flags, lease_ms))
+
+    def unregister_pool(self, pool_id: int) -> None:
+        self._run(_ops.unregister_pool(self.session, pool_id))
+
+    def save_layers(self, namespace: Namespace, pool_id: int, keys: Sequence[bytes], pages: Sequence[int],
+                    engine_flag: int, kvd_flag: int, base: int, parent_key: bytes = b"") -> kvd_pb2.SaveLayersResponse:
+        """kvd copies the blocks of `keys` out of the pool's `pages`, layer by layer (see the proto)."""
+        return self._run(_ops.save_layers(self.session, namespace, pool_id, keys, pages, engine_flag, kvd_flag, base,
+                                          parent_key))
+
+    def load_layers(self, namespace: Namespace, pool_id: int, keys: Sequence[bytes], pages: Sequence[int],
+                    kvd_flag: int, base: int, parent_key: bytes = b"") -> kvd_pb2.LoadLayersResponse:
+        """kvd copies the stored prefix of `keys` into the pool's `pages`, flagging each layer."""
+        return self._run(_ops.load_layers(self.session, namespace, pool_id, keys, pages, kvd_flag, base, parent_key))
+
     def stats(self) -> kvd_pb2.StatsResponse:
         return self._run(_ops.stats(self.session))
 

@@ -36,6 +36,7 @@ except ImportError:  # not built: one memmove per block
     _native_copy = None
 
 _POLL_MAX_S = 0.001
+_MEMFD_PREFIX = "/memfd:kvd-cpu-device-"
 _ids = itertools.count(1)
 
 
@@ -162,6 +163,16 @@ def _flag_word(flags: Memory, index: int) -> ctypes.c_uint64:
     return ctypes.c_uint64.from_address(flag_address(flags, index))
 
 
+def read_flag(flags: Memory, index: int) -> int:
+    """A flag word in host memory, as a CPU thread sees it now (an aligned 8-byte load)."""
+    return _flag_word(flags, index).value
+
+
+def store_flag(flags: Memory, index: int, value: int) -> None:
+    """Store to a flag word in host memory from this thread (an aligned 8-byte store)."""
+    _flag_word(flags, index).value = value
+
+
 class CpuDevice(Device):
     kind = "cpu"
 
@@ -238,8 +249,12 @@ class CpuDevice(Device):
 
     @staticmethod
     def _map_other(pid: int, fd: int, size: int) -> _Mapping:
+        path = f"/proc/{pid}/fd/{fd}"
         try:
-            own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+            # Only this device's memory: never any other file a process has open.
+            if not os.readlink(path).startswith(_MEMFD_PREFIX):
+                raise DeviceError(f"process {pid}'s descriptor {fd} is not CPU device memory")
+            own = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as error:
             raise DeviceError(f"cannot open process {pid}'s memory {fd}: {error.strerror}", error.errno) from None
         if os.fstat(own).st_size != size:

@@ -21,6 +21,7 @@ call per layer: nothing loops over blocks x layers in Python.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,12 +57,22 @@ def _offsets(layout: PoolLayout, block_ids, slot_offsets) -> tuple[np.ndarray, n
 
 
 def save_layers(stream: Stream, layout: PoolLayout, block_ids, arena: Memory, slot_offsets,
-                engine_flags: Memory, kvd_flags: Memory, flag_index: int, base: int) -> int:
+                engine_flags: Memory, kvd_flags: Memory, flag_index: int, base: int,
+                written: Callable[[int], None] | None = None, engine_flag_index: int | None = None) -> int:
     """Gather each layer's pages into the slots once the engine says it is written; returns the
-    kvd flag value that means the whole save is in the arena."""
+    kvd flag value that means the whole save is in the arena.
+
+    The engine's word is flags[engine_flag_index] (default: flag_index). `written`, when given,
+    is called before each layer's copy is issued and returns once that layer is written (it
+    raises to stop the save): the host watches the engine's word instead of the stream, so a
+    stream is never left waiting on an engine that stopped."""
     pages, slots = _offsets(layout, block_ids, slot_offsets)
+    engine_index = flag_index if engine_flag_index is None else engine_flag_index
     for layer, pool in enumerate(layout.layers):
-        stream.wait_flag(engine_flags, flag_index, base + layer + 1)
+        if written is not None:
+            written(layer)
+        else:
+            stream.wait_flag(engine_flags, engine_index, base + layer + 1)
         stream.copy_blocks(arena, slots + np.uint64(layer * layout.page_bytes), pool, pages, layout.page_bytes)
         stream.write_flag(kvd_flags, flag_index, base + layer + 1)
     return base + len(layout.layers)

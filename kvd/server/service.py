@@ -162,6 +162,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         # kvd.server.cluster_blocks.ClusterBlocks when its Gets fetch from peers (set by the daemon).
         self.cluster = None
         self.cluster_blocks = None
+        # kvd.server.device_plane.DevicePlane when [device] kind is not "off" (set by the daemon).
+        self.device_plane = None
 
     def _caller(self) -> Tenant | None:
         """The tenant of the call being served; None without auth."""
@@ -731,6 +733,78 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         keys = convert.cluster_lookup_keys(request, self.engine.limits.max_batch_keys)
         local = self.engine.lookup(request.namespace_id, keys)
         return await self.cluster.lookup(request.namespace_id, request.packed_keys, len(local))
+
+    # ------------------------------------------------------------------ device plane
+
+    def _device_plane(self):
+        if self.device_plane is None:
+            raise FailedPrecondition("this kvd has no device plane ([device] kind = \"off\")")
+        return self.device_plane
+
+    @rpc("RegisterPool")
+    async def RegisterPool(self, request, context):
+        plane = self._device_plane()
+        await plane.sweep(self.clock.now_ms())
+        spec = self.engine.namespace(request.namespace_id).spec
+        pool = plane.register(request, spec.num_layers, spec.layer_bytes, self.clock.now_ms())
+        return kvd_pb2.RegisterPoolResponse(pool_id=pool.pool_id, lease_deadline_ms=pool.deadline_ms,
+                                            flag_words=pool.flag_words)
+
+    @rpc("UnregisterPool")
+    async def UnregisterPool(self, request, context):
+        await self._device_plane().unregister(request.client_id, request.pool_id)
+        return kvd_pb2.UnregisterPoolResponse()
+
+    def _device_pool(self, request, flags: dict[str, int]):
+        plane = self._device_plane()
+        pool = plane.pool(request.client_id, request.pool_id, request.namespace_id)
+        plane.renew(pool, self.clock.now_ms())
+        return plane, pool, plane.check_transfer(pool, request.keys, request.pages, flags)
+
+    @rpc("SaveLayers")
+    async def SaveLayers(self, request, context):
+        plane, pool, pages = self._device_pool(request, {"engine_flag": request.engine_flag,
+                                                         "kvd_flag": request.kvd_flag})
+        result = await self._reserve(request, 0)
+        reserved = [i for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
+        offsets = self._reserved_offsets(result.slots)
+        keys = [request.keys[i] for i in reserved]
+        try:
+            done = await plane.save(pool, pages[reserved], [offsets[i] for i in reserved], request.engine_flag,
+                                    request.kvd_flag, request.base)
+        except BaseException:
+            if keys:
+                self.engine.commit(CommitRequest(request.namespace_id, request.client_id, result.lease.lease_id,
+                                                 self.clock.now_ms(), abort_keys=keys))
+            raise
+        stored = 0
+        if keys:
+            stored, _ = self.engine.commit(CommitRequest(request.namespace_id, request.client_id,
+                                                         result.lease.lease_id, self.clock.now_ms(), keys=keys))
+            if self.disk_plane is not None:
+                self.disk_plane.wake()
+        return kvd_pb2.SaveLayersResponse(statuses=[int(status) for status in result.statuses], stored=stored,
+                                          done_value=done)
+
+    @rpc("LoadLayers")
+    async def LoadLayers(self, request, context):
+        plane, pool, pages = self._device_pool(request, {"kvd_flag": request.kvd_flag})
+        get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, client_id=request.client_id,
+                                 keys=request.keys, parent_key=request.parent_key)
+        await self._fetch_remote(get)
+        lease, matched, tiers = await self._pinned_prefix(get, request.client_id)
+
+        def landed() -> None:
+            if lease is not None and not lease.ended:
+                self.engine.leases.close(lease)
+
+        try:
+            done = plane.load(pool, pages[:len(matched)], self._offsets(lease, matched), request.kvd_flag,
+                              request.base, landed)
+        except BaseException:
+            landed()
+            raise
+        return kvd_pb2.LoadLayersResponse(matched=len(matched), done_value=done, tiers=tiers)
 
     @rpc("Stats")
     async def Stats(self, request, context):

@@ -567,6 +567,106 @@ class PrefetchResponse(_message.Message):
     loaded: int
     def __init__(self, matched: _Optional[int] = ..., in_host: _Optional[int] = ..., loading: _Optional[int] = ..., queued: _Optional[int] = ..., refused: _Optional[int] = ..., missing: _Optional[int] = ..., limit: _Optional[_Union[PrefetchLimit, str]] = ..., loaded: _Optional[int] = ...) -> None: ...
 
+class RegisterPoolRequest(_message.Message):
+    __slots__ = ("namespace_id", "client_id", "layers", "num_blocks", "flags", "lease_ms")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    client_id: str
+    layers: _containers.RepeatedScalarFieldContainer[bytes]
+    num_blocks: int
+    flags: bytes
+    lease_ms: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., layers: _Optional[_Iterable[bytes]] = ..., num_blocks: _Optional[int] = ..., flags: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class RegisterPoolResponse(_message.Message):
+    __slots__ = ("pool_id", "lease_deadline_ms", "flag_words")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    FLAG_WORDS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: int
+    lease_deadline_ms: int
+    flag_words: int
+    def __init__(self, pool_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., flag_words: _Optional[int] = ...) -> None: ...
+
+class UnregisterPoolRequest(_message.Message):
+    __slots__ = ("client_id", "pool_id")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    pool_id: int
+    def __init__(self, client_id: _Optional[str] = ..., pool_id: _Optional[int] = ...) -> None: ...
+
+class UnregisterPoolResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SaveLayersRequest(_message.Message):
+    __slots__ = ("namespace_id", "client_id", "pool_id", "parent_key", "keys", "pages", "engine_flag", "kvd_flag", "base")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FLAG_FIELD_NUMBER: _ClassVar[int]
+    KVD_FLAG_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    client_id: str
+    pool_id: int
+    parent_key: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    engine_flag: int
+    kvd_flag: int
+    base: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., engine_flag: _Optional[int] = ..., kvd_flag: _Optional[int] = ..., base: _Optional[int] = ...) -> None: ...
+
+class SaveLayersResponse(_message.Message):
+    __slots__ = ("statuses", "stored", "done_value")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    DONE_VALUE_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[ReserveStatus]
+    stored: int
+    done_value: int
+    def __init__(self, statuses: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., stored: _Optional[int] = ..., done_value: _Optional[int] = ...) -> None: ...
+
+class LoadLayersRequest(_message.Message):
+    __slots__ = ("namespace_id", "client_id", "pool_id", "parent_key", "keys", "pages", "kvd_flag", "base")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    KVD_FLAG_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    client_id: str
+    pool_id: int
+    parent_key: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    kvd_flag: int
+    base: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., kvd_flag: _Optional[int] = ..., base: _Optional[int] = ...) -> None: ...
+
+class LoadLayersResponse(_message.Message):
+    __slots__ = ("matched", "done_value", "tiers")
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    DONE_VALUE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    matched: int
+    done_value: int
+    tiers: bytes
+    def __init__(self, matched: _Optional[int] = ..., done_value: _Optional[int] = ..., tiers: _Optional[bytes] = ...) -> None: ...
+
 class ClusterLookupRequest(_message.Message):
     __slots__ = ("namespace_id", "packed_keys")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]

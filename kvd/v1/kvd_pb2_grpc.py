@@ -127,6 +127,26 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.ClusterLookupRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.ClusterLookupResponse.FromString,
                 _registered_method=True)
+        self.RegisterPool = channel.unary_unary(
+                '/kvd.v1.Kvd/RegisterPool',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.RegisterPoolRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.RegisterPoolResponse.FromString,
+                _registered_method=True)
+        self.UnregisterPool = channel.unary_unary(
+                '/kvd.v1.Kvd/UnregisterPool',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.UnregisterPoolRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.UnregisterPoolResponse.FromString,
+                _registered_method=True)
+        self.SaveLayers = channel.unary_unary(
+                '/kvd.v1.Kvd/SaveLayers',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.SaveLayersRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.SaveLayersResponse.FromString,
+                _registered_method=True)
+        self.LoadLayers = channel.unary_unary(
+                '/kvd.v1.Kvd/LoadLayers',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.LoadLayersRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.LoadLayersResponse.FromString,
+                _registered_method=True)
 
 
 class KvdServicer:
@@ -253,6 +273,34 @@ class KvdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterPool(self, request, context):
+        """The device plane (docs/GPU.md): an engine registers its paged KV pool,
+        then kvd itself copies blocks between the pool and the arena, layer by
+        layer, signalling each layer through flag words. FAILED_PRECONDITION on
+        a daemon whose [device] kind is "off".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterPool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveLayers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLayers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -340,6 +388,26 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.ClusterLookup,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.ClusterLookupRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.ClusterLookupResponse.SerializeToString,
+            ),
+            'RegisterPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterPool,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.RegisterPoolRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.RegisterPoolResponse.SerializeToString,
+            ),
+            'UnregisterPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterPool,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.UnregisterPoolRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.UnregisterPoolResponse.SerializeToString,
+            ),
+            'SaveLayers': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveLayers,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.SaveLayersRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.SaveLayersResponse.SerializeToString,
+            ),
+            'LoadLayers': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLayers,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.LoadLayersRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.LoadLayersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -809,6 +877,114 @@ class Kvd:
             '/kvd.v1.Kvd/ClusterLookup',
             kvd_dot_v1_dot_kvd__pb2.ClusterLookupRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.ClusterLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/RegisterPool',
+            kvd_dot_v1_dot_kvd__pb2.RegisterPoolRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.RegisterPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/UnregisterPool',
+            kvd_dot_v1_dot_kvd__pb2.UnregisterPoolRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.UnregisterPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/SaveLayers',
+            kvd_dot_v1_dot_kvd__pb2.SaveLayersRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.SaveLayersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/LoadLayers',
+            kvd_dot_v1_dot_kvd__pb2.LoadLayersRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.LoadLayersResponse.FromString,
             options,
             channel_credentials,
             insecure,

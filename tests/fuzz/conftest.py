@@ -145,6 +145,8 @@ def daemon_config(directory: Path) -> dict:
         "server": {"max_message_bytes": MAX_MESSAGE_BYTES},
         "leases": {"default_ms": 2000, "max_ms": LEASE_MS_MAX, "sweep_interval_ms": 100, "max_pins_per_client": 512},
         "events": {"max_subscribers": 4},
+        # The device plane on, so RegisterPool, SaveLayers, LoadLayers and UnregisterPool see the junk too.
+        "device": {"kind": "cpu", "flag_timeout_ms": 200},
         "auth": {"mode": "token", "tenants_file": str(write_tenants_file(directory / "tenants.toml", {
             "fuzz": {"token": TOKENS["fuzz"], "namespaces": ["*"], "host_bytes": FUZZ_HOST_QUOTA,
                      "disk_bytes": FUZZ_DISK_QUOTA},

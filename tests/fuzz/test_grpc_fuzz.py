@@ -134,14 +134,15 @@ def expected_code(method: str, message, credential_: Credential,
     return None, None
 
 
-def _oversized(message, code: grpc.StatusCode, details: str) -> bool:
+def _oversized(request_bytes: int, code: grpc.StatusCode, details: str) -> bool:
     """gRPC refused the request message for its size, before kvd saw it (whoever sent it)."""
-    return (code == grpc.StatusCode.RESOURCE_EXHAUSTED and message is not None
-            and message.ByteSize() > MAX_MESSAGE_BYTES and "Received message larger than max" in details)
+    return (code == grpc.StatusCode.RESOURCE_EXHAUSTED and request_bytes > MAX_MESSAGE_BYTES
+            and "Received message larger than max" in details)
 
 
 def check_status(target: FuzzTarget, method: str, message, code: grpc.StatusCode, details: str,
-                 credential_: Credential) -> None:
+                 credential_: Credential, raw_bytes: int = 0) -> None:
+    """raw_bytes: the size of a request sent as raw bytes (message None)."""
     target.outcomes[(method, code.name)] += 1
     described = f"{method}: {summary(message)} as {credential_.name} -> {code.name}: {details[:300]!r}"
     assert code != grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {CALL_TIMEOUT_S}s: {described}"
@@ -149,7 +150,8 @@ def check_status(target: FuzzTarget, method: str, message, code: grpc.StatusCode
     if refusal is not None:
         # Counted by the daemon whether or not the message turns out too large.
         target.refused[refusal] += 1
-    if expected is not None and not _oversized(message, code, details):
+    request_bytes = message.ByteSize() if message is not None else raw_bytes
+    if expected is not None and not _oversized(request_bytes, code, details):
         assert code == expected, f"not {expected.name}: {described}"
         if code == grpc.StatusCode.UNAUTHENTICATED:
             assert not any(token in details for token in TOKENS.values()), described
@@ -310,7 +312,7 @@ def test_raw_bytes_to_every_method(fuzz_target: FuzzTarget, data):
     fuzz_target.seconds[method] += time.perf_counter() - started
     if code == grpc.StatusCode.CANCELLED and streaming:
         code = grpc.StatusCode.OK  # cancelled by us, above
-    check_status(fuzz_target, method, None, code, details, credential_)
+    check_status(fuzz_target, method, None, code, details, credential_, raw_bytes=len(payload))
     if data.draw(st.integers(0, 9), label="check") == 0:
         fuzz_target.check_reference()
 

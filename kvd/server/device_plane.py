@@ -1,0 +1,268 @@
+"""The daemon's device plane: engines' paged KV pools registered with kvd, and the saves and loads
+kvd drives between them and the arena (docs/GPU.md; the RPCs are RegisterPool, UnregisterPool,
+SaveLayers and LoadLayers).
+
+A registration names one IPC handle per layer of the namespace and one for the pool's flag words.
+kvd opens each handle once per process (the device counts references, so two registrations of one
+allocation share a mapping), checks the device and the layout against the namespace, and gives
+the pool a stream of its own, so one pool's transfers run in order and never wait behind
+another's. A pool lives until its engine unregisters it or leaves it unused for its lease; then
+its stream is drained before its mappings are closed, so no copy ever touches an unmapped page.
+
+Flag words live in CPU-device memory, host memory both processes map (a GPU engine registers it
+with cudaHostRegister so its stream stores to it with cuStreamWriteValue64). For a save, the
+daemon watches the engine's word from the host and issues a layer's copy only once the layer is
+written: a stream is never left waiting on an engine that stopped, and a timeout costs nothing
+but the save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvd.device import Device, DeviceError, IpcHandle, Memory, Stream
+from kvd.device.cpu import CpuDevice, read_flag, store_flag
+from kvd.device.transfer import PoolLayout, load_layers, save_layers
+from kvd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+log = logging.getLogger(__name__)
+
+MAX_POOL_BLOCKS = 1 << 31
+# A flag word at or past this means the transfer failed (values only grow, so a waiter for any
+# layer is released): the engine must treat the pages as not loaded.
+FAILED = 1 << 63
+_POLL_MAX_S = 0.0005
+
+
+@dataclass(slots=True)
+class Pool:
+    pool_id: int
+    client_id: str
+    namespace_id: bytes
+    layout: PoolLayout
+    flags: Memory             # the flag words, as the host reads them
+    flags_on_device: Memory   # the same words as the device's streams store to them
+    stream: Stream
+    lease_ms: int
+    deadline_ms: int
+    opened: list[Memory] = field(default_factory=list)
+    busy: int = 0             # transfers issued and not yet drained
+    closing: bool = False
+
+    @property
+    def flag_words(self) -> int:
+        return self.flags.nbytes // 8
+
+
+class DevicePlane:
+    def __init__(self, device: Device, arena_address: int, arena_bytes: int, max_pools: int,
+                 pool_lease_ms: int, flag_timeout_ms: int, host: CpuDevice | None = None) -> None:
+        self.device = device
+        self.host = host if host is not None else (device if isinstance(device, CpuDevice) else CpuDevice())
+        self.arena = device.register_host(arena_address, arena_bytes)
+        self.max_pools = max_pools
+        self.pool_lease_ms = pool_lease_ms
+        self.flag_timeout_s = flag_timeout_ms / 1000.0
+        self.pools: dict[int, Pool] = {}
+        self._ids = itertools.count(1)
+        self._drains: set[asyncio.Task] = set()
+
+    # ---------------------------------------------------------------- registration
+
+    def register(self, request, num_layers: int, layer_bytes: int, now_ms: int) -> Pool:
+        if len(self.pools) >= self.max_pools:
+            raise ResourceExhausted(f"{len(self.pools)} pools are registered, the most [device] max_pools allows; "
+                                    "unregister one first")
+        if len(request.layers) != num_layers:
+            raise InvalidArgument(f"layers: {len(request.layers)} IPC handles for a namespace of {num_layers} layers")
+        if not 1 <= request.num_blocks <= MAX_POOL_BLOCKS:
+            raise InvalidArgument(f"num_blocks must be in [1, {MAX_POOL_BLOCKS}], got {request.num_blocks}")
+        handles = [self._handle(f"layers[{i}]", data, request.num_blocks * layer_bytes, self.device)
+                   for i, data in enumerate(request.layers)]
+        flags_handle = self._handle("flags", request.flags, 8, self.host)
+        opened: list[Memory] = []
+        try:
+            layers = [self._open(self.device, handle, name, opened) for name, handle in
+                      ((f"layers[{i}]", h) for i, h in enumerate(handles))]
+            flags = self._open(self.host, flags_handle, "flags", opened)
+            flags = Memory(flags.address, flags.nbytes - flags.nbytes % 8, flags.device_uuid, flags.token)
+            flags_on_device = flags if self.device is self.host else self.device.register_host(flags.address,
+                                                                                               flags.nbytes)
+            layout = PoolLayout(tuple(layers), layer_bytes, request.num_blocks)
+        except BaseException:
+            self._close_all(opened)
+            raise
+        lease_ms = request.lease_ms or self.pool_lease_ms
+        pool = Pool(next(self._ids), request.client_id, request.namespace_id, layout, flags, flags_on_device,
+                    self.device.stream(), lease_ms, now_ms + lease_ms, opened)
+        self.pools[pool.pool_id] = pool
+        log.info("pool registered", extra={"pool_id": pool.pool_id, "client_id": pool.client_id,
+                                           "layers": num_layers, "num_blocks": request.num_blocks})
+        return pool
+
+    def _handle(self, name: str, data: bytes, least_bytes: int, device: Device) -> IpcHandle:
+        try:
+            handle = IpcHandle.from_bytes(data)
+        except (DeviceError, ValueError) as error:
+            raise InvalidArgument(f"{name}: not a kvd IPC handle ({error})") from None
+        if handle.kind != device.kind:
+            raise FailedPrecondition(f"{name} is memory of a {handle.kind!r} device; this kvd's "
+                                     f"{'device plane' if device is self.device else 'flag words'} use "
+                                     f"{device.kind!r}")
+        if handle.device_uuid != device.uuid:
+            raise FailedPrecondition(f"{name} is memory of device {handle.device_uuid}, not of this kvd's "
+                                     f"{device.kind} device {device.uuid}")
+        if handle.nbytes < least_bytes:
+            raise InvalidArgument(f"{name} holds {handle.nbytes} bytes, less than the {least_bytes} it must")
+        return handle
+
+    @staticmethod
+    def _open(device: Device, handle: IpcHandle, name: str, opened: list[Memory]) -> Memory:
+        try:
+            memory = device.open(handle)
+        except DeviceError as error:
+            raise FailedPrecondition(f"{name}: {error}") from None
+        opened.append(memory)
+        return memory
+
+    def _close_all(self, opened: list[Memory]) -> None:
+        for memory in opened:
+            device = self.host if memory.device_uuid == self.host.uuid and self.host is not self.device \
+                else self.device
+            device.close(memory)
+
+    def pool(self, client_id: str, pool_id: int, namespace_id: bytes | None = None) -> Pool:
+        pool = self.pools.get(pool_id)
+        if pool is None or pool.client_id != client_id or pool.closing:
+            raise NotFound(f"no pool {pool_id} registered by this client (unregistered, or its lease ran out)")
+        if namespace_id is not None and pool.namespace_id != namespace_id:
+            raise FailedPrecondition(f"pool {pool_id} holds another namespace's blocks")
+        return pool
+
+    def renew(self, pool: Pool, now_ms: int) -> None:
+        pool.deadline_ms = now_ms + pool.lease_ms
+
+    async def unregister(self, client_id: str, pool_id: int) -> None:
+        await self._retire(self.pool(client_id, pool_id))
+
+    async def sweep(self, now_ms: int) -> int:
+        """Unregister the pools whose lease ran out; returns how many."""
+        expired = [pool for pool in self.pools.values() if pool.deadline_ms <= now_ms and not pool.closing]
+        for pool in expired:
+            log.warning("pool lease ran out; unregistering it", extra={"pool_id": pool.pool_id,
+                                                                       "client_id": pool.client_id})
+            await self._retire(pool)
+        return len(expired)
+
+    async def _retire(self, pool: Pool) -> None:
+        """Drain the pool's stream, then close its mappings (no copy may touch them after)."""
+        pool.closing = True
+        try:
+            await asyncio.to_thread(pool.stream.synchronize)
+        except DeviceError as error:
+            log.warning("pool stream failed before unregistering", extra={"pool_id": pool.pool_id,
+                                                                          "error": str(error)})
+        pool.stream.close()
+        if pool.flags_on_device is not pool.flags:
+            self.device.unregister_host(pool.flags_on_device)
+        self._close_all(pool.opened)
+        self.pools.pop(pool.pool_id, None)
+
+    async def close(self) -> None:
+        for task in list(self._drains):
+            await task
+        for pool in list(self.pools.values()):
+            await self._retire(pool)
+        self.device.unregister_host(self.arena)
+
+    # ---------------------------------------------------------------- transfers
+
+    def check_transfer(self, pool: Pool, keys, pages, flag_indexes: dict[str, int]) -> np.ndarray:
+        if len(pages) != len(keys):
+            raise InvalidArgument(f"pages: {len(pages)} for {len(keys)} keys")
+        pages = np.asarray(pages, dtype=np.int64)
+        if len(pages) and int(pages.max()) >= pool.layout.num_blocks:
+            raise InvalidArgument(f"pages must be in [0, {pool.layout.num_blocks}), got {int(pages.max())}")
+        for name, index in flag_indexes.items():
+            if index >= pool.flag_words:
+                raise InvalidArgument(f"{name} {index} is past the pool's {pool.flag_words} flag words")
+        return pages
+
+    async def save(self, pool: Pool, pages: np.ndarray, slot_offsets: list[int], engine_flag: int,
+                   kvd_flag: int, base: int) -> int:
+        """Copy the reserved blocks out of their pages, layer by layer as the engine writes them;
+        returns the kvd flag value meaning every layer is out. DeadlineExceeded when a layer's
+        flag did not come in time: kvd's flag is then set to that value anyway (it reads the pages
+        no more) and nothing of the save may be committed."""
+        done = base + len(pool.layout.layers)
+        pool.busy += 1
+        copying = asyncio.ensure_future(asyncio.to_thread(self._save_now, pool, pages, slot_offsets, engine_flag,
+                                                          kvd_flag, base))
+        try:
+            await asyncio.shield(copying)
+        except asyncio.CancelledError:
+            # The copies may still be writing the reserved slots: they end before the slots go back.
+            await asyncio.wait({copying})
+            raise
+        finally:
+            pool.busy -= 1
+        return done
+
+    def _save_now(self, pool: Pool, pages, slot_offsets, engine_flag: int, kvd_flag: int, base: int) -> None:
+        deadline = time.monotonic() + self.flag_timeout_s
+
+        def written(layer: int) -> None:
+            self._wait_flag(pool.flags, engine_flag, base + layer + 1, deadline, layer)
+
+        done = base + len(pool.layout.layers)
+        try:
+            save_layers(pool.stream, pool.layout, pages, self.arena, slot_offsets, pool.flags_on_device,
+                        pool.flags_on_device, kvd_flag, base, written=written, engine_flag_index=engine_flag)
+            pool.stream.synchronize()
+        except DeadlineExceeded:
+            pool.stream.synchronize()  # the layers already issued land before the slots are given back
+            store_flag(pool.flags, kvd_flag, FAILED | done)  # kvd reads the pages no more
+            raise
+        except DeviceError as error:
+            store_flag(pool.flags, kvd_flag, FAILED | done)
+            raise FailedPrecondition(f"copying out of the pool failed: {error}") from None
+
+    @staticmethod
+    def _wait_flag(flags: Memory, index: int, value: int, deadline: float, layer: int) -> None:
+        pause = 0.0
+        while read_flag(flags, index) < value:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"the engine's flag word {index} did not reach {value} (layer {layer} "
+                                       f"written) within [device] flag_timeout_ms; nothing was stored")
+            time.sleep(pause)
+            pause = min(_POLL_MAX_S, pause * 2 or 0.00002)
+
+    def load(self, pool: Pool, pages: np.ndarray, slot_offsets: list[int], kvd_flag: int, base: int,
+             on_landed) -> int:
+        """Issue the per-layer scatter into the pages; `on_landed()` runs (on the event loop) once
+        every copy has landed or the stream failed. Returns the value flags[kvd_flag] reaches."""
+        done = load_layers(pool.stream, pool.layout, pages, self.arena, slot_offsets, pool.flags_on_device,
+                           kvd_flag, base)
+        pool.busy += 1
+        task = asyncio.get_running_loop().create_task(self._landed(pool, on_landed, kvd_flag, done))
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+        return done
+
+    async def _landed(self, pool: Pool, on_landed, kvd_flag: int, done: int) -> None:
+        try:
+            await asyncio.to_thread(pool.stream.synchronize)
+        except DeviceError as error:
+            # The stream skipped the layers' flags after the failure: release the engine's waits
+            # with the failed mark rather than leave its stream waiting forever.
+            store_flag(pool.flags, kvd_flag, FAILED | done)
+            log.error("a load into an engine's pool failed", extra={"pool_id": pool.pool_id, "error": str(error)})
+        finally:
+            pool.busy -= 1
+            on_landed()

@@ -1,0 +1,263 @@
+"""The device plane against a real daemon in another process ([device] kind = "cpu"): this test
+process plays the engine, with its paged KV pool in CPU-device memory (memfd) that the daemon maps
+through IPC handles. Saves and loads are driven by kvd layer by layer through flag words; the
+bytes must match what the ordinary Get returns; bad registrations get precise errors; mappings are
+counted and closed on unregister and on lease expiry."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from kvd.client import Client
+from kvd.client.device import FAILED, DevicePool
+from kvd.core.keys import DType, NamespaceSpec, chain_keys
+from kvd.device import IpcHandle, open_device
+from kvd.testing.daemon import run_daemon
+
+SPEC = NamespaceSpec(model_id="device-plane-model", num_layers=4, num_kv_heads=2, head_dim=16, block_tokens=16,
+                     kv_dtype=DType.FLOAT32)
+PAGES = 32
+ENGINE, KVD = 0, 1
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    config = {"host": {"capacity_bytes": 16 << 20, "slot_bytes": 64 << 10},
+              "device": {"kind": "cpu", "flag_timeout_ms": 400, "pool_lease_ms": 1000},
+              "leases": {"sweep_interval_ms": 50}}
+    with run_daemon(tmp_path_factory.mktemp("kvd"), config=config) as process:
+        yield process
+
+
+@pytest.fixture
+def client(daemon):
+    with Client(daemon.unix_target) as client:
+        yield client
+
+
+class Engine:
+    """A paged KV pool of PAGES pages per layer in CPU-device memory, and a view to fill and read it."""
+
+    def __init__(self, client, device=None) -> None:
+        self.device = device or open_device("cpu")
+        self.namespace = client.register_namespace(SPEC)
+        self.layers = [self.device.alloc(PAGES * SPEC.layer_bytes) for _ in range(SPEC.num_layers)]
+        self.views = [np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * memory.nbytes).from_address(
+            memory.address)).view(np.float32).reshape(PAGES, -1) for memory in self.layers]
+        self.pool = DevicePool(client, self.namespace, self.device, self.layers, PAGES)
+
+    def write(self, page: int, block: np.ndarray) -> None:
+        """Every layer of one page (the block's layer l in layer l's memory)."""
+        for layer in range(SPEC.num_layers):
+            self.views[layer][page] = block[layer].reshape(-1)
+
+    def read(self, page: int) -> np.ndarray:
+        return np.stack([self.views[layer][page].reshape(SPEC.block_shape[1:]) for layer in range(SPEC.num_layers)])
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def blocks(count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((count, *SPEC.block_shape), dtype=np.float32)
+
+
+def keys_for(seed: int, count: int) -> list[bytes]:
+    return chain_keys(SPEC, np.arange(count * SPEC.block_tokens) + seed * 100_000)
+
+
+def save_as_engine(engine: Engine, keys, pages, data: np.ndarray, base: int):
+    """Save while computing: layer l of every page is written only once kvd has taken layer l - 1 out
+    (its flag), then marked written. A kvd that copied a layer before its mark would store the page's
+    old bytes for it."""
+    result = {}
+    saving = threading.Thread(target=lambda: result.update(response=engine.pool.save(keys, pages, ENGINE, KVD, base)))
+    saving.start()
+    for layer in range(SPEC.num_layers):
+        for page, block in zip(pages, data):
+            engine.views[layer][page] = block[layer].reshape(-1)
+        engine.pool.mark(ENGINE, base + layer + 1)
+        wait_for(lambda: engine.pool.flag(KVD) >= base + layer + 1 or not saving.is_alive())
+    saving.join(timeout=30)
+    assert not saving.is_alive()
+    return result["response"]
+
+
+def test_a_save_follows_the_engines_layers_and_a_load_brings_the_same_bytes_back(client):
+    engine = Engine(client)
+    data, keys = blocks(6, seed=1), keys_for(1, 6)
+    pages = [3, 7, 0, 31, 12, 5]
+    for page in pages:
+        engine.write(page, np.full(SPEC.block_shape, -1.0, dtype=np.float32))  # what a layer held before
+    base = engine.pool.flag(ENGINE)
+    response = save_as_engine(engine, keys, pages, data, base)
+    assert response.stored == 6 and response.done_value == base + SPEC.num_layers
+    assert engine.pool.flag(KVD) == response.done_value
+    np.testing.assert_array_equal(client.get_numpy(engine.namespace, keys), data)
+
+    target_pages = [20, 21, 22, 23, 24, 25]
+    base = engine.pool.flag(KVD)
+    loaded = engine.pool.load(keys + keys_for(99, 2)[:1], target_pages + [26], KVD, base)
+    assert loaded.matched == 6 and loaded.done_value == base + SPEC.num_layers
+    wait_for(lambda: engine.pool.flag(KVD) >= loaded.done_value)
+    for page, block in zip(target_pages, data):
+        np.testing.assert_array_equal(engine.read(page), block)
+    assert not engine.read(26).any(), "a page past the matched prefix was written"
+    engine.close()
+
+
+def test_a_load_of_nothing_stored_still_releases_every_layer(client):
+    engine = Engine(client)
+    loaded = engine.pool.load(keys_for(50, 3), [0, 1, 2], KVD, 40)
+    assert loaded.matched == 0 and loaded.done_value == 40 + SPEC.num_layers
+    wait_for(lambda: engine.pool.flag(KVD) == loaded.done_value)
+    assert not any(engine.read(page).any() for page in range(3))
+    engine.close()
+
+
+def test_an_engine_that_never_writes_its_layer_gets_deadline_exceeded_and_nothing_is_stored(client):
+    engine = Engine(client)
+    keys = keys_for(2, 3)
+    engine.pool.mark(ENGINE, 1)  # layer 0 written, never layer 1
+    with pytest.raises(grpc.RpcError) as error:
+        engine.pool.save(keys, [0, 1, 2], ENGINE, KVD, 0)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "flag word 0 did not reach 2" in error.value.details()
+    assert engine.pool.flag(KVD) == FAILED | SPEC.num_layers  # kvd reads the pages no more
+    assert client.lookup(engine.namespace, keys).matched == 0
+    # The same blocks save fine afterwards (their reservation was given back).
+    response = save_as_engine(engine, keys, [0, 1, 2], blocks(3, seed=2), 10)
+    assert response.stored == 3
+    engine.close()
+
+
+def codes_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as error:
+        call()
+    return error.value.code(), error.value.details()
+
+
+def test_registrations_kvd_cannot_use_are_refused_precisely(client, tmp_path):
+    device = open_device("cpu")
+    namespace = client.register_namespace(SPEC)
+    layers = [device.alloc(PAGES * SPEC.layer_bytes) for _ in range(SPEC.num_layers)]
+    handles = [device.export(memory).to_bytes() for memory in layers]
+    flags = device.export(device.alloc(512)).to_bytes()
+    register = client.register_pool
+    cases = {
+        "too few layers": (lambda: register(namespace, handles[:3], PAGES, flags),
+                           grpc.StatusCode.INVALID_ARGUMENT, "3 IPC handles for a namespace of 4 layers"),
+        "garbage handle": (lambda: register(namespace, [b"junk", *handles[1:]], PAGES, flags),
+                           grpc.StatusCode.INVALID_ARGUMENT, "layers[0]: not a kvd IPC handle"),
+        "pages past the memory": (lambda: register(namespace, handles, PAGES + 1, flags),
+                                  grpc.StatusCode.INVALID_ARGUMENT, "layers[0] holds"),
+        "another device": (lambda: register(namespace, [_with(handles[0], device_uuid="0" * 36), *handles[1:]],
+                                            PAGES, flags), grpc.StatusCode.FAILED_PRECONDITION, "not of this kvd's"),
+        "another kind": (lambda: register(namespace, [_with(handles[0], kind="cuda"), *handles[1:]], PAGES, flags),
+                         grpc.StatusCode.FAILED_PRECONDITION, "memory of a 'cuda' device"),
+        "not device memory": (lambda: register(namespace, [_file_handle(device, tmp_path), *handles[1:]], PAGES,
+                                               flags), grpc.StatusCode.FAILED_PRECONDITION, "is not CPU device memory"),
+        "a process that is gone": (lambda: register(namespace, [_with(handles[0], pid=2 ** 22 + 7), *handles[1:]],
+                                                    PAGES, flags), grpc.StatusCode.FAILED_PRECONDITION, "cannot open"),
+        "no pages": (lambda: register(namespace, handles, 0, flags), grpc.StatusCode.INVALID_ARGUMENT,
+                     "num_blocks must be"),
+    }
+    for name, (call, code, words) in cases.items():
+        got_code, details = codes_of(call)
+        assert (got_code, words in details) == (code, True), (name, got_code, details)
+    # Nothing stayed mapped from the refused registrations, and the daemon serves on.
+    assert client.lookup(namespace, keys_for(3, 1)).matched == 0
+
+
+def test_transfers_on_a_pool_kvd_does_not_know_or_out_of_its_bounds_are_refused(client, daemon):
+    engine = Engine(client)
+    keys = keys_for(4, 2)
+    cases = {
+        "page past the pool": (lambda: engine.pool.load(keys, [0, PAGES], KVD, 0), grpc.StatusCode.INVALID_ARGUMENT,
+                               f"pages must be in [0, {PAGES})"),
+        "fewer pages than keys": (lambda: engine.pool.load(keys, [0], KVD, 0), grpc.StatusCode.INVALID_ARGUMENT,
+                                  "pages: 1 for 2 keys"),
+        "flag past the words": (lambda: engine.pool.save(keys, [0, 1], 64, KVD, 0), grpc.StatusCode.INVALID_ARGUMENT,
+                                "engine_flag 64 is past the pool's 64 flag words"),
+        "unknown pool": (lambda: client.load_layers(engine.namespace, engine.pool.pool_id + 1000, keys, [0, 1], KVD,
+                                                    0), grpc.StatusCode.NOT_FOUND, "no pool"),
+    }
+    for name, (call, code, words) in cases.items():
+        got_code, details = codes_of(call)
+        assert (got_code, words in details) == (code, True), (name, got_code, details)
+    with Client(daemon.unix_target) as other:  # another client cannot use this one's pool
+        got_code, _ = codes_of(lambda: other.load_layers(engine.namespace, engine.pool.pool_id, keys, [0, 1], KVD, 0))
+        assert got_code == grpc.StatusCode.NOT_FOUND
+    engine.close()
+    got_code, _ = codes_of(lambda: engine.pool.load(keys, [0, 1], KVD, 0))
+    assert got_code == grpc.StatusCode.NOT_FOUND
+
+
+def test_mappings_are_shared_counted_and_closed_on_unregister_and_on_lease_expiry(client, daemon):
+    device = open_device("cpu")
+    engine = Engine(client, device)
+    pid = daemon.process.pid
+    first = _mapped_allocations(pid)
+    assert len(first) == SPEC.num_layers + 1  # each layer and the flag words
+    second = DevicePool(client, engine.namespace, device, engine.layers, PAGES)
+    assert len(_mapped_allocations(pid)) == SPEC.num_layers + 2  # the layers mapped once; two flag memories
+    second.close()
+    assert _mapped_allocations(pid) == first
+    engine.close()
+    assert _mapped_allocations(pid) == set()
+    # A pool nobody uses for its lease (1 s here) is unregistered and unmapped by the daemon's sweep.
+    abandoned = Engine(client, device)
+    assert len(_mapped_allocations(pid)) == SPEC.num_layers + 1
+    wait_for(lambda: not _mapped_allocations(pid), timeout_s=20)
+    got_code, _ = codes_of(lambda: abandoned.pool.load(keys_for(5, 1), [0], KVD, 0))
+    assert got_code == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_daemon_without_a_device_plane_says_so(tmp_path):
+    with run_daemon(tmp_path / "off") as process, Client(process.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        got_code, details = codes_of(lambda: client.register_pool(namespace, [b""] * 4, 1, b""))
+        assert got_code == grpc.StatusCode.FAILED_PRECONDITION and "[device] kind" in details
+
+
+def _with(handle: bytes, **changes) -> bytes:
+    parsed = IpcHandle.from_bytes(handle)
+    if "pid" in changes:
+        _, fd, size = parsed.handle.decode().split(":")
+        changes = {"handle": f"{changes['pid']}:{fd}:{size}".encode()}
+    fields = {"kind": parsed.kind, "device_uuid": parsed.device_uuid, "handle": parsed.handle,
+              "offset": parsed.offset, "nbytes": parsed.nbytes, **changes}
+    return IpcHandle(**fields).to_bytes()
+
+
+def _file_handle(device, tmp_path: Path) -> bytes:
+    """A handle naming an ordinary file this process has open, of the right size."""
+    path = tmp_path / "not-device-memory"
+    path.write_bytes(bytes(PAGES * SPEC.layer_bytes))
+    fd = os.open(path, os.O_RDWR)
+    _file_handle.keep = fd  # open for the length of the test
+    handle = f"{os.getpid()}:{fd}:{PAGES * SPEC.layer_bytes}".encode()
+    return IpcHandle("cpu", device.uuid, handle, 0, PAGES * SPEC.layer_bytes).to_bytes()
+
+
+def _mapped_allocations(pid: int) -> set[str]:
+    """The CPU-device memories (memfds) process `pid` has mapped, by inode."""
+    found = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if "/memfd:kvd-cpu-device-" in line:
+            found.add(line.split()[4])
+    return found
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
