@@ -7,7 +7,10 @@
       |     + SCM_RIGHTS: the tenant's arena memfd     |
       | mmap(fd)                                      |
 
-One JSON line each way, then the daemon closes the connection. A refusal
+One JSON line each way, then the daemon closes the connection. A second
+request, {"op": "deposit", "count": n, "token": ...} sent with n descriptors
+(SCM_RIGHTS), hands an engine's pool memory to the device plane: the reply
+{"ok": true, "ticket": "..."} names them for RegisterPool (deposit_fds). A refusal
 is {"ok": false, "code": "<grpc status name>", "message": "..."} and no
 descriptor. The socket sits next to the gRPC unix socket, with the same
 mode (0600, or 0660 for server.unix_socket_group), so whoever may call
@@ -26,7 +29,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, PermissionDenied, Unauthenticated
+from kvd.errors import (FailedPrecondition, InvalidArgument, KvdError, PermissionDenied, ResourceExhausted,
+                        Unauthenticated)
 
 SUFFIX = ".arena"
 # How a FAILED_PRECONDITION about a replaced arena begins: the client maps
@@ -36,12 +40,15 @@ ARENA_CHANGED = "the arena changed"
 MAX_REQUEST_BYTES = 8192
 MAX_REPLY_BYTES = 4096
 TIMEOUT_S = 5.0
+# Descriptors one deposit may pass (an engine's pool: one per layer, and its flag words).
+MAX_DEPOSIT_FDS = 1024
 
 _ERRORS: dict[str, type[KvdError]] = {
     "UNAUTHENTICATED": Unauthenticated,
     "PERMISSION_DENIED": PermissionDenied,
     "FAILED_PRECONDITION": FailedPrecondition,
     "INVALID_ARGUMENT": InvalidArgument,
+    "RESOURCE_EXHAUSTED": ResourceExhausted,
 }
 
 
@@ -103,6 +110,33 @@ def receive_arena(path: Path, token: str | None, instance_id: str,
         _close(fds)
         raise InvalidArgument(f"the arena socket {path} sent {len(fds)} descriptors, not one")
     return fds[0], reply
+
+
+def deposit_fds(path: Path, token: str | None, fds: list[int], timeout_s: float = TIMEOUT_S) -> str:
+    """Pass `fds` to the daemon for a RegisterPool (the device plane); returns the ticket its
+    handles name as deposit:<ticket>:<index>. The caller still owns (and closes) its `fds`."""
+    request: dict[str, Any] = {"op": "deposit", "count": len(fds)}
+    if token:
+        request["token"] = token
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.settimeout(timeout_s)
+        connection.connect(str(path))
+        socket.send_fds(connection, [encode(request)], fds)
+        reply_bytes = b""
+        while not reply_bytes.endswith(b"\n") and len(reply_bytes) <= MAX_REPLY_BYTES:
+            chunk = connection.recv(MAX_REPLY_BYTES)
+            if not chunk:
+                break
+            reply_bytes += chunk
+    try:
+        reply = json.loads(reply_bytes)
+    except ValueError:
+        raise InvalidArgument(f"the arena socket {path} answered {reply_bytes[:80]!r}, not kvd's protocol") from None
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        message = reply.get("message", "refused") if isinstance(reply, dict) else "refused"
+        raise _ERRORS.get(str(reply.get("code")) if isinstance(reply, dict) else "", KvdError)(
+            f"arena socket: {message}")
+    return str(reply["ticket"])
 
 
 def _close(fds: list[int]) -> None:

@@ -315,6 +315,7 @@ class Daemon:
             arena_protocol.socket_path(socket_path.resolve()), self.arena, self.tokens,
             lambda reason: rpc_metrics.auth_failures.labels(reason).inc(),
             request_timeout_s=config.server.arena_request_timeout_s,
+            on_deposit=self.device_plane.deposit if self.device_plane is not None else None,
         )
         self.arena_socket.start()
         for path in (socket_path, self.arena_socket.path):

@@ -13,10 +13,14 @@ device's `mark` and `flag` are the same stores and loads from a thread.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
+from kvd.arena_protocol import deposit_fds
+from kvd.client._ops import resolve_token
 from kvd.client._wire import Namespace
-from kvd.device import Device, Memory
+from kvd.device import Device, IpcHandle, Memory
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
 from kvd.v1 import kvd_pb2
 
@@ -26,20 +30,41 @@ FAILED = 1 << 63
 
 class DevicePool:
     def __init__(self, client, namespace: Namespace, device: Device, layers: Sequence[Memory], num_blocks: int,
-                 flag_words: int = 64, lease_ms: int = 0, host: CpuDevice | None = None) -> None:
+                 flag_words: int = 64, lease_ms: int = 0, host: CpuDevice | None = None,
+                 arena_socket: Path | None = None, token: str | None = None) -> None:
+        """`arena_socket`: pass the memory to the daemon as file descriptors over its arena socket
+        (needed where the daemon cannot reach this process by pid, as from another container, and
+        for CUDA VMM pools); None: IPC handles by pid inside the RPC."""
         self.client = client
         self.namespace = namespace
         self.host = host if host is not None else (device if isinstance(device, CpuDevice) else CpuDevice())
         self.flags = self.host.alloc(flag_words * 8)
-        handles = [device.export(memory).to_bytes() for memory in layers]
         try:
-            response = client.register_pool(namespace, handles, num_blocks, self.host.export(self.flags).to_bytes(),
-                                             lease_ms)
+            if arena_socket is None:
+                handles = [device.export(memory).to_bytes() for memory in layers]
+                flags = self.host.export(self.flags).to_bytes()
+            else:
+                handles, flags = self._deposit(arena_socket, resolve_token(token), device, layers)
+            response = client.register_pool(namespace, handles, num_blocks, flags, lease_ms)
         except BaseException:
             self.host.free(self.flags)
             raise
         self.pool_id = response.pool_id
         self.lease_deadline_ms = response.lease_deadline_ms
+
+    def _deposit(self, path: Path, token: str | None, device: Device,
+                 layers: Sequence[Memory]) -> tuple[list[bytes], bytes]:
+        fds = [device.export_fd(memory) for memory in layers] + [self.host.export_fd(self.flags)]
+        try:
+            ticket = deposit_fds(path, token, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        handles = [IpcHandle(device.kind, device.uuid, f"deposit:{ticket}:{i}".encode(), 0, memory.nbytes).to_bytes()
+                   for i, memory in enumerate(layers)]
+        flags = IpcHandle(self.host.kind, self.host.uuid, f"deposit:{ticket}:{len(layers)}".encode(), 0,
+                          self.flags.nbytes).to_bytes()
+        return handles, flags
 
     def flag(self, index: int) -> int:
         return read_flag(self.flags, index)

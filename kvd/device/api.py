@@ -186,7 +186,18 @@ class Device(ABC):
 
     @abstractmethod
     def close(self, memory: Memory) -> None:
-        """Drop one reference taken by `open`; the mapping goes with the last."""
+        """Drop one reference taken by `open` or `import_fd`; the mapping goes with the last."""
+
+    @abstractmethod
+    def export_fd(self, memory: Memory) -> int:
+        """A new file descriptor for an allocation of this process, to pass over a unix socket
+        (SCM_RIGHTS): where the other side cannot reach this process by pid (another pid namespace,
+        a container), and for CUDA VMM allocations (cuMemExportToShareableHandle). The caller closes it."""
+
+    @abstractmethod
+    def import_fd(self, fd: int, offset: int, nbytes: int) -> Memory:
+        """Map [offset, offset + nbytes) of an allocation passed as `fd` (which this call takes over,
+        whatever happens). Reference-counted per allocation, as `open`."""
 
     @abstractmethod
     def stream(self) -> Stream: ...

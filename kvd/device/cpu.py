@@ -262,6 +262,40 @@ class CpuDevice(Device):
             raise DeviceError(f"process {pid}'s descriptor {fd} is not the {size}-byte allocation it was")
         return _Mapping(own, size, owned=False)
 
+    def export_fd(self, memory: Memory) -> int:
+        mapping = self._allocations.get(memory.address)
+        if mapping is None:
+            raise DeviceError("only memory this process allocated can be exported")
+        return os.dup(mapping.fd)
+
+    def import_fd(self, fd: int, offset: int, nbytes: int) -> Memory:
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith(_MEMFD_PREFIX):
+                raise DeviceError("the descriptor is not CPU device memory")
+            stat = os.fstat(fd)
+        except OSError as error:
+            os.close(fd)
+            raise DeviceError(f"cannot use the descriptor: {error.strerror}", error.errno) from None
+        except DeviceError:
+            os.close(fd)
+            raise
+        if offset < 0 or nbytes <= 0 or offset + nbytes > stat.st_size:
+            os.close(fd)
+            raise DeviceError(f"[{offset}, {offset + nbytes}) is outside the {stat.st_size}-byte allocation")
+        key = ("inode", stat.st_dev, stat.st_ino)
+        with self._lock:
+            mapping = self._opened.get(key)
+            if mapping is not None:
+                mapping.references += 1
+                os.close(fd)
+            else:
+                try:
+                    mapping = self._opened[key] = _Mapping(fd, stat.st_size, owned=False)
+                except OSError as error:
+                    os.close(fd)
+                    raise DeviceError(f"cannot map the descriptor: {error.strerror}", error.errno) from None
+        return Memory(mapping.address + offset, nbytes, self.uuid, token=key)
+
     def close(self, memory: Memory) -> None:
         key = memory.token
         with self._lock:

@@ -25,6 +25,7 @@ no GPU cudaErrorNoDevice (100); both are NoDevice here.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid as uuid_module
@@ -215,6 +216,9 @@ class CudaDevice(Device):
         return Memory(entry[0] + handle.offset, handle.nbytes, self.uuid, token=handle.handle)
 
     def close(self, memory: Memory) -> None:
+        if isinstance(memory.token, tuple) and memory.token[0] == "vmm":
+            self._close_vmm(memory.token)
+            return
         with self._lock:
             entry = self._opened.get(memory.token) if isinstance(memory.token, bytes) else None
             if entry is None:
@@ -225,6 +229,43 @@ class CudaDevice(Device):
             del self._opened[memory.token]
         self.make_current()
         _check(self.runtime.cudaIpcCloseMemHandle(entry[0]), "cudaIpcCloseMemHandle")
+
+    def export_fd(self, memory: Memory) -> int:
+        raise DeviceError("memory from cudaMalloc has no file descriptor export: an engine with a VMM pool "
+                          "(cuMemCreate, PyTorch's expandable segments) exports it with cuMemExportToShareableHandle")
+
+    def import_fd(self, fd: int, offset: int, nbytes: int) -> Memory:
+        """A VMM allocation exported as a POSIX file descriptor: imported, mapped at a reserved range
+        rounded up to the allocation granularity, and made readable and writable by this device."""
+        drv = self.driver
+        try:
+            self.make_current()
+            handle = _check(drv.cuMemImportFromShareableHandle(
+                fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                "cuMemImportFromShareableHandle")
+        finally:
+            os.close(fd)  # the driver holds its own reference now
+        properties = _check(drv.cuMemGetAllocationPropertiesFromHandle(handle), "cuMemGetAllocationPropertiesFromHandle")
+        granularity = _check(drv.cuMemGetAllocationGranularity(
+            properties, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+            "cuMemGetAllocationGranularity")
+        size = -(-(offset + nbytes) // granularity) * granularity
+        address = int(_check(drv.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
+        _check(drv.cuMemMap(address, size, 0, handle, 0), "cuMemMap")
+        access = drv.CUmemAccessDesc()
+        access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.index
+        access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        _check(drv.cuMemSetAccess(address, size, [access], 1), "cuMemSetAccess")
+        return Memory(address + offset, nbytes, self.uuid, token=("vmm", address, size, handle))
+
+    def _close_vmm(self, token) -> None:
+        _, address, size, handle = token
+        drv = self.driver
+        self.make_current()
+        _check(drv.cuMemUnmap(address, size), "cuMemUnmap")
+        _check(drv.cuMemAddressFree(address, size), "cuMemAddressFree")
+        _check(drv.cuMemRelease(handle), "cuMemRelease")
 
     def stream(self) -> CudaStream:
         return CudaStream(self)

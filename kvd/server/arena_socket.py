@@ -32,8 +32,12 @@ REQUEST_TIMEOUT_S = 2.0
 class ArenaSocket:
     def __init__(self, path: Path, arena: HostArena, tokens: TokenTable | None,
                  on_refused: Callable[[str], None] = lambda reason: None,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = REQUEST_TIMEOUT_S,
+                 on_deposit: Callable[[str, list[int]], dict[str, Any]] | None = None) -> None:
         self.path = path
+        # The device plane's deposit (kvd.server.device_plane): keeps copies of the descriptors an
+        # engine passes for its RegisterPool. None: no device plane, deposits are refused.
+        self.on_deposit = on_deposit
         self.request_timeout_s = request_timeout_s
         self.arena = arena
         self.tokens = tokens
@@ -81,28 +85,38 @@ class ArenaSocket:
             task.add_done_callback(self._connections.discard)
 
     async def _serve(self, connection: socket.socket) -> None:
+        received: list[int] = []  # descriptors the client passed; closed here whatever happens
         with connection:
             try:
-                request = await asyncio.wait_for(self._read(connection), self.request_timeout_s)
-                reply, fd = self.answer(request, connection)
+                request = await asyncio.wait_for(self._read(connection, received), self.request_timeout_s)
+                reply, fd = self.answer(request, connection, received)
                 connection.sendmsg([arena_protocol.encode(reply)], arena_protocol.fds_message(fd) if fd >= 0 else [])
             except TimeoutError:
                 log.warning("arena socket: no request in time", extra=_peer(connection))
             except OSError as error:
                 log.warning("arena socket: connection failed", extra={**_peer(connection), "reason": str(error)})
+            finally:
+                for fd in received:
+                    os.close(fd)
 
-    async def _read(self, connection: socket.socket) -> bytes:
+    async def _read(self, connection: socket.socket, received: list[int]) -> bytes:
         loop = asyncio.get_running_loop()
         data = b""
         while not data.endswith(b"\n") and len(data) <= arena_protocol.MAX_REQUEST_BYTES:
-            chunk = await loop.sock_recv(connection, arena_protocol.MAX_REQUEST_BYTES + 1 - len(data))
+            await _readable(loop, connection)
+            try:
+                chunk, fds, _flags, _address = socket.recv_fds(
+                    connection, arena_protocol.MAX_REQUEST_BYTES + 1 - len(data), arena_protocol.MAX_DEPOSIT_FDS)
+            except BlockingIOError:
+                continue
+            received.extend(fds)
             if not chunk:
                 break
             data += chunk
         return data
 
-    def answer(self, data: bytes, connection: socket.socket) -> tuple[dict[str, Any], int]:
-        """(reply, descriptor to pass or -1) for one request."""
+    def answer(self, data: bytes, connection: socket.socket, received: list[int] = ()) -> tuple[dict[str, Any], int]:
+        """(reply, descriptor to pass or -1) for one request; `received`: descriptors passed with it."""
         if len(data) > arena_protocol.MAX_REQUEST_BYTES:
             return _refusal("INVALID_ARGUMENT", f"request longer than {arena_protocol.MAX_REQUEST_BYTES} bytes"), -1
         try:
@@ -128,11 +142,36 @@ class ArenaSocket:
                 log.warning("arena socket: refused, unknown token", extra=_peer(connection))
                 return _refusal("UNAUTHENTICATED", "the token is not one of a configured tenant"), -1
             tenant = found.name
+        if request.get("op") == "deposit":
+            return self._deposit(tenant, request, list(received), connection), -1
         layout = self.arena.layout
         self.handed_out += 1
         reply = {"ok": True, "instance_id": self.arena.instance_id, "arena_bytes": layout.arena_bytes,
                  "slot_bytes": layout.slot_bytes, "slot_count": layout.slot_count}
         return reply, self.arena.tenant_fd(tenant)
+
+
+    def _deposit(self, tenant: str, request: dict[str, Any], fds: list[int],
+                 connection: socket.socket) -> dict[str, Any]:
+        if self.on_deposit is None:
+            return _refusal("FAILED_PRECONDITION", "this kvd has no device plane ([device] kind = \"off\")")
+        if request.get("count") != len(fds):
+            return _refusal("INVALID_ARGUMENT", f"the request says {request.get('count')!r} descriptors and "
+                                                f"{len(fds)} came (at most {arena_protocol.MAX_DEPOSIT_FDS})")
+        reply = self.on_deposit(tenant, fds)
+        log.info("arena socket: descriptors deposited", extra={**_peer(connection), "count": len(fds),
+                                                               "accepted": reply.get("ok", False)})
+        return reply
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, connection: socket.socket) -> None:
+    """Until `connection` has something to read (or is closed)."""
+    ready = loop.create_future()
+    loop.add_reader(connection.fileno(), lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(connection.fileno())
 
 
 def _refusal(code: str, message: str) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +40,21 @@ MAX_POOL_BLOCKS = 1 << 31
 # layer is released): the engine must treat the pages as not loaded.
 FAILED = 1 << 63
 _POLL_MAX_S = 0.0005
+
+
+# Descriptors deposited over the arena socket wait this long for the RegisterPool that names them.
+DEPOSIT_TTL_S = 60.0
+MAX_DEPOSITS = 256
+DEPOSIT_PREFIX = b"deposit:"
+
+
+@dataclass(slots=True)
+class Deposit:
+    """Descriptors an engine passed over the arena socket (SCM_RIGHTS) for one RegisterPool."""
+
+    tenant: str
+    fds: list[int]
+    deadline: float  # time.monotonic()
 
 
 @dataclass(slots=True)
@@ -70,12 +87,13 @@ class DevicePlane:
         self.pool_lease_ms = pool_lease_ms
         self.flag_timeout_s = flag_timeout_ms / 1000.0
         self.pools: dict[int, Pool] = {}
+        self.deposits: dict[str, Deposit] = {}
         self._ids = itertools.count(1)
         self._drains: set[asyncio.Task] = set()
 
     # ---------------------------------------------------------------- registration
 
-    def register(self, request, num_layers: int, layer_bytes: int, now_ms: int) -> Pool:
+    def register(self, request, num_layers: int, layer_bytes: int, now_ms: int, tenant: str = "") -> Pool:
         if len(self.pools) >= self.max_pools:
             raise ResourceExhausted(f"{len(self.pools)} pools are registered, the most [device] max_pools allows; "
                                     "unregister one first")
@@ -88,9 +106,9 @@ class DevicePlane:
         flags_handle = self._handle("flags", request.flags, 8, self.host)
         opened: list[Memory] = []
         try:
-            layers = [self._open(self.device, handle, name, opened) for name, handle in
+            layers = [self._open(self.device, handle, name, opened, tenant) for name, handle in
                       ((f"layers[{i}]", h) for i, h in enumerate(handles))]
-            flags = self._open(self.host, flags_handle, "flags", opened)
+            flags = self._open(self.host, flags_handle, "flags", opened, tenant)
             flags = Memory(flags.address, flags.nbytes - flags.nbytes % 8, flags.device_uuid, flags.token)
             flags_on_device = flags if self.device is self.host else self.device.register_host(flags.address,
                                                                                                flags.nbytes)
@@ -98,6 +116,9 @@ class DevicePlane:
         except BaseException:
             self._close_all(opened)
             raise
+        for handle in (*handles, flags_handle):  # a deposit serves one registration
+            if handle.handle.startswith(DEPOSIT_PREFIX):
+                self._drop_deposit(handle.handle.split(b":")[1].decode())
         lease_ms = request.lease_ms or self.pool_lease_ms
         pool = Pool(next(self._ids), request.client_id, request.namespace_id, layout, flags, flags_on_device,
                     self.device.stream(), lease_ms, now_ms + lease_ms, opened)
@@ -122,14 +143,54 @@ class DevicePlane:
             raise InvalidArgument(f"{name} holds {handle.nbytes} bytes, less than the {least_bytes} it must")
         return handle
 
-    @staticmethod
-    def _open(device: Device, handle: IpcHandle, name: str, opened: list[Memory]) -> Memory:
+    def _open(self, device: Device, handle: IpcHandle, name: str, opened: list[Memory], tenant: str) -> Memory:
         try:
-            memory = device.open(handle)
+            if handle.handle.startswith(DEPOSIT_PREFIX):
+                memory = device.import_fd(self._deposited(handle.handle, name, tenant), handle.offset, handle.nbytes)
+            else:
+                memory = device.open(handle)
         except DeviceError as error:
             raise FailedPrecondition(f"{name}: {error}") from None
         opened.append(memory)
         return memory
+
+    # ---------------------------------------------------------------- descriptors over the arena socket
+
+    def deposit(self, tenant: str, fds: list[int]) -> dict:
+        """Keep copies of `fds` (the caller closes its own) for a RegisterPool that names them as
+        deposit:<ticket>:<index>; the arena socket's reply."""
+        self._expire_deposits()
+        if not fds:
+            return {"ok": False, "code": "INVALID_ARGUMENT", "message": "a deposit passes at least one descriptor"}
+        if len(self.deposits) >= MAX_DEPOSITS:
+            return {"ok": False, "code": "RESOURCE_EXHAUSTED",
+                    "message": f"{len(self.deposits)} deposits wait for their RegisterPool; register or wait"}
+        ticket = secrets.token_hex(16)
+        self.deposits[ticket] = Deposit(tenant, [os.dup(fd) for fd in fds], time.monotonic() + DEPOSIT_TTL_S)
+        return {"ok": True, "ticket": ticket, "count": len(fds)}
+
+    def _deposited(self, handle: bytes, name: str, tenant: str) -> int:
+        """A new descriptor for deposit:<ticket>:<index> (the device's import_fd takes it over)."""
+        try:
+            _, ticket, index = handle.decode().split(":")
+            deposit = self.deposits.get(ticket)
+            fd = deposit.fds[int(index)] if deposit is not None and deposit.tenant == tenant else -1
+        except (ValueError, IndexError):
+            raise InvalidArgument(f"{name}: a deposit handle is deposit:<ticket>:<index>") from None
+        if fd < 0 or time.monotonic() > deposit.deadline:
+            raise FailedPrecondition(f"{name}: no deposit {ticket[:32]!r} of this tenant (used by another "
+                                     f"RegisterPool, or older than {DEPOSIT_TTL_S:.0f} s)")
+        return os.dup(fd)
+
+    def _drop_deposit(self, ticket: str) -> None:
+        deposit = self.deposits.pop(ticket, None)
+        for fd in deposit.fds if deposit is not None else ():
+            os.close(fd)
+
+    def _expire_deposits(self) -> None:
+        now = time.monotonic()
+        for ticket in [t for t, deposit in self.deposits.items() if deposit.deadline < now]:
+            self._drop_deposit(ticket)
 
     def _close_all(self, opened: list[Memory]) -> None:
         for memory in opened:
@@ -152,7 +213,8 @@ class DevicePlane:
         await self._retire(self.pool(client_id, pool_id))
 
     async def sweep(self, now_ms: int) -> int:
-        """Unregister the pools whose lease ran out; returns how many."""
+        """Unregister the pools whose lease ran out (and drop stale deposits); returns how many pools."""
+        self._expire_deposits()
         expired = [pool for pool in self.pools.values() if pool.deadline_ms <= now_ms and not pool.closing]
         for pool in expired:
             log.warning("pool lease ran out; unregistering it", extra={"pool_id": pool.pool_id,
@@ -175,6 +237,8 @@ class DevicePlane:
         self.pools.pop(pool.pool_id, None)
 
     async def close(self) -> None:
+        for ticket in list(self.deposits):
+            self._drop_deposit(ticket)
         for task in list(self._drains):
             await task
         for pool in list(self.pools.values()):

@@ -44,7 +44,7 @@ from kvd.errors import (
 from kvd.metrics import RpcMetrics
 from kvd.server import convert
 from kvd.server.auth import CURRENT_TENANT, Tenant, scoped_client_id
-from kvd.tiers.host import HostArena
+from kvd.tiers.host import DEFAULT_TENANT, HostArena
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 if TYPE_CHECKING:
@@ -746,7 +746,9 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         plane = self._device_plane()
         await plane.sweep(self.clock.now_ms())
         spec = self.engine.namespace(request.namespace_id).spec
-        pool = plane.register(request, spec.num_layers, spec.layer_bytes, self.clock.now_ms())
+        tenant = self._caller()
+        pool = plane.register(request, spec.num_layers, spec.layer_bytes, self.clock.now_ms(),
+                              tenant.name if tenant is not None else DEFAULT_TENANT)
         return kvd_pb2.RegisterPoolResponse(pool_id=pool.pool_id, lease_deadline_ms=pool.deadline_ms,
                                             flag_words=pool.flag_words)
 

@@ -6,6 +6,7 @@ counted and closed on unregister and on lease expiry."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -15,10 +16,12 @@ import grpc
 import numpy as np
 import pytest
 
+from kvd import arena_protocol
 from kvd.client import Client
 from kvd.client.device import FAILED, DevicePool
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
 from kvd.device import IpcHandle, open_device
+from kvd.errors import FailedPrecondition, InvalidArgument
 from kvd.testing.daemon import run_daemon
 
 SPEC = NamespaceSpec(model_id="device-plane-model", num_layers=4, num_kv_heads=2, head_dim=16, block_tokens=16,
@@ -45,13 +48,13 @@ def client(daemon):
 class Engine:
     """A paged KV pool of PAGES pages per layer in CPU-device memory, and a view to fill and read it."""
 
-    def __init__(self, client, device=None) -> None:
+    def __init__(self, client, device=None, arena_socket: Path | None = None) -> None:
         self.device = device or open_device("cpu")
         self.namespace = client.register_namespace(SPEC)
         self.layers = [self.device.alloc(PAGES * SPEC.layer_bytes) for _ in range(SPEC.num_layers)]
         self.views = [np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * memory.nbytes).from_address(
             memory.address)).view(np.float32).reshape(PAGES, -1) for memory in self.layers]
-        self.pool = DevicePool(client, self.namespace, self.device, self.layers, PAGES)
+        self.pool = DevicePool(client, self.namespace, self.device, self.layers, PAGES, arena_socket=arena_socket)
 
     def write(self, page: int, block: np.ndarray) -> None:
         """Every layer of one page (the block's layer l in layer l's memory)."""
@@ -220,11 +223,83 @@ def test_mappings_are_shared_counted_and_closed_on_unregister_and_on_lease_expir
     assert got_code == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_pool_passed_as_descriptors_over_the_arena_socket_saves_and_loads(client, daemon):
+    """The path for an engine the daemon cannot reach by pid (another container): no /proc involved."""
+    socket_path = arena_protocol.socket_path_for_target(daemon.unix_target)
+    descriptors = _open_descriptors(daemon.process.pid)
+    engine = Engine(client, arena_socket=socket_path)
+    data, keys, pages = blocks(4, seed=6), keys_for(6, 4), [9, 2, 30, 4]
+    response = save_as_engine(engine, keys, pages, data, engine.pool.flag(ENGINE))
+    assert response.stored == 4
+    np.testing.assert_array_equal(client.get_numpy(engine.namespace, keys), data)
+    loaded = engine.pool.load(keys, [10, 11, 12, 13], KVD, engine.pool.flag(KVD))
+    wait_for(lambda: engine.pool.flag(KVD) >= loaded.done_value)
+    for page, block in zip([10, 11, 12, 13], data):
+        np.testing.assert_array_equal(engine.read(page), block)
+    engine.close()
+    assert _mapped_allocations(daemon.process.pid) == set()
+    assert _open_descriptors(daemon.process.pid) == descriptors  # the deposit's copies were all closed
+
+
+def test_deposits_kvd_cannot_use_are_refused_precisely(client, daemon, tmp_path):
+    socket_path = arena_protocol.socket_path_for_target(daemon.unix_target)
+    device = open_device("cpu")
+    namespace = client.register_namespace(SPEC)
+    layers = [device.alloc(PAGES * SPEC.layer_bytes) for _ in range(SPEC.num_layers)]
+    flags = device.alloc(512)
+    fds = [device.export_fd(memory) for memory in [*layers, flags]]
+    ticket = arena_protocol.deposit_fds(socket_path, None, fds)
+
+    def handle(index: int, nbytes: int, name: str = ticket) -> bytes:
+        return IpcHandle("cpu", device.uuid, f"deposit:{name}:{index}".encode(), 0, nbytes).to_bytes()
+
+    layer_handles = [handle(i, PAGES * SPEC.layer_bytes) for i in range(SPEC.num_layers)]
+    pool = client.register_pool(namespace, layer_handles, PAGES, handle(SPEC.num_layers, 512))
+    # A deposit serves one registration.
+    got_code, details = codes_of(lambda: client.register_pool(namespace, layer_handles, PAGES,
+                                                              handle(SPEC.num_layers, 512)))
+    assert got_code == grpc.StatusCode.FAILED_PRECONDITION and "no deposit" in details, details
+    client.unregister_pool(pool.pool_id)
+    # A descriptor that is not CPU device memory is refused when named, not mapped.
+    path = tmp_path / "plain-file"
+    path.write_bytes(bytes(PAGES * SPEC.layer_bytes))
+    plain = os.open(path, os.O_RDWR)
+    other = arena_protocol.deposit_fds(socket_path, None, [plain, *fds[1:]])
+    got_code, details = codes_of(lambda: client.register_pool(
+        namespace, [handle(i, PAGES * SPEC.layer_bytes, other) for i in range(SPEC.num_layers)], PAGES,
+        handle(SPEC.num_layers, 512, other)))
+    assert got_code == grpc.StatusCode.FAILED_PRECONDITION and "not CPU device memory" in details, details
+    with pytest.raises(InvalidArgument, match="says 9 descriptors and 5 came"):
+        _deposit_claiming(socket_path, fds, 9)
+    for fd in [*fds, plain]:
+        os.close(fd)
+
+
 def test_a_daemon_without_a_device_plane_says_so(tmp_path):
     with run_daemon(tmp_path / "off") as process, Client(process.unix_target) as client:
         namespace = client.register_namespace(SPEC)
         got_code, details = codes_of(lambda: client.register_pool(namespace, [b""] * 4, 1, b""))
         assert got_code == grpc.StatusCode.FAILED_PRECONDITION and "[device] kind" in details
+        fd = os.memfd_create("kvd-cpu-device-0")
+        with pytest.raises(FailedPrecondition, match="no device plane"):
+            arena_protocol.deposit_fds(arena_protocol.socket_path_for_target(process.unix_target), None, [fd])
+        os.close(fd)
+
+
+def _deposit_claiming(path: Path, fds: list[int], count: int) -> None:
+    """A deposit whose request names another count than it passes."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.connect(str(path))
+        socket.send_fds(connection, [arena_protocol.encode({"op": "deposit", "count": count})], fds)
+        reply = json.loads(connection.recv(4096))
+    assert not reply["ok"]
+    raise InvalidArgument(reply["message"])
+
+
+def _open_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def _with(handle: bytes, **changes) -> bytes:
