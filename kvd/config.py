@@ -266,6 +266,10 @@ class DeviceConfig:
     pool_lease_ms: int = 300_000
     # How long a SaveLayers waits for the engine's flag of a layer.
     flag_timeout_ms: int = 10_000
+    # The device tier: device memory kvd owns above host memory, holding copies of saved blocks
+    # for other engines' loads (0: none), in slots of tier_slot_bytes (0: host.slot_bytes).
+    tier_bytes: int = 0
+    tier_slot_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -441,6 +445,13 @@ class Config:
             raise ConfigError("device.pool_lease_ms", f"must be 1000..86400000, got {device.pool_lease_ms}")
         if not 1 <= device.flag_timeout_ms <= 600_000:
             raise ConfigError("device.flag_timeout_ms", f"must be 1..600000, got {device.flag_timeout_ms}")
+        if device.tier_bytes < 0 or device.tier_slot_bytes < 0 or device.tier_slot_bytes % 4096:
+            raise ConfigError("device.tier_slot_bytes" if device.tier_bytes >= 0 else "device.tier_bytes",
+                              "must not be negative, and slots a multiple of 4096 bytes")
+        if device.tier_bytes and device.kind == "off":
+            raise ConfigError("device.tier_bytes", "a device tier needs the device plane: set device.kind")
+        if device.tier_bytes and device.tier_bytes < (device.tier_slot_bytes or self.host.slot_bytes):
+            raise ConfigError("device.tier_bytes", f"{device.tier_bytes} is smaller than one slot")
 
     def _validate_rest(self) -> None:
         """Leases, events and logging."""

@@ -47,7 +47,7 @@ from kvd.core.policy import DiskPolicies
 from kvd.core.quota import TenantQuota
 from kvd.core.slot_pool import class_sizes
 from kvd.errors import StartupFailed
-from kvd.metrics import ArenaCollector, ClusterCollector, DiskIoMetrics, make_registry
+from kvd.metrics import ArenaCollector, ClusterCollector, DeviceCollector, DiskIoMetrics, make_registry
 from kvd.server.arena_socket import ArenaSocket
 from kvd.server.cluster_blocks import ClusterBlocks
 from kvd.server.auth import FAILURE_REASONS, AuthInterceptor, TokenTable
@@ -193,6 +193,8 @@ class Daemon:
         arena, arena_socket = self.arena, self.arena_socket
         registry.register(ArenaCollector(lambda: arena_socket.handed_out if arena_socket else 0,
                                          lambda: arena.reassigned_slots))
+        if self.device_plane is not None:
+            registry.register(DeviceCollector(self.device_plane.counters))
         _log_exposure(config, tenants)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -466,14 +468,19 @@ def _open_device_plane(config: Config, arena: HostArena):
         return None
     from kvd.device import DeviceError, open_device
     from kvd.server.device_plane import DevicePlane
+    from kvd.server.device_tier import DeviceTier
 
+    settings = config.device
     try:
-        device = open_device(config.device.kind, config.device.index)
-        plane = DevicePlane(device, arena.address_at(0), arena.layout.arena_bytes, config.device.max_pools,
-                            config.device.pool_lease_ms, config.device.flag_timeout_ms)
+        device = open_device(settings.kind, settings.index)
+        tier = DeviceTier(device, settings.tier_bytes, settings.tier_slot_bytes or config.host.slot_bytes) \
+            if settings.tier_bytes else None
+        plane = DevicePlane(device, arena.address_at(0), arena.layout.arena_bytes, settings.max_pools,
+                            settings.pool_lease_ms, settings.flag_timeout_ms, tier=tier)
     except DeviceError as error:
         raise StartupFailed(f"[device] kind = {config.device.kind!r}, index {config.device.index}: {error}") from None
-    log.info("device plane on", extra={"device": f"{device.kind}:{device.index}", "device_uuid": device.uuid})
+    log.info("device plane on", extra={"device": f"{device.kind}:{device.index}", "device_uuid": device.uuid,
+                                       "tier_slots": tier.slot_count if tier else 0})
     return plane
 
 

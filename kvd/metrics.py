@@ -63,6 +63,12 @@ Get hits of kvd_get_blocks_total.
 | kvd_event_resyncs_total | counter | reason | subscribers told to resynchronise (sequence_too_old, subscriber_too_slow, instance_changed) |
 | kvd_arena_handouts_total | counter | | arena file descriptors handed to clients over the arena socket (refusals count in kvd_auth_failures_total) |
 | kvd_arena_slot_tenant_changes_total | counter | | host slots moved to another tenant's arena file (auth.mode = "token"): each is a remap in the daemon and the slot's pages punched out of the previous tenant's file |
+| kvd_device_pools | gauge | | engines' KV pools registered with the device plane ([device] kind) |
+| kvd_device_blocks_total | counter | op | blocks kvd copied out of engines' pools (save) and into them (load) |
+| kvd_device_tier_blocks | gauge | | blocks held in the device tier ([device] tier_bytes) |
+| kvd_device_tier_slots | gauge | | slots of the device tier (0: none) |
+| kvd_device_tier_lookups_total | counter | result | loaded blocks found in the device tier (hit: copied device to device) or not (miss: from host memory) |
+| kvd_device_tier_evictions_total | counter | | device tier copies dropped to make room |
 | kvd_tenant_used_bytes | gauge | tenant, tier | capacity a tenant's blocks take (whole slots; auth.mode = "token"): host counts blocks being written or read back, disk blocks being written |
 | kvd_tenant_quota_bytes | gauge | tenant, tier | a tenant's quota, where one is set |
 | kvd_tenant_quota_refusals_total | counter | tenant, tier | host: Puts refused (RESOURCE_EXHAUSTED) for the tenant's host quota; disk: blocks left unwritten for its disk quota |
@@ -350,6 +356,32 @@ class ArenaCollector(Collector):
                                   value=self._handouts())
         yield CounterMetricFamily("kvd_arena_slot_tenant_changes",
                                   "Host slots moved to another tenant's arena file.", value=self._tenant_changes())
+
+
+class DeviceCollector(Collector):
+    """The device plane's counters (kvd.server.device_plane), read when scraped."""
+
+    def __init__(self, counters: Callable[[], Mapping[str, int]]) -> None:
+        self._counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._counters()
+        yield GaugeMetricFamily("kvd_device_pools", "Engines' KV pools registered.", value=c["pools"])
+        moved = CounterMetricFamily("kvd_device_blocks", "Blocks kvd copied between engines' pools and its tiers.",
+                                    labels=["op"])
+        moved.add_metric(["save"], c["saved_blocks"])
+        moved.add_metric(["load"], c["loaded_blocks"])
+        yield moved
+        yield GaugeMetricFamily("kvd_device_tier_blocks", "Blocks held in the device tier.", value=c["tier_blocks"])
+        yield GaugeMetricFamily("kvd_device_tier_slots", "Slots of the device tier (0: no device tier).",
+                                value=c["tier_slots"])
+        lookups = CounterMetricFamily("kvd_device_tier_lookups", "Loaded blocks looked up in the device tier.",
+                                      labels=["result"])
+        lookups.add_metric(["hit"], c["tier_hits"])
+        lookups.add_metric(["miss"], c["tier_misses"])
+        yield lookups
+        yield CounterMetricFamily("kvd_device_tier_evictions", "Device tier copies dropped to make room.",
+                                  value=c["tier_evictions"])
 
 
 class DiskIoMetrics:

@@ -21,7 +21,7 @@ call per layer: nothing loops over blocks x layers in Python.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,32 +58,40 @@ def _offsets(layout: PoolLayout, block_ids, slot_offsets) -> tuple[np.ndarray, n
 
 def save_layers(stream: Stream, layout: PoolLayout, block_ids, arena: Memory, slot_offsets,
                 engine_flags: Memory, kvd_flags: Memory, flag_index: int, base: int,
-                written: Callable[[int], None] | None = None, engine_flag_index: int | None = None) -> int:
+                written: Callable[[int], None] | None = None, engine_flag_index: int | None = None,
+                also: Sequence[tuple[Memory, object, object]] = ()) -> int:
     """Gather each layer's pages into the slots once the engine says it is written; returns the
     kvd flag value that means the whole save is in the arena.
 
     The engine's word is flags[engine_flag_index] (default: flag_index). `written`, when given,
     is called before each layer's copy is issued and returns once that layer is written (it
     raises to stop the save): the host watches the engine's word instead of the stream, so a
-    stream is never left waiting on an engine that stopped."""
-    pages, slots = _offsets(layout, block_ids, slot_offsets)
+    stream is never left waiting on an engine that stopped. `also`: more (memory, block_ids,
+    slot_offsets) places each layer is copied to before its flag (the device tier)."""
+    places = [(arena, *_offsets(layout, block_ids, slot_offsets))]
+    places += [(memory, *_offsets(layout, ids, offsets)) for memory, ids, offsets in also]
     engine_index = flag_index if engine_flag_index is None else engine_flag_index
     for layer, pool in enumerate(layout.layers):
         if written is not None:
             written(layer)
         else:
             stream.wait_flag(engine_flags, engine_index, base + layer + 1)
-        stream.copy_blocks(arena, slots + np.uint64(layer * layout.page_bytes), pool, pages, layout.page_bytes)
+        for memory, pages, slots in places:
+            stream.copy_blocks(memory, slots + np.uint64(layer * layout.page_bytes), pool, pages, layout.page_bytes)
         stream.write_flag(kvd_flags, flag_index, base + layer + 1)
     return base + len(layout.layers)
 
 
 def load_layers(stream: Stream, layout: PoolLayout, block_ids, arena: Memory, slot_offsets,
-                kvd_flags: Memory, flag_index: int, base: int) -> int:
+                kvd_flags: Memory, flag_index: int, base: int,
+                also: Sequence[tuple[Memory, object, object]] = ()) -> int:
     """Scatter each layer from the slots into the engine's pages, flagging each layer as it lands;
-    returns the flag value that means every layer has."""
-    pages, slots = _offsets(layout, block_ids, slot_offsets)
+    returns the flag value that means every layer has. `also`: more (memory, block_ids,
+    slot_offsets) sources, copied in the same layer before its flag (the device tier)."""
+    places = [(arena, *_offsets(layout, block_ids, slot_offsets))]
+    places += [(memory, *_offsets(layout, ids, offsets)) for memory, ids, offsets in also]
     for layer, pool in enumerate(layout.layers):
-        stream.copy_blocks(pool, pages, arena, slots + np.uint64(layer * layout.page_bytes), layout.page_bytes)
+        for memory, pages, slots in places:
+            stream.copy_blocks(pool, pages, memory, slots + np.uint64(layer * layout.page_bytes), layout.page_bytes)
         stream.write_flag(kvd_flags, flag_index, base + layer + 1)
     return base + len(layout.layers)

@@ -31,6 +31,7 @@ import numpy as np
 from kvd.device import Device, DeviceError, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
 from kvd.device.transfer import PoolLayout, load_layers, save_layers
+from kvd.server.device_tier import NO_SLOT, DeviceTier
 from kvd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,11 @@ class Pool:
 
 class DevicePlane:
     def __init__(self, device: Device, arena_address: int, arena_bytes: int, max_pools: int,
-                 pool_lease_ms: int, flag_timeout_ms: int, host: CpuDevice | None = None) -> None:
+                 pool_lease_ms: int, flag_timeout_ms: int, host: CpuDevice | None = None,
+                 tier: DeviceTier | None = None) -> None:
         self.device = device
+        self.tier = tier
+        self.saved_blocks = self.loaded_blocks = 0
         self.host = host if host is not None else (device if isinstance(device, CpuDevice) else CpuDevice())
         self.arena = device.register_host(arena_address, arena_bytes)
         self.max_pools = max_pools
@@ -244,6 +248,16 @@ class DevicePlane:
         for pool in list(self.pools.values()):
             await self._retire(pool)
         self.device.unregister_host(self.arena)
+        if self.tier is not None:
+            self.tier.close()
+
+    def counters(self) -> dict[str, int]:
+        """For the metrics: pools, blocks moved, and the device tier's state."""
+        tier = self.tier
+        return {"pools": len(self.pools), "saved_blocks": self.saved_blocks, "loaded_blocks": self.loaded_blocks,
+                "tier_blocks": len(tier) if tier else 0, "tier_slots": tier.slot_count if tier else 0,
+                "tier_hits": tier.hits if tier else 0, "tier_misses": tier.misses if tier else 0,
+                "tier_evictions": tier.evictions if tier else 0}
 
     # ---------------------------------------------------------------- transfers
 
@@ -259,26 +273,44 @@ class DevicePlane:
         return pages
 
     async def save(self, pool: Pool, pages: np.ndarray, slot_offsets: list[int], engine_flag: int,
-                   kvd_flag: int, base: int) -> int:
+                   kvd_flag: int, base: int, keys=(), blocks=()) -> int:
         """Copy the reserved blocks out of their pages, layer by layer as the engine writes them;
-        returns the kvd flag value meaning every layer is out. DeadlineExceeded when a layer's
-        flag did not come in time: kvd's flag is then set to that value anyway (it reads the pages
-        no more) and nothing of the save may be committed."""
+        returns the kvd flag value meaning every layer is out. With a device tier, `keys` and
+        `blocks` (the index's Blocks being stored) get a copy there too. DeadlineExceeded when a
+        layer's flag did not come in time: kvd's flag is then set to that value anyway (it reads
+        the pages no more) and nothing of the save may be committed."""
         done = base + len(pool.layout.layers)
+        tier_slots, also = self._tier_places(pool, pages, keys, blocks)
         pool.busy += 1
         copying = asyncio.ensure_future(asyncio.to_thread(self._save_now, pool, pages, slot_offsets, engine_flag,
-                                                          kvd_flag, base))
+                                                          kvd_flag, base, also))
+        landed = False
         try:
             await asyncio.shield(copying)
+            landed = True
         except asyncio.CancelledError:
             # The copies may still be writing the reserved slots: they end before the slots go back.
             await asyncio.wait({copying})
             raise
         finally:
             pool.busy -= 1
+            if self.tier is not None:
+                self.tier.settle(pool.namespace_id, keys, tier_slots, landed)
+        self.saved_blocks += len(slot_offsets)
         return done
 
-    def _save_now(self, pool: Pool, pages, slot_offsets, engine_flag: int, kvd_flag: int, base: int) -> None:
+    def _tier_places(self, pool: Pool, pages: np.ndarray, keys, blocks) -> tuple[list[int], list]:
+        """Device tier slots for a save's blocks (pinned), and the copy list that fills them."""
+        if self.tier is None or not len(keys):
+            return [], []
+        slots = self.tier.place(pool.namespace_id, keys, blocks, pool.layout.page_bytes * len(pool.layout.layers))
+        placed = [i for i, slot in enumerate(slots) if slot != NO_SLOT]
+        if not placed:
+            return slots, []
+        return slots, [(self.tier.memory, pages[placed], [self.tier.offset(slots[i]) for i in placed])]
+
+    def _save_now(self, pool: Pool, pages, slot_offsets, engine_flag: int, kvd_flag: int, base: int,
+                  also) -> None:
         deadline = time.monotonic() + self.flag_timeout_s
 
         def written(layer: int) -> None:
@@ -287,7 +319,8 @@ class DevicePlane:
         done = base + len(pool.layout.layers)
         try:
             save_layers(pool.stream, pool.layout, pages, self.arena, slot_offsets, pool.flags_on_device,
-                        pool.flags_on_device, kvd_flag, base, written=written, engine_flag_index=engine_flag)
+                        pool.flags_on_device, kvd_flag, base, written=written, engine_flag_index=engine_flag,
+                        also=also)
             pool.stream.synchronize()
         except DeadlineExceeded:
             pool.stream.synchronize()  # the layers already issued land before the slots are given back
@@ -307,17 +340,36 @@ class DevicePlane:
             time.sleep(pause)
             pause = min(_POLL_MAX_S, pause * 2 or 0.00002)
 
-    def load(self, pool: Pool, pages: np.ndarray, slot_offsets: list[int], kvd_flag: int, base: int,
-             on_landed) -> int:
-        """Issue the per-layer scatter into the pages; `on_landed()` runs (on the event loop) once
-        every copy has landed or the stream failed. Returns the value flags[kvd_flag] reaches."""
-        done = load_layers(pool.stream, pool.layout, pages, self.arena, slot_offsets, pool.flags_on_device,
-                           kvd_flag, base)
+    def load(self, pool: Pool, pages: np.ndarray, keys, blocks, slot_offsets: list[int], kvd_flag: int, base: int,
+             on_landed) -> tuple[int, list[bool]]:
+        """Issue the per-layer scatter of `blocks` (pinned by the caller, in the arena at
+        slot_offsets) into the pages, from the device tier where it holds them; `on_landed()` runs
+        (on the event loop) once every copy has landed or the stream failed. Returns the value
+        flags[kvd_flag] reaches, and which blocks came from the device tier."""
+        tier_slots = self.tier.find(pool.namespace_id, keys, blocks) if self.tier is not None else []
+        from_tier = [slot != NO_SLOT for slot in tier_slots] or [False] * len(blocks)
+        host = [i for i, hit in enumerate(from_tier) if not hit]
+        tier = [i for i, hit in enumerate(from_tier) if hit]
+        also = [(self.tier.memory, pages[tier], [self.tier.offset(tier_slots[i]) for i in tier])] if tier else []
+        try:
+            done = load_layers(pool.stream, pool.layout, pages[host], self.arena, [slot_offsets[i] for i in host],
+                               pool.flags_on_device, kvd_flag, base, also=also)
+        except BaseException:
+            if self.tier is not None:
+                self.tier.unpin(pool.namespace_id, keys, tier_slots)
+            raise
+
+        def landed() -> None:
+            if self.tier is not None:
+                self.tier.unpin(pool.namespace_id, keys, tier_slots)
+            on_landed()
+
         pool.busy += 1
-        task = asyncio.get_running_loop().create_task(self._landed(pool, on_landed, kvd_flag, done))
+        self.loaded_blocks += len(blocks)
+        task = asyncio.get_running_loop().create_task(self._landed(pool, landed, kvd_flag, done))
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
-        return done
+        return done, from_tier
 
     async def _landed(self, pool: Pool, on_landed, kvd_flag: int, done: int) -> None:
         try:

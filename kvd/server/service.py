@@ -771,9 +771,11 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         reserved = [i for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
         offsets = self._reserved_offsets(result.slots)
         keys = [request.keys[i] for i in reserved]
+        writing = {handle.key: handle.block for handle in result.lease.handles if handle.writable} \
+            if result.lease is not None else {}
         try:
             done = await plane.save(pool, pages[reserved], [offsets[i] for i in reserved], request.engine_flag,
-                                    request.kvd_flag, request.base)
+                                    request.kvd_flag, request.base, keys, [writing[key] for key in keys])
         except BaseException:
             if keys:
                 self.engine.commit(CommitRequest(request.namespace_id, request.client_id, result.lease.lease_id,
@@ -801,11 +803,12 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 self.engine.leases.close(lease)
 
         try:
-            done = plane.load(pool, pages[:len(matched)], self._offsets(lease, matched), request.kvd_flag,
-                              request.base, landed)
+            done, from_tier = plane.load(pool, pages[:len(matched)], request.keys[:len(matched)], matched,
+                                         self._offsets(lease, matched), request.kvd_flag, request.base, landed)
         except BaseException:
             landed()
             raise
+        tiers = bytes(kvd_pb2.TIER_DEVICE if hit else tier for hit, tier in zip(from_tier, tiers))
         return kvd_pb2.LoadLayersResponse(matched=len(matched), done_value=done, tiers=tiers)
 
     @rpc("Stats")

@@ -226,6 +226,7 @@ def test_mappings_are_shared_counted_and_closed_on_unregister_and_on_lease_expir
 def test_a_pool_passed_as_descriptors_over_the_arena_socket_saves_and_loads(client, daemon):
     """The path for an engine the daemon cannot reach by pid (another container): no /proc involved."""
     socket_path = arena_protocol.socket_path_for_target(daemon.unix_target)
+    client.register_namespace(SPEC)  # the client's connection is open before the count
     descriptors = _open_descriptors(daemon.process.pid)
     engine = Engine(client, arena_socket=socket_path)
     data, keys, pages = blocks(4, seed=6), keys_for(6, 4), [9, 2, 30, 4]

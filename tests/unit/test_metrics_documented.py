@@ -9,7 +9,7 @@ import kvd.metrics
 from kvd.core.engine import Engine
 from kvd.core.keys import NamespaceSpec
 from kvd.core.quota import TenantQuota
-from kvd.metrics import ArenaCollector, DiskIoMetrics, make_registry
+from kvd.metrics import ArenaCollector, DeviceCollector, DiskIoMetrics, make_registry
 
 ROW = re.compile(r"^\| (kvd_\w+) \| (\w+) \|\s*([\w, ]*?)\s*\| .+ \|$")
 
@@ -27,7 +27,7 @@ def documented() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """metric name -> (type, labels) of every family a daemon with a disk tier exports."""
+    """metric name -> (type, labels) of every family a daemon with a disk tier and a device plane exports."""
     engine = Engine(host_slot_count=4, host_slot_bytes=64, disk_slot_count=4, disk_slot_bytes=64,
                     tenant_quotas=[TenantQuota("team-a", host_limit_bytes=128)])
     engine.register_namespace(NamespaceSpec(model_id="m", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1))
@@ -35,6 +35,9 @@ def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
     disk = DiskIoMetrics(registry, lambda: {"restore": 0, "write": 0}, lambda: (0, 0), lambda: ["ok", "quarantined"],
                          lambda: 0)
     registry.register(ArenaCollector(lambda: 0, lambda: 0))
+    registry.register(DeviceCollector(lambda: dict.fromkeys(
+        ("pools", "saved_blocks", "loaded_blocks", "tier_blocks", "tier_slots", "tier_hits", "tier_misses",
+         "tier_evictions"), 0)))
     # Labelled metrics of the server export samples once a label is used.
     rpc.duration.labels("Get").observe(0.001)
     rpc.total.labels("Get", "OK").inc()
