@@ -19,7 +19,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h native/gpu/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim gpu-check cuda fuzz-long soak-long docs
+.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim gpu-check cuda cufile fuzz-long soak-long docs
 
 setup: $(BUILT_STAMP)
 
@@ -91,8 +91,8 @@ include mk/sglang.mk
 
 engines: vllm-venv sglang-venv
 
-test: setup engines proto-check lint cuda
-	KVD_NVCC="$(NVCC)" $(PY) -m pytest $(PYTEST_ARGS)
+test: setup engines proto-check lint cuda cufile
+	KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" $(PY) -m pytest $(PYTEST_ARGS)
 
 # CUDA sources (native/gpu/*.cu) compile for sm_80 and sm_90 in `make test`,
 # no GPU needed: with the machine's nvcc, or where it has none with the CUDA
@@ -106,6 +106,20 @@ CUDA_ARCHS := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=
 CUDA_OBJECTS := build/cuda/io_ring_kernel.o
 
 cuda: $(CUDA_OBJECTS)
+
+# libcufile (GPUDirect Storage) from the nvidia-cufile wheel, for the cuFile
+# engine's tests (kvd/io/cufile.py): it loads here, and its driver refuses
+# to open without a CUDA driver. kvd loads it at run time; nothing links it.
+CUFILE_WHEEL := "nvidia-cufile==1.15.1.6"
+CUFILE_LIBRARY := $(CURDIR)/$(CUDA_VENV)/cufile/libcufile.so.0
+cufile: $(CUFILE_LIBRARY)
+
+$(CUFILE_LIBRARY):
+	test -x $(CUDA_VENV)/bin/python || python3 -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install -q $(CUFILE_WHEEL)
+	mkdir -p $(CUDA_VENV)/cufile
+	ln -sf "$$($(CUDA_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia/cu13/lib/libcufile.so.0" $@
+	test -e $@
 
 $(CURDIR)/$(CUDA_VENV)/bin/kvd-nvcc:
 	test -x $(CUDA_VENV)/bin/python || python3 -m venv $(CUDA_VENV)
@@ -122,8 +136,8 @@ build/cuda/%.o: native/gpu/%.cu native/gpu/io_ring.h | $(NVCC)
 # format and native engine tests, in process, no daemon started. `make test`
 # (what CI runs) is everything.
 FAST_TESTS := tests/unit tests/property tests/disk tests/native tests/device
-test-fast: setup proto-check lint cuda
-	KVD_NVCC="$(NVCC)" $(PY) -m pytest $(PYTEST_ARGS) $(FAST_TESTS)
+test-fast: setup proto-check lint cuda cufile
+	KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" $(PY) -m pytest $(PYTEST_ARGS) $(FAST_TESTS)
 
 # The daemon crash test (SIGKILL under a durable Put stream) with many more
 # kills than `make test` runs; KVD_CRASH_SEED picks another run.
@@ -168,8 +182,9 @@ cluster-sim: setup
 
 # On a machine with a GPU: the device interface tests with CUDA required
 # (they fail where it does not open). Never run on a GPU so far.
-gpu-check: setup
-	KVD_REQUIRE_GPU=1 $(PY) -m pytest -q -p no:cacheprovider tests/device
+gpu-check: setup cuda cufile
+	KVD_REQUIRE_GPU=1 KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" \
+	  $(PY) -m pytest -q -p no:cacheprovider tests/device
 
 # The simulator (python -m kvd.sim) over many more seeds and longer traces
 # than `make test` runs: every policy, two host capacities, write-back and

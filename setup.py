@@ -40,9 +40,10 @@ def native_extension() -> Extension:
     return Extension(
         "kvd._native",
         sources=["native/module.c", "native/uring_batch.c", "native/checksum.c", "native/prefix.c",
-                 "native/ring_proxy.c", "native/cuda_copy.c", "native/proxy_module.c"],
+                 "native/ring_proxy.c", "native/cuda_copy.c", "native/proxy_module.c", "native/cufile_io.c",
+                 "native/cufile_module.c"],
         depends=["native/uring_batch.h", "native/checksum.h", "native/prefix.h", "native/module.h",
-                 "native/ring_proxy.h", "native/cuda_copy.h", "native/gpu/io_ring.h"],
+                 "native/ring_proxy.h", "native/cuda_copy.h", "native/gpu/io_ring.h", "native/cufile_io.h"],
         include_dirs=["native"],
         libraries=["uring", "isal"],
         extra_compile_args=compile_args,
