@@ -25,7 +25,7 @@ import os
 import numpy as np
 
 from kvd.errors import FailedPrecondition, InvalidArgument
-from kvd.io.engine import STATS_KEYS, Batch, EngineBase, EngineOptions, FaultRule, Op
+from kvd.io.engine import STATS_KEYS, Batch, EngineBase, EngineOptions, FaultRule, Op, sync_file
 
 # Where the library is looked for first: $KVD_CUFILE_LIBRARY (make cufile points it at the wheel's).
 LIBRARY_ENV = "KVD_CUFILE_LIBRARY"
@@ -83,12 +83,7 @@ class CuFileEngine(EngineBase):
 
     def _fsync(self, file_index: int, datasync: bool) -> int:
         self._counters["fsyncs"] += 1
-        try:
-            (os.fdatasync if datasync else os.fsync)(self._fds[file_index])
-        except OSError as error:
-            self._counters["errors"] += 1
-            return -error.errno
-        return 0
+        return sync_file(self._fds[file_index], datasync, self._counters)
 
     def _add_fault(self, rule: FaultRule) -> None:
         raise FailedPrecondition("the cuFile engine has no fault injection")

@@ -365,6 +365,17 @@ def make_fault_rule(op: Op, *, file_index: int | None, offset_range: tuple[int, 
     )
 
 
+def sync_file(fd: int, datasync: bool, counters: dict[str, int]) -> int:
+    """fdatasync (or fsync) of `fd` for the engines that have no kernel queue to do it: 0 or -errno,
+    a failure counted in counters["errors"]."""
+    try:
+        (os.fdatasync if datasync else os.fsync)(fd)
+    except OSError as error:
+        counters["errors"] += 1
+        return -error.errno
+    return 0
+
+
 class EngineBase:
     """What both engines share: argument checks, batch ids, the closed state.
 

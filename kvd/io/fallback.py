@@ -26,7 +26,7 @@ import numpy as np
 
 from kvd.errors import ResourceExhausted
 from kvd.invariants import check
-from kvd.io.engine import MAX_FAULT_RULES, STATS_KEYS, Batch, EngineBase, EngineOptions, FaultRule, Op
+from kvd.io.engine import MAX_FAULT_RULES, STATS_KEYS, Batch, EngineBase, EngineOptions, FaultRule, Op, sync_file
 
 # More threads than this only add contention on a small machine; the
 # native engine is the one meant for deep queues.
@@ -177,12 +177,7 @@ class FallbackEngine(EngineBase):
             return -rule.error
         self._counters["enter_calls"] += 1
         self._counters["submit_calls"] += 1
-        try:
-            (os.fdatasync if datasync else os.fsync)(self._fds[file_index])
-        except OSError as error:
-            self._counters["errors"] += 1
-            return -error.errno
-        return 0
+        return sync_file(self._fds[file_index], datasync, self._counters)
 
     def _add_fault(self, rule: FaultRule) -> None:
         self._rules = [live for live in self._rules if live.remaining > 0]
