@@ -33,6 +33,7 @@ from kvd.device.cpu import CpuDevice, read_flag, store_flag
 from kvd.device.transfer import PoolLayout, load_layers, save_layers
 from kvd.server.device_tier import NO_SLOT, DeviceTier
 from kvd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvd.invariants import check
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,20 @@ class Pool:
     opened: list[Memory] = field(default_factory=list)
     busy: int = 0             # transfers issued and not yet drained
     closing: bool = False
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever busy is 0
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def begin(self) -> None:
+        self.busy += 1
+        self.idle.clear()
+
+    def end(self) -> None:
+        check(self.busy > 0, "a pool transfer ended twice")
+        self.busy -= 1
+        if not self.busy:
+            self.idle.set()
 
     @property
     def flag_words(self) -> int:
@@ -227,8 +242,10 @@ class DevicePlane:
         return len(expired)
 
     async def _retire(self, pool: Pool) -> None:
-        """Drain the pool's stream, then close its mappings (no copy may touch them after)."""
+        """Let the pool's transfers end (a save still issuing copies ends within flag_timeout_ms),
+        drain its stream, then close its mappings: no copy may touch them after."""
         pool.closing = True
+        await pool.idle.wait()
         try:
             await asyncio.to_thread(pool.stream.synchronize)
         except DeviceError as error:
@@ -281,7 +298,7 @@ class DevicePlane:
         the pages no more) and nothing of the save may be committed."""
         done = base + len(pool.layout.layers)
         tier_slots, also = self._tier_places(pool, pages, keys, blocks)
-        pool.busy += 1
+        pool.begin()
         copying = asyncio.ensure_future(asyncio.to_thread(self._save_now, pool, pages, slot_offsets, engine_flag,
                                                           kvd_flag, base, also))
         landed = False
@@ -293,7 +310,7 @@ class DevicePlane:
             await asyncio.wait({copying})
             raise
         finally:
-            pool.busy -= 1
+            pool.end()
             if self.tier is not None:
                 self.tier.settle(pool.namespace_id, keys, tier_slots, landed)
         self.saved_blocks += len(slot_offsets)
@@ -364,7 +381,7 @@ class DevicePlane:
                 self.tier.unpin(pool.namespace_id, keys, tier_slots)
             on_landed()
 
-        pool.busy += 1
+        pool.begin()
         self.loaded_blocks += len(blocks)
         task = asyncio.get_running_loop().create_task(self._landed(pool, landed, kvd_flag, done))
         self._drains.add(task)
@@ -380,5 +397,5 @@ class DevicePlane:
             store_flag(pool.flags, kvd_flag, FAILED | done)
             log.error("a load into an engine's pool failed", extra={"pool_id": pool.pool_id, "error": str(error)})
         finally:
-            pool.busy -= 1
+            pool.end()
             on_landed()

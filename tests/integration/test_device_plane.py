@@ -141,6 +141,30 @@ def test_an_engine_that_never_writes_its_layer_gets_deadline_exceeded_and_nothin
     engine.close()
 
 
+def test_unregistering_a_pool_while_a_save_is_still_copying_waits_for_the_save(client, daemon):
+    """The save's worker is waiting for layer 1 when the engine unregisters: the mappings must stay
+    until the save has ended (here by its deadline), and the daemon serves on."""
+    engine = Engine(client)
+    keys = keys_for(7, 2)
+    engine.pool.mark(ENGINE, 1)
+    outcome = {}
+
+    def save() -> None:
+        try:
+            engine.pool.save(keys, [0, 1], ENGINE, KVD, 0)
+        except grpc.RpcError as error:
+            outcome["code"] = error.code()
+
+    saving = threading.Thread(target=save)
+    saving.start()
+    wait_for(lambda: engine.pool.flag(KVD) >= 1)  # layer 0 is out: the save is past its reservation
+    engine.close()  # answers once the save ended and the pool's mappings are closed
+    saving.join(timeout=30)
+    assert outcome == {"code": grpc.StatusCode.DEADLINE_EXCEEDED}
+    assert _mapped_allocations(daemon.process.pid) == set()
+    assert client.lookup(engine.namespace, keys).matched == 0
+
+
 def codes_of(call) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as error:
         call()
