@@ -278,7 +278,10 @@ class DevicePlane:
 
     # ---------------------------------------------------------------- transfers
 
-    def check_transfer(self, pool: Pool, keys, pages, flag_indexes: dict[str, int]) -> np.ndarray:
+    def check_transfer(self, pool: Pool, keys, pages, flag_indexes: dict[str, int], base: int) -> np.ndarray:
+        if base + len(pool.layout.layers) >= FAILED:
+            raise InvalidArgument(f"base must be below 2**63 - {len(pool.layout.layers)} (the top bit marks a "
+                                  "failed transfer)")
         if len(pages) != len(keys):
             raise InvalidArgument(f"pages: {len(pages)} for {len(keys)} keys")
         pages = np.asarray(pages, dtype=np.int64)

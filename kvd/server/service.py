@@ -761,7 +761,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         plane = self._device_plane()
         pool = plane.pool(request.client_id, request.pool_id, request.namespace_id)
         plane.renew(pool, self.clock.now_ms())
-        return plane, pool, plane.check_transfer(pool, request.keys, request.pages, flags)
+        return plane, pool, plane.check_transfer(pool, request.keys, request.pages, flags, request.base)
 
     @rpc("SaveLayers")
     async def SaveLayers(self, request, context):

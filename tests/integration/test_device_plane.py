@@ -213,6 +213,8 @@ def test_transfers_on_a_pool_kvd_does_not_know_or_out_of_its_bounds_are_refused(
                                   "pages: 1 for 2 keys"),
         "flag past the words": (lambda: engine.pool.save(keys, [0, 1], 64, KVD, 0), grpc.StatusCode.INVALID_ARGUMENT,
                                 "engine_flag 64 is past the pool's 64 flag words"),
+        "base at the top bit": (lambda: engine.pool.load(keys, [0, 1], KVD, 2 ** 63 - 2),
+                                grpc.StatusCode.INVALID_ARGUMENT, "base must be below 2**63"),
         "unknown pool": (lambda: client.load_layers(engine.namespace, engine.pool.pool_id + 1000, keys, [0, 1], KVD,
                                                     0), grpc.StatusCode.NOT_FOUND, "no pool"),
     }
