@@ -499,10 +499,10 @@ def uses_shared_memory(session: Session) -> Op:
 
 
 def register_pool(session: Session, namespace: Namespace, layers: Sequence[bytes], num_blocks: int, flags: bytes,
-                  lease_ms: int) -> Op:
+                  lease_ms: int, page_stride: int = 0, v_offset: int = 0) -> Op:
     response = yield ("RegisterPool", kvd_pb2.RegisterPoolRequest(
         namespace_id=namespace.namespace_id, client_id=session.client_id, layers=layers, num_blocks=num_blocks,
-        flags=flags, lease_ms=lease_ms))
+        flags=flags, lease_ms=lease_ms, page_stride_bytes=page_stride, v_offset_bytes=v_offset))
     return response
 
 

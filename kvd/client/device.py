@@ -31,10 +31,12 @@ FAILED = 1 << 63
 class DevicePool:
     def __init__(self, client, namespace: Namespace, device: Device, layers: Sequence[Memory], num_blocks: int,
                  flag_words: int = 64, lease_ms: int = 0, host: CpuDevice | None = None,
-                 arena_socket: Path | None = None, token: str | None = None) -> None:
+                 arena_socket: Path | None = None, token: str | None = None, page_stride: int = 0,
+                 v_offset: int = 0) -> None:
         """`arena_socket`: pass the memory to the daemon as file descriptors over its arena socket
         (needed where the daemon cannot reach this process by pid, as from another container, and
-        for CUDA VMM pools); None: IPC handles by pid inside the RPC."""
+        for CUDA VMM pools); None: IPC handles by pid inside the RPC. `page_stride`, `v_offset`: for
+        pools that keep K and V apart (kvd.device.transfer.PoolLayout)."""
         self.client = client
         self.namespace = namespace
         self.host = host if host is not None else (device if isinstance(device, CpuDevice) else CpuDevice())
@@ -45,7 +47,7 @@ class DevicePool:
                 flags = self.host.export(self.flags).to_bytes()
             else:
                 handles, flags = self._deposit(arena_socket, resolve_token(token), device, layers)
-            response = client.register_pool(namespace, handles, num_blocks, flags, lease_ms)
+            response = client.register_pool(namespace, handles, num_blocks, flags, lease_ms, page_stride, v_offset)
         except BaseException:
             self.host.free(self.flags)
             raise

@@ -1,7 +1,8 @@
 """kvd-driven saves and loads between an engine's paged KV pool and kvd's arena, layer by layer.
 
 An engine registers its pool as one Memory per layer (`PoolLayout`): layer
-l holds `num_blocks` pages of `page_bytes` each, page b at b * page_bytes.
+l holds `num_blocks` pages of `page_bytes` each, page b at b * page_bytes
+(or split in a K half and a V half, as vLLM keeps them).
 kvd's arena holds a block in one slot, its layers back to back, so layer l
 of the block in slot s is at s + l * page_bytes.
 
@@ -31,19 +32,47 @@ from kvd.device.api import DeviceError, Memory, Stream
 
 @dataclass(frozen=True, slots=True)
 class PoolLayout:
-    """An engine's paged KV pool as registered: one Memory per layer, pages of page_bytes."""
+    """An engine's paged KV pool as registered: one Memory per layer, pages of page_bytes (one layer of
+    one block, K then V as in kvd's block layout).
+
+    By default a page is contiguous and page b starts at b * page_bytes. Engines that keep K and V
+    apart (vLLM: a layer is [2, num_blocks, ...]) give `v_offset`: page b's K half starts at
+    b * page_stride and its V half v_offset bytes after that (vLLM: page_stride = page_bytes / 2,
+    v_offset = num_blocks * page_bytes / 2)."""
 
     layers: tuple[Memory, ...]
     page_bytes: int
     num_blocks: int
+    page_stride: int = 0  # 0: page_bytes
+    v_offset: int = 0     # 0: K and V of a page are contiguous
 
     def __post_init__(self) -> None:
         if not self.layers or self.page_bytes <= 0 or self.num_blocks <= 0:
             raise DeviceError(f"a pool of {len(self.layers)} layers, {self.num_blocks} pages of {self.page_bytes} B")
+        if self.page_stride < 0 or self.v_offset < 0 or (self.v_offset and self.page_bytes % 2):
+            raise DeviceError(f"page stride {self.page_stride} and V offset {self.v_offset} for pages of "
+                              f"{self.page_bytes} B")
+        end = self.layer_bytes_needed()
         for layer, memory in enumerate(self.layers):
-            if memory.nbytes < self.num_blocks * self.page_bytes:
-                raise DeviceError(f"layer {layer} holds {memory.nbytes} bytes, less than {self.num_blocks} pages "
-                                  f"of {self.page_bytes}")
+            if memory.nbytes < end:
+                raise DeviceError(f"layer {layer} holds {memory.nbytes} bytes, less than the {end} that "
+                                  f"{self.num_blocks} pages of {self.page_bytes} B (stride {self.stride}) take")
+
+    def layer_bytes_needed(self) -> int:
+        """Bytes each layer's memory must hold: up to the end of the last page's last part."""
+        return (self.num_blocks - 1) * self.stride + max(offset + nbytes for offset, _, nbytes in self.parts())
+
+    @property
+    def stride(self) -> int:
+        return self.page_stride or (self.page_bytes // 2 if self.v_offset else self.page_bytes)
+
+    def parts(self) -> list[tuple[int, int, int]]:
+        """(offset from the page's start in the pool, offset in the block's layer, bytes) of each
+        contiguous part of a page: the whole page, or its K half and its V half."""
+        if not self.v_offset:
+            return [(0, 0, self.page_bytes)]
+        half = self.page_bytes // 2
+        return [(0, 0, half), (self.v_offset, half, half)]
 
 
 def _offsets(layout: PoolLayout, block_ids, slot_offsets) -> tuple[np.ndarray, np.ndarray]:
@@ -53,7 +82,17 @@ def _offsets(layout: PoolLayout, block_ids, slot_offsets) -> tuple[np.ndarray, n
         raise DeviceError(f"{len(block_ids)} engine blocks for {len(slot_offsets)} slots")
     if len(block_ids) and (block_ids.min() < 0 or block_ids.max() >= layout.num_blocks):
         raise DeviceError(f"engine block ids must be in [0, {layout.num_blocks})")
-    return block_ids.astype(np.uint64) * np.uint64(layout.page_bytes), slot_offsets
+    return block_ids.astype(np.uint64) * np.uint64(layout.stride), slot_offsets
+
+
+def _copies(layout: PoolLayout, layer: int, places) -> list[tuple[Memory, np.ndarray, np.ndarray, int]]:
+    """(arena-side memory, its offsets, the pool's offsets, bytes) of each batched copy of one layer."""
+    copies = []
+    for memory, pages, slots in places:
+        for pool_part, block_part, nbytes in layout.parts():
+            copies.append((memory, slots + np.uint64(layer * layout.page_bytes + block_part),
+                           pages + np.uint64(pool_part), nbytes))
+    return copies
 
 
 def save_layers(stream: Stream, layout: PoolLayout, block_ids, arena: Memory, slot_offsets,
@@ -76,8 +115,8 @@ def save_layers(stream: Stream, layout: PoolLayout, block_ids, arena: Memory, sl
             written(layer)
         else:
             stream.wait_flag(engine_flags, engine_index, base + layer + 1)
-        for memory, pages, slots in places:
-            stream.copy_blocks(memory, slots + np.uint64(layer * layout.page_bytes), pool, pages, layout.page_bytes)
+        for memory, slots, pages, nbytes in _copies(layout, layer, places):
+            stream.copy_blocks(memory, slots, pool, pages, nbytes)
         stream.write_flag(kvd_flags, flag_index, base + layer + 1)
     return base + len(layout.layers)
 
@@ -91,7 +130,7 @@ def load_layers(stream: Stream, layout: PoolLayout, block_ids, arena: Memory, sl
     places = [(arena, *_offsets(layout, block_ids, slot_offsets))]
     places += [(memory, *_offsets(layout, ids, offsets)) for memory, ids, offsets in also]
     for layer, pool in enumerate(layout.layers):
-        for memory, pages, slots in places:
-            stream.copy_blocks(pool, pages, memory, slots + np.uint64(layer * layout.page_bytes), layout.page_bytes)
+        for memory, slots, pages, nbytes in _copies(layout, layer, places):
+            stream.copy_blocks(pool, pages, memory, slots, nbytes)
         stream.write_flag(kvd_flags, flag_index, base + layer + 1)
     return base + len(layout.layers)

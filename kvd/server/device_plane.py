@@ -120,7 +120,12 @@ class DevicePlane:
             raise InvalidArgument(f"layers: {len(request.layers)} IPC handles for a namespace of {num_layers} layers")
         if not 1 <= request.num_blocks <= MAX_POOL_BLOCKS:
             raise InvalidArgument(f"num_blocks must be in [1, {MAX_POOL_BLOCKS}], got {request.num_blocks}")
-        handles = [self._handle(f"layers[{i}]", data, request.num_blocks * layer_bytes, self.device)
+        try:
+            shape = PoolLayout((Memory(1, 1 << 62, self.device.uuid),), layer_bytes, request.num_blocks,
+                               request.page_stride_bytes, request.v_offset_bytes)
+        except DeviceError as error:
+            raise InvalidArgument(f"page_stride_bytes, v_offset_bytes: {error}") from None
+        handles = [self._handle(f"layers[{i}]", data, shape.layer_bytes_needed(), self.device)
                    for i, data in enumerate(request.layers)]
         flags_handle = self._handle("flags", request.flags, 8, self.host)
         opened: list[Memory] = []
@@ -131,7 +136,7 @@ class DevicePlane:
             flags = Memory(flags.address, flags.nbytes - flags.nbytes % 8, flags.device_uuid, flags.token)
             flags_on_device = flags if self.device is self.host else self.device.register_host(flags.address,
                                                                                                flags.nbytes)
-            layout = PoolLayout(tuple(layers), layer_bytes, request.num_blocks)
+            layout = PoolLayout(tuple(layers), layer_bytes, request.num_blocks, shape.page_stride, shape.v_offset)
         except BaseException:
             self._close_all(opened)
             raise

@@ -568,20 +568,24 @@ class PrefetchResponse(_message.Message):
     def __init__(self, matched: _Optional[int] = ..., in_host: _Optional[int] = ..., loading: _Optional[int] = ..., queued: _Optional[int] = ..., refused: _Optional[int] = ..., missing: _Optional[int] = ..., limit: _Optional[_Union[PrefetchLimit, str]] = ..., loaded: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "layers", "num_blocks", "flags", "lease_ms")
+    __slots__ = ("namespace_id", "client_id", "layers", "num_blocks", "flags", "lease_ms", "page_stride_bytes", "v_offset_bytes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    V_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     client_id: str
     layers: _containers.RepeatedScalarFieldContainer[bytes]
     num_blocks: int
     flags: bytes
     lease_ms: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., layers: _Optional[_Iterable[bytes]] = ..., num_blocks: _Optional[int] = ..., flags: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    page_stride_bytes: int
+    v_offset_bytes: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., layers: _Optional[_Iterable[bytes]] = ..., num_blocks: _Optional[int] = ..., flags: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., v_offset_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool_id", "lease_deadline_ms", "flag_words")

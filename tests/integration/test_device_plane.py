@@ -116,6 +116,38 @@ def test_a_save_follows_the_engines_layers_and_a_load_brings_the_same_bytes_back
     engine.close()
 
 
+def test_a_pool_that_keeps_k_and_v_apart_as_vllm_does_saves_and_loads_the_same_blocks(client):
+    """vLLM's layer is [2, num_blocks, block_size, heads, head_dim]: a page's K half and V half are
+    num_blocks half-pages apart. kvd's blocks are [layers, 2, ...]: the bytes must end up the same."""
+    device = open_device("cpu")
+    namespace = client.register_namespace(SPEC)
+    half = SPEC.layer_bytes // 2
+    layers = [device.alloc(2 * PAGES * half) for _ in range(SPEC.num_layers)]
+    kv = [np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * memory.nbytes).from_address(memory.address))
+          .view(np.float32).reshape(2, PAGES, -1) for memory in layers]
+    pool = DevicePool(client, namespace, device, layers, PAGES, page_stride=half, v_offset=PAGES * half)
+    data, keys, pages = blocks(3, seed=8), keys_for(8, 3), [30, 1, 17]
+    for layer in range(SPEC.num_layers):
+        for page, block in zip(pages, data):
+            kv[layer][0, page] = block[layer, 0].reshape(-1)
+            kv[layer][1, page] = block[layer, 1].reshape(-1)
+    base = pool.flag(ENGINE)
+    pool.mark(ENGINE, base + SPEC.num_layers)  # every layer written already
+    assert pool.save(keys, pages, ENGINE, KVD, base).stored == 3
+    np.testing.assert_array_equal(client.get_numpy(namespace, keys), data)
+    loaded = pool.load(keys, [2, 3, 4], KVD, pool.flag(KVD))
+    wait_for(lambda: pool.flag(KVD) >= loaded.done_value)
+    for page, block in zip([2, 3, 4], data):
+        for layer in range(SPEC.num_layers):
+            np.testing.assert_array_equal(kv[layer][0, page], block[layer, 0].reshape(-1))
+            np.testing.assert_array_equal(kv[layer][1, page], block[layer, 1].reshape(-1))
+    assert not kv[0][:, 5:16].any(), "pages that were not loaded were written"
+    pool.close()
+    with pytest.raises(grpc.RpcError) as error:  # a V offset that runs past the memory
+        DevicePool(client, namespace, device, layers, PAGES, page_stride=half, v_offset=PAGES * half + 4096)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "layers[0] holds" in error.value.details()
+
+
 def test_a_load_of_nothing_stored_still_releases_every_layer(client):
     engine = Engine(client)
     loaded = engine.pool.load(keys_for(50, 3), [0, 1, 2], KVD, 40)
