@@ -92,7 +92,8 @@ include mk/sglang.mk
 engines: vllm-venv sglang-venv
 
 test: setup engines proto-check lint cuda cufile
-	KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" $(PY) -m pytest $(PYTEST_ARGS)
+	KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" \
+	  $(PY) -m pytest $(PYTEST_ARGS)
 
 # CUDA sources (native/gpu/*.cu) compile for sm_80 and sm_90 in `make test`,
 # no GPU needed: with the machine's nvcc, or where it has none with the CUDA
@@ -103,7 +104,9 @@ CUDA_WHEELS := "nvidia-cuda-nvcc==13.0.*" "nvidia-cuda-runtime==13.0.*" "nvidia-
 	"nvidia-nvvm==13.0.*" "nvidia-cuda-cccl==13.0.*"
 NVCC ?= $(or $(shell command -v nvcc 2>/dev/null),$(CURDIR)/$(CUDA_VENV)/bin/kvd-nvcc)
 CUDA_ARCHS := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
-CUDA_OBJECTS := build/cuda/io_ring_kernel.o
+CUDA_OBJECTS := build/cuda/io_ring_kernel.o build/cuda/io_ring_kernel.fatbin
+# The fatbin kvd.device.cuda_ring loads (cuModuleLoad): sm_80 and sm_90 code, and compute_90 PTX for later GPUs.
+IO_RING_FATBIN := $(CURDIR)/build/cuda/io_ring_kernel.fatbin
 
 cuda: $(CUDA_OBJECTS)
 
@@ -132,12 +135,17 @@ build/cuda/%.o: native/gpu/%.cu native/gpu/io_ring.h | $(NVCC)
 	mkdir -p build/cuda
 	"$(NVCC)" -c -O2 $(CUDA_ARCHS) -o $@ $<
 
+build/cuda/%.fatbin: native/gpu/%.cu native/gpu/io_ring.h | $(NVCC)
+	mkdir -p build/cuda
+	"$(NVCC)" -fatbin -O2 $(CUDA_ARCHS) -gencode arch=compute_90,code=compute_90 -o $@ $<
+
 # The fast lane for daily work (a few minutes): the unit, property, disk
 # format and native engine tests, in process, no daemon started. `make test`
 # (what CI runs) is everything.
 FAST_TESTS := tests/unit tests/property tests/disk tests/native tests/device
 test-fast: setup proto-check lint cuda cufile
-	KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" $(PY) -m pytest $(PYTEST_ARGS) $(FAST_TESTS)
+	KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" \
+	  $(PY) -m pytest $(PYTEST_ARGS) $(FAST_TESTS)
 
 # The daemon crash test (SIGKILL under a durable Put stream) with many more
 # kills than `make test` runs; KVD_CRASH_SEED picks another run.
@@ -180,11 +188,14 @@ cluster-sim: setup
 	$(PY) -m kvd.cluster.routesim --nodes 4,16,64 \
 	  --json bench/results/cluster_routing.json --plot docs/cluster_routing.png
 
-# On a machine with a GPU: the device interface tests with CUDA required
-# (they fail where it does not open). Never run on a GPU so far.
+# On a machine with a GPU: every device test with CUDA required (they fail
+# where it does not open): the device interface, per-layer copies with flag
+# waits, the ring's kernels against real files, cuFile; then the bandwidth
+# table (bench/bench_gpu.py). Never run on a GPU so far.
 gpu-check: setup cuda cufile
-	KVD_REQUIRE_GPU=1 KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" \
+	KVD_REQUIRE_GPU=1 KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" \
 	  $(PY) -m pytest -q -p no:cacheprovider tests/device
+	KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" $(PY) bench/bench_gpu.py
 
 # The simulator (python -m kvd.sim) over many more seeds and longer traces
 # than `make test` runs: every policy, two host capacities, write-back and

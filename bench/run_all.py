@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "disk_restore": ([], ["--total-mib", "512", "--rounds", "2", "--store-rounds", "2"]),
     "vllm_connector": ([], ["--prefix-tokens", "1024", "--prefixes", "3", "--disk-modes", "async"]),
     "cluster_fetch": ([], ["--mib", "64", "--rounds", "2"]),
+    "io_ring": ([], ["--reads", "1024", "--file-mib", "256", "--rounds", "2"]),
 }
 
 
