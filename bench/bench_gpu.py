@@ -97,7 +97,8 @@ def ring_restore(device, args, directory: Path) -> dict:
     target = device.alloc(work.count * work.read_bytes)
     cpu = CpuRestore(device, target, work)
     ring = RingMemory(str(directory / "ring"), 1024, work.layers)
-    proxy = start_proxy(device, ring, [work.fd], staging_bytes=32 << 20, batch_entries=128, queue_depth=256)
+    proxy = start_proxy(device, ring, [work.fd], [target], staging_bytes=32 << 20, batch_entries=128,
+                        queue_depth=256)
     producer = GpuRingProducer(device, args.fatbin)
     on_gpu = producer.map_ring(ring)
     stream = device.stream()

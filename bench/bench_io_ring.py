@@ -130,7 +130,8 @@ class RingRestore:
     def __init__(self, device, memory, work: Workload, directory: Path, producer: Path) -> None:
         self.work, self.directory, self.producer = work, directory, producer
         self.ring = RingMemory(str(directory / "ring"), 1024, work.layers)
-        self.proxy = start_proxy(device, self.ring, [work.fd], staging_bytes=16 << 20, batch_entries=128, queue_depth=256)
+        self.proxy = start_proxy(device, self.ring, [work.fd], [memory], staging_bytes=16 << 20, batch_entries=128,
+                                 queue_depth=256)
         targets = memory.address + np.arange(work.count, dtype=np.uint64) * work.read_bytes
         plan = np.stack([np.zeros(work.count, dtype=np.uint64), work.offsets.astype(np.uint64),
                          np.full(work.count, work.read_bytes, dtype=np.uint64), targets,

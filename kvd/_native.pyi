@@ -75,10 +75,11 @@ def io_ring_init(buffer: Buffer, capacity: int, layers: int, /) -> int:
 class RingProxy:
     """A thread draining an I/O ring's reads into io_uring (native/ring_proxy.h)."""
 
-    def __init__(self, ring: Buffer, fds: Buffer, staging: Buffer, batch_entries: int = 64,
+    def __init__(self, ring: Buffer, fds: Buffer, staging: Buffer, targets: Buffer, batch_entries: int = 64,
                  queue_depth: int = 64, device: int = -1) -> None:
         """ring: laid out by io_ring_init; fds: int32, registered as files 0..n-1; staging: writable,
-        4096-aligned, a multiple of 8192 bytes; device >= 0: targets are on that CUDA device
+        4096-aligned, a multiple of 8192 bytes; targets: uint64 (address, length) pairs, sorted and
+        disjoint, the only places reads may land; device >= 0: targets are on that CUDA device
         (OSError without a driver)."""
     @property
     def running(self) -> bool: ...

@@ -30,7 +30,8 @@ static int check_ring_memory(Py_buffer *view) {
         PyErr_SetString(PyExc_ValueError, "ring: the memory must be 64-byte aligned");
         return -1;
     }
-    if (kvd_proxy_check_ring(view->buf, (uint64_t)view->len) < 0) {
+    uint64_t capacity, layers;
+    if (kvd_proxy_check_ring(view->buf, (uint64_t)view->len, &capacity, &layers) < 0) {
         PyErr_Format(PyExc_ValueError, "ring: not a kvd_io_ring (version %u, a power-of-two capacity that fits in "
                      "the buffer, 1..%u layers); lay one out with io_ring_init", KVD_IO_RING_VERSION,
                      KVD_IO_RING_MAX_LAYERS);
@@ -73,10 +74,16 @@ static void release_views(ProxyObject *self) {
     }
 }
 
-static int start(ProxyObject *self, PyObject *fds_object, unsigned int batch_entries, unsigned int queue_depth) {
-    Py_buffer fds_view;
+static int start(ProxyObject *self, PyObject *fds_object, PyObject *targets_object, unsigned int batch_entries,
+                 unsigned int queue_depth) {
+    Py_buffer fds_view, targets_view;
     Py_ssize_t files = get_array(fds_object, &fds_view, sizeof(int32_t), 0, "fds");
     if (files < 0) return -1;
+    Py_ssize_t words = get_array(targets_object, &targets_view, sizeof(uint64_t), 0, "targets");
+    if (words < 0) {
+        PyBuffer_Release(&fds_view);
+        return -1;
+    }
     struct kvd_proxy_config config = {
         .ring = self->ring_view.buf,
         .ring_bytes = (uint64_t)self->ring_view.len,
@@ -89,12 +96,16 @@ static int start(ProxyObject *self, PyObject *fds_object, unsigned int batch_ent
         .copy = self->copier != NULL ? kvd_cuda_copy : kvd_copy_host,
         .copy_context = self->copier,
         .copy_each = self->copier == NULL,
+        .targets = targets_view.buf,
+        .target_count = (uint32_t)(words / 2),
     };
-    int rc = files > KVD_MAX_FILES ? -EINVAL : kvd_proxy_start(&self->proxy, &config);
+    int rc = files > KVD_MAX_FILES || words % 2 ? -EINVAL : kvd_proxy_start(&self->proxy, &config);
     PyBuffer_Release(&fds_view);
+    PyBuffer_Release(&targets_view);
     if (rc == -EINVAL) {
-        PyErr_Format(PyExc_ValueError, "batch_entries must be 1..%u, queue_depth 1..%u, fds at most %u",
-                     KVD_PROXY_MAX_BATCH, KVD_MAX_QUEUE_DEPTH, KVD_MAX_FILES);
+        PyErr_Format(PyExc_ValueError, "batch_entries must be 1..%u, queue_depth 1..%u, fds at most %u, and "
+                     "targets 1..%u (address, length) pairs, sorted and disjoint", KVD_PROXY_MAX_BATCH,
+                     KVD_MAX_QUEUE_DEPTH, KVD_MAX_FILES, KVD_MAX_BUFFERS);
         return -1;
     }
     if (rc < 0) {
@@ -105,12 +116,12 @@ static int start(ProxyObject *self, PyObject *fds_object, unsigned int batch_ent
 }
 
 static int proxy_init(ProxyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"ring", "fds", "staging", "batch_entries", "queue_depth", "device", NULL};
-    PyObject *ring_object, *fds_object, *staging_object;
+    static char *keywords[] = {"ring", "fds", "staging", "targets", "batch_entries", "queue_depth", "device", NULL};
+    PyObject *ring_object, *fds_object, *staging_object, *targets_object;
     unsigned int batch_entries = 64, queue_depth = 64;
     int device = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|IIi", keywords, &ring_object, &fds_object, &staging_object,
-                                     &batch_entries, &queue_depth, &device)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|IIi", keywords, &ring_object, &fds_object, &staging_object,
+                                     &targets_object, &batch_entries, &queue_depth, &device)) {
         return -1;
     }
     if (self->proxy != NULL || self->holding) {
@@ -124,7 +135,7 @@ static int proxy_init(ProxyObject *self, PyObject *args, PyObject *kwargs) {
     }
     self->holding = 1;
     if (check_ring_memory(&self->ring_view) < 0 || check_staging(&self->staging_view) < 0 ||
-        (device >= 0 && open_copier(self, device) < 0) || start(self, fds_object, batch_entries, queue_depth) < 0) {
+        (device >= 0 && open_copier(self, device) < 0) || start(self, fds_object, targets_object, batch_entries, queue_depth) < 0) {
         release_views(self);
         return -1;
     }
@@ -176,8 +187,9 @@ static PyGetSetDef proxy_getset[] = {
 static PyTypeObject ProxyType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvd._native.RingProxy",
-    .tp_doc = "RingProxy(ring, fds, staging, batch_entries=64, queue_depth=64, device=-1): a thread draining an I/O "
-              "ring's reads into io_uring (see native/ring_proxy.h); device >= 0 copies to that CUDA device.",
+    .tp_doc = "RingProxy(ring, fds, staging, targets, batch_entries=64, queue_depth=64, device=-1): a thread "
+              "draining an I/O ring's reads into io_uring (see native/ring_proxy.h); targets: uint64 (address, "
+              "length) pairs where reads may land; device >= 0 copies to that CUDA device.",
     .tp_basicsize = sizeof(ProxyObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,

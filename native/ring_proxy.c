@@ -18,12 +18,17 @@ int kvd_copy_host(void *context, const struct kvd_copy *copies, uint32_t count) 
     return 0;
 }
 
-int kvd_proxy_check_ring(const kvd_io_ring *ring, uint64_t bytes) {
+int kvd_proxy_check_ring(const kvd_io_ring *ring, uint64_t bytes, uint64_t *capacity_out, uint64_t *layers_out) {
     if (bytes < sizeof(kvd_io_ring)) return -EINVAL;
-    uint64_t capacity = ring->capacity;
-    if (ring->version != KVD_IO_RING_VERSION || capacity == 0 || (capacity & (capacity - 1)) != 0) return -EINVAL;
+    /* One read of each field: what is checked is what is used (producers may write the header). */
+    uint64_t version = __atomic_load_n(&ring->version, __ATOMIC_ACQUIRE);
+    uint64_t capacity = __atomic_load_n(&ring->capacity, __ATOMIC_ACQUIRE);
+    uint64_t layers = __atomic_load_n(&ring->layers, __ATOMIC_ACQUIRE);
+    if (version != KVD_IO_RING_VERSION || capacity == 0 || (capacity & (capacity - 1)) != 0) return -EINVAL;
     if (capacity > (bytes - sizeof(kvd_io_ring)) / sizeof(kvd_io_desc)) return -EINVAL;
-    if (ring->layers == 0 || ring->layers > KVD_IO_RING_MAX_LAYERS) return -EINVAL;
+    if (layers == 0 || layers > KVD_IO_RING_MAX_LAYERS) return -EINVAL;
+    *capacity_out = capacity;
+    *layers_out = layers;
     return 0;
 }
 
@@ -35,10 +40,28 @@ static void complete(struct kvd_proxy *proxy, const kvd_io_desc *desc, int ok) {
     if (!ok) STAT_ADD(proxy, failed, 1);
 }
 
-/* Whether the descriptor can be read at all (it still fits in no batch when 0). */
+/* Whether [target, target + length) lies inside one of the target regions (binary search). */
+static int inside_targets(const struct kvd_proxy *proxy, uint64_t target, uint64_t length) {
+    uint32_t low = 0, high = proxy->config.target_count;
+    while (low < high) {
+        uint32_t middle = low + (high - low) / 2;
+        const struct kvd_region *region = &proxy->targets[middle];
+        if (target < region->address) {
+            high = middle;
+        } else if (target - region->address >= region->length) {
+            low = middle + 1;
+        } else {
+            return length <= region->length - (target - region->address);
+        }
+    }
+    return 0;
+}
+
+/* Whether the descriptor can be read at all. */
 static int readable(const struct kvd_proxy *proxy, const kvd_io_desc *desc) {
-    return desc->file < proxy->config.file_count && desc->target != 0 && desc->length > 0 &&
-           desc->length <= half_bytes(proxy) && desc->length <= UINT32_MAX && desc->offset <= INT64_MAX;
+    return desc->file < proxy->config.file_count && desc->length > 0 && desc->length <= half_bytes(proxy) &&
+           desc->length <= UINT32_MAX && desc->offset <= INT64_MAX && inside_targets(proxy, desc->target,
+                                                                                    desc->length);
 }
 
 /* The next descriptor to place (the carried one first); 0 when none is published. */
@@ -48,8 +71,8 @@ static int next_desc(struct kvd_proxy *proxy, kvd_io_desc *out) {
         proxy->carrying = 0;
         return 1;
     }
-    while (kvd_io_ring_take(proxy->config.ring, out)) {
-        if (out->layer >= proxy->config.ring->layers) {
+    while (kvd_io_ring_take_from(proxy->config.ring, proxy->capacity, out)) {
+        if (out->layer >= proxy->layers) {
             STAT_ADD(proxy, dropped, 1);
             continue;
         }
@@ -195,6 +218,16 @@ static int check_config(const struct kvd_proxy_config *config) {
     if (config->staging_bytes == 0 || config->staging_bytes % (2 * KVD_PROXY_ALIGN) != 0) return -EINVAL;
     if (config->batch_entries == 0 || config->batch_entries > KVD_PROXY_MAX_BATCH) return -EINVAL;
     if (config->queue_depth == 0 || config->queue_depth > KVD_MAX_QUEUE_DEPTH) return -EINVAL;
+    if (config->targets == NULL || config->target_count == 0 || config->target_count > KVD_MAX_BUFFERS) {
+        return -EINVAL;
+    }
+    for (uint32_t i = 0; i < config->target_count; i++) {
+        const struct kvd_region *region = &config->targets[i];
+        if (region->length == 0 || region->address > UINT64_MAX - region->length) return -EINVAL;
+        if (i > 0 && region->address < config->targets[i - 1].address + config->targets[i - 1].length) {
+            return -EINVAL;  /* not sorted, or overlapping */
+        }
+    }
     return 0;
 }
 
@@ -206,6 +239,7 @@ static void free_proxy(struct kvd_proxy *proxy) {
     }
     free(proxy->copies);
     free(proxy->copied);
+    free(proxy->targets);
     free(proxy);
 }
 
@@ -221,7 +255,11 @@ static int allocate(struct kvd_proxy *proxy) {
     }
     proxy->copies = calloc(n, sizeof(struct kvd_copy));
     proxy->copied = calloc(n, sizeof(uint32_t));
-    return proxy->copies == NULL || proxy->copied == NULL ? -ENOMEM : 0;
+    proxy->targets = calloc(proxy->config.target_count, sizeof(struct kvd_region));
+    if (proxy->copies == NULL || proxy->copied == NULL || proxy->targets == NULL) return -ENOMEM;
+    memcpy(proxy->targets, proxy->config.targets, proxy->config.target_count * sizeof(struct kvd_region));
+    proxy->config.targets = proxy->targets;
+    return 0;
 }
 
 /* The io_uring with the files and staging registered. */
@@ -236,12 +274,15 @@ static int open_uring(struct kvd_proxy *proxy) {
 }
 
 int kvd_proxy_start(struct kvd_proxy **out, const struct kvd_proxy_config *config) {
+    uint64_t capacity = 0, layers = 0;
     int rc = check_config(config);
-    if (rc == 0) rc = kvd_proxy_check_ring(config->ring, config->ring_bytes);
+    if (rc == 0) rc = kvd_proxy_check_ring(config->ring, config->ring_bytes, &capacity, &layers);
     if (rc < 0) return rc;
     struct kvd_proxy *proxy = calloc(1, sizeof(*proxy));
     if (proxy == NULL) return -ENOMEM;
     proxy->config = *config;
+    proxy->capacity = capacity;  /* as checked above; never re-read from shared memory */
+    proxy->layers = layers;
     rc = allocate(proxy);
     if (rc == 0) rc = open_uring(proxy);
     if (rc < 0) {

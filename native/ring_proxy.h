@@ -21,10 +21,14 @@
  * when they are device memory (cuda_copy.c), called once per batch with
  * all of its verified reads and one synchronize.
  *
- * A descriptor that cannot be read (unknown file, no target, a length of 0
- * or more than half of staging) fails without I/O. One whose layer has no
- * counter cannot be completed at all: it is dropped and counted in
- * stats.dropped. A stopping proxy takes no new descriptors, finishes the
+ * The ring's memory is shared with its producers, so nothing in it is
+ * trusted: the proxy keeps its own copy of the ring's capacity and layer
+ * count, and a read lands only inside the target regions it was started
+ * with (an engine's registered pool), never at an arbitrary address of the
+ * proxy's process. A descriptor that cannot be read (unknown file, a target
+ * outside those regions, a length of 0 or more than half of staging) fails
+ * without I/O. One whose layer has no counter cannot be completed at all: it
+ * is dropped and counted in stats.dropped. A stopping proxy takes no new descriptors, finishes the
  * reads it holds and fails the one it had taken but not yet placed.
  *
  * Idle: with nothing published the thread sleeps, backing off from 1 us to
@@ -67,6 +71,8 @@ struct kvd_proxy_config {
     uint32_t queue_depth;
     kvd_copy_fn copy;
     void *copy_context;
+    const struct kvd_region *targets;  /* where reads may land: sorted by address, disjoint */
+    uint32_t target_count;             /* >= 1 */
     int copy_each;              /* call `copy` per read, right after its check (host memory: the
                                    bytes are still in cache); 0: once per batch (a device's DMA) */
 };
@@ -95,6 +101,9 @@ struct kvd_proxy_batch {
 
 struct kvd_proxy {
     struct kvd_proxy_config config;
+    uint64_t capacity;           /* the ring's, as checked at start */
+    uint64_t layers;
+    struct kvd_region *targets;  /* the proxy's own copy of config.targets */
     struct kvd_ring uring;
     pthread_t thread;
     int stop;                    /* set by kvd_proxy_stop (atomic) */
@@ -106,8 +115,9 @@ struct kvd_proxy {
     struct kvd_proxy_stats stats;/* written by the thread; read with atomics */
 };
 
-/* Checks the ring header against the memory holding it: 0 or -EINVAL. */
-int kvd_proxy_check_ring(const kvd_io_ring *ring, uint64_t bytes);
+/* Checks the ring header against the memory holding it: 0 (with the capacity
+ * and layer count it checked) or -EINVAL. */
+int kvd_proxy_check_ring(const kvd_io_ring *ring, uint64_t bytes, uint64_t *capacity, uint64_t *layers);
 
 /* Opens the io_uring, registers files and staging, starts the thread. */
 int kvd_proxy_start(struct kvd_proxy **out, const struct kvd_proxy_config *config);

@@ -8,7 +8,7 @@ and counts it done in its layer. Targets are addresses in this process:
 device memory it allocated or opened through IPC, or host memory.
 
     ring = RingMemory(capacity=256, layers=32)        # mmap-backed, shareable by path
-    proxy = start_proxy(device, ring, fds, staging_bytes=64 << 20)
+    proxy = start_proxy(device, ring, fds, targets=[pool_memory], staging_bytes=64 << 20)
     ...                                               # producers publish, waiters wait
     proxy.stop()
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,18 +92,27 @@ def huge_page_memory(nbytes: int) -> memoryview:
     return view
 
 
-def start_proxy(device: Device, ring: RingMemory, fds, staging_bytes: int = 16 << 20, batch_entries: int = 64,
-                queue_depth: int = 64) -> Proxy:
+def target_regions(targets: Sequence[Memory]) -> np.ndarray:
+    """(address, length) pairs of the memories reads may land in, sorted, as RingProxy takes them."""
+    pairs = sorted((memory.address, memory.nbytes) for memory in targets)
+    return np.array(pairs, dtype=np.uint64).reshape(-1)
+
+
+def start_proxy(device: Device, ring: RingMemory, fds, targets: Sequence[Memory], staging_bytes: int = 16 << 20,
+                batch_entries: int = 64, queue_depth: int = 64) -> Proxy:
     """A proxy copying to `device`'s memory: memcpy on the CPU device, the CUDA driver on a GPU.
-    On CUDA the staging is page-locked (cudaHostRegister) so the copies to the GPU are DMA."""
+    Reads land only inside `targets` (an engine's registered pool: the ring is shared with its
+    producers, so nothing it says is trusted). On CUDA the staging is page-locked (cudaHostRegister)
+    so the copies to the GPU are DMA."""
     staging_bytes = -(-staging_bytes // (2 * PROXY_ALIGN)) * 2 * PROXY_ALIGN
     staging = huge_page_memory(staging_bytes)
     registered = None
     if device.kind != "cpu":
         registered = device.register_host(np.frombuffer(staging, dtype=np.uint8).ctypes.data, staging_bytes)
     try:
-        native = RingProxy(ring.buffer, np.asarray(fds, dtype=np.int32), staging, batch_entries=batch_entries,
-                           queue_depth=queue_depth, device=-1 if device.kind == "cpu" else device.index)
+        native = RingProxy(ring.buffer, np.asarray(fds, dtype=np.int32), staging, target_regions(targets),
+                           batch_entries=batch_entries, queue_depth=queue_depth,
+                           device=-1 if device.kind == "cpu" else device.index)
     except BaseException:
         if registered is not None:
             device.unregister_host(registered)

@@ -107,14 +107,22 @@ KVD_RING_FN void kvd_io_ring_publish(kvd_io_ring *ring, uint64_t ticket, uint64_
     KVD_STORE_RELEASE(&slot->sequence, ticket + 1);
 }
 
-/* Proxy (the one consumer): copy out the next descriptor; 0 when none is published yet. */
-KVD_RING_FN int kvd_io_ring_take(kvd_io_ring *ring, kvd_io_desc *out) {
+/* Proxy (the one consumer): copy out the next descriptor; 0 when none is published yet.
+ * `capacity` is the consumer's own copy of ring->capacity, taken once when it
+ * checked the ring: the header is writable by producers, and a consumer that
+ * re-read it could be steered outside the ring. */
+KVD_RING_FN int kvd_io_ring_take_from(kvd_io_ring *ring, uint64_t capacity, kvd_io_desc *out) {
     uint64_t ticket = ring->consumed;
-    kvd_io_desc *slot = &ring->slots[ticket & (ring->capacity - 1)];
+    kvd_io_desc *slot = &ring->slots[ticket & (capacity - 1)];
     if (KVD_LOAD_ACQUIRE(&slot->sequence) != ticket + 1) return 0;
     *out = *slot;
     KVD_STORE_RELEASE(&ring->consumed, ticket + 1);
     return 1;
+}
+
+/* The same, trusting the header (a consumer in the producers' own process). */
+KVD_RING_FN int kvd_io_ring_take(kvd_io_ring *ring, kvd_io_desc *out) {
+    return kvd_io_ring_take_from(ring, ring->capacity, out);
 }
 
 /* Proxy: one read of `layer` is over (ok = 0: it failed, and its target holds nothing to trust). */

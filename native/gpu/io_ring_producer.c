@@ -4,11 +4,12 @@
  * reads the way kvd_io_ring_wait_layer does, and prints each layer's done
  * and failed counts. The proxy on the other side is kvd's (RingProxy).
  *
- * Usage: io_ring_producer RING_FILE PLAN_FILE THREADS TIMEOUT_S
+ * Usage: io_ring_producer RING_FILE PLAN_FILE THREADS TIMEOUT_S [WAIT_LAYERS]
  * RING_FILE holds a ring laid out by io_ring_init; PLAN_FILE is an array of
  * records of six uint64 (file, offset, length, target, layer, checksum).
  * Thread t publishes records t, t + THREADS, ... in order. Records whose
- * layer is out of the ring's range are published but not waited for.
+ * layer is past WAIT_LAYERS (default: the ring's layer count) are published
+ * but not waited for.
  * Exit 0: all waited reads done; 3: TIMEOUT_S passed first; 2: bad input. */
 #include <fcntl.h>
 #include <pthread.h>
@@ -65,25 +66,27 @@ static double now(void) {
 
 int main(int argc, char **argv) {
     uint64_t ring_bytes, plan_bytes;
-    if (argc != 5) return 2;
+    if (argc != 5 && argc != 6) return 2;
     ring = (kvd_io_ring *)map_file(argv[1], &ring_bytes);
     plan = (record *)map_file(argv[2], &plan_bytes);
     threads = (unsigned)atoi(argv[3]);
     double deadline = now() + atof(argv[4]);
     if (ring == NULL || plan == NULL || threads == 0 || threads > 64 || ring->version != KVD_IO_RING_VERSION) return 2;
     records = plan_bytes / sizeof(record);
+    uint64_t wait_layers = argc == 6 ? (uint64_t)atoll(argv[5]) : ring->layers;
+    if (wait_layers > KVD_IO_RING_MAX_LAYERS) return 2;
     uint64_t expected[KVD_IO_RING_MAX_LAYERS] = {0};
     for (uint64_t n = 0; n < records; n++) {
-        if (plan[n].layer < ring->layers) expected[plan[n].layer]++;
+        if (plan[n].layer < wait_layers) expected[plan[n].layer]++;
     }
     pthread_t workers[64];
     for (unsigned t = 0; t < threads; t++) pthread_create(&workers[t], NULL, produce, (void *)(uintptr_t)t);
     int late = 0;
-    for (uint64_t layer = 0; layer < ring->layers && !late; layer++) {
+    for (uint64_t layer = 0; layer < wait_layers && !late; layer++) {
         while (kvd_io_ring_done(ring, layer) < expected[layer] && !(late = now() > deadline)) pause_briefly();
     }
     for (unsigned t = 0; t < threads && !late; t++) pthread_join(workers[t], NULL);
-    for (uint64_t layer = 0; layer < ring->layers; layer++) {
+    for (uint64_t layer = 0; layer < wait_layers; layer++) {
         printf("layer %llu done %llu failed %llu\n", (unsigned long long)layer,
                (unsigned long long)kvd_io_ring_done(ring, layer), (unsigned long long)ring->failed[layer]);
     }

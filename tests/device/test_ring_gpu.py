@@ -53,7 +53,7 @@ def _restore_on_gpu(device, tmp_path) -> None:
     stream = device.stream()
     staging = Staging(device, count * READ_BYTES)
     ring = RingMemory(str(tmp_path / "ring"), 64, LAYERS)
-    proxy = start_proxy(device, ring, [fd], staging_bytes=8 << 20)
+    proxy = start_proxy(device, ring, [fd], [target], staging_bytes=8 << 20)
     producer = GpuRingProducer(device, _fatbin())
     try:
         on_gpu = producer.map_ring(ring)

@@ -73,10 +73,12 @@ def plan_of(reads: list[tuple[int, int, int, int, int, int]]) -> np.ndarray:
     return np.array(reads, dtype=np.uint64).reshape(-1, 6)
 
 
-def run_producer(producer: Path, ring: RingMemory, plan: np.ndarray, tmp_path: Path, threads: int) -> dict:
+def run_producer(producer: Path, ring: RingMemory, plan: np.ndarray, tmp_path: Path, threads: int,
+                 wait_layers: int | None = None) -> dict:
     plan_path = tmp_path / "plan"
     plan.tofile(plan_path)
-    run = subprocess.run([str(producer), ring.path, str(plan_path), str(threads), "60"], check=False,
+    extra = [str(wait_layers)] if wait_layers is not None else []
+    run = subprocess.run([str(producer), ring.path, str(plan_path), str(threads), "60", *extra], check=False,
                          capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, (run.returncode, run.stdout, run.stderr)
@@ -116,7 +118,7 @@ def test_reads_published_by_a_producer_process_land_in_device_memory_exactly(dev
     reads = random_reads(disk, count, layers, lengths, seed=capacity)
     memory = device.alloc(count * slot)
     ring = RingMemory(str(tmp_path / "ring"), capacity, layers)
-    proxy = start_proxy(device, ring, disk.fds, staging_bytes=staging_kib << 10, batch_entries=batch)
+    proxy = start_proxy(device, ring, disk.fds, [memory], staging_bytes=staging_kib << 10, batch_entries=batch)
     try:
         counts = run_producer(producer, ring, with_targets(memory, reads, slot), tmp_path, threads)
     finally:
@@ -146,7 +148,7 @@ def test_faulty_reads_fail_in_their_layer_and_leave_their_targets_untouched(devi
     reads = good[:100] + bad + good[100:]
     memory = device.alloc(len(reads) * slot)
     ring = RingMemory(str(tmp_path / "ring"), 8, layers)
-    proxy = start_proxy(device, ring, disk.fds, staging_bytes=64 << 10, batch_entries=32)
+    proxy = start_proxy(device, ring, disk.fds, [memory], staging_bytes=64 << 10, batch_entries=32)
     plan = with_targets(memory, reads, slot)
     plan = np.vstack([plan, plan_of([(0, 0, PAGE, memory.address, layers + 3, 0)])])  # a layer with no counter
     try:
@@ -166,18 +168,52 @@ def test_faulty_reads_fail_in_their_layer_and_leave_their_targets_untouched(devi
     ring.close()
 
 
+def test_a_producer_cannot_steer_reads_outside_the_target_regions_or_the_ring(device, disk, producer, tmp_path):
+    """The ring is shared with its producers, so nothing in it is trusted: reads aimed outside the
+    regions the proxy was started with (another allocation of this process, or running past the end
+    of the region) fail without touching anything, and a layer count rewritten in the header after
+    the start changes nothing the proxy does."""
+    layers = 2
+    memory, elsewhere = device.alloc(4 * PAGE), device.alloc(4 * PAGE)
+    good = (0, 0, PAGE, memory.address, 0, crc32c(disk.read(0, 0, PAGE)))
+    aimed_elsewhere = (0, 0, PAGE, elsewhere.address, 1, crc32c(disk.read(0, 0, PAGE)))
+    past_the_end = (0, 0, 2 * PAGE, memory.address + 3 * PAGE, 1, crc32c(disk.read(0, 0, 2 * PAGE)))
+    ring = RingMemory(str(tmp_path / "ring"), 8, layers)
+    proxy = start_proxy(device, ring, disk.fds, [memory], staging_bytes=64 << 10)
+    header = np.frombuffer(ring.buffer, dtype=np.uint64, count=3)
+    header[2] = 200  # the layer count, rewritten by a producer after the proxy started
+    unknown_layer = (0, 0, PAGE, memory.address + PAGE, 150, crc32c(disk.read(0, 0, PAGE)))
+    plan = plan_of([good, aimed_elsewhere, past_the_end, unknown_layer])
+    try:
+        run_producer(producer, ring, plan, tmp_path, threads=1, wait_layers=layers)
+    finally:
+        stats = proxy.stop()
+    assert (ring.done(0), ring.failed(0), ring.done(1), ring.failed(1)) == (1, 0, 2, 2)
+    assert ring.done(150) == 0 and stats["dropped"] == 1  # layer 150 is past the layers the proxy checked
+    assert stats["rejected"] == 2
+    staging = Staging(device, 4 * PAGE)
+    assert staging.get(device.stream(), memory, 0, PAGE).tobytes() == disk.read(0, 0, PAGE)
+    assert not staging.get(device.stream(), memory, PAGE, 3 * PAGE).any()
+    assert not staging.get(device.stream(), elsewhere, 0, 4 * PAGE).any()
+    del header
+    ring.close()
+
+
 def test_a_ring_or_staging_the_proxy_cannot_use_is_refused_precisely(device, disk, tmp_path):
     ring = RingMemory(str(tmp_path / "ring"), 8, 2)
     ring.buffer[0:8] = (99).to_bytes(8, "little")
+    memory = device.alloc(1 << 16)
     with pytest.raises(ValueError, match="not a kvd_io_ring"):
-        start_proxy(device, ring, disk.fds)
+        start_proxy(device, ring, disk.fds, [memory])
     ring.close()
     ring = RingMemory(str(tmp_path / "ring2"), 8, 2)
     with pytest.raises(ValueError, match="batch_entries must be"):
-        start_proxy(device, ring, disk.fds, batch_entries=0)
+        start_proxy(device, ring, disk.fds, [memory], batch_entries=0)
+    with pytest.raises(ValueError, match="targets 1.."):
+        start_proxy(device, ring, disk.fds, [])
     with pytest.raises(ValueError, match="capacity must be a power of two"):
         RingMemory(str(tmp_path / "ring3"), 6, 2)
-    proxy = start_proxy(device, ring, disk.fds)
+    proxy = start_proxy(device, ring, disk.fds, [memory])
     assert proxy.native.running
     proxy.stop()
     proxy.stop()
@@ -190,11 +226,11 @@ def test_the_cuda_copy_hook_opens_only_where_a_driver_and_device_are(disk, tmp_p
     fds = np.asarray(disk.fds, dtype=np.int32)
     if CUDA_DEVICES == 0:
         with pytest.raises(OSError, match="CUDA device 0: no driver"):
-            RingProxy(ring.buffer, fds, mmap.mmap(-1, 1 << 16), device=0)
+            RingProxy(ring.buffer, fds, mmap.mmap(-1, 1 << 16), TARGETS, device=0)
     else:
-        RingProxy(ring.buffer, fds, mmap.mmap(-1, 1 << 16), device=0).stop()
+        RingProxy(ring.buffer, fds, mmap.mmap(-1, 1 << 16), TARGETS, device=0).stop()
     with pytest.raises(OSError, match=f"CUDA device {CUDA_DEVICES}: no driver"):
-        RingProxy(ring.buffer, fds, mmap.mmap(-1, 1 << 16), device=CUDA_DEVICES)
+        RingProxy(ring.buffer, fds, mmap.mmap(-1, 1 << 16), TARGETS, device=CUDA_DEVICES)
     ring.close()
 
 
@@ -211,3 +247,4 @@ def _cuda_devices() -> int:
 
 
 CUDA_DEVICES = _cuda_devices()
+TARGETS = np.array([1 << 40, 1 << 20], dtype=np.uint64)  # one region; nothing is read in these tests
