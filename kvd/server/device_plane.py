@@ -47,6 +47,8 @@ _POLL_MAX_S = 0.0005
 # Descriptors deposited over the arena socket wait this long for the RegisterPool that names them.
 DEPOSIT_TTL_S = 60.0
 MAX_DEPOSITS = 256
+# Descriptors all waiting deposits may hold together: a client cannot run the daemon out of them.
+MAX_DEPOSITED_FDS = 4096
 DEPOSIT_PREFIX = b"deposit:"
 
 
@@ -186,9 +188,11 @@ class DevicePlane:
         self._expire_deposits()
         if not fds:
             return {"ok": False, "code": "INVALID_ARGUMENT", "message": "a deposit passes at least one descriptor"}
-        if len(self.deposits) >= MAX_DEPOSITS:
+        held = sum(len(deposit.fds) for deposit in self.deposits.values())
+        if len(self.deposits) >= MAX_DEPOSITS or held + len(fds) > MAX_DEPOSITED_FDS:
             return {"ok": False, "code": "RESOURCE_EXHAUSTED",
-                    "message": f"{len(self.deposits)} deposits wait for their RegisterPool; register or wait"}
+                    "message": f"{len(self.deposits)} deposits ({held} descriptors) wait for their RegisterPool; "
+                               f"at most {MAX_DEPOSITS} and {MAX_DEPOSITED_FDS} descriptors: register or wait"}
         ticket = secrets.token_hex(16)
         self.deposits[ticket] = Deposit(tenant, [os.dup(fd) for fd in fds], time.monotonic() + DEPOSIT_TTL_S)
         return {"ok": True, "ticket": ticket, "count": len(fds)}

@@ -21,7 +21,7 @@ from kvd.client import Client
 from kvd.client.device import FAILED, DevicePool
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
 from kvd.device import IpcHandle, open_device
-from kvd.errors import FailedPrecondition, InvalidArgument
+from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.testing.daemon import run_daemon
 
 SPEC = NamespaceSpec(model_id="device-plane-model", num_layers=4, num_kv_heads=2, head_dim=16, block_tokens=16,
@@ -330,6 +330,12 @@ def test_deposits_kvd_cannot_use_are_refused_precisely(client, daemon, tmp_path)
     assert got_code == grpc.StatusCode.FAILED_PRECONDITION and "not CPU device memory" in details, details
     with pytest.raises(InvalidArgument, match="says 9 descriptors and 5 came"):
         _deposit_claiming(socket_path, fds, 9)
+    # Deposits nobody registers cannot run the daemon out of descriptors.
+    descriptors = _open_descriptors(daemon.process.pid)
+    with pytest.raises(ResourceExhausted, match="at most 256 and 4096 descriptors"):
+        for _ in range(4096 // len(fds) + 1):
+            arena_protocol.deposit_fds(socket_path, None, fds)
+    assert _open_descriptors(daemon.process.pid) - descriptors <= 4096
     for fd in [*fds, plain]:
         os.close(fd)
 
