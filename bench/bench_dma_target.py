@@ -8,7 +8,9 @@ through kvd's io_uring engine in batches of 512, into:
   transparent huge pages only where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows;
 * private: anonymous private memory in 4 KiB pages;
 * private-thp: anonymous private memory on 2 MiB boundaries, advised into transparent huge pages
-  (what the ring proxy's staging uses, kvd.device.io_ring.huge_page_memory).
+  (what the ring proxy's staging uses, kvd.device.io_ring.huge_page_memory);
+* shared-via-thp: into the shared memfd again, but each batch read into a huge-page bounce buffer
+  first and copied into place in one native call (what a disk tier could do for the arena).
 
 Rounds are interleaved; prints GiB/s per kind and the ratios to `shared`, writes
 bench/results/bench_dma_target.json. A lead for the disk tier's restore speed (issue 13): the arena
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import fmt_ratio, progress, ratio, report, warn_if_busy, write_result  # noqa: E402
 
+from kvd._native import copy_chunks  # noqa: E402
 from kvd.device.io_ring import huge_page_memory  # noqa: E402
 from kvd.io import Op, address_of, open_engine  # noqa: E402
 
@@ -53,18 +56,24 @@ def targets(nbytes: int) -> dict[str, np.ndarray]:
     return {"shared": shared, "private": private, "private-thp": thp}
 
 
-def read_into(engine, memory: np.ndarray, offsets: np.ndarray, read_bytes: int) -> float:
+def read_into(engine, memory: np.ndarray, offsets: np.ndarray, read_bytes: int,
+              bounce: np.ndarray | None = None) -> float:
+    """Seconds to read every offset into `memory` (through `bounce`, a batch at a time, if given)."""
     count = len(offsets)
-    addresses = np.uint64(address_of(memory)) + np.arange(count, dtype=np.uint64) * np.uint64(read_bytes)
+    step = np.arange(BATCH, dtype=np.uint64) * np.uint64(read_bytes)
     lengths = np.full(BATCH, read_bytes, dtype=np.uint32)
     files = np.zeros(BATCH, dtype=np.int32)
     started = time.perf_counter()
     for first in range(0, count, BATCH):
         last = min(first + BATCH, count)
+        places = np.uint64(address_of(memory)) + np.uint64(first * read_bytes) + step[:last - first]
+        landing = places if bounce is None else np.uint64(address_of(bounce)) + step[:last - first]
         results = engine.wait(engine.submit(Op.READ, files[:last - first], offsets[first:last],
-                                            lengths[:last - first], addresses[first:last]))
+                                            lengths[:last - first], landing))
         if not np.all(results == read_bytes):
             raise RuntimeError(f"short or failed reads: {np.unique(results)}")
+        if bounce is not None:
+            copy_chunks(places, landing, read_bytes)
     return time.perf_counter() - started
 
 
@@ -78,11 +87,15 @@ def measure(args: argparse.Namespace, directory: Path) -> dict:
     offsets = np.random.default_rng(2).choice((args.file_mib << 20) // read_bytes, nbytes // read_bytes,
                                               replace=False).astype(np.int64) * read_bytes
     memories = targets(nbytes)
-    seconds: dict[str, list[float]] = {name: [] for name in memories}
+    bounce = np.frombuffer(huge_page_memory(BATCH * read_bytes), dtype=np.uint8)
+    runs = {name: (memory, None) for name, memory in memories.items()}
+    runs["shared-via-thp"] = (memories["shared"], bounce)
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
     for round_number in range(args.rounds):
-        names = list(memories) if round_number % 2 == 0 else list(reversed(memories))
+        names = list(runs) if round_number % 2 == 0 else list(reversed(runs))
         for name in names:
-            seconds[name].append(read_into(engine, memories[name], offsets, read_bytes))
+            memory, bounce_buffer = runs[name]
+            seconds[name].append(read_into(engine, memory, offsets, read_bytes, bounce_buffer))
         progress(f"round {round_number + 1}/{args.rounds}: " + ", ".join(
             f"{name} {nbytes / s[-1] / (1 << 30):.2f} GiB/s" for name, s in seconds.items()))
     engine.close()
