@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_ratio, progress, ratio, report, warn_if_busy, write_result  # noqa: E402
 
 from kvd._native import copy_chunks  # noqa: E402
-from kvd.device.io_ring import huge_page_memory  # noqa: E402
+from kvd.pages import huge_page_memory  # noqa: E402
 from kvd.io import Op, address_of, open_engine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

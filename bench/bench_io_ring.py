@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_ratio, progress, ratio, report, warn_if_busy, write_result  # noqa: E402
 
 from kvd.device import open_device  # noqa: E402
-from kvd.device.io_ring import RingMemory, huge_page_memory, start_proxy  # noqa: E402
+from kvd.device.io_ring import RingMemory, start_proxy  # noqa: E402
+from kvd.pages import huge_page_memory  # noqa: E402
 from kvd.io import Op, address_of, open_engine  # noqa: E402
 from kvd.io.checksum import crc32c_of_buffers  # noqa: E402
 

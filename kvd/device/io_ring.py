@@ -24,9 +24,9 @@ import numpy as np
 
 from kvd._native import IO_RING_HEADER_BYTES, PROXY_ALIGN, RingProxy, io_ring_init
 from kvd.device.api import Device, Memory
+from kvd.pages import huge_page_memory
 
 DESC_BYTES = 64
-HUGE_PAGE = 2 << 20
 
 
 def ring_bytes(capacity: int) -> int:
@@ -77,19 +77,6 @@ class Proxy:
             self.device.unregister_host(self.registered)
             self.registered = None
         return self.stats
-
-
-def huge_page_memory(nbytes: int) -> memoryview:
-    """Anonymous memory on 2 MiB boundaries, advised into transparent huge pages and touched: each
-    O_DIRECT read then lands in one or two physical segments, not one per 4 KiB page (measured here:
-    a 256 MiB ring restore took about 160 ms into 4 KiB pages, about 120 ms into huge ones)."""
-    whole = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: no THP
-    start = -np.frombuffer(whole, dtype=np.uint8).ctypes.data % HUGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        whole.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
-    view = memoryview(whole)[start:start + nbytes]
-    np.frombuffer(view, dtype=np.uint8)[::4096] = 0  # fault every page in now, not in the first reads
-    return view
 
 
 def target_regions(targets: Sequence[Memory]) -> np.ndarray:
