@@ -131,6 +131,7 @@ class DevicePlane:
                    for i, data in enumerate(request.layers)]
         flags_handle = self._handle("flags", request.flags, 8, self.host)
         opened: list[Memory] = []
+        flags_on_device = None
         try:
             layers = [self._open(self.device, handle, name, opened, tenant) for name, handle in
                       ((f"layers[{i}]", h) for i, h in enumerate(handles))]
@@ -139,7 +140,10 @@ class DevicePlane:
             flags_on_device = flags if self.device is self.host else self.device.register_host(flags.address,
                                                                                                flags.nbytes)
             layout = PoolLayout(tuple(layers), layer_bytes, request.num_blocks, shape.page_stride, shape.v_offset)
+            stream = self.device.stream()
         except BaseException:
+            if flags_on_device is not None and flags_on_device is not flags:
+                self.device.unregister_host(flags_on_device)
             self._close_all(opened)
             raise
         for handle in (*handles, flags_handle):  # a deposit serves one registration
@@ -147,7 +151,7 @@ class DevicePlane:
                 self._drop_deposit(handle.handle.split(b":")[1].decode())
         lease_ms = request.lease_ms or self.pool_lease_ms
         pool = Pool(next(self._ids), request.client_id, request.namespace_id, layout, flags, flags_on_device,
-                    self.device.stream(), lease_ms, now_ms + lease_ms, opened)
+                    stream, lease_ms, now_ms + lease_ms, opened)
         self.pools[pool.pool_id] = pool
         log.info("pool registered", extra={"pool_id": pool.pool_id, "client_id": pool.client_id,
                                            "layers": num_layers, "num_blocks": request.num_blocks})
