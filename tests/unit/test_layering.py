@@ -34,6 +34,9 @@ FORBIDDEN = {
     "kvd.errors": ["kvd."],
     "kvd.invariants": ["kvd."],
     "kvd.clock": ["kvd."],
+    # The placement planner (issue 16): a pure model and search, below everything that does I/O.
+    "kvd.planner": ["kvd.core", "kvd.tiers", "kvd.io", "kvd.device", "kvd.server", "kvd.daemon", "kvd.cli",
+                    "kvd.client", "kvd.metrics", "kvd.v1", "kvd.testing", "kvd.sim", "kvd.cluster", "kvd.connectors"],
     # The simulator drives the engine the way the daemon does, in-process.
     "kvd.sim": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.tiers", "kvd.io", "kvd.v1", "kvd.testing"],
 }

@@ -1,0 +1,11 @@
+"""Per-request KV placement between a GPU and host memory for decode steps (issue 16, started).
+
+After OrbitFlow (DESIGN.md): a request at offload distance d keeps every (d+1)-th layer of its KV on
+the host and fetches it d layers ahead; the planner picks a distance per request so that the step's
+latency, under a model of layer-wise prefetch over one shared host-to-GPU link, is smallest within
+the GPU's block budget. Pure: numpy and the standard library, no I/O, no clocks.
+
+- `distance`: the pruned distance options and what each offloads;
+- `latency`: the step-latency model;
+- `search`: exhaustive search (the oracle) and branch and bound over the pruned space.
+"""
