@@ -126,18 +126,9 @@ def ring_restore(device, args, directory: Path) -> dict:
 
 def _plan(device, stream, work: Workload, target, layer: int) -> LayerPlan:
     reads = work.layer(layer)
-    columns = {"files": np.zeros(len(reads), dtype=np.uint64), "offsets": work.offsets[reads].astype(np.uint64),
-               "lengths": np.full(len(reads), work.read_bytes, dtype=np.uint64),
-               "targets": (target.address + reads * work.read_bytes).astype(np.uint64),
-               "checksums": work.checksums[reads].astype(np.uint32)}
-    arrays = {}
-    for name, column in columns.items():
-        arrays[name] = device.alloc(column.nbytes)
-        host = device.register_host(column.ctypes.data, column.nbytes)
-        stream.copy_blocks(arrays[name], [0], host, [0], column.nbytes)
-        stream.synchronize()
-        device.unregister_host(host)
-    return LayerPlan(count=len(reads), **arrays)
+    return LayerPlan.upload(device, stream, np.zeros(len(reads)), work.offsets[reads],
+                            np.full(len(reads), work.read_bytes), target.address + reads * work.read_bytes,
+                            work.checksums[reads])
 
 
 def main() -> None:

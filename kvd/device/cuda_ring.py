@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.device.api import DeviceError, Memory, NoDevice
+from kvd.device.api import Memory, NoDevice
+from kvd.device.cuda import _check
 from kvd.device.io_ring import RingMemory
 
 THREADS_PER_BLOCK = 256
@@ -35,6 +36,22 @@ class LayerPlan:
     checksums: Memory
     count: int
 
+    @classmethod
+    def upload(cls, device, stream, files, offsets, lengths, targets, checksums) -> LayerPlan:
+        """A layer's reads (host arrays, one entry per read) copied into device arrays the kernel reads."""
+        columns = {"files": np.asarray(files, dtype=np.uint64), "offsets": np.asarray(offsets, dtype=np.uint64),
+                   "lengths": np.asarray(lengths, dtype=np.uint64), "targets": np.asarray(targets, dtype=np.uint64),
+                   "checksums": np.asarray(checksums, dtype=np.uint32)}
+        arrays = {}
+        for name, column in columns.items():
+            column = np.ascontiguousarray(column)
+            arrays[name] = device.alloc(column.nbytes)
+            host = device.register_host(column.ctypes.data, column.nbytes)
+            stream.copy_blocks(arrays[name], [0], host, [0], column.nbytes)
+            stream.synchronize()
+            device.unregister_host(host)
+        return cls(count=len(columns["files"]), **arrays)
+
 
 class GpuRingProducer:
     def __init__(self, device, fatbin: str) -> None:
@@ -43,10 +60,10 @@ class GpuRingProducer:
         self.device = device
         driver = device.driver
         device.make_current()
-        module = _check(driver, driver.cuModuleLoad(fatbin.encode()), f"cuModuleLoad({fatbin})")
-        self._submit = _check(driver, driver.cuModuleGetFunction(module, b"kvd_io_ring_submit_layer"),
+        module = _check(driver.cuModuleLoad(fatbin.encode()), f"cuModuleLoad({fatbin})")
+        self._submit = _check(driver.cuModuleGetFunction(module, b"kvd_io_ring_submit_layer"),
                               "cuModuleGetFunction")
-        self._wait = _check(driver, driver.cuModuleGetFunction(module, b"kvd_io_ring_wait_layer"),
+        self._wait = _check(driver.cuModuleGetFunction(module, b"kvd_io_ring_wait_layer"),
                             "cuModuleGetFunction")
         self._module = module
         self._mapped: list[int] = []
@@ -56,10 +73,10 @@ class GpuRingProducer:
         rt = self.device.runtime
         address = ctypes.addressof(ctypes.c_char.from_buffer(ring.buffer))
         self.device.make_current()
-        _check(rt, rt.cudaHostRegister(address, len(ring.buffer), rt.cudaHostRegisterMapped |
+        _check(rt.cudaHostRegister(address, len(ring.buffer), rt.cudaHostRegisterMapped |
                                        rt.cudaHostRegisterPortable), "cudaHostRegister")
         self._mapped.append(address)
-        return int(_check(rt, rt.cudaHostGetDevicePointer(address, 0), "cudaHostGetDevicePointer"))
+        return int(_check(rt.cudaHostGetDevicePointer(address, 0), "cudaHostGetDevicePointer"))
 
     def submit_layer(self, stream, ring: int, plan: LayerPlan, layer: int) -> None:
         blocks = max(1, -(-plan.count // THREADS_PER_BLOCK))
@@ -75,20 +92,14 @@ class GpuRingProducer:
         pointers = np.array([value.ctypes.data for value in values], dtype=np.uint64)
         driver = self.device.driver
         self.device.make_current()
-        _check(driver, driver.cuLaunchKernel(function, blocks, 1, 1, threads, 1, 1, 0,
+        _check(driver.cuLaunchKernel(function, blocks, 1, 1, threads, 1, 1, 0,
                                              driver.CUstream(int(stream.handle)), pointers.ctypes.data, 0),
                "cuLaunchKernel")
 
     def close(self) -> None:
         rt = self.device.runtime
         for address in self._mapped:
-            _check(rt, rt.cudaHostUnregister(address), "cudaHostUnregister")
+            _check(rt.cudaHostUnregister(address), "cudaHostUnregister")
         self._mapped.clear()
-        _check(self.device.driver, self.device.driver.cuModuleUnload(self._module), "cuModuleUnload")
+        _check(self.device.driver.cuModuleUnload(self._module), "cuModuleUnload")
 
-
-def _check(api, result, what: str):
-    error, *values = result if isinstance(result, tuple) else (result,)
-    if int(error) != 0:
-        raise DeviceError(f"{what} failed: {error}", int(error))
-    return values[0] if len(values) == 1 else tuple(values)

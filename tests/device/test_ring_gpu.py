@@ -57,7 +57,7 @@ def _restore_on_gpu(device, tmp_path) -> None:
     producer = GpuRingProducer(device, _fatbin())
     try:
         on_gpu = producer.map_ring(ring)
-        plans = [_plan(device, stream, staging, data, offsets, target, layer) for layer in range(LAYERS)]
+        plans = [_plan(device, stream, data, offsets, target, layer) for layer in range(LAYERS)]
         for layer, plan in enumerate(plans):
             producer.submit_layer(stream, on_gpu, plan, layer)
             producer.wait_layer(stream, on_gpu, layer, READS_PER_LAYER)
@@ -72,20 +72,10 @@ def _restore_on_gpu(device, tmp_path) -> None:
         os.close(fd)
 
 
-def _plan(device, stream, staging: Staging, data: bytes, offsets, target, layer: int) -> LayerPlan:
-    """One layer's read arrays, copied into device memory (read i of the layer is read
-    layer * READS_PER_LAYER + i overall, landing at that index of `target`)."""
+def _plan(device, stream, data: bytes, offsets, target, layer: int) -> LayerPlan:
+    """One layer's reads in device memory (read i of the layer is read layer * READS_PER_LAYER + i
+    overall, landing at that index of `target`)."""
     reads = np.arange(layer * READS_PER_LAYER, (layer + 1) * READS_PER_LAYER)
-    columns = {
-        "files": np.zeros(READS_PER_LAYER, dtype=np.uint64),
-        "offsets": offsets[reads].astype(np.uint64),
-        "lengths": np.full(READS_PER_LAYER, READ_BYTES, dtype=np.uint64),
-        "targets": (target.address + reads * READ_BYTES).astype(np.uint64),
-        "checksums": np.array([crc32c(data[o:o + READ_BYTES]) for o in offsets[reads]], dtype=np.uint32),
-    }
-    arrays = {}
-    for name, column in columns.items():
-        memory = device.alloc(column.nbytes)
-        staging.put(stream, memory, 0, column.view(np.uint8))
-        arrays[name] = memory
-    return LayerPlan(count=READS_PER_LAYER, **arrays)
+    return LayerPlan.upload(device, stream, np.zeros(READS_PER_LAYER), offsets[reads],
+                            np.full(READS_PER_LAYER, READ_BYTES), target.address + reads * READ_BYTES,
+                            [crc32c(data[o:o + READ_BYTES]) for o in offsets[reads]])
