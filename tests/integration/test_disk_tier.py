@@ -100,9 +100,12 @@ def test_blocks_evicted_from_host_come_back_from_disk(tmp_path, schedule):
         first_blocks = blocks_for(12, seed=1)
         assert client.put(namespace, first, first_blocks, durable=True) == 12
         # Twice the host tier's size of other blocks push the first ones out.
+        # Durable, so that no write round still pins them when the Get comes:
+        # a pinned block is no candidate for demotion, and the watermark
+        # demotion after the Get would then take the blocks it just read.
         for round_ in range(2):
             keys = namespace.keys(np.arange(HOST_SLOTS * 16) + 10**6 * (round_ + 1))
-            client.put(namespace, keys, blocks_for(HOST_SLOTS, seed=10 + round_))
+            client.put(namespace, keys, blocks_for(HOST_SLOTS, seed=10 + round_), durable=True)
         lookup = client.lookup(namespace, first)
         assert lookup.matched == 12
         assert set(lookup.tiers) == {kvd_pb2.TIER_DISK}
