@@ -19,7 +19,11 @@ directory on one file system):
   * kvd: a real daemon (bench/peers/kvd_driver.py) with two disk-tier
     drives; store = a durable Put under fsync none, group and strict;
     restore = a Get into the caller's array after a daemon restart (cold
-    host tier), checksums verified by the daemon.
+    host tier), checksums verified by the daemon. The run sets the
+    kernel's shmem_enabled to advise (--shmem-thp; put back at the end),
+    as docs/operations.md recommends, so kvd's arena gets huge pages;
+    kvd-4k is the same daemon with host.huge_pages off, as on a host left
+    at never.
   * vllm-fs: vLLM's FS secondary tier (its native fs_io_C batch calls, one
     O_DIRECT file per block, 16 threads), from .venv-vllm.
   * lmcache-disk: LMCache's local disk backend, from .venv-lmcache.
@@ -46,6 +50,7 @@ reported as absent, never as beaten.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -92,6 +97,8 @@ PEER_STORE = (("store", {"sync": False}), ("store+sync", {"sync": True}))
 KVD_STORE = tuple((f"store {mode}", {"fsync": mode}) for mode in ("none", "group", "strict"))
 DISK_CONTENDERS = (
     ContenderSpec("kvd", ".venv", "kvd_driver.py", store_variants=KVD_STORE),
+    # kvd with its arena in 4 KiB pages, as on a host whose shmem_enabled is never.
+    ContenderSpec("kvd-4k", ".venv", "kvd_driver.py", ("--no-huge-pages",), store_variants=KVD_STORE),
     ContenderSpec("vllm-fs", ".venv-vllm", "vllm_fs.py", store_variants=PEER_STORE),
     ContenderSpec("lmcache-disk", ".venv-lmcache", "lmcache_disk.py", store_variants=PEER_STORE),
 )
@@ -157,6 +164,34 @@ def drop_page_cache() -> bool:
         return True
     except OSError:
         return False
+
+
+SHMEM_THP = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+
+
+@contextlib.contextmanager
+def shmem_huge_pages(mode: str):
+    """Run with the kernel's shmem huge page setting at `mode` ("leave": as found), put back after;
+    yields the setting in force."""
+    try:
+        found = SHMEM_THP.read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        yield "unknown"
+        return
+    if mode in ("leave", found):
+        yield found
+        return
+    try:
+        SHMEM_THP.write_text(mode + "\n")
+    except OSError as error:
+        progress(f"shmem_enabled stays {found}: {error}")
+        yield found
+        return
+    progress(f"shmem_enabled {found} -> {mode} for this run (put back at the end)")
+    try:
+        yield mode
+    finally:
+        SHMEM_THP.write_text(found + "\n")
 
 
 def start_all(specs, workload_of, log_dir: Path) -> dict[str, Contender]:
@@ -379,6 +414,9 @@ def disk_ratios(results: dict) -> dict[str, Any]:
     fio_read = _median(results, "fio read")
     kvd_restore = _median(results, "kvd restore")
     ratios["restore_vs_fio_best"] = kvd_restore / fio_read if kvd_restore and fio_read else None
+    for operation in ("restore", "store none"):  # what huge pages for the arena gave
+        huge, small = _median(results, f"kvd {operation}"), _median(results, f"kvd-4k {operation}")
+        ratios[f"{operation} huge pages / 4 KiB pages"] = huge / small if huge and small else None
     return ratios
 
 
@@ -421,6 +459,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fio-jobs", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--fio-depths", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--lookup-repeats", type=int, default=50)
+    parser.add_argument("--shmem-thp", default="advise", choices=["advise", "leave"],
+                        help="the kernel's shared-memory huge page setting for the run (root only; put back at the "
+                        "end): advise, as docs/operations.md recommends for kvd's arena, or leave it as found. "
+                        "Only kvd maps shared memory; kvd-4k shows it without huge pages")
     parser.add_argument("--dir", default=None, help="where the contenders' directories go (default: a temp dir "
                         "under the repository, on the same file system as the daemon's)")
     return parser.parse_args()
@@ -431,6 +473,13 @@ def main() -> None:
     warn_if_busy()
     root = Path(tempfile.mkdtemp(prefix="kvd-peers-", dir=args.dir or REPO_ROOT))
     out: dict[str, Any] = {"parameters": vars(args), "targets": TARGETS, "page_cache_dropped": drop_page_cache()}
+    with shmem_huge_pages(args.shmem_thp) as shmem_mode:
+        out["shmem_enabled"] = shmem_mode
+        run_phases(args, root, out)
+    write_result("bench_peers", out)
+
+
+def run_phases(args, root: Path, out: dict[str, Any]) -> None:
     try:
         for shape in args.shapes:
             tokens = SHAPES[shape]
@@ -442,7 +491,6 @@ def main() -> None:
                 print_phase(f"host memory, {tokens}-token blocks", phase)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    write_result("bench_peers", out)
 
 
 if __name__ == "__main__":

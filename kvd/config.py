@@ -92,7 +92,7 @@ class HostConfig:
     # different block sizes share memory. slot_bytes: one size only.
     min_slot_bytes: int = 64 << 10
     prefault: bool = True
-    huge_pages: bool = False
+    huge_pages: bool = True
     # Watermarks, as fractions of the host slots: from high_watermark
     # occupied on, dirty blocks are written back (write_mode = "back") and
     # durable ones demoted in the background until low_watermark, so Puts

@@ -55,7 +55,7 @@ from kvd.server.drain import RpcTracker, describe, stop_server
 from kvd.server.health import HealthService
 from kvd.server.registration import add_kvd_service
 from kvd.server.service import KvdService
-from kvd.tiers.host import ArenaLayout, HostArena
+from kvd.tiers.host import ArenaLayout, HostArena, shmem_huge_page_bytes
 
 log = logging.getLogger("kvd.daemon")
 
@@ -192,7 +192,7 @@ class Daemon:
         await self._listen(tls, rpc_metrics)
         arena, arena_socket = self.arena, self.arena_socket
         registry.register(ArenaCollector(lambda: arena_socket.handed_out if arena_socket else 0,
-                                         lambda: arena.reassigned_slots))
+                                         lambda: arena.reassigned_slots, shmem_huge_page_bytes))
         if self.device_plane is not None:
             registry.register(DeviceCollector(self.device_plane.counters))
         _log_exposure(config, tenants)

@@ -61,6 +61,7 @@ Get hits of kvd_get_blocks_total.
 | kvd_event_ring_keys | gauge | | keys held by the ring of recent events |
 | kvd_event_subscribers | gauge | | open WatchEvents streams |
 | kvd_event_resyncs_total | counter | reason | subscribers told to resynchronise (sequence_too_old, subscriber_too_slow, instance_changed) |
+| kvd_arena_huge_page_bytes | gauge | | bytes of the arena the daemon maps with huge pages (0 where shmem gets none: see host.huge_pages in docs/operations.md) |
 | kvd_arena_handouts_total | counter | | arena file descriptors handed to clients over the arena socket (refusals count in kvd_auth_failures_total) |
 | kvd_arena_slot_tenant_changes_total | counter | | host slots moved to another tenant's arena file (auth.mode = "token"): each is a remap in the daemon and the slot's pages punched out of the previous tenant's file |
 | kvd_device_pools | gauge | | engines' KV pools registered with the device plane ([device] kind) |
@@ -347,15 +348,19 @@ class DiskIoCollector(Collector):
 class ArenaCollector(Collector):
     """The host arena's counters, read when scraped."""
 
-    def __init__(self, handouts: Callable[[], int], tenant_changes: Callable[[], int]) -> None:
+    def __init__(self, handouts: Callable[[], int], tenant_changes: Callable[[], int],
+                 huge_page_bytes: Callable[[], int] = lambda: 0) -> None:
         self._handouts = handouts
         self._tenant_changes = tenant_changes
+        self._huge_page_bytes = huge_page_bytes
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily("kvd_arena_handouts", "Arena file descriptors handed to clients.",
                                   value=self._handouts())
         yield CounterMetricFamily("kvd_arena_slot_tenant_changes",
                                   "Host slots moved to another tenant's arena file.", value=self._tenant_changes())
+        yield GaugeMetricFamily("kvd_arena_huge_page_bytes", "Shared memory the daemon maps with huge pages.",
+                                value=self._huge_page_bytes())
 
 
 class DeviceCollector(Collector):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """kvd as a contender of bench_peers.py: a real daemon, driven through its client.
 
-    .venv/bin/python bench/peers/kvd_driver.py '<Workload JSON>' [--no-disk]
+    .venv/bin/python bench/peers/kvd_driver.py '<Workload JSON>' [--no-disk] [--no-huge-pages]
 
 The daemon runs in its own process with the workload's directory as two
 disk-tier drives (two directories on one file system, as a host with two
@@ -15,7 +15,8 @@ cold and every byte comes from disk, checksums verified; the caller's array
 is filled from the arena by the client as the daemon answers.
 
 With --no-disk the daemon has host memory only (the host-memory Get and
-Lookup contender).
+Lookup contender). With --no-huge-pages its arena stays in 4 KiB pages
+(host.huge_pages = false), as on a host whose shmem_enabled is never.
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ def block_keys(count: int, salt: bytes = b"") -> list[bytes]:
 
 
 class KvdContender:
-    def __init__(self, workload: protocol.Workload, disk: bool) -> None:
+    def __init__(self, workload: protocol.Workload, disk: bool, huge_pages: bool = True) -> None:
         tokens, remainder = divmod(workload.layer_bytes, 2 * HEADS * HEAD_DIM * ITEM)
         if remainder:
             raise SystemExit(f"layer_bytes {workload.layer_bytes} is not a whole number of bf16 tokens")
         self.workload = workload
         self.disk = disk
+        self.huge_pages = huge_pages
         self.spec = NamespaceSpec("bench-peers", num_layers=workload.layers, num_kv_heads=HEADS,
                                   head_dim=HEAD_DIM, block_tokens=tokens, kv_dtype=DType.BFLOAT16)
         self.keys = block_keys(workload.blocks)
@@ -78,7 +80,7 @@ class KvdContender:
             pages += -(-int(LOOKUP_MAX_KEYS * smallest / WATERMARK_HEADROOM) // workload.block_bytes) + 1
         config: dict = {
             "host": {"capacity_bytes": pages * workload.block_bytes, "slot_bytes": workload.block_bytes,
-                     "min_slot_bytes": smallest},
+                     "min_slot_bytes": smallest, "huge_pages": self.huge_pages},
             "log": {"level": "warning"},
         }
         if self.disk:
@@ -169,7 +171,8 @@ class KvdContender:
 
 def main() -> None:
     workload = protocol.Workload.from_json(sys.argv[1])
-    contender = KvdContender(workload, disk="--no-disk" not in sys.argv[2:])
+    contender = KvdContender(workload, disk="--no-disk" not in sys.argv[2:],
+                             huge_pages="--no-huge-pages" not in sys.argv[2:])
     contender.start()
     try:
         protocol.serve("kvd", kvd.__version__, contender.handlers())

@@ -92,6 +92,28 @@ class ArenaLayout:
         return ArenaLayout(slot_bytes, slot_count)
 
 
+def shmem_huge_page_mode() -> str:
+    """The kernel's transparent huge page setting for shared memory (the selected word), or "unknown"."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else "unknown"
+
+
+def shmem_huge_page_bytes() -> int:
+    """Bytes of shared memory this process maps with huge pages (the arena's, in the daemon)."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("ShmemPmdMapped:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 class HostArena:
     """Owner of the arena's files and of the daemon's mapping; `close()` drops both."""
 
@@ -130,7 +152,9 @@ class HostArena:
             self.prefault()
         self.reassigned_slots = 0
         log.info("host arena created", extra={"arena_bytes": layout.arena_bytes, "slot_bytes": layout.slot_bytes,
-                                               "per_tenant": per_tenant})
+                                               "per_tenant": per_tenant, "huge_pages": self._huge_pages,
+                                               "shmem_enabled": shmem_huge_page_mode(),
+                                               "huge_page_bytes": shmem_huge_page_bytes() if prefault else None})
 
     # ------------------------------------------------------------------
     # Files

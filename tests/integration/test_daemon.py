@@ -288,6 +288,22 @@ def test_sigterm_under_load_finishes_or_refuses_cleanly(tmp_path):
     assert set(outcomes) <= {"ok", "UNAVAILABLE", "CANCELLED"}, outcomes
 
 
+def test_the_arena_has_huge_pages_exactly_where_the_kernel_gives_shared_memory_any(tmp_path):
+    """host.huge_pages is on by default: under shmem_enabled = advise (or
+    within_size, always, force) the arena is mapped with huge pages, the
+    gauge says how much; under never or deny it has none, and says 0."""
+    from kvd.tiers.host import shmem_huge_page_mode
+
+    mode = shmem_huge_page_mode()
+    config = {"host": {"capacity_bytes": 64 << 20, "slot_bytes": 2 << 20}}
+    with run_daemon(tmp_path, config=config) as daemon:
+        huge = daemon.metric("kvd_arena_huge_page_bytes")
+    if mode in ("advise", "within_size", "always", "force"):
+        assert huge >= 32 << 20, (mode, huge)
+    else:
+        assert huge == 0, (mode, huge)
+
+
 def test_huge_pages_option_starts(tmp_path):
     """huge_pages is advisory: where the kernel refuses, the daemon logs and serves."""
     with run_daemon(tmp_path, config={"host": {"huge_pages": True}}) as daemon:

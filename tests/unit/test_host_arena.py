@@ -98,3 +98,31 @@ def test_small_slots_of_one_page_are_backed_per_tenant_and_a_whole_page_claim_ta
         b.close()
     finally:
         arena.close()
+
+
+def test_a_slot_moved_to_a_tenant_costs_its_own_bytes_with_huge_pages_asked_for():
+    """A tenant's slot is mapped on its own, so even where shmem_enabled is
+    advise it never takes a whole huge page of the tenant's file."""
+    arena = HostArena(ArenaLayout(SLOT, 64), prefault=True, huge_pages=True, per_tenant=True)
+    try:
+        arena.claim(3, "a")
+        arena.write(3, b"A" * SLOT)
+        assert arena.resident_bytes("a") == SLOT and arena.read(3, 4) == b"AAAA"
+    finally:
+        arena.close()
+
+
+@pytest.mark.parametrize("text, mode", [("always within_size advise [never] deny force\n", "never"),
+                                        ("always within_size [advise] never deny force\n", "advise"),
+                                        ("garbage\n", "unknown")])
+def test_the_shmem_huge_page_mode_is_the_selected_word(monkeypatch, tmp_path, text, mode):
+    import builtins
+
+    from kvd.tiers import host
+
+    setting = tmp_path / "shmem_enabled"
+    setting.write_text(text)
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *args, **kwargs: real_open(
+        setting if str(path).endswith("shmem_enabled") else path, *args, **kwargs))
+    assert host.shmem_huge_page_mode() == mode
