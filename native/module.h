@@ -17,4 +17,7 @@ int kvd_add_ring_proxy(PyObject *module);
 /* Adds CuFile and cufile_version (GPUDirect Storage, loaded at run time). */
 int kvd_add_cufile(PyObject *module);
 
+/* planner_module.c: plan_step_latency and plan_search (kvd.planner). */
+int kvd_add_planner(PyObject *module);
+
 #endif

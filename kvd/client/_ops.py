@@ -488,6 +488,14 @@ def stats(session: Session) -> Op:
     return (yield ("Stats", kvd_pb2.StatsRequest()))
 
 
+def plan_placement(session: Session, request: kvd_pb2.PlanPlacementRequest) -> Op:
+    return (yield ("PlanPlacement", request))
+
+
+def report_step(session: Session, request: kvd_pb2.ReportStepRequest) -> Op:
+    return (yield ("ReportStep", request))
+
+
 def arena_info(session: Session) -> Op:
     yield from connect(session)
     return session.info

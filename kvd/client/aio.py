@@ -98,6 +98,14 @@ class AsyncClient(_ops.ClientBase):
     async def stats(self) -> kvd_pb2.StatsResponse:
         return await self._run(_ops.stats(self.session))
 
+    async def plan_placement(self, request: kvd_pb2.PlanPlacementRequest) -> kvd_pb2.PlanPlacementResponse:
+        """A decode batch's KV placement (kvd.planner; docs/planner.md)."""
+        return await self._run(_ops.plan_placement(self.session, request))
+
+    async def report_step(self, request: kvd_pb2.ReportStepRequest) -> kvd_pb2.ReportStepResponse:
+        """One observed decode step for a plan profile; the answer says whether to plan again."""
+        return await self._run(_ops.report_step(self.session, request))
+
     async def watch_events(self, namespace: Namespace, from_sequence: int = 0, instance_id: str = "") -> AsyncEventWatch:
         """As Client.watch_events; iterate the result with `async for`."""
         call = self._stub.WatchEvents(watch_request(namespace, from_sequence, instance_id), metadata=self._metadata)

@@ -199,6 +199,14 @@ class Client(_ops.ClientBase):
     def stats(self) -> kvd_pb2.StatsResponse:
         return self._run(_ops.stats(self.session))
 
+    def plan_placement(self, request: kvd_pb2.PlanPlacementRequest) -> kvd_pb2.PlanPlacementResponse:
+        """A decode batch's KV placement (kvd.planner; docs/planner.md)."""
+        return self._run(_ops.plan_placement(self.session, request))
+
+    def report_step(self, request: kvd_pb2.ReportStepRequest) -> kvd_pb2.ReportStepResponse:
+        """One observed decode step for a plan profile; the answer says whether to plan again."""
+        return self._run(_ops.report_step(self.session, request))
+
     def watch_events(self, namespace: Namespace, from_sequence: int = 0, instance_id: str = "") -> EventWatch:
         """Subscribe to the namespace's KV events: an iterator of KvEvent.
 

@@ -2,22 +2,31 @@
 budget (kvd.planner.latency), over the pruned distances (kvd.planner.distance).
 
 - `exhaustive`: every combination; the oracle for tests, fine for a few requests.
-- `branch_and_bound`: requests largest first, each trying its distances from "all on the GPU" to
-  "most offloaded". A partial placement is dropped when
+- `branch_and_bound` (native/planner.c): requests largest first, each trying its distances from
+  "all on the GPU" to "most offloaded"; requests of equal size take their distances in one order
+  only (they are interchangeable). A partial placement is dropped when
   - even the most frugal distances for the requests still open would not fit the budget, or
-  - its latency with the open requests kept on the GPU, a lower bound (offloading only adds
-    transfers, and a transfer can only delay a layer), already reaches the best complete one.
+  - a lower bound reaches the best complete placement: its latency with the open requests kept on
+    the GPU (offloading only adds transfers, and a transfer can only delay a layer), or the link's
+    time for what is fetched already plus what the open requests must still free (a layer freed is
+    a layer fetched), plus the shortest layer that could follow the last fetch.
   It returns what exhaustive search over the same space returns (the same latency; tests check).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from kvd.planner.distance import NONE, distance_options
+import numpy as np
+
+from kvd._native import plan_search, plan_step_latency
+from kvd.planner.distance import distance_options
 from kvd.planner.latency import Batch, gpu_bytes, step_latency
+
+# The native search's limits (native/planner.h).
+MAX_REQUESTS = 256
+MAX_LAYERS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +35,8 @@ class Placement:
     latency_s: float
     gpu_bytes: int
     explored: int = 0            # placements whose latency was computed
+    exact: bool = True           # the search finished: no placement in the space is better
+    bound_s: float = 0.0         # no placement in the space is faster (latency_s when exact)
 
 
 def exhaustive(batch: Batch, budget_bytes: int) -> Placement | None:
@@ -44,50 +55,29 @@ def exhaustive(batch: Batch, budget_bytes: int) -> Placement | None:
     return None if best is None else Placement(best.distances, best.latency_s, best.gpu_bytes, explored)
 
 
-def branch_and_bound(batch: Batch, budget_bytes: int) -> Placement | None:
-    """The same answer as `exhaustive` (the same latency), exploring far fewer placements."""
-    count = len(batch.kv_bytes)
-    options = distance_options(batch.layers)
-    order = sorted(range(count), key=lambda r: -batch.kv_bytes[r])  # the big requests decide most
-    frugal = [min(_one_request_bytes(batch, r, d) for d in options) for r in range(count)]
-    # frugal_after[i]: the least the requests order[i:] can take together
-    frugal_after = [0] * (count + 1)
-    for i in range(count - 1, -1, -1):
-        frugal_after[i] = frugal_after[i + 1] + frugal[order[i]]
-    state = _Search(batch, budget_bytes, order, options, frugal_after)
-    state.descend(0, [NONE] * count, 0)
-    return None if state.best is None else dataclasses.replace(state.best, explored=state.explored)
+def branch_and_bound(batch: Batch, budget_bytes: int, max_nodes: int = 0) -> Placement | None:
+    """The same answer as `exhaustive` (the same latency), exploring far fewer placements; in native
+    code (native/planner.c). After max_nodes latency evaluations (0: no limit) it answers with the
+    best placement found so far, marked not exact, and a lower bound on the best there is (the
+    bound at the root: what the open requests must fetch to free the memory the budget lacks)."""
+    options = np.asarray(distance_options(batch.layers), dtype=np.int32)
+    found = plan_search(_compute(batch), _sizes(batch), batch.bandwidth_bps, options, float(budget_bytes),
+                        max_nodes)
+    if found is None:
+        return None
+    distances, latency, bound, used, explored, exact = found
+    return Placement(distances, latency, int(used), explored, exact, bound)
 
 
-def _one_request_bytes(batch: Batch, request: int, distance: int) -> int:
-    distances = [NONE] * len(batch.kv_bytes)
-    distances[request] = distance
-    alone = gpu_bytes(batch, distances)
-    others = sum(size * batch.layers for r, size in enumerate(batch.kv_bytes) if r != request)
-    return alone - others
+def native_step_latency(batch: Batch, distances) -> float:
+    """kvd.planner.latency.step_latency, computed by native/planner.c."""
+    return plan_step_latency(_compute(batch), _sizes(batch), batch.bandwidth_bps,
+                             np.asarray(distances, dtype=np.int32))
 
 
-class _Search:
-    def __init__(self, batch: Batch, budget_bytes: int, order: list[int], options: tuple[int, ...],
-                 frugal_after: list[int]) -> None:
-        self.batch, self.budget, self.order, self.options = batch, budget_bytes, order, options
-        self.frugal_after = frugal_after
-        self.best: Placement | None = None
-        self.explored = 0
+def _compute(batch: Batch) -> np.ndarray:
+    return np.asarray(batch.compute_s, dtype=np.float64)
 
-    def descend(self, depth: int, distances: list[int], used: int) -> None:
-        """Try every distance for request order[depth]; the requests after it are still on the GPU."""
-        if used + self.frugal_after[depth] > self.budget:
-            return
-        bound = step_latency(self.batch, distances)  # the open requests on the GPU: a lower bound
-        self.explored += 1
-        if self.best is not None and bound >= self.best.latency_s:
-            return
-        if depth == len(self.order):
-            self.best = Placement(tuple(distances), bound, used, self.explored)
-            return
-        request = self.order[depth]
-        for distance in self.options:
-            distances[request] = distance
-            self.descend(depth + 1, distances, used + _one_request_bytes(self.batch, request, distance))
-        distances[request] = NONE
+
+def _sizes(batch: Batch) -> np.ndarray:
+    return np.asarray(batch.kv_bytes, dtype=np.float64)

@@ -44,6 +44,7 @@ from kvd.errors import (
 from kvd.metrics import RpcMetrics
 from kvd.server import convert
 from kvd.server.auth import CURRENT_TENANT, Tenant, scoped_client_id
+from kvd.server.planning import Planning
 from kvd.tiers.host import DEFAULT_TENANT, HostArena
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
@@ -164,6 +165,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         self.cluster_blocks = None
         # kvd.server.device_plane.DevicePlane when [device] kind is not "off" (set by the daemon).
         self.device_plane = None
+        self.planning = Planning()
 
     def _caller(self) -> Tenant | None:
         """The tenant of the call being served; None without auth."""
@@ -734,6 +736,20 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         local = self.engine.lookup(request.namespace_id, keys)
         return await self.cluster.lookup(request.namespace_id, request.packed_keys, len(local))
 
+    # ------------------------------------------------------------------ placement planning
+
+    def _tenant_name(self) -> str:
+        tenant = self._caller()
+        return tenant.name if tenant is not None else DEFAULT_TENANT
+
+    @rpc("PlanPlacement")
+    async def PlanPlacement(self, request, context):
+        return await self.planning.plan(request, self._tenant_name())
+
+    @rpc("ReportStep")
+    async def ReportStep(self, request, context):
+        return self.planning.report(request, self._tenant_name())
+
     # ------------------------------------------------------------------ device plane
 
     def _device_plane(self):
@@ -746,9 +762,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         plane = self._device_plane()
         await plane.sweep(self.clock.now_ms())
         spec = self.engine.namespace(request.namespace_id).spec
-        tenant = self._caller()
-        pool = plane.register(request, spec.num_layers, spec.layer_bytes, self.clock.now_ms(),
-                              tenant.name if tenant is not None else DEFAULT_TENANT)
+        pool = plane.register(request, spec.num_layers, spec.layer_bytes, self.clock.now_ms(), self._tenant_name())
         return kvd_pb2.RegisterPoolResponse(pool_id=pool.pool_id, lease_deadline_ms=pool.deadline_ms,
                                             flag_words=pool.flag_words)
 

@@ -671,6 +671,108 @@ class LoadLayersResponse(_message.Message):
     tiers: bytes
     def __init__(self, matched: _Optional[int] = ..., done_value: _Optional[int] = ..., tiers: _Optional[bytes] = ...) -> None: ...
 
+class PlanRequestEntry(_message.Message):
+    __slots__ = ("kv_bytes", "slo_s", "deposit_tokens", "token_bytes", "context_tokens")
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLO_S_FIELD_NUMBER: _ClassVar[int]
+    DEPOSIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    kv_bytes: int
+    slo_s: float
+    deposit_tokens: int
+    token_bytes: int
+    context_tokens: int
+    def __init__(self, kv_bytes: _Optional[int] = ..., slo_s: _Optional[float] = ..., deposit_tokens: _Optional[int] = ..., token_bytes: _Optional[int] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+
+class PlanProfile(_message.Message):
+    __slots__ = ("layers", "base_s", "per_token_s", "bandwidth_bps", "alpha", "mismatch")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BASE_S_FIELD_NUMBER: _ClassVar[int]
+    PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    layers: int
+    base_s: float
+    per_token_s: float
+    bandwidth_bps: float
+    alpha: float
+    mismatch: float
+    def __init__(self, layers: _Optional[int] = ..., base_s: _Optional[float] = ..., per_token_s: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., alpha: _Optional[float] = ..., mismatch: _Optional[float] = ...) -> None: ...
+
+class PlanPlacementRequest(_message.Message):
+    __slots__ = ("requests", "layer_compute_s", "bandwidth_bps", "budget_bytes", "profile", "define", "max_window", "max_nodes")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    DEFINE_FIELD_NUMBER: _ClassVar[int]
+    MAX_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[PlanRequestEntry]
+    layer_compute_s: _containers.RepeatedScalarFieldContainer[float]
+    bandwidth_bps: float
+    budget_bytes: int
+    profile: str
+    define: PlanProfile
+    max_window: int
+    max_nodes: int
+    def __init__(self, requests: _Optional[_Iterable[_Union[PlanRequestEntry, _Mapping]]] = ..., layer_compute_s: _Optional[_Iterable[float]] = ..., bandwidth_bps: _Optional[float] = ..., budget_bytes: _Optional[int] = ..., profile: _Optional[str] = ..., define: _Optional[_Union[PlanProfile, _Mapping]] = ..., max_window: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+
+class PlanPlacementResponse(_message.Message):
+    __slots__ = ("distances", "paused", "latency_s", "window_steps", "gpu_bytes", "fits", "meets_slo", "exact", "bound_s", "explored", "layer_compute_s", "bandwidth_bps")
+    DISTANCES_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GPU_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FITS_FIELD_NUMBER: _ClassVar[int]
+    MEETS_SLO_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    BOUND_S_FIELD_NUMBER: _ClassVar[int]
+    EXPLORED_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    distances: _containers.RepeatedScalarFieldContainer[int]
+    paused: _containers.RepeatedScalarFieldContainer[int]
+    latency_s: float
+    window_steps: int
+    gpu_bytes: int
+    fits: bool
+    meets_slo: bool
+    exact: bool
+    bound_s: float
+    explored: int
+    layer_compute_s: _containers.RepeatedScalarFieldContainer[float]
+    bandwidth_bps: float
+    def __init__(self, distances: _Optional[_Iterable[int]] = ..., paused: _Optional[_Iterable[int]] = ..., latency_s: _Optional[float] = ..., window_steps: _Optional[int] = ..., gpu_bytes: _Optional[int] = ..., fits: _Optional[bool] = ..., meets_slo: _Optional[bool] = ..., exact: _Optional[bool] = ..., bound_s: _Optional[float] = ..., explored: _Optional[int] = ..., layer_compute_s: _Optional[_Iterable[float]] = ..., bandwidth_bps: _Optional[float] = ...) -> None: ...
+
+class ReportStepRequest(_message.Message):
+    __slots__ = ("profile", "predicted_s", "observed_s", "moved_bytes", "transfer_s")
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_S_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_S_FIELD_NUMBER: _ClassVar[int]
+    MOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    profile: str
+    predicted_s: float
+    observed_s: float
+    moved_bytes: int
+    transfer_s: float
+    def __init__(self, profile: _Optional[str] = ..., predicted_s: _Optional[float] = ..., observed_s: _Optional[float] = ..., moved_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ...) -> None: ...
+
+class ReportStepResponse(_message.Message):
+    __slots__ = ("replan", "compute_scale", "bandwidth_bps")
+    REPLAN_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    replan: bool
+    compute_scale: float
+    bandwidth_bps: float
+    def __init__(self, replan: _Optional[bool] = ..., compute_scale: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ...) -> None: ...
+
 class ClusterLookupRequest(_message.Message):
     __slots__ = ("namespace_id", "packed_keys")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -147,6 +147,16 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.LoadLayersRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.LoadLayersResponse.FromString,
                 _registered_method=True)
+        self.PlanPlacement = channel.unary_unary(
+                '/kvd.v1.Kvd/PlanPlacement',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.PlanPlacementRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.PlanPlacementResponse.FromString,
+                _registered_method=True)
+        self.ReportStep = channel.unary_unary(
+                '/kvd.v1.Kvd/ReportStep',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.ReportStepRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.ReportStepResponse.FromString,
+                _registered_method=True)
 
 
 class KvdServicer:
@@ -301,6 +311,23 @@ class KvdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlanPlacement(self, request, context):
+        """Placement of a decode batch's KV between the GPU and host memory
+        (kvd.planner, after OrbitFlow): an offload distance per request, the
+        decode window the plan holds for, the requests to pause, and the
+        predicted step latency. ReportStep folds an observed step into the
+        named profile and says whether to plan again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportStep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -408,6 +435,16 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.LoadLayers,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.LoadLayersRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.LoadLayersResponse.SerializeToString,
+            ),
+            'PlanPlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanPlacement,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.PlanPlacementRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.PlanPlacementResponse.SerializeToString,
+            ),
+            'ReportStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportStep,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.ReportStepRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.ReportStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -985,6 +1022,60 @@ class Kvd:
             '/kvd.v1.Kvd/LoadLayers',
             kvd_dot_v1_dot_kvd__pb2.LoadLayersRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.LoadLayersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/PlanPlacement',
+            kvd_dot_v1_dot_kvd__pb2.PlanPlacementRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.PlanPlacementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/ReportStep',
+            kvd_dot_v1_dot_kvd__pb2.ReportStepRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.ReportStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

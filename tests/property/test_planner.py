@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvd.planner.distance import NONE, distance_options, is_offloaded
 from kvd.planner.latency import Batch, gpu_bytes, step_latency
-from kvd.planner.search import branch_and_bound, exhaustive
+from kvd.planner.search import branch_and_bound, exhaustive, native_step_latency
 
 
 def simulate(batch: Batch, distances) -> float:
@@ -68,6 +68,8 @@ def test_the_model_equals_an_event_simulation_of_the_same_system(batch, data):
     distances = [data.draw(st.sampled_from(options)) for _ in batch.kv_bytes]
     model, events = step_latency(batch, distances), simulate(batch, distances)
     assert abs(model - events) <= 1e-9 * max(1.0, events), (distances, model, events)
+    # The search's own copy of the model, in native code, is the same model.
+    assert abs(native_step_latency(batch, distances) - model) <= 1e-12 * max(1.0, model)
 
 
 tight_batches = st.builds(
@@ -88,6 +90,44 @@ def test_branch_and_bound_finds_what_exhaustive_search_finds_and_never_exceeds_t
         assert abs(found.latency_s - oracle.latency_s) <= 1e-9 * oracle.latency_s
         assert found.gpu_bytes == gpu_bytes(batch, found.distances) <= budget
         assert abs(step_latency(batch, found.distances) - found.latency_s) <= 1e-12
+        assert found.exact
+
+
+@given(batch=tight_batches, share=st.floats(0.5, 1.0), nodes=st.integers(1, 5))
+@settings(max_examples=100, deadline=None)
+def test_a_search_cut_short_says_so_and_still_fits(batch, share, nodes):
+    budget = int(sum(batch.kv_bytes) * batch.layers * share)
+    whole, cut = branch_and_bound(batch, budget), branch_and_bound(batch, budget, max_nodes=nodes)
+    assert cut is None or cut.gpu_bytes == gpu_bytes(batch, cut.distances) <= budget
+    assert cut is None or cut.latency_s >= whole.latency_s - 1e-12
+    assert cut is None or cut.bound_s <= whole.latency_s * (1 + 1e-12)
+    if cut is not None and cut.exact:
+        assert abs(cut.latency_s - whole.latency_s) <= 1e-12
+    if whole is not None and whole.explored > nodes:
+        assert cut is None or not cut.exact
+
+
+def test_malformed_batches_are_refused_by_name():
+    import numpy as np
+    import pytest
+
+    from kvd._native import plan_search, plan_step_latency
+
+    compute, sizes = np.ones(4), np.ones(2)
+    with pytest.raises(ValueError, match="distance 4 is neither"):
+        plan_step_latency(compute, sizes, 1.0, np.array([4, -1], dtype=np.int32))
+    with pytest.raises(ValueError, match="one distance per request"):
+        plan_step_latency(compute, sizes, 1.0, np.array([-1], dtype=np.int32))
+    with pytest.raises(ValueError, match="positive bandwidth"):
+        plan_step_latency(compute, sizes, 0.0, np.array([-1, -1], dtype=np.int32))
+    with pytest.raises(ValueError, match="start with -1"):
+        plan_search(compute, sizes, 1.0, np.array([1], dtype=np.int32), 100.0, 0)
+    with pytest.raises(ValueError, match="not a distance"):
+        plan_search(compute, sizes, 1.0, np.array([-1, 0], dtype=np.int32), 100.0, 0)
+    with pytest.raises(ValueError, match="kv_bytes"):
+        plan_search(compute, np.ones(257), 1.0, np.array([-1], dtype=np.int32), 100.0, 0)
+    with pytest.raises(ValueError, match="compute_s"):
+        plan_search(np.ones(3, dtype=np.float32), sizes, 1.0, np.array([-1], dtype=np.int32), 100.0, 0)
 
 
 def test_a_hand_worked_step():

@@ -1,0 +1,98 @@
+"""A decode batch's plan: a distance per request, the decode window it holds for, and who pauses.
+
+`plan` wraps the search (kvd.planner.search) with what a serving engine needs around it, after
+OrbitFlow:
+
+- the SLO: request r may take slo_s per token, but tokens it produced ahead of its SLO (its deposit)
+  are slack it may spend within the window: over W steps it tolerates steps of
+  slo_s * (1 + deposit / W);
+- the decode window: every step adds a token to each request, so the plan holds until the resident
+  KV outgrows the budget (or max_window steps, after which the engine re-plans anyway);
+- pause: when no placement fits the budget, or the best one breaks some request's SLO, the request
+  whose pausing helps most and costs least leaves the batch for this window, the one with the
+  largest KV weighted by its deposit, kv * (1 + deposit / W), and the rest is planned again; a
+  lone request is never paused (it then runs with the best placement there is, or none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from kvd.planner.distance import NONE
+from kvd.planner.latency import Batch, gpu_bytes
+from kvd.planner.search import Placement, branch_and_bound
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    kv_bytes: int             # one layer of its KV now
+    slo_s: float              # its time-per-output-token target
+    deposit_tokens: int = 0   # tokens produced ahead of its SLO
+    token_bytes: int = 0      # what one more token adds to one layer of its KV
+
+    def allowed_step_s(self, window: int) -> float:
+        return self.slo_s * (1 + self.deposit_tokens / window)
+
+    def pause_score(self, window: int) -> float:
+        return self.kv_bytes * (1 + self.deposit_tokens / window)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    distances: tuple[int, ...]   # per request in the caller's order; NONE for paused requests
+    paused: tuple[int, ...]      # requests to pause for this window, in the caller's order
+    latency_s: float             # predicted step latency of the running requests
+    window_steps: int            # decode steps before the next plan
+    gpu_bytes: int
+    fits: bool                   # the running requests fit the budget
+    meets_slo: bool              # and every one of them meets its SLO, deposits counted
+    exact: bool                  # the search finished (else: the best found within its node limit)
+    explored: int
+    bound_s: float = 0.0         # no placement of the running requests is faster
+
+
+def plan(requests: Sequence[Request], compute_s: Sequence[float], bandwidth_bps: float, budget_bytes: int, *,
+         max_window: int = 64, max_nodes: int = 200_000) -> Plan:
+    """The batch's plan (see the module's docstring)."""
+    if not requests:
+        return Plan((), (), 0.0, max_window, 0, True, True, True, 0, 0.0)
+    running = list(range(len(requests)))
+    paused: list[int] = []
+    explored = 0
+    while True:
+        batch = Batch(tuple(compute_s), tuple(requests[r].kv_bytes for r in running), bandwidth_bps)
+        placement = branch_and_bound(batch, budget_bytes, max_nodes=max_nodes)
+        explored += placement.explored if placement is not None else 0
+        meets = placement is not None and all(
+            placement.latency_s <= requests[r].allowed_step_s(max_window) for r in running)
+        if meets or len(running) == 1:
+            return _finish(requests, running, paused, batch, placement, budget_bytes, max_window, meets, explored)
+        victim = max(running, key=lambda r: (requests[r].pause_score(max_window), -r))
+        running.remove(victim)
+        paused.append(victim)
+
+
+def _finish(requests: Sequence[Request], running: list[int], paused: list[int], batch: Batch,
+            placement: Placement | None, budget_bytes: int, max_window: int, meets: bool, explored: int) -> Plan:
+    distances = [NONE] * len(requests)
+    if placement is None:
+        return Plan(tuple(distances), tuple(sorted(paused)), float("inf"), 1, 0, False, False, True, explored)
+    for r, distance in zip(running, placement.distances):
+        distances[r] = distance
+    window = decode_window([requests[r] for r in running], placement.distances, batch,
+                           budget_bytes - placement.gpu_bytes, max_window)
+    return Plan(tuple(distances), tuple(sorted(paused)), placement.latency_s, window, placement.gpu_bytes, True,
+                meets, placement.exact, explored, placement.bound_s)
+
+
+def decode_window(requests: Sequence[Request], distances: Sequence[int], batch: Batch, headroom_bytes: int,
+                  max_window: int) -> int:
+    """Steps until the KV the placement keeps on the GPU outgrows the budget (one token per request
+    per step), at least 1, at most max_window."""
+    # What the placement keeps per byte of one layer is linear in the KV: a step's growth is the
+    # placement's bytes for KV the size of one token.
+    growth = gpu_bytes(replace(batch, kv_bytes=tuple(r.token_bytes for r in requests)), distances)
+    if growth == 0:
+        return max_window
+    return max(1, min(max_window, headroom_bytes // growth))
