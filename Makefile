@@ -19,7 +19,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h native/gpu/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim gpu-check cuda cufile fuzz-long soak-long docs
+.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim planner-sim gpu-check cuda cufile fuzz-long soak-long docs
 
 setup: $(BUILT_STAMP)
 
@@ -187,6 +187,14 @@ cluster-sim: setup
 	  --json bench/results/cluster_directory_replicas.json
 	$(PY) -m kvd.cluster.routesim --nodes 4,16,64 \
 	  --json bench/results/cluster_routing.json --plot docs/cluster_routing.png
+
+# The placement planner against OrbitFlow's baselines in the decode-phase simulation
+# (kvd.sim.decode, docs/planner.md): TPOT/TBT SLO attainment, P95/P99 TBT and throughput per arrival
+# rate and SLO scale, as a table, JSON and a plot. `make test` runs a short version
+# (tests/unit/test_decode_sim.py).
+planner-sim: setup
+	$(PY) -m kvd.sim.decode --rates 2,2.5,3,3.5,4 --slo-scales 1.5,2,3 --requests 200 \
+	  --json bench/results/planner_sim.json --plot docs/planner_sim.png
 
 # On a machine with a GPU: every device test with CUDA required (they fail
 # where it does not open): the device interface, per-layer copies with flag

@@ -18,7 +18,7 @@ layers are walked in order, O(L + transfers), no event queue.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,14 +47,26 @@ class Batch:
 
 def step_latency(batch: Batch, distances: Sequence[int]) -> float:
     """Seconds from the step's start to the end of its last layer, with request r at distances[r]."""
-    layers = batch.layers
-    # requested[k]: (layer it is for, request) of the transfers requested when layer k starts
-    requested: list[list[tuple[int, int]]] = [[] for _ in range(layers + 1)]
+    fetches = []
     for request, distance in enumerate(distances):
         if distance == NONE:
             continue
-        for layer in range(distance + 1, layers + 1, distance + 1):
-            requested[max(1, layer - distance)].append((layer, request))
+        for layer in range(distance + 1, batch.layers + 1, distance + 1):
+            fetches.append((layer - distance, layer, request))
+    return fetch_latency(batch, fetches)
+
+
+def fetch_latency(batch: Batch, fetches: Iterable[tuple[int, int, int]]) -> float:
+    """The same for any set of fetches (asked_at, layer, request): layer `layer` of request's KV is
+    asked for when layer `asked_at` starts (1 <= asked_at <= layer) and must land before `layer`
+    starts. Placements other than distances use it (the simulator's baselines)."""
+    layers = batch.layers
+    # requested[k]: (layer it is for, request) of the transfers requested when layer k starts
+    requested: list[list[tuple[int, int]]] = [[] for _ in range(layers + 1)]
+    for asked_at, layer, request in fetches:
+        if not 1 <= asked_at <= layer <= layers:
+            raise ValueError(f"a fetch for layer {layer} asked at layer {asked_at} of {layers}")
+        requested[asked_at].append((layer, request))
     arrived = np.zeros(layers + 1)  # when the last transfer for each layer arrives
     link_free = 0.0
     end = 0.0

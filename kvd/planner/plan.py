@@ -8,10 +8,12 @@ OrbitFlow:
   slo_s * (1 + deposit / W);
 - the decode window: every step adds a token to each request, so the plan holds until the resident
   KV outgrows the budget (or max_window steps, after which the engine re-plans anyway);
-- pause: when no placement fits the budget, or the best one breaks some request's SLO, the request
-  whose pausing helps most and costs least leaves the batch for this window, the one with the
-  largest KV weighted by its deposit, kv * (1 + deposit / W), and the rest is planned again; a
-  lone request is never paused (it then runs with the best placement there is, or none).
+- pause: when no placement fits the budget, the request whose pausing helps most and costs least
+  leaves the batch for this window, the one with the largest KV weighted by its deposit,
+  kv * (1 + deposit / W), and the rest is planned again; a lone request is never paused (it then
+  runs with the best placement there is, or none). When the best placement breaks some request's
+  SLO, requests are paused the same way only if that lets the rest meet theirs, at most half of
+  the batch; otherwise every request runs, late.
 """
 
 from __future__ import annotations
@@ -57,20 +59,57 @@ def plan(requests: Sequence[Request], compute_s: Sequence[float], bandwidth_bps:
     """The batch's plan (see the module's docstring)."""
     if not requests:
         return Plan((), (), 0.0, max_window, 0, True, True, True, 0, 0.0)
+    search = _Searcher(requests, compute_s, bandwidth_bps, budget_bytes, max_window, max_nodes)
     running = list(range(len(requests)))
     paused: list[int] = []
-    explored = 0
-    while True:
-        batch = Batch(tuple(compute_s), tuple(requests[r].kv_bytes for r in running), bandwidth_bps)
-        placement = branch_and_bound(batch, budget_bytes, max_nodes=max_nodes)
-        explored += placement.explored if placement is not None else 0
-        meets = placement is not None and all(
-            placement.latency_s <= requests[r].allowed_step_s(max_window) for r in running)
-        if meets or len(running) == 1:
-            return _finish(requests, running, paused, batch, placement, budget_bytes, max_window, meets, explored)
-        victim = max(running, key=lambda r: (requests[r].pause_score(max_window), -r))
+    # Memory first: pause until a placement fits (never the last request).
+    placement = search(running)
+    while placement is None and len(running) > 1:
+        paused.append(search.victim(running))
+        placement = search(running)
+    if placement is None or search.meets(running, placement):
+        return search.finish(running, paused, placement)
+    # Then the SLO: pause more only where that lets the others meet theirs, at most half of them;
+    # else keep them all running, late (pausing them would make them later still).
+    trial, trial_paused = list(running), list(paused)
+    for _ in range(len(running) // 2):
+        trial_paused.append(search.victim(trial))
+        better = search(trial)
+        if better is not None and search.meets(trial, better):
+            return search.finish(trial, trial_paused, better)
+    return search.finish(running, paused, placement)
+
+
+class _Searcher:
+    """plan's searches over subsets of its requests, and what it asks of their answers."""
+
+    def __init__(self, requests: Sequence[Request], compute_s: Sequence[float], bandwidth_bps: float,
+                 budget_bytes: int, max_window: int, max_nodes: int) -> None:
+        self.requests, self.compute_s, self.bandwidth_bps = requests, tuple(compute_s), bandwidth_bps
+        self.budget_bytes, self.max_window, self.max_nodes = budget_bytes, max_window, max_nodes
+        self.explored = 0
+
+    def batch(self, running: list[int]) -> Batch:
+        return Batch(self.compute_s, tuple(self.requests[r].kv_bytes for r in running), self.bandwidth_bps)
+
+    def __call__(self, running: list[int]) -> Placement | None:
+        placement = branch_and_bound(self.batch(running), self.budget_bytes, max_nodes=self.max_nodes)
+        self.explored += placement.explored if placement is not None else 0
+        return placement
+
+    def meets(self, running: list[int], placement: Placement) -> bool:
+        return all(placement.latency_s <= self.requests[r].allowed_step_s(self.max_window) for r in running)
+
+    def victim(self, running: list[int]) -> int:
+        """Takes the request to pause out of `running` and returns it."""
+        victim = max(running, key=lambda r: (self.requests[r].pause_score(self.max_window), -r))
         running.remove(victim)
-        paused.append(victim)
+        return victim
+
+    def finish(self, running: list[int], paused: list[int], placement: Placement | None) -> Plan:
+        meets = placement is not None and self.meets(running, placement)
+        return _finish(self.requests, running, paused, self.batch(running), placement, self.budget_bytes,
+                       self.max_window, meets, self.explored)
 
 
 def _finish(requests: Sequence[Request], running: list[int], paused: list[int], batch: Batch,
