@@ -91,9 +91,10 @@ include mk/sglang.mk
 
 engines: vllm-venv sglang-venv
 
+# --durations: the slowest tests at the end of the log, to keep the suite inside its time.
 test: setup engines proto-check lint cuda cufile
 	KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" \
-	  $(PY) -m pytest $(PYTEST_ARGS)
+	  $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 # CUDA sources (native/gpu/*.cu) compile for sm_80 and sm_90 in `make test`,
 # no GPU needed: with the machine's nvcc, or where it has none with the CUDA
