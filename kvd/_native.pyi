@@ -86,3 +86,12 @@ class RingProxy:
     def stop(self) -> None:
         """Takes no new descriptors, finishes those it holds, joins the thread; idempotent."""
     def stats(self) -> dict[str, int]: ...
+
+def plan_step_latency(compute_s: Buffer, kv_bytes: Buffer, bandwidth_bps: float, distances: Buffer, /) -> float:
+    """kvd.planner.latency.step_latency in native/planner.c: float64 compute seconds per layer, float64
+    KV bytes per request, int32 distances (-1 or 1..layers-1). ValueError on bad sizes or distances."""
+
+def plan_search(compute_s: Buffer, kv_bytes: Buffer, bandwidth_bps: float, options: Buffer, budget_bytes: float,
+                max_nodes: int, /) -> tuple[tuple[int, ...], float, float, float, int, bool] | None:
+    """Branch and bound over one option (int32, -1 first) per request: (distances, latency_s, bound_s,
+    gpu_bytes, explored, exact), or None when no placement fits budget_bytes. max_nodes 0: no limit."""

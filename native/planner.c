@@ -19,14 +19,6 @@ static double request_bytes(const struct kvd_plan_batch *batch, int request, int
 	return batch->kv_bytes[request] * (batch->layers - away + (away > 0));
 }
 
-double kvd_plan_gpu_bytes(const struct kvd_plan_batch *batch, const int *distances)
-{
-	double total = 0;
-	for (int r = 0; r < batch->requests; r++)
-		total += request_bytes(batch, r, distances[r]);
-	return total;
-}
-
 static double max2(double a, double b)
 {
 	return a > b ? a : b;

@@ -36,9 +36,6 @@ struct kvd_plan_result {
 /* Seconds from a step's start to the end of its last layer (kvd.planner.latency.step_latency). */
 double kvd_plan_step_latency(const struct kvd_plan_batch *batch, const int *distances);
 
-/* GPU bytes a placement takes (kvd.planner.latency.gpu_bytes). */
-double kvd_plan_gpu_bytes(const struct kvd_plan_batch *batch, const int *distances);
-
 /*
  * The placement of least step latency within budget_bytes, over `options`
  * (KVD_PLAN_NONE first, then distances from least to most offloaded).

@@ -107,22 +107,17 @@ class _Searcher:
         return victim
 
     def finish(self, running: list[int], paused: list[int], placement: Placement | None) -> Plan:
-        meets = placement is not None and self.meets(running, placement)
-        return _finish(self.requests, running, paused, self.batch(running), placement, self.budget_bytes,
-                       self.max_window, meets, self.explored)
-
-
-def _finish(requests: Sequence[Request], running: list[int], paused: list[int], batch: Batch,
-            placement: Placement | None, budget_bytes: int, max_window: int, meets: bool, explored: int) -> Plan:
-    distances = [NONE] * len(requests)
-    if placement is None:
-        return Plan(tuple(distances), tuple(sorted(paused)), float("inf"), 1, 0, False, False, True, explored)
-    for r, distance in zip(running, placement.distances):
-        distances[r] = distance
-    window = decode_window([requests[r] for r in running], placement.distances, batch,
-                           budget_bytes - placement.gpu_bytes, max_window)
-    return Plan(tuple(distances), tuple(sorted(paused)), placement.latency_s, window, placement.gpu_bytes, True,
-                meets, placement.exact, explored, placement.bound_s)
+        """The plan with `running` placed as `placement` says and `paused` paused."""
+        distances = [NONE] * len(self.requests)
+        if placement is None:
+            return Plan(tuple(distances), tuple(sorted(paused)), float("inf"), 1, 0, False, False, True,
+                        self.explored)
+        for r, distance in zip(running, placement.distances):
+            distances[r] = distance
+        window = decode_window([self.requests[r] for r in running], placement.distances, self.batch(running),
+                               self.budget_bytes - placement.gpu_bytes, self.max_window)
+        return Plan(tuple(distances), tuple(sorted(paused)), placement.latency_s, window, placement.gpu_bytes, True,
+                    self.meets(running, placement), placement.exact, self.explored, placement.bound_s)
 
 
 def decode_window(requests: Sequence[Request], distances: Sequence[int], batch: Batch, headroom_bytes: int,
