@@ -63,6 +63,13 @@ class Ring:
     def close(self) -> None:
         """Drains the I/O the kernel holds, cancels the rest; idempotent."""
 
+def copy_chunks(dst_addresses: Buffer, src_addresses: Buffer, nbytes: int, /) -> None:
+    """memmove of nbytes from each uint64 source address to the destination beside it (GIL released)."""
+
+def copy_file_chunks(fd: int, file_offsets: Buffer, addresses: Buffer, nbytes: int, write: bool, /) -> None:
+    """pwrite (write) or pread of nbytes between each uint64 address and the file offset beside it, short
+    transfers retried, the GIL released; OSError with the first failure's errno (EIO when none moved)."""
+
 IO_RING_VERSION: int
 IO_RING_MAX_LAYERS: int
 IO_RING_HEADER_BYTES: int

@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "checksum.h"
 #include "module.h"
@@ -519,9 +520,69 @@ static PyObject *native_copy_chunks(PyObject *Py_UNUSED(module), PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* Move `nbytes` between each local address and the same-index offset of an
+ * open file (pread when reading, pwrite when writing), retrying short
+ * transfers. The file is another process's memory (/proc/<pid>/mem, opened
+ * by that process and passed over a unix socket): the CPU device's stand-in
+ * for a copy into an engine's IPC-mapped pool. Returns 0, or the errno of
+ * the first transfer that failed (0 bytes moved counts as EIO). */
+static int copy_file_chunks(int fd, const uint64_t *offsets, const uint64_t *addresses, Py_ssize_t count,
+                            size_t nbytes, int write) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        size_t done = 0;
+        while (done < nbytes) {
+            char *local = (char *)(uintptr_t)addresses[i] + done;
+            off_t at = (off_t)(offsets[i] + done);
+            ssize_t moved = write ? pwrite(fd, local, nbytes - done, at) : pread(fd, local, nbytes - done, at);
+            if (moved < 0 && errno == EINTR) continue;
+            if (moved <= 0) return moved < 0 ? errno : EIO;
+            done += (size_t)moved;
+        }
+    }
+    return 0;
+}
+
+/* copy_file_chunks(fd, file_offsets, addresses, nbytes, write): see above;
+ * OSError on a failed transfer, the GIL released meanwhile. */
+static PyObject *native_copy_file_chunks(PyObject *Py_UNUSED(module), PyObject *args) {
+    int fd;
+    PyObject *offsets_object;
+    PyObject *addresses_object;
+    unsigned long long nbytes;
+    int write;
+    if (!PyArg_ParseTuple(args, "iOOKp", &fd, &offsets_object, &addresses_object, &nbytes, &write)) return NULL;
+    Py_buffer offsets_view;
+    Py_buffer addresses_view;
+    Py_ssize_t count = get_array(offsets_object, &offsets_view, 8, 0, "file_offsets");
+    if (count < 0) return NULL;
+    Py_ssize_t addresses = get_array(addresses_object, &addresses_view, 8, 0, "addresses");
+    if (addresses < 0) {
+        PyBuffer_Release(&offsets_view);
+        return NULL;
+    }
+    int error = 0;
+    if (addresses != count) {
+        PyErr_SetString(PyExc_ValueError, "file_offsets and addresses must be the same length");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        error = copy_file_chunks(fd, offsets_view.buf, addresses_view.buf, count, (size_t)nbytes, write);
+        Py_END_ALLOW_THREADS
+        if (error) {
+            errno = error;
+            PyErr_SetFromErrno(PyExc_OSError);
+        }
+    }
+    PyBuffer_Release(&offsets_view);
+    PyBuffer_Release(&addresses_view);
+    if (addresses != count || error) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef native_functions[] = {
     {"copy_chunks", native_copy_chunks, METH_VARARGS,
      "copy_chunks(dst_addresses: uint64 array, src_addresses: uint64 array, nbytes) -> None"},
+    {"copy_file_chunks", native_copy_file_chunks, METH_VARARGS,
+     "copy_file_chunks(fd, file_offsets: uint64 array, addresses: uint64 array, nbytes, write) -> None"},
     {"crc32c_chunks", native_crc32c_chunks, METH_VARARGS,
      "crc32c_chunks(addresses: uint64 array, chunk, chunks, out: uint32 array) -> None"},
     {"match_chain", kvd_match_chain, METH_VARARGS,

@@ -62,7 +62,8 @@ class DevicePool:
         finally:
             for fd in fds:
                 os.close(fd)
-        handles = [IpcHandle(device.kind, device.uuid, f"deposit:{ticket}:{i}".encode(), 0, memory.nbytes).to_bytes()
+        handles = [IpcHandle(device.kind, device.uuid, f"deposit:{ticket}:{i}".encode(), device.fd_offset(memory),
+                             memory.nbytes).to_bytes()
                    for i, memory in enumerate(layers)]
         flags = IpcHandle(self.host.kind, self.host.uuid, f"deposit:{ticket}:{len(layers)}".encode(), 0,
                           self.flags.nbytes).to_bytes()

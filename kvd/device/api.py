@@ -194,6 +194,10 @@ class Device(ABC):
         (SCM_RIGHTS): where the other side cannot reach this process by pid (another pid namespace,
         a container), and for CUDA VMM allocations (cuMemExportToShareableHandle). The caller closes it."""
 
+    def fd_offset(self, memory: Memory) -> int:
+        """Where `memory` starts in the file `export_fd` gives for it (the import_fd offset)."""
+        return 0
+
     @abstractmethod
     def import_fd(self, fd: int, offset: int, nbytes: int) -> Memory:
         """Map [offset, offset + nbytes) of an allocation passed as `fd` (which this call takes over,

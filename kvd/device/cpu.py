@@ -10,6 +10,14 @@
 - Flag words are 64-bit integers in such memory. A store is an aligned 8-byte
   write, a wait polls it (backing off to 1 ms), the same protocol a GPU
   stream follows with cuStreamWriteValue64 / cuStreamWaitValue64.
+- An engine whose pool is ordinary memory of its own (a CPU engine's
+  tensors) shares it as process memory: `process_memory` names the range,
+  and `export_fd` passes a descriptor of the engine's /proc/self/mem, opened
+  by the engine itself, so it grants exactly what the engine could do to
+  its own memory. The daemon's copies to and from such memory are one
+  native pread/pwrite loop per batch on that descriptor
+  (kvd._native.copy_file_chunks), the stand-in for a GPU's copies into an
+  IPC-mapped pool.
 - The device UUID is derived from the host's boot id and the device index, so
   two processes on one host agree on it and another host's handle is refused.
 """
@@ -21,6 +29,7 @@ import itertools
 import mmap
 import os
 import queue
+import re
 import threading
 import time
 import uuid as uuid_module
@@ -32,11 +41,14 @@ from kvd.device.api import Device, DeviceError, Event, IpcHandle, Memory, Stream
 
 try:
     from kvd._native import copy_chunks as _native_copy
-except ImportError:  # not built: one memmove per block
-    _native_copy = None
+    from kvd._native import copy_file_chunks as _native_file_copy
+except ImportError:  # not built: one memmove (or pread/pwrite) per block
+    _native_copy = _native_file_copy = None
 
 _POLL_MAX_S = 0.001
 _MEMFD_PREFIX = "/memfd:kvd-cpu-device-"
+_PROCESS_MEMORY = re.compile(r"/proc/[0-9]+/mem")
+_PROCESS = "process"  # Memory.token of a range of this process's own memory, shared by descriptor
 _ids = itertools.count(1)
 
 
@@ -54,6 +66,31 @@ def copy_chunks(dst: np.ndarray, src: np.ndarray, nbytes: int) -> None:
         return
     for target, source in zip(dst.tolist(), src.tolist()):
         ctypes.memmove(target, source, nbytes)
+
+
+def copy_file_chunks(fd: int, file_offsets: np.ndarray, addresses: np.ndarray, nbytes: int, write: bool) -> None:
+    """pwrite (write) or pread of nbytes between each local address and the file offset beside it."""
+    if _native_file_copy is not None:
+        _native_file_copy(fd, file_offsets, addresses, nbytes, write)
+        return
+    for offset, address in zip(file_offsets.tolist(), addresses.tolist()):
+        view = (ctypes.c_char * nbytes).from_address(address)
+        moved = os.pwrite(fd, view, offset) if write else os.preadv(fd, [view], offset)
+        if moved != nbytes:
+            raise OSError(5, "short transfer")
+
+
+class _ProcessMemory:
+    """Another process's memory, through a descriptor of its /proc/<pid>/mem that it opened."""
+
+    owned = False
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.references = 1
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class _Mapping:
@@ -122,9 +159,19 @@ class CpuStream(Stream):
         self._queue.put(operation)
 
     def copy_blocks(self, dst: Memory, dst_offsets, src: Memory, src_offsets, nbytes: int) -> None:
+        dst_process, src_process = self.device.process_fd(dst), self.device.process_fd(src)
+        if dst_process >= 0 and src_process >= 0:
+            raise DeviceError("a copy between two processes' memory: one side must be this process's")
         addresses = copy_addresses(dst, dst_offsets, src, src_offsets, nbytes)
-        if addresses is not None:
-            self._issue(lambda: copy_chunks(*addresses, nbytes))
+        if addresses is None:
+            return
+        targets, sources = addresses
+        if dst_process >= 0:
+            self._issue(lambda: copy_file_chunks(dst_process, targets, sources, nbytes, write=True))
+        elif src_process >= 0:
+            self._issue(lambda: copy_file_chunks(src_process, sources, targets, nbytes, write=False))
+        else:
+            self._issue(lambda: copy_chunks(targets, sources, nbytes))
 
     def write_flag(self, flags: Memory, index: int, value: int) -> None:
         word = _flag_word(flags, index)
@@ -221,7 +268,19 @@ class CpuDevice(Device):
                 raise DeviceError(f"no host registration at {memory.address:#x}")
             self._registered.discard(memory.address)
 
+    def process_memory(self, address: int, nbytes: int) -> Memory:
+        """A range of this process's own memory (a CPU engine's KV tensors) to share by descriptor
+        (`export_fd`): the daemon reads and writes it through this process's /proc/self/mem."""
+        if address <= 0 or nbytes <= 0:
+            raise DeviceError(f"cannot share {nbytes} bytes at {address:#x}")
+        return Memory(address, nbytes, self.uuid, token=_PROCESS)
+
+    def fd_offset(self, memory: Memory) -> int:
+        return memory.address if memory.token == _PROCESS else 0
+
     def export(self, memory: Memory, offset: int = 0, nbytes: int | None = None) -> IpcHandle:
+        if memory.token == _PROCESS:
+            raise DeviceError("process memory is shared as a descriptor (export_fd, over the arena socket)")
         mapping = self._allocations.get(memory.address)
         if mapping is None:
             raise DeviceError("only memory this process allocated can be exported")
@@ -263,6 +322,11 @@ class CpuDevice(Device):
         return _Mapping(own, size, owned=False)
 
     def export_fd(self, memory: Memory) -> int:
+        if memory.token == _PROCESS:
+            try:
+                return os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+            except OSError as error:
+                raise DeviceError(f"cannot open this process's memory: {error.strerror}", error.errno) from None
         mapping = self._allocations.get(memory.address)
         if mapping is None:
             raise DeviceError("only memory this process allocated can be exported")
@@ -270,7 +334,14 @@ class CpuDevice(Device):
 
     def import_fd(self, fd: int, offset: int, nbytes: int) -> Memory:
         try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith(_MEMFD_PREFIX):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError as error:
+            os.close(fd)
+            raise DeviceError(f"cannot use the descriptor: {error.strerror}", error.errno) from None
+        if _PROCESS_MEMORY.fullmatch(target):
+            return self._import_process(fd, target, offset, nbytes)
+        try:
+            if not target.startswith(_MEMFD_PREFIX):
                 raise DeviceError("the descriptor is not CPU device memory")
             stat = os.fstat(fd)
         except OSError as error:
@@ -295,6 +366,44 @@ class CpuDevice(Device):
                     os.close(fd)
                     raise DeviceError(f"cannot map the descriptor: {error.strerror}", error.errno) from None
         return Memory(mapping.address + offset, nbytes, self.uuid, token=key)
+
+    def _import_process(self, fd: int, target: str, offset: int, nbytes: int) -> Memory:
+        """Another process's [offset, offset + nbytes) through its /proc/<pid>/mem (`fd`, taken over)."""
+        probe = ctypes.create_string_buffer(1)
+        try:
+            if target == f"/proc/{os.getpid()}/mem":
+                raise DeviceError("the descriptor is this process's own memory, not an engine's")
+            if offset <= 0 or nbytes <= 0:
+                raise DeviceError(f"[{offset:#x}, +{nbytes}) is not a range of {target}")
+            for address in (offset, offset + nbytes - 1):
+                if os.preadv(fd, [probe], address) != 1:  # unmapped: EIO
+                    raise OSError(5, "nothing mapped there")
+            stat = os.fstat(fd)
+        except OSError as error:
+            os.close(fd)
+            raise DeviceError(f"{target}: [{offset:#x}, +{nbytes}) is not readable memory: {error.strerror}",
+                              error.errno) from None
+        except DeviceError:
+            os.close(fd)
+            raise
+        key = ("process", stat.st_dev, stat.st_ino)
+        with self._lock:
+            memory = self._opened.get(key)
+            if memory is not None:
+                memory.references += 1
+                os.close(fd)
+            else:
+                self._opened[key] = _ProcessMemory(fd)
+        return Memory(offset, nbytes, self.uuid, token=key)
+
+    def process_fd(self, memory: Memory) -> int:
+        """The descriptor of another process's memory `memory` lies in; -1 for memory mapped here."""
+        if not isinstance(memory.token, tuple) or memory.token[0] != "process":
+            return -1
+        opened = self._opened.get(memory.token)
+        if opened is None:
+            raise DeviceError("that process's memory was closed")
+        return opened.fd
 
     def close(self, memory: Memory) -> None:
         key = memory.token

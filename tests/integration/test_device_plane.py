@@ -48,10 +48,16 @@ def client(daemon):
 class Engine:
     """A paged KV pool of PAGES pages per layer in CPU-device memory, and a view to fill and read it."""
 
-    def __init__(self, client, device=None, arena_socket: Path | None = None) -> None:
+    def __init__(self, client, device=None, arena_socket: Path | None = None, own_memory: bool = False) -> None:
+        """own_memory: the pool is ordinary memory of this process (as a CPU engine's tensors),
+        shared as process memory over the arena socket."""
         self.device = device or open_device("cpu")
         self.namespace = client.register_namespace(SPEC)
-        self.layers = [self.device.alloc(PAGES * SPEC.layer_bytes) for _ in range(SPEC.num_layers)]
+        if own_memory:
+            self.arrays = [np.zeros((PAGES, SPEC.layer_bytes // 4), dtype=np.float32) for _ in range(SPEC.num_layers)]
+            self.layers = [self.device.process_memory(array.ctypes.data, array.nbytes) for array in self.arrays]
+        else:
+            self.layers = [self.device.alloc(PAGES * SPEC.layer_bytes) for _ in range(SPEC.num_layers)]
         self.views = [np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * memory.nbytes).from_address(
             memory.address)).view(np.float32).reshape(PAGES, -1) for memory in self.layers]
         self.pool = DevicePool(client, self.namespace, self.device, self.layers, PAGES, arena_socket=arena_socket)
@@ -298,6 +304,51 @@ def test_a_pool_passed_as_descriptors_over_the_arena_socket_saves_and_loads(clie
     engine.close()
     assert _mapped_allocations(daemon.process.pid) == set()
     assert _open_descriptors(daemon.process.pid) == descriptors  # the deposit's copies were all closed
+
+
+def test_a_pool_in_the_engines_own_memory_is_shared_as_process_memory(client, daemon):
+    """A CPU engine's KV tensors are ordinary memory: it passes a descriptor of its own /proc/self/mem,
+    and kvd's copies read and write the pages through it, bit-exact, nothing else touched."""
+    socket_path = arena_protocol.socket_path_for_target(daemon.unix_target)
+    client.register_namespace(SPEC)
+    descriptors = _open_descriptors(daemon.process.pid)
+    engine = Engine(client, arena_socket=socket_path, own_memory=True)
+    data, keys, pages = blocks(5, seed=7), keys_for(7, 5), [1, 30, 4, 17, 8]
+    response = save_as_engine(engine, keys, pages, data, engine.pool.flag(ENGINE))
+    assert response.stored == 5
+    np.testing.assert_array_equal(client.get_numpy(engine.namespace, keys), data)
+    before = [array.copy() for array in engine.arrays]
+    target = [11, 12, 13, 14, 15]
+    loaded = engine.pool.load(keys, target, KVD, engine.pool.flag(KVD))
+    assert loaded.matched == 5
+    wait_for(lambda: engine.pool.flag(KVD) >= loaded.done_value)
+    for page, block in zip(target, data):
+        np.testing.assert_array_equal(engine.read(page), block)
+    others = [page for page in range(PAGES) if page not in target]
+    for array, old in zip(engine.arrays, before):
+        np.testing.assert_array_equal(array[others], old[others])
+    engine.close()
+    assert _open_descriptors(daemon.process.pid) == descriptors
+
+
+def test_process_memory_kvd_cannot_use_is_refused_precisely(client, daemon):
+    socket_path = arena_protocol.socket_path_for_target(daemon.unix_target)
+    device = open_device("cpu")
+    namespace = client.register_namespace(SPEC)
+    flags = device.alloc(512)
+    mine = os.open("/proc/self/mem", os.O_RDWR)
+    ticket = arena_protocol.deposit_fds(socket_path, None, [mine] * SPEC.num_layers + [device.export_fd(flags)])
+    flags_handle = IpcHandle("cpu", device.uuid, f"deposit:{ticket}:{SPEC.num_layers}".encode(), 0, 512).to_bytes()
+    # Address 4096 is never mapped: the registration is refused before any copy.
+    layers = [IpcHandle("cpu", device.uuid, f"deposit:{ticket}:{i}".encode(), 4096, PAGES * SPEC.layer_bytes)
+              .to_bytes() for i in range(SPEC.num_layers)]
+    got_code, details = codes_of(lambda: client.register_pool(namespace, layers, PAGES, flags_handle))
+    assert got_code == grpc.StatusCode.FAILED_PRECONDITION and "not readable memory" in details, details
+    # Shared process memory goes by descriptor only: no handle by pid.
+    with pytest.raises(Exception, match="shared as a descriptor"):
+        device.export(device.process_memory(flags.address, 512))
+    os.close(mine)
+    device.free(flags)
 
 
 def test_deposits_kvd_cannot_use_are_refused_precisely(client, daemon, tmp_path):
