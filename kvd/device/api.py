@@ -170,6 +170,11 @@ class Device(ABC):
     def free(self, memory: Memory) -> None: ...
 
     @abstractmethod
+    def wrap(self, address: int, nbytes: int) -> Memory:
+        """Memory this process already has (an engine's KV tensor, allocated by its framework), to export:
+        CUDA: the range inside its cudaMalloc allocation; CPU: the process's own memory, by descriptor."""
+
+    @abstractmethod
     def register_host(self, address: int, nbytes: int) -> Memory:
         """Host memory (the arena) made usable by this device's copies (CUDA: cudaHostRegister)."""
 

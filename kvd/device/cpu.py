@@ -11,7 +11,7 @@
   write, a wait polls it (backing off to 1 ms), the same protocol a GPU
   stream follows with cuStreamWriteValue64 / cuStreamWaitValue64.
 - An engine whose pool is ordinary memory of its own (a CPU engine's
-  tensors) shares it as process memory: `process_memory` names the range,
+  tensors) shares it as process memory: `wrap` names the range,
   and `export_fd` passes a descriptor of the engine's /proc/self/mem, opened
   by the engine itself, so it grants exactly what the engine could do to
   its own memory. The daemon's copies to and from such memory are one
@@ -268,7 +268,7 @@ class CpuDevice(Device):
                 raise DeviceError(f"no host registration at {memory.address:#x}")
             self._registered.discard(memory.address)
 
-    def process_memory(self, address: int, nbytes: int) -> Memory:
+    def wrap(self, address: int, nbytes: int) -> Memory:
         """A range of this process's own memory (a CPU engine's KV tensors) to share by descriptor
         (`export_fd`): the daemon reads and writes it through this process's /proc/self/mem."""
         if address <= 0 or nbytes <= 0:

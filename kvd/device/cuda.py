@@ -191,7 +191,22 @@ class CudaDevice(Device):
         _check(self.runtime.cudaHostUnregister(memory.address), "cudaHostUnregister")
         self._registered.discard(memory.address)
 
+    def wrap(self, address: int, nbytes: int) -> Memory:
+        """A range of an allocation this process's framework made (a torch tensor): its export is the
+        allocation's IPC handle with the range's offset in it (cuMemGetAddressRange finds the base)."""
+        self.make_current()
+        base, size = _check(self.driver.cuMemGetAddressRange(address), "cuMemGetAddressRange")
+        base, size = int(base), int(size)
+        if not base <= address or address + nbytes > base + size:
+            raise DeviceError(f"[{address:#x}, +{nbytes}) is not inside one allocation")
+        return Memory(address, nbytes, self.uuid, token=("wrapped", base))
+
     def export(self, memory: Memory, offset: int = 0, nbytes: int | None = None) -> IpcHandle:
+        if isinstance(memory.token, tuple) and memory.token[0] == "wrapped":
+            base = memory.token[1]
+            handle = _check(self.runtime.cudaIpcGetMemHandle(base), "cudaIpcGetMemHandle")
+            nbytes = memory.nbytes - offset if nbytes is None else nbytes
+            return IpcHandle(self.kind, self.uuid, bytes(handle.reserved), memory.address - base + offset, nbytes)
         if memory.address not in self._allocations:
             raise DeviceError("only memory this process allocated can be exported")
         nbytes = memory.nbytes - offset if nbytes is None else nbytes

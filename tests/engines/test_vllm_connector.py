@@ -14,7 +14,11 @@ reference is vLLM alone serving prompt B. Then:
   between the Lookup and the load are reported, recomputed, and the answer
   is again exactly the reference;
 - `vllm serve` with the connector stores a prompt and, once vLLM's own
-  prefix cache is reset, serves it again from kvd.
+  prefix cache is reset, serves it again from kvd;
+- with transfer = "daemon", kvd itself copies between vLLM's KV tensors and
+  its memory (the device plane, CPU device): blocks it saves load back
+  through the ordinary path and answer exactly as the reference, and the
+  other way round, from host memory and from disk.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ KVD_CONFIG = {
     "host": {"capacity_bytes": "128MiB", "slot_bytes": "512KiB"},
     "disk": {"capacity_bytes": "256MiB", "segment_bytes": "64MiB", "slot_bytes": "512KiB",
              "write_mode": "through", "fsync": "group"},
+    "device": {"kind": "cpu"},  # for the connector's transfer = "daemon"
 }
 
 
@@ -56,7 +61,8 @@ def prompts() -> dict[str, list[int]]:
     prefix = rng.integers(4, tiny_llama.VOCAB, PREFIX_TOKENS).tolist()
     return {"A": prefix + rng.integers(4, tiny_llama.VOCAB, 60).tolist(),
             "B": prefix + rng.integers(4, tiny_llama.VOCAB, 70).tolist(),
-            "C": rng.integers(4, tiny_llama.VOCAB, 1200).tolist()}  # the served test's own
+            "C": rng.integers(4, tiny_llama.VOCAB, 1200).tolist(),  # the served test's own
+            "D": rng.integers(4, tiny_llama.VOCAB, 1000).tolist()}  # the daemon-transfer test's own
 
 
 class Kvd:
@@ -103,14 +109,14 @@ class VllmRun:
     """One vLLM process serving a batch of prompts (tests/engines/vllm_run.py), started at once."""
 
     def __init__(self, python: Path, model: Path, work: Path, batch: list[list[int]], *, target: str = "",
-                 hooks: str = "", env: dict[str, str] | None = None) -> None:
+                 hooks: str = "", env: dict[str, str] | None = None, transfer: str = "client") -> None:
         work.mkdir(parents=True, exist_ok=True)
         prompt_file, self.out, self.log = work / "prompts.json", work / "out.json", work / "vllm.log"
         prompt_file.write_text(json.dumps(batch))
         command = [str(python), str(ROOT / "tests/engines/vllm_run.py"), "--model", str(model),
                    "--prompts", str(prompt_file), "--out", str(self.out)]
         if target:
-            command += ["--kvd", target]
+            command += ["--kvd", target, "--transfer", transfer]
         if hooks:
             command += ["--hooks", hooks]
         with open(self.log, "wb") as sink:
@@ -211,10 +217,13 @@ def test_prefix_restored_from_disk_after_a_kvd_restart(engine_python, model, kvd
     assert totals["async_loads"] == 1  # from disk: vLLM parked the request while kvd read it
 
 
-def test_blocks_that_vanish_after_the_lookup_are_recomputed(engine_python, model, kvd, reference, tmp_path):
+@pytest.mark.parametrize("transfer", ["client", "daemon"])
+def test_blocks_that_vanish_after_the_lookup_are_recomputed(engine_python, model, kvd, reference, tmp_path,
+                                                            transfer):
     blocks = len(stored_in_kvd(engine_python, model, kvd, tmp_path / "store", prompts()["B"]))
     report = run_vllm(engine_python, model, tmp_path / "faults", [prompts()["B"]] * 3, target=kvd.target,
-                      hooks="corrupt,delete,kill", env={"KVD_TEST_DAEMON_PID": str(kvd.daemon.pid)})
+                      hooks="corrupt,delete,kill", env={"KVD_TEST_DAEMON_PID": str(kvd.daemon.pid)},
+                      transfer=transfer)
     corrupt, deleted, killed = report["results"]
     assert [corrupt["fired"], deleted["fired"], killed["fired"]] == [["corrupt"], ["delete"], ["kill"]]
     # Random bytes under the right keys change the answer: the loaded KV is what vLLM attends to.
@@ -228,6 +237,41 @@ def test_blocks_that_vanish_after_the_lookup_are_recomputed(engine_python, model
     assert totals["load_errors"] == 2 * blocks and totals["loaded_blocks"] == blocks
     assert not kvd.daemon.alive()
     kvd.restart()
+
+
+def test_kvd_copies_the_blocks_itself_with_transfer_daemon(engine_python, model, kvd, reference, tmp_path):
+    """transfer = "daemon": vLLM's KV tensors are registered with kvd's device plane (as the engine's
+    process memory) and kvd copies every block in and out, layer by layer. What it saves loads back
+    through the ordinary path with the reference's answer; what the ordinary path saved it loads."""
+    prompt = prompts()["D"]
+    alone = VllmRun(engine_python, model, tmp_path / "alone", [prompt])
+    blocks = len(prompt) // BLOCK
+    saved = run_vllm(engine_python, model, tmp_path / "save", [prompt], target=kvd.target, transfer="daemon")
+    assert saved["connector"]["totals"]["saved_blocks"] == blocks
+    assert saved["connector"]["totals"]["save_errors"] == 0
+    assert device_blocks(kvd) == {"save": blocks, "load": 0}  # kvd made the copies, not the connector
+    assert kvd.daemon.metric("kvd_device_pools") == 0  # unregistered when vLLM shut down
+    expected = alone.report()["results"][0]
+    assert same_answer(saved["results"][0], expected) <= LOGPROB_TOLERANCE
+    # From host memory, each layer waited for as it lands.
+    loaded = run_vllm(engine_python, model, tmp_path / "load", [prompt], target=kvd.target, transfer="daemon")
+    result, totals = loaded["results"][0], loaded["connector"]["totals"]
+    assert same_answer(result, expected) <= LOGPROB_TOLERANCE
+    assert result["cached_tokens"] == blocks * BLOCK
+    assert totals["loaded_blocks"] == blocks and totals["load_errors"] == 0 and totals["async_loads"] == 0
+    assert device_blocks(kvd) == {"save": blocks, "load": blocks}
+
+    keys = stored_in_kvd(engine_python, model, kvd, tmp_path / "store", prompts()["B"])
+    kvd.restart()  # both from disk now: loaded while the scheduler waits (asynchronous loads)
+    ordinary = VllmRun(engine_python, model, tmp_path / "ordinary", [prompt], target=kvd.target)
+    by_kvd = VllmRun(engine_python, model, tmp_path / "by-kvd", [prompts()["B"]], target=kvd.target,
+                     transfer="daemon")
+    for run, answer, count in ((ordinary, expected, blocks), (by_kvd, reference, len(keys))):
+        report = run.report()
+        result, totals = report["results"][0], report["connector"]["totals"]
+        assert same_answer(result, answer) <= LOGPROB_TOLERANCE
+        assert result["cached_tokens"] == count * BLOCK
+        assert totals["loaded_blocks"] == count and totals["load_errors"] == 0 and totals["async_loads"] == 1
 
 
 def test_vllm_serve_stores_and_loads_through_the_connector(engine_python, model, kvd, tmp_path):
@@ -249,6 +293,12 @@ def test_vllm_serve_stores_and_loads_through_the_connector(engine_python, model,
     # The connector's counters on vLLM's own /metrics.
     assert metrics["vllm:kvd_saved_blocks_total"] == blocks
     assert metrics["vllm:kvd_loaded_blocks_total"] == blocks and metrics["vllm:kvd_load_errors_total"] == 0
+
+
+def device_blocks(kvd: Kvd) -> dict[str, float]:
+    """kvd_device_blocks_total by op since the daemon started."""
+    samples = kvd.daemon.metric_samples("kvd_device_blocks_total")
+    return {op: sum(value for key, value in samples.items() if f'op="{op}"' in key) for op in ("save", "load")}
 
 
 def post(port: int, path: str) -> dict:

@@ -2,7 +2,8 @@
 
 Run in the engine venv (.venv-vllm) by tests/engines/test_vllm_connector.py:
 
-    python tests/engines/vllm_run.py --model DIR --prompts P.json [--kvd TARGET] [--hooks H1,H2,..] --out R.json
+    python tests/engines/vllm_run.py --model DIR --prompts P.json [--kvd TARGET] [--transfer daemon]
+        [--hooks H1,H2,..] --out R.json
 
 P.json is a list of token-id lists, served one after another (greedy, with
 the chosen tokens' logprobs). With --kvd the engine runs kvd's connector;
@@ -31,7 +32,7 @@ def engine(args):
 
     transfer = None
     if args.kvd:
-        extra = {"target": args.kvd, "load": args.load}
+        extra = {"target": args.kvd, "load": args.load, "transfer": args.transfer}
         module, name = "kvd.connectors.vllm", "KvdConnector"
         if args.hooks:
             module, name = "vllm_hooks", "HookedKvdConnector"
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--kvd", default="")
     parser.add_argument("--load", default="async")
+    parser.add_argument("--transfer", default="client", help="the connector's transfer: client or daemon")
     parser.add_argument("--hooks", default="", help="comma-separated, one per prompt (see vllm_hooks.py)")
     parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args()

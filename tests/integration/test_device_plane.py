@@ -55,7 +55,7 @@ class Engine:
         self.namespace = client.register_namespace(SPEC)
         if own_memory:
             self.arrays = [np.zeros((PAGES, SPEC.layer_bytes // 4), dtype=np.float32) for _ in range(SPEC.num_layers)]
-            self.layers = [self.device.process_memory(array.ctypes.data, array.nbytes) for array in self.arrays]
+            self.layers = [self.device.wrap(array.ctypes.data, array.nbytes) for array in self.arrays]
         else:
             self.layers = [self.device.alloc(PAGES * SPEC.layer_bytes) for _ in range(SPEC.num_layers)]
         self.views = [np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * memory.nbytes).from_address(
@@ -346,7 +346,7 @@ def test_process_memory_kvd_cannot_use_is_refused_precisely(client, daemon):
     assert got_code == grpc.StatusCode.FAILED_PRECONDITION and "not readable memory" in details, details
     # Shared process memory goes by descriptor only: no handle by pid.
     with pytest.raises(Exception, match="shared as a descriptor"):
-        device.export(device.process_memory(flags.address, 512))
+        device.export(device.wrap(flags.address, 512))
     os.close(mine)
     device.free(flags)
 

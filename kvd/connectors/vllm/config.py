@@ -8,6 +8,7 @@ from typing import Any
 
 DEFAULT_TARGET = "unix:///run/kvd/kvd.sock"
 LOAD_MODES = ("auto", "async", "layerwise")
+TRANSFERS = ("client", "daemon")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,12 @@ class ConnectorConfig:
       queued), layerwise when it has none (then there is nothing to overlap
       the read with but the request's own layers).
     save: store the full blocks of prompts (default true).
+    transfer: who copies between the engine's KV cache and kvd. "client"
+      (default): the connector, through kvd's shared-memory arena; "daemon":
+      kvd itself, on its device plane ([device] kind = "cpu" or "cuda"),
+      with the KV tensors registered as a pool (kvd.connectors.vllm.
+      device_worker; on a CPU host the daemon must be reachable over its
+      unix socket).
     timeout_s: deadline of each call to kvd; load_timeout_s: how long a layer
       may wait for its bytes before its blocks are reported failed.
     """
@@ -37,6 +44,7 @@ class ConnectorConfig:
     namespace: str = ""
     load: str = "auto"
     save: bool = True
+    transfer: str = "client"
     timeout_s: float = 10.0
     load_timeout_s: float = 30.0
 
@@ -52,6 +60,8 @@ class ConnectorConfig:
         config = cls(**values)
         if config.load not in LOAD_MODES:
             raise ValueError(f"kvd connector: load must be one of {LOAD_MODES}, got {config.load!r}")
+        if config.transfer not in TRANSFERS:
+            raise ValueError(f"kvd connector: transfer must be one of {TRANSFERS}, got {config.transfer!r}")
         for name in ("timeout_s", "load_timeout_s"):
             value = getattr(config, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:

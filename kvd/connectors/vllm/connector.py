@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvd.connectors.vllm.config import ConnectorConfig
+from kvd.connectors.vllm.device_worker import DeviceWorkerSide
 from kvd.connectors.vllm.layout import UnsupportedLayout, namespace_spec, paged_layout
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, KvdHandshake
 from kvd.connectors.vllm.scheduler import SchedulerSide
@@ -114,7 +115,11 @@ class KvdConnector(KVConnectorBase_V1):
             return
         shard = pp.rank_in_group * tp.world_size + tp.rank_in_group
         namespace = local_namespace(spec)  # registered with kvd on first use, again after a restart
-        self.worker = WorkerSide(self.config, layout, namespace, shard)
+        if self.config.transfer == "daemon":
+            tensors = [kv_caches[name] for name in layout.names]
+            self.worker = DeviceWorkerSide(self.config, layout, namespace, shard, tensors)
+        else:
+            self.worker = WorkerSide(self.config, layout, namespace, shard)
         self._spec = spec
         log.info("kvd connector: %d layers, namespace %s (%s)", len(layout.names), namespace.namespace_id.hex()[:16],
                  spec.model_revision)

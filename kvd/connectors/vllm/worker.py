@@ -137,7 +137,7 @@ class WorkerSide:
             blocks.append(load.order.block_ids[:matched])
         if slots:
             self._copy(layer, *_pair(slots, blocks), into_engine=True)
-        self.counters.load_wait_s += time.perf_counter() - started
+        self.counters.add(load_wait_s=time.perf_counter() - started)
 
     def save_layer(self, layer_name: str) -> None:
         layer = self.layer_of.get(layer_name)
@@ -155,7 +155,7 @@ class WorkerSide:
             try:
                 save.reservation = save.reserving.result()
             except (grpc.RpcError, Unavailable, OSError) as error:
-                self.counters.save_errors += 1
+                self.counters.add(save_errors=1)
                 why = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.RpcError) else error
                 log.warning("kvd: reserving slots for %s failed (%s); its blocks are not stored", save.order.req_id, why)
                 continue
@@ -190,9 +190,9 @@ class WorkerSide:
                 continue
             try:
                 self.link.commit(self.namespace, save.reservation.lease_id)
-                self.counters.saved_blocks += save.reservation.stop - save.reservation.start
+                self.counters.add(saved_blocks=save.reservation.stop - save.reservation.start)
             except grpc.RpcError as error:
-                self.counters.save_errors += 1
+                self.counters.add(save_errors=1)
                 log.warning("kvd: committing %s failed: %s", save.order.req_id, error.details())
 
     def _end_loads(self, loads: list[_Load]) -> set[str]:
@@ -204,7 +204,7 @@ class WorkerSide:
             if lost:
                 failed.add(load.order.req_id)
                 self._report(lost, load)
-            self.counters.loaded_blocks += len(load.order.block_ids) - len(lost)
+            self.counters.add(loaded_blocks=len(load.order.block_ids) - len(lost))
         return failed
 
     def _lost(self, load: _Load) -> list[int]:
@@ -217,7 +217,7 @@ class WorkerSide:
         why = load.error or (load.stream.error if load.stream else None) or "blocks missing from kvd"
         log.warning("kvd: %d blocks of %s could not be loaded (%s); vLLM recomputes them",
                     len(lost), load.order.req_id, why)
-        self.counters.load_errors += len(lost)
+        self.counters.add(load_errors=len(lost))
         with self._lock:
             self._errors.update(lost)
 
@@ -229,7 +229,7 @@ class WorkerSide:
 
     # ---- asynchronous loads (prefixes that had to come from disk)
     def _load_whole(self, order: LoadOrder) -> None:
-        self.counters.async_loads += 1
+        self.counters.add(async_loads=1)
         load = self._open(order)
         try:
             if not load.failed:

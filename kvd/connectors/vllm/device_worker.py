@@ -1,0 +1,273 @@
+"""The worker half on kvd's device plane (transfer = "daemon"): kvd moves the bytes itself.
+
+The engine's KV tensors are registered once with kvd as a pool
+(RegisterPool): on a GPU host their CUDA IPC handles, on a CPU host a
+descriptor of the engine's own memory passed over the arena socket
+(kvd.device.cpu). From then on the connector makes no copies of its own:
+
+- a save is one SaveLayers per request, started with the step; kvd copies
+  layer l of its pages as soon as the engine's flag word says layer l is
+  written, which `save_layer` stores after each attention layer. A request
+  that also loads in this step is saved only once its load has landed (a
+  failed load must not leave computed-on-garbage blocks in kvd), after the
+  forward pass;
+- a load is one LoadLayers per request into its pages, each with a flag
+  word of its own that kvd advances per layer; `wait_layer` waits on it
+  before the layer's attention (on a GPU the engine's stream would wait
+  with cuStreamWaitValue64; here the worker thread polls);
+- `finish_step` waits for the saves (the pages may be reused after it) and
+  reports blocks that did not arrive, which vLLM recomputes.
+
+Flag word values only grow: every transfer takes a fresh base from one
+counter, and a word is handed to the next load only once kvd is done with
+it. kvd marks a failed transfer's word FAILED | done, so no wait hangs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from kvd.arena_protocol import socket_path_for_target
+from kvd.client.device import FAILED, DevicePool
+from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOrder
+from kvd.connectors.vllm.transfer import Unavailable, registering
+from kvd.connectors.vllm.worker import WorkerSide
+from kvd.device import open_device
+from kvd.device.api import DeviceError
+
+log = logging.getLogger("kvd.connectors.vllm")
+
+FLAG_WORDS = 64
+ENGINE_WORD, SAVE_WORD = 0, 1  # the engine's "layer written" word; kvd's word for saves (nobody waits on it)
+LOAD_WORDS = tuple(range(2, FLAG_WORDS))
+_POLL_MAX_S = 0.001
+
+
+@dataclass(slots=True)
+class _DeviceLoad:
+    order: LoadOrder
+    word: int
+    base: int
+    answer: concurrent.futures.Future
+    matched: int = 0
+    error: str | None = None
+    settled: bool = False  # kvd is done with the word (every layer flagged, or FAILED)
+    stream: None = None  # (WorkerSide._report's layer stream: none here)
+
+
+@dataclass
+class _DeviceStep:
+    loads: list[_DeviceLoad] = field(default_factory=list)
+    saves: list[tuple[SaveOrder, concurrent.futures.Future]] = field(default_factory=list)
+    deferred: list[SaveOrder] = field(default_factory=list)  # requests that also load: saved after the forward
+    save_base: int = 0
+
+
+class DeviceWorkerSide(WorkerSide):
+    def __init__(self, config, layout, namespace, shard: int, tensors: list[torch.Tensor]) -> None:
+        super().__init__(config, layout, namespace, shard)
+        self.tensors = tensors
+        self.layers = len(tensors)
+        self.device_pool: DevicePool | None = None
+        self._next_base = 1
+        self._free_words = list(LOAD_WORDS)
+        self._device_step = _DeviceStep()
+        # Saves wait for the engine's layers for a whole forward pass: threads of their own, so
+        # loads (whose layers the forward waits for) never queue behind them.
+        self._saving = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kvd-save")
+
+    # ---- the pool
+    def _register(self) -> DevicePool | None:
+        """The engine's tensors as a kvd pool; None (logged) when kvd cannot take them now."""
+        if self.device_pool is not None:
+            return self.device_pool
+        first = self.tensors[0]
+        try:
+            device = open_device("cuda", first.device.index or 0) if first.is_cuda else open_device("cpu")
+            memories = [device.wrap(t.data_ptr(), t.numel() * t.element_size()) for t in self.tensors]
+            split = len(self.layout.parts[0]) == 2  # [2, num_blocks, ...]: a page's K and V halves apart
+            half = self.layout.layer_bytes // 2
+            socket = socket_path_for_target(self.config.target) if device.kind == "cpu" else None
+            self.device_pool = registering(self.link.client, self.namespace, lambda: DevicePool(
+                self.link.client, self.namespace, device, memories, self.layout.num_blocks, flag_words=FLAG_WORDS,
+                arena_socket=socket, token=self.config.token, page_stride=half if split else 0,
+                v_offset=self.layout.num_blocks * half if split else 0))
+        except (grpc.RpcError, DeviceError, OSError, Unavailable) as error:
+            why = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.RpcError) else error
+            log.warning("kvd: the KV pool could not be registered with kvd's device plane (%s); "
+                        "this step loads and saves nothing", why)
+            return None
+        self._free_words = list(LOAD_WORDS)
+        self._next_base = 1
+        return self.device_pool
+
+    def _base(self) -> int:
+        base, self._next_base = self._next_base, self._next_base + self.layers
+        return base
+
+    def _pool_lost(self, error: BaseException) -> None:
+        """A transfer the daemon does not know the pool for (it restarted, or the lease ran out)."""
+        if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.NOT_FOUND and self.device_pool is not None:
+            self.device_pool = None  # registered again at the next step; its words start afresh
+
+    # ---- step start
+    def start(self, metadata: KvdConnectorMetadata) -> None:
+        step = _DeviceStep()
+        self._device_step = step
+        pool = self._register()
+        loading = {order.req_id for order in metadata.loads}
+        for order in metadata.loads:
+            if pool is None:
+                self._report(list(order.block_ids), _failed(order, "no pool"))
+                continue
+            load = self._load(pool, order)
+            if order.asynchronous:
+                self._pool.submit(self._finish_async, load)
+            else:
+                step.loads.append(load)
+        if pool is None or not metadata.saves:
+            return
+        step.save_base = self._base()
+        for order in metadata.saves:
+            if order.req_id in loading:
+                step.deferred.append(order)
+            else:
+                step.saves.append((order, self._saving.submit(self._save, pool, order, step.save_base)))
+
+    def _load(self, pool: DevicePool, order: LoadOrder) -> _DeviceLoad:
+        with self._lock:
+            word = self._free_words.pop() if self._free_words else -1
+        if word < 0:
+            return _failed(order, "every flag word is in use")
+        base = self._base()
+        pool.mark(word, 0)  # kvd is done with it: the last transfer on it settled
+        keys = order.keys[self.shard]
+        parent = keys[order.first - 1] if order.first else b""
+        chain = keys[order.first:order.first + len(order.block_ids)]
+        answer = self._pool.submit(pool.load, chain, order.block_ids[:len(chain)], word, base, parent)
+        return _DeviceLoad(order, word, base, answer)
+
+    def _save(self, pool: DevicePool, order: SaveOrder, base: int):
+        keys = order.keys[self.shard]
+        return pool.save(keys, order.block_ids[:len(keys)], ENGINE_WORD, SAVE_WORD, base)
+
+    # ---- per layer
+    def save_layer(self, layer_name: str) -> None:
+        layer = self.layer_of.get(layer_name)
+        step = self._device_step
+        if layer is not None and step.saves and self.device_pool is not None:
+            self.device_pool.mark(ENGINE_WORD, step.save_base + layer + 1)
+
+    def wait_layer(self, layer_name: str) -> None:
+        layer = self.layer_of.get(layer_name)
+        if layer is None or not self._device_step.loads:
+            return
+        started = time.perf_counter()
+        for load in self._device_step.loads:
+            if load.error is None:
+                self._wait(load, load.base + layer + 1)
+        self.counters.add(load_wait_s=time.perf_counter() - started)
+
+    def _wait(self, load: _DeviceLoad, value: int) -> None:
+        """Until kvd's word for `load` reaches `value`; load.error says why not."""
+        deadline = time.monotonic() + self.config.load_timeout_s
+        try:
+            response = load.answer.result(timeout=self.config.load_timeout_s)
+        except concurrent.futures.TimeoutError:
+            load.error = "LoadLayers did not answer in time"
+            return
+        except (grpc.RpcError, Unavailable, OSError) as error:
+            self._pool_lost(error)
+            load.error, load.settled = f"LoadLayers failed: {error}", True
+            return
+        load.matched = response.matched
+        pause = 1e-6
+        while True:
+            current = self.device_pool.flag(load.word) if self.device_pool is not None else FAILED
+            if current & FAILED:
+                load.error, load.settled = "kvd could not copy the blocks", True
+                return
+            if current >= value:
+                load.settled = current >= load.base + self.layers
+                return
+            if time.monotonic() > deadline:
+                load.error = "a layer did not land in time"
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    # ---- step end
+    def finish_step(self) -> None:
+        step, self._device_step = self._device_step, _DeviceStep()
+        failed = self._end_device_loads(step.loads)
+        if self.device_pool is not None and (step.saves or step.deferred):
+            self.device_pool.mark(ENGINE_WORD, step.save_base + self.layers)  # every layer is written now
+            for order in step.deferred:
+                if order.req_id not in failed:
+                    step.saves.append((order, self._saving.submit(self._save, self.device_pool, order, step.save_base)))
+        for order, saving in step.saves:
+            try:
+                self.counters.add(saved_blocks=saving.result().stored)
+            except (grpc.RpcError, Unavailable, OSError) as error:
+                self._pool_lost(error)
+                self.counters.add(save_errors=1)
+                log.warning("kvd: saving %s failed: %s", order.req_id, error)
+
+    def _end_device_loads(self, loads: list[_DeviceLoad]) -> set[str]:
+        failed: set[str] = set()
+        for load in loads:
+            if load.error is None:
+                self._wait(load, load.base + self.layers)  # layers vLLM did not wait for (none usually)
+            lost = list(load.order.block_ids if load.error else load.order.block_ids[load.matched:])
+            self._settle(load)
+            if lost:
+                failed.add(load.order.req_id)
+                self._report(lost, load)
+            self.counters.add(loaded_blocks=len(load.order.block_ids) - len(lost))
+        return failed
+
+    def _settle(self, load: _DeviceLoad) -> None:
+        """Give the load's word back once kvd is done with it; a word kvd may still write is retired."""
+        if load.word < 0:
+            return
+        if load.settled:
+            with self._lock:
+                if load.word not in self._free_words:  # (the pool may have been registered again meanwhile)
+                    self._free_words.append(load.word)
+        else:
+            log.warning("kvd: flag word %d retired (its load never settled); %d left", load.word,
+                        len(self._free_words))
+
+    # ---- asynchronous loads (prefixes that come from disk)
+    def _finish_async(self, load: _DeviceLoad) -> None:
+        self.counters.add(async_loads=1)
+        try:
+            self._end_device_loads([load])
+        except Exception as error:  # noqa: BLE001 - a failed load is recomputed, never a crash
+            load.error = repr(error)
+            self._report(list(load.order.block_ids), load)
+        finally:
+            with self._lock:
+                self._received.add(load.order.req_id)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._saving.shutdown(wait=True)
+        if self.device_pool is not None:
+            try:
+                self.device_pool.close()
+            except (grpc.RpcError, OSError) as error:
+                log.warning("kvd: unregistering the KV pool failed (its lease ends it): %s", error)
+        self.link.close()
+
+
+def _failed(order: LoadOrder, why: str) -> _DeviceLoad:
+    answer: concurrent.futures.Future = concurrent.futures.Future()
+    answer.set_exception(Unavailable(why))
+    return _DeviceLoad(order, -1, 0, answer, error=why)
