@@ -1,0 +1,125 @@
+"""The vLLM connector's transfer = "daemon" worker against a real daemon, without vLLM: this test plays
+the model, calling the worker as vLLM does (start, per layer wait_layer / save_layer, finish_step) on
+torch tensors of its own memory. It checks the bytes, that each layer is waited for, the daemon
+restarting under the engine (the pool is registered again), and a load of blocks kvd lacks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvd.client import Client
+from kvd.connectors.vllm.config import ConnectorConfig
+from kvd.connectors.vllm.device_worker import DeviceWorkerSide
+from kvd.connectors.vllm.layout import paged_layout
+from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOrder
+from kvd.connectors.vllm.transfer import local_namespace
+from kvd.core.keys import DType, NamespaceSpec, chain_keys
+from kvd.testing.daemon import start_daemon
+
+SPEC = NamespaceSpec(model_id="device-worker-model", num_layers=3, num_kv_heads=2, head_dim=16, block_tokens=16,
+                     kv_dtype=DType.FLOAT32)
+BLOCKS = 24
+CONFIG = {"host": {"capacity_bytes": 16 << 20, "slot_bytes": 64 << 10}, "device": {"kind": "cpu"}}
+
+
+class Model:
+    """vLLM's side: one [BLOCKS, ...] tensor per layer and the worker it drives."""
+
+    def __init__(self, target: str) -> None:
+        self.tensors = {f"layers.{i}.attn": torch.zeros(BLOCKS, SPEC.layer_bytes // 4) for i in range(SPEC.num_layers)}
+        layout = paged_layout(self.tensors, BLOCKS)
+        config = ConnectorConfig(target=target, transfer="daemon", load_timeout_s=10.0)
+        self.worker = DeviceWorkerSide(config, layout, local_namespace(SPEC), 0, list(self.tensors.values()))
+
+    def step(self, metadata: KvdConnectorMetadata, compute: dict[int, np.ndarray] | None = None,
+             seen: list | None = None) -> None:
+        """One forward: before layer l's attention wait for its loads (recording what the pages then
+        hold in `seen`), then write layer l of the computed pages and say so."""
+        self.worker.start(metadata)
+        for layer, name in enumerate(self.tensors):
+            self.worker.wait_layer(name)
+            if seen is not None:
+                seen.append(self.tensors[name].clone())
+            for page, block in (compute or {}).items():
+                self.tensors[name][page] = torch.from_numpy(block[layer].reshape(-1))
+            self.worker.save_layer(name)
+        self.worker.finish_step()
+
+    def page(self, page: int) -> np.ndarray:
+        return np.stack([tensor[page].numpy().reshape(SPEC.block_shape[1:]) for tensor in self.tensors.values()])
+
+    def totals(self) -> dict:
+        self.worker.counters.take(self.worker.totals)
+        return self.worker.totals
+
+
+def data(count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((count, *SPEC.block_shape), dtype=np.float32)
+
+
+def keys_for(seed: int, count: int) -> list[bytes]:
+    return chain_keys(SPEC, np.arange(count * SPEC.block_tokens) + seed * 100_000)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    process = start_daemon(tmp_path / "kvd", CONFIG)
+    yield process
+    if process.alive():
+        process.stop()
+
+
+def test_saves_follow_the_layers_and_loads_land_before_each_layer_runs(daemon):
+    model = Model(daemon.unix_target)
+    blocks, keys, pages = data(4, 1), keys_for(1, 4), [5, 0, 17, 9]
+    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys], pages)]), compute=dict(zip(pages, blocks)))
+    assert model.totals()["saved_blocks"] == 4
+    with Client(daemon.unix_target) as client:
+        np.testing.assert_array_equal(client.get_numpy(client.register_namespace(SPEC), keys), blocks)
+
+    target, seen = [20, 21, 22, 23], []
+    model.step(KvdConnectorMetadata(loads=[LoadOrder("b", [keys], 1, target[1:], False)]), seen=seen)
+    for layer, tensor in enumerate(seen):  # layer l of the loaded pages was there before its attention
+        for page, block in zip(target[1:], blocks[1:]):
+            np.testing.assert_array_equal(tensor[page].numpy(), block[layer].reshape(-1))
+    assert not model.page(target[0]).any()  # position 0 was not asked for
+    totals = model.totals()
+    assert totals["loaded_blocks"] == 3 and totals["load_errors"] == 0
+    assert daemon.metric_samples("kvd_device_blocks_total") == {
+        'kvd_device_blocks_total{op="save"}': 4.0, 'kvd_device_blocks_total{op="load"}': 3.0}
+    model.worker.close()
+    assert daemon.metric("kvd_device_pools") == 0
+
+
+def test_blocks_kvd_lacks_are_reported_and_the_rest_loads(daemon):
+    model = Model(daemon.unix_target)
+    blocks, keys = data(2, 2), keys_for(2, 4)
+    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys[:2]], [0, 1])]), compute={0: blocks[0], 1: blocks[1]})
+    model.step(KvdConnectorMetadata(loads=[LoadOrder("b", [keys], 0, [10, 11, 12, 13], False)]))
+    assert model.worker.load_errors() == {12, 13}
+    np.testing.assert_array_equal(model.page(10), blocks[0])
+    np.testing.assert_array_equal(model.page(11), blocks[1])
+    totals = model.totals()
+    assert totals["loaded_blocks"] == 2 and totals["load_errors"] == 2
+    model.worker.close()
+
+
+def test_a_daemon_restart_costs_one_step_then_the_pool_is_registered_again(daemon, tmp_path):
+    model = Model(daemon.unix_target)
+    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys_for(3, 1)], [0])]), compute={0: data(1, 3)[0]})
+    daemon.stop()
+    restarted = start_daemon(tmp_path / "kvd", CONFIG)
+    try:
+        blocks, keys = data(2, 4), keys_for(4, 2)
+        for _ in range(2):  # the first save meets a daemon that never heard of the pool
+            model.step(KvdConnectorMetadata(saves=[SaveOrder("b", [keys], [3, 4])]),
+                       compute={3: blocks[0], 4: blocks[1]})
+        totals = model.totals()
+        assert totals["save_errors"] == 1 and totals["saved_blocks"] == 1 + 2
+        with Client(restarted.unix_target) as client:
+            np.testing.assert_array_equal(client.get_numpy(client.register_namespace(SPEC), keys), blocks)
+        model.worker.close()
+    finally:
+        restarted.stop()
