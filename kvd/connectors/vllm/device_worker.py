@@ -13,8 +13,10 @@ descriptor of the engine's own memory passed over the arena socket
   forward pass;
 - a load is one LoadLayers per request into its pages, each with a flag
   word of its own that kvd advances per layer; `wait_layer` waits on it
-  before the layer's attention (on a GPU the engine's stream would wait
-  with cuStreamWaitValue64; here the worker thread polls);
+  before the layer's attention (the worker thread polls it; on a GPU the
+  engine's stream could wait with cuStreamWaitValue64 instead, and the
+  save's mark could be a cuStreamWriteValue64: today a GPU worker
+  synchronizes vLLM's stream before each mark, never run);
 - `finish_step` waits for the saves (the pages may be reused after it) and
   reports blocks that did not arrive, which vLLM recomputes.
 
@@ -162,6 +164,10 @@ class DeviceWorkerSide(WorkerSide):
         layer = self.layer_of.get(layer_name)
         step = self._device_step
         if layer is not None and step.saves and self.device_pool is not None:
+            if self.tensors[0].is_cuda:
+                # The layer's kernels may still be running: the host's mark must not run ahead of them.
+                # (A cuStreamWriteValue64 on this stream would not block; never run, not written yet.)
+                torch.cuda.current_stream().synchronize()
             self.device_pool.mark(ENGINE_WORD, step.save_base + layer + 1)
 
     def wait_layer(self, layer_name: str) -> None:
