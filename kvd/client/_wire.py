@@ -272,6 +272,15 @@ class ArenaMapping:
         # Rows of the largest slot (pages), and of each class as it is asked for.
         self._rows: dict[int, np.ndarray] = {}
         self.slots = self.rows(self.slot_bytes)
+        self._pinned: dict[str, tuple[Any, Any]] = {}  # device uuid -> (device, its registration)
+
+    def pin(self, device) -> None:
+        """Register the mapping with `device` (a kvd.device.Device; CUDA: cudaHostRegister) once, so
+        the caller's copies between it and GPU memory are DMA from page-locked memory rather than
+        staged through a bounce buffer. Undone at close. DeviceError when the device refuses (for
+        CUDA, usually RLIMIT_MEMLOCK: see docs/operations.md)."""
+        if device.uuid not in self._pinned:
+            self._pinned[device.uuid] = (device, device.register_host(self._array.ctypes.data, len(self._array)))
 
     def stride(self, block_bytes: int) -> int:
         """Slot size of blocks of `block_bytes`: the smallest class that holds them."""
@@ -328,6 +337,9 @@ class ArenaMapping:
         copy_rows(self.rows(self.stride(width)), self.slot_indices(offsets, width), out, 0, width)
 
     def close(self) -> None:
+        for device, registration in self._pinned.values():
+            device.unregister_host(registration)
+        self._pinned.clear()
         self.slots = None  # type: ignore[assignment]
         self._rows.clear()
         self._array = None  # type: ignore[assignment]

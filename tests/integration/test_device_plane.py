@@ -452,3 +452,18 @@ def wait_for(condition, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.01)
+
+
+def test_a_clients_arena_mapping_is_pinned_once_per_device_and_unpinned_when_it_closes(daemon):
+    """What a GPU client does with cudaHostRegister (the vLLM connector's ordinary path), on the CPU
+    device, which records its registrations: one per mapping and device, undone before the unmap."""
+    device = open_device("cpu")
+    client = Client(daemon.unix_target)
+    client.register_namespace(SPEC)
+    client.arena_info()
+    arena = client.session.arena
+    arena.pin(device)
+    arena.pin(device)
+    assert device._registered == {arena.slots.ctypes.data}
+    client.close()
+    assert device._registered == set()

@@ -89,13 +89,29 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._errors: set[int] = set()
         self._received: set[str] = set()
+        self._pin_arena = layout.parts[0][0].is_cuda  # never run: no GPU here
 
     # ---- the arena as torch, rebuilt when the daemon restarted and the client remapped
     def _arena(self) -> torch.Tensor:
         """The arena's slots of this namespace's size class as rows of the layout's
-        word (slot sizes are multiples of 4 KiB)."""
+        word (slot sizes are multiples of 4 KiB), page-locked for the GPU where the cache is on one."""
         arena = self.link.arena
+        if self._pin_arena:
+            self._pin(arena)
         return torch.from_numpy(arena.rows(arena.stride(self.namespace.block_bytes))).view(self.layout.word)
+
+    def _pin(self, arena) -> None:
+        """cudaHostRegister the arena's mapping once (again after a daemon restart remapped it), so the
+        per-layer copies to and from the GPU are DMA; unpinned copies still work, staged by CUDA."""
+        from kvd.device import open_device
+        from kvd.device.api import DeviceError
+
+        try:
+            arena.pin(open_device("cuda", self.layout.parts[0][0].device.index or 0))
+        except DeviceError as error:
+            self._pin_arena = False
+            log.warning("kvd: the arena could not be page-locked for the GPU (%s); copies go through "
+                        "pageable memory (raise LimitMEMLOCK, see docs/operations.md)", error)
 
     # ---- step start
     def start(self, metadata: KvdConnectorMetadata) -> None:
