@@ -68,6 +68,14 @@ class DeviceTier:
             slots.append(entry.slot)
         return slots
 
+    def holds(self, namespace_id: bytes, keys, blocks) -> list[bool]:
+        """Whether a landed copy of each block is here (Lookup's view: no pin, no recency, no count)."""
+        held = []
+        for key, block in zip(keys, blocks):
+            entry = self._entries.get((namespace_id, key))
+            held.append(entry is not None and entry.block is block and entry.landed)
+        return held
+
     def unpin(self, namespace_id: bytes, keys, slots) -> None:
         for key, slot in zip(keys, slots):
             if slot != NO_SLOT:

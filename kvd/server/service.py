@@ -249,6 +249,10 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         keys = convert.lookup_keys(request)
         matched = self.engine.lookup(request.namespace_id, keys, request.parent_key)
         tiers = convert.tiers(self.engine, matched)
+        tier = self.device_plane.tier if self.device_plane is not None else None
+        if tier is not None and len(tier):  # copies in the device tier, above host memory
+            held = tier.holds(request.namespace_id, keys, matched)
+            tiers = bytes(kvd_pb2.TIER_DEVICE if hit else level for hit, level in zip(held, tiers))
         if request.include_remote:
             tiers += await self._remote_tiers(request, keys, len(matched))
         return kvd_pb2.LookupResponse(matched=len(tiers), tiers=tiers)

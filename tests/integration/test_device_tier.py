@@ -64,6 +64,7 @@ def test_a_block_one_engine_saved_reaches_another_engine_from_the_device_tier(da
     client, a, b = engines
     data, keys = blocks(3, seed=11), keys_for(11, 3)
     assert save_as_engine(a, keys, [0, 1, 2], data, a.pool.flag(ENGINE)).stored == 3
+    assert list(client.lookup(a.namespace, keys).tiers) == [kvd_pb2.TIER_DEVICE] * 3  # Lookup sees the tier
     overwrite_host_copies(daemon, a.namespace, keys)
     loaded = load(b, keys, [5, 6, 7])
     assert loaded.matched == 3 and list(loaded.tiers) == [kvd_pb2.TIER_DEVICE] * 3
@@ -109,6 +110,7 @@ def test_a_block_removed_and_stored_again_is_never_served_from_its_old_copy(daem
     assert client.delete(a.namespace, keys)[0] == 1
     new = blocks(1, seed=32)
     client.put(a.namespace, keys, new)
+    assert list(client.lookup(a.namespace, keys).tiers) == [kvd_pb2.TIER_HOST]  # the old copy does not count
     loaded = load(b, keys, [9])
     assert list(loaded.tiers) == [kvd_pb2.TIER_HOST]
     np.testing.assert_array_equal(b.read(9), new[0])
