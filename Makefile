@@ -19,7 +19,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h native/gpu/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim planner-sim gpu-check cuda cufile fuzz-long soak-long docs
+.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim planner-sim slack-profile gpu-check cuda cufile fuzz-long soak-long docs
 
 setup: $(BUILT_STAMP)
 
@@ -196,6 +196,12 @@ cluster-sim: setup
 planner-sim: setup
 	$(PY) -m kvd.sim.decode --rates 2,2.5,3,3.5,4 --slo-scales 1.5,2,3 --requests 200 \
 	  --json bench/results/planner_sim.json --plot docs/planner_sim.png
+
+# Tutti's slack table (kvd.planner.slack, docs/planner.md): per (input length, prefix length) and layer,
+# the compute window of a real Hugging Face model (kvd's tiny Llama) on this machine, as JSON (what
+# disk.slack_profile and bench_io_scheduler's profiled contender read) and a plot.
+slack-profile: setup
+	$(PY) bench/slack_profile.py --out bench/results/slack_table.json --plot docs/slack_table.png
 
 # On a machine with a GPU: every device test with CUDA required (they fail
 # where it does not open): the device interface, per-layer copies with flag

@@ -23,7 +23,13 @@ Contenders, interleaved round by round in one process:
   disk.write_chunk_blocks) that start only when no read is waiting;
 * slack, backlog full: the same with the write backlog over its bound, so
   writes get one job after every disk.write_share (4) reads: what the
-  restores keep while memory needs writing.
+  restores keep while memory needs writing;
+* slack, profiled: slack with write jobs sized as the daemon sizes them
+  under disk.slack_profile (kvd.planner.slack.WriteSizer): the write budget
+  the slack table (`--slack-table`, measured by `make slack-profile` from a
+  real model's per-layer timings) leaves in every layer of a restore of
+  this length, with the drive's read and write bandwidths as observed in
+  this run.
 
 Reported: restore bandwidth (median over restores, GiB/s) and p50/p99
 restore latency, the write bandwidth the stream got meanwhile, ratios to
@@ -34,7 +40,7 @@ The development VM's disk is shared and its host caches even O_DIRECT
 reads; compare within one run.
 
 Run:  .venv/bin/python bench/bench_io_scheduler.py [--rounds 3] [--restores 6] [--restore-blocks 128]
-          [--write-batch-blocks 64] [--write-chunk-blocks 8] [--dir /tmp]
+          [--write-batch-blocks 64] [--write-chunk-blocks 8] [--dir /tmp] [--slack-table FILE]
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from _common import fmt_ratio, percentile, progress, ratio, report, warn_if_busy
 from kvd.config import DiskSettings
 from kvd.core.io_schedule import IoClass, IoSchedule
 from kvd.core.keys import DType, NamespaceSpec
+from kvd.planner.slack import SlackTable, WriteSizer
 from kvd.server.io_executor import ScheduledExecutor
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import DiskConfig
@@ -78,7 +85,10 @@ def key_of(index: int) -> bytes:
 class Rig:
     """The tier, an arena holding the restore set and the write set, and their records."""
 
-    def __init__(self, root: Path, restore_blocks: int, write_blocks: int) -> None:
+    def __init__(self, root: Path, restore_blocks: int, write_blocks: int, table: SlackTable) -> None:
+        # Bandwidths observed over every contender's jobs; the profiled one sizes its writes with them.
+        self.sizer = WriteSizer(table)
+        self.sizer.restore(restore_blocks * SPEC.block_tokens, SPEC.layer_bytes // SPEC.block_tokens)
         self.restore_blocks = restore_blocks
         self.write_blocks = write_blocks
         self.block_bytes = SPEC.block_bytes
@@ -115,7 +125,9 @@ class Rig:
 
     def restore(self) -> int:
         """I/O thread: one restore; the number of good blocks."""
+        started = time.perf_counter()
         ok = self.tier.read_blocks(self.namespace_id, SPEC.layer_bytes, SPEC.num_layers, self.restore_items)
+        self.sizer.observe(True, len(self.restore_items) * self.block_bytes, time.perf_counter() - started)
         return int(ok.sum())
 
     def remove_written(self) -> None:
@@ -133,7 +145,9 @@ class Rig:
 
     def write(self, items) -> int:
         """I/O thread: one write job; blocks made durable."""
+        started = time.perf_counter()
         ok = self.tier.write_blocks(self.namespace_id, SPEC.layer_bytes, SPEC.num_layers, items)
+        self.sizer.observe(False, sum(ok) * self.block_bytes, time.perf_counter() - started)
         self.written += [(item[0], item[2]) for item, good in zip(items, ok, strict=True) if good]
         return sum(ok)
 
@@ -152,15 +166,26 @@ async def run_mode(rig: Rig, mode: str, args: argparse.Namespace) -> dict[str, A
     executor.backlog = 10**9 if mode == "slack, backlog full" else 0
     stop = asyncio.Event()
     written_blocks = 0
+    sizer = rig.sizer if mode == "slack, profiled" else None
+    chunks: list[int] = []
+
+    def chunk_blocks() -> int:
+        if schedule_mode == "fifo":
+            return args.write_batch_blocks
+        if sizer is None:
+            return args.write_chunk_blocks
+        return sizer.chunk_blocks(rig.block_bytes, args.write_chunk_blocks, args.write_batch_blocks)
 
     async def write_back() -> None:
         nonlocal written_blocks
-        chunk = args.write_batch_blocks if schedule_mode == "fifo" else args.write_chunk_blocks
         while not stop.is_set():
             await executor.run(IoClass.CONTROL, rig.remove_written)
             items = rig.write_items(0, args.write_batch_blocks)
-            for start in range(0, len(items), chunk):
-                piece = items[start:start + chunk]
+            start = 0
+            while start < len(items):
+                chunks.append(chunk_blocks())
+                piece = items[start:start + chunks[-1]]
+                start += len(piece)
                 written_blocks += await executor.run(IoClass.WRITE, rig.write, piece, nbytes=len(piece) * rig.block_bytes)
 
     writer = None if mode == "alone" else asyncio.create_task(write_back())
@@ -190,10 +215,29 @@ async def run_mode(rig: Rig, mode: str, args: argparse.Namespace) -> dict[str, A
         "schedule": {"forced_writes": executor.schedule.counters.forced_writes,
                      "deferred_writes": executor.schedule.counters.deferred_writes},
         "max_restore_wait_ms": executor.stats.by_class["restore"].max_wait_seconds * 1e3,
+        "write_job_blocks": statistics.median(chunks) if chunks else 0,
     }
 
 
-MODES = ("alone", "fifo", "slack", "slack, backlog full")
+MODES = ("alone", "fifo", "slack", "slack, backlog full", "slack, profiled")
+
+
+def print_summary(summary: dict[str, Any], ratios: dict[str, Any], args: argparse.Namespace) -> None:
+    restore_mib = args.restore_blocks * SPEC.block_bytes >> 20
+    report(f"== restores of {args.restore_blocks} blocks ({restore_mib} MiB, 32 layers x 64 KiB) under a write-back "
+           f"stream of {args.write_batch_blocks}-block batches; {args.rounds} rounds x {args.restores} restores ==")
+    report(f"{'contender':<22} {'restore GiB/s':>13} {'vs alone':>8} {'p50 ms':>7} {'p99 ms':>7} "
+           f"{'max wait ms':>11} {'writes GiB/s':>12} {'write job':>9}")
+    for mode in MODES:
+        s = summary[mode]
+        report(f"{mode:<22} {s['restore_median_gib_s']:>13.2f} {fmt_ratio(ratios.get(mode, 1.0)):>8} "
+               f"{s['restore_p50_ms']:>7.0f} {s['restore_p99_ms']:>7.0f} {s['max_restore_wait_ms']:>11.1f} "
+               f"{s['write_gib_s']:>12.2f} {s['write_job_blocks']:>9.0f}")
+    profiled, fixed = summary["slack, profiled"], summary["slack"]
+    report(f"profiled vs fixed {args.write_chunk_blocks}-block write jobs: restore bandwidth "
+           f"{fmt_ratio(ratio(profiled['restore_median_gib_s'], fixed['restore_median_gib_s']))}, restore p99 "
+           f"{fmt_ratio(ratio(profiled['restore_p99_ms'], fixed['restore_p99_ms']))}, writes "
+           f"{fmt_ratio(ratio(profiled['write_gib_s'], fixed['write_gib_s']))}")
 
 
 def main() -> int:
@@ -204,13 +248,15 @@ def main() -> int:
     parser.add_argument("--write-batch-blocks", type=int, default=DiskSettings().write_batch_blocks)
     parser.add_argument("--write-chunk-blocks", type=int, default=DiskSettings().write_chunk_blocks)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--slack-table", type=Path, default=Path(__file__).resolve().parent / "results" / "slack_table.json",
+                        help="the profiled contender's slack table (make slack-profile)")
     args = parser.parse_args()
     warn_if_busy()
     root = Path(tempfile.mkdtemp(prefix="kvd-bench-sched-", dir=args.dir))
     samples: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     try:
         progress(f"writing the restore set: {args.restore_blocks} blocks x {SPEC.block_bytes >> 20} MiB")
-        rig = Rig(root, args.restore_blocks, 2 * args.write_batch_blocks)
+        rig = Rig(root, args.restore_blocks, 2 * args.write_batch_blocks, SlackTable.load(args.slack_table))
         try:
             asyncio.run(run_mode(rig, "slack", argparse.Namespace(**{**vars(args), "restores": 1})))  # warm-up
             for round_index in range(args.rounds):
@@ -235,19 +281,11 @@ def main() -> int:
             "write_gib_s": statistics.median(run["write_gib_s"] for run in runs),
             "max_restore_wait_ms": max(run["max_restore_wait_ms"] for run in runs),
             "forced_writes": sum(run["schedule"]["forced_writes"] for run in runs),
+            "write_job_blocks": statistics.median(run["write_job_blocks"] for run in runs),
         }
     alone = summary["alone"]["restore_median_gib_s"]
     ratios = {mode: ratio(summary[mode]["restore_median_gib_s"], alone) for mode in MODES if mode != "alone"}
-    restore_mib = args.restore_blocks * SPEC.block_bytes >> 20
-    report(f"== restores of {args.restore_blocks} blocks ({restore_mib} MiB, 32 layers x 64 KiB) under a write-back "
-           f"stream of {args.write_batch_blocks}-block batches; {args.rounds} rounds x {args.restores} restores ==")
-    report(f"{'contender':<22} {'restore GiB/s':>13} {'vs alone':>8} {'p50 ms':>7} {'p99 ms':>7} "
-           f"{'max wait ms':>11} {'writes GiB/s':>12}")
-    for mode in MODES:
-        s = summary[mode]
-        report(f"{mode:<22} {s['restore_median_gib_s']:>13.2f} {fmt_ratio(ratios.get(mode, 1.0)):>8} "
-               f"{s['restore_p50_ms']:>7.0f} {s['restore_p99_ms']:>7.0f} {s['max_restore_wait_ms']:>11.1f} "
-               f"{s['write_gib_s']:>12.2f}")
+    print_summary(summary, ratios, args)
     passed = ratios["slack"] is not None and ratios["slack"] >= TARGET
     report("")
     report(f"target: restores under write load with the scheduler >= {TARGET}x reads alone: "

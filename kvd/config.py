@@ -141,6 +141,10 @@ class DiskSettings:
     # Under slack, a write that would start within this long after a read
     # ended waits that long for another read first (0: never waits).
     write_anticipation_ms: float = 2.0
+    # A slack table (kvd.planner.slack, measured by `make slack-profile`): under slack,
+    # write-back jobs are sized to the write budget its profile leaves in each layer of the
+    # latest restore, with the drive's bandwidths as observed. "": write_chunk_blocks.
+    slack_profile: str = ""
     # Prefetch: at most this many blocks read ahead of a Get in flight at a
     # time (a Prefetch beyond it is cut short, not refused), in jobs of at
     # most prefetch_chunk_blocks, so a restore waits for one job at most.

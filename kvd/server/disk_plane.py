@@ -27,17 +27,20 @@ import functools
 import errno
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvd.config import DiskSettings
 from kvd.core.block import Block
 from kvd.core.engine import Engine, GetPlan, PrefetchPlan, Transfer
 from kvd.core.mover import Mover, MoverSettings, NotDurable, WriteRound
 from kvd.core.io_schedule import IoClass, IoSchedule
-from kvd.errors import Unavailable
+from kvd.errors import ConfigError, Unavailable
 from kvd.invariants import check
 from kvd.io.engine import Op
+from kvd.planner.slack import SlackTable, WriteSizer
 from kvd.server.io_executor import ScheduledExecutor
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import DiskConfig, location_of, split_location
@@ -99,6 +102,15 @@ def disk_config(settings: DiskSettings) -> DiskConfig:
     )
 
 
+def _write_sizer(settings: DiskSettings) -> WriteSizer | None:
+    if not settings.slack_profile or settings.io_schedule != "slack":
+        return None
+    try:
+        return WriteSizer(SlackTable.load(Path(settings.slack_profile)))
+    except ValueError as error:
+        raise ConfigError("disk.slack_profile", str(error)) from None
+
+
 class DiskPlane:
     def __init__(self, settings: DiskSettings, arena: HostArena) -> None:
         self.settings = settings
@@ -110,6 +122,8 @@ class DiskPlane:
         self._io = ScheduledExecutor(IoSchedule(settings.io_schedule, write_share=settings.write_share,
                                                 backlog_limit=settings.write_backlog_blocks,
                                                 anticipation_s=settings.write_anticipation_ms / 1000.0))
+        # Write jobs sized to the restores' slack (disk.slack_profile), or None: write_chunk_blocks.
+        self.sizer = _write_sizer(settings)
         self._wake = asyncio.Event()
         self._loads: dict[Block, asyncio.Future] = {}
         # Blocks being prefetched -> their read job, to promote it when a Get
@@ -301,6 +315,10 @@ class DiskPlane:
         """
         failed_removals = await self._run(self._remove_sync, round_.removals) if round_.removals else set()
         self.mover.removals_journalled(round_, failed_removals)
+        if self.sizer is not None and round_.writes:
+            block_bytes = round_.writes[0].block.index.block_bytes
+            round_.chunk_blocks = self.sizer.chunk_blocks(block_bytes, self.settings.write_chunk_blocks,
+                                                          self.settings.write_batch_blocks)
         for positions in round_.chunks():
             self._update_backlog()
             namespace_id, layer_bytes, num_layers, items = self._write_items(round_, positions)
@@ -346,7 +364,11 @@ class DiskPlane:
 
     def _write_piece(self, namespace_id, layer_bytes, num_layers, items) -> list[bool]:
         """I/O thread: one write job; durable, per block."""
-        return [bool(good) for good in self.tier.write_blocks(namespace_id, layer_bytes, num_layers, items)]
+        started = time.perf_counter()
+        ok = [bool(good) for good in self.tier.write_blocks(namespace_id, layer_bytes, num_layers, items)]
+        if self.sizer is not None:
+            self.sizer.observe(False, sum(ok) * layer_bytes * num_layers, time.perf_counter() - started)
+        return ok
 
     def _remove_sync(self, removals: list[tuple[bytes, bytes, int]], deleted: bool = False) -> set[int]:
         """I/O thread: journal removals; returns the slots whose REMOVE failed."""
@@ -472,6 +494,9 @@ class DiskPlane:
                     loop.call_soon_threadsafe(on_layer, layer, ok)
             work = self._read_work(plan.loads)
             nbytes = sum(load.block.index.block_bytes for load in plan.loads)
+            if self.sizer is not None:
+                spec = engine.namespace(plan.loads[0].block.index.namespace_id).spec
+                self.sizer.restore(len(plan.loads) * spec.block_tokens, spec.layer_bytes // spec.block_tokens)
             reading = asyncio.wrap_future(self._io.submit(IoClass.RESTORE, self._read_batch, work, progress,
                                                           nbytes=nbytes))
             try:
@@ -552,7 +577,10 @@ class DiskPlane:
                         mask[position] = bool(good)
                     progress(layer, mask)
 
+            started = time.perf_counter()
             results = self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests, on_layer)
+            if self.sizer is not None:
+                self.sizer.observe(True, len(requests) * layer_bytes * num_layers, time.perf_counter() - started)
             for (position, _, _), good in zip(items, results):
                 ok[position] = bool(good)
         return ok
