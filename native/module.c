@@ -484,6 +484,27 @@ static PyObject *native_crc32c_chunks(PyObject *Py_UNUSED(module), PyObject *arg
     Py_RETURN_NONE;
 }
 
+/* Two 1-D arrays of 8-byte items and the same length (their views held:
+ * release both after use); the length, or -1 with an exception set and
+ * nothing held. */
+static Py_ssize_t get_pair(PyObject *first, const char *first_name, PyObject *second, const char *second_name,
+                           Py_buffer *first_view, Py_buffer *second_view) {
+    Py_ssize_t count = get_array(first, first_view, 8, 0, first_name);
+    if (count < 0) return -1;
+    Py_ssize_t others = get_array(second, second_view, 8, 0, second_name);
+    if (others < 0) {
+        PyBuffer_Release(first_view);
+        return -1;
+    }
+    if (others != count) {
+        PyBuffer_Release(first_view);
+        PyBuffer_Release(second_view);
+        PyErr_Format(PyExc_ValueError, "%s and %s must be the same length", first_name, second_name);
+        return -1;
+    }
+    return count;
+}
+
 /* copy_chunks(dst_addresses, src_addresses, nbytes): memcpy of `nbytes` from
  * each src_addresses[i] to dst_addresses[i], in order, with the GIL
  * released. The CPU device's batched copies (kvd/device/cpu.py); the caller
@@ -495,19 +516,8 @@ static PyObject *native_copy_chunks(PyObject *Py_UNUSED(module), PyObject *args)
     if (!PyArg_ParseTuple(args, "OOK", &dst_object, &src_object, &nbytes)) return NULL;
     Py_buffer dst_view;
     Py_buffer src_view;
-    Py_ssize_t count = get_array(dst_object, &dst_view, 8, 0, "dst_addresses");
+    Py_ssize_t count = get_pair(dst_object, "dst_addresses", src_object, "src_addresses", &dst_view, &src_view);
     if (count < 0) return NULL;
-    Py_ssize_t sources = get_array(src_object, &src_view, 8, 0, "src_addresses");
-    if (sources < 0) {
-        PyBuffer_Release(&dst_view);
-        return NULL;
-    }
-    if (sources != count) {
-        PyBuffer_Release(&dst_view);
-        PyBuffer_Release(&src_view);
-        PyErr_SetString(PyExc_ValueError, "dst_addresses and src_addresses must be the same length");
-        return NULL;
-    }
     const uint64_t *dst = dst_view.buf;
     const uint64_t *src = src_view.buf;
     Py_BEGIN_ALLOW_THREADS
@@ -553,28 +563,19 @@ static PyObject *native_copy_file_chunks(PyObject *Py_UNUSED(module), PyObject *
     if (!PyArg_ParseTuple(args, "iOOKp", &fd, &offsets_object, &addresses_object, &nbytes, &write)) return NULL;
     Py_buffer offsets_view;
     Py_buffer addresses_view;
-    Py_ssize_t count = get_array(offsets_object, &offsets_view, 8, 0, "file_offsets");
+    Py_ssize_t count = get_pair(offsets_object, "file_offsets", addresses_object, "addresses", &offsets_view,
+                                &addresses_view);
     if (count < 0) return NULL;
-    Py_ssize_t addresses = get_array(addresses_object, &addresses_view, 8, 0, "addresses");
-    if (addresses < 0) {
-        PyBuffer_Release(&offsets_view);
-        return NULL;
-    }
-    int error = 0;
-    if (addresses != count) {
-        PyErr_SetString(PyExc_ValueError, "file_offsets and addresses must be the same length");
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        error = copy_file_chunks(fd, offsets_view.buf, addresses_view.buf, count, (size_t)nbytes, write);
-        Py_END_ALLOW_THREADS
-        if (error) {
-            errno = error;
-            PyErr_SetFromErrno(PyExc_OSError);
-        }
-    }
+    int error;
+    Py_BEGIN_ALLOW_THREADS
+    error = copy_file_chunks(fd, offsets_view.buf, addresses_view.buf, count, (size_t)nbytes, write);
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&offsets_view);
     PyBuffer_Release(&addresses_view);
-    if (addresses != count || error) return NULL;
+    if (error) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     Py_RETURN_NONE;
 }
 

@@ -354,18 +354,23 @@ class CpuDevice(Device):
             os.close(fd)
             raise DeviceError(f"[{offset}, {offset + nbytes}) is outside the {stat.st_size}-byte allocation")
         key = ("inode", stat.st_dev, stat.st_ino)
-        with self._lock:
-            mapping = self._opened.get(key)
-            if mapping is not None:
-                mapping.references += 1
-                os.close(fd)
-            else:
-                try:
-                    mapping = self._opened[key] = _Mapping(fd, stat.st_size, owned=False)
-                except OSError as error:
-                    os.close(fd)
-                    raise DeviceError(f"cannot map the descriptor: {error.strerror}", error.errno) from None
+        mapping = self._share(key, fd, lambda: _Mapping(fd, stat.st_size, owned=False))
         return Memory(mapping.address + offset, nbytes, self.uuid, token=key)
+
+    def _share(self, key: tuple, fd: int, make):
+        """What is open under `key` with one more reference (then `fd` is closed), or make() it there."""
+        with self._lock:
+            opened = self._opened.get(key)
+            if opened is not None:
+                opened.references += 1
+                os.close(fd)
+                return opened
+            try:
+                opened = self._opened[key] = make()
+            except OSError as error:
+                os.close(fd)
+                raise DeviceError(f"cannot map the descriptor: {error.strerror}", error.errno) from None
+            return opened
 
     def _import_process(self, fd: int, target: str, offset: int, nbytes: int) -> Memory:
         """Another process's [offset, offset + nbytes) through its /proc/<pid>/mem (`fd`, taken over)."""
@@ -387,13 +392,7 @@ class CpuDevice(Device):
             os.close(fd)
             raise
         key = ("process", stat.st_dev, stat.st_ino)
-        with self._lock:
-            memory = self._opened.get(key)
-            if memory is not None:
-                memory.references += 1
-                os.close(fd)
-            else:
-                self._opened[key] = _ProcessMemory(fd)
+        self._share(key, fd, lambda: _ProcessMemory(fd))
         return Memory(offset, nbytes, self.uuid, token=key)
 
     def process_fd(self, memory: Memory) -> int:
