@@ -123,3 +123,21 @@ def test_a_daemon_restart_costs_one_step_then_the_pool_is_registered_again(daemo
         model.worker.close()
     finally:
         restarted.stop()
+
+
+def test_a_daemon_without_a_device_plane_costs_misses_and_one_registration_per_retry_interval(tmp_path, caplog):
+    daemon = start_daemon(tmp_path / "off", {"host": CONFIG["host"]})  # [device] kind = "off"
+    try:
+        model = Model(daemon.unix_target)
+        keys = keys_for(5, 2)
+        for _ in range(3):
+            model.step(KvdConnectorMetadata(loads=[LoadOrder("a", [keys], 0, [1, 2], False)],
+                                            saves=[SaveOrder("b", [keys_for(6, 1)], [7])]), compute={7: data(1, 6)[0]})
+            assert model.worker.load_errors() == {1, 2}  # reported: vLLM recomputes them
+        totals = model.totals()
+        assert totals["loaded_blocks"] == 0 and totals["saved_blocks"] == 0
+        refused = [record for record in caplog.records if "could not be registered" in record.getMessage()]
+        assert len(refused) == 1 and "no device plane" in refused[0].getMessage()  # asked once, not every step
+        model.worker.close()
+    finally:
+        daemon.stop()

@@ -41,7 +41,7 @@ from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOr
 from kvd.connectors.vllm.transfer import Unavailable, registering
 from kvd.connectors.vllm.worker import WorkerSide
 from kvd.device import open_device
-from kvd.device.api import DeviceError
+from kvd.errors import KvdError
 
 log = logging.getLogger("kvd.connectors.vllm")
 
@@ -49,6 +49,7 @@ FLAG_WORDS = 64
 ENGINE_WORD, SAVE_WORD = 0, 1  # the engine's "layer written" word; kvd's word for saves (nobody waits on it)
 LOAD_WORDS = tuple(range(2, FLAG_WORDS))
 _POLL_MAX_S = 0.001
+REGISTER_RETRY_S = 5.0  # a daemon without a device plane (or down) is asked again this often, not every step
 
 
 @dataclass(slots=True)
@@ -77,6 +78,7 @@ class DeviceWorkerSide(WorkerSide):
         self.tensors = tensors
         self.layers = len(tensors)
         self.device_pool: DevicePool | None = None
+        self._retry_at = 0.0  # a failed registration is not tried again before this (monotonic seconds)
         self._next_base = 1
         self._free_words = list(LOAD_WORDS)
         self._device_step = _DeviceStep()
@@ -89,6 +91,8 @@ class DeviceWorkerSide(WorkerSide):
         """The engine's tensors as a kvd pool; None (logged) when kvd cannot take them now."""
         if self.device_pool is not None:
             return self.device_pool
+        if time.monotonic() < self._retry_at:
+            return None
         first = self.tensors[0]
         try:
             device = open_device("cuda", first.device.index or 0) if first.is_cuda else open_device("cpu")
@@ -100,10 +104,11 @@ class DeviceWorkerSide(WorkerSide):
                 self.link.client, self.namespace, device, memories, self.layout.num_blocks, flag_words=FLAG_WORDS,
                 arena_socket=socket, token=self.config.token, page_stride=half if split else 0,
                 v_offset=self.layout.num_blocks * half if split else 0))
-        except (grpc.RpcError, DeviceError, OSError, Unavailable) as error:
+        except (grpc.RpcError, KvdError, OSError, Unavailable) as error:  # (DeviceError is a KvdError)
             why = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.RpcError) else error
             log.warning("kvd: the KV pool could not be registered with kvd's device plane (%s); "
-                        "this step loads and saves nothing", why)
+                        "no loads or saves for %.0f s, then it is tried again", why, REGISTER_RETRY_S)
+            self._retry_at = time.monotonic() + REGISTER_RETRY_S
             return None
         self._free_words = list(LOAD_WORDS)
         self._next_base = 1
@@ -188,7 +193,7 @@ class DeviceWorkerSide(WorkerSide):
         except concurrent.futures.TimeoutError:
             load.error = "LoadLayers did not answer in time"
             return
-        except (grpc.RpcError, Unavailable, OSError) as error:
+        except (grpc.RpcError, KvdError, Unavailable, OSError) as error:
             self._pool_lost(error)
             load.error, load.settled = f"LoadLayers failed: {error}", True
             return
@@ -220,7 +225,7 @@ class DeviceWorkerSide(WorkerSide):
         for order, saving in step.saves:
             try:
                 self.counters.add(saved_blocks=saving.result().stored)
-            except (grpc.RpcError, Unavailable, OSError) as error:
+            except (grpc.RpcError, KvdError, Unavailable, OSError) as error:
                 self._pool_lost(error)
                 self.counters.add(save_errors=1)
                 log.warning("kvd: saving %s failed: %s", order.req_id, error)
@@ -268,7 +273,7 @@ class DeviceWorkerSide(WorkerSide):
         if self.device_pool is not None:
             try:
                 self.device_pool.close()
-            except (grpc.RpcError, OSError) as error:
+            except (grpc.RpcError, KvdError, OSError) as error:
                 log.warning("kvd: unregistering the KV pool failed (its lease ends it): %s", error)
         self.link.close()
 
