@@ -184,8 +184,10 @@ class Daemon:
             self.disk_plane.start()
         registry, rpc_metrics = make_registry(self.engine)
         if self.disk_plane is not None:
+            schedule = self.disk_plane.io.schedule
             disk_metrics = DiskIoMetrics(registry, self.disk_plane.io.queued, self.disk_plane.io_bytes,
-                                         self.disk_plane.drive_states, self.disk_plane.recovery_lost_blocks)
+                                         self.disk_plane.drive_states, self.disk_plane.recovery_lost_blocks,
+                                         lambda: schedule.counters.slack_writes)
             self.disk_plane.io.on_job = disk_metrics.observe_job
         self._prepare_cluster()
         self._build_server(tenants, rpc_metrics)

@@ -78,6 +78,8 @@ class ScheduleCounters:
     deferred_writes: int = 0
     # Queued jobs moved to a more urgent class (a Get waits for a prefetch).
     promoted: int = 0
+    # Writes run inside a restore, in a layer's slack (take_fitting).
+    slack_writes: int = 0
 
 
 class IoSchedule:
@@ -149,6 +151,18 @@ class IoSchedule:
                     self.counters.promoted += 1
                     return True
         return False
+
+    def take_fitting(self, max_bytes: int) -> IoJob | None:
+        """The next queued write if it moves at most `max_bytes`, taken out to run now, inside a
+        restore's slack (Tutti: writes in the gaps the engine's compute leaves between layer reads);
+        None otherwise, and always under fifo."""
+        writes = self._queues[IoClass.WRITE]
+        if self.mode != "slack" or not writes or writes[0].nbytes > max_bytes:
+            return None
+        job = writes.popleft()
+        self.counters.dispatched["write"] += 1
+        self.counters.slack_writes += 1
+        return job
 
     def read_done(self, now: float) -> None:
         """A read job (restore or prefetch) ended at `now` (seconds, any monotonic clock)."""

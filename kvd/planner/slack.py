@@ -19,7 +19,8 @@ lengths. The disk I/O schedule sizes its write jobs with
 `write_chunk_bytes`: the smallest budget of any layer of the prefill the
 drive last restored, at the grid's shortest input (the least compute, so
 the least slack), so a restore that arrives while a write runs waits no
-longer than one layer's slack.
+longer than one layer's slack. While a restore runs, `layer_budgets` says
+how many bytes of queued writes may go between its layer groups.
 """
 
 from __future__ import annotations
@@ -147,6 +148,16 @@ class WriteSizer:
     def restore(self, prefix_tokens: int, kv_bytes_per_token_layer: int) -> None:
         self.prefix_tokens = prefix_tokens
         self.kv_bytes_per_token_layer = kv_bytes_per_token_layer
+
+    def layer_budgets(self, prefix_tokens: int, kv_bytes_per_token_layer: int, num_layers: int) -> np.ndarray | None:
+        """Bytes of writes that fit in each of a restore's `num_layers` layers (the table's layers
+        spread over them when the counts differ); None until both bandwidths have been seen."""
+        if not (self.read_bps and self.write_bps):
+            return None
+        budgets = self.table.budgets(self.table.inputs[0], prefix_tokens, self.read_bps, self.write_bps,
+                                     kv_bytes_per_token_layer)
+        spread = np.arange(num_layers) * self.table.layers // num_layers
+        return budgets[spread] * self.table.layers / num_layers  # the same total over the restore
 
     def chunk_blocks(self, block_bytes: int, default: int, most: int) -> int:
         if not (self.read_bps and self.write_bps):

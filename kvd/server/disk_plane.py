@@ -578,12 +578,33 @@ class DiskPlane:
                     progress(layer, mask)
 
             started = time.perf_counter()
-            results = self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests, on_layer)
+            results = self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests, on_layer,
+                                            between_groups=self._slack_writes(namespace_id, num_layers, len(items)))
             if self.sizer is not None:
                 self.sizer.observe(True, len(requests) * layer_bytes * num_layers, time.perf_counter() - started)
             for (position, _, _), good in zip(items, results):
                 ok[position] = bool(good)
         return ok
+
+    def _slack_writes(self, namespace_id: bytes, num_layers: int, blocks: int):
+        """I/O thread: for a restore of `blocks` blocks, what to do between its layer groups: run
+        the queued write-back jobs that fit in those layers' slack (Tutti); None without a profile."""
+        if self.sizer is None:
+            return None
+        spec = self.engine.namespace(namespace_id).spec
+        budgets = self.sizer.layer_budgets(blocks * spec.block_tokens, spec.layer_bytes // spec.block_tokens,
+                                           num_layers)
+        if budgets is None:
+            return None
+
+        def between(first: int, stop: int) -> None:
+            allowed = int(budgets[first:stop].sum())
+            while allowed > 0:
+                moved = self._io.run_fitting(allowed)
+                if not moved:
+                    return
+                allowed -= moved
+        return between
 
     # -- prefetch ---------------------------------------------------------
 

@@ -104,37 +104,52 @@ class ScheduledExecutor:
                     else:
                         self._condition.wait()
                     job = self.schedule.pop(self.backlog, self._clock())
-            work: _Work = job.payload
-            if not work.future.set_running_or_notify_cancel():
-                continue
-            started = self._clock()
-            error: BaseException | None = None
-            result = None
-            try:
-                result = work.function(*work.args)
-            except BaseException as caught:  # handed to the awaiting caller
-                error = caught
-            finished = self._clock()
-            with self._condition:
-                self.schedule.job_done(job.io_class, finished - started)
-                if job.io_class in READS:
-                    self.schedule.read_done(finished)
-            # Counted before the caller learns the outcome, so whoever
-            # reads the metrics after a job sees it.
-            class_name = job.io_class.name.lower()
-            times = self.stats.by_class[class_name]
-            waited = started - work.queued_at
-            times.jobs += 1
-            times.wait_seconds += waited
-            times.max_wait_seconds = max(times.max_wait_seconds, waited)
-            times.run_seconds += finished - started
-            if self.on_job is not None:
-                self.on_job(class_name, waited, finished - started)
-            if error is not None:
-                work.future.set_exception(error)
-                del error  # no reference cycle through the traceback
-            else:
-                work.future.set_result(result)
+            self._execute(job)
+
+    def run_fitting(self, max_bytes: int) -> int:
+        """On the I/O thread, inside a running job (a restore, between its layer groups): run the
+        queued write now if it moves at most `max_bytes` (IoSchedule.take_fitting); the bytes it
+        moved, 0 if none fitted. Its time counts in the enclosing job's run time too."""
+        with self._condition:
+            job = self.schedule.take_fitting(max_bytes)
+        if job is None:
+            return 0
+        self._execute(job)
+        return job.nbytes
+
+    def _execute(self, job: IoJob) -> None:
+        """Run one job on this thread, count it, and hand its outcome to its caller."""
+        work: _Work = job.payload
+        if not work.future.set_running_or_notify_cancel():
+            return
+        started = self._clock()
+        error: BaseException | None = None
+        result = None
+        try:
+            result = work.function(*work.args)
+        except BaseException as caught:  # handed to the awaiting caller
+            error = caught
+        finished = self._clock()
+        with self._condition:
+            self.schedule.job_done(job.io_class, finished - started)
+            if job.io_class in READS:
+                self.schedule.read_done(finished)
+        # Counted before the caller learns the outcome, so whoever
+        # reads the metrics after a job sees it.
+        class_name = job.io_class.name.lower()
+        times = self.stats.by_class[class_name]
+        waited = started - work.queued_at
+        times.jobs += 1
+        times.wait_seconds += waited
+        times.max_wait_seconds = max(times.max_wait_seconds, waited)
+        times.run_seconds += finished - started
+        if self.on_job is not None:
+            self.on_job(class_name, waited, finished - started)
+        if error is not None:
+            work.future.set_exception(error)
+            del error  # no reference cycle through the traceback
+        else:
+            work.future.set_result(result)
 
     def shutdown(self, wait: bool = True) -> None:
         """Run what is queued, then stop the thread."""

@@ -48,6 +48,32 @@ def raw_block(config, slot: int) -> bytes:
         return handle.read(BLOCK_BYTES)
 
 
+def test_writes_run_between_a_restores_layer_groups_and_both_stay_exact(drives, arena, io_engine):
+    """between_groups: with later layer groups still in flight, another batch (a write, as the daemon
+    runs one in a layer's slack) goes through the same engine; the reads and the writes are exact."""
+    config = make_config(drives, engine=io_engine, read_extent_bytes=LAYER_BYTES)  # one group per layer
+    tier, _ = open_tier(config)
+    restored = {slot: 300 + slot for slot in range(10)}
+    assert write(tier, arena, restored) == [True] * 10
+    calls = []
+
+    def between(first: int, stop: int) -> None:
+        slot = 20 + len(calls)
+        calls.append((first, stop))
+        assert write(tier, arena, {slot: 700 + slot}) == [True]
+
+    assert read(tier, arena, list(restored), between_groups=between).tolist() == [True] * 10
+    assert calls == [(layer, layer + 1) for layer in range(LAYERS - 1)]  # not after the last group
+    for i, seed in enumerate(restored.values()):
+        assert host_bytes(arena, 32 + i) == expected_bytes(seed)
+    written = [20 + i for i in range(len(calls))]
+    assert read(tier, arena, written, first_host_slot=48).tolist() == [True] * len(written)
+    for i, slot in enumerate(written):
+        assert host_bytes(arena, 48 + i) == expected_bytes(700 + slot)
+    tier.verify()
+    tier.close()
+
+
 @pytest.mark.parametrize("extent_layers", [1, 2, LAYERS])
 def test_round_trip_is_bit_exact_through_a_host_arena(drives, arena, io_engine, extent_layers):
     config = make_config(drives, engine=io_engine, read_extent_bytes=extent_layers * LAYER_BYTES)

@@ -25,7 +25,8 @@ CHAIN = 8
 
 def config(tmp_path: Path, **disk) -> dict:
     settings = {"directories": [str(tmp_path / "nvme0")], "capacity_bytes": 8 << 20, "slot_bytes": 64 << 10,
-                "segment_bytes": 4 << 20, "fsync": "none", "write_batch_blocks": 64, "write_chunk_blocks": 8}
+                "segment_bytes": 4 << 20, "fsync": "none", "write_batch_blocks": 64, "write_chunk_blocks": 8,
+                "read_extent_bytes": SPEC.layer_bytes}  # restores in one group per layer: writes may go between
     settings.update(disk)
     return {"host": {"capacity_bytes": HOST_SLOTS * (64 << 10), "slot_bytes": 64 << 10}, "disk": settings}
 

@@ -180,3 +180,49 @@ def test_the_executor_holds_a_write_for_a_read_that_follows():
     write.result(10)
     executor.shutdown()
     assert ran == ["read 1", "read 2", "write"]
+
+
+def test_a_write_that_fits_is_taken_out_for_a_restores_slack_and_only_under_slack():
+    schedule = IoSchedule("slack")
+    schedule.push(IoJob(W, payload="big", nbytes=8 << 20))
+    schedule.push(IoJob(W, payload="small", nbytes=1 << 20))
+    assert schedule.take_fitting(4 << 20) is None  # the next write (in order) does not fit
+    assert schedule.take_fitting(8 << 20).payload == "big"
+    assert schedule.take_fitting(1 << 20).payload == "small"
+    assert schedule.take_fitting(1 << 30) is None and len(schedule) == 0
+    assert schedule.counters.slack_writes == 2 and schedule.counters.dispatched["write"] == 2
+    fifo = IoSchedule("fifo")
+    fifo.push(IoJob(W, nbytes=1))
+    assert fifo.take_fitting(1 << 30) is None
+
+
+def test_the_executor_runs_a_fitting_write_inside_the_job_that_asks():
+    """A restore running on the I/O thread runs a queued write between its layer groups: the write's
+    caller gets its result before the restore ends, on the same thread; a write too big stays queued."""
+    executor = ScheduledExecutor(IoSchedule("slack"))
+    queued = threading.Event()
+    ran: list[str] = []
+    threads: set[int] = set()
+
+    def restore() -> int:
+        threads.add(threading.get_ident())
+        assert queued.wait(10)
+        ran.append("restore, group 1")
+        moved = executor.run_fitting(4 << 20) + executor.run_fitting(4 << 20)
+        ran.append("restore, group 2")
+        return moved
+
+    def write(name: str) -> str:
+        threads.add(threading.get_ident())
+        ran.append(name)
+        return name
+
+    reading = executor.submit(R, restore)
+    small = executor.submit(W, write, "small write", nbytes=1 << 20)
+    big = executor.submit(W, write, "big write", nbytes=64 << 20)
+    queued.set()
+    assert reading.result(10) == 1 << 20
+    assert small.result(10) == "small write" and big.result(10) == "big write"
+    executor.shutdown()
+    assert ran == ["restore, group 1", "small write", "restore, group 2", "big write"] and len(threads) == 1
+    assert executor.schedule.counters.slack_writes == 1 and executor.stats.by_class["write"].jobs == 2

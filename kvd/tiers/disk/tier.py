@@ -91,6 +91,16 @@ log = logging.getLogger(__name__)
 TOMBSTONE_MAGIC = b"kvd-deleted-block\0"
 # How read_blocks hands progress to its caller: (layer, ok mask of all blocks).
 LayerCallback = Callable[[int, np.ndarray], None]
+
+
+def _report_layers(on_layer: LayerCallback, first: int, stop: int, ok: np.ndarray, good_through) -> None:
+    """on_layer for layers [first, stop): `ok` before the group, with the group's verdicts per
+    layer (good_through: (positions read, [blocks, layers] good)) where it was read."""
+    for layer in range(first, stop):
+        mask = ok.copy()
+        if good_through is not None:
+            mask[good_through[0]] = good_through[1][:, layer - first]
+        on_layer(layer, mask)
 WriteItem = tuple[bytes, bytes, int, int]  # key, parent key (b"" for a root), slot, source address
 # key, slot, destination address, layer checksums (packed u32le, as in PutRecord)
 ReadItem = tuple[bytes, int, int, bytes]
@@ -860,6 +870,7 @@ class DiskTier:
         on_layer: LayerCallback | None = None,
         *,
         failures: np.ndarray | None = None,
+        between_groups: Callable[[int, int], None] | None = None,
     ) -> np.ndarray:
         """Read blocks in layer order, verifying each layer; per-block ok mask.
 
@@ -875,6 +886,10 @@ class DiskTier:
         A False block's destination holds garbage; never use it.
         failures, if given (int8, one per item), receives each block's
         ReadFailure code (fsck tells corrupt blocks from unreadable ones).
+        between_groups(first, stop), if given, is called on this thread
+        after layers [first, stop) are verified and before the next group
+        is waited for, with later groups in flight: the caller may run
+        other I/O there (writes in the layers' slack) on the same engine.
         """
         self._check_open()
         self._spec_for(namespace_id, layer_bytes, num_layers)
@@ -887,7 +902,7 @@ class DiskTier:
             return ok
         files, offsets, destinations, expected = self._read_targets(namespace_id, num_layers, items, ok, reasons)
         self._read_layer_groups(layer_bytes, num_layers, files, offsets, destinations, expected, ok, reasons,
-                                on_layer)
+                                on_layer, between_groups)
         good = int(ok.sum())
         self.stats.blocks_read += good
         self.stats.read_failures += count - good
@@ -917,7 +932,7 @@ class DiskTier:
 
     def _read_layer_groups(self, layer_bytes: int, num_layers: int, files: np.ndarray, offsets: np.ndarray,
                            destinations: np.ndarray, expected: np.ndarray, ok: np.ndarray, reasons: np.ndarray,
-                           on_layer: LayerCallback | None) -> None:
+                           on_layer: LayerCallback | None, between_groups=None) -> None:
         """Each block in extents of `width` whole layers: one batch per group
         of layers, every block in it, so O(L / width) submissions. Later
         groups are in flight while this one is checked: two at least, more
@@ -964,14 +979,14 @@ class DiskTier:
                     good_through = self._verify_group(
                         first, stop, layer_bytes, chosen, results, cells, expected, ok, reasons
                     )
-                for layer in range(first, stop) if on_layer is not None else ():
-                    mask = ok.copy()
-                    if good_through is not None:
-                        mask[good_through[0]] = good_through[1][:, layer - first]
-                    on_layer(layer, mask)
+                if on_layer is not None:
+                    _report_layers(on_layer, first, stop, ok, good_through)
                 if good_through is not None:
                     chosen, good = good_through
                     ok[chosen] = good[:, -1]
+                if between_groups is not None and stop < num_layers:
+                    top_up()  # the next groups go to the drive before anything else does
+                    between_groups(first, stop)
         finally:
             # Never return while the kernel may still write into the caller's memory.
             while flights:
