@@ -89,7 +89,7 @@ class Rig:
     def __init__(self, root: Path, restore_blocks: int, write_blocks: int, table: SlackTable) -> None:
         # Bandwidths observed over every contender's jobs; the profiled one sizes its writes with them.
         self.sizer = WriteSizer(table)
-        self.sizer.restore(restore_blocks * SPEC.block_tokens, SPEC.layer_bytes // SPEC.block_tokens)
+        self.sizer.restore(restore_blocks * SPEC.block_tokens, SPEC.layer_bytes // SPEC.block_tokens, SPEC.num_layers)
         # The profiled contender's writes inside a restore (as kvd.server.disk_plane runs them); None: none.
         self.between_groups = None
         self.restore_blocks = restore_blocks

@@ -69,24 +69,30 @@ class SlackTable:
         return low * (1 - wi) + high * wi
 
     def budgets(self, input_tokens: int, prefix_tokens: int, read_bps: float, write_bps: float,
-                kv_bytes_per_token_layer: int | None = None) -> np.ndarray:
+                kv_bytes_per_token_layer: int | None = None, num_layers: int | None = None) -> np.ndarray:
         """Per-layer bytes of writes that fit in the layer's slack (see the module's formula).
-        kv_bytes_per_token_layer: what the drive reads per prefix token and layer, if not the
-        table's model's (another model's blocks on the same engine timing)."""
+
+        kv_bytes_per_token_layer and num_layers describe the blocks the drive reads when they are
+        not the table's model's: the table's windows are then spread over `num_layers` layers with
+        the prefill's total compute kept (a stand-in until the served model itself is profiled)."""
         if read_bps <= 0 or write_bps <= 0:
             raise ValueError("bandwidths must be positive")
         kv_bytes = self.kv_bytes_per_token_layer if kv_bytes_per_token_layer is None else kv_bytes_per_token_layer
-        window = self.windows(input_tokens, prefix_tokens)
-        read_s = prefix_tokens * kv_bytes / read_bps
-        next_read = np.full(self.layers, read_s)
+        layers = self.layers if num_layers is None else num_layers
+        if layers < 1:
+            raise ValueError("a restore has at least one layer")
+        window = self.windows(input_tokens, prefix_tokens)[np.arange(layers) * self.layers // layers]
+        window = window * (self.layers / layers)
+        next_read = np.full(layers, prefix_tokens * kv_bytes / read_bps)
         next_read[-1] = 0.0  # nothing to read behind the last layer
         return np.maximum(0.0, window - next_read) * write_bps
 
     def write_chunk_bytes(self, prefix_tokens: int, read_bps: float, write_bps: float,
-                          kv_bytes_per_token_layer: int | None = None) -> int:
+                          kv_bytes_per_token_layer: int | None = None, num_layers: int | None = None) -> int:
         """A write job no restore of a `prefix_tokens` prefix notices: the least budget of any layer
         at the grid's shortest input."""
-        return int(self.budgets(self.inputs[0], prefix_tokens, read_bps, write_bps, kv_bytes_per_token_layer).min())
+        return int(self.budgets(self.inputs[0], prefix_tokens, read_bps, write_bps, kv_bytes_per_token_layer,
+                                num_layers).min())
 
     # ---- files
     def to_json(self) -> dict:
@@ -135,6 +141,7 @@ class WriteSizer:
         self.write_bps = 0.0
         self.prefix_tokens = 0
         self.kv_bytes_per_token_layer = table.kv_bytes_per_token_layer
+        self.num_layers: int | None = None
 
     def observe(self, reading: bool, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or seconds <= 0:
@@ -145,25 +152,24 @@ class WriteSizer:
         else:
             self.write_bps = rate if not self.write_bps else self.write_bps + self.alpha * (rate - self.write_bps)
 
-    def restore(self, prefix_tokens: int, kv_bytes_per_token_layer: int) -> None:
+    def restore(self, prefix_tokens: int, kv_bytes_per_token_layer: int, num_layers: int | None = None) -> None:
         self.prefix_tokens = prefix_tokens
         self.kv_bytes_per_token_layer = kv_bytes_per_token_layer
+        self.num_layers = num_layers
 
     def layer_budgets(self, prefix_tokens: int, kv_bytes_per_token_layer: int, num_layers: int) -> np.ndarray | None:
-        """Bytes of writes that fit in each of a restore's `num_layers` layers (the table's layers
-        spread over them when the counts differ); None until both bandwidths have been seen."""
+        """Bytes of writes that fit in each of a restore's `num_layers` layers (SlackTable.budgets);
+        None until both bandwidths have been seen."""
         if not (self.read_bps and self.write_bps):
             return None
-        budgets = self.table.budgets(self.table.inputs[0], prefix_tokens, self.read_bps, self.write_bps,
-                                     kv_bytes_per_token_layer)
-        spread = np.arange(num_layers) * self.table.layers // num_layers
-        return budgets[spread] * self.table.layers / num_layers  # the same total over the restore
+        return self.table.budgets(self.table.inputs[0], prefix_tokens, self.read_bps, self.write_bps,
+                                  kv_bytes_per_token_layer, num_layers)
 
     def chunk_blocks(self, block_bytes: int, default: int, most: int) -> int:
         if not (self.read_bps and self.write_bps):
             return default
         budget = self.table.write_chunk_bytes(self.prefix_tokens, self.read_bps, self.write_bps,
-                                              self.kv_bytes_per_token_layer)
+                                              self.kv_bytes_per_token_layer, self.num_layers)
         return max(1, min(most, budget // block_bytes))
 
 

@@ -496,7 +496,8 @@ class DiskPlane:
             nbytes = sum(load.block.index.block_bytes for load in plan.loads)
             if self.sizer is not None:
                 spec = engine.namespace(plan.loads[0].block.index.namespace_id).spec
-                self.sizer.restore(len(plan.loads) * spec.block_tokens, spec.layer_bytes // spec.block_tokens)
+                self.sizer.restore(len(plan.loads) * spec.block_tokens, spec.layer_bytes // spec.block_tokens,
+                                   spec.num_layers)
             reading = asyncio.wrap_future(self._io.submit(IoClass.RESTORE, self._read_batch, work, progress,
                                                           nbytes=nbytes))
             try:

@@ -99,3 +99,20 @@ def test_the_sizer_waits_for_both_bandwidths_then_sizes_jobs_to_the_slack():
     assert sizer.write_bps == pytest.approx(0.5 * 500 * MIB + 0.5 * 2000 * MIB)
     sizer.restore(1000, 16 * 1024)  # reads 16x longer than the windows: no slack anywhere but the last layer
     assert sizer.chunk_blocks(MIB // 8, default=8, most=64) == 1
+
+
+def test_another_models_layers_get_the_tables_windows_spread_with_the_total_kept():
+    slack = table()  # 3 layers: 1 / 2 / 3 ms at (16, 0)
+    read, write = 1e12, 1000.0  # reads take no time: every window is slack
+    six = slack.budgets(16, 0, read, write, num_layers=6)
+    np.testing.assert_allclose(six, [0.5, 0.5, 1.0, 1.0, 1.5, 1.5])  # half of each window, at 1,000 B/s
+    assert six.sum() == pytest.approx(slack.budgets(16, 0, read, write).sum())
+    # With reads: each of the six layers' next read is the same bytes, against half a window.
+    per_layer_read_s = 0.4e-3
+    next_read = np.array([per_layer_read_s] * 5 + [0.0])  # none behind the last layer
+    np.testing.assert_allclose(slack.budgets(16, 1000, 1000 * 1024 / per_layer_read_s, 1e6, num_layers=6),
+                               np.maximum(0, np.array([1, 1, 2, 2, 3, 3]) * 1e-3 - next_read) * 1e6)
+    sizer = WriteSizer(slack)
+    sizer.observe(True, 1, 1.0)
+    sizer.observe(False, 1, 1.0)
+    assert sizer.layer_budgets(0, 1024, 6).shape == (6,)
