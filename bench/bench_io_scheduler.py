@@ -232,11 +232,7 @@ def slack_writes(rig: Rig, executor: ScheduledExecutor):
     if budgets is None:
         return None
 
-    def between(first: int, stop: int) -> None:
-        allowed = int(budgets[first:stop].sum())
-        while allowed > 0 and (moved := executor.run_fitting(allowed)):
-            allowed -= moved
-    return between
+    return lambda first, stop: executor.run_within(int(budgets[first:stop].sum()))
 
 
 MODES = ("alone", "fifo", "slack", "slack, backlog full", "slack, profiled")

@@ -598,14 +598,7 @@ class DiskPlane:
         if budgets is None:
             return None
 
-        def between(first: int, stop: int) -> None:
-            allowed = int(budgets[first:stop].sum())
-            while allowed > 0:
-                moved = self._io.run_fitting(allowed)
-                if not moved:
-                    return
-                allowed -= moved
-        return between
+        return lambda first, stop: self._io.run_within(int(budgets[first:stop].sum()))
 
     # -- prefetch ---------------------------------------------------------
 

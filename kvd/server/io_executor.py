@@ -117,6 +117,11 @@ class ScheduledExecutor:
         self._execute(job)
         return job.nbytes
 
+    def run_within(self, budget: int) -> None:
+        """run_fitting for as long as the queued writes fit what is left of `budget` bytes."""
+        while budget > 0 and (moved := self.run_fitting(budget)):
+            budget -= moved
+
     def _execute(self, job: IoJob) -> None:
         """Run one job on this thread, count it, and hand its outcome to its caller."""
         work: _Work = job.payload
