@@ -14,6 +14,7 @@ device's `mark` and `flag` are the same stores and loads from a thread.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -53,6 +54,9 @@ class DevicePool:
             raise
         self.pool_id = response.pool_id
         self.lease_deadline_ms = response.lease_deadline_ms
+        # The flag words outlive `close` only as long as someone holds the pool: a pool the daemon
+        # forgot (it restarted) is simply dropped, and its words are freed once the last user is done.
+        self._free_flags = weakref.finalize(self, self.host.free, self.flags)
 
     def _deposit(self, path: Path, token: str | None, device: Device,
                  layers: Sequence[Memory]) -> tuple[list[bytes], bytes]:
@@ -89,4 +93,4 @@ class DevicePool:
         try:
             self.client.unregister_pool(self.pool_id)
         finally:
-            self.host.free(self.flags)
+            self._free_flags()

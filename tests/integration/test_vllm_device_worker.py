@@ -5,6 +5,8 @@ restarting under the engine (the pool is registered again), and a load of blocks
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -109,6 +111,7 @@ def test_blocks_kvd_lacks_are_reported_and_the_rest_loads(daemon):
 def test_a_daemon_restart_costs_one_step_then_the_pool_is_registered_again(daemon, tmp_path):
     model = Model(daemon.unix_target)
     model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys_for(3, 1)], [0])]), compute={0: data(1, 3)[0]})
+    first_flags = model.worker.device_pool._free_flags  # the first pool's flag memory, freed once it is dropped
     daemon.stop()
     restarted = start_daemon(tmp_path / "kvd", CONFIG)
     try:
@@ -118,6 +121,8 @@ def test_a_daemon_restart_costs_one_step_then_the_pool_is_registered_again(daemo
                        compute={3: blocks[0], 4: blocks[1]})
         totals = model.totals()
         assert totals["save_errors"] == 1 and totals["saved_blocks"] == 1 + 2
+        gc.collect()
+        assert not first_flags.alive, "the lost pool's flag memory was never freed"
         with Client(restarted.unix_target) as client:
             np.testing.assert_array_equal(client.get_numpy(client.register_namespace(SPEC), keys), blocks)
         model.worker.close()

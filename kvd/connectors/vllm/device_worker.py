@@ -62,6 +62,7 @@ class _DeviceLoad:
     error: str | None = None
     settled: bool = False  # kvd is done with the word (every layer flagged, or FAILED)
     stream: None = None  # (WorkerSide._report's layer stream: none here)
+    pool: DevicePool | None = None  # the pool its word lives in (its flag memory lives as long as this)
 
 
 @dataclass
@@ -121,7 +122,9 @@ class DeviceWorkerSide(WorkerSide):
     def _pool_lost(self, error: BaseException) -> None:
         """A transfer the daemon does not know the pool for (it restarted, or the lease ran out)."""
         if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.NOT_FOUND and self.device_pool is not None:
-            self.device_pool = None  # registered again at the next step; its words start afresh
+            # Registered again at the next step, its words afresh. The old pool's flag memory is freed
+            # when the last load or save holding it is done (DevicePool's finalizer).
+            self.device_pool = None
 
     # ---- step start
     def start(self, metadata: KvdConnectorMetadata) -> None:
@@ -158,7 +161,7 @@ class DeviceWorkerSide(WorkerSide):
         parent = keys[order.first - 1] if order.first else b""
         chain = keys[order.first:order.first + len(order.block_ids)]
         answer = self._pool.submit(pool.load, chain, order.block_ids[:len(chain)], word, base, parent)
-        return _DeviceLoad(order, word, base, answer)
+        return _DeviceLoad(order, word, base, answer, pool=pool)
 
     def _save(self, pool: DevicePool, order: SaveOrder, base: int):
         keys = order.keys[self.shard]
@@ -200,7 +203,8 @@ class DeviceWorkerSide(WorkerSide):
         load.matched = response.matched
         pause = 1e-6
         while True:
-            current = self.device_pool.flag(load.word) if self.device_pool is not None else FAILED
+            # A pool the daemon lost will never be written again (and a new one has other words).
+            current = load.pool.flag(load.word) if load.pool is self.device_pool else FAILED
             if current & FAILED:
                 load.error, load.settled = "kvd could not copy the blocks", True
                 return
@@ -228,7 +232,8 @@ class DeviceWorkerSide(WorkerSide):
             except (grpc.RpcError, KvdError, Unavailable, OSError) as error:
                 self._pool_lost(error)
                 self.counters.add(save_errors=1)
-                log.warning("kvd: saving %s failed: %s", order.req_id, error)
+                # (formatted now: a log record keeping the error would keep its frames and the lost pool)
+                log.warning("kvd: saving %s failed: %s", order.req_id, str(error))
 
     def _end_device_loads(self, loads: list[_DeviceLoad]) -> set[str]:
         failed: set[str] = set()
