@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """kvd as a contender of bench_peers.py: a real daemon, driven through its client.
 
-    .venv/bin/python bench/peers/kvd_driver.py '<Workload JSON>' [--no-disk] [--no-huge-pages]
+    .venv/bin/python bench/peers/kvd_driver.py '<Workload JSON>' [--no-disk] [--no-huge-pages] [--pinned]
 
 The daemon runs in its own process with the workload's directory as two
 disk-tier drives (two directories on one file system, as a host with two
@@ -13,6 +13,12 @@ command picks with its "fsync" key: none, group or strict). A restore is a
 Get into the caller's array after a daemon restart, so the host tier is
 cold and every byte comes from disk, checksums verified; the caller's array
 is filled from the arena by the client as the daemon answers.
+
+With --pinned a restore is `get_pinned` instead: the blocks are left in
+the arena under a lease, where an engine uploads them from (vLLM's
+connector does this), and are copied out and checked only after the timed
+section. It is the same hand-over as the peers' restore into their own
+host buffer, which an engine then uploads from.
 
 With --no-disk the daemon has host memory only (the host-memory Get and
 Lookup contender). With --no-huge-pages its arena stays in 4 KiB pages
@@ -50,13 +56,14 @@ def block_keys(count: int, salt: bytes = b"") -> list[bytes]:
 
 
 class KvdContender:
-    def __init__(self, workload: protocol.Workload, disk: bool, huge_pages: bool = True) -> None:
+    def __init__(self, workload: protocol.Workload, disk: bool, huge_pages: bool = True, pinned: bool = False) -> None:
         tokens, remainder = divmod(workload.layer_bytes, 2 * HEADS * HEAD_DIM * ITEM)
         if remainder:
             raise SystemExit(f"layer_bytes {workload.layer_bytes} is not a whole number of bf16 tokens")
         self.workload = workload
         self.disk = disk
         self.huge_pages = huge_pages
+        self.pinned = pinned
         self.spec = NamespaceSpec("bench-peers", num_layers=workload.layers, num_kv_heads=HEADS,
                                   head_dim=HEAD_DIM, block_tokens=tokens, kv_dtype=DType.BFLOAT16)
         self.keys = block_keys(workload.blocks)
@@ -142,6 +149,15 @@ class KvdContender:
         protocol.fill(self.buffer, self.workload.seed)  # the source for the next store
         return {"seconds": seconds, "ok": bool(ok)}
 
+    def _get_pinned(self) -> dict:
+        protocol.scramble(self.buffer)
+        seconds, held = protocol.timed(lambda: self.client.get_pinned(self.namespace, self.keys))
+        with held:  # checked after the timed section, through a copy out of the arena
+            ok = held.matched == len(self.keys) and held.copy_to(self.blocks).shape[0] == len(self.keys)
+        ok = ok and protocol.check(self.buffer, self.workload.seed)
+        protocol.fill(self.buffer, self.workload.seed)
+        return {"seconds": seconds, "ok": bool(ok)}
+
     def put_memory(self, command: dict) -> dict:
         if self.daemon is None:
             self.start()
@@ -165,14 +181,15 @@ class KvdContender:
 
     def handlers(self) -> dict:
         return {"store": self.store, "clear": self.clear, "cold": self.cold,
-                "restore": lambda command: self._get(), "put_memory": self.put_memory,
+                "restore": lambda command: self._get_pinned() if self.pinned else self._get(),
+                "put_memory": self.put_memory,
                 "get_memory": lambda command: self._get(), "lookup": self.lookup}
 
 
 def main() -> None:
     workload = protocol.Workload.from_json(sys.argv[1])
     contender = KvdContender(workload, disk="--no-disk" not in sys.argv[2:],
-                             huge_pages="--no-huge-pages" not in sys.argv[2:])
+                             huge_pages="--no-huge-pages" not in sys.argv[2:], pinned="--pinned" in sys.argv[2:])
     contender.start()
     try:
         protocol.serve("kvd", kvd.__version__, contender.handlers())

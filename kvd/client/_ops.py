@@ -22,6 +22,7 @@ from kvd.client import _wire
 from kvd.client._wire import ArenaMapping, ClusterLookupResult, LookupResult, Namespace, NodeMatch, PrefetchResult
 from kvd.client.errors import NotDurableError
 from kvd.core.keys import KEY_BYTES, NamespaceSpec
+from kvd.errors import FailedPrecondition
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 Call = tuple[str, Any]
@@ -427,21 +428,8 @@ def get_numpy(
     """The stored prefix of `keys` as (matched, *block_shape); into `out` if given."""
     if not keys:
         return _wire.blocks_to_output(namespace, _wire.output_rows(namespace, 0, out), 0)
-    yield from connect(session)
-    if session.arena is None:
-        return (yield from _get_inline(session, namespace, keys, out, parent_key))
-    response = yield from remapping(session, lambda: (
-        "Get",
-        kvd_pb2.GetRequest(
-            namespace_id=namespace.namespace_id,
-            client_id=session.client_id,
-            keys=keys,
-            lease_ms=session.lease_ms,
-            parent_key=parent_key,
-            arena_instance_id=session.arena.instance_id,
-        ),
-    ))
-    if session.arena is None:
+    response = yield from _arena_get(session, namespace, keys, parent_key)
+    if response is None:
         return (yield from _get_inline(session, namespace, keys, out, parent_key))
     try:
         rows = _wire.output_rows(namespace, response.matched, out)
@@ -451,6 +439,35 @@ def get_numpy(
         if response.lease_id:
             yield from release(session, [response.lease_id])
     return _wire.blocks_to_output(namespace, rows, response.matched)
+
+
+def _arena_get(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes) -> Op:
+    """A Get answered with arena offsets under a lease; None when this client has no arena."""
+    yield from connect(session)
+    if session.arena is None:
+        return None
+    return (yield from remapping(session, lambda: (
+        "Get",
+        kvd_pb2.GetRequest(
+            namespace_id=namespace.namespace_id,
+            client_id=session.client_id,
+            keys=keys,
+            lease_ms=session.lease_ms,
+            parent_key=parent_key,
+            arena_instance_id=session.arena.instance_id,
+        ),
+    )))
+
+
+def get_pinned(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes) -> Op:
+    """The stored prefix of `keys` left in the arena under a lease: (response, arena), for PinnedBlocks."""
+    yield from connect(session)
+    if session.arena is not None and not keys:
+        return None, session.arena
+    response = yield from _arena_get(session, namespace, keys, parent_key)
+    if response is None:
+        raise FailedPrecondition("get_pinned needs the daemon's shared-memory arena; use get_numpy")
+    return response, session.arena
 
 
 def _get_inline(

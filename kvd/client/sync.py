@@ -12,6 +12,7 @@ import numpy as np
 from kvd.client import _ops, _wire
 from kvd.client._wire import ClusterLookupResult, LookupResult, Namespace, PrefetchResult
 from kvd.client.events import EventSnapshot, EventWatch, SnapshotParts, snapshot_request, watch_request
+from kvd.client.pinned import PinnedBlocks
 from kvd.core.keys import NamespaceSpec
 from kvd.errors import FailedPrecondition
 from kvd.v1 import kvd_pb2
@@ -109,6 +110,15 @@ class Client(_ops.ClientBase):
     ) -> np.ndarray:
         """The stored prefix of `keys` as (matched, *block_shape); into `out` if given."""
         return self._run(_ops.get_numpy(self.session, namespace, keys, out, parent_key))
+
+    def get_pinned(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> PinnedBlocks:
+        """The stored prefix of `keys` left in the daemon's arena, pinned there until released:
+        read-only views, no copy (kvd.client.pinned). Needs the shared-memory arena."""
+        response, arena = self._run(_ops.get_pinned(self.session, namespace, keys, parent_key))
+        if response is None:
+            return PinnedBlocks(namespace, arena, 0, (), 0, lambda ids: None)
+        return PinnedBlocks(namespace, arena, response.matched, response.offsets, response.lease_id,
+                            lambda ids: self._run(_ops.release(self.session, ids)))
 
     def get_layers(
         self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""

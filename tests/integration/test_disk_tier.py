@@ -13,6 +13,7 @@ import pytest
 
 from kvd.client import Client
 from kvd.core.keys import DType, NamespaceSpec
+from kvd.errors import FailedPrecondition
 from kvd.testing.daemon import run_daemon, start_daemon
 from kvd.v1 import kvd_pb2
 
@@ -252,6 +253,34 @@ def test_layers_arrive_in_order_from_disk(tmp_path):
         steps = [(ready, got.shape[0]) for ready, got in client.get_layers(namespace, keys)]
         assert steps == [(SPEC.num_layers, 8)]
         assert client.stats().leases == 0
+
+
+def test_pinned_blocks_are_read_from_disk_into_the_arena_and_held_until_released(tmp_path):
+    """get_pinned: a cold Get left in the arena, read-only, exact, a corrupt block a miss, the
+    slots pinned (not deletable) until release, and the lease gone after it."""
+    directory, config, keys, blocks = stored_with_a_corrupt_block(tmp_path, seed=9)
+    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        with client.get_pinned(namespace, keys) as held:
+            assert held.matched == 3  # block 3 is corrupt: it and what follows are misses
+            for i in range(3):
+                np.testing.assert_array_equal(held.block(i), blocks[i])
+            with pytest.raises(ValueError):
+                held.block(0)[0, 0, 0, 0, 0] = 1.0  # read-only: the daemon's stored bytes
+            with pytest.raises(IndexError):
+                held.block(3)
+            assert client.delete(namespace, keys[:3]) == (0, 3)  # pinned: not deleted
+            np.testing.assert_array_equal(held.copy_to(), blocks[:3])
+            assert client.stats().leases == 1
+        assert client.stats().leases == 0
+        with pytest.raises(FailedPrecondition):
+            held.block(0)
+        assert client.delete(namespace, keys[:3]) == (3, 0)
+        with client.get_pinned(namespace, []) as nothing:
+            assert nothing.matched == 0
+    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target, use_shared_memory=False) as inline:
+        with pytest.raises(FailedPrecondition, match="shared-memory arena"):
+            inline.get_pinned(inline.register_namespace(SPEC), keys)
 
 
 @pytest.mark.parametrize(("write_fault", "read_fault"), [("EIO", "EIO"), ("ENOSPC", "SHORT")])
