@@ -23,10 +23,12 @@ directory on one file system):
     kernel's shmem_enabled to advise (--shmem-thp; put back at the end),
     as docs/operations.md recommends, so kvd's arena gets huge pages;
     kvd-4k is the same daemon with host.huge_pages off, as on a host left
-    at never. kvd-pinned restores with get_pinned: the blocks stay in the
-    arena under a lease, where an engine uploads them from, as the peers'
-    restore leaves them in their own host buffer (copied out and checked
-    after the timed section).
+    at never. kvd-pinned moves the blocks in place, as an engine does:
+    restore with get_pinned (the blocks stay in the arena under a lease,
+    where an engine uploads them from; copied out and checked after the
+    timed section), store with reserve, fill (not timed: the engine's copy
+    from the GPU) and a durable commit: as the peers restore into, and
+    store from, their own host buffer.
   * vllm-fs: vLLM's FS secondary tier (its native fs_io_C batch calls, one
     O_DIRECT file per block, 16 threads), from .venv-vllm.
   * lmcache-disk: LMCache's local disk backend, from .venv-lmcache.
@@ -75,7 +77,7 @@ MIB = 1 << 20
 LAYERS, TOKEN_BYTES = 32, 2 * 8 * 128 * 2  # K and V of 8 heads x 128 dims in bf16
 SHAPES = {"tokens16": 16, "tokens256": 256}
 PEERS_DIR = REPO_ROOT / "bench" / "peers"
-TARGETS = {"restore": 1.1, "restore_pinned": 1.1, "store_none": 1.0, "store_group": 0.9, "store_strict": 1.0,
+TARGETS = {"restore": 1.1, "store_none": 1.0, "store_group": 0.9, "store_strict": 1.0,
            "host_get": 0.9, "lookup_p50_ms": 2.0}
 LOOKUP_KEYS = 8000
 
@@ -100,9 +102,9 @@ PEER_STORE = (("store", {"sync": False}), ("store+sync", {"sync": True}))
 KVD_STORE = tuple((f"store {mode}", {"fsync": mode}) for mode in ("none", "group", "strict"))
 DISK_CONTENDERS = (
     ContenderSpec("kvd", ".venv", "kvd_driver.py", store_variants=KVD_STORE),
-    # kvd restoring into its arena (get_pinned), where an engine uploads from: the peers'
-    # restore into their own host buffer. One store (fsync none) a round, for the data.
-    ContenderSpec("kvd-pinned", ".venv", "kvd_driver.py", ("--pinned",), store_variants=KVD_STORE[:1]),
+    # kvd storing from and restoring into its arena (reserve, get_pinned), where an engine
+    # fills and uploads from: as the peers store from and restore into their own host buffer.
+    ContenderSpec("kvd-pinned", ".venv", "kvd_driver.py", ("--pinned",), store_variants=KVD_STORE),
     # kvd with its arena in 4 KiB pages, as on a host whose shmem_enabled is never.
     ContenderSpec("kvd-4k", ".venv", "kvd_driver.py", ("--no-huge-pages",), store_variants=KVD_STORE),
     ContenderSpec("vllm-fs", ".venv-vllm", "vllm_fs.py", store_variants=PEER_STORE),
@@ -409,15 +411,17 @@ def disk_ratios(results: dict) -> dict[str, Any]:
     store_peer, store_best = _best_peer(results, " store")
     synced_peer, synced_best = _best_peer(results, " store+sync")
     pairs = {
-        "restore": ("kvd restore", restore_peer, restore_best),
-        "restore_pinned": ("kvd-pinned restore", restore_peer, restore_best),
-        "store_none": ("kvd store none", store_peer, store_best),
-        "store_group": ("kvd store group", store_peer, store_best),
-        "store_strict": ("kvd store strict", synced_peer, synced_best),
+        "restore": ("restore", restore_peer, restore_best),
+        "store_none": ("store none", store_peer, store_best),
+        "store_group": ("store group", store_peer, store_best),
+        "store_strict": ("store strict", synced_peer, synced_best),
     }
-    for key, (mine, peer, best) in pairs.items():
-        value = _median(results, mine)
-        ratios[key] = {"vs": peer, "ratio": value / best if value and best else None, "target": TARGETS[key]}
+    for contender, suffix in (("kvd", ""), ("kvd-pinned", "_pinned")):
+        for key, (operation, peer, best) in pairs.items():
+            value = _median(results, f"{contender} {operation}")
+            if value or not suffix:
+                ratios[key + suffix] = {"vs": peer, "ratio": value / best if value and best else None,
+                                        "target": TARGETS[key]}
     fio_read = _median(results, "fio read")
     kvd_restore = _median(results, "kvd restore")
     ratios["restore_vs_fio_best"] = kvd_restore / fio_read if kvd_restore and fio_read else None

@@ -14,11 +14,13 @@ Get into the caller's array after a daemon restart, so the host tier is
 cold and every byte comes from disk, checksums verified; the caller's array
 is filled from the arena by the client as the daemon answers.
 
-With --pinned a restore is `get_pinned` instead: the blocks are left in
-the arena under a lease, where an engine uploads them from (vLLM's
-connector does this), and are copied out and checked only after the timed
-section. It is the same hand-over as the peers' restore into their own
-host buffer, which an engine then uploads from.
+With --pinned the blocks move in place, as an engine moves them (vLLM's
+connector does): a restore is `get_pinned`, the blocks left in the arena
+under a lease, where an engine uploads them from (copied out and checked
+only after the timed section); a store is `reserve`, the slots filled
+(not timed: the engine's download from the GPU), then a durable commit.
+The same hand-over as the peers' store from, and restore into, their own
+host buffer, which an engine fills from and uploads from.
 
 With --no-disk the daemon has host memory only (the host-memory Get and
 Lookup contender). With --no-huge-pages its arena stays in 4 KiB pages
@@ -31,6 +33,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -128,8 +131,23 @@ class KvdContender:
         if fsync != self.fsync or self.daemon is None:
             self.fsync = fsync
             self.restart()
-        seconds, stored = protocol.timed(lambda: self.client.put(self.namespace, self.keys, self.blocks, durable=True))
+        if self.pinned:
+            seconds, stored = self._store_in_place()
+        else:
+            seconds, stored = protocol.timed(
+                lambda: self.client.put(self.namespace, self.keys, self.blocks, durable=True))
         return {"seconds": seconds, "ok": stored == len(self.keys), "fsync": fsync}
+
+    def _store_in_place(self) -> tuple[float, int]:
+        """Reserve, fill the slots (not timed: the engine's own copy from the GPU, as the peers'
+        copy into their host buffer is not), commit durable (timed)."""
+        started = time.perf_counter()
+        with self.client.reserve(self.namespace, self.keys) as slots:
+            reserved = time.perf_counter()
+            slots.fill(self.blocks)
+            filled = time.perf_counter()
+            stored = slots.commit(durable=True)
+            return reserved - started + time.perf_counter() - filled, stored
 
     def clear(self, command: dict) -> dict:
         self.stop()

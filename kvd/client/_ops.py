@@ -342,6 +342,13 @@ def _put_shared_durable(
     if reserved is None:
         return (yield from _put_inline(session, namespace, keys, rows, parent_key, kvd_pb2.ACK_DURABLE)), None
     response, start, stop = reserved
+    return (yield from commit_durable(session, namespace, keys, parent_key, response, start, stop))
+
+
+def commit_durable(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes,
+                   response: kvd_pb2.ReserveResponse, start: int, stop: int) -> Op:
+    """Commit the filled run [start, stop) of a Reserve of `keys` with ACK_DURABLE, or make the
+    stored prefix durable when nothing was reserved: (written, statuses), or NotDurableError."""
     statuses = list(response.statuses)
     if start < stop:
         try:
@@ -370,10 +377,15 @@ def _put_durable(
         return (yield from _put_inline(session, namespace, keys, rows, parent_key, kvd_pb2.ACK_DURABLE))
     written, statuses = yield from _put_shared_durable(session, namespace, keys, rows, parent_key)
     if statuses is not None:  # (None: it went inline after a restart of the daemon, all durable)
-        stored = _leading(statuses, CONTINUING)
-        if stored < len(keys):
-            raise _not_stored(statuses[stored], stored, len(keys))
+        check_all_stored(statuses)
     return written
+
+
+def check_all_stored(statuses: Sequence[int]) -> None:
+    """NotDurableError unless every key of a durable put is stored (the leading ones are durable)."""
+    stored = _leading(statuses, CONTINUING)
+    if stored < len(statuses):
+        raise _not_stored(statuses[stored], stored, len(statuses))
 
 
 def _leading(statuses: Sequence[int], kinds: tuple[int, ...]) -> int:

@@ -1,4 +1,4 @@
-"""A Get's blocks left in place: read-only views of the daemon's arena under a lease.
+"""Blocks in place in the daemon's arena, under a lease: a Get's (read-only) and a Put's (to fill).
 
 `Client.get_numpy` copies the blocks out of the arena into the caller's
 array. An engine that moves them on by itself (an upload to the GPU from
@@ -16,6 +16,14 @@ makes internally; a restore from disk then costs the reads and nothing else.
 
 The views stay mapped after release, but what they show is then no longer
 this block: never read them after release.
+
+The other way round, `Client.reserve` gives a Put's slots to fill in place
+(a download from the GPU straight into the arena), then `commit`:
+
+    with client.reserve(ns, keys) as slots:
+        for i in range(slots.start, slots.stop):   # the run of keys this call writes
+            download(into=slots.block(i))
+        slots.commit(durable=True)
 """
 
 from __future__ import annotations
@@ -24,8 +32,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvd.client._wire import ArenaMapping, Namespace, blocks_to_output, copy_rows, output_rows
+from kvd.client import _ops
+from kvd.client._wire import ArenaMapping, Namespace, as_rows, blocks_to_output, copy_rows, output_rows, reserved_run
 from kvd.errors import FailedPrecondition
+from kvd.v1 import kvd_pb2
 
 
 class PinnedBlocks:
@@ -69,6 +79,74 @@ class PinnedBlocks:
                 self._release([self.lease_id])
 
     def __enter__(self) -> PinnedBlocks:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class ReservedBlocks:
+    """A Reserve's slots for `keys`, filled by the caller: keys[start:stop] are this call's to
+    write (the statuses say why the others are not: already stored, another writer, no slot)."""
+
+    def __init__(self, run: Callable, session, namespace: Namespace, keys, parent_key: bytes,
+                 response: kvd_pb2.ReserveResponse) -> None:
+        self._run = run
+        self._session = session
+        self.namespace = namespace
+        self.keys = list(keys)
+        self.parent_key = parent_key
+        self._response = response
+        self.statuses = tuple(response.statuses)
+        self.start, self.stop = reserved_run(self.statuses)
+        arena: ArenaMapping = session.arena
+        self._slots = arena.slot_indices(response.offsets[self.start:self.stop], namespace.block_bytes)
+        self._rows = arena.rows(arena.stride(namespace.block_bytes))
+        self._arena = arena
+        self._done = False
+
+    def _check(self) -> None:
+        if self._done:
+            raise FailedPrecondition("these slots were committed or released already")
+
+    def block(self, index: int) -> np.ndarray:
+        """The slot for keys[index] (start <= index < stop) as a writable (*block_shape) array."""
+        self._check()
+        if not self.start <= index < self.stop:
+            raise IndexError(f"keys[{index}] is not in the reserved run [{self.start}, {self.stop})")
+        row = self._rows[self._slots[index - self.start], :self.namespace.block_bytes]
+        return row.view(self.namespace.numpy_dtype).reshape(self.namespace.spec.block_shape)
+
+    def fill(self, blocks) -> None:
+        """Copy blocks (one per key, as put takes them) of the reserved run into its slots."""
+        self._check()
+        rows = as_rows(self.namespace, blocks, len(self.keys))
+        if self.start < self.stop:
+            self._arena.scatter(rows[self.start:self.stop], self._response.offsets[self.start:self.stop])
+
+    def commit(self, durable: bool = False) -> int:
+        """Store the reserved run as filled; how many blocks that wrote. durable: as put(durable=True),
+        return once every key is durable on disk, else NotDurableError (the slots are then gone)."""
+        self._check()
+        self._done = True
+        if durable:
+            written, statuses = self._run(_ops.commit_durable(self._session, self.namespace, self.keys,
+                                                             self.parent_key, self._response, self.start,
+                                                             self.stop))
+            _ops.check_all_stored(statuses)
+            return written
+        if self.start < self.stop:
+            self._run(_ops._commit(self._session, self.namespace, self._response.lease_id, kvd_pb2.ACK_HOST))
+        return self.stop - self.start
+
+    def release(self) -> None:
+        """Give the slots back unwritten (once; nothing after a commit)."""
+        if not self._done:
+            self._done = True
+            if self._response.lease_id:
+                self._run(_ops.release(self._session, [self._response.lease_id]))
+
+    def __enter__(self) -> ReservedBlocks:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 from kvd.client import _ops, _wire
 from kvd.client._wire import ClusterLookupResult, LookupResult, Namespace, PrefetchResult
 from kvd.client.events import EventSnapshot, EventWatch, SnapshotParts, snapshot_request, watch_request
-from kvd.client.pinned import PinnedBlocks
+from kvd.client.pinned import PinnedBlocks, ReservedBlocks
 from kvd.core.keys import NamespaceSpec
 from kvd.errors import FailedPrecondition
 from kvd.v1 import kvd_pb2
@@ -119,6 +119,17 @@ class Client(_ops.ClientBase):
             return PinnedBlocks(namespace, arena, 0, (), 0, lambda ids: None)
         return PinnedBlocks(namespace, arena, response.matched, response.offsets, response.lease_id,
                             lambda ids: self._run(_ops.release(self.session, ids)))
+
+    def reserve(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> ReservedBlocks:
+        """Slots in the daemon's arena for a Put the caller fills in place, then commits
+        (kvd.client.pinned). Needs the shared-memory arena."""
+        self._run(_ops.connect(self.session))
+        response = None
+        if self.session.arena is not None:
+            response = self._run(_ops.reserve(self.session, namespace, keys, parent_key))
+        if response is None or self.session.arena is None:
+            raise FailedPrecondition("reserve needs the daemon's shared-memory arena; use put")
+        return ReservedBlocks(self._run, self.session, namespace, keys, parent_key, response)
 
     def get_layers(
         self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""

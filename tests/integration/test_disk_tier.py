@@ -283,6 +283,41 @@ def test_pinned_blocks_are_read_from_disk_into_the_arena_and_held_until_released
             inline.get_pinned(inline.register_namespace(SPEC), keys)
 
 
+def test_reserved_slots_filled_in_place_are_stored_durably_and_a_release_stores_nothing(tmp_path):
+    """reserve: the run of keys not yet stored, filled through writable views or fill(), and
+    committed durable; what a restart then serves is exactly that. A released reservation stores
+    nothing and pins nothing."""
+    directory, config = tmp_path / "d", disk_config(tmp_path)
+    blocks = blocks_for(6, seed=11)
+    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        keys = namespace.keys(np.arange(6 * 16))
+        client.put(namespace, keys[:2], blocks[:2])  # in host memory only: reserve skips them
+        with client.reserve(namespace, keys[:4]) as slots:
+            assert (slots.start, slots.stop) == (2, 4)
+            with pytest.raises(IndexError):
+                slots.block(1)
+            slots.block(2)[...] = blocks[2]
+            slots.block(3)[...] = blocks[3]
+            assert slots.commit(durable=True) == 2  # and keys[:2] made durable with them
+            with pytest.raises(FailedPrecondition):
+                slots.commit()
+        with client.reserve(namespace, keys) as slots:
+            assert (slots.start, slots.stop) == (4, 6)
+            slots.fill(np.zeros_like(blocks))  # released below, never committed
+        assert client.stats().leases == 0
+        assert client.lookup(namespace, keys).matched == 4
+        with client.reserve(namespace, keys) as slots:
+            slots.fill(blocks)
+            assert slots.commit() == 2
+    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        # keys[:4] were durable; keys[4:] went to disk by write-back, or are gone: never wrong bytes.
+        got = client.get_numpy(namespace, keys)
+        assert got.shape[0] >= 4
+        np.testing.assert_array_equal(got, blocks[:got.shape[0]])
+
+
 @pytest.mark.parametrize(("write_fault", "read_fault"), [("EIO", "EIO"), ("ENOSPC", "SHORT")])
 def test_disk_errors_become_misses_and_the_daemon_keeps_serving(tmp_path, write_fault, read_fault):
     """A fault on every disk write, then on every disk read (injected through
