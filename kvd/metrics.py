@@ -37,6 +37,7 @@ Get hits of kvd_get_blocks_total.
 | kvd_disk_recovery_lost_blocks | gauge | | blocks the drives' metadata described that the last start could not recover: records dropped (missing segment, unknown namespace, ...), records destroyed by damage inside a manifest (at least), and the blocks of quarantined drives (where known) |
 | kvd_disk_job_wait_seconds | histogram | class | time a disk job waited in its queue before it ran |
 | kvd_disk_slack_writes_total | counter | | write-back jobs run inside a restore, between its layer groups, in the slack disk.slack_profile says the layers leave |
+| kvd_disk_write_chunks_total | counter | | write-back chunks sent to the drives (one data batch each; a write job runs several, pipelined, until a read is queued): written bytes over chunks is the chunk size |
 | kvd_disk_job_run_seconds | histogram | class | time a disk job ran: restore and prefetch jobs are one read_blocks batch, write jobs one write_blocks chunk; control is the rest (journal removals, syncs, compaction) |
 | kvd_blocks_sealed_total | counter | tier | blocks committed |
 | kvd_blocks_aborted_total | counter | tier | reservations aborted or expired unwritten |
@@ -316,12 +317,14 @@ class DiskIoCollector(Collector):
 
     def __init__(self, queued_jobs: Callable[[], Mapping[str, int]], io_bytes: Callable[[], tuple[int, int]],
                  drive_states: Callable[[], Sequence[str]] = tuple,
-                 recovery_lost: Callable[[], int] = int, slack_writes: Callable[[], int] = int) -> None:
+                 recovery_lost: Callable[[], int] = int, slack_writes: Callable[[], int] = int,
+                 write_chunks: Callable[[], int] = int) -> None:
         self._queued_jobs = queued_jobs
         self._io_bytes = io_bytes
         self._drive_states = drive_states
         self._recovery_lost = recovery_lost
         self._slack_writes = slack_writes
+        self._write_chunks = write_chunks
 
     def collect(self) -> Iterator[Metric]:
         queued = GaugeMetricFamily("kvd_disk_queue_jobs", "Disk jobs queued, not yet running, by I/O class.",
@@ -347,6 +350,8 @@ class DiskIoCollector(Collector):
                                 value=self._recovery_lost())
         yield CounterMetricFamily("kvd_disk_slack_writes", "Write jobs run inside a restore, in its layers' slack.",
                                   value=self._slack_writes())
+        yield CounterMetricFamily("kvd_disk_write_chunks", "Write-back chunks sent to the drives (data batches).",
+                                  value=self._write_chunks())
 
 
 class ArenaCollector(Collector):
@@ -404,8 +409,10 @@ class DiskIoMetrics:
 
     def __init__(self, registry: CollectorRegistry, queued_jobs: Callable[[], Mapping[str, int]],
                  io_bytes: Callable[[], tuple[int, int]], drive_states: Callable[[], Sequence[str]] = tuple,
-                 recovery_lost: Callable[[], int] = int, slack_writes: Callable[[], int] = int) -> None:
-        registry.register(DiskIoCollector(queued_jobs, io_bytes, drive_states, recovery_lost, slack_writes))
+                 recovery_lost: Callable[[], int] = int, slack_writes: Callable[[], int] = int,
+                 write_chunks: Callable[[], int] = int) -> None:
+        registry.register(DiskIoCollector(queued_jobs, io_bytes, drive_states, recovery_lost, slack_writes,
+                                          write_chunks))
         self.job_wait = Histogram("kvd_disk_job_wait_seconds", "Time a disk job waited in its queue.", ["class"],
                                   buckets=DISK_JOB_BUCKETS_S, registry=registry)
         self.job_run = Histogram("kvd_disk_job_run_seconds", "Time a disk job ran.", ["class"],

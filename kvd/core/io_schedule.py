@@ -164,6 +164,11 @@ class IoSchedule:
         self.counters.slack_writes += 1
         return job
 
+    def reads_waiting(self) -> bool:
+        """A restore or prefetch is queued, which a long write job should stop for (slack only:
+        under fifo arrival order is the whole policy)."""
+        return self.mode == "slack" and any(self._queues[io_class] for io_class in READS)
+
     def read_done(self, now: float) -> None:
         """A read job (restore or prefetch) ended at `now` (seconds, any monotonic clock)."""
         self._last_read_end = now

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import itertools
 import errno
 import logging
 import os
@@ -82,6 +83,7 @@ def parse_fault_rules(text: str) -> list[FaultRule]:
 @dataclass(slots=True)
 class DiskPlaneCounters:
     batches: int = 0
+    chunks: int = 0  # write chunks at the drive (data batches), counted on the I/O thread
     removal_failures: int = 0
     durable_waits: int = 0
     durable_wait_failures: int = 0
@@ -309,9 +311,12 @@ class DiskPlane:
     async def _write_round(self, round_: WriteRound) -> None:
         """Removals first (durable), then the blocks chunk by chunk, then compaction if due.
 
-        Under the slack schedule each chunk is one job of at most
-        disk.write_chunk_blocks blocks, queued when the previous one is
-        done, so a restore waits for one chunk at most.
+        The chunks (of at most disk.write_chunk_blocks blocks under the
+        slack schedule) go out as one job that keeps the drive busy: the
+        next chunk is at the drive while the last one is journalled. The
+        job stops between chunks when a restore or prefetch is queued, and
+        the rest of the round queues again behind it, so a read waits for
+        two chunks at most.
         """
         failed_removals = await self._run(self._remove_sync, round_.removals) if round_.removals else set()
         self.mover.removals_journalled(round_, failed_removals)
@@ -319,13 +324,17 @@ class DiskPlane:
             block_bytes = round_.writes[0].block.index.block_bytes
             round_.chunk_blocks = self.sizer.chunk_blocks(block_bytes, self.settings.write_chunk_blocks,
                                                           self.settings.write_batch_blocks)
-        for positions in round_.chunks():
+        chunks = round_.chunks()
+        while chunks:
             self._update_backlog()
-            namespace_id, layer_bytes, num_layers, items = self._write_items(round_, positions)
-            nbytes = len(items) * layer_bytes * num_layers
-            ok = await self._run(self._write_piece, namespace_id, layer_bytes, num_layers, items,
-                                 io_class=IoClass.WRITE, nbytes=nbytes)
-            self.mover.chunk_written(round_, positions, ok)
+            pieces = [self._write_items(round_, positions) for positions in chunks]
+            _, layer_bytes, num_layers, first = pieces[0]
+            # The first chunk's bytes: all of it that runs when the job runs inside a read's slack.
+            done = await self._run(self._write_pieces, pieces, io_class=IoClass.WRITE,
+                                   nbytes=len(first) * layer_bytes * num_layers)
+            for positions, ok in zip(chunks, done):
+                self.mover.chunk_written(round_, positions, ok)
+            chunks = chunks[len(done):]
         await self._run(self.tier.compact_if_needed, self.settings.manifest_max_bytes)
 
     def _write_items(self, round_: WriteRound, positions: list[int]) -> tuple[bytes, int, int, list[tuple]]:
@@ -362,13 +371,23 @@ class DiskPlane:
             return -1
         return pool.slot_at(page, class_index, position)
 
-    def _write_piece(self, namespace_id, layer_bytes, num_layers, items) -> list[bool]:
-        """I/O thread: one write job; durable, per block."""
+    def _write_pieces(self, pieces: list[tuple[bytes, int, int, list[tuple]]]) -> list[list[bool]]:
+        """I/O thread: write chunks in order, pipelined while they are of one namespace, until a
+        read is waiting (then at least the first); per chunk written, per block durable."""
         started = time.perf_counter()
-        ok = [bool(good) for good in self.tier.write_blocks(namespace_id, layer_bytes, num_layers, items)]
+        done: list[list[bool]] = []
+        written_bytes = 0
+        while len(done) < len(pieces) and not (done and self._io.yield_to_reads()):
+            namespace_id, layer_bytes, num_layers, _ = pieces[len(done)]
+            run = list(itertools.takewhile(lambda piece: piece[0] == namespace_id, pieces[len(done):]))
+            for ok in self.tier.write_chunks(namespace_id, layer_bytes, num_layers, [piece[3] for piece in run],
+                                             stop=self._io.yield_to_reads):
+                done.append([bool(good) for good in ok])
+                self.counters.chunks += 1
+                written_bytes += sum(done[-1]) * layer_bytes * num_layers
         if self.sizer is not None:
-            self.sizer.observe(False, sum(ok) * layer_bytes * num_layers, time.perf_counter() - started)
-        return ok
+            self.sizer.observe(False, written_bytes, time.perf_counter() - started)
+        return done
 
     def _remove_sync(self, removals: list[tuple[bytes, bytes, int]], deleted: bool = False) -> set[int]:
         """I/O thread: journal removals; returns the slots whose REMOVE failed."""

@@ -64,6 +64,7 @@ class ScheduledExecutor:
         self.on_job: Callable[[str, float, float], None] | None = None
         self._condition = threading.Condition()
         self._closed = False
+        self._reading = False  # the I/O thread is inside a read job (a write may run in its slack)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -122,6 +123,14 @@ class ScheduledExecutor:
         while budget > 0 and (moved := self.run_fitting(budget)):
             budget -= moved
 
+    def yield_to_reads(self) -> bool:
+        """For a write job of several chunks, between them (I/O thread): stop here, because a
+        read is queued, or because this write runs inside a read's slack and must stay small."""
+        if self._reading:
+            return True
+        with self._condition:
+            return self.schedule.reads_waiting()
+
     def _execute(self, job: IoJob) -> None:
         """Run one job on this thread, count it, and hand its outcome to its caller."""
         work: _Work = job.payload
@@ -130,10 +139,14 @@ class ScheduledExecutor:
         started = self._clock()
         error: BaseException | None = None
         result = None
+        outer = self._reading
+        self._reading = outer or job.io_class in READS
         try:
             result = work.function(*work.args)
         except BaseException as caught:  # handed to the awaiting caller
             error = caught
+        finally:
+            self._reading = outer
         finished = self._clock()
         with self._condition:
             self.schedule.job_done(job.io_class, finished - started)

@@ -26,6 +26,7 @@ from tests.disk.conftest import (
     SPEC,
     arena_address,
     expected_bytes,
+    fill,
     host_bytes,
     key,
     make_config,
@@ -70,6 +71,45 @@ def test_writes_run_between_a_restores_layer_groups_and_both_stay_exact(drives, 
     assert read(tier, arena, written, first_host_slot=48).tolist() == [True] * len(written)
     for i, slot in enumerate(written):
         assert host_bytes(arena, 48 + i) == expected_bytes(700 + slot)
+    tier.verify()
+    tier.close()
+
+
+def test_chunks_are_written_pipelined_and_stop_ends_the_run_between_chunks(drives, arena, io_engine):
+    """write_chunks: chunk k+1 goes to the drive before chunk k is journalled (two batches in
+    flight), every chunk it wrote reads back exact; stop() ends the run before the next chunk, and
+    the chunks not started stay unwritten. A chunk that fails its checks mid-run still waits for
+    the one in flight."""
+    config = make_config(drives, engine=io_engine)
+    tier, _ = open_tier(config)
+    chunks = []
+    for chunk in range(4):
+        items = []
+        for i in range(3):
+            host_slot = chunk * 3 + i
+            fill(arena, host_slot, 500 + host_slot)
+            items.append((key(500 + host_slot), b"", host_slot, arena_address(arena, host_slot)))
+        chunks.append(items)
+    in_flight = []
+    submit = tier._submit
+
+    def counting_submit(*args, **kwargs):
+        in_flight.append(len(tier._owners))  # records journalled when each batch went out
+        return submit(*args, **kwargs)
+
+    tier._submit = counting_submit
+    asked = []
+    done = tier.write_chunks(NAMESPACE, LAYER_BYTES, LAYERS, chunks, stop=lambda: asked.append(1) or len(asked) == 3)
+    assert done == [[True] * 3] * 3  # stopped before the fourth chunk
+    assert in_flight == [0, 0, 3]  # chunk 1 went out before chunk 0 was journalled, chunk 2 before chunk 1
+    assert sorted(records_by_slot(tier)) == list(range(9))
+    assert read(tier, arena, list(range(9))).all()
+    for slot in range(9):
+        assert host_bytes(arena, 32 + slot) == expected_bytes(500 + slot)
+    bad = [[(key(900), b"", 20, arena_address(arena, 0))], [(key(901), b"", 20, arena_address(arena, 1))] * 2]
+    with pytest.raises(InvariantError, match="a slot appears twice"):
+        tier.write_chunks(NAMESPACE, LAYER_BYTES, LAYERS, bad)
+    assert 20 in records_by_slot(tier)  # the first chunk was finished and journalled all the same
     tier.verify()
     tier.close()
 

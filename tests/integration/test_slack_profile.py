@@ -31,9 +31,8 @@ def config(tmp_path: Path, **disk) -> dict:
     return {"host": {"capacity_bytes": HOST_SLOTS * (64 << 10), "slot_bytes": 64 << 10}, "disk": settings}
 
 
-def write_jobs(daemon) -> float:
-    samples = daemon.metric_samples("kvd_disk_job_run_seconds_count")
-    return sum(value for key, value in samples.items() if 'class="write"' in key)
+def write_chunks(daemon) -> float:
+    return daemon.metric("kvd_disk_write_chunks_total")
 
 
 def chain(seed: int) -> tuple[list[bytes], np.ndarray]:
@@ -41,8 +40,8 @@ def chain(seed: int) -> tuple[list[bytes], np.ndarray]:
     return chain_keys(SPEC, np.arange(CHAIN * SPEC.block_tokens) + seed * 10_000), data
 
 
-def jobs_for_a_durable_chain(tmp_path: Path, disk: dict) -> float:
-    """Write jobs one durable Put of CHAIN blocks takes, after the daemon has seen a write and a restore."""
+def chunks_for_a_durable_chain(tmp_path: Path, disk: dict) -> float:
+    """Write chunks one durable Put of CHAIN blocks takes, after the daemon has seen a write and a restore."""
     daemon = start_daemon(tmp_path / "kvd", config(tmp_path, **disk))
     try:
         with Client(daemon.unix_target) as client:
@@ -51,25 +50,25 @@ def jobs_for_a_durable_chain(tmp_path: Path, disk: dict) -> float:
             client.put(namespace, a_keys, a, durable=True)  # written: a write job seen
             client.put(namespace, b_keys, b, durable=True)  # host memory full: a's blocks leave it
             np.testing.assert_array_equal(client.get_numpy(namespace, a_keys), a)  # a restore from disk
-            before = write_jobs(daemon)
+            before = write_chunks(daemon)
             client.put(namespace, c_keys, c, durable=True)
-            return write_jobs(daemon) - before
+            return write_chunks(daemon) - before
     finally:
         daemon.stop()
 
 
-def test_write_jobs_shrink_to_the_slack_of_the_latest_restore(tmp_path):
+def test_write_chunks_shrink_to_the_slack_of_the_latest_restore(tmp_path):
     tight = SlackTable("tiny-windows", SPEC.num_layers, SPEC.layer_bytes // SPEC.block_tokens, (1,), (0,),
                        np.full((1, 1, SPEC.num_layers), 1e-9))
     tight.save(tmp_path / "tight.json")
     roomy = SlackTable("long-windows", SPEC.num_layers, SPEC.layer_bytes // SPEC.block_tokens, (1,), (0,),
                        np.full((1, 1, SPEC.num_layers), 10.0))
     roomy.save(tmp_path / "roomy.json")
-    assert jobs_for_a_durable_chain(tmp_path / "fixed", {}) == 1  # write_chunk_blocks = 8: one job
-    # No slack anywhere: one block per job, so a restore never waits for more than one.
-    assert jobs_for_a_durable_chain(tmp_path / "tight", {"slack_profile": str(tmp_path / "tight.json")}) == CHAIN
-    assert jobs_for_a_durable_chain(tmp_path / "roomy", {"slack_profile": str(tmp_path / "roomy.json"),
-                                                         "write_chunk_blocks": 2}) == 1
+    assert chunks_for_a_durable_chain(tmp_path / "fixed", {}) == 1  # write_chunk_blocks = 8: one chunk
+    # No slack anywhere: one block per chunk, so a restore never waits for more than two.
+    assert chunks_for_a_durable_chain(tmp_path / "tight", {"slack_profile": str(tmp_path / "tight.json")}) == CHAIN
+    assert chunks_for_a_durable_chain(tmp_path / "roomy", {"slack_profile": str(tmp_path / "roomy.json"),
+                                                           "write_chunk_blocks": 2}) == 1
 
 
 def test_a_slack_profile_that_is_not_a_table_stops_the_start_naming_the_field(tmp_path):

@@ -226,3 +226,39 @@ def test_the_executor_runs_a_fitting_write_inside_the_job_that_asks():
     executor.shutdown()
     assert ran == ["restore, group 1", "small write", "restore, group 2", "big write"] and len(threads) == 1
     assert executor.schedule.counters.slack_writes == 1 and executor.stats.by_class["write"].jobs == 2
+
+
+@pytest.mark.parametrize("mode", ["slack", "fifo"])
+def test_a_long_write_yields_to_a_queued_read_and_stays_small_inside_one(mode):
+    """yield_to_reads, asked by a write job between its chunks: yes once a restore is queued (slack
+    only: fifo keeps arrival order), and always while the write runs inside a read's slack."""
+    executor = ScheduledExecutor(IoSchedule(mode))
+    started, release = threading.Event(), threading.Event()
+    answers: list[tuple[str, bool]] = []
+
+    def long_write() -> None:
+        started.set()
+        answers.append(("alone", executor.yield_to_reads()))
+        assert release.wait(10)
+        answers.append(("read queued", executor.yield_to_reads()))
+
+    def nested_write() -> None:
+        answers.append(("inside a read", executor.yield_to_reads()))
+
+    def restore() -> None:
+        executor.run_fitting(1 << 20)
+        answers.append(("the read itself", executor.yield_to_reads()))
+
+    writing = executor.submit(W, long_write)
+    assert started.wait(10)
+    reading = executor.submit(R, restore)
+    nested = executor.submit(W, nested_write, nbytes=1 << 10)
+    release.set()
+    writing.result(10), reading.result(10), nested.result(10)
+    executor.shutdown()
+    expected = [("alone", False), ("read queued", mode == "slack")]
+    if mode == "slack":  # the small write runs inside the restore's slack
+        expected += [("inside a read", True), ("the read itself", True)]
+    else:
+        expected += [("the read itself", True), ("inside a read", False)]
+    assert answers == expected

@@ -187,6 +187,23 @@ class DiskStats:
         self.errors[kind] = self.errors.get(kind, 0) + amount
 
 
+@dataclass(slots=True, eq=False)
+class _PendingWrite:
+    """One chunk of write_chunks whose data writes are at the drive, not yet journalled."""
+
+    namespace_id: bytes
+    keys: list[bytes]
+    parents: list[bytes]
+    slots: np.ndarray
+    drives: np.ndarray
+    files: np.ndarray
+    ok: np.ndarray  # per block: may still be written (cleared on a failure)
+    chosen: np.ndarray  # positions submitted
+    block_bytes: int
+    batch: int = -1  # the engine's batch, -1 when nothing was submitted
+    checksums: np.ndarray | None = None  # (blocks, layers) crc32c of the source
+
+
 class ReadFailure(enum.IntEnum):
     """Why read_blocks said False for a block (its first failure)."""
 
@@ -707,32 +724,85 @@ class DiskTier:
         written, or its block removed. Failures (EIO, ENOSPC, short writes,
         a failed fdatasync or manifest append) are False, never exceptions.
         """
+        done = self.write_chunks(namespace_id, layer_bytes, num_layers, [items] if items else [])
+        return done[0] if done else []
+
+    def write_chunks(
+        self, namespace_id: bytes, layer_bytes: int, num_layers: int, chunks: Sequence[Sequence[WriteItem]],
+        stop: Callable[[], bool] | None = None,
+    ) -> list[list[bool]]:
+        """write_blocks of each chunk in turn, pipelined: chunk k+1 is at the drive while chunk k
+        is finished (synced as the policy says, journalled), so the drive never drains between
+        chunks. Before each chunk after the first, `stop()` (if given) may end the run: the
+        chunks not started are not written. Returns one ok list per chunk written, in order."""
         self._check_writable()
         self._spec_for(namespace_id, layer_bytes, num_layers)
+        done: list[list[bool]] = []
+        pending: _PendingWrite | None = None
+        try:
+            for chunk in chunks:
+                if pending is not None and stop is not None and stop():
+                    break
+                started = self._start_write(namespace_id, layer_bytes, num_layers, chunk)
+                if pending is not None:
+                    done.append(self._finish_write(pending))
+                pending = started
+        finally:
+            if pending is not None:  # (also on an error: never leave a batch reading its source behind)
+                done.append(self._finish_write(pending))
+        return done
+
+    def _start_write(self, namespace_id: bytes, layer_bytes: int, num_layers: int,
+                     items: Sequence[WriteItem]) -> _PendingWrite:
+        """Check one chunk, and submit its data writes (the checksums computed meanwhile)."""
         count = len(items)
-        if count == 0:
-            return []
-        config = self.config
-        block_bytes = layer_bytes * num_layers
         keys = [item[0] for item in items]
         parents = [item[1] or ROOT_PARENT for item in items]
         slots = np.fromiter((item[2] for item in items), dtype=np.int64, count=count)
         sources = np.fromiter((item[3] for item in items), dtype=np.uint64, count=count)
+        check(count > 0, "a write chunk without blocks")
         check(all(len(key) == KEY_BYTES for key in keys), "block keys are 32 bytes")
         check(all(len(parent) == KEY_BYTES for parent in parents), "parent keys are 32 bytes (or b'' for a root)")
         check(len(np.unique(slots)) == count, "a slot appears twice in one write")
         check(not np.any(sources % ALIGN_BYTES), "source addresses must be 4 KiB aligned for O_DIRECT")
         check(all(int(slot) not in self._owners for slot in slots), "writing into a slot whose block was not removed")
-        drives, files, offsets = locate_many(config, slots)
+        drives, files, offsets = locate_many(self.config, slots)
         ok = self._sync_reused_slots(drives, slots)
-        checksums = self._write_data(ok, files, offsets, block_bytes, sources, layer_bytes)
-        self._sync_data(ok, drives, files)
-        for drive in np.unique(drives[ok]).tolist():
-            members = np.nonzero(ok & (drives == drive))[0].tolist()
+        block_bytes = layer_bytes * num_layers
+        pending = _PendingWrite(namespace_id, keys, parents, slots, drives, files, ok, np.nonzero(ok)[0], block_bytes)
+        if pending.chosen.size:  # (a block's layers are contiguous in the slot and in the source)
+            pending.batch = self._submit(self._op_write, files[pending.chosen], offsets[pending.chosen], block_bytes,
+                                         sources[pending.chosen])
+        try:
+            # Computed from the source while the drive writes it (one native call, the GIL
+            # released): the drive and the checksum read the same pinned bytes. Should the
+            # source change under us anyway, the record disagrees with the disk and the block
+            # reads back as corrupt (a miss), never as wrong bytes.
+            pending.checksums = crc32c_chunks(sources, layer_bytes, num_layers)
+        except BaseException:
+            if pending.batch >= 0:
+                self._engine.wait(pending.batch)
+            raise
+        return pending
+
+    def _finish_write(self, pending: _PendingWrite) -> list[bool]:
+        """Wait for a chunk's data, clear `ok` where a write fell short, sync, journal it."""
+        ok = pending.ok
+        if pending.batch >= 0:
+            results = self._engine.wait(pending.batch)
+            for position, result in zip(pending.chosen.tolist(), results.tolist(), strict=True):
+                if result == pending.block_bytes:
+                    self.stats.bytes_written += pending.block_bytes
+                else:
+                    ok[position] = False
+                    self.stats.count_error(_error_kind(result, "short_write"))
+        self._sync_data(ok, pending.drives, pending.files)
+        for drive in np.unique(pending.drives[ok]).tolist():
+            members = np.nonzero(ok & (pending.drives == drive))[0].tolist()
             manifest = self._manifests[drive]
             records = [
-                PutRecord(manifest.sequence(), namespace_id, keys[i], parents[i], int(slots[i]),
-                          checksums[i].astype("<u4").tobytes())
+                PutRecord(manifest.sequence(), pending.namespace_id, pending.keys[i], pending.parents[i],
+                          int(pending.slots[i]), pending.checksums[i].astype("<u4").tobytes())
                 for i in members
             ]
             if self._append(drive, records):
@@ -742,7 +812,7 @@ class DiskTier:
                 ok[members] = False
         written = int(ok.sum())
         self.stats.blocks_written += written
-        self.stats.write_failures += count - written
+        self.stats.write_failures += len(ok) - written
         return ok.tolist()
 
     def _sync_data(self, ok: np.ndarray, drives: np.ndarray, files: np.ndarray) -> None:
@@ -778,34 +848,6 @@ class DiskTier:
                 self._sync_drive(drive)
                 ok &= np.array([int(d) not in self.failed_drives for d in drives], dtype=bool)
         return ok
-
-    def _write_data(self, ok: np.ndarray, files: np.ndarray, offsets: np.ndarray, block_bytes: int,
-                    sources: np.ndarray, layer_bytes: int) -> np.ndarray:
-        """Write the blocks still `ok` (one extent each, all in one batch); clear `ok` where a write fell short.
-
-        Returns every block's layer checksums, computed from the source
-        while the drive writes it (one native call, the GIL released): the
-        drive and the checksum read the same pinned bytes. Should the source
-        change under us anyway, the record disagrees with the disk and the
-        block reads back as corrupt (a miss), never as wrong bytes.
-        """
-        layers = block_bytes // layer_bytes
-        chosen = np.nonzero(ok)[0]
-        if not chosen.size:
-            return crc32c_chunks(sources, layer_bytes, layers)
-        # The block's layers are contiguous in the slot and in the source.
-        batch = self._submit(self._op_write, files[chosen], offsets[chosen], block_bytes, sources[chosen])
-        try:
-            checksums = crc32c_chunks(sources, layer_bytes, layers)
-        finally:
-            results = self._engine.wait(batch)  # never leave a batch reading the source behind
-        for position, result in zip(chosen.tolist(), results.tolist(), strict=True):
-            if result == block_bytes:
-                self.stats.bytes_written += block_bytes
-            else:
-                ok[position] = False
-                self.stats.count_error(_error_kind(result, "short_write"))
-        return checksums
 
     def _transfer(
         self, op: int, files: np.ndarray, offsets: np.ndarray, length: int, addresses: np.ndarray
