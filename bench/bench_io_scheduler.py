@@ -19,8 +19,11 @@ Contenders, interleaved round by round in one process:
 * reads alone: no write-back;
 * fifo: the schedule in arrival order, each write batch one job (what the
   daemon did before the scheduler);
-* slack: restores first, write-back in jobs of `--write-chunk-blocks` (8,
-  disk.write_chunk_blocks) that start only when no read is waiting;
+* slack: restores first, write-back in chunks of `--write-chunk-blocks`
+  (8, disk.write_chunk_blocks); a write job starts only when no read is
+  waiting and runs the batch's chunks pipelined (DiskTier.write_chunks),
+  stopping between chunks as soon as a read is queued, as the daemon's
+  write jobs do;
 * slack, backlog full: the same with the write backlog over its bound, so
   writes get one job after every disk.write_share (4) reads: what the
   restores keep while memory needs writing;
@@ -29,8 +32,9 @@ Contenders, interleaved round by round in one process:
   the slack table (`--slack-table`, measured by `make slack-profile` from a
   real model's per-layer timings) leaves in every layer of a restore of
   this length, with the drive's read and write bandwidths as observed in
-  this run. Write jobs that fit also run inside a restore, between its
-  layer groups, in those layers' slack, as the daemon runs them.
+  this run. A write job whose first chunk fits also runs inside a
+  restore, between its layer groups, in those layers' slack (that chunk
+  only), as the daemon runs them.
 
 Reported: restore bandwidth (median over restores, GiB/s) and p50/p99
 restore latency, the write bandwidth the stream got meanwhile, ratios to
@@ -147,13 +151,17 @@ class Rig:
         return [(key_of(1_000_000 * self.write_generation + i), b"", base + (first + i) % self.write_blocks,
                  self.arena.address(base + (first + i) % self.write_blocks)) for i in range(count)]
 
-    def write(self, items) -> int:
-        """I/O thread: one write job; blocks made durable."""
+    def write(self, pieces, stop) -> tuple[int, int]:
+        """I/O thread: one write job, as the daemon runs one: the chunks pipelined until stop()
+        says a read waits (the first at least); (chunks written, blocks made durable)."""
         started = time.perf_counter()
-        ok = self.tier.write_blocks(self.namespace_id, SPEC.layer_bytes, SPEC.num_layers, items)
-        self.sizer.observe(False, sum(ok) * self.block_bytes, time.perf_counter() - started)
-        self.written += [(item[0], item[2]) for item, good in zip(items, ok, strict=True) if good]
-        return sum(ok)
+        done = self.tier.write_chunks(self.namespace_id, SPEC.layer_bytes, SPEC.num_layers, pieces, stop=stop)
+        good = 0
+        for items, ok in zip(pieces, done):
+            self.written += [(item[0], item[2]) for item, kept in zip(items, ok, strict=True) if kept]
+            good += sum(ok)
+        self.sizer.observe(False, good * self.block_bytes, time.perf_counter() - started)
+        return len(done), good
 
     def close(self) -> None:
         self.tier.close()
@@ -185,12 +193,14 @@ async def run_mode(rig: Rig, mode: str, args: argparse.Namespace) -> dict[str, A
         while not stop.is_set():
             await executor.run(IoClass.CONTROL, rig.remove_written)
             items = rig.write_items(0, args.write_batch_blocks)
-            start = 0
-            while start < len(items):
-                chunks.append(chunk_blocks())
-                piece = items[start:start + chunks[-1]]
-                start += len(piece)
-                written_blocks += await executor.run(IoClass.WRITE, rig.write, piece, nbytes=len(piece) * rig.block_bytes)
+            size = chunk_blocks()
+            pieces = [items[start:start + size] for start in range(0, len(items), size)]
+            while pieces:
+                done, good = await executor.run(IoClass.WRITE, rig.write, pieces, executor.yield_to_reads,
+                                                nbytes=len(pieces[0]) * rig.block_bytes)
+                chunks.extend(len(piece) for piece in pieces[:done])
+                written_blocks += good
+                pieces = pieces[done:]
 
     rig.between_groups = slack_writes(rig, executor) if sizer is not None else None
     writer = None if mode == "alone" else asyncio.create_task(write_back())

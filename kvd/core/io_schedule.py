@@ -48,6 +48,11 @@ from typing import Any
 from kvd.invariants import check
 
 
+# Reads count as under way this long after the last one ended: an engine's restores come back to
+# back, with gaps of its own compute between them; a drive idle this long serves writes only.
+READS_ACTIVE_S = 0.25
+
+
 class IoClass(enum.IntEnum):
     """Urgency, most urgent first."""
 
@@ -164,10 +169,13 @@ class IoSchedule:
         self.counters.slack_writes += 1
         return job
 
-    def reads_waiting(self) -> bool:
-        """A restore or prefetch is queued, which a long write job should stop for (slack only:
-        under fifo arrival order is the whole policy)."""
-        return self.mode == "slack" and any(self._queues[io_class] for io_class in READS)
+    def reads_active(self, now: float) -> bool:
+        """A restore or prefetch is queued, or one ended within READS_ACTIVE_S of `now`: a write
+        job should go one chunk at a time then, so that a read waits for one chunk at most (slack
+        only: under fifo arrival order is the whole policy)."""
+        if self.mode != "slack":
+            return False
+        return now < self._last_read_end + READS_ACTIVE_S or any(self._queues[io_class] for io_class in READS)
 
     def read_done(self, now: float) -> None:
         """A read job (restore or prefetch) ended at `now` (seconds, any monotonic clock)."""

@@ -313,10 +313,11 @@ class DiskPlane:
 
         The chunks (of at most disk.write_chunk_blocks blocks under the
         slack schedule) go out as one job that keeps the drive busy: the
-        next chunk is at the drive while the last one is journalled. The
-        job stops between chunks when a restore or prefetch is queued, and
-        the rest of the round queues again behind it, so a read waits for
-        two chunks at most.
+        next chunk is at the drive while the last one is journalled. While
+        reads are under way (one is queued or ended lately) the job runs
+        one chunk and the rest of the round queues again behind the reads,
+        so a read waits for one chunk at most, two if it arrives while the
+        drive was serving writes only.
         """
         failed_removals = await self._run(self._remove_sync, round_.removals) if round_.removals else set()
         self.mover.removals_journalled(round_, failed_removals)
@@ -372,8 +373,8 @@ class DiskPlane:
         return pool.slot_at(page, class_index, position)
 
     def _write_pieces(self, pieces: list[tuple[bytes, int, int, list[tuple]]]) -> list[list[bool]]:
-        """I/O thread: write chunks in order, pipelined while they are of one namespace, until a
-        read is waiting (then at least the first); per chunk written, per block durable."""
+        """I/O thread: write chunks in order, pipelined while they are of one namespace, until reads
+        are under way (then at least the first); per chunk written, per block durable."""
         started = time.perf_counter()
         done: list[list[bool]] = []
         written_bytes = 0

@@ -124,12 +124,13 @@ class ScheduledExecutor:
             budget -= moved
 
     def yield_to_reads(self) -> bool:
-        """For a write job of several chunks, between them (I/O thread): stop here, because a
-        read is queued, or because this write runs inside a read's slack and must stay small."""
+        """For a write job of several chunks, between them (I/O thread): stop here, because reads
+        are under way (IoSchedule.reads_active), or because this write runs inside a read's slack
+        and must stay small. Otherwise the job keeps the drive fed, chunk after chunk."""
         if self._reading:
             return True
         with self._condition:
-            return self.schedule.reads_waiting()
+            return self.schedule.reads_active(self._clock())
 
     def _execute(self, job: IoJob) -> None:
         """Run one job on this thread, count it, and hand its outcome to its caller."""

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.core.io_schedule import IoClass, IoJob, IoSchedule
+from kvd.core.io_schedule import READS_ACTIVE_S, IoClass, IoJob, IoSchedule
 from kvd.invariants import InvariantError
 from kvd.server.io_executor import ScheduledExecutor
 
@@ -262,3 +262,14 @@ def test_a_long_write_yields_to_a_queued_read_and_stays_small_inside_one(mode):
     else:
         expected += [("the read itself", True), ("inside a read", False)]
     assert answers == expected
+
+
+def test_reads_count_as_under_way_for_a_while_after_the_last_one():
+    slack, fifo = IoSchedule("slack"), IoSchedule("fifo")
+    assert not slack.reads_active(10.0)
+    for schedule in (slack, fifo):
+        schedule.read_done(10.0)
+    assert slack.reads_active(10.0 + READS_ACTIVE_S / 2) and not fifo.reads_active(10.0 + READS_ACTIVE_S / 2)
+    assert not slack.reads_active(10.0 + READS_ACTIVE_S)  # a drive serving writes only
+    slack.push(IoJob(IoClass.PREFETCH, "queued"))
+    assert slack.reads_active(100.0)
