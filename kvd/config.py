@@ -134,6 +134,9 @@ class DiskSettings:
     # (arrival order, whole write batches; for comparison).
     io_schedule: str = "slack"
     write_chunk_blocks: int = 8
+    # ... and of at most this many bytes (one block at least): a restore waits for one chunk, however
+    # large the blocks (8 blocks of a 256-token Llama-8B block are 256 MiB).
+    write_chunk_bytes: int = 16 << 20
     # While more than write_backlog_blocks wait for write-back under host
     # pressure, writes get one job in every write_share + 1 even if reads wait.
     write_backlog_blocks: int = 256
@@ -377,7 +380,8 @@ class Config:
             if self.disk.io_engine not in ("auto", "uring", "fallback"):
                 raise ConfigError("disk.io_engine", f"must be auto, uring or fallback, got {self.disk.io_engine!r}")
             for name in ("group_commit_ms", "write_batch_blocks", "queue_depth", "manifest_max_bytes",
-                         "read_extent_bytes", "write_chunk_blocks", "write_backlog_blocks", "write_share",
+                         "read_extent_bytes", "write_chunk_blocks", "write_chunk_bytes", "write_backlog_blocks",
+                         "write_share",
                          "prefetch_max_blocks", "prefetch_chunk_blocks"):
                 _positive(f"disk.{name}", getattr(self.disk, name))
 

@@ -311,8 +311,8 @@ class DiskPlane:
     async def _write_round(self, round_: WriteRound) -> None:
         """Removals first (durable), then the blocks chunk by chunk, then compaction if due.
 
-        The chunks (of at most disk.write_chunk_blocks blocks under the
-        slack schedule) go out as one job that keeps the drive busy: the
+        The chunks (of at most disk.write_chunk_blocks blocks and
+        disk.write_chunk_bytes under the slack schedule) go out as one job that keeps the drive busy: the
         next chunk is at the drive while the last one is journalled. While
         reads are under way (one is queued or ended lately) the job runs
         one chunk and the rest of the round queues again behind the reads,
@@ -321,10 +321,11 @@ class DiskPlane:
         """
         failed_removals = await self._run(self._remove_sync, round_.removals) if round_.removals else set()
         self.mover.removals_journalled(round_, failed_removals)
-        if self.sizer is not None and round_.writes:
-            block_bytes = round_.writes[0].block.index.block_bytes
-            round_.chunk_blocks = self.sizer.chunk_blocks(block_bytes, self.settings.write_chunk_blocks,
-                                                          self.settings.write_batch_blocks)
+        if round_.chunk_blocks:  # (fifo: whole rounds)
+            block_bytes = max(write.block.index.block_bytes for write in round_.writes)
+            fixed = max(1, min(self.settings.write_chunk_blocks, self.settings.write_chunk_bytes // block_bytes))
+            round_.chunk_blocks = fixed if self.sizer is None else self.sizer.chunk_blocks(
+                block_bytes, fixed, self.settings.write_batch_blocks)
         chunks = round_.chunks()
         while chunks:
             self._update_backlog()

@@ -71,6 +71,14 @@ def test_write_chunks_shrink_to_the_slack_of_the_latest_restore(tmp_path):
                                                            "write_chunk_blocks": 2}) == 1
 
 
+def test_write_chunks_are_capped_in_bytes_whatever_the_block_size(tmp_path):
+    """disk.write_chunk_bytes: 8 blocks of 64 KiB a chunk by default, 2 under a 128 KiB cap, and
+    one block at least when a block is larger than the cap."""
+    assert SPEC.block_bytes == 64 << 10
+    assert chunks_for_a_durable_chain(tmp_path / "capped", {"write_chunk_bytes": 128 << 10}) == CHAIN / 2
+    assert chunks_for_a_durable_chain(tmp_path / "tiny", {"write_chunk_bytes": 4096}) == CHAIN
+
+
 def test_a_slack_profile_that_is_not_a_table_stops_the_start_naming_the_field(tmp_path):
     (tmp_path / "bad.json").write_text('{"format": "kvd-slack-table/1", "model": "m"}')
     with pytest.raises(Exception) as failed:
