@@ -114,6 +114,32 @@ def test_chunks_are_written_pipelined_and_stop_ends_the_run_between_chunks(drive
     tier.close()
 
 
+def test_a_chunk_that_fails_to_finish_leaves_no_later_chunk_at_the_drive(drives, arena, io_engine, monkeypatch):
+    """Finishing chunk k raises while chunk k+1 is in flight: write_chunks still waits for chunk
+    k+1 (its source memory is not read after the call returns) and does not finish chunk k twice."""
+    tier, _ = open_tier(make_config(drives, engine=io_engine))
+    chunks = []
+    for chunk in range(2):
+        fill(arena, chunk, 600 + chunk)
+        chunks.append([(key(600 + chunk), b"", chunk, arena_address(arena, chunk))])
+    finishing = []
+    sync = tier._sync_data
+
+    def failing_first(ok, drives, files):  # inside _finish_write, after its chunk's batch was waited
+        finishing.append(len(finishing))
+        if len(finishing) == 1:
+            raise OSError("injected: finishing chunk 0 failed")
+        return sync(ok, drives, files)
+
+    monkeypatch.setattr(tier, "_sync_data", failing_first)
+    with pytest.raises(OSError, match="injected"):
+        tier.write_chunks(NAMESPACE, LAYER_BYTES, LAYERS, chunks)
+    assert finishing == [0, 1]  # chunk 1 was finished (waited for), chunk 0 not finished twice
+    assert sorted(records_by_slot(tier)) == [1]
+    assert tier.engine.batches_in_flight == 0
+    tier.close()
+
+
 @pytest.mark.parametrize("extent_layers", [1, 2, LAYERS])
 def test_round_trip_is_bit_exact_through_a_host_arena(drives, arena, io_engine, extent_layers):
     config = make_config(drives, engine=io_engine, read_extent_bytes=extent_layers * LAYER_BYTES)

@@ -743,10 +743,11 @@ class DiskTier:
             for chunk in chunks:
                 if pending is not None and stop is not None and stop():
                     break
-                started = self._start_write(namespace_id, layer_bytes, num_layers, chunk)
-                if pending is not None:
-                    done.append(self._finish_write(pending))
-                pending = started
+                # The newest chunk is `pending` before the one behind it is finished, so that
+                # should finishing fail, the newest is still waited for below.
+                previous, pending = pending, self._start_write(namespace_id, layer_bytes, num_layers, chunk)
+                if previous is not None:
+                    done.append(self._finish_write(previous))
         finally:
             if pending is not None:  # (also on an error: never leave a batch reading its source behind)
                 done.append(self._finish_write(pending))
