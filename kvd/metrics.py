@@ -37,8 +37,8 @@ Get hits of kvd_get_blocks_total.
 | kvd_disk_recovery_lost_blocks | gauge | | blocks the drives' metadata described that the last start could not recover: records dropped (missing segment, unknown namespace, ...), records destroyed by damage inside a manifest (at least), and the blocks of quarantined drives (where known) |
 | kvd_disk_job_wait_seconds | histogram | class | time a disk job waited in its queue before it ran |
 | kvd_disk_slack_writes_total | counter | | write-back jobs run inside a restore, between its layer groups, in the slack disk.slack_profile says the layers leave |
-| kvd_disk_write_chunks_total | counter | | write-back chunks sent to the drives (one data batch each; a write job runs several, pipelined, until a read is queued): written bytes over chunks is the chunk size |
-| kvd_disk_job_run_seconds | histogram | class | time a disk job ran: restore and prefetch jobs are one read_blocks batch, write jobs one write_blocks chunk; control is the rest (journal removals, syncs, compaction) |
+| kvd_disk_write_chunks_total | counter | | write-back chunks sent to the drives (one data batch each; a write job runs one while reads are under way, else several, pipelined): written bytes over chunks is the chunk size |
+| kvd_disk_job_run_seconds | histogram | class | time a disk job ran: restore and prefetch jobs are one read_blocks batch, write jobs one or more write chunks; control is the rest (journal removals, syncs, compaction) |
 | kvd_blocks_sealed_total | counter | tier | blocks committed |
 | kvd_blocks_aborted_total | counter | tier | reservations aborted or expired unwritten |
 | kvd_blocks_deleted_total | counter | tier | blocks removed by Delete |

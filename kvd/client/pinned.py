@@ -38,6 +38,11 @@ from kvd.errors import FailedPrecondition
 from kvd.v1 import kvd_pb2
 
 
+def _block_view(namespace: Namespace, rows: np.ndarray, slot: int) -> np.ndarray:
+    """The block in arena row `slot` as a (*block_shape) array of the namespace dtype (a view)."""
+    return rows[slot, :namespace.block_bytes].view(namespace.numpy_dtype).reshape(namespace.spec.block_shape)
+
+
 class PinnedBlocks:
     def __init__(self, namespace: Namespace, arena: ArenaMapping, matched: int, offsets, lease_id: int,
                  release: Callable[[list[int]], None]) -> None:
@@ -59,8 +64,7 @@ class PinnedBlocks:
         self._check()
         if not 0 <= index < self.matched:
             raise IndexError(f"block {index} of {self.matched} pinned")
-        row = self._rows[self._slots[index], :self.namespace.block_bytes]
-        view = row.view(self.namespace.numpy_dtype).reshape(self.namespace.spec.block_shape)
+        view = _block_view(self.namespace, self._rows, self._slots[index])
         view.flags.writeable = False  # a write here would change what the daemon serves
         return view
 
@@ -114,8 +118,7 @@ class ReservedBlocks:
         self._check()
         if not self.start <= index < self.stop:
             raise IndexError(f"keys[{index}] is not in the reserved run [{self.start}, {self.stop})")
-        row = self._rows[self._slots[index - self.start], :self.namespace.block_bytes]
-        return row.view(self.namespace.numpy_dtype).reshape(self.namespace.spec.block_shape)
+        return _block_view(self.namespace, self._rows, self._slots[index - self.start])
 
     def fill(self, blocks) -> None:
         """Copy blocks (one per key, as put takes them) of the reserved run into its slots."""

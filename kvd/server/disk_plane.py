@@ -311,13 +311,13 @@ class DiskPlane:
     async def _write_round(self, round_: WriteRound) -> None:
         """Removals first (durable), then the blocks chunk by chunk, then compaction if due.
 
-        The chunks (of at most disk.write_chunk_blocks blocks and
-        disk.write_chunk_bytes under the slack schedule) go out as one job that keeps the drive busy: the
-        next chunk is at the drive while the last one is journalled. While
-        reads are under way (one is queued or ended lately) the job runs
-        one chunk and the rest of the round queues again behind the reads,
-        so a read waits for one chunk at most, two if it arrives while the
-        drive was serving writes only.
+        The chunks (under the slack schedule, of at most
+        disk.write_chunk_blocks blocks and disk.write_chunk_bytes) go out as
+        one job that keeps the drive busy: the next chunk is at the drive
+        while the last one is journalled. While reads are under way (one is
+        queued or ended lately) the job runs one chunk and the rest of the
+        round queues again behind the reads, so a read waits for one chunk
+        at most, two if it arrives while the drive was serving writes only.
         """
         failed_removals = await self._run(self._remove_sync, round_.removals) if round_.removals else set()
         self.mover.removals_journalled(round_, failed_removals)
