@@ -70,6 +70,8 @@ Get hits of kvd_get_blocks_total.
 | kvd_device_blocks_total | counter | op | blocks kvd copied out of engines' pools (save) and into them (load) |
 | kvd_device_tier_blocks | gauge | | blocks held in the device tier ([device] tier_bytes) |
 | kvd_device_tier_slots | gauge | | slots of the device tier (0: none) |
+| kvd_device_tier_used_slots | gauge | | slots of the device tier holding copies (or being written) |
+| kvd_device_tier_host_layers_total | counter | | layers of device tier copies that their save's placement plan (SaveLayers offload_distance) left in host memory |
 | kvd_device_tier_lookups_total | counter | result | loaded blocks found in the device tier (hit: copied device to device) or not (miss: from host memory) |
 | kvd_device_tier_evictions_total | counter | | device tier copies dropped to make room |
 | kvd_tenant_used_bytes | gauge | tenant, tier | capacity a tenant's blocks take (whole slots; auth.mode = "token"): host counts blocks being written or read back, disk blocks being written |
@@ -389,6 +391,10 @@ class DeviceCollector(Collector):
         yield GaugeMetricFamily("kvd_device_tier_blocks", "Blocks held in the device tier.", value=c["tier_blocks"])
         yield GaugeMetricFamily("kvd_device_tier_slots", "Slots of the device tier (0: no device tier).",
                                 value=c["tier_slots"])
+        yield GaugeMetricFamily("kvd_device_tier_used_slots", "Slots of the device tier holding copies.",
+                                value=c["tier_used_slots"])
+        yield CounterMetricFamily("kvd_device_tier_host_layers", "Layers of device tier copies their plan left "
+                                  "in host memory.", value=c["tier_host_layers"])
         lookups = CounterMetricFamily("kvd_device_tier_lookups", "Loaded blocks looked up in the device tier.",
                                       labels=["result"])
         lookups.add_metric(["hit"], c["tier_hits"])

@@ -548,10 +548,11 @@ def unregister_pool(session: Session, pool_id: int) -> Op:
 
 
 def save_layers(session: Session, namespace: Namespace, pool_id: int, keys: Sequence[bytes], pages: Sequence[int],
-                engine_flag: int, kvd_flag: int, base: int, parent_key: bytes) -> Op:
+                engine_flag: int, kvd_flag: int, base: int, parent_key: bytes, offload_distance: int) -> Op:
     response = yield ("SaveLayers", kvd_pb2.SaveLayersRequest(
         namespace_id=namespace.namespace_id, client_id=session.client_id, pool_id=pool_id, parent_key=parent_key,
-        keys=keys, pages=pages, engine_flag=engine_flag, kvd_flag=kvd_flag, base=base))
+        keys=keys, pages=pages, engine_flag=engine_flag, kvd_flag=kvd_flag, base=base,
+        offload_distance=offload_distance))
     return response
 
 

@@ -80,9 +80,9 @@ class DevicePool:
         store_flag(self.flags, index, value)
 
     def save(self, keys: Sequence[bytes], pages: Sequence[int], engine_flag: int, kvd_flag: int, base: int,
-             parent_key: bytes = b"") -> kvd_pb2.SaveLayersResponse:
+             parent_key: bytes = b"", offload_distance: int = -1) -> kvd_pb2.SaveLayersResponse:
         return self.client.save_layers(self.namespace, self.pool_id, keys, pages, engine_flag, kvd_flag, base,
-                                       parent_key)
+                                       parent_key, offload_distance)
 
     def load(self, keys: Sequence[bytes], pages: Sequence[int], kvd_flag: int, base: int,
              parent_key: bytes = b"") -> kvd_pb2.LoadLayersResponse:

@@ -207,10 +207,12 @@ class Client(_ops.ClientBase):
         self._run(_ops.unregister_pool(self.session, pool_id))
 
     def save_layers(self, namespace: Namespace, pool_id: int, keys: Sequence[bytes], pages: Sequence[int],
-                    engine_flag: int, kvd_flag: int, base: int, parent_key: bytes = b"") -> kvd_pb2.SaveLayersResponse:
-        """kvd copies the blocks of `keys` out of the pool's `pages`, layer by layer (see the proto)."""
+                    engine_flag: int, kvd_flag: int, base: int, parent_key: bytes = b"",
+                    offload_distance: int = -1) -> kvd_pb2.SaveLayersResponse:
+        """kvd copies the blocks of `keys` out of the pool's `pages`, layer by layer (see the proto);
+        with a device tier, it keeps there the layers a plan at `offload_distance` keeps on the GPU."""
         return self._run(_ops.save_layers(self.session, namespace, pool_id, keys, pages, engine_flag, kvd_flag, base,
-                                          parent_key))
+                                          parent_key, offload_distance))
 
     def load_layers(self, namespace: Namespace, pool_id: int, keys: Sequence[bytes], pages: Sequence[int],
                     kvd_flag: int, base: int, parent_key: bytes = b"") -> kvd_pb2.LoadLayersResponse:

@@ -29,6 +29,8 @@ import numpy as np
 
 from kvd.device.api import DeviceError, Memory, Stream
 
+ABSENT = -1  # a layer offset meaning: that layer is not in this place
+
 
 @dataclass(frozen=True, slots=True)
 class PoolLayout:
@@ -76,22 +78,35 @@ class PoolLayout:
 
 
 def _offsets(layout: PoolLayout, block_ids, slot_offsets) -> tuple[np.ndarray, np.ndarray]:
+    """The pool's offsets of the pages, and each block's layer offsets on kvd's side: [blocks, layers],
+    ABSENT where that layer is not there. 1-D slot_offsets are slots holding every layer back to back."""
     block_ids = np.asarray(block_ids, dtype=np.int64)
-    slot_offsets = np.asarray(slot_offsets, dtype=np.uint64)
+    slot_offsets = np.asarray(slot_offsets, dtype=np.int64)
     if len(block_ids) != len(slot_offsets):
         raise DeviceError(f"{len(block_ids)} engine blocks for {len(slot_offsets)} slots")
     if len(block_ids) and (block_ids.min() < 0 or block_ids.max() >= layout.num_blocks):
         raise DeviceError(f"engine block ids must be in [0, {layout.num_blocks})")
+    layers = len(layout.layers)
+    if slot_offsets.ndim == 1:
+        slot_offsets = slot_offsets[:, None] + np.arange(layers, dtype=np.int64) * layout.page_bytes
+    elif slot_offsets.shape != (len(block_ids), layers):
+        raise DeviceError(f"layer offsets of shape {slot_offsets.shape} for {len(block_ids)} blocks of {layers} layers")
     return block_ids.astype(np.uint64) * np.uint64(layout.stride), slot_offsets
 
 
 def _copies(layout: PoolLayout, layer: int, places) -> list[tuple[Memory, np.ndarray, np.ndarray, int]]:
-    """(arena-side memory, its offsets, the pool's offsets, bytes) of each batched copy of one layer."""
+    """(kvd-side memory, its offsets, the pool's offsets, bytes) of each batched copy of one layer:
+    per place, the blocks whose layer is there."""
     copies = []
-    for memory, pages, slots in places:
+    for memory, pages, layer_offsets in places:
+        column = layer_offsets[:, layer]
+        there = column != ABSENT
+        if not there.any():
+            continue
+        slots, pages = (column, pages) if there.all() else (column[there], pages[there])
+        slots = slots.astype(np.uint64)
         for pool_part, block_part, nbytes in layout.parts():
-            copies.append((memory, slots + np.uint64(layer * layout.page_bytes + block_part),
-                           pages + np.uint64(pool_part), nbytes))
+            copies.append((memory, slots + np.uint64(block_part), pages + np.uint64(pool_part), nbytes))
     return copies
 
 
@@ -106,7 +121,8 @@ def save_layers(stream: Stream, layout: PoolLayout, block_ids, arena: Memory, sl
     is called before each layer's copy is issued and returns once that layer is written (it
     raises to stop the save): the host watches the engine's word instead of the stream, so a
     stream is never left waiting on an engine that stopped. `also`: more (memory, block_ids,
-    slot_offsets) places each layer is copied to before its flag (the device tier)."""
+    layer offsets [blocks, layers], ABSENT where a layer is not copied there) places each layer
+    is copied to before its flag (the device tier)."""
     places = [(arena, *_offsets(layout, block_ids, slot_offsets))]
     places += [(memory, *_offsets(layout, ids, offsets)) for memory, ids, offsets in also]
     engine_index = flag_index if engine_flag_index is None else engine_flag_index
@@ -121,14 +137,13 @@ def save_layers(stream: Stream, layout: PoolLayout, block_ids, arena: Memory, sl
     return base + len(layout.layers)
 
 
-def load_layers(stream: Stream, layout: PoolLayout, block_ids, arena: Memory, slot_offsets,
-                kvd_flags: Memory, flag_index: int, base: int,
-                also: Sequence[tuple[Memory, object, object]] = ()) -> int:
-    """Scatter each layer from the slots into the engine's pages, flagging each layer as it lands;
-    returns the flag value that means every layer has. `also`: more (memory, block_ids,
-    slot_offsets) sources, copied in the same layer before its flag (the device tier)."""
-    places = [(arena, *_offsets(layout, block_ids, slot_offsets))]
-    places += [(memory, *_offsets(layout, ids, offsets)) for memory, ids, offsets in also]
+def load_layers(stream: Stream, layout: PoolLayout, sources: Sequence[tuple[Memory, object, object]],
+                kvd_flags: Memory, flag_index: int, base: int) -> int:
+    """Scatter each layer into the engine's pages from its sources, flagging each layer as it lands;
+    returns the flag value that means every layer has. A source is (memory, block_ids, slot offsets
+    (1-D: slots holding every layer) or layer offsets [blocks, layers] with ABSENT where the layer
+    comes from another source): the arena, and the device tier."""
+    places = [(memory, *_offsets(layout, ids, offsets)) for memory, ids, offsets in sources]
     for layer, pool in enumerate(layout.layers):
         for memory, slots, pages, nbytes in _copies(layout, layer, places):
             stream.copy_blocks(pool, pages, memory, slots, nbytes)

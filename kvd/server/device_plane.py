@@ -30,8 +30,9 @@ import numpy as np
 
 from kvd.device import Device, DeviceError, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
-from kvd.device.transfer import PoolLayout, load_layers, save_layers
-from kvd.server.device_tier import NO_SLOT, DeviceTier
+from kvd.device.transfer import ABSENT, PoolLayout, load_layers, save_layers
+from kvd.planner.distance import NONE
+from kvd.server.device_tier import DeviceTier
 from kvd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvd.invariants import check
 
@@ -287,7 +288,8 @@ class DevicePlane:
         return {"pools": len(self.pools), "saved_blocks": self.saved_blocks, "loaded_blocks": self.loaded_blocks,
                 "tier_blocks": len(tier) if tier else 0, "tier_slots": tier.slot_count if tier else 0,
                 "tier_hits": tier.hits if tier else 0, "tier_misses": tier.misses if tier else 0,
-                "tier_evictions": tier.evictions if tier else 0}
+                "tier_evictions": tier.evictions if tier else 0, "tier_used_slots": tier.used_slots if tier else 0,
+                "tier_host_layers": tier.host_layers if tier else 0}
 
     # ---------------------------------------------------------------- transfers
 
@@ -306,14 +308,15 @@ class DevicePlane:
         return pages
 
     async def save(self, pool: Pool, pages: np.ndarray, slot_offsets: list[int], engine_flag: int,
-                   kvd_flag: int, base: int, keys=(), blocks=()) -> int:
+                   kvd_flag: int, base: int, keys=(), blocks=(), distance: int = NONE) -> int:
         """Copy the reserved blocks out of their pages, layer by layer as the engine writes them;
         returns the kvd flag value meaning every layer is out. With a device tier, `keys` and
-        `blocks` (the index's Blocks being stored) get a copy there too. DeadlineExceeded when a
+        `blocks` (the index's Blocks being stored) get a copy there too: of the layers a plan at
+        offload `distance` keeps on the device (NONE: all). DeadlineExceeded when a
         layer's flag did not come in time: kvd's flag is then set to that value anyway (it reads
         the pages no more) and nothing of the save may be committed."""
         done = base + len(pool.layout.layers)
-        tier_slots, also = self._tier_places(pool, pages, keys, blocks)
+        tier_entries, also = self._tier_places(pool, pages, keys, blocks, distance)
         pool.begin()
         copying = asyncio.ensure_future(asyncio.to_thread(self._save_now, pool, pages, slot_offsets, engine_flag,
                                                           kvd_flag, base, also))
@@ -328,19 +331,20 @@ class DevicePlane:
         finally:
             pool.end()
             if self.tier is not None:
-                self.tier.settle(pool.namespace_id, keys, tier_slots, landed)
+                self.tier.settle(pool.namespace_id, keys, tier_entries, landed)
         self.saved_blocks += len(slot_offsets)
         return done
 
-    def _tier_places(self, pool: Pool, pages: np.ndarray, keys, blocks) -> tuple[list[int], list]:
-        """Device tier slots for a save's blocks (pinned), and the copy list that fills them."""
+    def _tier_places(self, pool: Pool, pages: np.ndarray, keys, blocks, distance: int) -> tuple[list, list]:
+        """Device tier entries for a save's blocks (pinned), and the copy list that fills them."""
         if self.tier is None or not len(keys):
             return [], []
-        slots = self.tier.place(pool.namespace_id, keys, blocks, pool.layout.page_bytes * len(pool.layout.layers))
-        placed = [i for i, slot in enumerate(slots) if slot != NO_SLOT]
+        layout = pool.layout
+        entries = self.tier.place(pool.namespace_id, keys, blocks, layout.page_bytes, len(layout.layers), distance)
+        placed = [i for i, entry in enumerate(entries) if entry is not None]
         if not placed:
-            return slots, []
-        return slots, [(self.tier.memory, pages[placed], [self.tier.offset(slots[i]) for i in placed])]
+            return entries, []
+        return entries, [(self.tier.memory, pages[placed], np.stack([entries[i].offsets for i in placed]))]
 
     def _save_now(self, pool: Pool, pages, slot_offsets, engine_flag: int, kvd_flag: int, base: int,
                   also) -> None:
@@ -379,22 +383,18 @@ class DevicePlane:
         slot_offsets) into the pages, from the device tier where it holds them; `on_landed()` runs
         (on the event loop) once every copy has landed or the stream failed. Returns the value
         flags[kvd_flag] reaches, and which blocks came from the device tier."""
-        tier_slots = self.tier.find(pool.namespace_id, keys, blocks) if self.tier is not None else []
-        from_tier = [slot != NO_SLOT for slot in tier_slots] or [False] * len(blocks)
-        host = [i for i, hit in enumerate(from_tier) if not hit]
-        tier = [i for i, hit in enumerate(from_tier) if hit]
-        also = [(self.tier.memory, pages[tier], [self.tier.offset(tier_slots[i]) for i in tier])] if tier else []
+        entries = self.tier.find(pool.namespace_id, keys, blocks) if self.tier is not None else []
         try:
-            done = load_layers(pool.stream, pool.layout, pages[host], self.arena, [slot_offsets[i] for i in host],
-                               pool.flags_on_device, kvd_flag, base, also=also)
+            done = load_layers(pool.stream, pool.layout, self._sources(pool, pages, slot_offsets, entries),
+                               pool.flags_on_device, kvd_flag, base)
         except BaseException:
             if self.tier is not None:
-                self.tier.unpin(pool.namespace_id, keys, tier_slots)
+                self.tier.unpin(pool.namespace_id, keys, entries)
             raise
 
         def landed() -> None:
             if self.tier is not None:
-                self.tier.unpin(pool.namespace_id, keys, tier_slots)
+                self.tier.unpin(pool.namespace_id, keys, entries)
             on_landed()
 
         pool.begin()
@@ -402,7 +402,20 @@ class DevicePlane:
         task = asyncio.get_running_loop().create_task(self._landed(pool, landed, kvd_flag, done))
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
-        return done, from_tier
+        return done, [entry is not None for entry in entries] or [False] * len(blocks)
+
+    def _sources(self, pool: Pool, pages: np.ndarray, slot_offsets, entries) -> list:
+        """A load's sources: the device tier for the layers its entries hold, the arena for the rest."""
+        layout = pool.layout
+        from_arena = np.asarray(slot_offsets, dtype=np.int64).reshape(-1, 1) \
+            + np.arange(len(layout.layers), dtype=np.int64) * layout.page_bytes
+        sources = [(self.arena, pages, from_arena)]
+        rows = [i for i, entry in enumerate(entries) if entry is not None]
+        if rows:
+            in_tier = np.stack([entries[i].offsets for i in rows])
+            from_arena[rows] = np.where(in_tier == ABSENT, from_arena[rows], ABSENT)
+            sources.append((self.tier.memory, pages[rows], in_tier))
+        return sources
 
     async def _landed(self, pool: Pool, on_landed, kvd_flag: int, done: int) -> None:
         try:

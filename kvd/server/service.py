@@ -42,6 +42,7 @@ from kvd.errors import (
     Unavailable,
 )
 from kvd.metrics import RpcMetrics
+from kvd.planner.distance import NONE
 from kvd.server import convert
 from kvd.server.auth import CURRENT_TENANT, Tenant, scoped_client_id
 from kvd.server.planning import Planning
@@ -785,6 +786,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     async def SaveLayers(self, request, context):
         plane, pool, pages = self._device_pool(request, {"engine_flag": request.engine_flag,
                                                          "kvd_flag": request.kvd_flag})
+        distance = _offload_distance(request.offload_distance, len(pool.layout.layers))
         result = await self._reserve(request, 0)
         reserved = [i for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
         offsets = self._reserved_offsets(result.slots)
@@ -793,7 +795,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             if result.lease is not None else {}
         try:
             done = await plane.save(pool, pages[reserved], [offsets[i] for i in reserved], request.engine_flag,
-                                    request.kvd_flag, request.base, keys, [writing[key] for key in keys])
+                                    request.kvd_flag, request.base, keys, [writing[key] for key in keys], distance)
         except BaseException:
             if keys:
                 self.engine.commit(CommitRequest(request.namespace_id, request.client_id, result.lease.lease_id,
@@ -865,6 +867,16 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             leases_expired=engine.leases.expired_total,
             metrics=convert.metric_samples(self.metrics.registry) if request.include_metrics else [],
         )
+
+
+def _offload_distance(distance: int, layers: int) -> int:
+    """SaveLayers' offload_distance as the planner's (NONE for 0 or -1), or INVALID_ARGUMENT."""
+    if distance in (0, NONE):
+        return NONE
+    if not 1 <= distance < layers:
+        raise InvalidArgument(f"offload_distance must be -1 or 0 (every layer kept) or in [1, {layers - 1}] for "
+                              f"{layers} layers, got {distance}")
+    return distance
 
 
 def _not_stored(statuses, stored: int, requested: int) -> NotDurable:

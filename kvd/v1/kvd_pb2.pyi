@@ -610,7 +610,7 @@ class UnregisterPoolResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SaveLayersRequest(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "pool_id", "parent_key", "keys", "pages", "engine_flag", "kvd_flag", "base")
+    __slots__ = ("namespace_id", "client_id", "pool_id", "parent_key", "keys", "pages", "engine_flag", "kvd_flag", "base", "offload_distance")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -620,6 +620,7 @@ class SaveLayersRequest(_message.Message):
     ENGINE_FLAG_FIELD_NUMBER: _ClassVar[int]
     KVD_FLAG_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_DISTANCE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     client_id: str
     pool_id: int
@@ -629,7 +630,8 @@ class SaveLayersRequest(_message.Message):
     engine_flag: int
     kvd_flag: int
     base: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., engine_flag: _Optional[int] = ..., kvd_flag: _Optional[int] = ..., base: _Optional[int] = ...) -> None: ...
+    offload_distance: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., engine_flag: _Optional[int] = ..., kvd_flag: _Optional[int] = ..., base: _Optional[int] = ..., offload_distance: _Optional[int] = ...) -> None: ...
 
 class SaveLayersResponse(_message.Message):
     __slots__ = ("statuses", "stored", "done_value")

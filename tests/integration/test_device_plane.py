@@ -82,12 +82,13 @@ def keys_for(seed: int, count: int) -> list[bytes]:
     return chain_keys(SPEC, np.arange(count * SPEC.block_tokens) + seed * 100_000)
 
 
-def save_as_engine(engine: Engine, keys, pages, data: np.ndarray, base: int):
+def save_as_engine(engine: Engine, keys, pages, data: np.ndarray, base: int, **options):
     """Save while computing: layer l of every page is written only once kvd has taken layer l - 1 out
     (its flag), then marked written. A kvd that copied a layer before its mark would store the page's
     old bytes for it."""
     result = {}
-    saving = threading.Thread(target=lambda: result.update(response=engine.pool.save(keys, pages, ENGINE, KVD, base)))
+    saving = threading.Thread(target=lambda: result.update(response=engine.pool.save(keys, pages, ENGINE, KVD, base,
+                                                                                     **options)))
     saving.start()
     for layer in range(SPEC.num_layers):
         for page, block in zip(pages, data):

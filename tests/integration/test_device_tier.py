@@ -17,7 +17,8 @@ from kvd import arena_protocol
 from kvd.client import Client
 from kvd.testing.daemon import run_daemon
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
-from tests.integration.test_device_plane import ENGINE, KVD, SPEC, Engine, blocks, keys_for, save_as_engine, wait_for
+from tests.integration.test_device_plane import (ENGINE, KVD, SPEC, Engine, blocks, codes_of, keys_for,
+                                                 save_as_engine, wait_for)
 
 TIER_SLOTS = 4
 SLOT_BYTES = 64 << 10
@@ -126,3 +127,73 @@ def test_the_device_tier_is_reported_in_the_metrics(daemon, engines):
     assert "kvd_device_pools 2.0" in text
     hits = [line for line in text.splitlines() if line.startswith('kvd_device_tier_lookups_total{result="hit"}')]
     assert hits and float(hits[0].split()[-1]) >= 2
+
+
+# A tier in slots of one layer page: a copy takes as many slots as the layers it keeps.
+PAGE_SLOTS = 12
+
+
+@pytest.fixture(scope="module")
+def paged_daemon(tmp_path_factory):
+    config = {"host": {"capacity_bytes": 16 << 20, "slot_bytes": SLOT_BYTES},
+              "device": {"kind": "cpu", "tier_bytes": PAGE_SLOTS * SPEC.layer_bytes, "tier_slot_bytes":
+                         SPEC.layer_bytes}}
+    with run_daemon(tmp_path_factory.mktemp("kvd"), config=config) as process:
+        yield process
+
+
+@pytest.fixture
+def paged_engines(paged_daemon):
+    with Client(paged_daemon.unix_target) as client:
+        a, b = Engine(client), Engine(client)
+        yield client, a, b
+        a.close()
+        b.close()
+
+
+def test_a_planned_save_keeps_only_the_layers_its_plan_keeps_on_the_device(paged_daemon, paged_engines):
+    """offload_distance 1 keeps layers 1 and 3 of 4 (0-based 0 and 2) in the tier: twice the blocks
+    fit, and a load takes the other layers from host memory (scribbled over here, so the bytes
+    show where each layer came from)."""
+    client, a, b = paged_engines
+    count = PAGE_SLOTS // 2  # two layers each
+    data, keys = blocks(count, seed=51), keys_for(51, count)
+    saved = save_as_engine(a, keys, list(range(count)), data, a.pool.flag(ENGINE), offload_distance=1)
+    assert saved.stored == count
+    assert list(client.lookup(a.namespace, keys).tiers) == [kvd_pb2.TIER_DEVICE] * count
+    overwrite_host_copies(paged_daemon, a.namespace, keys)
+    loaded = load(b, keys, list(range(10, 10 + count)))
+    assert list(loaded.tiers) == [kvd_pb2.TIER_DEVICE] * count
+    scribbled = np.full(SPEC.block_shape[1:], np.frombuffer(b"\x7f" * 4, np.float32)[0])
+    for page, block in zip(range(10, 10 + count), data):
+        got = b.read(page)
+        for layer in (0, 2):
+            np.testing.assert_array_equal(got[layer], block[layer])  # from the tier
+        for layer in (1, 3):
+            np.testing.assert_array_equal(got[layer], scribbled)  # from host memory
+    metrics = urllib.request.urlopen(paged_daemon.metrics_url, timeout=10).read().decode()
+    assert f"kvd_device_tier_used_slots {PAGE_SLOTS}.0" in metrics
+    assert f"kvd_device_tier_host_layers_total {2 * count}.0" in metrics
+
+
+def test_without_a_plan_whole_blocks_take_the_tier_and_fewer_fit(paged_engines):
+    _, a, b = paged_engines
+    count = PAGE_SLOTS // 2
+    data, keys = blocks(count, seed=52), keys_for(52, count)
+    assert save_as_engine(a, keys, list(range(count)), data, a.pool.flag(ENGINE)).stored == count
+    whole = PAGE_SLOTS // SPEC.num_layers
+    loaded = load(b, keys, list(range(10, 10 + count)))
+    assert list(loaded.tiers) == [kvd_pb2.TIER_DEVICE] * whole + [kvd_pb2.TIER_HOST] * (count - whole)
+    for page, block in zip(range(10, 10 + count), data):
+        np.testing.assert_array_equal(b.read(page), block)
+
+
+@pytest.mark.parametrize("distance", [SPEC.num_layers, -2, 1 << 30])
+def test_an_offload_distance_past_the_layers_is_refused_by_name_and_stores_nothing(paged_engines, distance):
+    client, a, _ = paged_engines
+    keys = keys_for(53, 1)
+    code, details = codes_of(lambda: a.pool.save(keys, [0], ENGINE, KVD, a.pool.flag(ENGINE),
+                                                 offload_distance=distance))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"offload_distance must be -1 or 0 (every layer kept) or in [1, 3] for 4 layers, got {distance}" in details
+    assert client.lookup(a.namespace, keys).matched == 0

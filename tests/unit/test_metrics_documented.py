@@ -37,7 +37,7 @@ def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
     registry.register(ArenaCollector(lambda: 0, lambda: 0))
     registry.register(DeviceCollector(lambda: dict.fromkeys(
         ("pools", "saved_blocks", "loaded_blocks", "tier_blocks", "tier_slots", "tier_hits", "tier_misses",
-         "tier_evictions"), 0)))
+         "tier_evictions", "tier_used_slots", "tier_host_layers"), 0)))
     # Labelled metrics of the server export samples once a label is used.
     rpc.duration.labels("Get").observe(0.001)
     rpc.total.labels("Get", "OK").inc()
