@@ -67,6 +67,10 @@ double kvd_plan_step_latency(const struct kvd_plan_batch *batch, const int *dist
 	return end;
 }
 
+/* Latency evaluations the local search may spend before branch and bound
+ * (16 requests x 32 layers: about 0.1 ms). */
+#define LOCAL_EVALS 512
+
 struct search {
 	const struct kvd_plan_batch *batch;
 	const int *options;
@@ -87,11 +91,58 @@ struct search {
 	double hull_c[KVD_PLAN_MAX_LAYERS + 1][KVD_PLAN_MAX_OPTIONS];
 	int hull_size[KVD_PLAN_MAX_LAYERS + 1];
 	double fetched_by[KVD_PLAN_MAX_LAYERS + 1];     /* [j]: assigned bytes fetched for layers <= j */
+	/* The model depends on a placement only through the bytes at each
+	 * distance (a class): a class's transfers asked at one layer reach the
+	 * link back to back, and their layer waits for the last. sums[o] is the
+	 * KV of one layer of the requests at useful[o]; ask_class lists, per
+	 * layer, the classes that ask for a transfer when it starts, by
+	 * distance (the link's order), from ask_start[layer]. */
+	double sums[KVD_PLAN_MAX_OPTIONS];
+	int ask_start[KVD_PLAN_MAX_LAYERS + 2];
+	unsigned char ask_class[KVD_PLAN_MAX_OPTIONS * KVD_PLAN_MAX_LAYERS];
+	double arrived[KVD_PLAN_MAX_LAYERS + 1];
+	int pick[KVD_PLAN_MAX_REQUESTS];                /* useful option per request (local search) */
+	double used;                                    /* GPU bytes of pick */
 	int distances[KVD_PLAN_MAX_REQUESTS];
 	int chosen[KVD_PLAN_MAX_REQUESTS];              /* option index per depth */
 	struct kvd_plan_result *result;
 	int stopped;
 };
+
+/* The step latency of the classes in s->sums: kvd_plan_step_latency, with
+ * a class's transfers at one layer as one. */
+static double class_latency(struct search *s)
+{
+	const struct kvd_plan_batch *batch = s->batch;
+	double end = 0, link_free = 0;
+	memset(s->arrived, 0, sizeof(double) * (size_t)(batch->layers + 1));
+	for (int layer = 1; layer <= batch->layers; layer++) {
+		double start = max2(end, s->arrived[layer]);
+		for (int k = s->ask_start[layer]; k < s->ask_start[layer + 1]; k++) {
+			int c = s->ask_class[k];
+			if (s->sums[c] <= 0)
+				continue; /* an empty class moves nothing */
+			int target = layer + s->useful[c];
+			link_free = max2(link_free, start) + s->sums[c] / batch->bandwidth_bps;
+			s->arrived[target] = max2(s->arrived[target], link_free);
+		}
+		end = start + batch->compute_s[layer - 1];
+	}
+	return end;
+}
+
+/* One latency evaluation, counted; 0 (and the search stopped) once
+ * max_nodes have been spent. */
+static int evaluate(struct search *s, double *latency)
+{
+	if (s->max_nodes && s->result->explored >= s->max_nodes) {
+		s->stopped = 1;
+		return 0;
+	}
+	s->result->explored++;
+	*latency = class_latency(s);
+	return 1;
+}
 
 /* The least of (layers fetched for layers <= j) per byte of KV with which
  * open requests free `benefit` layers per byte, the options mixed freely. */
@@ -140,44 +191,159 @@ static void note_fetches(struct search *s, int request, int distance, double sig
 		s->fetched_by[layer] += kv * (layer / (distance + 1));
 }
 
+/* The best placement so far: the search's distances, or the local search's picks. */
+static void keep(struct search *s, double latency, double used, const int *distances)
+{
+	struct kvd_plan_result *result = s->result;
+	result->found = 1;
+	result->latency_s = latency;
+	result->gpu_bytes = used;
+	if (distances != NULL) {
+		memcpy(result->distances, distances, sizeof(int) * (size_t)s->batch->requests);
+		return;
+	}
+	for (int r = 0; r < s->batch->requests; r++)
+		result->distances[r] = s->useful[s->pick[r]];
+}
+
 static void descend(struct search *s, int depth, double used)
 {
 	const struct kvd_plan_batch *batch = s->batch;
 	struct kvd_plan_result *result = s->result;
+	double latency;
 	if (s->stopped || used + s->frugal_after[depth] > s->budget)
 		return;
 	if (result->found && fluid_bound(s, depth, used) >= result->latency_s)
 		return;
-	if (s->max_nodes && result->explored >= s->max_nodes) {
-		s->stopped = 1;
-		return;
-	}
-	double bound = kvd_plan_step_latency(batch, s->distances);
-	result->explored++;
-	if (result->found && bound >= result->latency_s)
+	if (!evaluate(s, &latency) || (result->found && latency >= result->latency_s))
 		return;
 	if (depth == batch->requests) {
-		result->found = 1;
-		result->latency_s = bound;
-		result->gpu_bytes = used;
-		memcpy(result->distances, s->distances, sizeof(int) * (size_t)batch->requests);
+		keep(s, latency, used, s->distances);
 		return;
 	}
 	int request = s->order[depth];
+	double kv = batch->kv_bytes[request];
 	/* Requests of equal size are interchangeable: try their distances in
 	 * one order only (never less offloaded than the equal one before). */
 	int first = 0;
-	if (depth > 0 && batch->kv_bytes[s->order[depth - 1]] == batch->kv_bytes[request])
+	if (depth > 0 && batch->kv_bytes[s->order[depth - 1]] == kv)
 		first = s->chosen[depth - 1];
 	for (int o = first; o < s->useful_count && !s->stopped; o++) {
 		int distance = s->useful[o];
 		s->distances[request] = distance;
 		s->chosen[depth] = o;
+		s->sums[o] += kv; /* whole bytes: adding and taking back is exact */
 		note_fetches(s, request, distance, 1);
 		descend(s, depth + 1, used + request_bytes(batch, request, distance));
 		note_fetches(s, request, distance, -1);
+		s->sums[o] -= kv;
 	}
 	s->distances[request] = KVD_PLAN_NONE;
+}
+
+/* The local search's move: request to useful option o. */
+static void move(struct search *s, int request, int o)
+{
+	const struct kvd_plan_batch *batch = s->batch;
+	int was = s->pick[request];
+	s->sums[was] -= batch->kv_bytes[request];
+	s->sums[o] += batch->kv_bytes[request];
+	s->used += request_bytes(batch, request, s->useful[o]) - request_bytes(batch, request, s->useful[was]);
+	s->pick[request] = o;
+}
+
+static void pick_all(struct search *s, const int *distances)
+{
+	memset(s->sums, 0, sizeof(s->sums));
+	s->used = 0;
+	for (int r = 0; r < s->batch->requests; r++) {
+		int o = 0;
+		while (distances != NULL && s->useful[o] != distances[r])
+			o++;
+		s->pick[r] = o;
+		s->sums[o] += s->batch->kv_bytes[r];
+		s->used += request_bytes(s->batch, r, s->useful[o]);
+	}
+}
+
+/* Whether the picks as they are beat the best so far (and became it).
+ * Spends one of `left` evaluations. */
+static int better(struct search *s, int *left)
+{
+	double latency;
+	if (s->used > s->budget || *left <= 0)
+		return 0;
+	(*left)--;
+	if (!evaluate(s, &latency) || (s->result->found && latency >= s->result->latency_s))
+		return 0;
+	keep(s, latency, s->used, NULL);
+	return 1;
+}
+
+/*
+ * First placements for the bound to prune against: per distance, the
+ * largest requests offloaded at it until the batch fits (the most
+ * offloaded distance always fits when anything does).
+ */
+static void seed(struct search *s, int *left)
+{
+	for (int o = 1; o < s->useful_count && !s->stopped; o++) {
+		pick_all(s, NULL);
+		for (int i = 0; i < s->batch->requests && s->used > s->budget; i++)
+			move(s, s->order[i], o);
+		better(s, left);
+	}
+}
+
+/* One pass of moves (one request to another distance) and swaps (two
+ * requests of different sizes trade distances) from the best placement,
+ * each kept when it is faster. Returns whether any was. */
+static int improve(struct search *s, int *left)
+{
+	const struct kvd_plan_batch *batch = s->batch;
+	int count = batch->requests, gained = 0;
+	pick_all(s, s->result->distances);
+	for (int i = 0; i < count; i++) {
+		int r = s->order[i];
+		for (int o = 0; o < s->useful_count && *left > 0; o++) {
+			int was = s->pick[r];
+			if (o == was)
+				continue;
+			move(s, r, o);
+			if (better(s, left))
+				gained = 1;
+			else
+				move(s, r, was);
+		}
+	}
+	for (int i = 0; i < count; i++) {
+		for (int j = i + 1; j < count && *left > 0; j++) {
+			int a = s->order[i], b = s->order[j], pa = s->pick[a], pb = s->pick[b];
+			if (pa == pb || batch->kv_bytes[a] == batch->kv_bytes[b])
+				continue;
+			move(s, a, pb);
+			move(s, b, pa);
+			if (better(s, left)) {
+				gained = 1;
+				continue;
+			}
+			move(s, a, pa);
+			move(s, b, pb);
+		}
+	}
+	return gained;
+}
+
+/* A good placement early, so that the bounds prune from the start: seeds,
+ * then moves and swaps until none helps or LOCAL_EVALS are spent (a fixed
+ * number, so a search cut at max_nodes is a prefix of the whole one). */
+static void local_search(struct search *s)
+{
+	int left = LOCAL_EVALS;
+	seed(s, &left);
+	while (s->result->found && !s->stopped && left > 0 && improve(s, &left))
+		;
+	memset(s->sums, 0, sizeof(s->sums));
 }
 
 /* The lower convex hull of (layers freed, layers fetched for layers <= j)
@@ -198,6 +364,31 @@ static void build_hull(struct search *s, int layer)
 		n++;
 	}
 	s->hull_size[layer] = n;
+}
+
+/* Per layer, the classes whose transfers are asked for when it starts, by
+ * distance (kvd_plan_step_latency's order), for class_latency. */
+static void build_asks(struct search *s)
+{
+	int layers = s->batch->layers, count = 0, k = 0;
+	int by_distance[KVD_PLAN_MAX_OPTIONS];
+	for (int o = 1; o < s->useful_count; o++) {
+		int at = count++;
+		while (at > 0 && s->useful[by_distance[at - 1]] > s->useful[o]) {
+			by_distance[at] = by_distance[at - 1];
+			at--;
+		}
+		by_distance[at] = o;
+	}
+	for (int layer = 1; layer <= layers; layer++) {
+		s->ask_start[layer] = k;
+		for (int i = 0; i < count; i++) {
+			int d = s->useful[by_distance[i]];
+			if ((layer - 1) % (d + 1) == 0 && layer + d <= layers)
+				s->ask_class[k++] = (unsigned char)by_distance[i];
+		}
+	}
+	s->ask_start[layers + 1] = k;
 }
 
 static void prepare(struct search *s)
@@ -234,6 +425,22 @@ static void prepare(struct search *s)
 	}
 	for (int layer = 1; layer <= batch->layers; layer++)
 		build_hull(s, layer);
+	build_asks(s);
+}
+
+/* The answer's latency and bytes computed afresh per request (the search
+ * compared class sums, equal up to rounding). */
+static void finish(struct search *s, struct kvd_plan_result *result, double root_bound)
+{
+	const struct kvd_plan_batch *batch = s->batch;
+	result->exact = !s->stopped;
+	if (result->found) {
+		result->latency_s = kvd_plan_step_latency(batch, result->distances);
+		result->gpu_bytes = 0;
+		for (int r = 0; r < batch->requests; r++)
+			result->gpu_bytes += request_bytes(batch, r, result->distances[r]);
+	}
+	result->bound_s = result->exact ? result->latency_s : root_bound;
 }
 
 int kvd_plan_search(const struct kvd_plan_batch *batch, const int *options, int option_count,
@@ -254,9 +461,16 @@ int kvd_plan_search(const struct kvd_plan_batch *batch, const int *options, int 
 	s->result = result;
 	prepare(s);
 	double root = fluid_bound(s, 0, 0), kept = s->tail_compute[1];
-	descend(s, 0, 0);
-	result->exact = !s->stopped;
-	result->bound_s = result->exact ? result->latency_s : (root > kept ? root : kept);
+	if (s->full_after[0] <= s->budget) {
+		/* everything fits: all on the GPU is as fast as a step gets */
+		double latency;
+		if (evaluate(s, &latency))
+			keep(s, latency, s->full_after[0], s->distances);
+	} else if (s->frugal_after[0] <= s->budget) {
+		local_search(s);
+		descend(s, 0, 0);
+	}
+	finish(s, result, root > kept ? root : kept);
 	free(s);
 	return 0;
 }
