@@ -46,6 +46,9 @@ ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 BLOCK = 128
 PREFIX_TOKENS = 1100  # 8 full blocks shared by A and B; block 8 holds the suffix
 LOGPROB_TOLERANCE = 1e-5
+# One layer of one block of the tiny Llama in float32 (K and V); PlanPlacement answered without error.
+BLOCK_LAYER_BYTES = 2 * tiny_llama.KV_HEADS * tiny_llama.HEAD_DIM * BLOCK * 4
+PLANNED = 'kvd_rpc_total{code="OK",method="PlanPlacement"}'
 ENGINE_TIMEOUT_S = 600
 
 KVD_CONFIG = {
@@ -109,7 +112,8 @@ class VllmRun:
     """One vLLM process serving a batch of prompts (tests/engines/vllm_run.py), started at once."""
 
     def __init__(self, python: Path, model: Path, work: Path, batch: list[list[int]], *, target: str = "",
-                 hooks: str = "", env: dict[str, str] | None = None, transfer: str = "client") -> None:
+                 hooks: str = "", env: dict[str, str] | None = None, transfer: str = "client",
+                 placement: dict | None = None) -> None:
         work.mkdir(parents=True, exist_ok=True)
         prompt_file, self.out, self.log = work / "prompts.json", work / "out.json", work / "vllm.log"
         prompt_file.write_text(json.dumps(batch))
@@ -117,6 +121,8 @@ class VllmRun:
                    "--prompts", str(prompt_file), "--out", str(self.out)]
         if target:
             command += ["--kvd", target, "--transfer", transfer]
+        if placement:
+            command += ["--placement", json.dumps(placement)]
         if hooks:
             command += ["--hooks", hooks]
         with open(self.log, "wb") as sink:
@@ -242,11 +248,19 @@ def test_blocks_that_vanish_after_the_lookup_are_recomputed(engine_python, model
 def test_kvd_copies_the_blocks_itself_with_transfer_daemon(engine_python, model, kvd, reference, tmp_path):
     """transfer = "daemon": vLLM's KV tensors are registered with kvd's device plane (as the engine's
     process memory) and kvd copies every block in and out, layer by layer. What it saves loads back
-    through the ordinary path with the reference's answer; what the ordinary path saved it loads."""
+    through the ordinary path with the reference's answer; what the ordinary path saved it loads.
+    The saves are planned (the connector's placement table): the scheduler side asks PlanPlacement,
+    within a budget below what the prompt's blocks take with every layer on the GPU, once per step
+    that saves."""
     prompt = prompts()["D"]
     alone = VllmRun(engine_python, model, tmp_path / "alone", [prompt])
     blocks = len(prompt) // BLOCK
-    saved = run_vllm(engine_python, model, tmp_path / "save", [prompt], target=kvd.target, transfer="daemon")
+    planned = kvd.daemon.metric_samples("kvd_rpc_total").get(PLANNED, 0)
+    placement = {"budget_bytes": blocks * (tiny_llama.LAYERS - 1) * BLOCK_LAYER_BYTES, "layer_s": 1e-4,
+                 "bandwidth_bps": 25e9}
+    saved = run_vllm(engine_python, model, tmp_path / "save", [prompt], target=kvd.target, transfer="daemon",
+                     placement=placement)
+    assert kvd.daemon.metric_samples("kvd_rpc_total").get(PLANNED, 0) > planned
     assert saved["connector"]["totals"]["saved_blocks"] == blocks
     assert saved["connector"]["totals"]["save_errors"] == 0
     assert device_blocks(kvd) == {"save": blocks, "load": 0}  # kvd made the copies, not the connector

@@ -33,6 +33,8 @@ def engine(args):
     transfer = None
     if args.kvd:
         extra = {"target": args.kvd, "load": args.load, "transfer": args.transfer}
+        if args.placement:
+            extra["placement"] = json.loads(args.placement)
         module, name = "kvd.connectors.vllm", "KvdConnector"
         if args.hooks:
             module, name = "vllm_hooks", "HookedKvdConnector"
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--kvd", default="")
     parser.add_argument("--load", default="async")
     parser.add_argument("--transfer", default="client", help="the connector's transfer: client or daemon")
+    parser.add_argument("--placement", default="", help="the connector's placement table, as JSON")
     parser.add_argument("--hooks", default="", help="comma-separated, one per prompt (see vllm_hooks.py)")
     parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args()

@@ -5,6 +5,7 @@ restarting under the engine (the pool is registered again), and a load of blocks
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import numpy as np
@@ -16,8 +17,11 @@ from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.device_worker import DeviceWorkerSide
 from kvd.connectors.vllm.layout import paged_layout
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOrder
+from kvd.connectors.vllm.placement import PlacementOptions, SavePlanner
 from kvd.connectors.vllm.transfer import local_namespace
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
+from kvd.planner.distance import NONE, distance_options, offloaded_count
+from kvd.planner.latency import Batch, gpu_bytes
 from kvd.testing.daemon import start_daemon
 
 SPEC = NamespaceSpec(model_id="device-worker-model", num_layers=3, num_kv_heads=2, head_dim=16, block_tokens=16,
@@ -29,11 +33,12 @@ CONFIG = {"host": {"capacity_bytes": 16 << 20, "slot_bytes": 64 << 10}, "device"
 class Model:
     """vLLM's side: one [BLOCKS, ...] tensor per layer and the worker it drives."""
 
-    def __init__(self, target: str) -> None:
-        self.tensors = {f"layers.{i}.attn": torch.zeros(BLOCKS, SPEC.layer_bytes // 4) for i in range(SPEC.num_layers)}
+    def __init__(self, target: str, spec: NamespaceSpec = SPEC, **options) -> None:
+        self.spec = spec
+        self.tensors = {f"layers.{i}.attn": torch.zeros(BLOCKS, spec.layer_bytes // 4) for i in range(spec.num_layers)}
         layout = paged_layout(self.tensors, BLOCKS)
-        config = ConnectorConfig(target=target, transfer="daemon", load_timeout_s=10.0)
-        self.worker = DeviceWorkerSide(config, layout, local_namespace(SPEC), 0, list(self.tensors.values()))
+        config = ConnectorConfig(target=target, transfer="daemon", load_timeout_s=10.0, **options)
+        self.worker = DeviceWorkerSide(config, layout, local_namespace(spec), 0, list(self.tensors.values()))
 
     def step(self, metadata: KvdConnectorMetadata, compute: dict[int, np.ndarray] | None = None,
              seen: list | None = None) -> None:
@@ -50,19 +55,19 @@ class Model:
         self.worker.finish_step()
 
     def page(self, page: int) -> np.ndarray:
-        return np.stack([tensor[page].numpy().reshape(SPEC.block_shape[1:]) for tensor in self.tensors.values()])
+        return np.stack([tensor[page].numpy().reshape(self.spec.block_shape[1:]) for tensor in self.tensors.values()])
 
     def totals(self) -> dict:
         self.worker.counters.take(self.worker.totals)
         return self.worker.totals
 
 
-def data(count: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((count, *SPEC.block_shape), dtype=np.float32)
+def data(count: int, seed: int, spec: NamespaceSpec = SPEC) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((count, *spec.block_shape), dtype=np.float32)
 
 
-def keys_for(seed: int, count: int) -> list[bytes]:
-    return chain_keys(SPEC, np.arange(count * SPEC.block_tokens) + seed * 100_000)
+def keys_for(seed: int, count: int, spec: NamespaceSpec = SPEC) -> list[bytes]:
+    return chain_keys(spec, np.arange(count * spec.block_tokens) + seed * 100_000)
 
 
 @pytest.fixture
@@ -146,3 +151,62 @@ def test_a_daemon_without_a_device_plane_costs_misses_and_one_registration_per_r
         model.worker.close()
     finally:
         daemon.stop()
+
+
+# Eight layers, so that a plan has distances to choose from (1 and 3 offload four and two layers); a
+# device tier in slots of one layer page, so a plan's host layers free tier memory.
+WIDE = NamespaceSpec(model_id="device-worker-planned", num_layers=8, num_kv_heads=2, head_dim=16, block_tokens=16,
+                     kv_dtype=DType.FLOAT32)
+PLACEMENT = PlacementOptions(budget_bytes=0, layer_s=1e-4, bandwidth_bps=25e9)
+
+
+def test_planned_saves_leave_the_plans_host_layers_out_of_the_device_tier_and_load_exact(tmp_path):
+    """The scheduler side's SavePlanner asks the daemon's PlanPlacement for the step's saves within a
+    budget below what they take with every layer on the GPU; the worker's SaveLayers carry the
+    distances; the device tier keeps only the layers the plan keeps on the GPU, and a load (from the
+    tier and, for the plan's host layers, from host memory) is bit-exact."""
+    config = {"host": CONFIG["host"], "device": {"kind": "cpu", "tier_bytes": 256 * WIDE.layer_bytes,
+                                                 "tier_slot_bytes": WIDE.layer_bytes}}
+    daemon = start_daemon(tmp_path / "kvd", config)
+    try:
+        sizes = (2, 3, 5)
+        full = sum(sizes) * WIDE.num_layers * WIDE.layer_bytes
+        options = dataclasses.replace(PLACEMENT, budget_bytes=int(full * 0.8))
+        model = Model(daemon.unix_target, WIDE, placement=options)
+        blocks = [data(count, 60 + index, WIDE) for index, count in enumerate(sizes)]
+        keys = [keys_for(60 + index, count, WIDE) for index, count in enumerate(sizes)]
+        pages = np.split(np.arange(sum(sizes)), np.cumsum(sizes)[:-1])
+        saves = [SaveOrder(f"r{index}", [keys[index]], pages[index].tolist()) for index in range(len(sizes))]
+        with Client(daemon.unix_target) as client:
+            SavePlanner(client, options).place(saves, WIDE.num_layers, WIDE.layer_bytes, WIDE.block_tokens)
+        distances = [order.distance for order in saves]
+        assert set(distances) <= set(distance_options(WIDE.num_layers)) and any(d != NONE for d in distances)
+        batch = Batch((PLACEMENT.layer_s,) * WIDE.num_layers, tuple(c * WIDE.layer_bytes for c in sizes),
+                      PLACEMENT.bandwidth_bps)
+        assert gpu_bytes(batch, distances) <= options.budget_bytes < gpu_bytes(batch, [NONE] * len(sizes))
+
+        compute = {int(page): block for index in range(len(sizes)) for page, block in zip(pages[index], blocks[index])}
+        model.step(KvdConnectorMetadata(saves=saves), compute=compute)
+        host_layers = sum(count * offloaded_count(d, WIDE.num_layers) for count, d in zip(sizes, distances))
+        assert daemon.metric("kvd_device_tier_host_layers_total") == host_layers
+        assert daemon.metric("kvd_device_tier_used_slots") == sum(sizes) * WIDE.num_layers - host_layers
+
+        target = [BLOCKS - 1 - page for page in range(sizes[2])]
+        model.step(KvdConnectorMetadata(loads=[LoadOrder("again", [keys[2]], 0, target, False)]))
+        for page, block in zip(target, blocks[2]):
+            np.testing.assert_array_equal(model.page(page), block)
+        model.worker.close()
+    finally:
+        daemon.stop()
+
+
+def test_without_a_plan_the_saves_keep_every_layer(tmp_path):
+    """A step whose plan cannot be had (the daemon is gone) leaves every save at distance -1."""
+    daemon = start_daemon(tmp_path / "kvd", CONFIG)
+    target = daemon.unix_target
+    daemon.stop()
+    saves = [SaveOrder("a", [keys_for(70, 2, WIDE)], [0, 1])]
+    with Client(target, timeout_s=2.0) as client:
+        SavePlanner(client, dataclasses.replace(PLACEMENT, budget_bytes=1)).place(
+            saves, WIDE.num_layers, WIDE.layer_bytes, WIDE.block_tokens)
+    assert saves[0].distance == NONE

@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvd.connectors.vllm.config import DEFAULT_TARGET, ConnectorConfig
+from kvd.connectors.vllm.placement import PlacementOptions
+
+
+PLACEMENT = {"budget_bytes": 1 << 30, "layer_s": 2e-4, "bandwidth_bps": 25e9}
 
 
 def test_defaults_and_the_environment(monkeypatch):
@@ -26,7 +30,25 @@ def test_defaults_and_the_environment(monkeypatch):
     ({"timeout_s": 0}, "timeout_s"),
     ({"load_timeout_s": True}, "load_timeout_s"),
     ({"namespace": 7}, "namespace"),
+    ({"transfer": "daemon", "placement": 3}, "placement must be a table"),
+    ({"transfer": "daemon", "placement": {**PLACEMENT, "budget": 1}}, r"unknown placement keys \['budget'\]"),
+    ({"transfer": "daemon", "placement": {"layer_s": 1e-4}}, r"placement needs \['bandwidth_bps', 'budget_bytes'\]"),
+    ({"transfer": "daemon", "placement": {**PLACEMENT, "budget_bytes": 1.5}}, "placement.budget_bytes must be"),
+    ({"transfer": "daemon", "placement": {**PLACEMENT, "layer_s": 0}}, "placement.layer_s must be a finite positive"),
+    ({"transfer": "daemon", "placement": {**PLACEMENT, "per_token_s": -1}}, "placement.per_token_s must be a finite 0"),
+    ({"transfer": "daemon", "placement": {**PLACEMENT, "bandwidth_bps": "fast"}}, "placement.bandwidth_bps"),
+    ({"transfer": "daemon", "placement": {**PLACEMENT, "slo_s": float("inf")}}, "placement.slo_s must be a finite"),
+    ({"transfer": "daemon", "placement": {**PLACEMENT, "budget_bytes": float("nan")}}, "placement.budget_bytes"),
+    ({"placement": PLACEMENT}, "placement plans kvd's device tier: it needs transfer"),
 ])
 def test_a_bad_option_is_refused_by_name(extra, named):
     with pytest.raises(ValueError, match=named):
         ConnectorConfig.from_extra(extra)
+
+
+def test_a_placement_table_is_read_with_its_default():
+    config = ConnectorConfig.from_extra({"transfer": "daemon", "placement": PLACEMENT})
+    assert config.placement == PlacementOptions(1 << 30, 2e-4, 25e9, 0.0, 1.0)
+    config = ConnectorConfig.from_extra({"transfer": "daemon", "placement": {**PLACEMENT, "slo_s": 0.05}})
+    assert config.placement.slo_s == 0.05
+    assert ConnectorConfig.from_extra({}).placement is None

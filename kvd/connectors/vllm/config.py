@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvd.connectors.vllm.placement import PlacementOptions
+
 DEFAULT_TARGET = "unix:///run/kvd/kvd.sock"
 LOAD_MODES = ("auto", "async", "layerwise")
 TRANSFERS = ("client", "daemon")
@@ -37,6 +39,11 @@ class ConnectorConfig:
       unix socket).
     timeout_s: deadline of each call to kvd; load_timeout_s: how long a layer
       may wait for its bytes before its blocks are reported failed.
+    placement: with transfer = "daemon", a table {budget_bytes, layer_s,
+      bandwidth_bps, per_token_s}: each step's saves are planned by kvd's
+      PlanPlacement within budget_bytes of device memory, and kvd's device
+      tier keeps only the layers the plan keeps on the GPU
+      (kvd.connectors.vllm.placement). Default: none, every layer.
     """
 
     target: str = DEFAULT_TARGET
@@ -47,6 +54,7 @@ class ConnectorConfig:
     transfer: str = "client"
     timeout_s: float = 10.0
     load_timeout_s: float = 30.0
+    placement: PlacementOptions | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -57,6 +65,8 @@ class ConnectorConfig:
         values = dict(extra)
         values.setdefault("target", os.environ.get("KVD_TARGET", DEFAULT_TARGET))
         values.setdefault("token", os.environ.get("KVD_TOKEN"))
+        if values.get("placement") is not None:
+            values["placement"] = PlacementOptions.from_extra(values["placement"])
         config = cls(**values)
         if config.load not in LOAD_MODES:
             raise ValueError(f"kvd connector: load must be one of {LOAD_MODES}, got {config.load!r}")
@@ -71,4 +81,6 @@ class ConnectorConfig:
         for name in ("target", "namespace"):
             if not isinstance(getattr(config, name), str):
                 raise ValueError(f"kvd connector: {name} must be a string, got {getattr(config, name)!r}")
+        if config.placement is not None and config.transfer != "daemon":
+            raise ValueError("kvd connector: placement plans kvd's device tier: it needs transfer = \"daemon\"")
         return config

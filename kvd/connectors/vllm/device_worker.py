@@ -165,7 +165,8 @@ class DeviceWorkerSide(WorkerSide):
 
     def _save(self, pool: DevicePool, order: SaveOrder, base: int):
         keys = order.keys[self.shard]
-        return pool.save(keys, order.block_ids[:len(keys)], ENGINE_WORD, SAVE_WORD, base)
+        return pool.save(keys, order.block_ids[:len(keys)], ENGINE_WORD, SAVE_WORD, base,
+                         offload_distance=order.distance)
 
     # ---- per layer
     def save_layer(self, layer_name: str) -> None:

@@ -48,12 +48,15 @@ class SaveOrder:
     keys[shard] is the chain from the root up to the last full block
     computed by the end of this step; block_ids[i] holds position i. The
     worker's Reserve says which of them kvd lacks (the new blocks, and any
-    older one kvd lost meanwhile): only those are copied.
+    older one kvd lost meanwhile): only those are copied. distance: the
+    placement plan's offload distance for the request (-1: every layer),
+    which kvd's device tier follows (kvd.connectors.vllm.placement).
     """
 
     req_id: str
     keys: list[list[bytes]]
     block_ids: list[int]
+    distance: int = -1
 
 
 @dataclass

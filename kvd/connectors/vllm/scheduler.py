@@ -30,6 +30,7 @@ from kvd.client import Client, Namespace
 from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.events import EventFeed
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, KvdHandshake, LoadOrder, SaveOrder
+from kvd.connectors.vllm.placement import SavePlanner
 from kvd.connectors.vllm.requests import prompt_keys
 from kvd.connectors.vllm.transfer import local_namespace, registering
 from kvd.v1 import kvd_pb2
@@ -65,6 +66,7 @@ class SchedulerSide:
         self._plans: dict[str, _Plan] = {}
         self._loads: list[LoadOrder] = []
         self.events: EventFeed | None = None
+        self.placement = SavePlanner(self.client, config.placement) if config.placement is not None else None
 
     def set_shards(self, handshakes: dict[tuple[int, int], KvdHandshake]) -> None:
         """Adopt the workers' namespaces, ordered as the workers index them."""
@@ -175,6 +177,9 @@ class SchedulerSide:
             elif new_blocks:
                 tracked.block_ids.extend(new_blocks[0])
             self._offer(metadata, req_id, tracked, cached.num_computed_tokens[index] + scheduled.get(req_id, 0))
+        if self.placement is not None and self.shards:
+            spec = self.shards[0].spec
+            self.placement.place(metadata.saves, spec.num_layers, spec.layer_bytes, self.block_size)
         return metadata
 
     def _offer(self, metadata: KvdConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
