@@ -116,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, default=500)
     parser.add_argument("--gap-batches", type=int, default=300)
-    parser.add_argument("--max-nodes", type=int, default=300, help="the search's node limit per plan (about "
+    parser.add_argument("--max-nodes", type=int, default=600, help="the search's node limit per plan (about "
                         "1 ms here)")
     parser.add_argument("--long-nodes", type=int, default=100_000, help="the node limit of the comparison search")
     parser.add_argument("--long-every", type=int, default=10, help="compare every n-th batch with a long search")

@@ -281,17 +281,22 @@ static int better(struct search *s, int *left)
 }
 
 /*
- * First placements for the bound to prune against: per distance, the
- * largest requests offloaded at it until the batch fits (the most
- * offloaded distance always fits when anything does).
+ * First placements for the bound to prune against: per distance, requests
+ * offloaded at it until the batch fits, the largest first and then the
+ * smallest first (many small transfers often beat a few large ones: they
+ * spread over the link); the most offloaded distance always fits when
+ * anything does.
  */
 static void seed(struct search *s, int *left)
 {
+	int count = s->batch->requests;
 	for (int o = 1; o < s->useful_count && !s->stopped; o++) {
-		pick_all(s, NULL);
-		for (int i = 0; i < s->batch->requests && s->used > s->budget; i++)
-			move(s, s->order[i], o);
-		better(s, left);
+		for (int smallest = 0; smallest < 2; smallest++) {
+			pick_all(s, NULL);
+			for (int i = 0; i < count && s->used > s->budget; i++)
+				move(s, s->order[smallest ? count - 1 - i : i], o);
+			better(s, left);
+		}
 	}
 }
 
