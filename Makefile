@@ -194,7 +194,7 @@ cluster-sim: setup
 # rate and SLO scale, as a table, JSON and a plot. `make test` runs a short version
 # (tests/unit/test_decode_sim.py).
 planner-sim: setup
-	$(PY) -m kvd.sim.decode --rates 2,2.5,3,3.5,4 --slo-scales 1.5,2,3 --requests 200 \
+	$(PY) -m kvd.sim.decode --rates 2,2.5,3,3.5,4 --slo-scales 1.5,2,3 --requests 200 --seeds 4 \
 	  --json bench/results/planner_sim.json --plot docs/planner_sim.png
 
 # Tutti's slack table (kvd.planner.slack, docs/planner.md): per (input length, prefix length) and layer,

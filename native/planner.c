@@ -67,10 +67,6 @@ double kvd_plan_step_latency(const struct kvd_plan_batch *batch, const int *dist
 	return end;
 }
 
-/* Latency evaluations the local search may spend before branch and bound
- * (16 requests x 32 layers: about 0.1 ms). */
-#define LOCAL_EVALS 512
-
 struct search {
 	const struct kvd_plan_batch *batch;
 	const int *options;
@@ -101,8 +97,6 @@ struct search {
 	int ask_start[KVD_PLAN_MAX_LAYERS + 2];
 	unsigned char ask_class[KVD_PLAN_MAX_OPTIONS * KVD_PLAN_MAX_LAYERS];
 	double arrived[KVD_PLAN_MAX_LAYERS + 1];
-	int pick[KVD_PLAN_MAX_REQUESTS];                /* useful option per request (local search) */
-	double used;                                    /* GPU bytes of pick */
 	int distances[KVD_PLAN_MAX_REQUESTS];
 	int chosen[KVD_PLAN_MAX_REQUESTS];              /* option index per depth */
 	struct kvd_plan_result *result;
@@ -191,19 +185,14 @@ static void note_fetches(struct search *s, int request, int distance, double sig
 		s->fetched_by[layer] += kv * (layer / (distance + 1));
 }
 
-/* The best placement so far: the search's distances, or the local search's picks. */
-static void keep(struct search *s, double latency, double used, const int *distances)
+/* The search's distances as the best placement so far. */
+static void keep(struct search *s, double latency, double used)
 {
 	struct kvd_plan_result *result = s->result;
 	result->found = 1;
 	result->latency_s = latency;
 	result->gpu_bytes = used;
-	if (distances != NULL) {
-		memcpy(result->distances, distances, sizeof(int) * (size_t)s->batch->requests);
-		return;
-	}
-	for (int r = 0; r < s->batch->requests; r++)
-		result->distances[r] = s->useful[s->pick[r]];
+	memcpy(result->distances, s->distances, sizeof(int) * (size_t)s->batch->requests);
 }
 
 static void descend(struct search *s, int depth, double used)
@@ -218,7 +207,7 @@ static void descend(struct search *s, int depth, double used)
 	if (!evaluate(s, &latency) || (result->found && latency >= result->latency_s))
 		return;
 	if (depth == batch->requests) {
-		keep(s, latency, used, s->distances);
+		keep(s, latency, used);
 		return;
 	}
 	int request = s->order[depth];
@@ -239,116 +228,6 @@ static void descend(struct search *s, int depth, double used)
 		s->sums[o] -= kv;
 	}
 	s->distances[request] = KVD_PLAN_NONE;
-}
-
-/* The local search's move: request to useful option o. */
-static void move(struct search *s, int request, int o)
-{
-	const struct kvd_plan_batch *batch = s->batch;
-	int was = s->pick[request];
-	s->sums[was] -= batch->kv_bytes[request];
-	s->sums[o] += batch->kv_bytes[request];
-	s->used += request_bytes(batch, request, s->useful[o]) - request_bytes(batch, request, s->useful[was]);
-	s->pick[request] = o;
-}
-
-static void pick_all(struct search *s, const int *distances)
-{
-	memset(s->sums, 0, sizeof(s->sums));
-	s->used = 0;
-	for (int r = 0; r < s->batch->requests; r++) {
-		int o = 0;
-		while (distances != NULL && s->useful[o] != distances[r])
-			o++;
-		s->pick[r] = o;
-		s->sums[o] += s->batch->kv_bytes[r];
-		s->used += request_bytes(s->batch, r, s->useful[o]);
-	}
-}
-
-/* Whether the picks as they are beat the best so far (and became it).
- * Spends one of `left` evaluations. */
-static int better(struct search *s, int *left)
-{
-	double latency;
-	if (s->used > s->budget || *left <= 0)
-		return 0;
-	(*left)--;
-	if (!evaluate(s, &latency) || (s->result->found && latency >= s->result->latency_s))
-		return 0;
-	keep(s, latency, s->used, NULL);
-	return 1;
-}
-
-/*
- * First placements for the bound to prune against: per distance, requests
- * offloaded at it until the batch fits, the largest first and then the
- * smallest first (many small transfers often beat a few large ones: they
- * spread over the link); the most offloaded distance always fits when
- * anything does.
- */
-static void seed(struct search *s, int *left)
-{
-	int count = s->batch->requests;
-	for (int o = 1; o < s->useful_count && !s->stopped; o++) {
-		for (int smallest = 0; smallest < 2; smallest++) {
-			pick_all(s, NULL);
-			for (int i = 0; i < count && s->used > s->budget; i++)
-				move(s, s->order[smallest ? count - 1 - i : i], o);
-			better(s, left);
-		}
-	}
-}
-
-/* One pass of moves (one request to another distance) and swaps (two
- * requests of different sizes trade distances) from the best placement,
- * each kept when it is faster. Returns whether any was. */
-static int improve(struct search *s, int *left)
-{
-	const struct kvd_plan_batch *batch = s->batch;
-	int count = batch->requests, gained = 0;
-	pick_all(s, s->result->distances);
-	for (int i = 0; i < count; i++) {
-		int r = s->order[i];
-		for (int o = 0; o < s->useful_count && *left > 0; o++) {
-			int was = s->pick[r];
-			if (o == was)
-				continue;
-			move(s, r, o);
-			if (better(s, left))
-				gained = 1;
-			else
-				move(s, r, was);
-		}
-	}
-	for (int i = 0; i < count; i++) {
-		for (int j = i + 1; j < count && *left > 0; j++) {
-			int a = s->order[i], b = s->order[j], pa = s->pick[a], pb = s->pick[b];
-			if (pa == pb || batch->kv_bytes[a] == batch->kv_bytes[b])
-				continue;
-			move(s, a, pb);
-			move(s, b, pa);
-			if (better(s, left)) {
-				gained = 1;
-				continue;
-			}
-			move(s, a, pa);
-			move(s, b, pb);
-		}
-	}
-	return gained;
-}
-
-/* A good placement early, so that the bounds prune from the start: seeds,
- * then moves and swaps until none helps or LOCAL_EVALS are spent (a fixed
- * number, so a search cut at max_nodes is a prefix of the whole one). */
-static void local_search(struct search *s)
-{
-	int left = LOCAL_EVALS;
-	seed(s, &left);
-	while (s->result->found && !s->stopped && left > 0 && improve(s, &left))
-		;
-	memset(s->sums, 0, sizeof(s->sums));
 }
 
 /* The lower convex hull of (layers freed, layers fetched for layers <= j)
@@ -470,9 +349,8 @@ int kvd_plan_search(const struct kvd_plan_batch *batch, const int *options, int 
 		/* everything fits: all on the GPU is as fast as a step gets */
 		double latency;
 		if (evaluate(s, &latency))
-			keep(s, latency, s->full_after[0], s->distances);
-	} else if (s->frugal_after[0] <= s->budget) {
-		local_search(s);
+			keep(s, latency, s->full_after[0]);
+	} else {
 		descend(s, 0, 0);
 	}
 	finish(s, result, root > kept ? root : kept);

@@ -1,7 +1,7 @@
 """Decode-phase simulation: kvd's placement planner against the baselines of OrbitFlow's evaluation.
 
     python -m kvd.sim.decode [--rates 1,2,3,4] [--slo-scales 1.2,1.5,2] [--requests 300]
-                             [--json F] [--plot F.png]
+                             [--seeds 3] [--json F] [--plot F.png]
 
 The system: one GPU whose KV budget cannot hold every running request's KV at once, a host-to-GPU
 link, and a model of L layers whose per-layer decode compute grows with the batch's context
@@ -25,7 +25,9 @@ Every policy pauses the largest requests when even its most frugal placement doe
 
 Reported per arrival rate and SLO scale (the TPOT SLO is the scale times a full batch's step with
 everything on the GPU): TPOT SLO attainment (requests whose mean time per output token met it), TBT
-attainment (tokens that came within the SLO of the previous one), P95/P99 TBT, throughput.
+attainment (tokens that came within the SLO of the previous one), P95/P99 TBT, throughput, each the
+mean over `--seeds` workloads, with the least and most TPOT attainment among them: the planner's
+pauses for the SLO make a run tip between regimes on small differences, so one workload says little.
 """
 
 from __future__ import annotations
@@ -227,7 +229,7 @@ class Planner:
         requests = [PlanRequest(r.kv(setup), self.slo_s, self._deposit(r, now), setup.token_bytes) for r in running]
         compute = self.profile.compute_s(sum(r.context for r in running))
         result = plan(requests, compute, self.profile.bandwidth_bps, setup.budget_bytes,
-                      max_window=setup.max_window, max_nodes=300)
+                      max_window=setup.max_window, max_nodes=600)
         paused = {running[i].rid for i in result.paused}
         if not result.fits:
             paused = {r.rid for r in running}
@@ -321,33 +323,49 @@ def policies(setup: Setup, slo_s: float) -> list:
 
 
 def run(setup: Setup, rates: Sequence[float], scales: Sequence[float], count: int, seed: int,
-        progress=lambda message: None) -> list[dict]:
-    """One row per (rate, SLO scale, policy). The baselines do not look at the SLO: each runs once per
-    rate, judged against every scale; kvd's planner runs per scale."""
-    rows = []
+        progress=lambda message: None, seeds: int = 1) -> list[dict]:
+    """One row per (rate, SLO scale, policy), averaged over `seeds` workloads (seed, seed + 1, ...),
+    with the spread of TPOT attainment across them. The baselines do not look at the SLO: each runs
+    once per rate and workload, judged against every scale; kvd's planner runs per scale."""
+    runs: dict[tuple[float, float, str], list[dict]] = {}
     for rate in rates:
-        runs = []
-        for policy in baselines(setup):
-            runs.append((policy.name, None, simulate(setup, workload(setup, rate, count, seed), policy, seed)))
-            progress(f"rate {rate}/s: {policy.name} done")
-        for scale in scales:
-            for policy in policies(setup, scale * setup.reference_step_s())[4:]:
-                runs.append((policy.name, scale, simulate(setup, workload(setup, rate, count, seed), policy, seed)))
-                progress(f"rate {rate}/s, SLO x{scale}: {policy.name} done")
-        for scale in scales:
-            slo_s = scale * setup.reference_step_s()
-            rows += [{"rate": rate, "slo_scale": scale, "policy": name, **summarize(done, slo_s)}
-                     for name, for_scale, done in runs if for_scale in (None, scale)]
-    return rows
+        for workload_seed in range(seed, seed + seeds):
+            for scale, name, done in _runs_at(setup, rate, scales, count, workload_seed, progress):
+                for judged in (scales if scale is None else (scale,)):
+                    slo_s = judged * setup.reference_step_s()
+                    runs.setdefault((rate, judged, name), []).append(summarize(done, slo_s))
+    rows = [{"rate": rate, "slo_scale": scale, "policy": name, **_mean(summaries)}
+            for (rate, scale, name), summaries in runs.items()]
+    order = {name: i for i, name in enumerate(policy.name for policy in policies(setup, 1.0))}
+    return sorted(rows, key=lambda row: (row["rate"], row["slo_scale"], order[row["policy"]]))
+
+
+def _runs_at(setup: Setup, rate: float, scales: Sequence[float], count: int, seed: int, progress):
+    """(scale or None for every scale, policy name, finished requests) of one workload."""
+    for policy in baselines(setup):
+        yield None, policy.name, simulate(setup, workload(setup, rate, count, seed), policy, seed)
+        progress(f"rate {rate}/s, seed {seed}: {policy.name} done")
+    for scale in scales:
+        for policy in policies(setup, scale * setup.reference_step_s())[4:]:
+            yield scale, policy.name, simulate(setup, workload(setup, rate, count, seed), policy, seed)
+            progress(f"rate {rate}/s, SLO x{scale}, seed {seed}: {policy.name} done")
+
+
+def _mean(summaries: list[dict]) -> dict:
+    """The summaries' means, and TPOT attainment's least and most across them."""
+    attained = [summary["tpot_attainment"] for summary in summaries]
+    return {**{key: float(np.mean([summary[key] for summary in summaries])) for key in summaries[0]},
+            "tpot_attainment_min": min(attained), "tpot_attainment_max": max(attained), "runs": len(summaries)}
 
 
 def print_table(rows: list[dict], out=sys.stdout) -> None:
-    header = (f"{'rate/s':>6} {'SLO x':>6} {'policy':<17} {'TPOT att.':>9} {'TBT att.':>9} {'P95 TBT':>9} "
-              f"{'P99 TBT':>9} {'tok/s':>8}")
+    header = (f"{'rate/s':>6} {'SLO x':>6} {'policy':<17} {'TPOT att.':>9} {'(least-most)':>13} {'TBT att.':>9} "
+              f"{'P95 TBT':>9} {'P99 TBT':>9} {'tok/s':>8}")
     print(header, file=out)
     for row in rows:
+        spread = f"{row['tpot_attainment_min']:.0%}-{row['tpot_attainment_max']:.0%}"
         print(f"{row['rate']:>6g} {row['slo_scale']:>6g} {row['policy']:<17} {row['tpot_attainment']:>9.1%} "
-              f"{row['tbt_attainment']:>9.1%} {row['p95_tbt_ms']:>7.1f}ms {row['p99_tbt_ms']:>7.1f}ms "
+              f"{spread:>13} {row['tbt_attainment']:>9.1%} {row['p95_tbt_ms']:>7.1f}ms {row['p99_tbt_ms']:>7.1f}ms "
               f"{row['throughput_tok_s']:>8.0f}", file=out)
 
 
@@ -364,10 +382,15 @@ def plot(rows: list[dict], path: str) -> None:
         for name in names:
             mine = [row for row in rows if row["policy"] == name and row["slo_scale"] == scale]
             rates = [row["rate"] for row in mine]
-            axes[0][column].plot(rates, [row["tpot_attainment"] * 100 for row in mine], marker="o", label=name)
+            line, = axes[0][column].plot(rates, [row["tpot_attainment"] * 100 for row in mine], marker="o",
+                                         label=name)
+            if any(row.get("runs", 1) > 1 for row in mine):  # the least and most of the workloads, shaded
+                axes[0][column].fill_between(rates, [row["tpot_attainment_min"] * 100 for row in mine],
+                                             [row["tpot_attainment_max"] * 100 for row in mine],
+                                             color=line.get_color(), alpha=0.12)
             axes[1][column].plot(rates, [row["p99_tbt_ms"] for row in mine], marker="o", label=name)
         axes[0][column].set_title(f"TPOT SLO = {scale}x a full batch's step")
-        axes[0][column].set_ylabel("TPOT SLO attainment (%)")
+        axes[0][column].set_ylabel("TPOT SLO attainment (%), mean; shaded: least to most")
         axes[1][column].set_ylabel("P99 TBT (ms)")
         axes[1][column].set_xlabel("arrival rate (requests/s)")
     axes[0][0].legend()
@@ -381,18 +404,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slo-scales", default="1.2,1.5,2", help="TPOT SLOs in units of a full batch's step")
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", type=int, default=1, help="workloads per point (seed, seed + 1, ...), averaged")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--plot", help="write attainment and P99 TBT against the rate here (PNG)")
     args = parser.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",")]
     scales = [float(x) for x in args.slo_scales.split(",")]
     setup = Setup()
+    if args.seeds < 1:
+        parser.error(f"--seeds must be 1 or more, got {args.seeds}")
     rows = run(setup, rates, scales, args.requests, args.seed,
-               progress=lambda message: print(message, file=sys.stderr, flush=True))
+               progress=lambda message: print(message, file=sys.stderr, flush=True), seeds=args.seeds)
     print_table(rows)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"setup": setup.__dict__, "requests": args.requests, "seed": args.seed, "rows": rows}, out,
+            json.dump({"setup": setup.__dict__, "requests": args.requests, "seed": args.seed, "seeds": args.seeds,
+                       "rows": rows}, out,
                       indent=1)
     if args.plot:
         plot(rows, args.plot)

@@ -67,3 +67,14 @@ def test_summaries_count_what_met_the_slo():
     assert generous["tpot_attainment"] == generous["tbt_attainment"] == 1.0
     assert strict["tpot_attainment"] == strict["tbt_attainment"] == 0.0
     assert DeepSpeed(SETUP).name == "deepspeed"
+
+
+def test_rows_over_several_workloads_are_the_means_of_each_with_the_spread():
+    one, two = (run(SETUP, [2.0], [2.0], 12, seed) for seed in (SEED, SEED + 1))
+    both = run(SETUP, [2.0], [2.0], 12, SEED, seeds=2)
+    for first, second, mean in zip(one, two, both):
+        assert first["policy"] == second["policy"] == mean["policy"] and mean["runs"] == 2
+        for key in ("tpot_attainment", "tbt_attainment", "p99_tbt_ms", "throughput_tok_s"):
+            assert mean[key] == pytest.approx((first[key] + second[key]) / 2)
+        assert mean["tpot_attainment_min"] == min(first["tpot_attainment"], second["tpot_attainment"])
+        assert mean["tpot_attainment_max"] == max(first["tpot_attainment"], second["tpot_attainment"])
