@@ -28,14 +28,20 @@ directory on one file system):
     where an engine uploads them from; copied out and checked after the
     timed section), store with reserve, fill (not timed: the engine's copy
     from the GPU) and a durable commit: as the peers restore into, and
-    store from, their own host buffer.
+    store from, their own host buffer. kvd-steady is kvd-pinned in a
+    long-running daemon's steady state: its disk tier is kept between
+    rounds (the blocks deleted through the API), so a store writes into
+    slots written before, where the others store into a tier just created
+    (whose preallocated segments pay ext4's unwritten-extent conversion on
+    their first write).
   * vllm-fs: vLLM's FS secondary tier (its native fs_io_C batch calls, one
     O_DIRECT file per block, 16 threads), from .venv-vllm.
   * lmcache-disk: LMCache's local disk backend, from .venv-lmcache.
   * fio: the physical reference. Before the rounds, fio sweeps jobs x queue
     depths (1 MiB O_DIRECT io_uring) over a file of the same size; the best
     read and write settings then run in every round.
-  Before every store the contender's previous data is removed; before
+  Before every store the contender's previous data is removed (kvd-steady:
+  deleted through the API); before
   every restore the contender drops what it holds in memory and the page
   cache is dropped (as root).
 Host memory, per block size (--host-mib, blocks already in the store):
@@ -105,6 +111,10 @@ DISK_CONTENDERS = (
     # kvd storing from and restoring into its arena (reserve, get_pinned), where an engine
     # fills and uploads from: as the peers store from and restore into their own host buffer.
     ContenderSpec("kvd-pinned", ".venv", "kvd_driver.py", ("--pinned",), store_variants=KVD_STORE),
+    # kvd-pinned in a long-running daemon's steady state: its disk tier kept between rounds (the
+    # blocks deleted through the API), so stores write into slots written before; the others
+    # store into a tier just created.
+    ContenderSpec("kvd-steady", ".venv", "kvd_driver.py", ("--pinned", "--steady"), store_variants=KVD_STORE),
     # kvd with its arena in 4 KiB pages, as on a host whose shmem_enabled is never.
     ContenderSpec("kvd-4k", ".venv", "kvd_driver.py", ("--no-huge-pages",), store_variants=KVD_STORE),
     ContenderSpec("vllm-fs", ".venv-vllm", "vllm_fs.py", store_variants=PEER_STORE),
@@ -416,7 +426,7 @@ def disk_ratios(results: dict) -> dict[str, Any]:
         "store_group": ("store group", store_peer, store_best),
         "store_strict": ("store strict", synced_peer, synced_best),
     }
-    for contender, suffix in (("kvd", ""), ("kvd-pinned", "_pinned")):
+    for contender, suffix in (("kvd", ""), ("kvd-pinned", "_pinned"), ("kvd-steady", "_steady")):
         for key, (operation, peer, best) in pairs.items():
             value = _median(results, f"{contender} {operation}")
             if value or not suffix:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """kvd as a contender of bench_peers.py: a real daemon, driven through its client.
 
-    .venv/bin/python bench/peers/kvd_driver.py '<Workload JSON>' [--no-disk] [--no-huge-pages] [--pinned]
+    .venv/bin/python bench/peers/kvd_driver.py '<Workload JSON>' [--no-disk] [--no-huge-pages] [--pinned] [--steady]
 
 The daemon runs in its own process with the workload's directory as two
 disk-tier drives (two directories on one file system, as a host with two
@@ -21,6 +21,15 @@ only after the timed section); a store is `reserve`, the slots filled
 (not timed: the engine's download from the GPU), then a durable commit.
 The same hand-over as the peers' store from, and restore into, their own
 host buffer, which an engine fills from and uploads from.
+
+With --steady the disk tier is kept between rounds, as a long-running
+daemon keeps it: a round's clear deletes the blocks through the API (and
+checks that none is left) instead of removing the drives' directories, so
+a store writes into slots written before. Without it every store meets a
+tier just created, whose preallocated segments have never been written
+(on ext4 each first write into them also converts unwritten extents).
+The first clear of a steady run stores every block once, untimed, so that
+no timed store meets a slot never written.
 
 With --no-disk the daemon has host memory only (the host-memory Get and
 Lookup contender). With --no-huge-pages its arena stays in 4 KiB pages
@@ -59,7 +68,8 @@ def block_keys(count: int, salt: bytes = b"") -> list[bytes]:
 
 
 class KvdContender:
-    def __init__(self, workload: protocol.Workload, disk: bool, huge_pages: bool = True, pinned: bool = False) -> None:
+    def __init__(self, workload: protocol.Workload, disk: bool, huge_pages: bool = True, pinned: bool = False,
+                 steady: bool = False) -> None:
         tokens, remainder = divmod(workload.layer_bytes, 2 * HEADS * HEAD_DIM * ITEM)
         if remainder:
             raise SystemExit(f"layer_bytes {workload.layer_bytes} is not a whole number of bf16 tokens")
@@ -67,6 +77,8 @@ class KvdContender:
         self.disk = disk
         self.huge_pages = huge_pages
         self.pinned = pinned
+        self.steady = steady
+        self.warmed = False  # (--steady) the tier's slots for the blocks were written once
         self.spec = NamespaceSpec("bench-peers", num_layers=workload.layers, num_kv_heads=HEADS,
                                   head_dim=HEAD_DIM, block_tokens=tokens, kv_dtype=DType.BFLOAT16)
         self.keys = block_keys(workload.blocks)
@@ -150,10 +162,20 @@ class KvdContender:
             return reserved - started + time.perf_counter() - filled, stored
 
     def clear(self, command: dict) -> dict:
-        self.stop()
-        for name in ("daemon", "drive0", "drive1"):
-            shutil.rmtree(self.root / name, ignore_errors=True)
-        self.start()
+        if not (self.steady and self.warmed):
+            self.stop()
+            for name in ("daemon", "drive0", "drive1"):
+                shutil.rmtree(self.root / name, ignore_errors=True)
+            self.start()
+            if not self.steady:
+                return {"ok": True}
+            self.client.put(self.namespace, self.keys, self.blocks, durable=True)  # the untimed first fill
+            self.warmed = True
+        self.client.delete(self.namespace, self.keys[:1])  # the chain's root: every block
+        self.restart()
+        left = self.client.lookup(self.namespace, self.keys).matched
+        if left:
+            raise RuntimeError(f"{left} blocks still stored after the clear: the next store would skip them")
         return {"ok": True}
 
     def cold(self, command: dict) -> dict:
@@ -207,7 +229,8 @@ class KvdContender:
 def main() -> None:
     workload = protocol.Workload.from_json(sys.argv[1])
     contender = KvdContender(workload, disk="--no-disk" not in sys.argv[2:],
-                             huge_pages="--no-huge-pages" not in sys.argv[2:], pinned="--pinned" in sys.argv[2:])
+                             huge_pages="--no-huge-pages" not in sys.argv[2:], pinned="--pinned" in sys.argv[2:],
+                             steady="--steady" in sys.argv[2:])
     contender.start()
     try:
         protocol.serve("kvd", kvd.__version__, contender.handlers())
