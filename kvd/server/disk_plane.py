@@ -101,6 +101,7 @@ def disk_config(settings: DiskSettings) -> DiskConfig:
         queue_depth=settings.queue_depth,
         io_engine=settings.io_engine,
         read_extent_bytes=settings.read_extent_bytes,
+        zero_segments=settings.zero_segments,
     )
 
 

@@ -118,6 +118,8 @@ class DiskConfig:
     read_extent_bytes: int = 512 << 10
     # Slot size classes: slot_bytes (a page) halved down to this; 0: one size.
     min_slot_bytes: int = 0
+    # Segment files created are written with zeros, not only preallocated (written extents).
+    zero_segments: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directories", tuple(Path(d) for d in self.directories))

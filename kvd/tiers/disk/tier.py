@@ -84,6 +84,7 @@ from kvd.tiers.disk.layout import (
     write_identity,
 )
 from kvd.tiers.disk.registry import NamespaceEntry, NamespaceRegistry, RegistryReport, decode_spec
+from kvd.tiers.disk.zeroing import zero_range
 
 log = logging.getLogger(__name__)
 
@@ -613,21 +614,31 @@ class DiskTier:
                 if self._file_sizes[index] >= self.config.segment_bytes:
                     continue
                 path = self._segment_path(drive, segment)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-                try:
-                    os.posix_fallocate(fd, 0, self.config.segment_bytes)
-                    os.fsync(fd)
-                except OSError as error:
-                    raise ResourceExhausted(
-                        f"disk directory {self.config.directories[drive]}: cannot preallocate {path.name} "
-                        f"({self.config.segment_bytes} bytes; disk.capacity_bytes is per drive): {error}"
-                    ) from None
-                finally:
-                    os.close(fd)
+                self._preallocate(drive, segment, path, max(0, int(self._file_sizes[index])))
                 created = created or self._file_sizes[index] < 0
                 self._file_sizes[index] = self.config.segment_bytes
             if created:
                 fsync_directory(self.config.directories[drive])
+
+    def _preallocate(self, drive: int, segment: int, path: Path, old_size: int) -> None:
+        """A segment file at full length; with disk.zero_segments, the bytes past its old size
+        written with zeros (what was there before is never touched)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, self.config.segment_bytes)
+            os.fsync(fd)
+            if self.config.zero_segments:
+                log.info("zeroing %s from %d to %d bytes (disk.zero_segments; segment %d of %d on drive %d)",
+                         path, old_size, self.config.segment_bytes, segment + 1, self.config.segments_per_drive,
+                         drive)
+                zero_range(path, -(-old_size // ALIGN_BYTES) * ALIGN_BYTES, self.config.segment_bytes)
+        except OSError as error:
+            raise ResourceExhausted(
+                f"disk directory {self.config.directories[drive]}: cannot preallocate {path.name} "
+                f"({self.config.segment_bytes} bytes; disk.capacity_bytes is per drive): {error}"
+            ) from None
+        finally:
+            os.close(fd)
 
     def _open_files(self) -> None:
         needed = self.config.file_count + 64
