@@ -115,6 +115,8 @@ DISK_CONTENDERS = (
     # blocks deleted through the API), so stores write into slots written before; the others
     # store into a tier just created.
     ContenderSpec("kvd-steady", ".venv", "kvd_driver.py", ("--pinned", "--steady"), store_variants=KVD_STORE),
+    # kvd-pinned with disk.zero_segments: a tier just created, its segments zeroed at the start.
+    ContenderSpec("kvd-zeroed", ".venv", "kvd_driver.py", ("--pinned", "--zero-segments"), store_variants=KVD_STORE),
     # kvd with its arena in 4 KiB pages, as on a host whose shmem_enabled is never.
     ContenderSpec("kvd-4k", ".venv", "kvd_driver.py", ("--no-huge-pages",), store_variants=KVD_STORE),
     ContenderSpec("vllm-fs", ".venv-vllm", "vllm_fs.py", store_variants=PEER_STORE),
@@ -426,7 +428,8 @@ def disk_ratios(results: dict) -> dict[str, Any]:
         "store_group": ("store group", store_peer, store_best),
         "store_strict": ("store strict", synced_peer, synced_best),
     }
-    for contender, suffix in (("kvd", ""), ("kvd-pinned", "_pinned"), ("kvd-steady", "_steady")):
+    for contender, suffix in (("kvd", ""), ("kvd-pinned", "_pinned"), ("kvd-steady", "_steady"),
+                              ("kvd-zeroed", "_zeroed")):
         for key, (operation, peer, best) in pairs.items():
             value = _median(results, f"{contender} {operation}")
             if value or not suffix:

@@ -2,6 +2,7 @@
 """kvd as a contender of bench_peers.py: a real daemon, driven through its client.
 
     .venv/bin/python bench/peers/kvd_driver.py '<Workload JSON>' [--no-disk] [--no-huge-pages] [--pinned] [--steady]
+                                               [--zero-segments]
 
 The daemon runs in its own process with the workload's directory as two
 disk-tier drives (two directories on one file system, as a host with two
@@ -30,6 +31,10 @@ tier just created, whose preallocated segments have never been written
 (on ext4 each first write into them also converts unwritten extents).
 The first clear of a steady run stores every block once, untimed, so that
 no timed store meets a slot never written.
+
+With --zero-segments the daemon writes zeros over the segments it creates
+(disk.zero_segments), at the start that creates them (untimed: in the
+clear before each store), so its first fill meets no unwritten extent.
 
 With --no-disk the daemon has host memory only (the host-memory Get and
 Lookup contender). With --no-huge-pages its arena stays in 4 KiB pages
@@ -69,7 +74,7 @@ def block_keys(count: int, salt: bytes = b"") -> list[bytes]:
 
 class KvdContender:
     def __init__(self, workload: protocol.Workload, disk: bool, huge_pages: bool = True, pinned: bool = False,
-                 steady: bool = False) -> None:
+                 steady: bool = False, zero_segments: bool = False) -> None:
         tokens, remainder = divmod(workload.layer_bytes, 2 * HEADS * HEAD_DIM * ITEM)
         if remainder:
             raise SystemExit(f"layer_bytes {workload.layer_bytes} is not a whole number of bf16 tokens")
@@ -78,6 +83,7 @@ class KvdContender:
         self.huge_pages = huge_pages
         self.pinned = pinned
         self.steady = steady
+        self.zero_segments = zero_segments
         self.warmed = False  # (--steady) the tier's slots for the blocks were written once
         self.spec = NamespaceSpec("bench-peers", num_layers=workload.layers, num_kv_heads=HEADS,
                                   head_dim=HEAD_DIM, block_tokens=tokens, kv_dtype=DType.BFLOAT16)
@@ -112,6 +118,7 @@ class KvdContender:
                 "directories": [str(self.root / "drive0"), str(self.root / "drive1")],
                 "capacity_bytes": per_drive, "slot_bytes": workload.block_bytes,
                 "min_slot_bytes": workload.block_bytes, "segment_bytes": segment, "fsync": self.fsync,
+                "zero_segments": self.zero_segments,
             }
         return config
 
@@ -230,7 +237,7 @@ def main() -> None:
     workload = protocol.Workload.from_json(sys.argv[1])
     contender = KvdContender(workload, disk="--no-disk" not in sys.argv[2:],
                              huge_pages="--no-huge-pages" not in sys.argv[2:], pinned="--pinned" in sys.argv[2:],
-                             steady="--steady" in sys.argv[2:])
+                             steady="--steady" in sys.argv[2:], zero_segments="--zero-segments" in sys.argv[2:])
     contender.start()
     try:
         protocol.serve("kvd", kvd.__version__, contender.handlers())
