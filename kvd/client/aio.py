@@ -11,7 +11,9 @@ import numpy as np
 from kvd.client import _ops
 from kvd.client._wire import ClusterLookupResult, LookupResult, Namespace, PrefetchResult
 from kvd.client.events import AsyncEventWatch, EventSnapshot, SnapshotParts, snapshot_request, watch_request
+from kvd.client.pinned import AsyncPinnedBlocks, AsyncReservedBlocks
 from kvd.core.keys import NamespaceSpec
+from kvd.errors import FailedPrecondition
 from kvd.v1 import kvd_pb2
 
 
@@ -85,6 +87,28 @@ class AsyncClient(_ops.ClientBase):
         self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""
     ) -> np.ndarray:
         return await self._run(_ops.get_numpy(self.session, namespace, keys, out, parent_key))
+
+    async def get_pinned(self, namespace: Namespace, keys: Sequence[bytes],
+                         parent_key: bytes = b"") -> AsyncPinnedBlocks:
+        """As Client.get_pinned; release with `async with` or `await held.release()`."""
+        response, arena = await self._run(_ops.get_pinned(self.session, namespace, keys, parent_key))
+        if response is None:
+            return AsyncPinnedBlocks(namespace, arena, 0, (), 0, self._release_leases)
+        return AsyncPinnedBlocks(namespace, arena, response.matched, response.offsets, response.lease_id,
+                                 self._release_leases)
+
+    async def reserve(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> AsyncReservedBlocks:
+        """As Client.reserve; `await slots.commit(...)`, released with `async with`."""
+        await self._run(_ops.connect(self.session))
+        response = None
+        if self.session.arena is not None:
+            response = await self._run(_ops.reserve(self.session, namespace, keys, parent_key))
+        if response is None or self.session.arena is None:
+            raise FailedPrecondition("reserve needs the daemon's shared-memory arena; use put")
+        return AsyncReservedBlocks(self._run, self.session, namespace, keys, parent_key, response)
+
+    async def _release_leases(self, lease_ids: list[int]) -> None:
+        await self._run(_ops.release(self.session, lease_ids))
 
     async def get_tensor(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> Any:
         from kvd.client.tensors import rows_to_tensor

@@ -130,27 +130,78 @@ class ReservedBlocks:
     def commit(self, durable: bool = False) -> int:
         """Store the reserved run as filled; how many blocks that wrote. durable: as put(durable=True),
         return once every key is durable on disk, else NotDurableError (the slots are then gone)."""
-        self._check()
-        self._done = True
-        if durable:
-            written, statuses = self._run(_ops.commit_durable(self._session, self.namespace, self.keys,
-                                                             self.parent_key, self._response, self.start,
-                                                             self.stop))
-            _ops.check_all_stored(statuses)
-            return written
-        if self.start < self.stop:
-            self._run(_ops._commit(self._session, self.namespace, self._response.lease_id, kvd_pb2.ACK_HOST))
-        return self.stop - self.start
+        op, finish = self._commit_steps(durable)
+        return finish(None if op is None else self._run(op))
 
     def release(self) -> None:
         """Give the slots back unwritten (once; nothing after a commit)."""
-        if not self._done:
-            self._done = True
-            if self._response.lease_id:
-                self._run(_ops.release(self._session, [self._response.lease_id]))
+        op = self._release_op()
+        if op is not None:
+            self._run(op)
+
+    def _commit_steps(self, durable: bool) -> tuple[_ops.Op | None, Callable[[object], int]]:
+        """The commit's call (None: nothing to send) and what makes its answer commit's result."""
+        self._check()
+        self._done = True
+        if durable:
+            def written(answer) -> int:
+                count, statuses = answer
+                _ops.check_all_stored(statuses)
+                return count
+
+            return _ops.commit_durable(self._session, self.namespace, self.keys, self.parent_key, self._response,
+                                       self.start, self.stop), written
+        count = self.stop - self.start
+        if count == 0:
+            return None, lambda answer: 0
+        return _ops._commit(self._session, self.namespace, self._response.lease_id, kvd_pb2.ACK_HOST), \
+            lambda answer: count
+
+    def _release_op(self) -> _ops.Op | None:
+        if self._done:
+            return None
+        self._done = True
+        return _ops.release(self._session, [self._response.lease_id]) if self._response.lease_id else None
 
     def __enter__(self) -> ReservedBlocks:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+class _AsyncHeld:
+    """`async with` for the AsyncClient's holds (its release is awaited); a plain `with` is refused,
+    since its exit could never await the release."""
+
+    def __enter__(self):
+        raise TypeError(f"{type(self).__name__} is held with `async with` (its release is awaited)")
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.release()
+
+
+class AsyncPinnedBlocks(_AsyncHeld, PinnedBlocks):
+    """PinnedBlocks of kvd.client.AsyncClient: `async with`, and `await release()`."""
+
+    async def release(self) -> None:
+        if not self._released:
+            self._released = True
+            if self.lease_id:
+                await self._release([self.lease_id])
+
+
+class AsyncReservedBlocks(_AsyncHeld, ReservedBlocks):
+    """ReservedBlocks of kvd.client.AsyncClient: `async with`, and `await commit()` / `await release()`."""
+
+    async def commit(self, durable: bool = False) -> int:
+        op, finish = self._commit_steps(durable)
+        return finish(None if op is None else await self._run(op))
+
+    async def release(self) -> None:
+        op = self._release_op()
+        if op is not None:
+            await self._run(op)

@@ -475,3 +475,42 @@ def test_a_daemon_with_zero_segments_starts_on_written_zeros_and_serves_from_the
     with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
         namespace = client.register_namespace(SPEC)
         np.testing.assert_array_equal(client.get_numpy(namespace, keys), blocks)
+
+
+def test_the_async_client_pins_and_reserves_in_place_as_the_sync_one_does(tmp_path):
+    """AsyncClient.get_pinned and reserve: a cold Get left in the arena (exact, a corrupt block a
+    miss, pinned until `async with` ends), and a reservation filled in place and committed durable,
+    which a restart then serves; a plain `with` is refused, since its release would never run."""
+    import asyncio
+
+    from kvd.client import AsyncClient
+
+    directory, config, keys, blocks = stored_with_a_corrupt_block(tmp_path, seed=13)
+
+    async def scenario(target: str) -> None:
+        async with AsyncClient(target) as client:
+            namespace = await client.register_namespace(SPEC)
+            async with await client.get_pinned(namespace, keys) as held:
+                assert held.matched == 3
+                np.testing.assert_array_equal(held.copy_to(), blocks[:3])
+                assert await client.delete(namespace, keys[:3]) == (0, 3)  # pinned
+                assert (await client.stats()).leases == 1
+            assert (await client.stats()).leases == 0
+            held = await client.get_pinned(namespace, keys[:1])
+            with pytest.raises(TypeError, match="async with"):
+                with held:
+                    pass
+            await held.release()
+            async with await client.reserve(namespace, keys) as slots:
+                assert (slots.start, slots.stop) == (3, 6)  # block 3 was dropped as corrupt
+                slots.fill(blocks)
+                assert await slots.commit(durable=True) == 3
+            async with await client.reserve(namespace, keys) as slots:
+                assert slots.start == slots.stop  # all stored: nothing to fill
+                assert await slots.commit() == 0
+            assert (await client.stats()).leases == 0
+
+    with run_daemon(directory, config=config) as daemon:
+        asyncio.run(scenario(daemon.unix_target))
+    with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
+        np.testing.assert_array_equal(client.get_numpy(client.register_namespace(SPEC), keys), blocks)
