@@ -286,6 +286,17 @@ def reserve(session: Session, namespace: Namespace, keys: Sequence[bytes], paren
     )))
 
 
+def reserve_slots(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes) -> Op:
+    """reserve for ReservedBlocks: connects first, and FailedPrecondition without the arena."""
+    yield from connect(session)
+    response = None
+    if session.arena is not None:
+        response = yield from reserve(session, namespace, keys, parent_key)
+    if response is None or session.arena is None:
+        raise FailedPrecondition("reserve needs the daemon's shared-memory arena; use put")
+    return response
+
+
 def _reserve_and_scatter(
     session: Session, namespace: Namespace, keys: Sequence[bytes], rows: np.ndarray, parent_key: bytes
 ) -> Op:

@@ -13,7 +13,6 @@ from kvd.client._wire import ClusterLookupResult, LookupResult, Namespace, Prefe
 from kvd.client.events import AsyncEventWatch, EventSnapshot, SnapshotParts, snapshot_request, watch_request
 from kvd.client.pinned import AsyncPinnedBlocks, AsyncReservedBlocks
 from kvd.core.keys import NamespaceSpec
-from kvd.errors import FailedPrecondition
 from kvd.v1 import kvd_pb2
 
 
@@ -99,12 +98,7 @@ class AsyncClient(_ops.ClientBase):
 
     async def reserve(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> AsyncReservedBlocks:
         """As Client.reserve; `await slots.commit(...)`, released with `async with`."""
-        await self._run(_ops.connect(self.session))
-        response = None
-        if self.session.arena is not None:
-            response = await self._run(_ops.reserve(self.session, namespace, keys, parent_key))
-        if response is None or self.session.arena is None:
-            raise FailedPrecondition("reserve needs the daemon's shared-memory arena; use put")
+        response = await self._run(_ops.reserve_slots(self.session, namespace, keys, parent_key))
         return AsyncReservedBlocks(self._run, self.session, namespace, keys, parent_key, response)
 
     async def _release_leases(self, lease_ids: list[int]) -> None:

@@ -123,12 +123,7 @@ class Client(_ops.ClientBase):
     def reserve(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> ReservedBlocks:
         """Slots in the daemon's arena for a Put the caller fills in place, then commits
         (kvd.client.pinned). Needs the shared-memory arena."""
-        self._run(_ops.connect(self.session))
-        response = None
-        if self.session.arena is not None:
-            response = self._run(_ops.reserve(self.session, namespace, keys, parent_key))
-        if response is None or self.session.arena is None:
-            raise FailedPrecondition("reserve needs the daemon's shared-memory arena; use put")
+        response = self._run(_ops.reserve_slots(self.session, namespace, keys, parent_key))
         return ReservedBlocks(self._run, self.session, namespace, keys, parent_key, response)
 
     def get_layers(
