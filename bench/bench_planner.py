@@ -36,7 +36,7 @@ from _common import percentile, progress, report, warn_if_busy, write_result  # 
 
 from kvd.planner.distance import NONE  # noqa: E402
 from kvd.planner.latency import Batch, gpu_bytes, step_latency  # noqa: E402
-from kvd.planner.search import branch_and_bound, exhaustive  # noqa: E402
+from kvd.planner.search import DEFAULT_MAX_NODES, branch_and_bound, exhaustive  # noqa: E402
 
 TARGET_P99_S = 1e-3
 TOKEN_BYTES = 4096             # one token's K and V in one layer
@@ -116,8 +116,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, default=500)
     parser.add_argument("--gap-batches", type=int, default=300)
-    parser.add_argument("--max-nodes", type=int, default=600, help="the search's node limit per plan (about "
-                        "1 ms here)")
+    parser.add_argument("--max-nodes", type=int, default=DEFAULT_MAX_NODES, help="the search's node limit per plan (the "
+                        "daemon's default)")
     parser.add_argument("--long-nodes", type=int, default=100_000, help="the node limit of the comparison search")
     parser.add_argument("--long-every", type=int, default=10, help="compare every n-th batch with a long search")
     parser.add_argument("--seed", type=int, default=16)

@@ -16,10 +16,9 @@ from collections import OrderedDict
 from kvd.errors import InvalidArgument, NotFound
 from kvd.planner.plan import Plan, Request, plan
 from kvd.planner.profile import StepProfile
-from kvd.planner.search import MAX_LAYERS, MAX_REQUESTS
+from kvd.planner.search import DEFAULT_MAX_NODES, MAX_LAYERS, MAX_REQUESTS
 from kvd.v1 import kvd_pb2
 
-DEFAULT_MAX_NODES = 600      # about 0.6 ms at p99 on the development VM (bench/bench_planner.py)
 MAX_NODES = 100_000
 DEFAULT_MAX_WINDOW = 64
 MAX_WINDOW = 1 << 20

@@ -47,7 +47,7 @@ from kvd.planner.latency import Batch, fetch_latency, gpu_bytes
 from kvd.planner.plan import Request as PlanRequest
 from kvd.planner.plan import plan
 from kvd.planner.profile import StepProfile
-from kvd.planner.search import native_step_latency
+from kvd.planner.search import DEFAULT_MAX_NODES, native_step_latency
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ class Planner:
         requests = [PlanRequest(r.kv(setup), self.slo_s, self._deposit(r, now), setup.token_bytes) for r in running]
         compute = self.profile.compute_s(sum(r.context for r in running))
         result = plan(requests, compute, self.profile.bandwidth_bps, setup.budget_bytes,
-                      max_window=setup.max_window, max_nodes=600)
+                      max_window=setup.max_window, max_nodes=DEFAULT_MAX_NODES)
         paused = {running[i].rid for i in result.paused}
         if not result.fits:
             paused = {r.rid for r in running}
