@@ -495,64 +495,92 @@ class DiskPlane:
 
     # -- reads ----------------------------------------------------------
 
-    async def complete_get(self, plan: GetPlan, on_layer=None) -> list[Block]:
-        """Run the plan's disk reads (or wait for other Gets' reads); the servable prefix.
+    def start_get(self, plan: GetPlan, on_layer=None) -> asyncio.Task:
+        """Start the plan's disk reads; a task that ends with the servable prefix.
+
+        Called in the loop step of the plan's begin_get, before any await:
+        from then on another Get's plan lists these blocks as waits, and
+        finds the futures it waits on here. The task owns the reads: if it
+        is cancelled, they still finish (the I/O thread writes into the
+        pinned slots) and then the lease is closed.
 
         on_layer(layer, ok), if given, is called on the loop each time layer
         `layer` of every loaded block has landed and been verified; ok[i]
         says whether plan.loads[i] is still good.
         """
-        engine = self.engine
-        loop = asyncio.get_running_loop()
         check(not (plan.loads or plan.waits) or plan.lease is not None, "disk reads for a Get that pins nothing")
         # A Get now waits for these prefetches: they are restores from here on.
         for read in dict.fromkeys(filter(None, map(self._prefetch_reads.get, plan.waits))):
             self._io.promote(read, IoClass.RESTORE)
-        if plan.loads:
-            self._loads.update({load.block: loop.create_future() for load in plan.loads})
-            progress = None
-            if on_layer is not None:
-                def progress(layer: int, ok) -> None:  # I/O thread
-                    loop.call_soon_threadsafe(on_layer, layer, ok)
-            work = self._read_work(plan.loads)
-            nbytes = sum(load.block.index.block_bytes for load in plan.loads)
-            if self.sizer is not None:
-                spec = engine.namespace(plan.loads[0].block.index.namespace_id).spec
-                self.sizer.restore(len(plan.loads) * spec.block_tokens, spec.layer_bytes // spec.block_tokens,
-                                   spec.num_layers)
-            reading = asyncio.wrap_future(self._io.submit(IoClass.RESTORE, self._read_batch, work, progress,
-                                                          nbytes=nbytes))
-            try:
-                # Shielded: if this Get is cancelled, the I/O thread still
-                # writes into the host slots, so they stay pinned until it is
-                # done; the callback then finishes the loads and unpins.
-                await asyncio.shield(reading)
-            except asyncio.CancelledError:
-                reading.add_done_callback(lambda done: self._finish_loads(plan, done, close_lease=True))
-                raise
-            except Exception:
-                self._finish_loads(plan, reading, close_lease=True)
-                raise
-            self._finish_loads(plan, reading, close_lease=False)
-            await self._journal_removals()
-        if plan.waits:
-            waiting = [self._loads[block] for block in plan.waits if block in self._loads]
-            try:
-                if waiting:
-                    await asyncio.gather(*(asyncio.shield(future) for future in waiting))
-            except BaseException:
-                if plan.lease is not None and not plan.lease.ended:
-                    engine.leases.close(plan.lease)
-                raise
-        return engine.settle_get(plan)
+        loading = self.engine.loading
+        check(all(block in self._loads or block not in loading for block in plan.waits),
+              "a Get waits for a block being read that no read will report")
+        waiting = [self._loads[block] for block in plan.waits if block in self._loads]
+        reading = self._submit_loads(plan, on_layer) if plan.loads else None
+        task = asyncio.ensure_future(self._complete_get(plan, reading, waiting))
+        task.add_done_callback(functools.partial(self._end_failed_get, plan, reading))
+        return task
 
-    def _finish_loads(self, plan: GetPlan, reading: asyncio.Future, *, close_lease: bool) -> None:
+    def _submit_loads(self, plan: GetPlan, on_layer) -> asyncio.Future:
+        """Hand the plan's loads to the I/O thread as one restore job; its future.
+
+        The loads are finished by a callback on that future, whatever becomes
+        of the Get (even a task cancelled before it ever ran).
+        """
+        loop = asyncio.get_running_loop()
+        progress = None
+        if on_layer is not None:
+            def progress(layer: int, ok) -> None:  # I/O thread
+                loop.call_soon_threadsafe(on_layer, layer, ok)
+        if self.sizer is not None:
+            spec = self.engine.namespace(plan.loads[0].block.index.namespace_id).spec
+            self.sizer.restore(len(plan.loads) * spec.block_tokens, spec.layer_bytes // spec.block_tokens,
+                               spec.num_layers)
+        nbytes = sum(load.block.index.block_bytes for load in plan.loads)
+        try:
+            submitted = self._io.submit(IoClass.RESTORE, self._read_batch, self._read_work(plan.loads), progress,
+                                        nbytes=nbytes)
+        except RuntimeError:  # the I/O thread is shut down: nothing read, nothing lost
+            self.engine.abandon_get(plan)
+            raise Unavailable("kvd is stopping; the Get's disk reads were not started") from None
+        self._loads.update({load.block: loop.create_future() for load in plan.loads})
+        reading = asyncio.wrap_future(submitted)
+        # Registered before anyone awaits `reading`: the loads are finished
+        # before the Get that awaits it resumes.
+        reading.add_done_callback(functools.partial(self._finish_loads, plan))
+        return reading
+
+    async def _complete_get(self, plan: GetPlan, reading: asyncio.Future | None,
+                            waiting: list[asyncio.Future]) -> list[Block]:
+        """Await the plan's own reads, then those of other Gets it waits on; settle."""
+        if reading is not None:
+            # Shielded: the I/O thread writes into the pinned slots whatever
+            # becomes of this Get (see _end_failed_get).
+            await asyncio.shield(reading)
+            await self._journal_removals()
+        if waiting:
+            await asyncio.gather(*(asyncio.shield(future) for future in waiting))
+        return self.engine.settle_get(plan)
+
+    def _end_failed_get(self, plan: GetPlan, reading: asyncio.Future | None, task: asyncio.Task) -> None:
+        """A Get that failed or was cancelled: its lease ends, once no read into its slots runs."""
+        if not task.cancelled() and task.exception() is None:
+            return
+
+        def close(_done=None) -> None:
+            if plan.lease is not None and not plan.lease.ended:
+                self.engine.leases.close(plan.lease)
+
+        if reading is None or reading.done():
+            close()
+        else:
+            reading.add_done_callback(close)
+
+    def _finish_loads(self, plan: GetPlan, reading: asyncio.Future) -> None:
         """Loop thread: record the reads' outcome (a failed read is a lost block)."""
         ok = _read_outcome(reading, len(plan.loads))
         self.engine.finish_loads(plan.loads, ok)
         self._resolve_loads(plan.loads, ok)
-        if close_lease and plan.lease is not None and not plan.lease.ended:
-            self.engine.leases.close(plan.lease)
 
     def _resolve_loads(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         """Tell the Gets waiting for these loads how they went."""

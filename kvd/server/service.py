@@ -443,9 +443,9 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         plan = await self._begin_get(request, client_id)
         tiers = convert.tiers(self.engine, plan.matched)
         if plan.loads or plan.waits:
-            # On failure complete_get ends the lease itself, once no read
+            # On failure the get task ends the lease itself, once no read
             # into the pinned slots is still running.
-            await self.disk_plane.complete_get(plan)
+            await self.disk_plane.start_get(plan)
             self._check_lease_outlived_reads(request, plan)
         return plan.lease, plan.matched, tiers[: len(plan.matched)]
 
@@ -526,7 +526,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         matched = list(plan.matched)
         pending = bool(plan.loads or plan.waits)
         lease = plan.lease
-        yield kvd_pb2.GetLayersResponse(
+        first = kvd_pb2.GetLayersResponse(
             matched=len(matched),
             layers_ready=0 if pending else layers,
             lease_id=lease.lease_id if lease else 0,
@@ -535,6 +535,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             tiers=convert.tiers(self.engine, matched),
         )
         if not pending:
+            yield first
             return
         position_of = {id(load.block): matched.index(load.block) for load in plan.loads}
         updates: asyncio.Queue = asyncio.Queue()
@@ -542,11 +543,13 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         def on_layer(layer: int, ok) -> None:
             updates.put_nowait((layer, ok))
 
-        # On failure complete_get ends the lease itself, once no read into
-        # the pinned slots is still running.
-        getting = asyncio.ensure_future(self.disk_plane.complete_get(plan, on_layer))
+        # Started before the first message goes out: the plan's loads are
+        # reads other Gets may wait on from now on. On failure the task ends
+        # the lease itself, once no read into the pinned slots is running.
+        getting = self.disk_plane.start_get(plan, on_layer)
         servable = len(matched)
         try:
+            yield first
             while not getting.done() or not updates.empty():
                 waiter = asyncio.ensure_future(updates.get())
                 await asyncio.wait({waiter, getting}, return_when=asyncio.FIRST_COMPLETED)

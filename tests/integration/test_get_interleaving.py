@@ -1,0 +1,129 @@
+"""Gets that meet on the same disk reads, interleaved at the service's await points.
+
+The daemon's handlers run over a real Engine, HostArena and DiskPlane (O_DIRECT
+segment files) in this process, so a test can stop one request exactly where
+it yields and run another there. A chain is stored, the disk plane closed and
+opened again: every block is then on disk only, as after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+
+from kvd.config import DiskSettings
+from kvd.core.engine import Engine
+from kvd.core.keys import DType, NamespaceSpec, chain_keys
+from kvd.core.requests import CommitRequest, KeysRequest
+from kvd.server.disk_plane import DiskPlane
+from kvd.server.service import KvdService
+from kvd.tiers.host import ArenaLayout, HostArena
+from kvd.v1 import kvd_pb2
+
+SLOT_BYTES = 8 << 10
+HOST_SLOTS = 16
+BLOCKS = 6
+LONG_MS = 600_000
+SPEC = NamespaceSpec(model_id="interleaving", num_layers=2, num_kv_heads=1, head_dim=128, block_tokens=8,
+                     kv_dtype=DType.FLOAT16)
+
+
+def pattern(key: bytes) -> bytes:
+    return (key * (SPEC.block_bytes // len(key) + 1))[: SPEC.block_bytes]
+
+
+class Node:
+    """One daemon's engine, arena and disk plane, opened on a drive directory."""
+
+    def __init__(self, directory) -> None:
+        self.settings = DiskSettings(directories=[str(directory)], capacity_bytes=4 << 20, slot_bytes=SLOT_BYTES,
+                                     segment_bytes=4 << 20, fsync="strict", write_mode="through")
+        self.arena = HostArena(ArenaLayout.from_capacity(HOST_SLOTS * SLOT_BYTES, SLOT_BYTES), prefault=False)
+
+    async def open(self) -> None:
+        self.plane = DiskPlane(self.settings, self.arena)
+        recovery = await self.plane.open()
+        self.engine = Engine(host_slot_count=HOST_SLOTS, host_slot_bytes=SLOT_BYTES,
+                             disk_slot_count=self.plane.slot_count, disk_slot_bytes=SLOT_BYTES)
+        await self.plane.recover(self.engine, recovery)
+        self.plane.start()
+        self.namespace_id = self.engine.register_namespace(SPEC).namespace_id
+        await self.plane.register_namespace(self.engine, self.namespace_id)
+        clock = SimpleNamespace(now_ms=lambda: 0)
+        self.service = KvdService(self.engine, self.arena, clock, metrics=None, max_message_bytes=1 << 20,
+                                  disk_plane=self.plane)
+
+    async def store(self, keys: list[bytes]) -> None:
+        reserved = self.engine.reserve(KeysRequest(self.namespace_id, "w", keys, LONG_MS, 0))
+        for key, slot in zip(keys, reserved.slots):
+            self.arena.write(slot, pattern(key))
+        self.engine.commit(CommitRequest(self.namespace_id, "w", reserved.lease.lease_id, 0))
+        assert not await self.plane.wait_durable(self.engine.stored(self.namespace_id, keys), 30.0)
+
+    def request(self, client_id: str, keys: list[bytes]) -> kvd_pb2.GetRequest:
+        return kvd_pb2.GetRequest(namespace_id=self.namespace_id, client_id=client_id, keys=keys, lease_ms=LONG_MS,
+                                  arena_instance_id=self.arena.instance_id)
+
+    def assert_served(self, blocks, keys: list[bytes]) -> None:
+        assert [block.key for block in blocks] == keys
+        for block, key in zip(blocks, keys):
+            assert self.arena.read(self.engine.host_slot(block), SPEC.block_bytes) == pattern(key)
+
+
+async def cold_node(tmp_path) -> tuple[Node, list[bytes]]:
+    """A node whose chain of BLOCKS blocks is on its drive only (stored, then the plane reopened)."""
+    keys = chain_keys(SPEC, np.arange(BLOCKS * SPEC.block_tokens))
+    first = Node(tmp_path / "nvme0")
+    await first.open()
+    await first.store(keys)
+    await first.plane.close(30.0)
+    node = Node(tmp_path / "nvme0")
+    await node.open()
+    assert node.engine.stored(node.namespace_id, keys) and not node.engine.loading
+    return node, keys
+
+
+def test_a_get_that_arrives_while_a_streaming_get_holds_its_first_message_waits_for_its_reads(tmp_path):
+    """GetLayers plans its loads, then yields the first message to the client.
+    A Get for the same prefix that runs there finds the blocks being read and
+    must wait for those reads, not take the slots before they are filled."""
+
+    async def scenario():
+        node, keys = await cold_node(tmp_path)
+        stream = node.service._get_layers(node.request("streaming", keys))
+        first = await stream.__anext__()
+        assert (first.matched, first.layers_ready) == (BLOCKS, 0)
+        assert len(node.engine.loading) == BLOCKS  # the stream's reads, under way
+        lease, blocks, _ = await node.service._pinned_prefix(node.request("plain", keys), "plain")
+        node.assert_served(blocks, keys)
+        messages = [message async for message in stream]
+        assert (messages[-1].matched, messages[-1].layers_ready) == (BLOCKS, SPEC.num_layers)
+        node.engine.verify()
+        await node.plane.close(30.0)
+
+    asyncio.run(scenario())
+
+
+def test_a_streaming_get_dropped_after_its_first_message_leaves_no_read_behind(tmp_path):
+    """The client goes away as soon as it has the offsets: the reads it
+    started still finish, its lease ends, and the blocks are served whole."""
+
+    async def scenario():
+        node, keys = await cold_node(tmp_path)
+        stream = node.service._get_layers(node.request("gone", keys))
+        await stream.__anext__()
+        await stream.aclose()
+        for _ in range(1000):
+            if not node.engine.loading:
+                break
+            await asyncio.sleep(0.005)
+        assert not node.engine.loading
+        assert node.engine.leases.pins_of("gone") == 0
+        lease, blocks, _ = await node.service._pinned_prefix(node.request("later", keys), "later")
+        node.assert_served(blocks, keys)
+        node.engine.verify()
+        await node.plane.close(30.0)
+
+    asyncio.run(scenario())
