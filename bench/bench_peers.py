@@ -51,6 +51,14 @@ Host memory, per block size (--host-mib, blocks already in the store):
   * Lookup of an 8,000-block prefix: kvd, Mooncake's batch_is_exist, Redis
     pipelined EXISTS.
 
+Each timed disk operation also reports what the block device under --dir
+saw (bench/devicestats.py, from /proc/diskstats): the mean request size,
+the mean number of requests queued, the bytes kept in flight and the mean
+time a request took; kvd's restores add the share of the call its
+daemon's read job ran (kvd_disk_job_run_seconds). Readers that keep
+different amounts in flight at latencies in the same proportion are both
+at the device's bandwidth.
+
 Targets (issue 13, medians): restore >= 1.1x the best peer; store with fsync
 none >= 1.0x the best peer's unsynced store, group >= 0.9x of it, strict >=
 1.0x the best peer's store plus a final sync; host Get >= 0.9x memcpy with
@@ -76,6 +84,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
+import devicestats  # noqa: E402
 import protocol  # noqa: E402
 from _common import REPO_ROOT, progress, report, summarize_latencies, warn_if_busy, write_result  # noqa: E402
 
@@ -291,33 +300,53 @@ def fio_sweep(path: Path, total: int, jobs: list[int], depths: list[int]) -> dic
 @dataclass
 class Samples:
     seconds: dict[str, list[float]] = field(default_factory=dict)
+    devices: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    daemon_reads: dict[str, list[float]] = field(default_factory=dict)
 
-    def add(self, label: str, seconds: float) -> None:
+    def add(self, label: str, seconds: float, device: dict[str, float] | None = None,
+            daemon_read_s: float | None = None) -> None:
         self.seconds.setdefault(label, []).append(seconds)
+        if device is not None:
+            self.devices.setdefault(label, []).append(device)
+        if daemon_read_s is not None:
+            self.daemon_reads.setdefault(label, []).append(daemon_read_s / seconds)
+
+    def timed(self, label: str, device: str | None, run) -> dict[str, Any]:
+        """run() answers {"seconds": ...}; recorded with what `device` saw meanwhile."""
+        before = devicestats.snapshot(device)
+        answer = run()
+        seen = devicestats.view(before, devicestats.snapshot(device), answer["seconds"])
+        self.add(label, answer["seconds"], seen, answer.get("daemon_read_s"))
+        return answer
 
     def summary(self, nbytes: int) -> dict[str, Any]:
         out = {}
         for label, values in self.seconds.items():
             rates = [nbytes / s / (1 << 30) for s in values]
             out[label] = {"median_gib_s": statistics.median(rates), "best_gib_s": max(rates), "gib_s": rates}
+            if self.devices.get(label):
+                views = self.devices[label]
+                out[label]["device"] = {key: statistics.median(v[key] for v in views) for key in views[0]}
+            if self.daemon_reads.get(label):
+                out[label]["daemon_read_share"] = statistics.median(self.daemon_reads[label])
         return out
 
 
 def disk_round(contenders: dict[str, Contender], order: list[str], fio: dict, fio_path: Path,
-               total: int, samples: Samples) -> None:
+               total: int, samples: Samples, device: str | None) -> None:
     for name in order:
         contender = contenders[name]
         for label, fields in contender.spec.store_variants:
             contender.ask("clear")
             drop_page_cache()
-            samples.add(f"{name} {label}", contender.ask("store", **fields)["seconds"])
+            samples.timed(f"{name} {label}", device, lambda: contender.ask("store", **fields))
     for name in order:
         contenders[name].ask("cold")
         drop_page_cache()
-        samples.add(f"{name} restore", contenders[name].ask("restore")["seconds"])
+        samples.timed(f"{name} restore", device, lambda: contenders[name].ask("restore"))
     for key in ("read", "write", "write+fsync"):
         setting = fio["best"][key]
-        samples.add(f"fio {key}", setting.run(fio_path, total))
+        samples.timed(f"fio {key}", device, lambda: {"seconds": setting.run(fio_path, total)})
 
 
 def host_round(contenders: dict[str, Contender], order: list[str], samples: Samples) -> None:
@@ -347,19 +376,20 @@ def disk_phase(args, shape: str, tokens: int, root: Path) -> dict[str, Any]:
     base = root / shape
     specs = [s for s in DISK_CONTENDERS if not args.only or s.name in args.only]
     contenders = start_all(specs, lambda s: workload(base, s.name.replace(" ", "_"), layer_bytes, total), base)
+    device = devicestats.device_of(base)
     try:
         progress(f"{shape}: fio sweep")
         fio = fio_sweep(base / "fio.bin", total, args.fio_jobs, args.fio_depths)
         samples = Samples()
         for index in range(args.rounds):
             progress(f"{shape}: disk round {index + 1}/{args.rounds}")
-            disk_round(contenders, rotated(sorted(contenders), index), fio, base / "fio.bin", total, samples)
+            disk_round(contenders, rotated(sorted(contenders), index), fio, base / "fio.bin", total, samples, device)
         versions = {name: c.version for name, c in contenders.items()}
     finally:
         close_all(contenders)
         shutil.rmtree(base, ignore_errors=True)
     results = samples.summary(total)
-    return {"layer_bytes": layer_bytes, "total_bytes": total, "versions": versions,
+    return {"layer_bytes": layer_bytes, "total_bytes": total, "versions": versions, "device": device,
             "fio_sweep_gib_s": fio["gib_s"], "fio_best": {k: v.label for k, v in fio["best"].items()},
             "results": results, "ratios": disk_ratios(results)}
 
@@ -460,6 +490,10 @@ def print_phase(title: str, phase: dict[str, Any]) -> None:
     report(f"\n{title}  ({phase['total_bytes'] / MIB:.0f} MiB, {phase['layer_bytes'] // 1024} KiB layers)")
     for label, entry in sorted(phase["results"].items()):
         report(f"  {label:28s} median {entry['median_gib_s']:6.2f} GiB/s   best {entry['best_gib_s']:6.2f}")
+        if "device" in entry:
+            report(f"  {'':28s} {phase.get('device')}: {devicestats.describe(entry['device'])}")
+        if "daemon_read_share" in entry:
+            report(f"  {'':28s} the daemon's read job: {entry['daemon_read_share']:.0%} of the call")
     for key, value in phase["ratios"].items():
         if isinstance(value, dict):
             shown = "n/a" if value["ratio"] is None else f"{value['ratio']:.2f}x"

@@ -629,8 +629,11 @@ class DiskPlane:
                     progress(layer, mask)
 
             started = time.perf_counter()
+            slack = self._slack_writes(namespace_id, num_layers, len(items))
+            # Nobody to hand layers to as they land, no writes between layer
+            # groups: read each block whole, the drive's largest requests.
             results = self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests, on_layer,
-                                            between_groups=self._slack_writes(namespace_id, num_layers, len(items)))
+                                            between_groups=slack, whole_blocks=on_layer is None and slack is None)
             if self.sizer is not None:
                 self.sizer.observe(True, len(requests) * layer_bytes * num_layers, time.perf_counter() - started)
             for (position, _, _), good in zip(items, results):

@@ -366,6 +366,28 @@ def test_a_flipped_byte_fails_that_block_only(drives, arena):
     tier.close()
 
 
+def test_whole_block_reads_are_one_batch_of_one_extent_per_block_every_layer_still_verified(drives, arena,
+                                                                                           io_engine):
+    """whole_blocks: whatever read_extent_bytes says, one batch with one extent per block; each layer
+    is still checksummed on its own, so a flipped byte in a middle layer fails that block only."""
+    config = make_config(drives, engine=io_engine, read_extent_bytes=LAYER_BYTES)  # one layer per group otherwise
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {slot: 70 + slot for slot in range(8)}))
+    tier.close()
+    flip_byte(config, 3, LAYER_BYTES + 7)  # inside layer 1 of slot 3
+    tier, _ = open_tier(config)
+    reasons = np.zeros(8, dtype=np.int8)
+    ok = read(tier, arena, list(range(8)), failures=reasons, whole_blocks=True)
+    assert ok.tolist() == [True] * 3 + [False] + [True] * 4
+    assert reasons.tolist() == [0] * 3 + [ReadFailure.CHECKSUM] + [0] * 4
+    assert tier.stats.submissions == 1
+    engine_stats = tier.engine_stats()
+    assert engine_stats["entries"] == 8 and engine_stats["checksum_chunks"] == 8 * LAYERS
+    for i in (0, 1, 2, 4, 5, 6, 7):
+        assert host_bytes(arena, 32 + i) == expected_bytes(70 + i)
+    tier.close()
+
+
 def test_a_truncated_segment_drops_its_blocks_at_open(drives, arena):
     config = make_config(drives)
     tier, _ = open_tier(config)

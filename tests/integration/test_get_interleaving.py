@@ -38,8 +38,10 @@ class Node:
     """One daemon's engine, arena and disk plane, opened on a drive directory."""
 
     def __init__(self, directory) -> None:
+        # Extents of one layer: a streamed read is a batch per layer.
         self.settings = DiskSettings(directories=[str(directory)], capacity_bytes=4 << 20, slot_bytes=SLOT_BYTES,
-                                     segment_bytes=4 << 20, fsync="strict", write_mode="through")
+                                     segment_bytes=4 << 20, fsync="strict", write_mode="through",
+                                     read_extent_bytes=SPEC.layer_bytes)
         self.arena = HostArena(ArenaLayout.from_capacity(HOST_SLOTS * SLOT_BYTES, SLOT_BYTES), prefault=False)
 
     async def open(self) -> None:
@@ -123,6 +125,28 @@ def test_a_streaming_get_dropped_after_its_first_message_leaves_no_read_behind(t
         assert node.engine.leases.pins_of("gone") == 0
         lease, blocks, _ = await node.service._pinned_prefix(node.request("later", keys), "later")
         node.assert_served(blocks, keys)
+        node.engine.verify()
+        await node.plane.close(30.0)
+
+    asyncio.run(scenario())
+
+
+def test_a_get_reads_each_block_whole_and_a_streaming_get_layer_by_layer(tmp_path):
+    """Nobody uses a plain Get's layers before all have landed: one batch, each block one extent.
+    GetLayers hands layers over as they land: a batch per group of layers (here one layer)."""
+
+    async def scenario():
+        node, keys = await cold_node(tmp_path)
+        stats = node.plane.tier.stats
+        before = stats.submissions
+        _, blocks, _ = await node.service._pinned_prefix(node.request("plain", keys[:3]), "plain")
+        node.assert_served(blocks, keys[:3])
+        assert stats.submissions - before == 1
+        before = stats.submissions
+        messages = [message async for message in node.service._get_layers(node.request("streaming", keys))]
+        # The first message (offsets), one per layer landed, then the closing one.
+        assert [message.layers_ready for message in messages] == [0, *range(1, SPEC.num_layers + 1), SPEC.num_layers]
+        assert stats.submissions - before == SPEC.num_layers  # the 3 blocks above are in host memory now
         node.engine.verify()
         await node.plane.close(30.0)
 

@@ -925,6 +925,7 @@ class DiskTier:
         *,
         failures: np.ndarray | None = None,
         between_groups: Callable[[int, int], None] | None = None,
+        whole_blocks: bool = False,
     ) -> np.ndarray:
         """Read blocks in layer order, verifying each layer; per-block ok mask.
 
@@ -934,6 +935,10 @@ class DiskTier:
         group, so O(L) submissions at most. Later groups are in flight
         while this one is checked; the engine computes every layer's crc32c
         as it is reaped, and this method compares whole arrays.
+        whole_blocks: one group of every layer instead, each block one
+        extent, for a caller that uses no layer before all have landed:
+        blocks in consecutive slots then reach the drive as requests as
+        large as it takes (fine layers make small extents otherwise).
         on_layer(layer, ok) is called, in layer order, once layer `layer` of
         every block is verified; ok[i] is True while block i's layers
         0..layer are good.
@@ -955,8 +960,9 @@ class DiskTier:
         if count == 0:
             return ok
         files, offsets, destinations, expected = self._read_targets(namespace_id, num_layers, items, ok, reasons)
-        self._read_layer_groups(layer_bytes, num_layers, files, offsets, destinations, expected, ok, reasons,
-                                on_layer, between_groups)
+        width = num_layers if whole_blocks else self.config.read_extent_bytes // layer_bytes
+        self._read_layer_groups(layer_bytes, num_layers, max(1, min(num_layers, width)), files, offsets,
+                                destinations, expected, ok, reasons, on_layer, between_groups)
         good = int(ok.sum())
         self.stats.blocks_read += good
         self.stats.read_failures += count - good
@@ -984,14 +990,14 @@ class DiskTier:
             self.stats.count_error("missing_segment", int((~present).sum()))
         return files, offsets, destinations, expected
 
-    def _read_layer_groups(self, layer_bytes: int, num_layers: int, files: np.ndarray, offsets: np.ndarray,
-                           destinations: np.ndarray, expected: np.ndarray, ok: np.ndarray, reasons: np.ndarray,
-                           on_layer: LayerCallback | None, between_groups=None) -> None:
+    def _read_layer_groups(self, layer_bytes: int, num_layers: int, width: int, files: np.ndarray,
+                           offsets: np.ndarray, destinations: np.ndarray, expected: np.ndarray, ok: np.ndarray,
+                           reasons: np.ndarray, on_layer: LayerCallback | None, between_groups=None) -> None:
         """Each block in extents of `width` whole layers: one batch per group
         of layers, every block in it, so O(L / width) submissions. Later
         groups are in flight while this one is checked: two at least, more
         (up to READ_AHEAD_GROUPS) while they hold at most READ_AHEAD_BYTES."""
-        width = max(1, min(num_layers, self.config.read_extent_bytes // layer_bytes))
+        check(1 <= width <= num_layers, "a read extent of {} layers of {}", width, num_layers)
         groups = [(first, min(first + width, num_layers)) for first in range(0, num_layers, width)]
         # (group, batch id, positions, checksum cells, bytes) in order.
         flights: collections.deque[tuple[int, int, np.ndarray, np.ndarray, int]] = collections.deque()
