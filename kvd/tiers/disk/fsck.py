@@ -329,7 +329,9 @@ def fsck_tier(tier: DiskTier, progress_stream: TextIO | None = None, repair: boo
                 for position, record in enumerate(group)
             ]
             reasons = np.zeros(len(group), dtype=np.int8)
-            ok = tier.read_blocks(namespace_id, spec.layer_bytes, spec.num_layers, items, failures=reasons)
+            # Whole blocks: nothing here uses a layer before all have landed.
+            ok = tier.read_blocks(namespace_id, spec.layer_bytes, spec.num_layers, items, failures=reasons,
+                                  whole_blocks=True)
             report.good += int(ok.sum())
             bad.extend(_tally_failures(report, group, reasons.tolist()))
             if progress is not None:
