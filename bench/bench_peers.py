@@ -43,7 +43,10 @@ directory on one file system):
   Before every store the contender's previous data is removed (kvd-steady:
   deleted through the API); before
   every restore the contender drops what it holds in memory and the page
-  cache is dropped (as root).
+  cache is dropped (as root). In a round, each contender runs its stores
+  and then its restore before the next contender starts: the restore
+  reads what it has just stored, with no other contender's bytes written
+  in between (the VM's disk caches recent writes on its host).
 Host memory, per block size (--host-mib, blocks already in the store):
   * kvd without a disk tier, Mooncake's store (.venv-mooncake, shared
     memory and TCP modes), Redis; memcpy with one and two threads is the
@@ -334,16 +337,18 @@ class Samples:
 
 def disk_round(contenders: dict[str, Contender], order: list[str], fio: dict, fio_path: Path,
                total: int, samples: Samples, device: str | None) -> None:
+    # Each contender reads back what it has just stored, nobody else's bytes
+    # written in between: the virtual disk's host caches recent writes, and
+    # a restore after the others' stores would find less of its own there.
     for name in order:
         contender = contenders[name]
         for label, fields in contender.spec.store_variants:
             contender.ask("clear")
             drop_page_cache()
             samples.timed(f"{name} {label}", device, lambda: contender.ask("store", **fields))
-    for name in order:
-        contenders[name].ask("cold")
+        contender.ask("cold")
         drop_page_cache()
-        samples.timed(f"{name} restore", device, lambda: contenders[name].ask("restore"))
+        samples.timed(f"{name} restore", device, lambda: contender.ask("restore"))
     for key in ("read", "write", "write+fsync"):
         setting = fio["best"][key]
         samples.timed(f"fio {key}", device, lambda: {"seconds": setting.run(fio_path, total)})
