@@ -9,6 +9,7 @@ import os
 import struct
 
 import numpy as np
+import pytest
 
 from kvd.tiers.disk.layout import locate, segment_name
 from tests.disk.conftest import SEGMENT_BYTES, expected_bytes, host_bytes, make_config, open_tier, read, write
@@ -83,3 +84,15 @@ def test_a_short_segment_is_zeroed_past_its_old_end_and_keeps_what_it_held(drive
     assert not np.fromfile(path, dtype=np.uint8)[kept:].any()
     assert list(read(tier, arena, [0])) == [True] and host_bytes(arena, 32) == expected_bytes(21)
     tier.close()
+
+
+def test_a_short_write_while_zeroing_stops_the_open_with_a_preallocation_error(drives, monkeypatch):
+    """The drive writing less than asked is the drive's failure, reported as such (ResourceExhausted,
+    naming the segment), not as a broken invariant of kvd."""
+    from kvd.errors import ResourceExhausted
+    from kvd.tiers.disk import zeroing
+
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(zeroing.os, "pwrite", lambda fd, data, offset: real_pwrite(fd, data[:4096], offset))
+    with pytest.raises(ResourceExhausted, match=r"cannot preallocate seg-.*short write zeroing"):
+        open_tier(make_config(drives, zero_segments=True))

@@ -11,6 +11,7 @@ the two apart: a slot of zeros holds no record.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -35,7 +36,8 @@ def zero_range(path: Path, start: int, stop: int) -> None:
         while offset < stop:
             length = min(len(zeros), stop - offset)
             written = os.pwrite(fd, memoryview(zeros)[:length], offset)
-            check(written == length, "short write zeroing {} at {}: {} of {} bytes", path, offset, written, length)
+            if written != length:  # the drive's doing, not ours: the caller reports it as a failed preallocation
+                raise OSError(errno.EIO, f"short write zeroing {path} at {offset}: {written} of {length} bytes")
             offset += length
         os.fdatasync(fd)
     finally:
