@@ -50,22 +50,40 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from kvd.server.status import fetch_status, render_status, resolve_target
-
-    target = resolve_target(args.target, args.state_dir)
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The bearer token of --token-file, else $KVD_TOKEN, else none."""
     token = None
     if args.token_file:
         try:
             token = args.token_file.read_text().strip()
         except OSError as error:
             raise ConnectionError(f"cannot read the token file {args.token_file}: {error.strerror}") from None
-    token = token or os.environ.get("KVD_TOKEN") or None
-    status = fetch_status(target, timeout_s=args.timeout, token=token, tls_ca_file=args.tls_ca_file)
+    return token or os.environ.get("KVD_TOKEN") or None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from kvd.server.status import fetch_status, render_status, resolve_target
+
+    target = resolve_target(args.target, args.state_dir)
+    status = fetch_status(target, timeout_s=args.timeout, token=_admin_token(args), tls_ca_file=args.tls_ca_file)
     if args.json:
         print(json.dumps(status, indent=2))
     else:
         print(render_status(status))
+    return 0
+
+
+def cmd_demote(args: argparse.Namespace) -> int:
+    """Drop the host copies the disk also holds (the Demote RPC)."""
+    from kvd.server.status import demote, resolve_target
+
+    target = resolve_target(args.target, args.state_dir)
+    result = demote(target, timeout_s=args.timeout, token=_admin_token(args), tls_ca_file=args.tls_ca_file)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"demoted {result['blocks_demoted']} blocks ({result['bytes_demoted']} bytes) from host memory; "
+              f"{result['blocks_kept']} kept (pinned, in use, or not yet on disk)")
     return 0
 
 
@@ -131,15 +149,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(config)
     config.set_defaults(handler=cmd_config)
 
+    def add_admin_flags(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--target", help="unix:///path/kvd.sock or host:port (default: from --state-dir)")
+        sub.add_argument("--state-dir", default="state", help="state_dir of the daemon (default: state)")
+        sub.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+        sub.add_argument("--json", action="store_true", help="print JSON instead of text")
+        sub.add_argument("--token-file", type=Path,
+                         help="file holding an admin tenant's bearer token (auth.mode = token; default: $KVD_TOKEN)")
+        sub.add_argument("--tls-ca-file", help="PEM CAs to trust, for a TCP --target with TLS")
+
     status = commands.add_parser("status", help="show a running daemon's tiers, disk I/O, leases and pins, events and namespaces")
-    status.add_argument("--target", help="unix:///path/kvd.sock or host:port (default: from --state-dir)")
-    status.add_argument("--state-dir", default="state", help="state_dir of the daemon (default: state)")
-    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
-    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    status.add_argument("--token-file", type=Path,
-                        help="file holding an admin tenant's bearer token (auth.mode = token; default: $KVD_TOKEN)")
-    status.add_argument("--tls-ca-file", help="PEM CAs to trust, for a TCP --target with TLS")
+    add_admin_flags(status)
     status.set_defaults(handler=cmd_status)
+
+    demote = commands.add_parser("demote", help="drop a running daemon's host copies of blocks the disk also holds")
+    add_admin_flags(demote)
+    demote.set_defaults(handler=cmd_demote)
 
     health = commands.add_parser("health", help="exit 0 when the daemon serves (its gRPC health service); no token needed")
     health.add_argument("--target", help="unix:///path/kvd.sock or host:port (default: from --state-dir)")

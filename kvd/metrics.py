@@ -23,7 +23,7 @@ Get hits of kvd_get_blocks_total.
 | kvd_tier_capacity_bytes | gauge | tier | configured capacity |
 | kvd_tier_pinned_blocks | gauge | tier | blocks pinned by a handle or lease |
 | kvd_tier_evictions_total | counter | tier | blocks evicted on demand, to free a slot for another block |
-| kvd_tier_evicted_blocks_total | counter | tier, reason | blocks that left a tier to make room, by reason: host demoted (on demand; its disk copy stays), demoted_background (above the high watermark), dropped (no disk copy: gone from every tier), not_admitted (dropped: the disk admission filter never admitted it); disk dropped (no host copy: gone from every tier), host_copy_kept (only the disk copy went) |
+| kvd_tier_evicted_blocks_total | counter | tier, reason | blocks that left a tier to make room, by reason: host demoted (on demand; its disk copy stays), demoted_background (above the high watermark), demoted_requested (by a Demote call), dropped (no disk copy: gone from every tier), not_admitted (dropped: the disk admission filter never admitted it); disk dropped (no host copy: gone from every tier), host_copy_kept (only the disk copy went) |
 | kvd_tier_hits_total | counter | tier | Get keys served from the tier: host (resident), disk (read back into host memory) |
 | kvd_tier_misses_total | counter | tier | Get keys the tier did not hold: for host, page faults (served from disk, or stored nowhere); for disk, keys stored nowhere |
 | kvd_tier_moves_total | counter | source_tier, target_tier | blocks written to disk / loaded back |
@@ -231,8 +231,9 @@ def _eviction_reasons(engine: Engine, tier: Tier) -> list[tuple[str, int]]:
     if tier.caps.persistent:
         # The rest of its evictions kept the copy above it.
         return [("dropped", counters.dropped), ("host_copy_kept", counters.evictions - counters.dropped)]
-    reasons = [("demoted", counters.demotions - counters.background_demotions),
-               ("demoted_background", counters.background_demotions), ("dropped", counters.dropped)]
+    on_demand = counters.demotions - counters.background_demotions - counters.requested_demotions
+    reasons = [("demoted", on_demand), ("demoted_background", counters.background_demotions),
+               ("demoted_requested", counters.requested_demotions), ("dropped", counters.dropped)]
     storage = [lower for lower in engine.tiers if lower.caps.persistent]
     if storage:
         reasons.append(("not_admitted", sum(lower.counters.admission_rejected for lower in storage)))

@@ -11,9 +11,13 @@ below the write-back watermark, and slots exactly one block long. Blocks
 are one prefix chain, stored with a durable Put (the call returns once
 every block is on disk, under the daemon's fsync policy, which the store
 command picks with its "fsync" key: none, group or strict). A restore is a
-Get into the caller's array after a daemon restart, so the host tier is
-cold and every byte comes from disk, checksums verified; the caller's array
-is filled from the arena by the client as the daemon answers.
+Get into the caller's array once the running daemon has dropped its host
+copies (`cold`: the Demote call), so every byte comes from disk, checksums
+verified; the caller's array is filled from the arena by the client as the
+daemon answers. The daemon is not restarted for that: a restart would read
+into a just-allocated arena, while the peers read into the buffer they
+have read into before (on this VM, O_DIRECT into memory the disk has never
+touched is slower).
 
 With --pinned the blocks move in place, as an engine moves them (vLLM's
 connector does): a restore is `get_pinned`, the blocks left in the arena
@@ -186,7 +190,11 @@ class KvdContender:
         return {"ok": True}
 
     def cold(self, command: dict) -> dict:
-        self.restart()  # host memory is not kept across a restart: the next Get reads the disk
+        """Drop every host copy (each block is on disk: the store was durable), so the next Get reads the disk."""
+        answer = self.client.demote()
+        if answer.blocks_demoted != len(self.keys) or answer.blocks_kept:
+            raise RuntimeError(f"Demote dropped {answer.blocks_demoted} of {len(self.keys)} blocks and kept "
+                               f"{answer.blocks_kept}: the restore would not read them all from disk")
         return {"ok": True}
 
     def _get(self) -> dict:
@@ -206,7 +214,7 @@ class KvdContender:
         return {"seconds": seconds, "ok": bool(ok)}
 
     def restore(self, command: dict) -> dict:
-        """A Get after the restart (`cold`), and how long of it the daemon's read job ran."""
+        """A Get after `cold`, and how long of it the daemon's read job ran."""
         before = self._restore_job_seconds()
         answer = self._get_pinned() if self.pinned else self._get()
         return {**answer, "daemon_read_s": self._restore_job_seconds() - before}

@@ -528,6 +528,10 @@ def stats(session: Session) -> Op:
     return (yield ("Stats", kvd_pb2.StatsRequest()))
 
 
+def demote(session: Session) -> Op:
+    return (yield ("Demote", kvd_pb2.DemoteRequest()))
+
+
 def plan_placement(session: Session, request: kvd_pb2.PlanPlacementRequest) -> Op:
     return (yield ("PlanPlacement", request))
 

@@ -116,6 +116,10 @@ class AsyncClient(_ops.ClientBase):
     async def stats(self) -> kvd_pb2.StatsResponse:
         return await self._run(_ops.stats(self.session))
 
+    async def demote(self) -> kvd_pb2.DemoteResponse:
+        """Drop the host copies a lower tier also holds (an admin call; see the proto)."""
+        return await self._run(_ops.demote(self.session))
+
     async def plan_placement(self, request: kvd_pb2.PlanPlacementRequest) -> kvd_pb2.PlanPlacementResponse:
         """A decode batch's KV placement (kvd.planner; docs/planner.md)."""
         return await self._run(_ops.plan_placement(self.session, request))

@@ -217,6 +217,11 @@ class Client(_ops.ClientBase):
     def stats(self) -> kvd_pb2.StatsResponse:
         return self._run(_ops.stats(self.session))
 
+    def demote(self) -> kvd_pb2.DemoteResponse:
+        """Drop the host copies a lower tier also holds, so the next Get of them reads
+        the disk (an admin call; see the proto): (blocks, bytes) demoted, blocks kept."""
+        return self._run(_ops.demote(self.session))
+
     def plan_placement(self, request: kvd_pb2.PlanPlacementRequest) -> kvd_pb2.PlanPlacementResponse:
         """A decode batch's KV placement (kvd.planner; docs/planner.md)."""
         return self._run(_ops.plan_placement(self.session, request))

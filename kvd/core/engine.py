@@ -302,6 +302,9 @@ class Engine:
     def demote_to_low_watermark(self, limit: int | None = None) -> int:
         return self.allocator.demote_to_low_watermark(limit)
 
+    def demote_all(self) -> tuple[int, int]:
+        return self.allocator.demote_all()
+
     # -- leases, Delete, in-process handles ----------------------------------------
 
     def release(self, client_id: str, lease_ids: Sequence[int]) -> int:

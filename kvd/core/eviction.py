@@ -75,6 +75,29 @@ class HostAllocator:
         self.reclaim_due()
         return demoted
 
+    def demote_all(self) -> tuple[int, int]:
+        """Drop the host copy of every eviction candidate that a lower tier
+        also holds (the Demote RPC); returns (blocks, payload bytes).
+
+        Only candidates qualify, as for an eviction: sealed, unpinned (no
+        lease, Get, read or write-back holds them) and without a child in
+        host memory. Demoting a leaf can make its parent a candidate, so each
+        chain is followed towards its root while that holds. A block whose
+        only copy is here stays, as does every ancestor above it.
+        """
+        host, blocks = self.host, self.blocks
+        demoted = payload = 0
+        for candidate in host.policy.order():
+            block: Block | None = candidate
+            while block is not None and block in host.policy and blocks.lower_copy(block) is not None:
+                blocks.evict_from_host(block)
+                host.counters.requested_demotions += 1
+                demoted += 1
+                payload += blocks.block_bytes(block)
+                block = block.parent
+        self.reclaim_due()
+        return demoted, payload
+
     def allocate(self, tenant: str | None = None, *, prefer_own: bool = True,
                  slot_class: SlotClass | None = None) -> int:
         """A host slot of `slot_class` (default: the largest) for a block of

@@ -60,9 +60,11 @@ class TierCounters:
     # Victims with no copy in any other tier: gone for good.
     dropped: int = 0
     # Memory tiers: copies dropped because a slower tier holds the block,
-    # and of those, the ones dropped ahead of need (above the high watermark).
+    # and of those, the ones dropped ahead of need (above the high watermark)
+    # and the ones an operator's Demote dropped.
     demotions: int = 0
     background_demotions: int = 0
+    requested_demotions: int = 0
     # The Put protocol, counted where Puts land.
     reserved: int = 0
     sealed: int = 0

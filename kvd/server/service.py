@@ -594,6 +594,14 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 )
         return kvd_pb2.DeleteResponse(deleted=deleted, pinned=pinned)
 
+    @rpc("Demote")
+    async def Demote(self, request, context):
+        """Drop every host copy a lower tier also holds (admin; see the proto)."""
+        demoted, payload = self.engine.demote_all()
+        kept = self.engine.host.pool.resident_blocks
+        log.info("Demote: %d host copies dropped (%d bytes), %d kept", demoted, payload, kept)
+        return kvd_pb2.DemoteResponse(blocks_demoted=demoted, bytes_demoted=payload, blocks_kept=kept)
+
     @rpc("Prefetch")
     async def Prefetch(self, request, context):
         """Queue disk reads of a prefix a Get will want (see the proto); returns at once unless `wait`."""

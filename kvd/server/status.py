@@ -97,17 +97,32 @@ def open_channel(target: str, tls_ca_file: str | None = None) -> grpc.Channel:
     return grpc.insecure_channel(target)
 
 
-def fetch_status(target: str, timeout_s: float = 5.0, token: str | None = None,
-                 tls_ca_file: str | None = None) -> dict[str, Any]:
-    """Stats of the daemon at `target`; with auth.mode = "token", `token` must be an admin tenant's."""
+def call_admin(target: str, method: str, request: Any, timeout_s: float = 5.0, token: str | None = None,
+               tls_ca_file: str | None = None) -> Any:
+    """One call of an administrative `method` of the daemon at `target`; with
+    auth.mode = "token", `token` must be an admin tenant's."""
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     with open_channel(target, tls_ca_file) as channel:
         stub = kvd_pb2_grpc.KvdStub(channel)
         try:
-            response = stub.Stats(kvd_pb2.StatsRequest(include_metrics=True), timeout=timeout_s, metadata=metadata)
+            return getattr(stub, method)(request, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as error:
             raise ConnectionError(f"cannot reach kvd at {target}: {error.code().name}: {error.details()}") from None
+
+
+def fetch_status(target: str, timeout_s: float = 5.0, token: str | None = None,
+                 tls_ca_file: str | None = None) -> dict[str, Any]:
+    """Stats of the daemon at `target`, as plain data."""
+    response = call_admin(target, "Stats", kvd_pb2.StatsRequest(include_metrics=True), timeout_s, token, tls_ca_file)
     return status_from_response(target, response)
+
+
+def demote(target: str, timeout_s: float = 5.0, token: str | None = None,
+           tls_ca_file: str | None = None) -> dict[str, int]:
+    """Demote on the daemon at `target` (`kvd demote`): what it dropped and kept, as plain data."""
+    response = call_admin(target, "Demote", kvd_pb2.DemoteRequest(), timeout_s, token, tls_ca_file)
+    return {"blocks_demoted": response.blocks_demoted, "bytes_demoted": response.bytes_demoted,
+            "blocks_kept": response.blocks_kept}
 
 
 def status_from_response(target: str, response: kvd_pb2.StatsResponse) -> dict[str, Any]:

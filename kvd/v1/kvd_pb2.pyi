@@ -483,6 +483,20 @@ class StatsResponse(_message.Message):
     metrics: _containers.RepeatedCompositeFieldContainer[MetricSample]
     def __init__(self, version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., metrics: _Optional[_Iterable[_Union[MetricSample, _Mapping]]] = ...) -> None: ...
 
+class DemoteRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DemoteResponse(_message.Message):
+    __slots__ = ("blocks_demoted", "bytes_demoted", "blocks_kept")
+    BLOCKS_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_KEPT_FIELD_NUMBER: _ClassVar[int]
+    blocks_demoted: int
+    bytes_demoted: int
+    blocks_kept: int
+    def __init__(self, blocks_demoted: _Optional[int] = ..., bytes_demoted: _Optional[int] = ..., blocks_kept: _Optional[int] = ...) -> None: ...
+
 class WatchEventsRequest(_message.Message):
     __slots__ = ("namespace_id", "from_sequence", "instance_id")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]

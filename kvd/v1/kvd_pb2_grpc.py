@@ -31,8 +31,8 @@ class KvdStub:
     the daemon does not know: UNAUTHENTICATED. A tenant sees only its own
     namespaces: a namespace_id it did not register is NOT_FOUND, exactly as
     one nobody registered, whoever else uses the same spec and keys; its
-    client_ids are its own too. Stats is administrative: PERMISSION_DENIED
-    for a tenant that is not an admin. A Put over the tenant's host quota is
+    client_ids are its own too. Stats and Demote are administrative:
+    PERMISSION_DENIED for a tenant that is not an admin. A Put over the tenant's host quota is
     RESOURCE_EXHAUSTED. The gRPC health service needs no token.
     """
 
@@ -107,6 +107,11 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Demote = channel.unary_unary(
+                '/kvd.v1.Kvd/Demote',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.DemoteRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.DemoteResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/kvd.v1.Kvd/WatchEvents',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.WatchEventsRequest.SerializeToString,
@@ -165,8 +170,8 @@ class KvdServicer:
     the daemon does not know: UNAUTHENTICATED. A tenant sees only its own
     namespaces: a namespace_id it did not register is NOT_FOUND, exactly as
     one nobody registered, whoever else uses the same spec and keys; its
-    client_ids are its own too. Stats is administrative: PERMISSION_DENIED
-    for a tenant that is not an admin. A Put over the tenant's host quota is
+    client_ids are its own too. Stats and Demote are administrative:
+    PERMISSION_DENIED for a tenant that is not an admin. A Put over the tenant's host quota is
     RESOURCE_EXHAUSTED. The gRPC health service needs no token.
     """
 
@@ -247,6 +252,13 @@ class KvdServicer:
 
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Demote(self, request, context):
+        """Drops the host copies that a lower tier also holds (see DemoteRequest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -396,6 +408,11 @@ def add_KvdServicer_to_server(servicer, server):
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.StatsRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.StatsResponse.SerializeToString,
             ),
+            'Demote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Demote,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.DemoteRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.DemoteResponse.SerializeToString,
+            ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.WatchEventsRequest.FromString,
@@ -460,8 +477,8 @@ class Kvd:
     the daemon does not know: UNAUTHENTICATED. A tenant sees only its own
     namespaces: a namespace_id it did not register is NOT_FOUND, exactly as
     one nobody registered, whoever else uses the same spec and keys; its
-    client_ids are its own too. Stats is administrative: PERMISSION_DENIED
-    for a tenant that is not an admin. A Put over the tenant's host quota is
+    client_ids are its own too. Stats and Demote are administrative:
+    PERMISSION_DENIED for a tenant that is not an admin. A Put over the tenant's host quota is
     RESOURCE_EXHAUSTED. The gRPC health service needs no token.
     """
 
@@ -806,6 +823,33 @@ class Kvd:
             '/kvd.v1.Kvd/Stats',
             kvd_dot_v1_dot_kvd__pb2.StatsRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Demote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/Demote',
+            kvd_dot_v1_dot_kvd__pb2.DemoteRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.DemoteResponse.FromString,
             options,
             channel_credentials,
             insecure,

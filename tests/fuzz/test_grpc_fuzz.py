@@ -20,7 +20,7 @@ must end within its deadline with a status from PRECISE (or OK), never OK
 for a request `certainly_invalid` refuses, and with details that are not an
 internal error; and precisely (`expected_code`): UNAUTHENTICATED without a
 token the daemon knows, NOT_FOUND for another tenant's namespace,
-PERMISSION_DENIED for Stats of a tenant that is not an admin. No inline
+PERMISSION_DENIED for Stats and Demote of a tenant that is not an admin. No inline
 Get ever serves a block of owner's. After every example the reference
 blocks are checked bit-exact (conftest.FuzzTarget.check_reference).
 
@@ -36,6 +36,7 @@ import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvd.server.auth import ADMIN_METHODS
 from kvd.v1 import kvd_pb2
 from tests.fuzz.conftest import (
     CALL_TIMEOUT_S,
@@ -123,7 +124,7 @@ def expected_code(method: str, message, credential_: Credential,
     """The one status the call must end with (None: any precise one), and the refusal it counts."""
     if credential_.tenant is None:
         return grpc.StatusCode.UNAUTHENTICATED, credential_.reason
-    if method == "Stats" and credential_.tenant != "ops":
+    if method in ADMIN_METHODS and credential_.tenant != "ops":
         return grpc.StatusCode.PERMISSION_DENIED, "not_admin"
     if message is not None and "namespace_id" in message.DESCRIPTOR.fields_by_name:
         # ops (an admin with no model) has no namespace at all.

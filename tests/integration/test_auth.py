@@ -231,10 +231,11 @@ def test_calls_without_a_token_kvd_knows_are_unauthenticated_and_health_needs_no
     assert 'kvd_auth_failures_total{reason="unknown_token"} 5.0' in samples
 
 
-def test_stats_is_for_admins_only(daemon):
+def test_stats_and_demote_are_for_admins_only(daemon):
     stub = kvd_pb2_grpc.KvdStub(grpc.insecure_channel(daemon.unix_target))
     for token in (TOKEN_A, TOKEN_SMALL):
         assert code_of(stub.Stats, kvd_pb2.StatsRequest(), metadata=metadata(token)) == grpc.StatusCode.PERMISSION_DENIED
+        assert code_of(stub.Demote, kvd_pb2.DemoteRequest(), metadata=metadata(token)) == grpc.StatusCode.PERMISSION_DENIED
     stats = stub.Stats(kvd_pb2.StatsRequest(include_metrics=True), metadata=metadata(TOKEN_OPS))
     assert {"a", "b"} <= {namespace.tenant for namespace in stats.namespaces}
     token_file = daemon.state_dir.parent / "ops.token"

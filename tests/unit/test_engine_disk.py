@@ -395,6 +395,34 @@ def test_watermarks_reclaim_with_hysteresis_and_puts_then_evict_nothing(engine_f
     engine.verify()
 
 
+def test_demote_all_drops_every_durable_unpinned_host_copy_and_keeps_the_rest(engine_factory):
+    """A tree (abcd and abxy share "ab"): with every block durable, both
+    branches go and then their common prefix, root included. A lease keeps
+    its blocks and their ancestors; a block not yet written keeps its copy
+    and its ancestors theirs. Every demoted block comes back bit-exact."""
+    plane = Plane(engine_factory(12, 64, disk_slot_count=32, disk_slot_bytes=64))
+    engine = plane.engine
+    plane.put("abcd")
+    plane.put("abxy")
+    assert plane.flush() == 6
+    plane.put("pq")  # never written: its only copy is in host memory
+    lease, held = engine.get(KeysRequest(plane.ns, "holder", K("abxy")[:3], LONG, 0))
+    assert len(held) == 3
+    each = engine.namespace(plane.ns).block_bytes
+    assert engine.demote_all() == (3, 3 * each)  # d, c and y; x is held, so a and b stay too
+    assert tiers(plane, "abcd") == [TierId.HOST, TierId.HOST, TierId.DISK, TierId.DISK]
+    assert tiers(plane, "abxy") == [TierId.HOST] * 3 + [TierId.DISK]
+    assert tiers(plane, "pq") == [TierId.HOST] * 2
+    engine.release("holder", [lease.lease_id])
+    assert engine.demote_all() == (3, 3 * each)  # x, then b and a once neither branch holds them
+    assert tiers(plane, "abxy") == [TierId.DISK] * 4 and tiers(plane, "abcd") == [TierId.DISK] * 4
+    assert engine.host.pool.resident_blocks == 2 and engine.host.counters.requested_demotions == 6
+    assert engine.demote_all() == (0, 0)
+    engine.verify()
+    assert plane.get("abcd") == K("abcd") and plane.get("abxy") == K("abxy")
+    engine.verify()
+
+
 def test_watermarks_are_checked(engine_factory):
     with pytest.raises(InvariantError, match="watermarks"):
         engine_factory(10, 64, high_watermark=0.5, low_watermark=0.5)
