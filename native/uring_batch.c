@@ -387,6 +387,11 @@ static void drive(struct kvd_ring *ring, uint32_t slot) {
          * the device keeps at least half the queue depth busy. */
         uint32_t wanted = outstanding;
         if (batch->next < batch->count) wanted = ring->in_kernel / 2 > 0 ? ring->in_kernel / 2 : 1;
+        /* A batch with checksums wakes for every completion instead: what
+         * has landed is checksummed while the rest is still being read, so
+         * only the last entry's checksum follows the last read (waiting
+         * for all of a 1 GiB batch first added all its checksums after). */
+        if (batch->checksums.values != NULL) wanted = 1;
         int error = enter(ring, wanted);
         if (error >= 0 || error == -EINTR) {
             failures = 0;
