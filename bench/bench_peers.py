@@ -18,8 +18,9 @@ Disk, per block size (--total-mib per round, each contender in its own
 directory on one file system):
   * kvd: a real daemon (bench/peers/kvd_driver.py) with two disk-tier
     drives; store = a durable Put under fsync none, group and strict;
-    restore = a Get into the caller's array after a daemon restart (cold
-    host tier), checksums verified by the daemon. The run sets the
+    restore = a Get into the caller's array once the daemon has dropped
+    its host copies (Demote: a cold host tier, no restart), checksums
+    verified by the daemon. The run sets the
     kernel's shmem_enabled to advise (--shmem-thp; put back at the end),
     as docs/operations.md recommends, so kvd's arena gets huge pages;
     kvd-4k is the same daemon with host.huge_pages off, as on a host left
