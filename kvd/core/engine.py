@@ -302,8 +302,15 @@ class Engine:
     def demote_to_low_watermark(self, limit: int | None = None) -> int:
         return self.allocator.demote_to_low_watermark(limit)
 
+    def host_candidates(self) -> list[Block]:
+        """Every host eviction candidate now, next victim first (for `demote`)."""
+        return self.host.policy.order()
+
+    def demote(self, candidates: Sequence[Block]) -> tuple[int, int]:
+        return self.allocator.demote(candidates)
+
     def demote_all(self) -> tuple[int, int]:
-        return self.allocator.demote_all()
+        return self.allocator.demote(self.host_candidates())
 
     # -- leases, Delete, in-process handles ----------------------------------------
 

@@ -17,7 +17,7 @@ blocks stay discoverable as long as possible. On top of that:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.blocks import BlockBook
@@ -75,19 +75,22 @@ class HostAllocator:
         self.reclaim_due()
         return demoted
 
-    def demote_all(self) -> tuple[int, int]:
-        """Drop the host copy of every eviction candidate that a lower tier
-        also holds (the Demote RPC); returns (blocks, payload bytes).
+    def demote(self, candidates: Iterable[Block]) -> tuple[int, int]:
+        """Drop the host copy of each of `candidates` that is still an eviction
+        candidate and that a lower tier also holds (the Demote RPC); returns
+        (blocks, payload bytes).
 
         Only candidates qualify, as for an eviction: sealed, unpinned (no
         lease, Get, read or write-back holds them) and without a child in
         host memory. Demoting a leaf can make its parent a candidate, so each
         chain is followed towards its root while that holds. A block whose
-        only copy is here stays, as does every ancestor above it.
+        only copy is here stays, as does every ancestor above it. Each block
+        is checked as it comes, so `candidates` may be a snapshot taken
+        before other calls changed the engine (Engine.host_candidates).
         """
         host, blocks = self.host, self.blocks
         demoted = payload = 0
-        for candidate in host.policy.order():
+        for candidate in candidates:
             block: Block | None = candidate
             while block is not None and block in host.policy and blocks.lower_copy(block) is not None:
                 blocks.evict_from_host(block)

@@ -1,4 +1,5 @@
-"""Gets that meet on the same disk reads, interleaved at the service's await points.
+"""Gets that meet on the same disk reads, and a Demote that meets a Delete,
+interleaved at the service's await points.
 
 The daemon's handlers run over a real Engine, HostArena and DiskPlane (O_DIRECT
 segment files) in this process, so a test can stop one request exactly where
@@ -18,6 +19,7 @@ from kvd.core.engine import Engine
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
 from kvd.core.requests import CommitRequest, KeysRequest
 from kvd.server.disk_plane import DiskPlane
+from kvd.server import service as service_module
 from kvd.server.service import KvdService
 from kvd.tiers.host import ArenaLayout, HostArena
 from kvd.v1 import kvd_pb2
@@ -147,6 +149,37 @@ def test_a_get_reads_each_block_whole_and_a_streaming_get_layer_by_layer(tmp_pat
         # The first message (offsets), one per layer landed, then the closing one.
         assert [message.layers_ready for message in messages] == [0, *range(1, SPEC.num_layers + 1), SPEC.num_layers]
         assert stats.submissions - before == SPEC.num_layers  # the 3 blocks above are in host memory now
+        node.engine.verify()
+        await node.plane.close(30.0)
+
+    asyncio.run(scenario())
+
+
+def test_a_demote_skips_blocks_deleted_between_its_steps(tmp_path, monkeypatch):
+    """Demote takes its candidates at once but drops them a step at a time,
+    other calls running between steps. A chain deleted between two steps is
+    skipped (its blocks are no candidates any more), nothing breaks, and the
+    chain that was demoted comes back from the drive bit-exact."""
+    monkeypatch.setattr(service_module, "DEMOTE_STEP_BLOCKS", 1)  # one chain's leaf per step
+
+    async def scenario():
+        node = Node(tmp_path / "nvme0")
+        await node.open()
+        kept = chain_keys(SPEC, np.arange(3 * SPEC.block_tokens))
+        deleted = chain_keys(SPEC, np.arange(3 * SPEC.block_tokens) + 10**6)
+        await node.store(kept)
+        await node.store(deleted)
+        demote = asyncio.create_task(node.service._demote())
+        await asyncio.sleep(0)  # the first step runs: the first candidate's chain leaves host memory
+        first_step = node.engine.host.pool.resident_blocks
+        assert first_step == 3
+        assert node.engine.delete(node.namespace_id, deleted[:1]) == (3, 0)
+        demoted, payload = await demote
+        assert (demoted, payload) == (3, 3 * SPEC.block_bytes)
+        assert node.engine.host.pool.resident_blocks == 0 and not node.engine.stored(node.namespace_id, deleted)
+        node.engine.verify()
+        lease, blocks, _ = await node.service._pinned_prefix(node.request("reader", kept), "reader")
+        node.assert_served(blocks, kept)
         node.engine.verify()
         await node.plane.close(30.0)
 
