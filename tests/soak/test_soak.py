@@ -32,6 +32,9 @@ tenant's mapping of the arena ever shows another tenant's blocks
      load; the disk tier may lose, never lie), and the daemon stops cleanly
      with no leaked handle.
 
+In 1 and 5 an admin tenant also calls Demote every few seconds, so blocks
+leave host memory for the drive while the workers read and write them.
+
 Throughout: no worker ever got wrong bytes or another tenant's, no RPC failed with a status
 other than the expected ones (UNAVAILABLE while the daemon is down or
 draining, RESOURCE_EXHAUSTED when the host tier is pinned full...), no
@@ -87,6 +90,11 @@ FAULTS = "write:ENOSPC:400,read:EIO:60,read:SHORT:30"
 EXPECTED_CODES = {"UNAVAILABLE", "CANCELLED", "RESOURCE_EXHAUSTED", "NOT_FOUND", "DEADLINE_EXCEEDED"}
 PROGRESS = os.environ.get("KVD_SOAK_PROGRESS") == "1"
 TOKENS = {tenant: f"soak-{tenant}-token-{os.urandom(8).hex()}" for tenant in TENANTS}
+# An admin tenant, "ops", which calls Demote now and then under the load:
+# every host copy the disk also holds goes, and the workers' next Gets of
+# those blocks read the drive, racing their Puts, Deletes and leases.
+OPS_TOKEN = f"soak-ops-token-{os.urandom(8).hex()}"
+DEMOTE_EVERY_S = (1.0, 3.0)
 # How often the test looks through every tenant's mapping of the arena.
 ISOLATION_EVERY_S = 1.0
 
@@ -110,7 +118,8 @@ def daemon_config(tmp_path: Path) -> dict:
         "events": {"ring_events": 1024, "ring_keys": 16384},
         "auth": {"mode": "token", "tenants_file": str(write_tenants_file(
             tmp_path / "tenants.toml",
-            {tenant: {"token": token, "namespaces": [SPEC.model_id]} for tenant, token in TOKENS.items()}))},
+            {**{tenant: {"token": token, "namespaces": [SPEC.model_id]} for tenant, token in TOKENS.items()},
+             "ops": {"token": OPS_TOKEN, "namespaces": [], "admin": True}}))},
     }
 
 
@@ -133,6 +142,8 @@ class Fleet:
     incarnations: Counter = field(default_factory=Counter)
     kills: int = 0
     kill_rounds: int = 0
+    demote_calls: int = 0
+    demoted_blocks: int = 0
     # (tenant, client_id, lease_id, kind) of leases held by workers when they were killed.
     held_at_kill: list = field(default_factory=list)
 
@@ -318,9 +329,18 @@ def sample_rss(daemon: DaemonProcess, samples: list, stop: threading.Event) -> N
         samples.append((time.monotonic() - started, daemon.rss_bytes()))
 
 
+def demote(fleet: Fleet, daemon: DaemonProcess) -> None:
+    """The ops tenant's Demote, counted in `fleet`."""
+    with grpc.insecure_channel(daemon.unix_target) as channel:
+        answer = TenantStub(channel, OPS_TOKEN).Demote(kvd_pb2.DemoteRequest())
+    fleet.demote_calls += 1
+    fleet.demoted_blocks += answer.blocks_demoted
+
+
 def run_load(fleet: Fleet, daemon: DaemonProcess, seconds: float, isolation: Isolation, *, kills: bool) -> None:
     started = time.monotonic()
     next_kill = started + fleet.rng.uniform(*KILL_EVERY_S)
+    next_demote = started + fleet.rng.uniform(*DEMOTE_EVERY_S)
     next_report = started + 5.0
     while time.monotonic() - started < seconds:
         assert daemon.alive(), f"kvd died under load:\n{daemon.log()[-4000:]}"
@@ -328,6 +348,9 @@ def run_load(fleet: Fleet, daemon: DaemonProcess, seconds: float, isolation: Iso
         if kills and now >= next_kill:
             fleet.kill_one()
             next_kill = time.monotonic() + fleet.rng.uniform(*KILL_EVERY_S)
+        if now >= next_demote:
+            demote(fleet, daemon)
+            next_demote = time.monotonic() + fleet.rng.uniform(*DEMOTE_EVERY_S)
         if now >= next_report:
             next_report = now + 5.0
             summary = fleet.summary()
@@ -412,7 +435,9 @@ def phase_kills_and_drain(fleet: Fleet, daemon, control, isolation: Isolation, r
     assert expired >= len(fleet.held_at_kill)
     isolation.check(force=True)
     assert all(isolation.own_seen[tenant] for tenant in TENANTS), isolation.own_seen
+    assert fleet.demote_calls and fleet.demoted_blocks, "Demote under load dropped no host copy"
     report["phase1"] = {**fleet.summary(), "leases_reclaimed_s": round(reclaimed_s, 1),
+                        "demote_calls": fleet.demote_calls, "demoted_blocks": fleet.demoted_blocks,
                         "leases_expired": expired, **assert_rss_flat(samples, SOAK_S),
                         "arena_scans": isolation.scans}
     progress(f"phase 2: leases reclaimed {reclaimed_s:.1f}s after the last kill; {report['phase1']}")
