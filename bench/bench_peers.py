@@ -306,21 +306,25 @@ class Samples:
     seconds: dict[str, list[float]] = field(default_factory=dict)
     devices: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     daemon_reads: dict[str, list[float]] = field(default_factory=dict)
+    huge_pages: dict[str, list[float]] = field(default_factory=dict)  # kvd: share of the arena in huge pages
 
     def add(self, label: str, seconds: float, device: dict[str, float] | None = None,
-            daemon_read_s: float | None = None) -> None:
+            answer: dict[str, Any] | None = None) -> None:
         self.seconds.setdefault(label, []).append(seconds)
         if device is not None:
             self.devices.setdefault(label, []).append(device)
-        if daemon_read_s is not None:
-            self.daemon_reads.setdefault(label, []).append(daemon_read_s / seconds)
+        answer = answer or {}
+        if answer.get("daemon_read_s") is not None:
+            self.daemon_reads.setdefault(label, []).append(answer["daemon_read_s"] / seconds)
+        if answer.get("arena_huge_share") is not None:
+            self.huge_pages.setdefault(label, []).append(answer["arena_huge_share"])
 
     def timed(self, label: str, device: str | None, run) -> dict[str, Any]:
         """run() answers {"seconds": ...}; recorded with what `device` saw meanwhile."""
         before = devicestats.snapshot(device)
         answer = run()
         seen = devicestats.view(before, devicestats.snapshot(device), answer["seconds"])
-        self.add(label, answer["seconds"], seen, answer.get("daemon_read_s"))
+        self.add(label, answer["seconds"], seen, answer)
         return answer
 
     def summary(self, nbytes: int) -> dict[str, Any]:
@@ -333,6 +337,8 @@ class Samples:
                 out[label]["device"] = {key: statistics.median(v[key] for v in views) for key in views[0]}
             if self.daemon_reads.get(label):
                 out[label]["daemon_read_share"] = statistics.median(self.daemon_reads[label])
+            if self.huge_pages.get(label):
+                out[label]["arena_huge_share_min"] = min(self.huge_pages[label])
         return out
 
 
@@ -500,6 +506,8 @@ def print_phase(title: str, phase: dict[str, Any]) -> None:
             report(f"  {'':28s} {phase.get('device')}: {devicestats.describe(entry['device'])}")
         if "daemon_read_share" in entry:
             report(f"  {'':28s} the daemon's read job: {entry['daemon_read_share']:.0%} of the call")
+        if "arena_huge_share_min" in entry:
+            report(f"  {'':28s} the arena in huge pages: at least {entry['arena_huge_share_min']:.0%}")
     for key, value in phase["ratios"].items():
         if isinstance(value, dict):
             shown = "n/a" if value["ratio"] is None else f"{value['ratio']:.2f}x"

@@ -217,7 +217,13 @@ class KvdContender:
         """A Get after `cold`, and how long of it the daemon's read job ran."""
         before = self._restore_job_seconds()
         answer = self._get_pinned() if self.pinned else self._get()
-        return {**answer, "daemon_read_s": self._restore_job_seconds() - before}
+        return {**answer, "daemon_read_s": self._restore_job_seconds() - before,
+                "arena_huge_share": self._arena_huge_share()}
+
+    def _arena_huge_share(self) -> float:
+        """How much of the arena the daemon maps with huge pages (its kvd_arena_huge_page_bytes)."""
+        huge = sum(self.daemon.metric_samples("kvd_arena_huge_page_bytes").values())
+        return huge / self._config()["host"]["capacity_bytes"]
 
     def _restore_job_seconds(self) -> float:
         samples = self.daemon.metric_samples("kvd_disk_job_run_seconds_sum")
