@@ -19,7 +19,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h native/gpu/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim planner-sim slack-profile gpu-check cuda cufile fuzz-long soak-long docs
+.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers bench-read-cross proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim planner-sim slack-profile gpu-check cuda cufile fuzz-long soak-long docs
 
 setup: $(BUILT_STAMP)
 
@@ -256,6 +256,11 @@ bench-peers: setup vllm-venv
 	bash bench/peers/install_lmcache.sh
 	bash bench/peers/install_mooncake.sh
 	$(PY) bench/bench_peers.py $(BENCH_PEERS_ARGS)
+
+# kvd's read path and vLLM's FS-tier reader in one process, crossed over layout and memory
+# (runs in vLLM's venv, with kvd's engine from this checkout).
+bench-read-cross: setup vllm-venv
+	.venv-vllm/bin/python bench/bench_read_cross.py $(BENCH_READ_CROSS_ARGS)
 
 # Regenerate kvd/v1/*_pb2*.py from protos/ (generated code is committed).
 proto: setup
