@@ -57,8 +57,6 @@ from kvd.io import engine as io_engine  # noqa: E402
 from kvd.io.engine import address_of  # noqa: E402
 
 TOKEN_BYTES = 32 * 2 * 8 * 128 * 2  # a Llama-3-8B-like block in bf16: 32 layers x K/V x 8 heads x 128 dims
-VLLM_THREADS = 16  # FsSecondaryTier's read and write threads
-VLLM_JOBS = 64  # blocks split over this many jobs, so every thread has work (as bench/peers/vllm_fs.py)
 QUEUE_DEPTH = 128  # the daemon's disk.queue_depth
 SEED = 7
 _F_ADD_SEALS, _F_SEAL_SHRINK, _F_SEAL_GROW = 1033, 2, 4
@@ -86,42 +84,25 @@ def arena_memory(nbytes: int) -> tuple[np.ndarray, mmap.mmap]:
 
 
 class VllmFiles:
-    """One file per block under `root`, stored and loaded by vLLM's native batch calls on its thread pool."""
+    """vLLM's FS tier as bench/peers/vllm_fs.py drives it (its files, its pool, its buffer), readable into any memory."""
 
     def __init__(self, root: Path, blocks: int, block_bytes: int) -> None:
-        from vllm.v1.kv_offload.tiering.fs import io as fs_io
-        from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
+        from vllm_fs import VllmFsContender, fs_io
 
         if not fs_io._HAS_FSIO_C:
             raise SystemExit("vllm.fs_io_C is missing: this vLLM has only the Python fallback of its FS tier")
-        self.fs_io = fs_io
-        self.paths = [str(root / f"{i // 256:03x}" / f"block-{i:06d}.bin") for i in range(blocks)]
-        self.block_bytes = block_bytes
-        self.pool = DualQueueThreadPool(VLLM_THREADS, VLLM_THREADS, thread_name_prefix="cross_fs")
-        self.job = 0
-
-    def _run(self, function, enqueue, buffer: np.ndarray) -> None:
-        count, view = len(self.paths), memoryview(buffer)
-        jobs = min(count, VLLM_JOBS)
-        bounds = [count * j // jobs for j in range(jobs + 1)]
-        tasks = [lambda a=a, b=b: function(self.paths[a:b], view, [i * self.block_bytes for i in range(a, b)],
-                                           self.block_bytes, True)
-                 for a, b in zip(bounds, bounds[1:])]
-        self.job += 1
-        enqueue(self.job, len(tasks), tasks)
-        self.pool.wait_idle()
-        finished = self.pool.get_finished()
-        if not finished or not all(ok for _, ok, _ in finished):
-            raise RuntimeError(f"vLLM's FS tier reported a failed job: {finished}")
+        workload = protocol.Workload(dir=str(root), layers=1, layer_bytes=block_bytes, blocks=blocks, seed=SEED)
+        self.contender = VllmFsContender(workload)
+        self.buffer, self.paths = self.contender.buffer, self.contender.paths
 
     def store(self, buffer: np.ndarray) -> None:
-        self._run(self.fs_io.batch_store_block, self.pool.enqueue_store, buffer)
+        self.contender.store_from(memoryview(buffer))
 
     def load(self, buffer: np.ndarray) -> None:
-        self._run(self.fs_io.batch_load_block, self.pool.enqueue_load, buffer)
+        self.contender.load_into(memoryview(buffer))
 
     def close(self) -> None:
-        self.pool.shutdown()
+        self.contender.pool.shutdown()
 
 
 class KvdReads:
@@ -184,9 +165,10 @@ def run_shape(tokens: int, total: int, rounds: int, root: Path, store_first: boo
     block_bytes = tokens * TOKEN_BYTES
     blocks = max(1, total // block_bytes)
     nbytes = blocks * block_bytes
-    vllm_buffer = protocol.aligned_buffer(nbytes)
+    vllm = VllmFiles(root / "vllm", blocks, block_bytes)  # its buffer first, as before the arena
+    vllm_buffer = vllm.buffer
     arena, _mapping = arena_memory(nbytes)
-    vllm, kvd = VllmFiles(root / "vllm", blocks, block_bytes), KvdReads(root, blocks, block_bytes)
+    kvd = KvdReads(root, blocks, block_bytes)
     try:
         progress(f"{tokens} tokens: storing {blocks} blocks each way")
         protocol.fill(vllm_buffer, SEED)

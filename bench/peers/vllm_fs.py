@@ -48,8 +48,10 @@ class VllmFsContender:
         self.pool = DualQueueThreadPool(THREADS, THREADS, thread_name_prefix="bench_fs")
         self.job_id = 0
 
-    def _run(self, function, enqueue) -> None:
-        """Split the blocks over jobs, run them on the pool, raise if any failed."""
+    def _run(self, function, enqueue, view: memoryview | None = None) -> None:
+        """Split the blocks over jobs, run them on the pool, raise if any failed. The blocks
+        move between the files and `view` (default: this contender's buffer), block i at i * block_bytes."""
+        view = self.view if view is None else view
         count = self.workload.blocks
         jobs = min(count, THREADS * JOBS_PER_THREAD)
         bounds = [count * j // jobs for j in range(jobs + 1)]
@@ -57,13 +59,21 @@ class VllmFsContender:
         for start, stop in zip(bounds, bounds[1:]):
             offsets = [i * self.workload.block_bytes for i in range(start, stop)]
             tasks.append(lambda start=start, stop=stop, offsets=offsets: function(
-                self.paths[start:stop], self.view, offsets, self.workload.block_bytes, self.o_direct))
+                self.paths[start:stop], view, offsets, self.workload.block_bytes, self.o_direct))
         self.job_id += 1
         enqueue(self.job_id, len(tasks), tasks)
         self.pool.wait_idle()
         finished = self.pool.get_finished()
         if not finished or not all(success for _, success, _ in finished):
             raise RuntimeError(f"vLLM's FS tier reported a failed job: {finished}")
+
+    def store_from(self, view: memoryview) -> None:
+        """vLLM's batch store of every block from `view` (untimed; for bench_read_cross.py)."""
+        self._run(fs_io.batch_store_block, self.pool.enqueue_store, view)
+
+    def load_into(self, view: memoryview) -> None:
+        """vLLM's batch load of every block into `view` (for bench_read_cross.py)."""
+        self._run(fs_io.batch_load_block, self.pool.enqueue_load, view)
 
     def store(self, command: dict) -> dict:
         def action() -> None:
