@@ -28,7 +28,10 @@ against the pattern, and the order rotates each round. Reported: median
 GiB/s of each, kvd over vLLM (the target of issue 13 is 1.1x), and the two
 factors: reader (kvd's engine over vLLM's reader, both into the same
 arena) and memory (kvd's arena over vLLM's buffer, same engine, same
-segments). The disk here is virtual and shared: compare within one run.
+segments); and how many physically contiguous runs a 2 MiB stretch of
+each buffer spans (/proc/self/pagemap): a 4 KiB-page buffer reads about
+as fast as it is contiguous, which depends on what the kernel had free.
+The disk here is virtual and shared: compare within one run.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ SEED = 7
 _F_ADD_SEALS, _F_SEAL_SHRINK, _F_SEAL_GROW = 1033, 2, 4
 _MADV_POPULATE_WRITE = 23
 TARGET = 1.1
+PAGE = mmap.PAGESIZE
 
 
 def drop_page_cache() -> None:
@@ -155,6 +159,19 @@ class KvdReads:
             os.close(fd)
 
 
+def physical_runs_per_2mib(buffer: np.ndarray) -> float:
+    """How many physically contiguous runs a 2 MiB stretch of `buffer` spans, on average (from
+    /proc/self/pagemap, root): 1.0 for huge pages; a 4 KiB-page buffer gets what the kernel had free."""
+    pages, first = len(buffer) // PAGE, address_of(buffer) // PAGE
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = np.frombuffer(pagemap.read(pages * 8), dtype=np.uint64)
+    frames = (entries & np.uint64((1 << 55) - 1)).astype(np.int64)
+    per_window = (2 << 20) // PAGE
+    runs = [1 + np.count_nonzero(np.diff(frames[i:i + per_window]) != 1) for i in range(0, pages, per_window)]
+    return float(np.mean(runs))
+
+
 def timed(action: Callable[[], float | None]) -> float:
     started = time.perf_counter()
     inner = action()
@@ -205,7 +222,9 @@ def run_shape(tokens: int, total: int, rounds: int, root: Path, store_first: boo
             "reader_kvd_vs_vllm_same_arena": ratio(medians["kvd engine, vllm files -> kvd arena"],
                                                    medians["vllm reader, vllm files -> kvd arena"]),
             "memory_arena_vs_vllm_buffer": ratio(medians["kvd engine, kvd segments -> kvd arena"],
-                                                 medians["kvd engine, kvd segments -> vllm buffer"])}
+                                                 medians["kvd engine, kvd segments -> vllm buffer"]),
+            "physical_runs_per_2mib": {"vllm buffer": physical_runs_per_2mib(vllm_buffer),
+                                       "kvd arena": physical_runs_per_2mib(arena)}}
 
 
 def print_shape(tokens: int, result: dict) -> None:
@@ -215,6 +234,8 @@ def print_shape(tokens: int, result: dict) -> None:
     report(f"  kvd over vLLM                              {result['kvd_vs_vllm']:.2f}x (target {TARGET}x)")
     report(f"  reader: kvd's engine / vLLM's, same arena  {result['reader_kvd_vs_vllm_same_arena']:.2f}x")
     report(f"  memory: kvd's arena / vLLM's buffer        {result['memory_arena_vs_vllm_buffer']:.2f}x")
+    runs = result["physical_runs_per_2mib"]
+    report(f"  physical runs per 2 MiB: vLLM's buffer {runs['vllm buffer']:.1f}, kvd's arena {runs['kvd arena']:.1f}")
 
 
 def main() -> None:
