@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "ttft": ([], ["--prompt-tokens", "1024", "--repeats", "1"]),
     "io_engine": ([], ["--file-mib", "256", "--rounds", "2"]),
     "disk_restore": ([], ["--total-mib", "512", "--rounds", "2", "--store-rounds", "2"]),
+    "get_stream": ([], ["--total-mib", "256", "--rounds", "2"]),
     "vllm_connector": ([], ["--prefix-tokens", "1024", "--prefixes", "3", "--disk-modes", "async"]),
     "cluster_fetch": ([], ["--mib", "64", "--rounds", "2"]),
     "io_ring": ([], ["--reads", "1024", "--file-mib", "256", "--rounds", "2"]),

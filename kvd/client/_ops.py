@@ -3,7 +3,9 @@
 Each operation is a generator that yields the RPCs it needs as
 `(method_name, request)` and receives each response (or has the RPC's error
 thrown into it), so the blocking `Client` and the asyncio `AsyncClient` run
-the same decisions and differ only in how they call a stub.
+the same decisions and differ only in how they call a stub. A server-streaming
+method (one in STREAMING) answers with the open call; `(NEXT, call)` then
+answers with its next message, or None once the stream has ended.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 Call = tuple[str, Any]
 Op = Generator[Call, Any, Any]
+NEXT = "(next message)"
+STREAMING = frozenset({"GetBlocks"})
+# A shared-memory Get of at least this many bytes streams (GetBlocks): the
+# client copies the blocks that have landed while the daemon reads the rest
+# from disk. Below it one unary Get costs less than opening a stream.
+STREAMED_GET_MIN_BYTES = 16 << 20
 
 CHANNEL_MESSAGE_BYTES = 1 << 30
 # The bearer token when a client is given none (a daemon with auth.mode = "token").
@@ -109,6 +117,8 @@ class Session:
     target: str = ""
     # The bearer token (None: none); never shown.
     token: str | None = field(default=None, repr=False)
+    # A shared-memory Get of at least this many bytes goes over GetBlocks.
+    streamed_get_min_bytes: int = STREAMED_GET_MIN_BYTES
     info: kvd_pb2.ArenaInfoResponse | None = None
     arena: ArenaMapping | None = None
     connected: bool = field(default=False)
@@ -132,11 +142,13 @@ class ClientBase:
         timeout_s: float = 30.0,
         lease_ms: int = 0,
         token: str | None = None,
+        streamed_get_min_bytes: int = STREAMED_GET_MIN_BYTES,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
         token = resolve_token(token)
-        self.session = Session(client_id or _wire.new_client_id(), use_shared_memory, lease_ms, target, token)
+        self.session = Session(client_id or _wire.new_client_id(), use_shared_memory, lease_ms, target, token,
+                               streamed_get_min_bytes)
         self._stub = kvd_pb2_grpc.KvdStub(channel)
         # Sent with every call; never logged or shown (repr, errors).
         self._metadata = call_metadata(token)
@@ -451,6 +463,9 @@ def get_numpy(
     """The stored prefix of `keys` as (matched, *block_shape); into `out` if given."""
     if not keys:
         return _wire.blocks_to_output(namespace, _wire.output_rows(namespace, 0, out), 0)
+    yield from connect(session)
+    if session.arena is not None and len(keys) * namespace.block_bytes >= session.streamed_get_min_bytes:
+        return (yield from _get_streamed(session, namespace, keys, out, parent_key))
     response = yield from _arena_get(session, namespace, keys, parent_key)
     if response is None:
         return (yield from _get_inline(session, namespace, keys, out, parent_key))
@@ -464,22 +479,71 @@ def get_numpy(
     return _wire.blocks_to_output(namespace, rows, response.matched)
 
 
+def _get_request(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes
+                 ) -> kvd_pb2.GetRequest:
+    return kvd_pb2.GetRequest(namespace_id=namespace.namespace_id, client_id=session.client_id, keys=keys,
+                              lease_ms=session.lease_ms, parent_key=parent_key,
+                              arena_instance_id=session.arena.instance_id)
+
+
 def _arena_get(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes) -> Op:
     """A Get answered with arena offsets under a lease; None when this client has no arena."""
     yield from connect(session)
     if session.arena is None:
         return None
-    return (yield from remapping(session, lambda: (
-        "Get",
-        kvd_pb2.GetRequest(
-            namespace_id=namespace.namespace_id,
-            client_id=session.client_id,
-            keys=keys,
-            lease_ms=session.lease_ms,
-            parent_key=parent_key,
-            arena_instance_id=session.arena.instance_id,
-        ),
-    )))
+    return (yield from remapping(session, lambda: ("Get", _get_request(session, namespace, keys, parent_key))))
+
+
+def _get_streamed(
+    session: Session, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None, parent_key: bytes
+) -> Op:
+    """get_numpy over GetBlocks: each run of blocks copied out as soon as the daemon says it landed."""
+    stream, first = yield from _open_get_blocks(session, namespace, keys, parent_key)
+    if stream is None:  # the daemon restarted and this client can no longer map its arena
+        return (yield from _get_inline(session, namespace, keys, out, parent_key))
+    try:
+        matched = first.matched
+        rows = _wire.output_rows(namespace, matched, out)
+        slots = session.arena.slot_indices(first.offsets, namespace.block_bytes)
+        source = session.arena.rows(session.arena.stride(namespace.block_bytes))
+        copied, message = 0, first
+        while message is not None:
+            matched = min(matched, message.matched)
+            ready = min(message.blocks_ready, matched)
+            if ready > copied:
+                _wire.copy_rows(source, slots[copied:ready], rows[copied:ready], 0, namespace.block_bytes)
+                copied = ready
+            message = yield (NEXT, stream)
+        if copied != matched:
+            raise FailedPrecondition(f"GetBlocks ended with {copied} of its {matched} blocks reported ready")
+    finally:
+        stream.cancel()
+        if first.lease_id:
+            yield from release(session, [first.lease_id])
+    return _wire.blocks_to_output(namespace, rows, matched)
+
+
+def _open_get_blocks(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes) -> Op:
+    """(open GetBlocks call, its first message), opened again once on the new arena if the
+    daemon restarted since this client mapped its arena; (None, None) if it can map none now."""
+    stream = yield ("GetBlocks", _get_request(session, namespace, keys, parent_key))
+    try:
+        return stream, (yield from _first_message(stream))
+    except grpc.RpcError as error:
+        if not arena_changed(error):
+            raise
+    yield from remap(session)
+    if session.arena is None:
+        return None, None
+    stream = yield ("GetBlocks", _get_request(session, namespace, keys, parent_key))
+    return stream, (yield from _first_message(stream))
+
+
+def _first_message(stream: Any) -> Op:
+    message = yield (NEXT, stream)
+    if message is None:
+        raise FailedPrecondition("the daemon ended a streamed Get without a message")
+    return message
 
 
 def get_pinned(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes) -> Op:

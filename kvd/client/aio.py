@@ -31,16 +31,21 @@ class AsyncClient(_ops.ClientBase):
         try:
             call = next(op)
             while True:
-                method, request = call
                 try:
-                    response = await getattr(self._stub, method)(request, timeout=self.timeout_s,
-                                                                 metadata=self._metadata)
+                    response = await self._call(*call)
                 except grpc.RpcError as error:
                     call = op.throw(error)
                 else:
                     call = op.send(response)
         except StopIteration as done:
             return done.value
+
+    async def _call(self, method: str, request: Any) -> Any:
+        if method == _ops.NEXT:
+            message = await request.read()
+            return None if message is grpc.aio.EOF else message
+        call = getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        return call if method in _ops.STREAMING else await call
 
     async def close(self) -> None:
         self.session.close()

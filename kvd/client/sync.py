@@ -26,6 +26,9 @@ class Client(_ops.ClientBase):
     True requires the arena; False never maps it. Every RPC has `timeout_s`.
     `token`: a tenant's bearer token, for a daemon with auth.mode = "token"
     (default: $KVD_TOKEN). `tls`: a TlsConfig, for a TCP listener with TLS.
+    `streamed_get_min_bytes`: a get_numpy of at least this many bytes
+    streams (GetBlocks) and copies blocks out while later ones are still
+    read from disk (default 16 MiB).
     """
 
     def __init__(self, target: str, *, tls: _ops.TlsConfig | None = None, **options: Any) -> None:
@@ -40,15 +43,20 @@ class Client(_ops.ClientBase):
         try:
             call = next(op)
             while True:
-                method, request = call
                 try:
-                    response = getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+                    response = self._call(*call)
                 except grpc.RpcError as error:
                     call = op.throw(error)
                 else:
                     call = op.send(response)
         except StopIteration as done:
             return done.value
+
+    def _call(self, method: str, request: Any) -> Any:
+        if method == _ops.NEXT:
+            return next(request, None)
+        # A streaming method answers with its iterator at once.
+        return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
 
     def close(self) -> None:
         self.session.close()

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import functools
 import itertools
-import errno
 import logging
 import os
 import time
@@ -36,8 +36,8 @@ from pathlib import Path
 from kvd.config import DiskSettings
 from kvd.core.block import Block
 from kvd.core.engine import Engine, GetPlan, PrefetchPlan, Transfer
-from kvd.core.mover import Mover, MoverSettings, NotDurable, WriteRound
 from kvd.core.io_schedule import IoClass, IoSchedule
+from kvd.core.mover import Mover, MoverSettings, NotDurable, WriteRound
 from kvd.errors import ConfigError, Unavailable
 from kvd.invariants import check
 from kvd.io.engine import Op
@@ -495,7 +495,7 @@ class DiskPlane:
 
     # -- reads ----------------------------------------------------------
 
-    def start_get(self, plan: GetPlan, on_layer=None) -> asyncio.Task:
+    def start_get(self, plan: GetPlan, on_layer=None, on_blocks=None) -> asyncio.Task:
         """Start the plan's disk reads; a task that ends with the servable prefix.
 
         Called in the loop step of the plan's begin_get, before any await:
@@ -506,8 +506,11 @@ class DiskPlane:
 
         on_layer(layer, ok), if given, is called on the loop each time layer
         `layer` of every loaded block has landed and been verified; ok[i]
-        says whether plan.loads[i] is still good.
+        says whether plan.loads[i] is still good. on_blocks(done, ok), if
+        given instead, each time plan.loads[:done] have landed whole and
+        been verified (ok as for on_layer, for those).
         """
+        check(on_layer is None or on_blocks is None, "a Get reports layers or blocks, not both")
         check(not (plan.loads or plan.waits) or plan.lease is not None, "disk reads for a Get that pins nothing")
         # A Get now waits for these prefetches: they are restores from here on.
         for read in dict.fromkeys(filter(None, map(self._prefetch_reads.get, plan.waits))):
@@ -516,12 +519,12 @@ class DiskPlane:
         check(all(block in self._loads or block not in loading for block in plan.waits),
               "a Get waits for a block being read that no read will report")
         waiting = [self._loads[block] for block in plan.waits if block in self._loads]
-        reading = self._submit_loads(plan, on_layer) if plan.loads else None
+        reading = self._submit_loads(plan, on_layer, on_blocks) if plan.loads else None
         task = asyncio.ensure_future(self._complete_get(plan, reading, waiting))
         task.add_done_callback(functools.partial(self._end_failed_get, plan, reading))
         return task
 
-    def _submit_loads(self, plan: GetPlan, on_layer) -> asyncio.Future:
+    def _submit_loads(self, plan: GetPlan, on_layer, on_blocks) -> asyncio.Future:
         """Hand the plan's loads to the I/O thread as one restore job; its future.
 
         The loads are finished by a callback on that future, whatever becomes
@@ -529,9 +532,10 @@ class DiskPlane:
         """
         loop = asyncio.get_running_loop()
         progress = None
-        if on_layer is not None:
-            def progress(layer: int, ok) -> None:  # I/O thread
-                loop.call_soon_threadsafe(on_layer, layer, ok)
+        report = on_layer or on_blocks
+        if report is not None:
+            def progress(step: int, ok) -> None:  # I/O thread
+                loop.call_soon_threadsafe(report, step, ok)
         if self.sizer is not None:
             spec = self.engine.namespace(plan.loads[0].block.index.namespace_id).spec
             self.sizer.restore(len(plan.loads) * spec.block_tokens, spec.layer_bytes // spec.block_tokens,
@@ -539,7 +543,7 @@ class DiskPlane:
         nbytes = sum(load.block.index.block_bytes for load in plan.loads)
         try:
             submitted = self._io.submit(IoClass.RESTORE, self._read_batch, self._read_work(plan.loads), progress,
-                                        nbytes=nbytes)
+                                        on_blocks is not None, nbytes=nbytes)
         except RuntimeError:  # the I/O thread is shut down: nothing read, nothing lost
             self.engine.abandon_get(plan)
             raise Unavailable("kvd is stopping; the Get's disk reads were not started") from None
@@ -608,32 +612,40 @@ class DiskPlane:
             work.append((namespace_id, spec.layer_bytes, spec.num_layers, items))
         return work
 
-    def _read_batch(self, work, progress=None) -> list[bool]:
-        """I/O thread: layer-wise reads into the host slots, checksums verified."""
+    def _read_batch(self, work, progress=None, by_block: bool = False) -> list[bool]:
+        """I/O thread: reads into the host slots, checksums verified; progress(layer, mask)
+        as layers land, or with by_block progress(done, mask) as leading blocks do."""
         total = sum(len(items) for *_, items in work)
+        check(not by_block or len(work) == 1, "block-wise progress for a Get of one namespace only")
         ok = [False] * total
         for namespace_id, layer_bytes, num_layers, items in work:
             requests = [
                 (self.tier.key_of(slot), slot, address, self.tier.layer_checksums_of(slot))
                 for _, slot, address in items
             ]
-            on_layer = None
+            report = None
             if progress is not None:
                 positions = [position for position, _, _ in items]
 
-                def on_layer(layer: int, layer_ok, positions=positions) -> None:
+                def report(step: int, step_ok, positions=positions) -> None:
                     # Per-load mask in plan order (one namespace per Get).
                     mask = [True] * total
-                    for position, good in zip(positions, layer_ok):
+                    for position, good in zip(positions, step_ok):
                         mask[position] = bool(good)
-                    progress(layer, mask)
+                    progress(step, mask)
 
             started = time.perf_counter()
-            slack = self._slack_writes(namespace_id, num_layers, len(items))
-            # Nobody to hand layers to as they land, no writes between layer
-            # groups: read each block whole, the drive's largest requests.
-            results = self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests, on_layer,
-                                            between_groups=slack, whole_blocks=on_layer is None and slack is None)
+            if by_block:
+                # Whole blocks, reported as runs of them land: a client copies
+                # them out while the rest are read.
+                results = self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests, whole_blocks=True,
+                                                on_blocks=report)
+            else:
+                slack = self._slack_writes(namespace_id, num_layers, len(items))
+                # Nobody to hand layers to as they land, no writes between layer
+                # groups: read each block whole, the drive's largest requests.
+                results = self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests, report,
+                                                between_groups=slack, whole_blocks=report is None and slack is None)
             if self.sizer is not None:
                 self.sizer.observe(True, len(requests) * layer_bytes * num_layers, time.perf_counter() - started)
             for (position, _, _), good in zip(items, results):

@@ -29,7 +29,6 @@ from kvd.clock import Clock
 from kvd.core.block import NO_SLOT, BlockState
 from kvd.core.engine import CommitRequest, Engine, KeysRequest, ReserveStatus, namespace_not_found
 from kvd.core.quota import QuotaExceeded
-from kvd.invariants import check
 from kvd.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -41,10 +40,12 @@ from kvd.errors import (
     Unauthenticated,
     Unavailable,
 )
+from kvd.invariants import check
 from kvd.metrics import RpcMetrics
 from kvd.planner.distance import NONE
 from kvd.server import convert
 from kvd.server.auth import CURRENT_TENANT, Tenant, scoped_client_id
+from kvd.server.get_stream import BlockSteps, LayerSteps
 from kvd.server.planning import Planning
 from kvd.tiers.host import DEFAULT_TENANT, HostArena
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
@@ -517,21 +518,29 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
     @stream_rpc("GetLayers")
     async def GetLayers(self, request, context):
         """Server-streaming Get: one message per layer landed (see the proto)."""
-        async for message in self._get_layers(request):
+        async for message in self._stream_get(request, LayerSteps):
             yield message
 
-    async def _get_layers(self, request):
+    @stream_rpc("GetBlocks")
+    async def GetBlocks(self, request, context):
+        """Server-streaming Get: one message per run of leading blocks landed (see the proto)."""
+        async for message in self._stream_get(request, BlockSteps):
+            yield message
+
+    async def _stream_get(self, request, steps_kind: type[LayerSteps | BlockSteps]):
         self._check_arena(request)
         await self._fetch_remote(request)
-        state = self.engine.namespace(request.namespace_id)
-        layers = state.spec.num_layers
+        layers = self.engine.namespace(request.namespace_id).spec.num_layers
         plan = await self._begin_get(request, request.client_id)
         matched = list(plan.matched)
         pending = bool(plan.loads or plan.waits)
         lease = plan.lease
-        first = kvd_pb2.GetLayersResponse(
-            matched=len(matched),
-            layers_ready=0 if pending else layers,
+        position_of = {id(block): position for position, block in enumerate(matched)}
+        load_positions = [position_of[id(load.block)] for load in plan.loads]
+        steps = steps_kind(layers, len(matched), load_positions,
+                           min((position_of[id(block)] for block in plan.waits), default=len(matched)))
+        first = steps.first(
+            len(matched), pending,
             lease_id=lease.lease_id if lease else 0,
             lease_deadline_ms=lease.deadline_ms if lease else 0,
             offsets=self._offsets(lease, matched),
@@ -540,16 +549,11 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         if not pending:
             yield first
             return
-        position_of = {id(load.block): matched.index(load.block) for load in plan.loads}
         updates: asyncio.Queue = asyncio.Queue()
-
-        def on_layer(layer: int, ok) -> None:
-            updates.put_nowait((layer, ok))
-
         # Started before the first message goes out: the plan's loads are
         # reads other Gets may wait on from now on. On failure the task ends
         # the lease itself, once no read into the pinned slots is running.
-        getting = self.disk_plane.start_get(plan, on_layer)
+        getting = self.disk_plane.start_get(plan, **{steps.callback: lambda step, ok: updates.put_nowait((step, ok))})
         servable = len(matched)
         try:
             yield first
@@ -559,19 +563,17 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 if not waiter.done():
                     waiter.cancel()
                     continue
-                layer, ok = waiter.result()
-                for load, good in zip(plan.loads, ok):
-                    if not good:
-                        servable = min(servable, position_of[id(load.block)])
+                step, ok = waiter.result()
+                servable = min([servable, *(position for position, good in zip(load_positions, ok) if not good)])
                 if plan.waits:
                     continue  # another Get is loading some blocks: only the end counts
-                yield kvd_pb2.GetLayersResponse(matched=servable, layers_ready=layer + 1)
+                yield steps.step(step, servable)
             served = await getting
         finally:
             if not getting.done():
                 getting.cancel()
         self._check_lease_outlived_reads(request, plan)
-        yield kvd_pb2.GetLayersResponse(matched=min(servable, len(served)), layers_ready=layers)
+        yield steps.last(min(servable, len(served)))
 
     @rpc("Release")
     async def Release(self, request, context):

@@ -1,4 +1,4 @@
-"""A soak-test client: Lookup, Put, Get, GetLayers and Prefetch in a loop, checking every byte.
+"""A soak-test client: Lookup, Put, Get (unary or GetBlocks), GetLayers and Prefetch in a loop, checking every byte.
 
 Run as a process (`KVD_TOKEN=... python -m kvd.testing.soak_worker
 CONTROL_DIR NAME SEED --tenant TENANT [--inline]`), it works on the daemon
@@ -57,6 +57,7 @@ import grpc
 import numpy as np
 
 from kvd.client import Client
+from kvd.client._ops import STREAMED_GET_MIN_BYTES
 from kvd.core.keys import chain_keys
 from kvd.testing.put_stream import SPEC
 from kvd.testing.tenants import TenantStub, tenant_blocks
@@ -126,6 +127,8 @@ class Worker:
         self.others = [other for other in TENANTS if other != tenant]
         self.token = os.environ.get("KVD_TOKEN") or None
         self.inline = inline
+        # Every other worker streams each of its Gets (GetBlocks); the rest make them unary.
+        self.streamed_get_min_bytes = 0 if seed % 2 else STREAMED_GET_MIN_BYTES
         self.log = Log(control / f"{name}.jsonl")
         self.ops: dict[str, int] = {}
         self.blocks_checked = 0
@@ -137,7 +140,8 @@ class Worker:
             target = (self.control / "target").read_text().strip()
             try:
                 with Client(target, timeout_s=RPC_TIMEOUT_S, lease_ms=LEASE_MS, token=self.token,
-                            use_shared_memory=False if self.inline else None) as client:
+                            use_shared_memory=False if self.inline else None,
+                            streamed_get_min_bytes=self.streamed_get_min_bytes) as client:
                     holder = Holder(target, self.token, client.client_id)
                     try:
                         namespace = client.register_namespace(SPEC)

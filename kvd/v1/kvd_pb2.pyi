@@ -358,6 +358,22 @@ class GetLayersResponse(_message.Message):
     tiers: bytes
     def __init__(self, matched: _Optional[int] = ..., layers_ready: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[bytes] = ...) -> None: ...
 
+class GetBlocksResponse(_message.Message):
+    __slots__ = ("matched", "blocks_ready", "lease_id", "lease_deadline_ms", "offsets", "tiers")
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_READY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    matched: int
+    blocks_ready: int
+    lease_id: int
+    lease_deadline_ms: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    tiers: bytes
+    def __init__(self, matched: _Optional[int] = ..., blocks_ready: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[bytes] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("client_id", "lease_ids")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]

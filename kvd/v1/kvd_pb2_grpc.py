@@ -82,6 +82,11 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.GetRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.GetLayersResponse.FromString,
                 _registered_method=True)
+        self.GetBlocks = channel.unary_stream(
+                '/kvd.v1.Kvd/GetBlocks',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.GetRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.GetBlocksResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvd.v1.Kvd/Release',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.ReleaseRequest.SerializeToString,
@@ -220,6 +225,15 @@ class KvdServicer:
     def GetLayers(self, request, context):
         """Shared-memory Get that reports each layer as it lands in the arena, so a
         client can start on layer 0 while later layers are still being read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBlocks(self, request, context):
+        """Shared-memory Get that reports runs of leading blocks as they land, so a
+        client copying blocks out overlaps its copy with the disk reads. The
+        blocks are read whole, as for Get.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -382,6 +396,11 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.GetLayers,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.GetRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.GetLayersResponse.SerializeToString,
+            ),
+            'GetBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetBlocks,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.GetRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.GetBlocksResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -688,6 +707,33 @@ class Kvd:
             '/kvd.v1.Kvd/GetLayers',
             kvd_dot_v1_dot_kvd__pb2.GetRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.GetLayersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.v1.Kvd/GetBlocks',
+            kvd_dot_v1_dot_kvd__pb2.GetRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.GetBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

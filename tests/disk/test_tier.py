@@ -388,6 +388,46 @@ def test_whole_block_reads_are_one_batch_of_one_extent_per_block_every_layer_sti
     tier.close()
 
 
+@pytest.mark.parametrize("entry_layers", [1, LAYERS])
+def test_whole_blocks_reported_in_runs_land_in_order_and_a_corrupt_block_fails_alone(drives, arena, io_engine,
+                                                                                    monkeypatch, entry_layers):
+    """on_blocks: runs of whole blocks, a batch each, reported in order as each is verified, with
+    the mask of every block so far (a corrupt one False, the rest of its run good); a block goes
+    as one entry, or as an entry per layer where BLOCK_ENTRY_MAX_BYTES is smaller than it."""
+    monkeypatch.setattr(tier_module, "BLOCK_PARTS", 4)
+    monkeypatch.setattr(tier_module, "BLOCK_ENTRY_MAX_BYTES", entry_layers * LAYER_BYTES)
+    config = make_config(drives, engine=io_engine)
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {slot: 90 + slot for slot in range(8)}))
+    tier.close()
+    flip_byte(config, 5, 2 * LAYER_BYTES + 9)  # inside layer 2 of slot 5
+    tier, _ = open_tier(config)
+    reports = []
+
+    def on_blocks(stop: int, mask: np.ndarray) -> None:
+        # Every block reported good holds its bytes already.
+        assert all(host_bytes(arena, 32 + i) == expected_bytes(90 + i) for i in range(stop) if mask[i])
+        reports.append((stop, mask[:stop].tolist()))
+
+    ok = read(tier, arena, list(range(8)), whole_blocks=True, on_blocks=on_blocks)
+    assert ok.tolist() == [True] * 5 + [False] + [True] * 2
+    good = ok.tolist()
+    assert reports == [(2, good[:2]), (4, good[:4]), (6, good[:6]), (8, good)]
+    assert tier.stats.submissions == 4 and tier.engine_stats()["entries"] == 8 * LAYERS // entry_layers
+    with pytest.raises(InvariantError, match="whole blocks"):
+        read(tier, arena, [0], on_blocks=on_blocks)  # layer groups cannot report blocks
+    tier.close()
+
+
+def test_a_block_read_in_entries_is_whole_only_if_every_entry_was():
+    """Three blocks of two 4 KiB entries: whole; second entry short; first entry an error."""
+    results = np.array([4096, 4096, 4096, 100, -errno.EIO, 4096], dtype=np.int64)
+    assert tier_module._block_results(results, 2, 4096).tolist() == [8192, 100, -errno.EIO]
+    assert tier_module._entry_layers(1 << 20, 32) == 4  # 4 MiB of 1 MiB layers, dividing 32
+    assert tier_module._entry_layers(3 << 20, 32) == 1
+    assert tier_module._entry_layers(5 << 20, 4) == 1  # larger than the cap: a layer per entry
+
+
 def test_a_truncated_segment_drops_its_blocks_at_open(drives, arena):
     config = make_config(drives)
     tier, _ = open_tier(config)

@@ -195,6 +195,7 @@ class Harness:
                                                   blocks=[block(key, SPEC.block_bytes) for key in fresh]),
             "Get": kvd_pb2.GetRequest(namespace_id=play, client_id="a", keys=keys, lease_ms=1000),
             "GetLayers": kvd_pb2.GetRequest(namespace_id=play, client_id="b", keys=keys[:4]),
+            "GetBlocks": kvd_pb2.GetRequest(namespace_id=play, client_id="c", keys=keys[:6]),
             "Release": kvd_pb2.ReleaseRequest(client_id="a", lease_ids=[3, 4]),
             "Renew": kvd_pb2.RenewRequest(client_id="a", lease_id=3, lease_ms=500),
             "Delete": kvd_pb2.DeleteRequest(namespace_id=play, keys=[keys[5]]),

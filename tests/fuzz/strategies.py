@@ -470,7 +470,7 @@ def _malformed_ids(method: str, request: Any, pools: Pools, names: set[str]) -> 
 
 def _leased(method: str, request: Any) -> bool:
     """Whether the call names a client and asks for a lease (a shared-memory Get does; an inline one not)."""
-    return method in ("Get", "GetLayers") and not request.inline
+    return method in ("Get", "GetLayers", "GetBlocks") and not request.inline
 
 
 def _client_and_tenancy(method: str, request: Any, pools: Pools, names: set[str]) -> str | None:

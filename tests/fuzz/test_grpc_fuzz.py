@@ -188,7 +188,7 @@ def learn(target: FuzzTarget, method: str, message, responses: list, credential_
         assert not target.owner.revealed(first.blocks), f"{credential_.name} got owner's bytes: {summary(message)}"
     if credential_.tenant != "fuzz":
         return
-    if method in ("Reserve", "Get", "GetLayers") and first.lease_id:
+    if method in ("Reserve", "Get", "GetLayers", "GetBlocks") and first.lease_id:
         pools.saw_lease(first.lease_id)
         target.opened.add((message.client_id, first.lease_id))
     elif method == "PutInline" and first.sealed and message.namespace_id in pools.namespace_ids:

@@ -168,9 +168,11 @@ def test_another_tenants_namespace_and_leases_are_not_found(daemon):
     stats = stub.Stats(kvd_pb2.StatsRequest(), metadata=metadata(TOKEN_OPS))
     (engine_id,) = [ns.namespace_id for ns in stats.namespaces if ns.tenant == "a" and ns.model_id == SMALL_SPEC.model_id]
     assert engine_id != namespace.namespace_id
-    for request in (kvd_pb2.GetRequest(namespace_id=engine_id, client_id="c", keys=keys, inline=True),
-                    kvd_pb2.DeleteRequest(namespace_id=engine_id, keys=keys)):
-        method = stub.Get if isinstance(request, kvd_pb2.GetRequest) else stub.Delete
+    get = kvd_pb2.GetRequest(namespace_id=engine_id, client_id="c", keys=keys)
+    for method, request in ((stub.Get, kvd_pb2.GetRequest(namespace_id=engine_id, client_id="c", keys=keys,
+                                                          inline=True)),
+                            (stub.GetLayers, get), (stub.GetBlocks, get),
+                            (stub.Delete, kvd_pb2.DeleteRequest(namespace_id=engine_id, keys=keys))):
         assert code_of(method, request, metadata=metadata(TOKEN_B)) == grpc.StatusCode.NOT_FOUND
     # A lease of a's client "engine-0" is no lease of b's client "engine-0".
     got = stub.Get(kvd_pb2.GetRequest(namespace_id=namespace.namespace_id, client_id="engine-0", keys=keys),

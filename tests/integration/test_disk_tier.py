@@ -175,6 +175,42 @@ def test_a_corrupted_block_is_never_served(tmp_path):
         assert np.array_equal(client.get_numpy(namespace, keys), blocks)
 
 
+def test_a_get_from_disk_streams_its_blocks_out_and_a_corrupt_one_is_still_a_miss(tmp_path):
+    """A large shared-memory Get goes over GetBlocks (here every Get: streamed_get_min_bytes=0).
+    The daemon reads the blocks whole and says, run by run, how many leading blocks have landed;
+    block 3 is corrupt, so `matched` drops to 3 when its run is checked and never grows again.
+    get_numpy of both clients copies what has landed as it goes and ends with the exact prefix."""
+    import asyncio
+
+    from kvd.client import AsyncClient
+
+    directory, config, keys, blocks = stored_with_a_corrupt_block(tmp_path, seed=21)
+    with (run_daemon(directory, config=config) as daemon,
+          Client(daemon.unix_target, streamed_get_min_bytes=0) as client):
+        namespace = client.register_namespace(SPEC)
+        request = kvd_pb2.GetRequest(namespace_id=namespace.namespace_id, client_id="raw", keys=keys,
+                                     arena_instance_id=client.arena_info().instance_id)
+        messages = list(client._stub.GetBlocks(request, timeout=30))
+        # Offsets first, one message per block (fewer blocks than runs), the closing one.
+        assert [(message.matched, message.blocks_ready) for message in messages] == [
+            (6, 0), (6, 1), (6, 2), (6, 3), (3, 3), (3, 3), (3, 3), (3, 3)]
+        assert len(messages[0].offsets) == 6 and not any(message.offsets for message in messages[1:])
+        client._stub.Release(kvd_pb2.ReleaseRequest(client_id="raw", lease_ids=[messages[0].lease_id]), timeout=30)
+        client.demote()
+        got = client.get_numpy(namespace, keys)
+        np.testing.assert_array_equal(got, blocks[:3])
+        assert metric_samples(daemon.metrics_url)['kvd_rpc_total{code="OK",method="GetBlocks"}'] == 2
+
+        async def in_async(target: str) -> np.ndarray:
+            async with AsyncClient(target, streamed_get_min_bytes=0) as aio:
+                await aio.demote()
+                return await aio.get_numpy(await aio.register_namespace(SPEC), keys)
+
+        np.testing.assert_array_equal(asyncio.run(in_async(daemon.unix_target)), blocks[:3])
+        assert metric_samples(daemon.metrics_url)['kvd_rpc_total{code="OK",method="GetBlocks"}'] == 3
+        assert client.stats().leases == 0
+
+
 def test_durable_ack_without_disk_tier_is_refused(tmp_path):
     import grpc
 

@@ -19,6 +19,7 @@ from kvd.core.engine import Engine
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
 from kvd.core.requests import CommitRequest, KeysRequest
 from kvd.server.disk_plane import DiskPlane
+from kvd.server.get_stream import BlockSteps, LayerSteps
 from kvd.server import service as service_module
 from kvd.server.service import KvdService
 from kvd.tiers.host import ArenaLayout, HostArena
@@ -96,7 +97,7 @@ def test_a_get_that_arrives_while_a_streaming_get_holds_its_first_message_waits_
 
     async def scenario():
         node, keys = await cold_node(tmp_path)
-        stream = node.service._get_layers(node.request("streaming", keys))
+        stream = node.service._stream_get(node.request("streaming", keys), LayerSteps)
         first = await stream.__anext__()
         assert (first.matched, first.layers_ready) == (BLOCKS, 0)
         assert len(node.engine.loading) == BLOCKS  # the stream's reads, under way
@@ -116,7 +117,7 @@ def test_a_streaming_get_dropped_after_its_first_message_leaves_no_read_behind(t
 
     async def scenario():
         node, keys = await cold_node(tmp_path)
-        stream = node.service._get_layers(node.request("gone", keys))
+        stream = node.service._stream_get(node.request("gone", keys), LayerSteps)
         await stream.__anext__()
         await stream.aclose()
         for _ in range(1000):
@@ -145,10 +146,43 @@ def test_a_get_reads_each_block_whole_and_a_streaming_get_layer_by_layer(tmp_pat
         node.assert_served(blocks, keys[:3])
         assert stats.submissions - before == 1
         before = stats.submissions
-        messages = [message async for message in node.service._get_layers(node.request("streaming", keys))]
+        messages = [message async for message in node.service._stream_get(node.request("streaming", keys), LayerSteps)]
         # The first message (offsets), one per layer landed, then the closing one.
         assert [message.layers_ready for message in messages] == [0, *range(1, SPEC.num_layers + 1), SPEC.num_layers]
         assert stats.submissions - before == SPEC.num_layers  # the 3 blocks above are in host memory now
+        node.engine.verify()
+        await node.plane.close(30.0)
+
+    asyncio.run(scenario())
+
+
+def test_a_block_streaming_get_hands_over_leading_blocks_as_they_land_and_one_waiting_on_it_only_at_its_end(tmp_path):
+    """GetBlocks reads each block whole, a batch per run of blocks, and says after each run how
+    many leading blocks are in the arena: each of them holds its bytes when the message goes out.
+    A second GetBlocks of the same prefix, arriving while the first one's reads run, has no reads
+    of its own to report: it says nothing is ready until its end."""
+
+    async def scenario():
+        node, keys = await cold_node(tmp_path)
+        stats = node.plane.tier.stats
+        before = stats.submissions
+        reading = node.service._stream_get(node.request("reading", keys), BlockSteps)
+        first = await reading.__anext__()
+        assert (first.matched, first.blocks_ready, len(first.offsets)) == (BLOCKS, 0, BLOCKS)
+        waiting = node.service._stream_get(node.request("waiting", keys), BlockSteps)
+        second = await waiting.__anext__()
+        assert (second.matched, second.blocks_ready) == (BLOCKS, 0)
+        ready = [0]
+        async for message in reading:
+            assert message.matched == BLOCKS and message.blocks_ready >= ready[-1]
+            for offset, key in zip(first.offsets[ready[-1]:message.blocks_ready], keys[ready[-1]:]):
+                assert node.arena.read_at(offset, SPEC.block_bytes) == pattern(key)
+            ready.append(message.blocks_ready)
+        assert ready == [0, *range(1, BLOCKS + 1), BLOCKS]  # one run per block: fewer blocks than BLOCK_PARTS
+        assert stats.submissions - before == BLOCKS
+        assert [(message.matched, message.blocks_ready) async for message in waiting] == [(BLOCKS, BLOCKS)]
+        assert [(message.matched, message.blocks_ready) async for message in
+                node.service._stream_get(node.request("warm", keys), BlockSteps)] == [(BLOCKS, BLOCKS)]
         node.engine.verify()
         await node.plane.close(30.0)
 

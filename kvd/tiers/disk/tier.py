@@ -63,8 +63,8 @@ from kvd.tiers.disk.journal import (
 )
 from kvd.tiers.disk.layout import (
     ALIGN_BYTES,
-    IDENTITY,
     FORMAT_VERSION,
+    IDENTITY,
     Admission,
     DiskConfig,
     DiskIdentityError,
@@ -92,6 +92,8 @@ log = logging.getLogger(__name__)
 TOMBSTONE_MAGIC = b"kvd-deleted-block\0"
 # How read_blocks hands progress to its caller: (layer, ok mask of all blocks).
 LayerCallback = Callable[[int, np.ndarray], None]
+# ... or, for whole blocks: (stop, ok mask of all blocks): blocks [0, stop) are done.
+BlocksCallback = Callable[[int, np.ndarray], None]
 
 
 def _report_layers(on_layer: LayerCallback, first: int, stop: int, ok: np.ndarray, good_through) -> None:
@@ -110,6 +112,29 @@ ReadItem = tuple[bytes, int, int, bytes]
 # layer per group) read 1.69 GiB/s here; with up to 8 in flight, 2.68.
 READ_AHEAD_BYTES = 256 << 20
 READ_AHEAD_GROUPS = 8  # and at most this many (an engine takes 64 batches at a time)
+# read_blocks(on_blocks=...) splits the blocks into up to this many batches,
+# all submitted at once (the drive sees one deep queue, as for one batch),
+# and reports each as it is verified, in order; a block's entries are at
+# most this long where its layers allow (a whole number of layers each).
+BLOCK_PARTS = 16
+BLOCK_ENTRY_MAX_BYTES = 4 << 20
+
+
+def _entry_layers(layer_bytes: int, num_layers: int) -> int:
+    """Layers per entry of a block read in runs: the most that divide num_layers and
+    fit BLOCK_ENTRY_MAX_BYTES (one layer if even that does not fit)."""
+    fitting = [width for width in range(1, num_layers + 1)
+               if num_layers % width == 0 and width * layer_bytes <= BLOCK_ENTRY_MAX_BYTES]
+    return max(fitting, default=1)
+
+
+def _block_results(results: np.ndarray, pieces: int, piece_bytes: int) -> np.ndarray:
+    """Per-block results from per-entry ones (`pieces` entries a block): the whole block's
+    length if every entry read in full, else the first entry's result that did not."""
+    per_block = results.reshape(-1, pieces)
+    full = per_block == piece_bytes
+    first_bad = per_block[np.arange(per_block.shape[0]), np.argmin(full, axis=1)]
+    return np.where(full.all(axis=1), pieces * piece_bytes, first_bad)
 
 
 # ----------------------------------------------------------------------
@@ -926,6 +951,7 @@ class DiskTier:
         failures: np.ndarray | None = None,
         between_groups: Callable[[int, int], None] | None = None,
         whole_blocks: bool = False,
+        on_blocks: BlocksCallback | None = None,
     ) -> np.ndarray:
         """Read blocks in layer order, verifying each layer; per-block ok mask.
 
@@ -949,7 +975,12 @@ class DiskTier:
         after layers [first, stop) are verified and before the next group
         is waited for, with later groups in flight: the caller may run
         other I/O there (writes in the layers' slack) on the same engine.
+        on_blocks(stop, ok), whole blocks only, is called as leading runs of
+        blocks are verified: blocks [0, stop) are done, ok says which of
+        them are good; the last call has stop == len(items).
         """
+        check(on_blocks is None or (whole_blocks and on_layer is None and between_groups is None),
+              "on_blocks reports whole blocks, read in one group with nothing between groups")
         self._check_open()
         self._spec_for(namespace_id, layer_bytes, num_layers)
         count = len(items)
@@ -960,9 +991,13 @@ class DiskTier:
         if count == 0:
             return ok
         files, offsets, destinations, expected = self._read_targets(namespace_id, num_layers, items, ok, reasons)
-        width = num_layers if whole_blocks else self.config.read_extent_bytes // layer_bytes
-        self._read_layer_groups(layer_bytes, num_layers, max(1, min(num_layers, width)), files, offsets,
-                                destinations, expected, ok, reasons, on_layer, between_groups)
+        if on_blocks is not None:
+            self._read_block_parts(layer_bytes, num_layers, files, offsets, destinations, expected, ok, reasons,
+                                   on_blocks)
+        else:
+            width = num_layers if whole_blocks else self.config.read_extent_bytes // layer_bytes
+            self._read_layer_groups(layer_bytes, num_layers, max(1, min(num_layers, width)), files, offsets,
+                                    destinations, expected, ok, reasons, on_layer, between_groups)
         good = int(ok.sum())
         self.stats.blocks_read += good
         self.stats.read_failures += count - good
@@ -1051,6 +1086,48 @@ class DiskTier:
             # Never return while the kernel may still write into the caller's memory.
             while flights:
                 self._engine.wait(flights.popleft()[1])
+
+    def _read_block_parts(self, layer_bytes: int, num_layers: int, files: np.ndarray, offsets: np.ndarray,
+                          destinations: np.ndarray, expected: np.ndarray, ok: np.ndarray, reasons: np.ndarray,
+                          on_blocks: BlocksCallback) -> None:
+        """Whole blocks in up to BLOCK_PARTS consecutive runs, one batch each,
+        all submitted at once; on_blocks after each run is verified, in order.
+
+        A block larger than BLOCK_ENTRY_MAX_BYTES goes as several entries of
+        whole layers, in block order. The engine's ring then admits entries
+        in that order as earlier ones complete, so the first runs land
+        first; a few huge entries would all be in flight from the start and
+        land together, at the end."""
+        count = len(files)
+        bounds = np.linspace(0, count, min(BLOCK_PARTS, count) + 1).astype(np.int64).tolist()
+        width = _entry_layers(layer_bytes, num_layers)
+        pieces = num_layers // width
+        shifts = np.arange(pieces, dtype=np.int64) * (width * layer_bytes)
+        # (stop, batch id or -1 when nothing was read, positions, checksum cells) in order.
+        flights: collections.deque[tuple[int, int, np.ndarray, np.ndarray]] = collections.deque()
+        try:
+            for start, stop in zip(bounds[:-1], bounds[1:]):
+                chosen = start + np.nonzero(ok[start:stop])[0]  # a missing segment is not read
+                cells = np.empty(chosen.size * num_layers, dtype=np.uint32)
+                batch = -1 if chosen.size == 0 else self._submit(
+                    self._op_read, np.repeat(files[chosen], pieces), (offsets[chosen, None] + shifts).ravel(),
+                    width * layer_bytes, (destinations[chosen, None] + shifts.astype(np.uint64)).ravel(),
+                    checksums=cells, checksum_chunk=layer_bytes)
+                flights.append((stop, batch, chosen, cells))
+            while flights:
+                stop, batch, chosen, cells = flights[0]
+                if batch >= 0:
+                    results = _block_results(np.asarray(self._engine.wait(batch)), pieces, width * layer_bytes)
+                    _, good = self._verify_group(0, num_layers, layer_bytes, chosen, results, cells, expected, ok,
+                                                 reasons)
+                    ok[chosen] = good[:, -1]
+                flights.popleft()
+                on_blocks(stop, ok.copy())
+        finally:
+            # Never return while the kernel may still write into the caller's memory.
+            for flight in flights:
+                if flight[1] >= 0:
+                    self._engine.wait(flight[1])
 
     def _verify_group(
         self,
