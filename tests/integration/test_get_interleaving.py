@@ -13,6 +13,7 @@ import asyncio
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from kvd.config import DiskSettings
 from kvd.core.engine import Engine
@@ -111,14 +112,16 @@ def test_a_get_that_arrives_while_a_streaming_get_holds_its_first_message_waits_
     asyncio.run(scenario())
 
 
-def test_a_streaming_get_dropped_after_its_first_message_leaves_no_read_behind(tmp_path):
-    """The client goes away as soon as it has the offsets: the reads it
-    started still finish, its lease ends, and the blocks are served whole."""
+@pytest.mark.parametrize("steps_kind, taken", [(LayerSteps, 1), (BlockSteps, 1), (BlockSteps, 3)])
+def test_a_streaming_get_dropped_after_its_first_message_leaves_no_read_behind(tmp_path, steps_kind, taken):
+    """The client goes away as soon as it has the offsets (or, for GetBlocks, a few blocks in):
+    the reads it started still finish, its lease ends, and the blocks are served whole."""
 
     async def scenario():
         node, keys = await cold_node(tmp_path)
-        stream = node.service._stream_get(node.request("gone", keys), LayerSteps)
-        await stream.__anext__()
+        stream = node.service._stream_get(node.request("gone", keys), steps_kind)
+        for _ in range(taken):
+            await stream.__anext__()
         await stream.aclose()
         for _ in range(1000):
             if not node.engine.loading:
