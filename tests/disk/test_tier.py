@@ -550,6 +550,35 @@ def test_read_faults_fail_only_the_blocks_they_hit(drives, arena, io_engine, fau
     tier.close()
 
 
+@pytest.mark.parametrize(
+    ("fault", "reason", "kind"),
+    [({"errno": errno.EIO}, ReadFailure.IO_ERROR, "EIO"), ({"short_bytes": 0}, ReadFailure.SHORT_READ, "short_read")],
+)
+def test_a_read_fault_in_one_entry_of_a_block_read_in_runs_fails_that_block_only(drives, arena, io_engine,
+                                                                                 monkeypatch, fault, reason, kind):
+    """on_blocks with a block cut into an entry per layer: a fault on layer 2's entry of block 2
+    fails block 2 alone, for the reason the fault gives, and the runs still report in order."""
+    monkeypatch.setattr(tier_module, "BLOCK_PARTS", 3)
+    monkeypatch.setattr(tier_module, "BLOCK_ENTRY_MAX_BYTES", LAYER_BYTES)
+    config = make_config(drives, engine=io_engine)
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {slot: slot for slot in range(6)}))
+    place = locate(config, 2)
+    layer_2 = place.offset + 2 * LAYER_BYTES
+    tier.engine.inject_fault(Op.READ, file_index=place.file_index, offset_range=(layer_2, layer_2 + 1), **fault)
+    reasons = np.zeros(6, dtype=np.int8)
+    reports = []
+    ok = read(tier, arena, list(range(6)), failures=reasons, whole_blocks=True,
+              on_blocks=lambda stop, mask: reports.append((stop, mask[:stop].tolist())))
+    assert ok.tolist() == [True, True, False, True, True, True]
+    assert reports == [(2, [True, True]), (4, [True, True, False, True]), (6, ok.tolist())]
+    assert reasons[2] == reason and tier.stats.errors == {kind: 1}
+    assert tier.stats.read_failures == 1 and tier.stats.checksum_failures == 0
+    for i in (0, 1, 3, 4, 5):
+        assert host_bytes(arena, 32 + i) == expected_bytes(i)
+    tier.close()
+
+
 def test_a_failed_fdatasync_fails_the_blocks_of_that_file(drives, arena, io_engine):
     config = make_config(drives, engine=io_engine)
     tier, _ = open_tier(config)
