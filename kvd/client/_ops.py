@@ -30,7 +30,7 @@ from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 Call = tuple[str, Any]
 Op = Generator[Call, Any, Any]
 NEXT = "(next message)"
-STREAMING = frozenset({"GetBlocks"})
+STREAMING = frozenset({"GetBlocks", "GetLayers"})
 # A shared-memory Get of at least this many bytes streams (GetBlocks): the
 # client copies the blocks that have landed while the daemon reads the rest
 # from disk. Below it one unary Get costs less than opening a stream.
@@ -498,7 +498,7 @@ def _get_streamed(
     session: Session, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None, parent_key: bytes
 ) -> Op:
     """get_numpy over GetBlocks: each run of blocks copied out as soon as the daemon says it landed."""
-    stream, first = yield from _open_get_blocks(session, namespace, keys, parent_key)
+    stream, first = yield from open_get_stream(session, "GetBlocks", namespace, keys, parent_key)
     if stream is None:  # the daemon restarted and this client can no longer map its arena
         return (yield from _get_inline(session, namespace, keys, out, parent_key))
     try:
@@ -523,10 +523,15 @@ def _get_streamed(
     return _wire.blocks_to_output(namespace, rows, matched)
 
 
-def _open_get_blocks(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes) -> Op:
-    """(open GetBlocks call, its first message), opened again once on the new arena if the
-    daemon restarted since this client mapped its arena; (None, None) if it can map none now."""
-    stream = yield ("GetBlocks", _get_request(session, namespace, keys, parent_key))
+def open_get_stream(session: Session, method: str, namespace: Namespace, keys: Sequence[bytes],
+                    parent_key: bytes) -> Op:
+    """(open GetBlocks or GetLayers call, its first message), opened again once on the new arena
+    if the daemon restarted since this client mapped its arena; (None, None) if it can map none now."""
+    check_streamed(method)
+    yield from connect(session)
+    if session.arena is None:
+        return None, None
+    stream = yield (method, _get_request(session, namespace, keys, parent_key))
     try:
         return stream, (yield from _first_message(stream))
     except grpc.RpcError as error:
@@ -535,8 +540,13 @@ def _open_get_blocks(session: Session, namespace: Namespace, keys: Sequence[byte
     yield from remap(session)
     if session.arena is None:
         return None, None
-    stream = yield ("GetBlocks", _get_request(session, namespace, keys, parent_key))
+    stream = yield (method, _get_request(session, namespace, keys, parent_key))
     return stream, (yield from _first_message(stream))
+
+
+def check_streamed(method: str) -> None:
+    if method not in STREAMING:
+        raise ValueError(f"{method} is not a streamed Get")
 
 
 def _first_message(stream: Any) -> Op:

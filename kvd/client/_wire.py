@@ -245,6 +245,29 @@ def copy_rows(source: np.ndarray, slots: np.ndarray, out: np.ndarray, low: int, 
     _parallel(copy, len(slots), len(slots) * width)
 
 
+class LayerCopy:
+    """A GetLayers stream's layers copied out of the arena as its messages report them
+    (both clients' get_layers): one numpy copy per step, whatever the number of blocks."""
+
+    def __init__(self, namespace: Namespace, arena: ArenaMapping, first: Any, out: np.ndarray | None) -> None:
+        self.namespace = namespace
+        self.matched = first.matched
+        self.rows = output_rows(namespace, first.matched, out)
+        self.slots = arena.slot_indices(first.offsets, namespace.block_bytes)
+        self.source = arena.rows(arena.stride(namespace.block_bytes))
+        self.copied = 0
+
+    def take(self, message: Any) -> tuple[int, np.ndarray]:
+        """(layers ready, the blocks so far) after `message`: `matched` may only shrink."""
+        self.matched = min(self.matched, message.matched)
+        if self.copied < message.layers_ready:
+            layer_bytes = self.namespace.layer_bytes
+            copy_rows(self.source, self.slots[:self.matched], self.rows[:self.matched], self.copied * layer_bytes,
+                      message.layers_ready * layer_bytes)
+            self.copied = message.layers_ready
+        return self.copied, blocks_to_output(self.namespace, self.rows, self.matched)
+
+
 class ArenaMapping:
     """A client's mapping of the daemon's host arena (its tenant's file of it).
 

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
-from kvd.client import _ops
+from kvd.client import _ops, _wire
 from kvd.client._wire import ClusterLookupResult, LookupResult, Namespace, PrefetchResult
 from kvd.client.events import AsyncEventWatch, EventSnapshot, SnapshotParts, snapshot_request, watch_request
 from kvd.client.pinned import AsyncPinnedBlocks, AsyncReservedBlocks
 from kvd.core.keys import NamespaceSpec
+from kvd.errors import FailedPrecondition
 from kvd.v1 import kvd_pb2
 
 
@@ -91,6 +92,24 @@ class AsyncClient(_ops.ClientBase):
         self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""
     ) -> np.ndarray:
         return await self._run(_ops.get_numpy(self.session, namespace, keys, out, parent_key))
+
+    async def get_layers(
+        self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""
+    ) -> AsyncIterator[tuple[int, np.ndarray]]:
+        """Client.get_layers as an async iterator: `async for layers_ready, blocks in ...`."""
+        stream, first = await self._run(_ops.open_get_stream(self.session, "GetLayers", namespace, keys, parent_key))
+        if stream is None:
+            raise FailedPrecondition("get_layers needs the daemon's shared-memory arena; use get_numpy")
+        layers = _wire.LayerCopy(namespace, self.session.arena, first, out)
+        try:
+            message = first
+            while message is not None:
+                yield layers.take(message)
+                message = await self._call(_ops.NEXT, stream)
+        finally:
+            stream.cancel()
+            if first.lease_id:
+                await self._run(_ops.release(self.session, [first.lease_id]))
 
     async def get_pinned(self, namespace: Namespace, keys: Sequence[bytes],
                          parent_key: bytes = b"") -> AsyncPinnedBlocks:

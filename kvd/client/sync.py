@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -145,44 +144,15 @@ class Client(_ops.ClientBase):
         disk turns out corrupt. Needs the shared-memory arena. One numpy copy
         per layer, whatever the number of blocks.
         """
-        self._run(_ops.connect(self.session))
-        for attempt in range(2):
-            arena = self.session.arena
-            if arena is None:
-                raise FailedPrecondition("get_layers needs the daemon's shared-memory arena; use get_numpy")
-            stream = self._stub.GetLayers(
-                kvd_pb2.GetRequest(
-                    namespace_id=namespace.namespace_id,
-                    client_id=self.client_id,
-                    keys=keys,
-                    lease_ms=self.session.lease_ms,
-                    parent_key=parent_key,
-                    arena_instance_id=arena.instance_id,
-                ),
-                timeout=self.timeout_s,
-                metadata=self._metadata,
-            )
-            try:
-                first = next(stream)
-                break
-            except grpc.RpcError as error:
-                if attempt or not _ops.arena_changed(error):
-                    raise
-                self._run(_ops.remap(self.session))
-        matched = first.matched
-        rows = _wire.output_rows(namespace, matched, out)
-        slots = arena.slot_indices(first.offsets, namespace.block_bytes)
-        source = arena.rows(arena.stride(namespace.block_bytes))
-        layer_bytes = namespace.layer_bytes
-        copied = 0
+        stream, first = self._run(_ops.open_get_stream(self.session, "GetLayers", namespace, keys, parent_key))
+        if stream is None:
+            raise FailedPrecondition("get_layers needs the daemon's shared-memory arena; use get_numpy")
+        layers = _wire.LayerCopy(namespace, self.session.arena, first, out)
         try:
-            for message in itertools.chain([first], stream):
-                matched = min(matched, message.matched)
-                if copied < message.layers_ready:
-                    _wire.copy_rows(source, slots[:matched], rows[:matched], copied * layer_bytes,
-                                       message.layers_ready * layer_bytes)
-                    copied = message.layers_ready
-                yield copied, _wire.blocks_to_output(namespace, rows, matched)
+            message = first
+            while message is not None:
+                yield layers.take(message)
+                message = self._call(_ops.NEXT, stream)
         finally:
             stream.cancel()
             if first.lease_id:

@@ -291,6 +291,38 @@ def test_layers_arrive_in_order_from_disk(tmp_path):
         assert client.stats().leases == 0
 
 
+def test_the_async_client_streams_layers_as_the_sync_one_does(tmp_path):
+    """AsyncClient.get_layers: from disk one step per layer, in order, each reported layer already
+    the stored one; a corrupt block cut with what follows; from host memory one step; the lease
+    released when the iteration ends, also when it is left early."""
+    import asyncio
+
+    from kvd.client import AsyncClient
+
+    directory, config, keys, blocks = stored_with_a_corrupt_block(tmp_path, seed=17)
+
+    async def scenario(target: str) -> None:
+        async with AsyncClient(target) as client:
+            namespace = await client.register_namespace(SPEC)
+            steps = []
+            async for layers_ready, got in client.get_layers(namespace, keys):
+                np.testing.assert_array_equal(got[:, :layers_ready], blocks[:got.shape[0], :layers_ready])
+                steps.append((layers_ready, got.shape[0]))
+            # Block 3 is corrupt: its first layer fails, so it and every block after it are cut there.
+            assert steps == [(0, 6), (1, 3), *[(layer, 3) for layer in range(2, SPEC.num_layers + 1)],
+                             (SPEC.num_layers, 3)]
+            np.testing.assert_array_equal(got, blocks[:3])
+            assert [(ready, got.shape[0]) async for ready, got in client.get_layers(namespace, keys)] == [
+                (SPEC.num_layers, 3)]
+            stream = client.get_layers(namespace, keys[:2])
+            await stream.__anext__()
+            await stream.aclose()  # left early: its lease is released all the same
+            assert (await client.stats()).leases == 0
+
+    with run_daemon(directory, config=config) as daemon:
+        asyncio.run(scenario(daemon.unix_target))
+
+
 def test_pinned_blocks_are_read_from_disk_into_the_arena_and_held_until_released(tmp_path):
     """get_pinned: a cold Get left in the arena, read-only, exact, a corrupt block a miss, the
     slots pinned (not deletable) until release, and the lease gone after it."""
