@@ -502,32 +502,27 @@ def _get_streamed(
     if stream is None:  # the daemon restarted and this client can no longer map its arena
         return (yield from _get_inline(session, namespace, keys, out, parent_key))
     try:
-        matched = first.matched
-        rows = _wire.output_rows(namespace, matched, out)
-        slots = session.arena.slot_indices(first.offsets, namespace.block_bytes)
-        source = session.arena.rows(session.arena.stride(namespace.block_bytes))
-        copied, message = 0, first
+        blocks = _wire.StreamedCopy(namespace, session.arena, first, out)
+        message = first
         while message is not None:
-            matched = min(matched, message.matched)
-            ready = min(message.blocks_ready, matched)
-            if ready > copied:
-                _wire.copy_rows(source, slots[copied:ready], rows[copied:ready], 0, namespace.block_bytes)
-                copied = ready
+            blocks.take_blocks(message)
             message = yield (NEXT, stream)
-        if copied != matched:
-            raise FailedPrecondition(f"GetBlocks ended with {copied} of its {matched} blocks reported ready")
+        if blocks.copied != blocks.matched:
+            raise FailedPrecondition(f"GetBlocks ended with {blocks.copied} of its {blocks.matched} blocks "
+                                     "reported ready")
     finally:
         stream.cancel()
         if first.lease_id:
             yield from release(session, [first.lease_id])
-    return _wire.blocks_to_output(namespace, rows, matched)
+    return blocks.blocks()
 
 
 def open_get_stream(session: Session, method: str, namespace: Namespace, keys: Sequence[bytes],
                     parent_key: bytes) -> Op:
     """(open GetBlocks or GetLayers call, its first message), opened again once on the new arena
     if the daemon restarted since this client mapped its arena; (None, None) if it can map none now."""
-    check_streamed(method)
+    if method not in STREAMING:
+        raise ValueError(f"{method} is not a streamed Get")
     yield from connect(session)
     if session.arena is None:
         return None, None
@@ -542,11 +537,6 @@ def open_get_stream(session: Session, method: str, namespace: Namespace, keys: S
         return None, None
     stream = yield (method, _get_request(session, namespace, keys, parent_key))
     return stream, (yield from _first_message(stream))
-
-
-def check_streamed(method: str) -> None:
-    if method not in STREAMING:
-        raise ValueError(f"{method} is not a streamed Get")
 
 
 def _first_message(stream: Any) -> Op:

@@ -245,9 +245,10 @@ def copy_rows(source: np.ndarray, slots: np.ndarray, out: np.ndarray, low: int, 
     _parallel(copy, len(slots), len(slots) * width)
 
 
-class LayerCopy:
-    """A GetLayers stream's layers copied out of the arena as its messages report them
-    (both clients' get_layers): one numpy copy per step, whatever the number of blocks."""
+class StreamedCopy:
+    """A streamed Get's blocks copied out of the arena as its messages report them: by layer
+    (GetLayers, both clients' get_layers) or by block (GetBlocks, get_numpy). `matched` only
+    shrinks; each step is one copy over the copy threads, whatever the number of blocks."""
 
     def __init__(self, namespace: Namespace, arena: ArenaMapping, first: Any, out: np.ndarray | None) -> None:
         self.namespace = namespace
@@ -255,17 +256,29 @@ class LayerCopy:
         self.rows = output_rows(namespace, first.matched, out)
         self.slots = arena.slot_indices(first.offsets, namespace.block_bytes)
         self.source = arena.rows(arena.stride(namespace.block_bytes))
-        self.copied = 0
+        self.copied = 0  # layers of every block, or leading blocks whole
 
-    def take(self, message: Any) -> tuple[int, np.ndarray]:
-        """(layers ready, the blocks so far) after `message`: `matched` may only shrink."""
+    def take_layers(self, message: Any) -> tuple[int, np.ndarray]:
+        """(layers ready, the blocks so far) after a GetLayers message."""
         self.matched = min(self.matched, message.matched)
         if self.copied < message.layers_ready:
             layer_bytes = self.namespace.layer_bytes
             copy_rows(self.source, self.slots[:self.matched], self.rows[:self.matched], self.copied * layer_bytes,
                       message.layers_ready * layer_bytes)
             self.copied = message.layers_ready
-        return self.copied, blocks_to_output(self.namespace, self.rows, self.matched)
+        return self.copied, self.blocks()
+
+    def take_blocks(self, message: Any) -> None:
+        """Copy the blocks a GetBlocks message reports ready and not yet copied."""
+        self.matched = min(self.matched, message.matched)
+        ready = min(message.blocks_ready, self.matched)
+        if ready > self.copied:
+            copy_rows(self.source, self.slots[self.copied:ready], self.rows[self.copied:ready], 0,
+                      self.namespace.block_bytes)
+            self.copied = ready
+
+    def blocks(self) -> np.ndarray:
+        return blocks_to_output(self.namespace, self.rows, self.matched)
 
 
 class ArenaMapping:

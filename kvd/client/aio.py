@@ -100,11 +100,11 @@ class AsyncClient(_ops.ClientBase):
         stream, first = await self._run(_ops.open_get_stream(self.session, "GetLayers", namespace, keys, parent_key))
         if stream is None:
             raise FailedPrecondition("get_layers needs the daemon's shared-memory arena; use get_numpy")
-        layers = _wire.LayerCopy(namespace, self.session.arena, first, out)
+        layers = _wire.StreamedCopy(namespace, self.session.arena, first, out)
         try:
             message = first
             while message is not None:
-                yield layers.take(message)
+                yield layers.take_layers(message)
                 message = await self._call(_ops.NEXT, stream)
         finally:
             stream.cancel()

@@ -535,10 +535,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         matched = list(plan.matched)
         pending = bool(plan.loads or plan.waits)
         lease = plan.lease
-        position_of = {id(block): position for position, block in enumerate(matched)}
-        load_positions = [position_of[id(load.block)] for load in plan.loads]
-        steps = steps_kind(layers, len(matched), load_positions,
-                           min((position_of[id(block)] for block in plan.waits), default=len(matched)))
+        load_positions, first_wait = self._pending_positions(plan, matched) if pending else ([], len(matched))
+        steps = steps_kind(layers, len(matched), load_positions, first_wait)
         first = steps.first(
             len(matched), pending,
             lease_id=lease.lease_id if lease else 0,
@@ -574,6 +572,13 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 getting.cancel()
         self._check_lease_outlived_reads(request, plan)
         yield steps.last(min(servable, len(served)))
+
+    @staticmethod
+    def _pending_positions(plan, matched: list) -> tuple[list[int], int]:
+        """Where in `matched` the plan's own loads are, and the first block another read is loading."""
+        position_of = {id(block): position for position, block in enumerate(matched)}
+        return ([position_of[id(load.block)] for load in plan.loads],
+                min((position_of[id(block)] for block in plan.waits), default=len(matched)))
 
     @rpc("Release")
     async def Release(self, request, context):
