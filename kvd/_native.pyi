@@ -102,3 +102,16 @@ def plan_search(compute_s: Buffer, kv_bytes: Buffer, bandwidth_bps: float, optio
                 max_nodes: int, /) -> tuple[tuple[int, ...], float, float, float, int, bool] | None:
     """Branch and bound over one option (int32, -1 first) per request: (distances, latency_s, bound_s,
     gpu_bytes, explored, exact), or None when no placement fits budget_bytes. max_nodes 0: no limit."""
+
+CUDA_BATCH_API_V2: int
+CUDA_BATCH_API_V1: int
+CUDA_BATCH_API_LOOP: int
+
+def cuda_copy_batch(stream: int, dst_addresses: Buffer, src_addresses: Buffer, nbytes: int, /) -> tuple[int, int]:
+    """Issue nbytes from each source address to the destination beside it on CUDA stream `stream`
+    (native/cuda_batch.c: cuMemcpyBatchAsync_v2, 12.8's cuMemcpyBatchAsync, or a C loop of
+    cuMemcpyAsync, by driver), GIL released; returns (CUresult, the entry point used).
+    OSError where libcuda.so.1 does not load."""
+
+def cuda_driver_version() -> int:
+    """The CUDA driver's version (12080 for 12.8); -1 where libcuda.so.1 does not load."""

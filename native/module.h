@@ -17,6 +17,9 @@ int kvd_add_ring_proxy(PyObject *module);
 /* Adds CuFile and cufile_version (GPUDirect Storage, loaded at run time). */
 int kvd_add_cufile(PyObject *module);
 
+/* cuda_batch.c: cuda_copy_batch and cuda_driver_version (kvd.device.cuda). */
+int kvd_add_cuda_batch(PyObject *module);
+
 /* planner_module.c: plan_step_latency and plan_search (kvd.planner). */
 int kvd_add_planner(PyObject *module);
 

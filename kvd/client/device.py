@@ -6,9 +6,14 @@
     response = pool.save(keys, pages, engine_flag=ENGINE, kvd_flag=KVD, base=base)
     pool.flag(KVD) >= base + l + 1               # layer l is out of the pages: they may be reused
 
-A GPU engine stores to its flag word from its stream (cuStreamWriteValue64 into the flag memory,
-which it registers with cudaHostRegister) and waits on kvd's with cuStreamWaitValue64; the CPU
-device's `mark` and `flag` are the same stores and loads from a thread.
+An engine marks its word from the stream its own work runs on (`mark_on(stream, ...)`:
+cuStreamWriteValue64 into the flag memory, which the pool registers with the engine's device), so
+the mark lands behind the layer's kernels, never ahead of them; `mark` and `flag` are plain stores
+and loads from a thread, for words nothing on a stream writes at the same time.
+
+The flag memory always goes to the daemon as a descriptor over its arena socket where there is one
+(never by pid through /proc, which another pid namespace or user cannot open); the layers go as
+descriptors on the CPU device and as CUDA IPC handles on a GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 from kvd.arena_protocol import deposit_fds
 from kvd.client._ops import resolve_token
 from kvd.client._wire import Namespace
-from kvd.device import Device, IpcHandle, Memory
+from kvd.device import Device, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
 from kvd.v1 import kvd_pb2
 
@@ -34,42 +39,53 @@ class DevicePool:
                  flag_words: int = 64, lease_ms: int = 0, host: CpuDevice | None = None,
                  arena_socket: Path | None = None, token: str | None = None, page_stride: int = 0,
                  v_offset: int = 0) -> None:
-        """`arena_socket`: pass the memory to the daemon as file descriptors over its arena socket
-        (needed where the daemon cannot reach this process by pid, as from another container, and
-        for CUDA VMM pools); None: IPC handles by pid inside the RPC. `page_stride`, `v_offset`: for
-        pools that keep K and V apart (kvd.device.transfer.PoolLayout)."""
+        """`arena_socket`: pass the flag memory (and, on the CPU device, the layers) to the daemon as
+        file descriptors over its arena socket, as it must be where the daemon cannot reach this
+        process by pid (another container); None: everything by IPC handle inside the RPC.
+        `page_stride`, `v_offset`: for pools whose pages are not back to back or keep K and V apart
+        (kvd.device.transfer.PoolLayout)."""
         self.client = client
         self.namespace = namespace
         self.host = host if host is not None else (device if isinstance(device, CpuDevice) else CpuDevice())
         self.flags = self.host.alloc(flag_words * 8)
         try:
-            if arena_socket is None:
-                handles = [device.export(memory).to_bytes() for memory in layers]
-                flags = self.host.export(self.flags).to_bytes()
-            else:
-                handles, flags = self._deposit(arena_socket, resolve_token(token), device, layers)
-            response = client.register_pool(namespace, handles, num_blocks, flags, lease_ms, page_stride, v_offset)
+            # The same words as the engine's device stores to them from its streams.
+            self.flags_on_device = self.flags if device is self.host else device.register_host(self.flags.address,
+                                                                                               self.flags.nbytes)
         except BaseException:
             self.host.free(self.flags)
             raise
-        self.pool_id = response.pool_id
-        self.lease_deadline_ms = response.lease_deadline_ms
         # The flag words outlive `close` only as long as someone holds the pool: a pool the daemon
         # forgot (it restarted) is simply dropped, and its words are freed once the last user is done.
-        self._free_flags = weakref.finalize(self, self.host.free, self.flags)
+        self._free_flags = weakref.finalize(self, _free_flags, device, self.host, self.flags, self.flags_on_device)
+        try:
+            handles = [device.export(memory).to_bytes() for memory in layers] if arena_socket is None or \
+                device.kind != "cpu" else None
+            handles, flags = self._share(arena_socket, resolve_token(token), device, layers, handles)
+            response = client.register_pool(namespace, handles, num_blocks, flags, lease_ms, page_stride, v_offset)
+        except BaseException:
+            self._free_flags()
+            raise
+        self.pool_id = response.pool_id
+        self.lease_deadline_ms = response.lease_deadline_ms
 
-    def _deposit(self, path: Path, token: str | None, device: Device,
-                 layers: Sequence[Memory]) -> tuple[list[bytes], bytes]:
-        fds = [device.export_fd(memory) for memory in layers] + [self.host.export_fd(self.flags)]
+    def _share(self, path: Path | None, token: str | None, device: Device, layers: Sequence[Memory],
+               handles: list[bytes] | None) -> tuple[list[bytes], bytes]:
+        """The layers' and the flags' handles for RegisterPool: what `handles` lacks (None: the layers
+        too) deposited over the arena socket at `path`; everything by pid when there is no socket."""
+        if path is None:
+            return handles, self.host.export(self.flags).to_bytes()
+        exported = [device.export_fd(memory) for memory in layers] if handles is None else []
+        fds = exported + [self.host.export_fd(self.flags)]
         try:
             ticket = deposit_fds(path, token, fds)
         finally:
             for fd in fds:
                 os.close(fd)
-        handles = [IpcHandle(device.kind, device.uuid, f"deposit:{ticket}:{i}".encode(), device.fd_offset(memory),
-                             memory.nbytes).to_bytes()
-                   for i, memory in enumerate(layers)]
-        flags = IpcHandle(self.host.kind, self.host.uuid, f"deposit:{ticket}:{len(layers)}".encode(), 0,
+        if handles is None:
+            handles = [IpcHandle(device.kind, device.uuid, f"deposit:{ticket}:{i}".encode(), device.fd_offset(memory),
+                                 memory.nbytes).to_bytes() for i, memory in enumerate(layers)]
+        flags = IpcHandle(self.host.kind, self.host.uuid, f"deposit:{ticket}:{len(exported)}".encode(), 0,
                           self.flags.nbytes).to_bytes()
         return handles, flags
 
@@ -77,7 +93,13 @@ class DevicePool:
         return read_flag(self.flags, index)
 
     def mark(self, index: int, value: int) -> None:
+        """Store `value` now, from this thread."""
         store_flag(self.flags, index, value)
+
+    def mark_on(self, stream: Stream, index: int, value: int) -> None:
+        """Store `value` once everything issued to `stream` before it has run (the engine's stream:
+        the mark then never runs ahead of the kernels that wrote the layer)."""
+        stream.write_flag(self.flags_on_device, index, value)
 
     def save(self, keys: Sequence[bytes], pages: Sequence[int], engine_flag: int, kvd_flag: int, base: int,
              parent_key: bytes = b"", offload_distance: int = -1) -> kvd_pb2.SaveLayersResponse:
@@ -94,3 +116,12 @@ class DevicePool:
             self.client.unregister_pool(self.pool_id)
         finally:
             self._free_flags()
+
+
+def _free_flags(device: Device, host: CpuDevice, flags: Memory, flags_on_device: Memory) -> None:
+    """The flag words' registration with the engine's device, then their memory."""
+    try:
+        if flags_on_device is not flags:
+            device.unregister_host(flags_on_device)
+    finally:
+        host.free(flags)

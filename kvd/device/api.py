@@ -211,6 +211,13 @@ class Device(ABC):
     @abstractmethod
     def stream(self) -> Stream: ...
 
+    @abstractmethod
+    def engine_stream(self, handle: int | None = None) -> Stream:
+        """The stream an engine's own work on this device runs on, so that what it stores to a flag
+        word lands behind that work, never ahead of it. CUDA: the framework's stream `handle`
+        (torch.cuda.current_stream().cuda_stream), used and never destroyed; CPU: the calling
+        thread (asynchronous mode: that thread's delayed stream)."""
+
     def check_handle(self, handle: IpcHandle) -> None:
         if handle.kind != self.kind:
             raise DeviceError(f"an IPC handle of a {handle.kind!r} device, and this device is {self.kind!r}")

@@ -7,6 +7,15 @@
   handle once per process and counts references.
 - A stream is one worker thread running its operations in order; `copy_blocks`
   is one native call per batch (kvd._native.copy_chunks, the GIL released).
+- An engine's own work (`engine_stream`) is the calling thread itself: a CPU
+  engine's "kernels" have finished when its call returns.
+- Asynchronous mode (`CpuDevice(delay_s=...)`, or KVD_CPU_DEVICE_DELAY_MS in
+  the environment, which a daemon started by a test inherits): every
+  operation of every stream, the engine's included, lands `delay_s` after it
+  was issued, in stream order, as a GPU's kernels and copies land after the
+  host call returns. Code that reads memory a stream has not finished
+  writing, or marks a flag from the host ahead of the work it stands for,
+  then fails in CI as it would on a GPU.
 - Flag words are 64-bit integers in such memory. A store is an aligned 8-byte
   write, a wait polls it (backing off to 1 ms), the same protocol a GPU
   stream follows with cuStreamWriteValue64 / cuStreamWaitValue64.
@@ -46,6 +55,7 @@ except ImportError:  # not built: one memmove (or pread/pwrite) per block
     _native_copy = _native_file_copy = None
 
 _POLL_MAX_S = 0.001
+DELAY_ENV = "KVD_CPU_DEVICE_DELAY_MS"
 _MEMFD_PREFIX = "/memfd:kvd-cpu-device-"
 _PROCESS_MEMORY = re.compile(r"/proc/[0-9]+/mem")
 _PROCESS = "process"  # Memory.token of a range of this process's own memory, shared by descriptor
@@ -130,6 +140,7 @@ class CpuEvent(Event):
 class CpuStream(Stream):
     def __init__(self, device: CpuDevice) -> None:
         self.device = device
+        self.delay_s = device.delay_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._closed = False
@@ -138,9 +149,12 @@ class CpuStream(Stream):
 
     def _run(self) -> None:
         while True:
-            operation = self._queue.get()
+            due, operation = self._queue.get()
             if operation is None:
                 return
+            pause = due - time.monotonic()
+            if pause > 0:  # asynchronous mode: it lands this long after it was issued
+                time.sleep(pause)
             if isinstance(operation, CpuEvent):
                 operation._complete()  # even after an error: its synchronize then raises it
             elif self._error is None:  # after one, the rest is skipped (sticky, as on a GPU)
@@ -156,7 +170,7 @@ class CpuStream(Stream):
     def _issue(self, operation) -> None:
         if self._closed:
             raise DeviceError("the stream is closed")
-        self._queue.put(operation)
+        self._queue.put((time.monotonic() + self.delay_s, operation))
 
     def copy_blocks(self, dst: Memory, dst_offsets, src: Memory, src_offsets, nbytes: int) -> None:
         dst_process, src_process = self.device.process_fd(dst), self.device.process_fd(src)
@@ -201,9 +215,46 @@ class CpuStream(Stream):
 
     def close(self) -> None:
         if not self._closed:
-            self._queue.put(None)
+            self._queue.put((0.0, None))
             self._closed = True
             self._thread.join()
+
+
+class _DoneEvent(Event):
+    """The event of work that ran in the caller's thread: complete when recorded."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        return None
+
+
+class InlineStream(Stream):
+    """A synchronous CPU engine's stream: each operation runs in the calling thread, now."""
+
+    def copy_blocks(self, dst: Memory, dst_offsets, src: Memory, src_offsets, nbytes: int) -> None:
+        addresses = copy_addresses(dst, dst_offsets, src, src_offsets, nbytes)
+        if addresses is not None:
+            copy_chunks(*addresses, nbytes)
+
+    def write_flag(self, flags: Memory, index: int, value: int) -> None:
+        store_flag(flags, index, value)
+
+    def wait_flag(self, flags: Memory, index: int, value: int) -> None:
+        pause = 1e-6
+        while read_flag(flags, index) < value:
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def record(self) -> Event:
+        return _DoneEvent()
+
+    def wait_event(self, event: Event) -> None:
+        event.synchronize()
+
+    def close(self) -> None:
+        return None
 
 
 def _flag_word(flags: Memory, index: int) -> ctypes.c_uint64:
@@ -220,12 +271,29 @@ def store_flag(flags: Memory, index: int, value: int) -> None:
     _flag_word(flags, index).value = value
 
 
+def _delay_from_environment() -> float:
+    text = os.environ.get(DELAY_ENV, "")
+    try:
+        delay_ms = float(text or 0)
+    except ValueError:
+        raise DeviceError(f"{DELAY_ENV}={text!r}: a delay in milliseconds") from None
+    if delay_ms < 0:
+        raise DeviceError(f"{DELAY_ENV}={text!r}: a delay in milliseconds, not negative")
+    return delay_ms / 1000.0
+
+
 class CpuDevice(Device):
     kind = "cpu"
 
-    def __init__(self, index: int = 0) -> None:
+    def __init__(self, index: int = 0, delay_s: float | None = None) -> None:
+        """`delay_s`: asynchronous mode, every stream operation lands this long after it is issued
+        (None: KVD_CPU_DEVICE_DELAY_MS from the environment, 0 when unset)."""
         if index < 0:
             raise DeviceError(f"device index {index}")
+        self.delay_s = _delay_from_environment() if delay_s is None else delay_s
+        if self.delay_s < 0:
+            raise DeviceError(f"a stream delay of {self.delay_s} s")
+        self._engine_streams = threading.local()
         self.index = index
         self.uuid = str(uuid_module.uuid5(uuid_module.NAMESPACE_OID, f"kvd-cpu-device/{_boot_id()}/{index}"))
         self._allocations: dict[int, _Mapping] = {}
@@ -418,3 +486,14 @@ class CpuDevice(Device):
 
     def stream(self) -> CpuStream:
         return CpuStream(self)
+
+    def engine_stream(self, handle: int | None = None) -> Stream:
+        """The calling thread's own work: done when its calls return (InlineStream), or in
+        asynchronous mode a delayed stream of this thread's, which the thread's engine work (a
+        test's model) issues to as well. `handle` is CUDA's and unused here."""
+        if not self.delay_s:
+            return InlineStream()
+        stream = getattr(self._engine_streams, "stream", None)
+        if stream is None:
+            stream = self._engine_streams.stream = CpuStream(self)
+        return stream

@@ -1,4 +1,5 @@
-"""The `device` fixture: every device this machine can open (the CPU one always).
+"""The `device` fixture: every device this machine can open (the CPU one always, in its synchronous and
+its asynchronous mode, where every stream operation lands 2 ms after it is issued, as on a GPU).
 
 KVD_REQUIRE_GPU=1 (`make gpu-check`) fails the tests where CUDA cannot be opened.
 """
@@ -10,10 +11,14 @@ import os
 import pytest
 
 from kvd.device import NoDevice, open_device
+from kvd.device.cpu import CpuDevice
+
+
+ASYNC_DELAY_S = 0.002
 
 
 def _kinds() -> list[str]:
-    kinds = ["cpu"]
+    kinds = ["cpu", "cpu-async"]
     try:
         open_device("cuda")
         kinds.append("cuda")
@@ -25,4 +30,6 @@ def _kinds() -> list[str]:
 
 @pytest.fixture(params=_kinds())
 def device(request):
-    return open_device(request.param)
+    if request.param == "cpu-async":
+        return CpuDevice(0, delay_s=ASYNC_DELAY_S)
+    return open_device(request.param, 0)

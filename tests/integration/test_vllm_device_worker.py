@@ -1,7 +1,12 @@
 """The vLLM connector's transfer = "daemon" worker against a real daemon, without vLLM: this test plays
 the model, calling the worker as vLLM does (start, per layer wait_layer / save_layer, finish_step) on
 torch tensors of its own memory. It checks the bytes, that each layer is waited for, the daemon
-restarting under the engine (the pool is registered again), and a load of blocks kvd lacks."""
+restarting under the engine (the pool is registered again), and a load of blocks kvd lacks.
+
+The tests marked `asynchronous` run the CPU device's asynchronous mode in both processes
+(KVD_CPU_DEVICE_DELAY_MS): the model's writes to a layer land on its stream later than it issues them,
+as a GPU's kernels do, and so do the daemon's copies; a flag marked from the host ahead of the writes
+it stands for then stores the wrong bytes, as it would on a GPU."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOr
 from kvd.connectors.vllm.placement import PlacementOptions, SavePlanner
 from kvd.connectors.vllm.transfer import local_namespace
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
+from kvd.device.cpu import DELAY_ENV
 from kvd.planner.distance import NONE, distance_options, offloaded_count
 from kvd.planner.latency import Batch, gpu_bytes
 from kvd.testing.daemon import start_daemon
@@ -45,14 +51,32 @@ class Model:
         """One forward: before layer l's attention wait for its loads (recording what the pages then
         hold in `seen`), then write layer l of the computed pages and say so."""
         self.worker.start(metadata)
+        staged = []  # what the stream's writes read from, kept until they have landed
         for layer, name in enumerate(self.tensors):
             self.worker.wait_layer(name)
             if seen is not None:
                 seen.append(self.tensors[name].clone())
-            for page, block in (compute or {}).items():
-                self.tensors[name][page] = torch.from_numpy(block[layer].reshape(-1))
+            staged.append(self._write(self.tensors[name], layer, compute or {}))
             self.worker.save_layer(name)
         self.worker.finish_step()
+        if self.worker.device is not None:
+            self.worker.device.engine_stream().synchronize(timeout_s=20)
+
+    def _write(self, tensor: torch.Tensor, layer: int, compute: dict[int, np.ndarray]) -> np.ndarray | None:
+        """Layer `layer` of the computed pages into `tensor`, as the engine's kernels would: on its
+        stream, landing later in asynchronous mode (written at once where there is no device)."""
+        device = self.worker.device
+        if not compute or device is None:
+            for page, block in compute.items():
+                tensor[page] = torch.from_numpy(block[layer].reshape(-1))
+            return None
+        rows = np.ascontiguousarray(np.stack([block[layer].reshape(-1) for block in compute.values()]))
+        row_bytes = rows.shape[1] * rows.itemsize
+        pages = np.asarray(list(compute), dtype=np.uint64) * np.uint64(row_bytes)
+        device.engine_stream().copy_blocks(device.wrap(tensor.data_ptr(), tensor.numel() * tensor.element_size()),
+                                           pages, device.wrap(rows.ctypes.data, rows.nbytes),
+                                           np.arange(len(rows), dtype=np.uint64) * np.uint64(row_bytes), row_bytes)
+        return rows
 
     def page(self, page: int) -> np.ndarray:
         return np.stack([tensor[page].numpy().reshape(self.spec.block_shape[1:]) for tensor in self.tensors.values()])
@@ -70,9 +94,15 @@ def keys_for(seed: int, count: int, spec: NamespaceSpec = SPEC) -> list[bytes]:
     return chain_keys(spec, np.arange(count * spec.block_tokens) + seed * 100_000)
 
 
-@pytest.fixture
-def daemon(tmp_path):
-    process = start_daemon(tmp_path / "kvd", CONFIG)
+@pytest.fixture(params=["synchronous", "asynchronous"])
+def daemon(tmp_path, request, monkeypatch):
+    env = {}
+    if request.param == "asynchronous":
+        # The engine's work lands 40 ms after it is issued, kvd's copies 5 ms: a layer's kernels take
+        # longer than a copy, so a copy issued ahead of them finishes ahead of them, as on a GPU.
+        monkeypatch.setenv(DELAY_ENV, "40")
+        env = {DELAY_ENV: "5"}
+    process = start_daemon(tmp_path / "kvd", CONFIG, env=env)
     yield process
     if process.alive():
         process.stop()
@@ -98,6 +128,23 @@ def test_saves_follow_the_layers_and_loads_land_before_each_layer_runs(daemon):
         'kvd_device_blocks_total{op="save"}': 4.0, 'kvd_device_blocks_total{op="load"}': 3.0}
     model.worker.close()
     assert daemon.metric("kvd_device_pools") == 0
+
+
+def test_a_request_that_loads_and_saves_in_one_step_stores_what_its_forward_wrote(daemon):
+    """Its saves wait for its load and go after the forward (deferred): the engine's mark that every
+    layer is written must land behind the forward's writes, or kvd copies pages still being written."""
+    model = Model(daemon.unix_target)
+    blocks, keys = data(5, 8), keys_for(8, 5)
+    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys[:2]], [0, 1])]), compute={0: blocks[0], 1: blocks[1]})
+    pages = [10, 11, 12, 13, 14]
+    model.step(KvdConnectorMetadata(loads=[LoadOrder("b", [keys], 0, pages[:2], False)],
+                                    saves=[SaveOrder("b", [keys], pages)]),
+               compute={page: block for page, block in zip(pages[2:], blocks[2:])})
+    totals = model.totals()
+    assert totals["loaded_blocks"] == 2 and totals["load_errors"] == 0 and totals["saved_blocks"] == 2 + 3  # the first two were there
+    with Client(daemon.unix_target) as client:
+        np.testing.assert_array_equal(client.get_numpy(client.register_namespace(SPEC), keys), blocks)
+    model.worker.close()
 
 
 def test_blocks_kvd_lacks_are_reported_and_the_rest_loads(daemon):

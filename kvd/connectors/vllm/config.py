@@ -13,6 +13,9 @@ LOAD_MODES = ("auto", "async", "layerwise")
 TRANSFERS = ("client", "daemon")
 
 
+MAX_FLAG_WORDS = 1 << 20
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     """kv_connector_extra_config keys (all optional).
@@ -44,6 +47,10 @@ class ConnectorConfig:
       PlanPlacement within budget_bytes of device memory, and kvd's device
       tier keeps only the layers the plan keeps on the GPU
       (kvd.connectors.vllm.placement). Default: none, every layer.
+    flag_words: with transfer = "daemon", the 64-bit flag words the pool
+      registers (32 KiB for the default 4,096): two for saves, one for each
+      load in flight, so up to flag_words - 2 requests load at once; a load
+      past that is recomputed, with a warning.
     """
 
     target: str = DEFAULT_TARGET
@@ -55,6 +62,7 @@ class ConnectorConfig:
     timeout_s: float = 10.0
     load_timeout_s: float = 30.0
     placement: PlacementOptions | None = None
+    flag_words: int = 4096
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -76,6 +84,10 @@ class ConnectorConfig:
             value = getattr(config, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"kvd connector: {name} must be a positive number, got {value!r}")
+        if not isinstance(config.flag_words, int) or isinstance(config.flag_words, bool) or \
+                not 3 <= config.flag_words <= MAX_FLAG_WORDS:
+            raise ValueError(f"kvd connector: flag_words must be an integer in [3, {MAX_FLAG_WORDS}], "
+                             f"got {config.flag_words!r}")
         if not isinstance(config.save, bool):
             raise ValueError(f"kvd connector: save must be true or false, got {config.save!r}")
         for name in ("target", "namespace"):

@@ -7,16 +7,16 @@ descriptor of the engine's own memory passed over the arena socket
 
 - a save is one SaveLayers per request, started with the step; kvd copies
   layer l of its pages as soon as the engine's flag word says layer l is
-  written, which `save_layer` stores after each attention layer. A request
+  written, which `save_layer` stores after each attention layer, from the
+  engine's own stream (cuStreamWriteValue64 behind the layer's kernels on a
+  GPU), so the mark never runs ahead of the writes it stands for. A request
   that also loads in this step is saved only once its load has landed (a
   failed load must not leave computed-on-garbage blocks in kvd), after the
   forward pass;
 - a load is one LoadLayers per request into its pages, each with a flag
   word of its own that kvd advances per layer; `wait_layer` waits on it
   before the layer's attention (the worker thread polls it; on a GPU the
-  engine's stream could wait with cuStreamWaitValue64 instead, and the
-  save's mark could be a cuStreamWriteValue64: today a GPU worker
-  synchronizes vLLM's stream before each mark, never run);
+  engine's stream could wait with cuStreamWaitValue64 instead);
 - `finish_step` waits for the saves (the pages may be reused after it) and
   reports blocks that did not arrive, which vLLM recomputes.
 
@@ -37,6 +37,7 @@ import torch
 
 from kvd.arena_protocol import socket_path_for_target
 from kvd.client.device import FAILED, DevicePool
+from kvd.connectors.vllm.layout import PagedLayout, UnsupportedLayout
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOrder
 from kvd.connectors.vllm.transfer import Unavailable, registering
 from kvd.connectors.vllm.worker import WorkerSide
@@ -45,9 +46,8 @@ from kvd.errors import KvdError
 
 log = logging.getLogger("kvd.connectors.vllm")
 
-FLAG_WORDS = 64
 ENGINE_WORD, SAVE_WORD = 0, 1  # the engine's "layer written" word; kvd's word for saves (nobody waits on it)
-LOAD_WORDS = tuple(range(2, FLAG_WORDS))
+FIRST_LOAD_WORD = 2
 _POLL_MAX_S = 0.001
 REGISTER_RETRY_S = 5.0  # a daemon without a device plane (or down) is asked again this often, not every step
 
@@ -79,9 +79,10 @@ class DeviceWorkerSide(WorkerSide):
         self.tensors = tensors
         self.layers = len(tensors)
         self.device_pool: DevicePool | None = None
+        self.device = None  # the kvd device the tensors are on, once registered
         self._retry_at = 0.0  # a failed registration is not tried again before this (monotonic seconds)
         self._next_base = 1
-        self._free_words = list(LOAD_WORDS)
+        self._free_words = self._load_words()
         self._device_step = _DeviceStep()
         # Saves wait for the engine's layers for a whole forward pass: threads of their own, so
         # loads (whose layers the forward waits for) never queue behind them.
@@ -96,24 +97,36 @@ class DeviceWorkerSide(WorkerSide):
             return None
         first = self.tensors[0]
         try:
-            device = open_device("cuda", first.device.index or 0) if first.is_cuda else open_device("cpu")
-            memories = [device.wrap(t.data_ptr(), t.numel() * t.element_size()) for t in self.tensors]
-            split = len(self.layout.parts[0]) == 2  # [2, num_blocks, ...]: a page's K and V halves apart
-            half = self.layout.layer_bytes // 2
-            socket = socket_path_for_target(self.config.target) if device.kind == "cpu" else None
+            device = self.device or (open_device("cuda", first.device.index or 0) if first.is_cuda
+                                     else open_device("cpu"))
+            geometry = [_geometry(tensor, self.layout) for tensor in self.tensors]
+            if len({(stride, v_offset) for stride, v_offset, _ in geometry}) != 1:
+                raise UnsupportedLayout(f"the layers' strides differ: {geometry}")
+            page_stride, v_offset, _ = geometry[0]
+            memories = [device.wrap(t.data_ptr(), extent) for t, (_, _, extent) in zip(self.tensors, geometry)]
             self.device_pool = registering(self.link.client, self.namespace, lambda: DevicePool(
-                self.link.client, self.namespace, device, memories, self.layout.num_blocks, flag_words=FLAG_WORDS,
-                arena_socket=socket, token=self.config.token, page_stride=half if split else 0,
-                v_offset=self.layout.num_blocks * half if split else 0))
-        except (grpc.RpcError, KvdError, OSError, Unavailable) as error:  # (DeviceError is a KvdError)
+                self.link.client, self.namespace, device, memories, self.layout.num_blocks,
+                flag_words=self.config.flag_words, arena_socket=socket_path_for_target(self.config.target),
+                token=self.config.token, page_stride=page_stride, v_offset=v_offset))
+            self.device = device
+        except (grpc.RpcError, KvdError, OSError, Unavailable, UnsupportedLayout) as error:  # (DeviceError too)
             why = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.RpcError) else error
             log.warning("kvd: the KV pool could not be registered with kvd's device plane (%s); "
                         "no loads or saves for %.0f s, then it is tried again", why, REGISTER_RETRY_S)
             self._retry_at = time.monotonic() + REGISTER_RETRY_S
             return None
-        self._free_words = list(LOAD_WORDS)
+        self._free_words = self._load_words()
         self._next_base = 1
         return self.device_pool
+
+    def _load_words(self) -> list[int]:
+        return list(range(FIRST_LOAD_WORD, self.config.flag_words))
+
+    def _engine_stream(self):
+        """The stream the engine's forward runs on: torch's current one on a GPU."""
+        first = self.tensors[0]
+        handle = torch.cuda.current_stream(first.device).cuda_stream if first.is_cuda else None
+        return self.device.engine_stream(handle)
 
     def _base(self) -> int:
         base, self._next_base = self._next_base, self._next_base + self.layers
@@ -173,11 +186,9 @@ class DeviceWorkerSide(WorkerSide):
         layer = self.layer_of.get(layer_name)
         step = self._device_step
         if layer is not None and step.saves and self.device_pool is not None:
-            if self.tensors[0].is_cuda:
-                # The layer's kernels may still be running: the host's mark must not run ahead of them.
-                # (A cuStreamWriteValue64 on this stream would not block; never run, not written yet.)
-                torch.cuda.current_stream().synchronize()
-            self.device_pool.mark(ENGINE_WORD, step.save_base + layer + 1)
+            # Behind the layer's kernels on the engine's stream: a mark from the host could land
+            # while they still write the pages, and kvd would copy (and commit) what is not there yet.
+            self.device_pool.mark_on(self._engine_stream(), ENGINE_WORD, step.save_base + layer + 1)
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self.layer_of.get(layer_name)
@@ -223,7 +234,8 @@ class DeviceWorkerSide(WorkerSide):
         step, self._device_step = self._device_step, _DeviceStep()
         failed = self._end_device_loads(step.loads)
         if self.device_pool is not None and (step.saves or step.deferred):
-            self.device_pool.mark(ENGINE_WORD, step.save_base + self.layers)  # every layer is written now
+            # Every layer is written once the forward's work is done: marked behind it, on its stream.
+            self.device_pool.mark_on(self._engine_stream(), ENGINE_WORD, step.save_base + self.layers)
             for order in step.deferred:
                 if order.req_id not in failed:
                     step.saves.append((order, self._saving.submit(self._save, self.device_pool, order, step.save_base)))
@@ -288,3 +300,14 @@ def _failed(order: LoadOrder, why: str) -> _DeviceLoad:
     answer: concurrent.futures.Future = concurrent.futures.Future()
     answer.set_exception(Unavailable(why))
     return _DeviceLoad(order, -1, 0, answer, error=why)
+
+
+def _geometry(tensor: torch.Tensor, layout: PagedLayout) -> tuple[int, int, int]:
+    """(page stride, V offset, bytes spanned) of one layer's tensor, from its strides: [num_blocks, ...]
+    has pages stride(0) apart; [2, num_blocks, ...] (K and V apart) has them stride(1) apart and V
+    stride(0) after K, whichever of the two axes is outermost in memory."""
+    size = tensor.element_size()
+    extent = (sum((length - 1) * stride for length, stride in zip(tensor.shape, tensor.stride())) + 1) * size
+    if len(layout.parts[0]) == 2:
+        return tensor.stride(1) * size, tensor.stride(0) * size, extent
+    return tensor.stride(0) * size, 0, extent
