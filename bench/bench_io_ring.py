@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -130,7 +131,7 @@ class RingRestore:
 
     def __init__(self, device, memory, work: Workload, directory: Path, producer: Path) -> None:
         self.work, self.directory, self.producer = work, directory, producer
-        self.ring = RingMemory(str(directory / "ring"), 1024, work.layers)
+        self.ring = RingMemory(1024, work.layers)
         self.proxy = start_proxy(device, self.ring, [work.fd], [memory], staging_bytes=16 << 20, batch_entries=128,
                                  queue_depth=256)
         targets = memory.address + np.arange(work.count, dtype=np.uint64) * work.read_bytes
@@ -143,13 +144,16 @@ class RingRestore:
         self.rounds = 0
 
     def run(self) -> None:
-        from kvd._native import io_ring_init
-
-        io_ring_init(self.ring.buffer, 1024, self.work.layers)  # counters back to zero between rounds
-        subprocess.run([str(self.producer), self.ring.path, str(self.directory / "plan"), "1", "120"], check=True,
-                       capture_output=True)
-        if any(self.ring.failed(layer) for layer in range(self.work.layers)):
-            raise RuntimeError("ring reads failed")
+        self.ring.reset()  # counters back to zero between rounds
+        # The producer gets the ring's memfd over a socket (SCM_RIGHTS); its exit status is 0 only when
+        # every layer's wait ended OK (a failed read or the 120 s deadline: 1).
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with ours, theirs:
+            child = subprocess.Popen([str(self.producer), str(theirs.fileno()), str(self.directory / "plan"), "1",
+                                      "120"], pass_fds=[theirs.fileno()], stdout=subprocess.DEVNULL)
+            self.ring.send(ours)
+            if child.wait() != 0:
+                raise RuntimeError(f"ring reads failed or timed out (producer exit {child.returncode})")
 
     def close(self) -> dict:
         stats = self.proxy.stop()

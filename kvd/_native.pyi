@@ -72,12 +72,32 @@ def copy_file_chunks(fd: int, file_offsets: Buffer, addresses: Buffer, nbytes: i
 
 IO_RING_VERSION: int
 IO_RING_MAX_LAYERS: int
+IO_RING_WAITS: int
 IO_RING_HEADER_BYTES: int
+IO_RING_DONE_OFFSET: int
+IO_RING_FAILED_OFFSET: int
+IO_RING_ABANDONED_OFFSET: int
+IO_RING_WAITS_OFFSET: int
+IO_WAIT_BYTES: int
+IO_WAIT_PENDING: int
+IO_WAIT_OK: int
+IO_WAIT_FAILED: int
+IO_WAIT_TIMEOUT: int
+IO_WAIT_INVALID: int
 PROXY_ALIGN: int
 
 def io_ring_init(buffer: Buffer, capacity: int, layers: int, /) -> int:
     """Zeroes and lays out an I/O ring (native/gpu/io_ring.h) in a 64-byte aligned writable buffer;
     returns the bytes it takes. ValueError when capacity is not a power of two or it does not fit."""
+
+def io_ring_wait(buffer: Buffer, layer: int, until: int, failed_before: int, timeout_ns: int, slot: int, /) -> int:
+    """The wait kernel's wait (kvd_io_ring_wait) on this thread, GIL released: until `until` reads of
+    `layer` are done (OK), one fails past `failed_before` (FAILED), or `timeout_ns` passes (TIMEOUT);
+    INVALID for a layer the ring has no counter for. Writes the ring's waits[slot]; returns its state.
+    ValueError when the buffer holds no ring or slot >= IO_RING_WAITS."""
+
+def io_ring_wait_record(buffer: Buffer, slot: int, /) -> tuple[int, int, int, int, int, int]:
+    """(state, layer, until, done, failed, waited_ns) of the ring's waits[slot], state loaded first (acquire)."""
 
 class RingProxy:
     """A thread draining an I/O ring's reads into io_uring (native/ring_proxy.h)."""

@@ -5,11 +5,14 @@
  * it is stopped, so the proxy thread never touches freed memory; stop()
  * joins the thread with the GIL released. io_ring_init() lays out a ring
  * in any writable buffer (a memfd mapping shared with a producer process,
- * or host-mapped memory a GPU writes to).
+ * or host-mapped memory a GPU writes to). io_ring_wait() is the wait
+ * kernel's code (kvd_io_ring_wait) run on the host with the GIL released,
+ * and io_ring_wait_record() reads a wait record the GPU or it wrote.
  */
 #include "module.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "cuda_copy.h"
@@ -225,20 +228,97 @@ static PyObject *native_io_ring_init(PyObject *Py_UNUSED(module), PyObject *args
     return PyLong_FromUnsignedLongLong(bytes);
 }
 
+/* The ring in `object`, checked as the proxy checks it, and its wait record `slot`; NULL with an
+ * exception set otherwise (`name` says whose arguments were wrong). */
+static kvd_io_ring *get_ring(PyObject *object, unsigned int slot, Py_buffer *view, const char *name) {
+    if (slot >= KVD_IO_RING_WAITS) {
+        PyErr_Format(PyExc_ValueError, "%s: slot must be below %u", name, KVD_IO_RING_WAITS);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(object, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (check_ring_memory(view) < 0) {
+        PyBuffer_Release(view);
+        return NULL;
+    }
+    return view->buf;
+}
+
+/* io_ring_wait(buffer, layer, until, failed_before, timeout_ns, slot) -> state of waits[slot] when it ended. */
+static PyObject *native_io_ring_wait(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *object;
+    unsigned long long layer, until, failed_before, timeout_ns;
+    unsigned int slot;
+    if (!PyArg_ParseTuple(args, "OKKKKI", &object, &layer, &until, &failed_before, &timeout_ns, &slot)) return NULL;
+    Py_buffer view;
+    kvd_io_ring *ring = get_ring(object, slot, &view, "io_ring_wait");
+    if (ring == NULL) return NULL;
+    uint64_t state;
+    Py_BEGIN_ALLOW_THREADS
+    state = kvd_io_ring_wait(ring, layer, until, failed_before, timeout_ns, &ring->waits[slot]);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(state);
+}
+
+/* io_ring_wait_record(buffer, slot) -> (state, layer, until, done, failed, waited_ns) of waits[slot]. */
+static PyObject *native_io_ring_wait_record(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *object;
+    unsigned int slot;
+    if (!PyArg_ParseTuple(args, "OI", &object, &slot)) return NULL;
+    Py_buffer view;
+    kvd_io_ring *ring = get_ring(object, slot, &view, "io_ring_wait_record");
+    if (ring == NULL) return NULL;
+    kvd_io_wait *record = &ring->waits[slot];
+    uint64_t state = __atomic_load_n(&record->state, __ATOMIC_ACQUIRE);  /* the other fields were written before */
+    PyObject *result = Py_BuildValue("(KKKKKK)", state, record->layer, record->until, record->done, record->failed,
+                                     record->waited_ns);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef proxy_functions[] = {
     {"io_ring_init", native_io_ring_init, METH_VARARGS,
      "io_ring_init(buffer, capacity, layers) -> bytes: lays out an empty I/O ring (native/gpu/io_ring.h)"},
+    {"io_ring_wait", native_io_ring_wait, METH_VARARGS,
+     "io_ring_wait(buffer, layer, until, failed_before, timeout_ns, slot) -> state: the wait kernel's wait, on "
+     "the host with the GIL released; its record is the ring's waits[slot]"},
+    {"io_ring_wait_record", native_io_ring_wait_record, METH_VARARGS,
+     "io_ring_wait_record(buffer, slot) -> (state, layer, until, done, failed, waited_ns) of waits[slot]"},
     {NULL, NULL, 0, NULL},
 };
+
+/* The ring's layout and wait states, for kvd.device.io_ring. */
+static int add_ring_constants(PyObject *module) {
+    static const struct {
+        const char *name;
+        long value;
+    } constants[] = {
+        {"IO_RING_VERSION", KVD_IO_RING_VERSION},
+        {"IO_RING_MAX_LAYERS", KVD_IO_RING_MAX_LAYERS},
+        {"IO_RING_WAITS", KVD_IO_RING_WAITS},
+        {"IO_RING_HEADER_BYTES", (long)sizeof(kvd_io_ring)},
+        {"IO_RING_DONE_OFFSET", (long)offsetof(kvd_io_ring, done)},
+        {"IO_RING_FAILED_OFFSET", (long)offsetof(kvd_io_ring, failed)},
+        {"IO_RING_ABANDONED_OFFSET", (long)offsetof(kvd_io_ring, abandoned)},
+        {"IO_RING_WAITS_OFFSET", (long)offsetof(kvd_io_ring, waits)},
+        {"IO_WAIT_BYTES", (long)sizeof(kvd_io_wait)},
+        {"IO_WAIT_PENDING", KVD_IO_WAIT_PENDING},
+        {"IO_WAIT_OK", KVD_IO_WAIT_OK},
+        {"IO_WAIT_FAILED", KVD_IO_WAIT_FAILED},
+        {"IO_WAIT_TIMEOUT", KVD_IO_WAIT_TIMEOUT},
+        {"IO_WAIT_INVALID", KVD_IO_WAIT_INVALID},
+        {"PROXY_ALIGN", KVD_PROXY_ALIGN},
+    };
+    for (size_t i = 0; i < sizeof(constants) / sizeof(constants[0]); i++) {
+        if (PyModule_AddIntConstant(module, constants[i].name, constants[i].value) < 0) return -1;
+    }
+    return 0;
+}
 
 int kvd_add_ring_proxy(PyObject *module) {
     if (PyType_Ready(&ProxyType) < 0) return -1;
     if (PyModule_AddObjectRef(module, "RingProxy", (PyObject *)&ProxyType) < 0 ||
-        PyModule_AddFunctions(module, proxy_functions) < 0 ||
-        PyModule_AddIntConstant(module, "IO_RING_VERSION", KVD_IO_RING_VERSION) < 0 ||
-        PyModule_AddIntConstant(module, "IO_RING_MAX_LAYERS", KVD_IO_RING_MAX_LAYERS) < 0 ||
-        PyModule_AddIntConstant(module, "IO_RING_HEADER_BYTES", (long)sizeof(kvd_io_ring)) < 0 ||
-        PyModule_AddIntConstant(module, "PROXY_ALIGN", KVD_PROXY_ALIGN) < 0) {
+        PyModule_AddFunctions(module, proxy_functions) < 0 || add_ring_constants(module) < 0) {
         return -1;
     }
     return 0;

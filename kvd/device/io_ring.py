@@ -7,57 +7,198 @@ staging, checks each read's crc32c, copies it to its target on `device`,
 and counts it done in its layer. Targets are addresses in this process:
 device memory it allocated or opened through IPC, or host memory.
 
-    ring = RingMemory(capacity=256, layers=32)        # mmap-backed, shareable by path
+The ring lives in a memfd: no file on any filesystem names it, so it is
+never written back to a disk, and another process maps it only when handed
+its descriptor (`send` / `receive` over a Unix socket, SCM_RIGHTS; or an
+inherited descriptor and `RingMemory.from_fd`).
+
+A wait for a layer (`wait` here, kvd_io_ring_wait_layer on the GPU: the same
+C code) is bounded: it ends OK, FAILED as soon as a read of the layer failed,
+or TIMEOUT, and writes how into one of the ring's wait records.
+
+    ring = RingMemory(capacity=256, layers=32)        # a memfd mapping, shareable by descriptor
+    ring.send(engine_socket)                          # the producer maps the same memory
     proxy = start_proxy(device, ring, fds, targets=[pool_memory], staging_bytes=64 << 20)
-    ...                                               # producers publish, waiters wait
+    result = ring.wait(layer, until=reads, timeout_s=1.0)   # WaitResult: OK, FAILED or TIMEOUT
     proxy.stop()
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import numpy as np
 
-from kvd._native import IO_RING_HEADER_BYTES, PROXY_ALIGN, RingProxy, io_ring_init
+from kvd._native import (IO_RING_ABANDONED_OFFSET, IO_RING_DONE_OFFSET, IO_RING_FAILED_OFFSET, IO_RING_HEADER_BYTES,
+                         IO_RING_MAX_LAYERS, IO_RING_VERSION, IO_RING_WAITS, IO_RING_WAITS_OFFSET, IO_WAIT_BYTES,
+                         IO_WAIT_FAILED, IO_WAIT_INVALID, IO_WAIT_OK, IO_WAIT_PENDING, IO_WAIT_TIMEOUT, PROXY_ALIGN,
+                         RingProxy, io_ring_init, io_ring_wait, io_ring_wait_record)
 from kvd.device.api import Device, Memory
 from kvd.pages import huge_page_memory
 
 DESC_BYTES = 64
+FAILURES_IGNORED = 2**64 - 1  # failed_before that no failure count passes: wait for completions alone
 
 
 def ring_bytes(capacity: int) -> int:
     return IO_RING_HEADER_BYTES + capacity * DESC_BYTES
 
 
-class RingMemory:
-    """A ring laid out in a shared file mapping; another process maps `path` to produce."""
+class WaitState(IntEnum):
+    """How a wait for a layer ended (KVD_IO_WAIT_* in io_ring.h)."""
 
-    def __init__(self, path: str, capacity: int, layers: int) -> None:
-        self.path = path
-        nbytes = ring_bytes(capacity)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    PENDING = IO_WAIT_PENDING  # armed, not ended yet
+    OK = IO_WAIT_OK            # every read done, none failed past failed_before
+    FAILED = IO_WAIT_FAILED    # a read failed or was abandoned: recompute the layer, or retry it
+    TIMEOUT = IO_WAIT_TIMEOUT  # the deadline passed first
+    INVALID = IO_WAIT_INVALID  # a layer the ring has no counter for
+
+
+@dataclass(frozen=True, slots=True)
+class WaitResult:
+    """One wait record: counts are what the waiter saw last (abandoned reads count as done and failed)."""
+
+    state: WaitState
+    layer: int
+    until: int
+    done: int
+    failed: int
+    waited_ns: int
+
+    @property
+    def ok(self) -> bool:
+        return self.state is WaitState.OK
+
+
+class RingMemory:
+    """A ring laid out in a memfd mapping; a producer in another process gets its descriptor
+    (`send`/`receive`, or `from_fd` on an inherited one), never a path."""
+
+    def __init__(self, capacity: int, layers: int) -> None:
+        fd = os.memfd_create("kvd-io-ring", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, nbytes)
-            self.buffer = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
-        finally:
+            os.ftruncate(fd, ring_bytes(capacity))
+        except BaseException:
             os.close(fd)
-        io_ring_init(self.buffer, capacity, layers)
-        self._counters = np.frombuffer(self.buffer, dtype=np.uint64, count=IO_RING_HEADER_BYTES // 8)
+            raise
+        self._map(fd)
+        try:
+            io_ring_init(self.buffer, capacity, layers)
+        except BaseException:
+            self.close()
+            raise
+        self.capacity, self.layers = capacity, layers
+
+    @classmethod
+    def from_fd(cls, fd: int) -> RingMemory:
+        """The ring another process laid out in the memory behind `fd` (duplicated: the caller still
+        owns `fd`). ValueError when it holds no ring of this version."""
+        ring = cls.__new__(cls)
+        ring._map(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0))
+        version, capacity, layers = (int(word) for word in ring._words[:3]) if len(ring._words) else (0, 0, 0)
+        fits = len(ring.buffer) >= IO_RING_HEADER_BYTES and capacity > 0 and capacity & (capacity - 1) == 0 and ring_bytes(capacity) <= len(ring.buffer)
+        if version != IO_RING_VERSION or not fits or not 0 < layers <= IO_RING_MAX_LAYERS:
+            ring.close()
+            raise ValueError(f"not a kvd_io_ring of version {IO_RING_VERSION} (version {version}, capacity "
+                             f"{capacity}, {layers} layers)")
+        ring.capacity, ring.layers = capacity, layers
+        return ring
+
+    @classmethod
+    def receive(cls, connection: socket.socket) -> RingMemory:
+        """The ring whose descriptor arrives on `connection` (sent by `send`)."""
+        _, fds, _, _ = socket.recv_fds(connection, 1, 1)
+        if len(fds) != 1:
+            raise ValueError("no ring descriptor arrived")
+        try:
+            return cls.from_fd(fds[0])
+        finally:
+            os.close(fds[0])
+
+    def send(self, connection: socket.socket) -> None:
+        """Hands the ring's descriptor to the process at the other end of a Unix socket (SCM_RIGHTS)."""
+        socket.send_fds(connection, [b"r"], [self._fd])
+
+    def _map(self, fd: int) -> None:
+        self._fd = fd
+        try:
+            self.buffer = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            self._fd = -1
+            raise
+        self._words = np.frombuffer(self.buffer, dtype=np.uint64, count=min(len(self.buffer), IO_RING_HEADER_BYTES) // 8)
+
+    @property
+    def fd(self) -> int:
+        """The memfd (owned by this object, closed with it; close-on-exec: pass it on explicitly)."""
+        return self._fd
+
+    def reset(self) -> None:
+        """Every counter and wait record back to zero: no producer may be publishing, and a proxy serving
+        the ring must have taken everything published (it then looks for ticket 0 again)."""
+        io_ring_init(self.buffer, self.capacity, self.layers)
 
     def done(self, layer: int) -> int:
-        """Reads of `layer` completed so far (a plain load: for tests and reports, not for ordering)."""
-        return int(self._counters[5 + layer])
+        """Reads of `layer` the proxy completed so far (a plain load: for tests and reports, not for ordering)."""
+        return self._counter(IO_RING_DONE_OFFSET, layer)
 
     def failed(self, layer: int) -> int:
-        return int(self._counters[5 + 256 + layer])
+        return self._counter(IO_RING_FAILED_OFFSET, layer)
+
+    def abandoned(self, layer: int) -> int:
+        """Reads of `layer` a producer gave up on before publishing them (its deadline passed)."""
+        return self._counter(IO_RING_ABANDONED_OFFSET, layer)
+
+    def _counter(self, offset: int, layer: int) -> int:
+        if not 0 <= layer < IO_RING_MAX_LAYERS:
+            raise ValueError(f"layer {layer} is outside the ring's {IO_RING_MAX_LAYERS} counters")
+        return int(self._words[offset // 8 + layer])
+
+    def wait(self, layer: int, until: int, *, timeout_s: float, failed_before: int = 0,
+             slot: int = 0) -> WaitResult:
+        """Waits on this thread (GIL released) exactly as the wait kernel does on a GPU: until `until`
+        reads of `layer` are done, a read fails past `failed_before`, or `timeout_s` passes."""
+        if timeout_s < 0:
+            raise ValueError(f"a negative timeout ({timeout_s} s)")
+        io_ring_wait(self.buffer, layer, until, failed_before, int(timeout_s * 1e9), slot)
+        return self.record(slot)
+
+    def settle(self, layer: int, until: int, *, timeout_s: float, slot: int = 0) -> WaitResult:
+        """Waits for `until` completions of `layer`, failed or not: after a wait that ended early, the
+        layer's targets may be reused once this is OK (no read of it is in flight any more)."""
+        return self.wait(layer, until, timeout_s=timeout_s, failed_before=FAILURES_IGNORED, slot=slot)
+
+    def arm(self, slot: int) -> None:
+        """Sets wait record `slot` to PENDING, before a wait that writes it is started."""
+        if not 0 <= slot < IO_RING_WAITS:
+            raise ValueError(f"wait slot {slot} is outside the ring's {IO_RING_WAITS}")
+        self.buffer[self.record_offset(slot):self.record_offset(slot) + IO_WAIT_BYTES] = bytes(IO_WAIT_BYTES)
+
+    def record(self, slot: int) -> WaitResult:
+        """Wait record `slot` as its waiter left it (state PENDING while it has not ended)."""
+        state, layer, until, done, failed, waited_ns = io_ring_wait_record(self.buffer, slot)
+        return WaitResult(WaitState(state), layer, until, done, failed, waited_ns)
+
+    @staticmethod
+    def record_offset(slot: int) -> int:
+        """Byte offset of wait record `slot` in the ring's memory."""
+        return IO_RING_WAITS_OFFSET + slot * IO_WAIT_BYTES
 
     def close(self) -> None:
-        self._counters = None
-        self.buffer.close()
+        self._words = None
+        if getattr(self, "buffer", None) is not None:
+            self.buffer.close()
+            self.buffer = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The GPU-initiated I/O ring's header (native/gpu/io_ring.h): its host side under real threads, built
-by gcc as C and by g++ as C++, against a real file; and its kernel built by nvcc for sm_80 and sm_90."""
+by gcc as C and by g++ as C++, against a real file, with the wait kernel's bounded wait (OK, FAILED,
+TIMEOUT, INVALID); and its kernels built by nvcc for sm_80 and sm_90."""
 
 from __future__ import annotations
 
@@ -62,3 +63,20 @@ def test_the_kernel_compiles_for_sm80_and_sm90(tmp_path):
     assert build.returncode == 0, build.stderr
     symbols = subprocess.run(["nm", str(out)], capture_output=True, text=True, check=True).stdout
     assert "kvd_io_ring_submit_layer" in symbols and "kvd_io_ring_wait_layer" in symbols
+
+
+def test_the_kernels_bound_their_waits_with_the_global_nanosecond_timer(tmp_path):
+    """Both kernels read %globaltimer for their deadlines (not clock64, whose cycles are one SM's at a
+    varying frequency) and sleep between looks at host memory; the wait kernel takes six parameters."""
+    out = tmp_path / "io_ring_kernel.ptx"
+    build = subprocess.run([nvcc(), "-ptx", "-O2", "-arch=compute_90", "-o", str(out), str(GPU / "io_ring_kernel.cu")],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    ptx = out.read_text()
+    for kernel in ("kvd_io_ring_submit_layer", "kvd_io_ring_wait_layer"):
+        body = ptx[ptx.index(f".entry {kernel}"):]
+        body = body[:body.index("\n}\n")]
+        assert "%globaltimer" in body and "nanosleep" in body, kernel
+        assert "clock64" not in body and "%clock64" not in body
+    wait = ptx[ptx.index(".entry kvd_io_ring_wait_layer"):]
+    assert wait[:wait.index(")")].count(".param .u64") == 6

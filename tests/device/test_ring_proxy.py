@@ -1,14 +1,16 @@
-"""The I/O ring end to end without a GPU: a producer process (C, threads, the ring's own header) publishes
-reads into a ring in shared memory; kvd's native proxy drains them through its io_uring engine from real
-files opened with O_DIRECT, checks each read's crc32c, copies it into device memory and completes it per
-layer. Faults: damaged bytes on disk, reads past the end, unaligned O_DIRECT reads, unknown files,
-oversized reads and layers the ring has no counter for."""
+"""The I/O ring end to end without a GPU: a producer process (C, threads, the ring's own header) receives
+the ring's memfd over a Unix socket (SCM_RIGHTS) and publishes reads into it; kvd's native proxy drains
+them through its io_uring engine from real files opened with O_DIRECT, checks each read's crc32c, copies
+it into device memory and completes it per layer. The producer waits per layer with the wait kernel's own
+code, bounded: OK, FAILED or TIMEOUT. Faults: damaged bytes on disk, reads past the end, unaligned O_DIRECT
+reads, unknown files, oversized reads, layers the ring has no counter for, and nobody serving the ring."""
 
 from __future__ import annotations
 
 import ctypes
 import mmap
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import pytest
 from crc32c import crc32c
 
 from kvd._native import RingProxy
-from kvd.device.io_ring import RingMemory, start_proxy
+from kvd.device.io_ring import RingMemory, WaitState, start_proxy
 from tests.device.staging import Staging
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,19 +76,25 @@ def plan_of(reads: list[tuple[int, int, int, int, int, int]]) -> np.ndarray:
 
 
 def run_producer(producer: Path, ring: RingMemory, plan: np.ndarray, tmp_path: Path, threads: int,
-                 wait_layers: int | None = None) -> dict:
+                 wait_layers: int | None = None, timeout_s: float = 60, returncode: int = 0) -> dict:
+    """Runs the producer on `plan`, handing it the ring's descriptor over a socket; {layer: (state,
+    done, failed)} as its waits saw them when they ended."""
     plan_path = tmp_path / "plan"
     plan.tofile(plan_path)
     extra = [str(wait_layers)] if wait_layers is not None else []
-    run = subprocess.run([str(producer), ring.path, str(plan_path), str(threads), "60", *extra], check=False,
-                         capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr)
-    counts = {}
-    for line in run.stdout.splitlines():
-        _, layer, _, done, _, failed = line.split()
-        counts[int(layer)] = (int(done), int(failed))
-    return counts
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        child = subprocess.Popen([str(producer), str(theirs.fileno()), str(plan_path), str(threads), str(timeout_s),
+                                  *extra], pass_fds=[theirs.fileno()], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        ring.send(ours)
+        stdout, stderr = child.communicate(timeout=timeout_s + 60)
+    assert child.returncode == returncode, (child.returncode, stdout, stderr)
+    waits = {}
+    for line in stdout.splitlines():
+        _, layer, _, state, _, done, _, failed = line.split()
+        waits[int(layer)] = (WaitState(int(state)), int(done), int(failed))
+    return waits
 
 
 def random_reads(disk: Disk, count: int, layers: int, lengths: list[int], seed: int):
@@ -117,13 +125,14 @@ def test_reads_published_by_a_producer_process_land_in_device_memory_exactly(dev
     layers, count, slot = 8, 2000, max(lengths)
     reads = random_reads(disk, count, layers, lengths, seed=capacity)
     memory = device.alloc(count * slot)
-    ring = RingMemory(str(tmp_path / "ring"), capacity, layers)
+    ring = RingMemory(capacity, layers)
     proxy = start_proxy(device, ring, disk.fds, [memory], staging_bytes=staging_kib << 10, batch_entries=batch)
     try:
-        counts = run_producer(producer, ring, with_targets(memory, reads, slot), tmp_path, threads)
+        waits = run_producer(producer, ring, with_targets(memory, reads, slot), tmp_path, threads)
     finally:
         stats = proxy.stop()
-    assert counts == {layer: (count // layers, 0) for layer in range(layers)}
+    assert waits == {layer: (WaitState.OK, count // layers, 0) for layer in range(layers)}
+    assert ring.record(0).state is WaitState.OK and ring.record(0).until == count // layers  # the producer's record
     assert stats["reads"] == count and stats["failed"] == 0 and stats["bytes"] == sum(r[2] for r in reads)
     assert stats["batches"] > 1
     staging = Staging(device, count * slot)
@@ -147,17 +156,21 @@ def test_faulty_reads_fail_in_their_layer_and_leave_their_targets_untouched(devi
     ]
     reads = good[:100] + bad + good[100:]
     memory = device.alloc(len(reads) * slot)
-    ring = RingMemory(str(tmp_path / "ring"), 8, layers)
+    ring = RingMemory(8, layers)
     proxy = start_proxy(device, ring, disk.fds, [memory], staging_bytes=64 << 10, batch_entries=32)
     plan = with_targets(memory, reads, slot)
     plan = np.vstack([plan, plan_of([(0, 0, PAGE, memory.address, layers + 3, 0)])])  # a layer with no counter
+    per_layer = {layer: sum(1 for r in reads if r[3] == layer) for layer in range(layers)}
+    failed_per_layer = {layer: sum(1 for r in bad if r[3] == layer) for layer in range(layers)}
     try:
-        counts = run_producer(producer, ring, plan, tmp_path, threads=3)
+        waits = run_producer(producer, ring, plan, tmp_path, threads=3, returncode=1)
+        # every layer had a bad read: its wait ended FAILED, maybe before the rest of the layer was done
+        assert {layer: wait[0] for layer, wait in waits.items()} == dict.fromkeys(range(layers), WaitState.FAILED)
+        settled = [ring.settle(layer, per_layer[layer], timeout_s=60) for layer in range(layers)]
     finally:
         stats = proxy.stop()
-    failed_per_layer = {layer: sum(1 for r in bad if r[3] == layer) for layer in range(layers)}
-    assert counts == {layer: (sum(1 for r in reads if r[3] == layer), failed_per_layer[layer])
-                      for layer in range(layers)}
+    assert [(r.state, r.done, r.failed) for r in settled] == [(WaitState.OK, per_layer[layer], failed_per_layer[layer])
+                                                               for layer in range(layers)]
     assert stats["failed"] == len(bad) and stats["checksum_mismatches"] == 2 and stats["rejected"] == 2
     assert stats["dropped"] == 1 and stats["reads"] == len(reads)
     landed = Staging(device, len(reads) * slot).get(device.stream(), memory, 0, len(reads) * slot)
@@ -178,14 +191,15 @@ def test_a_producer_cannot_steer_reads_outside_the_target_regions_or_the_ring(de
     good = (0, 0, PAGE, memory.address, 0, crc32c(disk.read(0, 0, PAGE)))
     aimed_elsewhere = (0, 0, PAGE, elsewhere.address, 1, crc32c(disk.read(0, 0, PAGE)))
     past_the_end = (0, 0, 2 * PAGE, memory.address + 3 * PAGE, 1, crc32c(disk.read(0, 0, 2 * PAGE)))
-    ring = RingMemory(str(tmp_path / "ring"), 8, layers)
+    ring = RingMemory(8, layers)
     proxy = start_proxy(device, ring, disk.fds, [memory], staging_bytes=64 << 10)
     header = np.frombuffer(ring.buffer, dtype=np.uint64, count=3)
     header[2] = 200  # the layer count, rewritten by a producer after the proxy started
     unknown_layer = (0, 0, PAGE, memory.address + PAGE, 150, crc32c(disk.read(0, 0, PAGE)))
     plan = plan_of([good, aimed_elsewhere, past_the_end, unknown_layer])
     try:
-        run_producer(producer, ring, plan, tmp_path, threads=1, wait_layers=layers)
+        run_producer(producer, ring, plan, tmp_path, threads=1, wait_layers=layers, returncode=1)  # layer 1: FAILED
+        assert ring.settle(1, 2, timeout_s=60).state is WaitState.OK
     finally:
         stats = proxy.stop()
     assert (ring.done(0), ring.failed(0), ring.done(1), ring.failed(1)) == (1, 0, 2, 2)
@@ -199,20 +213,20 @@ def test_a_producer_cannot_steer_reads_outside_the_target_regions_or_the_ring(de
     ring.close()
 
 
-def test_a_ring_or_staging_the_proxy_cannot_use_is_refused_precisely(device, disk, tmp_path):
-    ring = RingMemory(str(tmp_path / "ring"), 8, 2)
+def test_a_ring_or_staging_the_proxy_cannot_use_is_refused_precisely(device, disk):
+    ring = RingMemory(8, 2)
     ring.buffer[0:8] = (99).to_bytes(8, "little")
     memory = device.alloc(1 << 16)
     with pytest.raises(ValueError, match="not a kvd_io_ring"):
         start_proxy(device, ring, disk.fds, [memory])
     ring.close()
-    ring = RingMemory(str(tmp_path / "ring2"), 8, 2)
+    ring = RingMemory(8, 2)
     with pytest.raises(ValueError, match="batch_entries must be"):
         start_proxy(device, ring, disk.fds, [memory], batch_entries=0)
     with pytest.raises(ValueError, match="targets 1.."):
         start_proxy(device, ring, disk.fds, [])
     with pytest.raises(ValueError, match="capacity must be a power of two"):
-        RingMemory(str(tmp_path / "ring3"), 6, 2)
+        RingMemory(6, 2)
     proxy = start_proxy(device, ring, disk.fds, [memory])
     assert proxy.native.running
     proxy.stop()
@@ -221,8 +235,78 @@ def test_a_ring_or_staging_the_proxy_cannot_use_is_refused_precisely(device, dis
     ring.close()
 
 
-def test_the_cuda_copy_hook_opens_only_where_a_driver_and_device_are(disk, tmp_path):
-    ring = RingMemory(str(tmp_path / "ring"), 8, 2)
+def test_a_layer_wait_ends_ok_or_failed_as_its_reads_do(device, disk, producer, tmp_path):
+    """The wait kernel's wait on the host (RingMemory.wait, the same C code): OK once the layer's reads
+    are done, FAILED as soon as one of them did not match its checksum; failures the caller already
+    knew of (failed_before) do not end a wait again."""
+    layers = 2
+    good = random_reads(disk, 40, layers, [PAGE], seed=11)
+    bad_checksum = (0, 3 * PAGE, PAGE, 1, crc32c(disk.read(0, 3 * PAGE, PAGE)) ^ 1)
+    reads = good + [bad_checksum]
+    memory = device.alloc(len(reads) * PAGE)
+    ring = RingMemory(16, layers)
+    proxy = start_proxy(device, ring, disk.fds, [memory], staging_bytes=64 << 10)
+    try:
+        waits = run_producer(producer, ring, with_targets(memory, reads, PAGE), tmp_path, threads=2, returncode=1)
+        assert waits[0] == (WaitState.OK, 20, 0)
+        assert waits[1][0] is WaitState.FAILED and waits[1][2] == 1
+        ok, failed = (ring.wait(layer, 20 + layer, timeout_s=60, slot=layer) for layer in range(layers))
+        known = ring.wait(1, 21, failed_before=1, timeout_s=60, slot=2)
+    finally:
+        stats = proxy.stop()
+    assert (ok.state, ok.layer, ok.until, ok.done, ok.failed) == (WaitState.OK, 0, 20, 20, 0)
+    assert (failed.state, failed.failed) == (WaitState.FAILED, 1) and failed.ok is False
+    assert (known.state, known.done, known.failed) == (WaitState.OK, 21, 1)
+    assert stats["checksum_mismatches"] == 1 and ring.record(1) == failed
+
+
+def test_a_layer_wait_times_out_when_nobody_serves_the_ring(producer, tmp_path):
+    """No proxy: a wait ends TIMEOUT at its deadline (not before), reads that fit the ring are published
+    and wait there, and reads that do not fit are abandoned by their producer at its deadline, which
+    ends their layer's wait FAILED at once: nothing waits forever. A layer past the ring's: INVALID."""
+    ring = RingMemory(4, 2)
+    # one producer thread, in order: layer 1's 3 reads and 1 of layer 0's fill the ring; 4 are left over
+    plan = plan_of([(0, n * PAGE, PAGE, 0, 1, 0) for n in range(3)] + [(0, 0, PAGE, 0, 0, 0)] * 5)
+    waits = run_producer(producer, ring, plan, tmp_path, threads=1, timeout_s=0.2, returncode=1)
+    assert waits == {0: (WaitState.FAILED, 4, 4), 1: (WaitState.TIMEOUT, 0, 0)}
+    assert (ring.abandoned(0), ring.abandoned(1), ring.done(0), ring.done(1)) == (4, 0, 0, 0)
+    result = ring.wait(1, 3, timeout_s=0.05)
+    assert result.state is WaitState.TIMEOUT and result.waited_ns >= 50_000_000 and result.done == 0
+    assert ring.wait(0, 5, timeout_s=0).state is WaitState.FAILED
+    assert ring.wait(2, 1, timeout_s=0).state is WaitState.INVALID
+    assert ring.wait(1, 0, timeout_s=0).state is WaitState.OK  # nothing asked, nothing to wait for
+    ring.close()
+
+
+def test_the_ring_is_anonymous_memory_shared_by_descriptor():
+    """The ring is a memfd (no path names it); the process it is sent to maps the same memory."""
+    ring = RingMemory(8, 3)
+    assert os.readlink(f"/proc/self/fd/{ring.fd}").startswith("/memfd:kvd-io-ring")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        ring.send(ours)
+        mapped = RingMemory.receive(theirs)
+    assert (mapped.capacity, mapped.layers) == (8, 3)
+    mapped.arm(5)
+    ring.wait(2, 0, timeout_s=0, slot=5)
+    assert mapped.record(5).state is WaitState.OK and mapped.record(5).layer == 2
+    with pytest.raises(ValueError, match="slot must be below 512"):
+        ring.wait(0, 0, timeout_s=0, slot=512)
+    with pytest.raises(ValueError, match="wait slot 512"):
+        ring.arm(512)
+    mapped.close()
+    ring.close()
+    with pytest.raises(ValueError, match="not a kvd_io_ring"):
+        fd = os.memfd_create("not-a-ring", os.MFD_CLOEXEC)
+        os.ftruncate(fd, 1 << 16)
+        try:
+            RingMemory.from_fd(fd)
+        finally:
+            os.close(fd)
+
+
+def test_the_cuda_copy_hook_opens_only_where_a_driver_and_device_are(disk):
+    ring = RingMemory(8, 2)
     fds = np.asarray(disk.fds, dtype=np.int32)
     if CUDA_DEVICES == 0:
         with pytest.raises(OSError, match="CUDA device 0: no driver"):
