@@ -2,7 +2,9 @@
 process plays the engine, with its paged KV pool in CPU-device memory (memfd) that the daemon maps
 through IPC handles. Saves and loads are driven by kvd layer by layer through flag words; the
 bytes must match what the ordinary Get returns; bad registrations get precise errors; mappings are
-counted and closed on unregister and on lease expiry."""
+counted and closed on unregister and on lease expiry. Every test runs twice: against a daemon whose
+CPU device is synchronous, and against one in asynchronous mode, whose copies and flag stores land
+later than it issues them, as a GPU's do."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from kvd.client import Client
 from kvd.client.device import FAILED, DevicePool
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
 from kvd.device import IpcHandle, open_device
+from kvd.device.cpu import DELAY_ENV
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.testing.daemon import run_daemon
 
@@ -30,12 +33,13 @@ PAGES = 32
 ENGINE, KVD = 0, 1
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+@pytest.fixture(scope="module", params=["synchronous", "asynchronous"])
+def daemon(tmp_path_factory, request):
     config = {"host": {"capacity_bytes": 16 << 20, "slot_bytes": 64 << 10},
               "device": {"kind": "cpu", "flag_timeout_ms": 400, "pool_lease_ms": 1000},
               "leases": {"sweep_interval_ms": 50}}
-    with run_daemon(tmp_path_factory.mktemp("kvd"), config=config) as process:
+    env = {DELAY_ENV: "5" if request.param == "asynchronous" else "0"}
+    with run_daemon(tmp_path_factory.mktemp("kvd"), config=config, env=env) as process:
         yield process
 
 

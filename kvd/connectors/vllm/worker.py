@@ -254,6 +254,7 @@ class WorkerSide:
                     index = _pair([load.stream.slots[:matched]], [order.block_ids[:matched]])
                     for layer in range(len(self.layout.parts)):
                         self._copy(layer, *index, into_engine=True)
+                    self._copies_landed()
             self._end_loads([load])
         except Exception as error:  # noqa: BLE001 - a failed load is recomputed, never a crash
             load.error = repr(error)
@@ -261,6 +262,14 @@ class WorkerSide:
         finally:
             with self._lock:
                 self._received.add(order.req_id)
+
+    def _copies_landed(self) -> None:
+        """Wait until this thread's copies into the engine's pages have run. On a GPU the scatter
+        (an index_put on this thread's current stream) is still queued when the call returns, and
+        the request is reported received (so vLLM schedules its forward on its own stream) next."""
+        first = self.layout.parts[0][0]
+        if first.is_cuda:
+            torch.cuda.current_stream(first.device).synchronize()
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
