@@ -96,23 +96,24 @@ def ring_restore(device, args, directory: Path) -> dict:
     work = Workload(directory, work_args)
     target = device.alloc(work.count * work.read_bytes)
     cpu = CpuRestore(device, target, work)
-    ring = RingMemory(str(directory / "ring"), 1024, work.layers)
+    ring = RingMemory(1024, work.layers)
     proxy = start_proxy(device, ring, [work.fd], [target], staging_bytes=32 << 20, batch_entries=128,
                         queue_depth=256)
     producer = GpuRingProducer(device, args.fatbin)
-    on_gpu = producer.map_ring(ring)
+    mapped = producer.map_ring(ring)
     stream = device.stream()
     plans = [_plan(device, stream, work, target, layer) for layer in range(work.layers)]
     per_layer = work.count // work.layers
 
     def gpu_run():
-        from kvd._native import io_ring_init
-
-        io_ring_init(ring.buffer, 1024, work.layers)
+        ring.reset()
+        waits = []
         for layer, plan in enumerate(plans):
-            producer.submit_layer(stream, on_gpu, plan, layer)
-            producer.wait_layer(stream, on_gpu, layer, per_layer)
+            producer.submit_layer(stream, mapped, plan, layer, timeout_s=60)
+            waits.append(producer.wait_layer(stream, mapped, layer, per_layer, timeout_s=60))
         stream.synchronize()
+        if not all(wait.result().ok for wait in waits):
+            raise RuntimeError(f"ring waits did not all end OK: {[wait.result() for wait in waits]}")
 
     nbytes = work.count * work.read_bytes
     rates = {"cpu_submitted_gib_s": gib_s(nbytes, timed(cpu.run, args.rounds)),
