@@ -100,6 +100,20 @@ class KvdConnector(KVConnectorBase_V1):
             publish = bool(events is not None and events.enable_kv_cache_events)
             self.scheduler = SchedulerSide(self.config, self.block_size, publish_events=publish)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Read by vLLM's VllmConfig while it picks the CUDA-graph mode; True
+        # turns its default FULL_AND_PIECEWISE into PIECEWISE. Replaying a
+        # full graph launches the recorded kernels and runs no Python, so the
+        # per-layer hooks (wait_for_layer_load, save_kv_layer) are skipped.
+        # vLLM replays full graphs for uniform decode batches, and a request
+        # whose prefix kvd loads with one prompt token left to compute runs
+        # in one: its attention would read pages kvd had not yet filled, a
+        # wrong answer with no error. Piecewise graphs stop at every attention
+        # call, where the hooks live. Every kvd mode waits in those hooks, so
+        # the answer does not depend on extra_config.
+        return True
+
     # ---- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
