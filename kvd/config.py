@@ -275,6 +275,9 @@ class DeviceConfig:
     # memory and threads, for tests and CPU-only engines) or "cuda".
     kind: str = "off"
     index: int = 0
+    # Devices served, from `index` on: one device plane each, and a pool goes to the one its memory
+    # is on (TP > 1 engines register one pool per GPU). 0: every GPU the CUDA driver shows.
+    count: int = 1
     # Engines' pools registered at once, and how long one lives without use.
     max_pools: int = 64
     pool_lease_ms: int = 300_000
@@ -454,6 +457,8 @@ class Config:
             raise ConfigError("device.kind", f"must be off, cpu or cuda, got {device.kind!r}")
         if not 0 <= device.index < 1024:
             raise ConfigError("device.index", f"must be 0..1023, got {device.index}")
+        if not 0 <= device.count <= 64 or (device.count == 0 and device.kind != "cuda"):
+            raise ConfigError("device.count", f"must be 1..64 (0: every GPU, kind cuda only), got {device.count}")
         if not 1 <= device.max_pools <= 4096:
             raise ConfigError("device.max_pools", f"must be 1..4096, got {device.max_pools}")
         if not 1_000 <= device.pool_lease_ms <= 86_400_000:

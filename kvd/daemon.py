@@ -475,16 +475,33 @@ def _open_device_plane(config: Config, arena: HostArena):
 
     settings = config.device
     try:
-        device = open_device(settings.kind, settings.index)
-        tier = DeviceTier(device, settings.tier_bytes, settings.tier_slot_bytes or config.host.slot_bytes) \
+        devices = _open_devices(settings.kind, settings.index, settings.count, open_device)
+        tier = DeviceTier(devices[0], settings.tier_bytes, settings.tier_slot_bytes or config.host.slot_bytes) \
             if settings.tier_bytes else None
-        plane = DevicePlane(device, arena.address_at(0), arena.layout.arena_bytes, settings.max_pools,
+        plane = DevicePlane(devices, arena.address_at(0), arena.layout.arena_bytes, settings.max_pools,
                             settings.pool_lease_ms, settings.flag_timeout_ms, tier=tier)
     except DeviceError as error:
-        raise StartupFailed(f"[device] kind = {config.device.kind!r}, index {config.device.index}: {error}") from None
-    log.info("device plane on", extra={"device": f"{device.kind}:{device.index}", "device_uuid": device.uuid,
-                                       "tier_slots": tier.slot_count if tier else 0})
+        raise StartupFailed(f"[device] kind = {settings.kind!r}, index {settings.index}, count {settings.count}: "
+                            f"{error}") from None
+    for device in devices:
+        log.info("device plane on", extra={"device": f"{device.kind}:{device.index}", "device_uuid": device.uuid,
+                                           "tier_slots": tier.slot_count if tier and device is devices[0] else 0})
     return plane
+
+
+def _open_devices(kind: str, index: int, count: int, open_device) -> list:
+    """Devices index .. index + count - 1 of `kind`; count 0: from index to the last the driver shows."""
+    from kvd.device import NoDevice
+
+    devices = []
+    while count == 0 or len(devices) < count:
+        try:
+            devices.append(open_device(kind, index + len(devices)))
+        except NoDevice:
+            if count or not devices:  # (count 0: the first index past the last GPU ends the list)
+                raise
+            break
+    return devices
 
 
 def _build_engine(config: Config, layout: ArenaLayout, host_classes: tuple[int, ...], disk_plane,

@@ -19,11 +19,13 @@ but the save.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,6 +69,8 @@ class Pool:
     pool_id: int
     client_id: str
     namespace_id: bytes
+    device: Device            # the device its memory is on (its plane)
+    arena: Memory             # the arena as that device addresses it
     layout: PoolLayout
     flags: Memory             # the flag words, as the host reads them
     flags_on_device: Memory   # the same words as the device's streams store to them
@@ -97,14 +101,25 @@ class Pool:
 
 
 class DevicePlane:
-    def __init__(self, device: Device, arena_address: int, arena_bytes: int, max_pools: int,
+    """One device plane per device it serves (a GPU each, by UUID): a pool goes to the device its
+    memory is on, with the arena registered for that device; the device tier lives on the first."""
+
+    def __init__(self, devices: Device | Sequence[Device], arena_address: int, arena_bytes: int, max_pools: int,
                  pool_lease_ms: int, flag_timeout_ms: int, host: CpuDevice | None = None,
                  tier: DeviceTier | None = None) -> None:
-        self.device = device
+        devices = [devices] if isinstance(devices, Device) else list(devices)
+        check(bool(devices) and len({device.uuid for device in devices}) == len(devices),
+              "a device plane serves distinct devices")
+        self.device = devices[0]
+        self.devices = {device.uuid: device for device in devices}
         self.tier = tier
         self.saved_blocks = self.loaded_blocks = 0
-        self.host = host if host is not None else (device if isinstance(device, CpuDevice) else CpuDevice())
-        self.arena = device.register_host(arena_address, arena_bytes)
+        self.host = host if host is not None else (self.device if isinstance(self.device, CpuDevice) else CpuDevice())
+        # Flag words come from the CPU device of the engine's host side: the CPU devices served, or `host`.
+        self.hosts = {uuid: device for uuid, device in self.devices.items() if isinstance(device, CpuDevice)} \
+            or {self.host.uuid: self.host}
+        self.arenas = self._register_arena(arena_address, arena_bytes)
+        self.arena = self.arenas[self.device.uuid]
         self.max_pools = max_pools
         self.pool_lease_ms = pool_lease_ms
         self.flag_timeout_s = flag_timeout_ms / 1000.0
@@ -112,6 +127,21 @@ class DevicePlane:
         self.deposits: dict[str, Deposit] = {}
         self._ids = itertools.count(1)
         self._drains: set[asyncio.Task] = set()
+
+    def _register_arena(self, address: int, nbytes: int) -> dict[str, Memory]:
+        """The arena as each device addresses it. A CUDA registration is portable (every device's
+        context sees it), so the first one serves all; the CPU device's only records the range."""
+        arenas: dict[str, Memory] = {}
+        first = self.device.register_host(address, nbytes)
+        for uuid, device in self.devices.items():
+            if device is self.device or device.kind == "cuda":
+                arenas[uuid] = dataclasses.replace(first, device_uuid=uuid)
+            else:
+                arenas[uuid] = device.register_host(address, nbytes)
+        self._arena_registrations = [(self.device, first)] + [
+            (device, arenas[uuid]) for uuid, device in self.devices.items()
+            if device is not self.device and device.kind != "cuda"]
+        return arenas
 
     # ---------------------------------------------------------------- registration
 
@@ -128,48 +158,55 @@ class DevicePlane:
                                request.page_stride_bytes, request.v_offset_bytes)
         except DeviceError as error:
             raise InvalidArgument(f"page_stride_bytes, v_offset_bytes: {error}") from None
-        handles = [self._handle(f"layers[{i}]", data, shape.layer_bytes_needed(), self.device)
+        handles = [self._handle(f"layers[{i}]", data, shape.layer_bytes_needed(), self.devices)
                    for i, data in enumerate(request.layers)]
-        flags_handle = self._handle("flags", request.flags, 8, self.host)
+        device = self.devices[handles[0].device_uuid]
+        if any(handle.device_uuid != device.uuid for handle in handles):
+            raise InvalidArgument("layers: a pool's layers are memory of one device; these name "
+                                  f"{sorted({handle.device_uuid for handle in handles})}")
+        flags_handle = self._handle("flags", request.flags, 8, self.hosts)
+        host = self.hosts[flags_handle.device_uuid]
         opened: list[Memory] = []
         flags_on_device = None
         try:
-            layers = [self._open(self.device, handle, name, opened, tenant) for name, handle in
+            layers = [self._open(device, handle, name, opened, tenant) for name, handle in
                       ((f"layers[{i}]", h) for i, h in enumerate(handles))]
-            flags = self._open(self.host, flags_handle, "flags", opened, tenant)
+            flags = self._open(host, flags_handle, "flags", opened, tenant)
             flags = Memory(flags.address, flags.nbytes - flags.nbytes % 8, flags.device_uuid, flags.token)
-            flags_on_device = flags if self.device is self.host else self.device.register_host(flags.address,
-                                                                                               flags.nbytes)
+            flags_on_device = flags if device is host else device.register_host(flags.address, flags.nbytes)
             layout = PoolLayout(tuple(layers), layer_bytes, request.num_blocks, shape.page_stride, shape.v_offset)
-            stream = self.device.stream()
+            stream = device.stream()
         except BaseException:
             if flags_on_device is not None and flags_on_device is not flags:
-                self.device.unregister_host(flags_on_device)
+                device.unregister_host(flags_on_device)
             self._close_all(opened)
             raise
         for handle in (*handles, flags_handle):  # a deposit serves one registration
             if handle.handle.startswith(DEPOSIT_PREFIX):
                 self._drop_deposit(handle.handle.split(b":")[1].decode())
         lease_ms = request.lease_ms or self.pool_lease_ms
-        pool = Pool(next(self._ids), request.client_id, request.namespace_id, layout, flags, flags_on_device,
-                    stream, lease_ms, now_ms + lease_ms, opened)
+        pool = Pool(next(self._ids), request.client_id, request.namespace_id, device, self.arenas[device.uuid], layout,
+                    flags, flags_on_device, stream, lease_ms, now_ms + lease_ms, opened)
         self.pools[pool.pool_id] = pool
         log.info("pool registered", extra={"pool_id": pool.pool_id, "client_id": pool.client_id,
-                                           "layers": num_layers, "num_blocks": request.num_blocks})
+                                           "layers": num_layers, "num_blocks": request.num_blocks,
+                                           "device_uuid": device.uuid})
         return pool
 
-    def _handle(self, name: str, data: bytes, least_bytes: int, device: Device) -> IpcHandle:
+    def _handle(self, name: str, data: bytes, least_bytes: int, devices: dict[str, Device]) -> IpcHandle:
+        """The handle in `data`, of memory of one of `devices` (the device planes', or the flag words')."""
         try:
             handle = IpcHandle.from_bytes(data)
         except (DeviceError, ValueError) as error:
             raise InvalidArgument(f"{name}: not a kvd IPC handle ({error})") from None
-        if handle.kind != device.kind:
+        kind = next(iter(devices.values())).kind
+        if handle.kind != kind:
             raise FailedPrecondition(f"{name} is memory of a {handle.kind!r} device; this kvd's "
-                                     f"{'device plane' if device is self.device else 'flag words'} use "
-                                     f"{device.kind!r}")
-        if handle.device_uuid != device.uuid:
+                                     f"{'device plane' if devices is self.devices else 'flag words'} use "
+                                     f"{kind!r}")
+        if handle.device_uuid not in devices:
             raise FailedPrecondition(f"{name} is memory of device {handle.device_uuid}, not of this kvd's "
-                                     f"{device.kind} device {device.uuid}")
+                                     f"{kind} devices {sorted(devices)} ([device] index and count)")
         if handle.nbytes < least_bytes:
             raise InvalidArgument(f"{name} holds {handle.nbytes} bytes, less than the {least_bytes} it must")
         return handle
@@ -227,9 +264,7 @@ class DevicePlane:
 
     def _close_all(self, opened: list[Memory]) -> None:
         for memory in opened:
-            device = self.host if memory.device_uuid == self.host.uuid and self.host is not self.device \
-                else self.device
-            device.close(memory)
+            (self.devices.get(memory.device_uuid) or self.hosts[memory.device_uuid]).close(memory)
 
     def pool(self, client_id: str, pool_id: int, namespace_id: bytes | None = None) -> Pool:
         pool = self.pools.get(pool_id)
@@ -267,7 +302,7 @@ class DevicePlane:
                                                                           "error": str(error)})
         pool.stream.close()
         if pool.flags_on_device is not pool.flags:
-            self.device.unregister_host(pool.flags_on_device)
+            pool.device.unregister_host(pool.flags_on_device)
         self._close_all(pool.opened)
         self.pools.pop(pool.pool_id, None)
 
@@ -278,7 +313,8 @@ class DevicePlane:
             await task
         for pool in list(self.pools.values()):
             await self._retire(pool)
-        self.device.unregister_host(self.arena)
+        for device, registration in self._arena_registrations:
+            device.unregister_host(registration)
         if self.tier is not None:
             self.tier.close()
 
@@ -330,14 +366,18 @@ class DevicePlane:
             raise
         finally:
             pool.end()
-            if self.tier is not None:
+            if self._tier_of(pool) is not None:
                 self.tier.settle(pool.namespace_id, keys, tier_entries, landed)
         self.saved_blocks += len(slot_offsets)
         return done
 
+    def _tier_of(self, pool: Pool) -> DeviceTier | None:
+        """The device tier, for pools on its device (the first): copies between GPUs stay out of it."""
+        return self.tier if pool.device is self.device else None
+
     def _tier_places(self, pool: Pool, pages: np.ndarray, keys, blocks, distance: int) -> tuple[list, list]:
         """Device tier entries for a save's blocks (pinned), and the copy list that fills them."""
-        if self.tier is None or not len(keys):
+        if self._tier_of(pool) is None or not len(keys):
             return [], []
         layout = pool.layout
         entries = self.tier.place(pool.namespace_id, keys, blocks, layout.page_bytes, len(layout.layers), distance)
@@ -355,7 +395,7 @@ class DevicePlane:
 
         done = base + len(pool.layout.layers)
         try:
-            save_layers(pool.stream, pool.layout, pages, self.arena, slot_offsets, pool.flags_on_device,
+            save_layers(pool.stream, pool.layout, pages, pool.arena, slot_offsets, pool.flags_on_device,
                         pool.flags_on_device, kvd_flag, base, written=written, engine_flag_index=engine_flag,
                         also=also)
             pool.stream.synchronize()
@@ -383,18 +423,19 @@ class DevicePlane:
         slot_offsets) into the pages, from the device tier where it holds them; `on_landed()` runs
         (on the event loop) once every copy has landed or the stream failed. Returns the value
         flags[kvd_flag] reaches, and which blocks came from the device tier."""
-        entries = self.tier.find(pool.namespace_id, keys, blocks) if self.tier is not None else []
+        tier = self._tier_of(pool)
+        entries = tier.find(pool.namespace_id, keys, blocks) if tier is not None else []
         try:
             done = load_layers(pool.stream, pool.layout, self._sources(pool, pages, slot_offsets, entries),
                                pool.flags_on_device, kvd_flag, base)
         except BaseException:
-            if self.tier is not None:
-                self.tier.unpin(pool.namespace_id, keys, entries)
+            if tier is not None:
+                tier.unpin(pool.namespace_id, keys, entries)
             raise
 
         def landed() -> None:
-            if self.tier is not None:
-                self.tier.unpin(pool.namespace_id, keys, entries)
+            if tier is not None:
+                tier.unpin(pool.namespace_id, keys, entries)
             on_landed()
 
         pool.begin()
@@ -409,7 +450,7 @@ class DevicePlane:
         layout = pool.layout
         from_arena = np.asarray(slot_offsets, dtype=np.int64).reshape(-1, 1) \
             + np.arange(len(layout.layers), dtype=np.int64) * layout.page_bytes
-        sources = [(self.arena, pages, from_arena)]
+        sources = [(pool.arena, pages, from_arena)]
         rows = [i for i, entry in enumerate(entries) if entry is not None]
         if rows:
             in_tier = np.stack([entries[i].offsets for i in rows])

@@ -472,3 +472,35 @@ def test_a_clients_arena_mapping_is_pinned_once_per_device_and_unpinned_when_it_
     assert device._registered == {arena.slots.ctypes.data}
     client.close()
     assert device._registered == set()
+
+
+def test_one_daemon_serves_a_pool_on_each_of_its_devices_and_refuses_another(tmp_path):
+    """With [device] count = 2 the daemon serves devices 0 and 1 (an engine with TP = 2 registers a
+    pool on each GPU): each pool's blocks are saved and loaded through its own device's plane, and
+    they meet in the same arena. A pool on device 2 is refused, naming the devices it serves."""
+    config = {"host": {"capacity_bytes": 16 << 20, "slot_bytes": 64 << 10},
+              "device": {"kind": "cpu", "index": 0, "count": 2}}
+    with run_daemon(tmp_path / "kvd", config=config) as daemon, Client(daemon.unix_target) as client:
+        engines = [Engine(client, open_device("cpu", index)) for index in (0, 1)]
+        data, keys = blocks(4, seed=40), keys_for(40, 4)
+        first, second = engines
+        for page, block in zip([0, 1], data[:2]):
+            first.write(page, block)
+        for page, block in zip([2, 3], data[2:]):
+            second.write(page, block)
+        for engine, part, pages in ((first, slice(0, 2), [0, 1]), (second, slice(2, 4), [2, 3])):
+            base = engine.pool.flag(ENGINE)
+            engine.pool.mark(ENGINE, base + SPEC.num_layers)
+            parent = keys[part.start - 1] if part.start else b""
+            assert engine.pool.save(keys[part], pages, ENGINE, KVD, base, parent_key=parent).stored == 2
+        np.testing.assert_array_equal(client.get_numpy(first.namespace, keys), data)
+        loaded = second.pool.load(keys, [10, 11, 12, 13], KVD, second.pool.flag(KVD))  # device 0's blocks too
+        wait_for(lambda: second.pool.flag(KVD) >= loaded.done_value)
+        for page, block in zip([10, 11, 12, 13], data):
+            np.testing.assert_array_equal(second.read(page), block)
+        with pytest.raises(grpc.RpcError) as error:
+            Engine(client, open_device("cpu", 2))
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert first.device.uuid in error.value.details() and second.device.uuid in error.value.details()
+        for engine in engines:
+            engine.close()
