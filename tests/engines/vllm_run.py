@@ -3,15 +3,17 @@
 Run in the engine venv (.venv-vllm) by tests/engines/test_vllm_connector.py:
 
     python tests/engines/vllm_run.py --model DIR --prompts P.json [--kvd TARGET] [--transfer daemon]
-        [--hooks H1,H2,..] --out R.json
+        [--hooks H1,H2,..] [--compile] --out R.json
 
 P.json is a list of token-id lists, served one after another (greedy, with
 the chosen tokens' logprobs). With --kvd the engine runs kvd's connector;
 --hooks loads it through tests/engines/vllm_hooks.py, which does something
 to the blocks between the scheduler's Lookup and the worker's load (one
-hook per prompt; vLLM's own prefix cache is reset before each). The output
-has, per prompt, the tokens, logprobs and vLLM's own count of prompt tokens
-it did not compute (num_cached_tokens), and the connector's counters.
+hook per prompt; vLLM's own prefix cache is reset before each). --compile
+runs without enforce_eager (vLLM compiles the model with torch.compile). The
+output has, per prompt, the tokens, logprobs and vLLM's own count of prompt
+tokens it did not compute (num_cached_tokens), the connector's counters, and
+the compilation settings vLLM resolved.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def engine(args):
                                     kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     # KV events on (published nowhere): the connector's events are captured below.
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if args.kvd else None
-    return LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+    return LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=not args.compile,
                block_size=BLOCK_SIZE, max_model_len=4096, seed=0, kv_transfer_config=transfer,
                kv_events_config=events, distributed_executor_backend="uni", gpu_memory_utilization=0.5)
 
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--placement", default="", help="the connector's placement table, as JSON")
     parser.add_argument("--hooks", default="", help="comma-separated, one per prompt (see vllm_hooks.py)")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--compile", action="store_true", help="without enforce_eager")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from vllm import SamplingParams
@@ -79,7 +82,10 @@ def main() -> None:
         logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, completion.token_ids)]
         results.append({"tokens": list(completion.token_ids), "logprobs": logprobs,
                         "cached_tokens": output.num_cached_tokens, "fired": _fired(args.hooks)})
-    report = {"results": results, "connector": connector_report()}
+    compilation = llm.llm_engine.vllm_config.compilation_config
+    report = {"results": results, "connector": connector_report(),
+              "compilation": {"mode": compilation.mode.name, "cudagraph_mode": compilation.cudagraph_mode.name,
+                              "backend": compilation.backend}}
     if args.kvd:
         report["events"] = events_report(llm, published, report["connector"]["totals"]["saved_blocks"])
     Path(args.out).write_text(json.dumps(report))
