@@ -19,7 +19,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h native/gpu/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers bench-read-cross proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim planner-sim slack-profile gpu-check cuda cufile fuzz-long soak-long docs
+.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers bench-read-cross proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim planner-sim slack-profile gpu-check cuda cufile fuzz-long soak-long docs device-bundle device-check-sim
 
 setup: $(BUILT_STAMP)
 
@@ -211,6 +211,18 @@ gpu-check: setup cuda cufile
 	KVD_REQUIRE_GPU=1 KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" \
 	  $(PY) -m pytest -q -p no:cacheprovider tests/device
 	KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" $(PY) bench/bench_gpu.py
+
+# The first GPU run, offline (docs/GPU.md, "Running the device check"). device-bundle, here where the
+# registries answer: .device-bundle/ (git-ignored, at most 48 MiB) with CPython 3.12 wheels of what
+# the GPU image lacks, static liburing and ISA-L for KVD_NATIVE_PREFIX, and a static fio. On the GPU
+# machine, the one command is `bash tools/device_check.sh RESULTS_DIR`. device-check-sim runs that
+# command here in a simulated bare image (Python 3.12 with the image's packages only, no index, no
+# apt; CUDA steps skipped) and keeps its table in bench/results/device_check_sim.json.
+device-bundle:
+	bash tools/device_bundle.sh
+
+device-check-sim: device-bundle
+	bash tools/device_check/sim.sh
 
 # The simulator (python -m kvd.sim) over many more seeds and longer traces
 # than `make test` runs: every policy, two host capacities, write-back and
