@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvd._native import IO_RING_WAITS
 from kvd.device.api import DeviceError, Memory, NoDevice
 from kvd.device.cuda import _check
-from kvd.device.io_ring import RingMemory, WaitResult, WaitState
+from kvd.device.io_ring import IO_RING_WAITS, RingMemory, WaitResult, WaitState
 
 THREADS_PER_BLOCK = 256
 PLAN_COLUMNS = (("files", np.uint64), ("offsets", np.uint64), ("lengths", np.uint64), ("targets", np.uint64),
