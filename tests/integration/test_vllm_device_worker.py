@@ -39,10 +39,10 @@ CONFIG = {"host": {"capacity_bytes": 16 << 20, "slot_bytes": 64 << 10}, "device"
 class Model:
     """vLLM's side: one [BLOCKS, ...] tensor per layer and the worker it drives."""
 
-    def __init__(self, target: str, spec: NamespaceSpec = SPEC, **options) -> None:
+    def __init__(self, target: str, spec: NamespaceSpec = SPEC, blocks: int = BLOCKS, **options) -> None:
         self.spec = spec
-        self.tensors = {f"layers.{i}.attn": torch.zeros(BLOCKS, spec.layer_bytes // 4) for i in range(spec.num_layers)}
-        layout = paged_layout(self.tensors, BLOCKS)
+        self.tensors = {f"layers.{i}.attn": torch.zeros(blocks, spec.layer_bytes // 4) for i in range(spec.num_layers)}
+        layout = paged_layout(self.tensors, blocks)
         config = ConnectorConfig(target=target, transfer="daemon", load_timeout_s=10.0, **options)
         self.worker = DeviceWorkerSide(config, layout, local_namespace(spec), 0, list(self.tensors.values()))
 
@@ -144,6 +144,22 @@ def test_a_request_that_loads_and_saves_in_one_step_stores_what_its_forward_wrot
     assert totals["loaded_blocks"] == 2 and totals["load_errors"] == 0 and totals["saved_blocks"] == 2 + 3  # the first two were there
     with Client(daemon.unix_target) as client:
         np.testing.assert_array_equal(client.get_numpy(client.register_namespace(SPEC), keys), blocks)
+    model.worker.close()
+
+
+def test_more_requests_load_in_one_step_than_a_fixed_64_flag_words_allowed(daemon):
+    """Each load in flight takes a flag word of its own: 70 requests hitting the same prefix in one step
+    all load (with 64 words, two of them the saves', the last 8 were refused and recomputed)."""
+    requests = 70
+    model = Model(daemon.unix_target, blocks=requests + 2)
+    block, keys = data(1, 9), keys_for(9, 1)
+    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys], [0])]), compute={0: block[0]})
+    pages = range(2, 2 + requests)
+    model.step(KvdConnectorMetadata(loads=[LoadOrder(f"r{page}", [keys], 0, [page], False) for page in pages]))
+    totals = model.totals()
+    assert totals["load_errors"] == 0 and totals["loaded_blocks"] == requests
+    for page in pages:
+        np.testing.assert_array_equal(model.page(page), block[0])
     model.worker.close()
 
 
