@@ -23,6 +23,7 @@ class FakeCuda:
         self.current = threading.local()
         self.calls: list[tuple[str, tuple]] = []
         self.opened: dict[int, int] = {}      # base -> references held by the driver
+        self.allocations: set[int] = set()    # bases of this process's own allocations (a framework's)
         self.registered: dict[int, int] = {}  # host address -> bytes
         self.next_base = 0x7F00_0000_0000
         self.runtime = self._runtime()
@@ -87,6 +88,8 @@ class FakeCuda:
             cudaEventSynchronize=ok("cudaEventSynchronize"),
             cudaEventDestroy=lambda handle: (SUCCESS,),
             cudaIpcMemHandle_t=lambda: SimpleNamespace(reserved=b""),
+            cudaIpcGetMemHandle=lambda address: (SUCCESS, *self._call("cudaIpcGetMemHandle",
+                                                                      SimpleNamespace(reserved=b"\x07" * 64))),
             cudaIpcOpenMemHandle=self._ipc_open,
             cudaIpcCloseMemHandle=self._ipc_close,
             cudaHostRegister=self._host_register,
@@ -110,7 +113,7 @@ class FakeCuda:
         )
 
     def _base_of(self, address: int) -> int:
-        for base in self.opened:
+        for base in (*self.opened, *self.allocations):
             if base <= address < base + self.allocation_bytes:
                 return base
         return address
