@@ -794,3 +794,25 @@ def test_a_failing_layer_callback_leaves_no_read_in_flight(drives, arena):
     assert tier.engine.batches_in_flight == 0  # the next layer's batch was waited
     assert read(tier, arena, [0, 1]).all()
     tier.close()
+
+
+def test_a_compaction_syncs_the_data_of_its_records_before_it_publishes_them(drives, arena, monkeypatch):
+    """Under GROUP a PUT's data waits for the timer's sync; a compaction's snapshot is durable at once,
+    so the segments its records point at are synced before it is published, never after."""
+    config = make_config(drives, policy=FsyncPolicy.GROUP)
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {slot: 40 + slot for slot in range(4)}))
+    events: list[str] = []
+    fdatasync, compacts = tier._fdatasync, [manifest.compact for manifest in tier._manifests]
+    monkeypatch.setattr(tier, "_fdatasync", lambda index: events.append(f"data {index}") or fdatasync(index))
+    for drive, manifest in enumerate(tier._manifests):
+        monkeypatch.setattr(manifest, "compact", lambda drive=drive: events.append(f"publish {drive}")
+                            or compacts[drive]())
+    written = [sorted(pending) for pending in tier._unsynced_data]
+    assert any(written), "GROUP left no data unsynced: nothing to check"
+    assert tier.compact_if_needed(0) == len(drives)
+    for drive, indexes in enumerate(written):
+        published = events.index(f"publish {drive}")
+        assert all(events.index(f"data {index}") < published for index in indexes), events
+    assert not any(tier._unsynced_data)
+    tier.close()

@@ -1267,9 +1267,9 @@ class DiskTier:
             if drive not in self.failed_drives:
                 self._sync_drive(drive, force=force)
 
-    def _sync_drive(self, drive: int, *, force: bool = False) -> bool:
-        """Sync a drive's manifest (whatever the policy if `force`), the data its
-        records point at first; False takes the drive out of writes."""
+    def _sync_segments(self, drive: int) -> bool:
+        """fdatasync the drive's segments written since their last sync; False (the drive
+        taken out of writes) when one fails."""
         pending = self._unsynced_data[drive]
         for index in sorted(pending):
             result = self._fdatasync(index)
@@ -1278,6 +1278,13 @@ class DiskTier:
                 self._fail_drive(drive, f"segment fdatasync failed: {os.strerror(-result)}")
                 return False
             pending.discard(index)
+        return True
+
+    def _sync_drive(self, drive: int, *, force: bool = False) -> bool:
+        """Sync a drive's manifest (whatever the policy if `force`), the data its
+        records point at first; False takes the drive out of writes."""
+        if not self._sync_segments(drive):
+            return False
         try:
             self._manifests[drive].sync(force=force)
         except OSError as error:
@@ -1292,6 +1299,10 @@ class DiskTier:
         compacted = 0
         for drive, manifest in enumerate(self._manifests):
             if drive in self.failed_drives or manifest.size_bytes <= max_bytes:
+                continue
+            # The snapshot is durable the moment it is published: the data of every record in it
+            # goes to the drive first, as before any manifest sync.
+            if not self._sync_segments(drive):
                 continue
             try:
                 manifest.compact()
