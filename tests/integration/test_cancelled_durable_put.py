@@ -23,6 +23,14 @@ PUTS = 10
 BLOCKS_PER_PUT = 64
 
 
+def wait_committed(client: Client, namespace, keys: list[bytes], timeout_s: float = 30.0) -> None:
+    """Until the Put's blocks are stored (committed; a durable Put then waits for the disk)."""
+    deadline = time.monotonic() + timeout_s
+    while client.lookup(namespace, keys).matched < len(keys):
+        assert time.monotonic() < deadline, "the Put was not committed in time"
+        time.sleep(0.002)
+
+
 def test_cancelled_durable_puts_log_no_error(tmp_path):
     config = {
         "host": {"capacity_bytes": 8 << 20, "slot_bytes": SPEC.block_bytes},
@@ -41,7 +49,7 @@ def test_cancelled_durable_puts_log_no_error(tmp_path):
                 call = stub.PutInline.future(kvd_pb2.PutInlineRequest(
                     namespace_id=namespace.namespace_id, client_id="leaver", keys=keys, blocks=blocks,
                     ack=kvd_pb2.ACK_DURABLE))
-                time.sleep(0.03)  # committed, and waiting for the disk
+                wait_committed(client, namespace, keys)  # and now waiting for the disk
                 call.cancel()
             # The writer catches up; cancelled calls' waits resolve unobserved.
             deadline = time.monotonic() + 20
