@@ -425,6 +425,9 @@ class Daemon:
         if self.arena_socket is not None:
             await self.arena_socket.close()
         if self.server is not None:
+            running = self.rpcs.running()
+            log.info("waiting for in-flight RPCs", extra={"rpcs_running": sum(running.values()),
+                                                          "rpcs": describe(running)})
             await stop_server(self.server, self.config.server.grace_period_s, self.rpcs)
         await _cancelled(self._sweeper)
         if self.device_plane is not None:

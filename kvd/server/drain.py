@@ -100,9 +100,6 @@ async def stop_server(server: Any, grace_s: float, tracker: RpcTracker,
     """
     started = time.monotonic()
     deadline = started + grace_s
-    running = tracker.running()
-    log.info("waiting for in-flight RPCs", extra={"grace_period_s": grace_s, "rpcs_running": sum(running.values()),
-                                                  "rpcs": describe(running)})
     # kvd ends the grace period itself, to know what was still running.
     stopping = asyncio.ensure_future(server.stop(grace_s + BACKSTOP_S))
     try:
