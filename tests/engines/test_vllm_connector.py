@@ -26,7 +26,7 @@ reference is vLLM alone serving prompt B (and E, for the compiled run). Then:
   connector's requires_piecewise_for_cudagraph, and VLLM_COMPILE becomes
   DYNAMO_TRACE_ONCE (one Dynamo trace, inductor by default; the attention
   op, where the hooks run, stays opaque to the trace).
-  tests/unit/test_vllm_connector_cudagraph.py checks the downgrade to
+  tests/engines/test_vllm_cudagraph.py checks the downgrade to
   PIECEWISE on a platform that has graphs.
 """
 
@@ -51,7 +51,6 @@ from kvd.v1 import kvd_pb2
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 BLOCK = 128
 PREFIX_TOKENS = 1100  # 8 full blocks shared by A and B; block 8 holds the suffix
 LOGPROB_TOLERANCE = 1e-5
@@ -97,13 +96,6 @@ class Kvd:
     def stop(self) -> None:
         if self.daemon.alive():
             assert self.daemon.stop() == 0, self.daemon.log()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def engine_python() -> Path:
-    if not ENGINE_PYTHON.exists():
-        pytest.fail(f"{ENGINE_PYTHON} is missing: run `make vllm-venv` (make test builds it)")
-    return ENGINE_PYTHON
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-ENGINE_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+from tests.engines.conftest import ROOT
 
 PROBE = r"""
 import contextlib
@@ -89,10 +88,8 @@ print("PROBE", json.dumps({
 
 
 @pytest.fixture(scope="module")
-def probe() -> dict:
-    if not ENGINE_PYTHON.exists():
-        pytest.skip(f"{ENGINE_PYTHON} is missing: `make vllm-venv` builds it (make test does)")
-    done = subprocess.run([str(ENGINE_PYTHON), "-c", PROBE], check=False, cwd=ROOT, capture_output=True, text=True,
+def probe(engine_python: Path) -> dict:
+    done = subprocess.run([str(engine_python), "-c", PROBE], check=False, cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
     assert done.returncode == 0 and len(lines) == 1, done.stdout[-3000:] + done.stderr[-5000:]
