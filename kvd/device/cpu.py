@@ -193,15 +193,7 @@ class CpuStream(Stream):
 
     def wait_flag(self, flags: Memory, index: int, value: int) -> None:
         word = _flag_word(flags, index)
-
-        def wait() -> None:
-            pause = 1e-6
-            while word.value < value:
-                if self._closed:
-                    raise DeviceError("the stream closed while it waited on a flag")
-                time.sleep(pause)
-                pause = min(pause * 2, _POLL_MAX_S)
-        self._issue(wait)
+        self._issue(lambda: _wait_word(word, value, lambda: self._closed))
 
     def record(self) -> CpuEvent:
         event = CpuEvent(self)
@@ -242,10 +234,7 @@ class InlineStream(Stream):
         store_flag(flags, index, value)
 
     def wait_flag(self, flags: Memory, index: int, value: int) -> None:
-        pause = 1e-6
-        while read_flag(flags, index) < value:
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
+        _wait_word(_flag_word(flags, index), value, lambda: False)
 
     def record(self) -> Event:
         return _DoneEvent()
@@ -255,6 +244,16 @@ class InlineStream(Stream):
 
     def close(self) -> None:
         return None
+
+
+def _wait_word(word: ctypes.c_uint64, value: int, closed) -> None:
+    """Poll a flag word until it reaches `value` (backing off to 1 ms); DeviceError once `closed()`."""
+    pause = 1e-6
+    while word.value < value:
+        if closed():
+            raise DeviceError("the stream closed while it waited on a flag")
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
 
 
 def _flag_word(flags: Memory, index: int) -> ctypes.c_uint64:

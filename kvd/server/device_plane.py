@@ -119,7 +119,6 @@ class DevicePlane:
         self.hosts = {uuid: device for uuid, device in self.devices.items() if isinstance(device, CpuDevice)} \
             or {self.host.uuid: self.host}
         self.arenas = self._register_arena(arena_address, arena_bytes)
-        self.arena = self.arenas[self.device.uuid]
         self.max_pools = max_pools
         self.pool_lease_ms = pool_lease_ms
         self.flag_timeout_s = flag_timeout_ms / 1000.0
@@ -128,20 +127,18 @@ class DevicePlane:
         self._ids = itertools.count(1)
         self._drains: set[asyncio.Task] = set()
 
+    def _registers_arena(self, device: Device) -> bool:
+        """Whether `device` holds a registration of the arena of its own. A CUDA registration is
+        portable (every device's context sees it), so the first device's serves every GPU; the CPU
+        device's only records the range, each its own."""
+        return device is self.device or device.kind != "cuda"
+
     def _register_arena(self, address: int, nbytes: int) -> dict[str, Memory]:
-        """The arena as each device addresses it. A CUDA registration is portable (every device's
-        context sees it), so the first one serves all; the CPU device's only records the range."""
-        arenas: dict[str, Memory] = {}
+        """The arena as each device addresses it."""
         first = self.device.register_host(address, nbytes)
-        for uuid, device in self.devices.items():
-            if device is self.device or device.kind == "cuda":
-                arenas[uuid] = dataclasses.replace(first, device_uuid=uuid)
-            else:
-                arenas[uuid] = device.register_host(address, nbytes)
-        self._arena_registrations = [(self.device, first)] + [
-            (device, arenas[uuid]) for uuid, device in self.devices.items()
-            if device is not self.device and device.kind != "cuda"]
-        return arenas
+        return {uuid: first if device is self.device else device.register_host(address, nbytes)
+                if self._registers_arena(device) else dataclasses.replace(first, device_uuid=uuid)
+                for uuid, device in self.devices.items()}
 
     # ---------------------------------------------------------------- registration
 
@@ -313,8 +310,9 @@ class DevicePlane:
             await task
         for pool in list(self.pools.values()):
             await self._retire(pool)
-        for device, registration in self._arena_registrations:
-            device.unregister_host(registration)
+        for uuid, device in self.devices.items():
+            if self._registers_arena(device):
+                device.unregister_host(self.arenas[uuid])
         if self.tier is not None:
             self.tier.close()
 
