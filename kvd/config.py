@@ -120,8 +120,13 @@ class DiskSettings:
     # free slots (or a Put asks for ACK_DURABLE), so short-lived blocks never
     # cost SSD writes; "through": write every sealed block at once.
     write_mode: str = "back"
-    # "strict" (fsync every write batch), "group" (every group_commit_ms) or "none".
+    # When written blocks are synced (data, then the records that point to
+    # it): "strict" with every write batch; "group" by a commit every
+    # group_commit_ms; "none" never on its own. Whatever the policy, an
+    # ACK_DURABLE Put or MakeDurable returns only once its blocks are synced:
+    # under group and none it starts a commit at once and waits for it.
     fsync: str = "strict"
+    # fsync = "group": commit at least this often (also when nobody waits).
     group_commit_ms: int = 10
     write_batch_blocks: int = 64
     queue_depth: int = 128

@@ -29,8 +29,9 @@ follow the same rules:
   as that job is over, so a Get waits for its own blocks' job only;
 * a client waiting for durability (`DurableWaits`) pins its blocks, has
   their chains queued, and gets an outcome per block as soon as one is
-  known: written, or why it never will be (its parent failed, it was lost,
-  its namespace or tenant cannot go to disk, ...), not only at its deadline.
+  known: durable (written, and synced as disk.fsync says: kvd.core.durable),
+  or why it never will be (its parent failed, it was lost, its namespace or
+  tenant cannot go to disk, ...), not only at its deadline.
 
 Invariants are checked on every transition (`check`), and `verify()` holds
 between any two calls.
@@ -38,11 +39,12 @@ between any two calls.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING
 
-from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
+from kvd.core.block import Block, BlockState
+from kvd.core.durable import SYNC_POLICIES, DurableWaits, NotDurable
 from kvd.core.prefetch import PrefetchPlan
 from kvd.core.tier import StorageTier
 from kvd.core.transfer import Transfer
@@ -52,114 +54,6 @@ if TYPE_CHECKING:
     from kvd.core.engine import Engine
 
 WRITE_MODES = ("back", "through")
-Token = TypeVar("Token")
-
-
-@dataclass(frozen=True, slots=True)
-class NotDurable:
-    """Why one block a client wants durable is not: a gRPC status name and words."""
-
-    block: Block
-    code: str
-    reason: str
-
-
-class DurableWaits(Generic[Token]):
-    """The blocks clients wait on to be durable; one token (a future, a simulated request) per wait and block."""
-
-    def __init__(self, engine: Engine, admission_reason: Callable[[Block], str]) -> None:
-        self.engine = engine
-        # Why the disk tier does not take a block's namespace (its data plane knows).
-        self.admission_reason = admission_reason
-        self.waiting: dict[Block, list[Token]] = {}
-
-    def __len__(self) -> int:
-        return len(self.waiting)
-
-    def start(self, blocks: Iterable[Block], drives_down: str, token: Callable[[Block], Token]
-              ) -> tuple[dict[Block, Token], list[NotDurable], list[BlockHandle]]:
-        """Wait on the blocks not yet on disk: (block -> its token, failures known at once, pins).
-
-        The blocks waited for stay pinned until the caller releases the
-        pins: otherwise host eviction could drop one before the writer
-        reaches it. Their chains' missing ancestors are queued for writing
-        (engine.require_durable). `drives_down` says why no drive takes
-        writes ("" when one does): then every wait fails at once.
-        """
-        engine = self.engine
-        started: dict[Block, Token] = {}
-        failures: list[NotDurable] = []
-        pins: list[BlockHandle] = []
-        for block in blocks:
-            if engine.disk_slot(block) != NO_SLOT or block in started:
-                continue
-            if drives_down:
-                failures.append(NotDurable(block, "UNAVAILABLE", drives_down))
-            elif block.state != BlockState.SEALED or not block.index.disk_enabled:
-                failures.append(self.why_not(block))
-            else:
-                pins.append(engine.pin(block))
-                started[block] = token(block)
-                self.waiting.setdefault(block, []).append(started[block])
-        engine.require_durable(list(started))
-        return started, failures, pins
-
-    def written(self, writes: Sequence[Transfer], ok: Sequence[bool]) -> list[tuple[Token, NotDurable | None]]:
-        """After a round: the outcome for each token waiting on one of its blocks."""
-        outcomes = []
-        for write, good in zip(writes, ok, strict=True):
-            tokens = self.waiting.pop(write.block, [])
-            if not tokens:
-                continue
-            if self.engine.disk_slot(write.block) == write.target_slot:
-                failure = None
-            elif good:
-                failure = self.why_not(write.block)  # written, then lost (its parent, a Delete)
-            else:
-                failure = NotDurable(write.block, "UNAVAILABLE", "the disk write failed (an I/O error on the drive; "
-                                     "see kvd_disk_failures_total and the daemon log)")
-            outcomes.extend((token, failure) for token in tokens)
-        return outcomes
-
-    def unwritable(self, picked: Sequence[Transfer]) -> list[tuple[Token, NotDurable]]:
-        """Waits on blocks that will never be written, failed now rather than
-        at their deadline: neither picked for this round nor still queued
-        (dropped because their parent has no durable copy, lost, never queued)."""
-        if not self.waiting:
-            return []
-        engine = self.engine
-        picked_blocks = {write.block for write in picked}
-        queued = set(engine.write_queue)
-        outcomes = []
-        for block in [block for block in self.waiting if engine.disk_slot(block) == NO_SLOT]:
-            if block not in picked_blocks and block not in queued:
-                failure = self.why_not(block)
-                outcomes.extend((token, failure) for token in self.waiting.pop(block))
-        return outcomes
-
-    def why_not(self, block: Block) -> NotDurable:
-        """Why a block that is not on disk never will be, from what the engine holds now."""
-        engine = self.engine
-        parent = block.parent
-        quota = block.index.quota
-        if block.state != BlockState.SEALED:
-            return NotDurable(block, "UNAVAILABLE", "it was deleted or lost before it reached disk")
-        if not block.index.disk_enabled:
-            return NotDurable(block, "FAILED_PRECONDITION",
-                              f"its namespace cannot go to disk: {self.admission_reason(block)}")
-        if parent is not None and engine.disk_slot(parent) == NO_SLOT:
-            return NotDurable(block, "UNAVAILABLE", "its parent block could not be made durable (a block is only "
-                              "ever on disk with its whole prefix)")
-        if quota is not None and quota.disk_full(engine.disk.pool.class_for(block.index.block_bytes).slot_bytes):
-            return NotDurable(block, "RESOURCE_EXHAUSTED", f"tenant {quota.name!r} is at its disk quota")
-        if engine.host_slot(block) == NO_SLOT:
-            return NotDurable(block, "UNAVAILABLE", "it left host memory before it was written")
-        return NotDurable(block, "RESOURCE_EXHAUSTED", "no disk slot could be freed for it (the disk tier is "
-                          "full of blocks being read or written)")
-
-    def verify(self) -> None:
-        for block, tokens in self.waiting.items():
-            check(bool(tokens), "{!r} is waited on by nobody", block)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +67,11 @@ class MoverSettings:
     # Prefetch reads in flight at most, and blocks per prefetch job.
     prefetch_max_blocks: int = 256
     prefetch_chunk_blocks: int = 16
+    # disk.fsync: when a written block is durable (kvd.core.durable).
+    sync: str = "strict"
 
     def __post_init__(self) -> None:
+        check(self.sync in SYNC_POLICIES, "sync must be one of {}, got {!r}", SYNC_POLICIES, self.sync)
         check(self.write_mode in WRITE_MODES, "write_mode must be back or through, got {!r}", self.write_mode)
         check(self.batch_blocks > 0 and self.chunk_blocks >= 0, "write batches need blocks")
         check(self.prefetch_max_blocks > 0 and self.prefetch_chunk_blocks > 0, "prefetch jobs need blocks")
@@ -228,7 +125,7 @@ class Mover:
         self.settings = settings
         # The write round in flight to each lower tier, at most one each.
         self.in_flight: dict[StorageTier, WriteRound] = {}
-        self.durable: DurableWaits = DurableWaits(engine, admission_reason)
+        self.durable: DurableWaits = DurableWaits(engine, admission_reason, settings.sync)
         # Gets waiting for write-back to make room: a reason to write now.
         self.starved_gets = 0
         self.draining = False
@@ -247,7 +144,7 @@ class Mover:
     # -- write-back ------------------------------------------------------------
 
     def should_write(self) -> bool:
-        if self.settings.write_mode == "through" or self.durable or self.starved_gets or self.draining:
+        if self.settings.write_mode == "through" or self.durable.waiting or self.starved_gets or self.draining:
             return True
         return self.engine.host_reclaiming()
 

@@ -16,7 +16,9 @@ together:
   * Get: blocks only on disk are read layer by layer straight into the
     host slots the engine gave them, checksums verified; a block that fails
     is lost (engine.finish_loads) and never served;
-  * a Put that asked for ACK_DURABLE waits until its blocks are written.
+  * a Put that asked for ACK_DURABLE waits until its blocks are written and
+    synced: under fsync strict by the write itself, under group and none
+    by a commit, which a waiting client starts at once (kvd.core.durable).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,14 +39,16 @@ from kvd.config import DiskSettings
 from kvd.core.block import Block
 from kvd.core.engine import Engine, GetPlan, PrefetchPlan, Transfer
 from kvd.core.io_schedule import IoClass, IoSchedule
-from kvd.core.mover import Mover, MoverSettings, NotDurable, WriteRound
+from kvd.core.durable import NotDurable
+from kvd.core.mover import Mover, MoverSettings, WriteRound
 from kvd.errors import ConfigError, Unavailable
 from kvd.invariants import check
 from kvd.io.engine import Op
 from kvd.planner.slack import SlackTable, WriteSizer
 from kvd.server.io_executor import ScheduledExecutor
+from kvd.supervisor import Supervisor
 from kvd.tiers.disk.journal import FsyncPolicy
-from kvd.tiers.disk.layout import DiskConfig, location_of, split_location
+from kvd.tiers.disk.layout import DiskConfig, drive_of, location_of, split_location
 from kvd.tiers.disk.tier import DiskRecovery, DiskTier
 from kvd.tiers.host import HostArena
 
@@ -84,6 +88,7 @@ def parse_fault_rules(text: str) -> list[FaultRule]:
 class DiskPlaneCounters:
     batches: int = 0
     chunks: int = 0  # write chunks at the drive (data batches), counted on the I/O thread
+    commits: int = 0
     removal_failures: int = 0
     durable_waits: int = 0
     durable_wait_failures: int = 0
@@ -115,10 +120,13 @@ def _write_sizer(settings: DiskSettings) -> WriteSizer | None:
 
 
 class DiskPlane:
-    def __init__(self, settings: DiskSettings, arena: HostArena) -> None:
+    def __init__(self, settings: DiskSettings, arena: HostArena,
+                 make_tier: Callable[[DiskConfig], DiskTier] = DiskTier) -> None:
         self.settings = settings
         self.config = disk_config(settings)
         self.arena = arena
+        # The tier's maker, called on the I/O thread (crash tests hand in their own file systems).
+        self._make_tier = make_tier
         self.engine: Engine | None = None
         self.tier: DiskTier | None = None
         self.counters = DiskPlaneCounters()
@@ -142,6 +150,8 @@ class DiskPlane:
         self.writes_idle.set()
         # Set after every write batch: what a Get short of host slots waits for.
         self._batch_done = asyncio.Event()
+        # Set when a client waits for a commit (fsync group or none).
+        self._commit_wanted = asyncio.Event()
 
     @property
     def slot_count(self) -> int:
@@ -167,6 +177,11 @@ class DiskPlane:
         """Blocks the drives described that the last start could not recover (known ones)."""
         return self.counters.recovery.get("lost_blocks", 0)
 
+    def syncs(self) -> tuple[int, int]:
+        """(commits, segment fdatasyncs) so far (for metrics; any thread)."""
+        stats = self.tier.stats if self.tier is not None else None
+        return self.counters.commits, stats.fsyncs if stats is not None else 0
+
     def io_bytes(self) -> tuple[int, int]:
         """Bytes (read, written) through the drives so far (for metrics; any thread)."""
         stats = self.tier.stats if self.tier is not None else None
@@ -178,7 +193,7 @@ class DiskPlane:
         """Open the drives (in the I/O thread); O(records), no data read."""
 
         def open_tier() -> tuple[DiskTier, DiskRecovery]:
-            tier = DiskTier(self.config)
+            tier = self._make_tier(self.config)
             recovery = tier.open()
             for rule in parse_fault_rules(os.environ.get(FAULTS_ENV, "")):
                 log.warning("injecting disk faults (testing only)", extra={"rule": repr(rule)})
@@ -200,7 +215,8 @@ class DiskPlane:
             # Under fifo a round is one job, in arrival order with the reads:
             # the behaviour the slack schedule replaced (the benchmark's baseline).
             chunk_blocks=0 if settings.io_schedule == "fifo" else settings.write_chunk_blocks,
-            prefetch_max_blocks=settings.prefetch_max_blocks, prefetch_chunk_blocks=settings.prefetch_chunk_blocks),
+            prefetch_max_blocks=settings.prefetch_max_blocks, prefetch_chunk_blocks=settings.prefetch_chunk_blocks,
+            sync=settings.fsync),
             admission_reason=lambda block: self._admission(block).reason)
         drives = self.config.drive_count
         for drive in recovery.quarantined:
@@ -236,10 +252,16 @@ class DiskPlane:
             + sum(damage.blocks or 0 for damage in recovery.quarantined.values()))
         return indexed
 
-    def start(self) -> None:
-        self._tasks.append(asyncio.create_task(self._writer(), name="disk-writer"))
-        if self.config.fsync_policy == FsyncPolicy.GROUP:
-            self._tasks.append(asyncio.create_task(self._group_commit(), name="disk-group-commit"))
+    def start(self, supervisor: Supervisor | None = None) -> None:
+        """Start the writer and (fsync group or none) the commit task; under `supervisor`
+        (the daemon's), a failure of either, or of the I/O thread, stops the daemon."""
+        spawn = supervisor.spawn if supervisor is not None else asyncio.create_task
+        if supervisor is not None:
+            loop = asyncio.get_running_loop()
+            self._io.on_crash = lambda error: loop.call_soon_threadsafe(supervisor.fail, "the disk I/O thread", error)
+        self._tasks.append(spawn(self._writer(), name="disk-writer"))
+        if self.config.fsync_policy != FsyncPolicy.STRICT:
+            self._tasks.append(spawn(self._committer(), name="disk-commit"))
 
     async def register_namespace(self, engine: Engine, namespace_id: bytes) -> None:
         """Persist a namespace on the drives and start writing its blocks, if the tier takes them."""
@@ -287,6 +309,8 @@ class DiskPlane:
             outcomes = mover.finish_round(round_)
             self._batch_done.set()
             _resolve(outcomes)
+            if mover.durable.commit_due():
+                self._commit_wanted.set()
 
     async def wait_for_write_back(self, timeout_s: float) -> bool:
         """Wake the writer and wait for its next batch to finish (False after timeout_s).
@@ -442,11 +466,30 @@ class DiskPlane:
         """
         return await self._journal_removals(deleted=True)
 
-    async def _group_commit(self) -> None:
-        interval_s = self.settings.group_commit_ms / 1000.0
+    async def _committer(self) -> None:
+        """group: a commit every disk.group_commit_ms, and at once when a client
+        waits for one; none: only when a client waits for one."""
+        interval_s = self.settings.group_commit_ms / 1000.0 if self.config.fsync_policy == FsyncPolicy.GROUP else None
         while not self._closing:
-            await asyncio.sleep(interval_s)
-            await self._run(self.tier.sync)
+            try:
+                await asyncio.wait_for(self._commit_wanted.wait(), interval_s)
+            except TimeoutError:
+                pass
+            self._commit_wanted.clear()
+            await self._commit()
+
+    async def _commit(self) -> None:
+        """Sync every drive (the data of each segment written, then the manifest:
+        whatever the policy) and answer the durable waits that sync covers."""
+        durable = self.mover.durable
+        covered = durable.begin_sync()
+        await self._run(functools.partial(self.tier.sync, force=True))
+        self.counters.commits += 1
+        _resolve(durable.end_sync(covered, self._sync_failure))
+
+    def _sync_failure(self, slot: int) -> str:
+        """Why the drive of a disk slot did not sync ("" when it did)."""
+        return self.tier.failed_drives.get(drive_of(self.config, self._location(slot)), "")
 
     def _no_drive_writes(self) -> str:
         """Why no drive takes writes ("" when one does): every drive is
@@ -473,6 +516,8 @@ class DiskPlane:
                                                            lambda block: loop.create_future())
         try:
             self.wake()
+            if self.mover.durable.commit_due():
+                self._commit_wanted.set()
             if waiting:
                 # asyncio.wait, not wait_for(gather(...)): when the call is
                 # cancelled (its client died), wait_for cancels the gather and
@@ -749,15 +794,17 @@ class DiskPlane:
         self.wake()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        if self.tier is not None:
-            await self._run(self.tier.sync)
-            await self._run(self.tier.close)
-        self._io.shutdown(wait=True)
+        # A task that failed was reported by its supervisor; the tier is closed all the same.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Every queued job first (a restore runs against the open tier, never a closed one).
+        await asyncio.wrap_future(self._io.when_idle())
+        try:
+            if self.tier is not None:
+                await self._run(self.tier.sync)
+        finally:
+            if self.tier is not None:
+                await self._run(self.tier.close)
+            self._io.shutdown(wait=True)
 
 
 def _resolve(outcomes) -> None:

@@ -65,7 +65,12 @@ class ScheduledExecutor:
         self._condition = threading.Condition()
         self._closed = False
         self._reading = False  # the I/O thread is inside a read job (a write may run in its slack)
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        # Called on the I/O thread if its loop itself fails (a bug: a job's own exception goes to
+        # its caller); the thread has then failed every queued job and stopped.
+        self.on_crash: Callable[[BaseException], None] | None = None
+        self._busy = False  # a job popped and not yet done
+        self._idle_waiters: list[concurrent.futures.Future] = []
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, io_class: IoClass, function: Callable[..., Any], *args: Any,
@@ -90,6 +95,22 @@ class ScheduledExecutor:
         with self._condition:
             return {c.name.lower(): self.schedule.queued(c) for c in IoClass}
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:
+            with self._condition:
+                self._closed = True
+                orphans = self.schedule.drain()
+                waiters, self._idle_waiters = self._idle_waiters, []
+            for job in orphans:
+                job.payload.future.set_exception(RuntimeError("the disk I/O thread failed"))
+            for waiter in waiters:
+                waiter.set_result(None)
+            if self.on_crash is not None:
+                self.on_crash(error)
+            raise
+
     def _loop(self) -> None:
         while True:
             with self._condition:
@@ -105,7 +126,25 @@ class ScheduledExecutor:
                     else:
                         self._condition.wait()
                     job = self.schedule.pop(self.backlog, self._clock())
+                self._busy = True
             self._execute(job)
+            with self._condition:
+                self._busy = False
+                if not len(self.schedule):
+                    waiters, self._idle_waiters = self._idle_waiters, []
+                    for waiter in waiters:
+                        waiter.set_result(None)
+
+    def when_idle(self) -> concurrent.futures.Future:
+        """A future done once no job is queued or running (at shutdown: after the last
+        restore, before the tier closes)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._condition:
+            if self._closed and not self._thread.is_alive() or not (self._busy or len(self.schedule)):
+                future.set_result(None)
+            else:
+                self._idle_waiters.append(future)
+        return future
 
     def run_fitting(self, max_bytes: int) -> int:
         """On the I/O thread, inside a running job (a restore, between its layer groups): run the

@@ -50,7 +50,8 @@ from kvd.clock import ManualClock
 from kvd.config import DiskSettings, HostConfig, LeaseConfig
 from kvd.core.block import NO_SLOT, BlockState
 from kvd.core.engine import Engine, EngineLimits, GetPlan, ReserveStatus, StorageSpec, TierId, Transfer
-from kvd.core.mover import Mover, MoverSettings, NotDurable, WriteRound
+from kvd.core.durable import NotDurable
+from kvd.core.mover import Mover, MoverSettings, WriteRound
 from kvd.core.quota import QuotaExceeded, TenantQuota
 from kvd.core.io_schedule import IoSchedule
 from kvd.core.keys import NamespaceSpec, chain_keys

@@ -14,6 +14,7 @@ It implements kvd.tiers.disk.journal.FileSystem.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 from dataclasses import dataclass, field
@@ -65,6 +66,12 @@ class CrashFs:
         self._inodes = survivors
         self._names = dict(self._durable_names)
         self.crash_at = None
+
+    def survivor(self, torn: bool = True) -> CrashFs:
+        """What a power loss now would leave, as a file system of its own (this one goes on)."""
+        twin = copy.deepcopy(self)
+        twin.crash(torn)
+        return twin
 
     # -- FileSystem ---------------------------------------------------------
 

@@ -616,8 +616,9 @@ def test_group_policy_flushes_the_data_at_the_group_commit_before_the_records(dr
     config = make_config(drives, policy=FsyncPolicy.GROUP)
     tier, _ = open_tier(config)
     events = _log_syncs(tier)
+    opened = tier.stats.fsyncs  # (opening syncs what it found)
     assert all(write(tier, arena, {0: 1, 1: 2, 2: 3}))
-    assert events == [] and tier.stats.fsyncs == 0
+    assert events == [] and tier.stats.fsyncs == opened
     tier.sync()
     files = sorted({locate(config, slot).file_index for slot in (0, 1, 2)})
     data = [f"data {index}" for index in files]
@@ -632,15 +633,42 @@ def test_group_policy_flushes_the_data_at_the_group_commit_before_the_records(dr
     tier.close()
 
 
-def test_none_policy_never_fdatasyncs_the_data(drives, arena):
+def test_none_policy_fdatasyncs_the_data_only_when_forced(drives, arena):
+    """Under none nothing is synced by a write or a plain sync; a forced one (a
+    client waiting for durability, a Delete) flushes the data, then the records."""
     config = make_config(drives, policy=FsyncPolicy.NONE)
     tier, _ = open_tier(config)
+    events = _log_syncs(tier)
+    opened = tier.stats.fsyncs
     assert all(write(tier, arena, {0: 1, 1: 2}))
     tier.sync()
-    assert tier.stats.fsyncs == 0
+    assert tier.stats.fsyncs == opened and events == []
+    tier.sync(force=True)
+    files = sorted({f"data {locate(config, slot).file_index}" for slot in (0, 1)})
+    assert sorted(event for event in events if event.startswith("data")) == files
+    for slot in (0, 1):
+        place = locate(config, slot)
+        assert events.index(f"data {place.file_index}") < events.index(f"manifest {place.drive}")
     tier.close()
     tier, recovery = open_tier(config)  # a process restart keeps what the kernel was handed
     assert sorted(r.location for r in recovery.blocks[NAMESPACE]) == [0, 1]
+    tier.close()
+
+
+def test_opening_syncs_what_a_killed_run_left_unsynced(drives, arena):
+    """A run killed under none left its writes in the page cache only; the
+    next open makes them durable before anything is served as durable."""
+    config = make_config(drives, policy=FsyncPolicy.NONE)
+    tier, _ = open_tier(config)
+    assert all(write(tier, arena, {0: 1, 1: 2}))
+    tier.close()
+    synced: list[str] = []
+    tier = DiskTier(config)
+    fdatasync = tier._fdatasync
+    tier._fdatasync = lambda index: synced.append(index) or fdatasync(index)
+    tier.open()
+    assert {locate(config, slot).file_index for slot in (0, 1)} <= set(synced)
+    assert all(manifest.unsynced_bytes == 0 for manifest in tier._manifests)
     tier.close()
 
 

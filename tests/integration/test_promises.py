@@ -284,3 +284,25 @@ def test_with_its_only_drive_quarantined_the_daemon_serves_memory_and_refuses_du
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no drive takes writes: drive 0: quarantined" in raised.value.details()
         assert "CURRENT" in raised.value.details()
+
+
+@pytest.mark.parametrize("fsync", ["group", "none"])
+def test_a_durable_ack_waits_for_a_commit_that_covers_its_blocks(tmp_path, fsync):
+    """Under group (with a commit interval far longer than the test) and
+    none, a durable Put starts a commit and returns after it: for blocks
+    written just now, and for blocks already written but not yet synced (a
+    retry). Before the fix both returned once written, with no sync at all."""
+    settings = config(tmp_path, fsync=fsync, write_mode="through")
+    settings["disk"]["group_commit_ms"] = 600_000
+    with run_daemon(tmp_path / "d", config=settings) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        written = namespace.keys(np.arange(4 * 16))
+        assert client.put(namespace, written, blocks_for(4, seed=1)) == 4  # written through, not synced
+        commits, fdatasyncs = daemon.metric("kvd_disk_commits_total"), daemon.metric("kvd_disk_fdatasyncs_total")
+        assert client.put(namespace, written, blocks_for(4, seed=1), durable=True) == 4
+        assert daemon.metric("kvd_disk_commits_total") > commits
+        assert daemon.metric("kvd_disk_fdatasyncs_total") > fdatasyncs
+        commits = daemon.metric("kvd_disk_commits_total")
+        fresh = namespace.keys(np.arange(4 * 16) + 10_000)
+        assert client.put(namespace, fresh, blocks_for(4, seed=2), durable=True) == 4
+        assert daemon.metric("kvd_disk_commits_total") > commits

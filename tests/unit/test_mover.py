@@ -177,3 +177,74 @@ def test_a_durable_wait_fails_at_once_when_it_never_can_succeed_and_says_why():
                                                  "no drive takes writes", lambda block: object())
     assert started == {} and pins == [] and [(failure.code, failure.reason) for failure in down] == [
         ("UNAVAILABLE", "no drive takes writes")] * 2
+
+
+def _start(rig: Rig, chain: str):
+    return rig.mover.durable.start(rig.engine.stored(rig.ns[SPEC], keys(SPEC, chain)), "", lambda block: object())
+
+
+def test_under_group_a_written_block_is_durable_only_once_a_commit_begun_after_its_write_ends():
+    rig = Rig(write_mode="through", sync="group")
+    durable = rig.mover.durable
+    rig.put("ab")
+    started, _, pins = _start(rig, "ab")
+    rig.run_round()
+    # Written, but not synced: no outcome yet, and a commit is wanted now.
+    assert rig.outcomes == [] and durable.commit_due()
+    # A block written while a commit is in flight is not covered by it.
+    covered = durable.begin_sync()
+    rig.put("abc")
+    rig.run_round()
+    # a and b wait for the commit in flight (their writes ended before it began), c for the next.
+    late, _, late_pins = _start(rig, "abc")
+    a, b, c = rig.engine.stored(rig.ns[SPEC], keys(SPEC, "abc"))
+    answered = durable.end_sync(covered, lambda slot: "")
+    assert {id(token) for token, _ in answered} == {id(token) for token in [*started.values(), late[a], late[b]]}
+    assert all(failure is None for _, failure in answered) and list(durable.syncing) == [c]
+    (failed,) = durable.end_sync(durable.begin_sync(), lambda slot: "drive 0: EIO")
+    assert failed[0] is late[c] and failed[1].code == "UNAVAILABLE"
+    # The drive failed its sync: the block is not durable, and a new wait fails at the next commit again.
+    again, _, again_pins = _start(rig, "abc")
+    assert len(again) == 1
+    outcome = durable.end_sync(durable.begin_sync(), lambda slot: "drive 0: EIO")
+    assert [failure.code for _, failure in outcome] == ["UNAVAILABLE"] and "EIO" in outcome[0][1].reason
+    # A later good commit: nothing left unsynced, a new wait is answered at once.
+    durable.end_sync(durable.begin_sync(), lambda slot: "")
+    assert not durable.unsynced and _start(rig, "abc")[0] == {}
+    for pin in pins + late_pins + again_pins:
+        pin.release()
+    rig.mover.verify()
+
+
+def test_under_none_every_wait_on_a_disk_copy_asks_for_a_commit_and_strict_asks_for_none():
+    rig = Rig(write_mode="through", sync="none")
+    rig.put("ab")
+    rig.run_round()
+    durable = rig.mover.durable
+    assert not durable.unsynced and not durable.commit_due()  # nobody waits: nothing is tracked
+    started, _, pins = _start(rig, "ab")
+    assert len(started) == 2 and durable.commit_due()
+    assert [failure for _, failure in durable.end_sync(durable.begin_sync(), lambda slot: "")] == [None, None]
+    for pin in pins:
+        pin.release()
+    strict = Rig(write_mode="through")
+    strict.put("ab")
+    started, _, pins = _start(strict, "ab")
+    strict.run_round()
+    assert [failure for _, failure in strict.outcomes] == [None, None] and not strict.mover.durable.commit_due()
+    assert _start(strict, "ab")[0] == {}
+    for pin in pins:
+        pin.release()
+
+
+def test_a_block_deleted_before_its_commit_is_not_acknowledged():
+    rig = Rig(write_mode="through", sync="group")
+    rig.put("ab")
+    rig.run_round()
+    durable = rig.mover.durable
+    started, _, pins = _start(rig, "ab")
+    for pin in pins:
+        pin.release()
+    rig.engine.delete(rig.ns[SPEC], keys(SPEC, "ab"))
+    outcome = durable.end_sync(durable.begin_sync(), lambda slot: "")
+    assert len(outcome) == 2 and all(failure is not None and "removed" in failure.reason for _, failure in outcome)

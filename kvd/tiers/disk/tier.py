@@ -18,8 +18,9 @@ a wrong one as good.
   * write: checksum each layer from the source memory, write, then append
     the PUT records; the segment files are fdatasynced before the manifest
     is synced (per batch under strict, at the group commit under group,
-    never under none). A block is reported written only if every step
-    succeeded.
+    under none only when forced: a client waiting for durability, a
+    Delete). A block is reported written only if every step succeeded;
+    durable once synced (the daemon's commits: kvd.core.durable).
   * read: verify every layer's crc32c against the record before the block
     counts as read; a block with any bad layer is a miss.
   * reuse: a slot's REMOVE is synced before new bytes go into that slot;
@@ -386,6 +387,8 @@ class DiskTier:
             self._complete_segments(recovery)
         self._open_files()
         self._start_engine()
+        if not self.read_only:
+            self._sync_found()
         recovery.quarantined = dict(self.quarantined)
         log.info(
             "disk tier open",
@@ -400,6 +403,20 @@ class DiskTier:
             },
         )
         return recovery
+
+    def _sync_found(self) -> None:
+        """Sync every segment and manifest found: a previous run that was killed
+        may have left writes in the page cache, and what this run serves as
+        durable must be."""
+        per_drive = self.config.segments_per_drive
+        for drive, manifest in enumerate(self._manifests):
+            if drive in self.failed_drives:
+                continue
+            first = file_index(self.config, drive, 0)
+            self._unsynced_data[drive].update(
+                index for index in range(first, first + per_drive) if self._file_sizes[index] >= 0)
+            manifest.unsynced_bytes = max(manifest.unsynced_bytes, 1)
+            self._sync_drive(drive, force=True)
 
     def _quarantine(self, drive: int, path: Path, problem: str, blocks: int | None) -> None:
         """Take a drive whose metadata cannot be read out of service: nothing
@@ -857,15 +874,14 @@ class DiskTier:
 
         STRICT: fdatasync every segment file written, now (a failure clears
         `ok` for its blocks). GROUP: the files wait for the drive's next
-        sync, which flushes them before the manifest. NONE: never; a record
-        that outlives its data after a power loss reads back as a checksum
+        sync, which flushes them before the manifest. NONE: at the next forced
+        sync only (a client waiting for durability, a Delete); a record that
+        outlives its data after a power loss reads back as a checksum
         failure, a miss, never wrong bytes.
         """
-        policy = self.config.fsync_policy
-        if policy == FsyncPolicy.GROUP:
+        if self.config.fsync_policy != FsyncPolicy.STRICT:
             for drive, index in set(zip(drives[ok].tolist(), files[ok].tolist())):
                 self._unsynced_data[drive].add(index)
-        if policy != FsyncPolicy.STRICT:
             return
         for index in np.unique(files[ok]).tolist():
             result = self._fdatasync(index)
@@ -1283,6 +1299,8 @@ class DiskTier:
     def _sync_drive(self, drive: int, *, force: bool = False) -> bool:
         """Sync a drive's manifest (whatever the policy if `force`), the data its
         records point at first; False takes the drive out of writes."""
+        if self.config.fsync_policy == FsyncPolicy.NONE and not force:
+            return True
         if not self._sync_segments(drive):
             return False
         try:
