@@ -39,8 +39,7 @@ def _load_config(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvd.daemon import serve
 
-    serve(_load_config(args))
-    return 0
+    return serve(_load_config(args))
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -53,6 +53,7 @@ from kvd.server.cluster_blocks import ClusterBlocks
 from kvd.server.auth import FAILURE_REASONS, AuthInterceptor, TokenTable
 from kvd.server.drain import RpcTracker, describe, stop_server
 from kvd.server.health import HealthService
+from kvd.supervisor import Supervisor
 from kvd.server.registration import add_kvd_service
 from kvd.server.service import KvdService
 from kvd.tiers.host import ArenaLayout, HostArena, shmem_huge_page_bytes
@@ -139,6 +140,10 @@ class Daemon:
         self.tokens: TokenTable | None = None
         self.arena_socket: ArenaSocket | None = None
         self.cluster = None  # kvd.cluster.node.ClusterNode with [cluster] etcd_endpoints
+        # Long-lived tasks and threads: a failure of one stops the daemon with exit status 1.
+        self.supervisor = Supervisor()
+        self.supervisor.on_failure(self._background_failed)
+        self.exit_status = 0
 
     def reload_tokens(self) -> None:
         """SIGHUP: re-read the tenants file and take its token digests (rotation without a restart).
@@ -181,7 +186,7 @@ class Daemon:
         if self.disk_plane is not None:
             indexed = await self.disk_plane.recover(self.engine, recovery)
             log.info("disk tier recovered", extra={"indexed_blocks": indexed})
-            self.disk_plane.start()
+            self.disk_plane.start(self.supervisor)
         registry, rpc_metrics = make_registry(self.engine)
         if self.disk_plane is not None:
             schedule = self.disk_plane.io.schedule
@@ -203,7 +208,7 @@ class Daemon:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._join_cluster(registry)
         self._serve_metrics(registry)
-        self._sweeper = asyncio.create_task(self._sweep_leases(), name="lease-sweeper")
+        self._sweeper = self.supervisor.spawn(self._sweep_leases(), name="lease-sweeper")
         self._write_endpoints(state_dir)
         self._announce_ready(layout)
 
@@ -223,7 +228,8 @@ class Daemon:
         if cluster is None:
             return
         config = self.config
-        cluster.start(self.bound_tcp_port, config.disk.capacity_bytes * len(config.disk.directories))
+        cluster.start(self.bound_tcp_port, config.disk.capacity_bytes * len(config.disk.directories),
+                      self.supervisor.spawn)
         blocks = cluster.servicer.blocks
         registry.register(ClusterCollector(lambda: len(cluster.view), cluster.joined.is_set,
                                            lambda: cluster.membership.sessions, lambda: blocks.fetched_blocks,
@@ -280,6 +286,7 @@ class Daemon:
             arena_socket=str(arena_protocol.socket_path(socket_path.resolve())) if socket_path else "",
         )
         self.service.device_plane = self.device_plane
+        self.service.on_bug = self.supervisor.fail
         # Bytes that are not a valid request message get INVALID_ARGUMENT, not UNKNOWN.
         add_kvd_service(self.service, self.server,
                         lambda method: rpc_metrics.total.labels(method, "INVALID_ARGUMENT").inc())
@@ -322,7 +329,7 @@ class Daemon:
             request_timeout_s=config.server.arena_request_timeout_s,
             on_deposit=self.device_plane.deposit if self.device_plane is not None else None,
         )
-        self.arena_socket.start()
+        self.arena_socket.start(self.supervisor.spawn)
         for path in (socket_path, self.arena_socket.path):
             os.chmod(path, 0o600)
             if config.server.unix_socket_group:
@@ -362,7 +369,7 @@ class Daemon:
             # Sent from the event loop, so a loop that stops turning (a
             # blocking call, a deadlock) stops the keep-alives and systemd
             # restarts the daemon. They go on through the drain.
-            self._watchdog = asyncio.create_task(self._keep_alive(interval_s), name="watchdog")
+            self._watchdog = self.supervisor.spawn(self._keep_alive(interval_s), name="watchdog")
 
     def _write_endpoints(self, state_dir: Path) -> None:
         """Record where this instance listens, for `kvd status` and tests."""
@@ -392,6 +399,13 @@ class Daemon:
             if self.device_plane is not None:
                 await self.device_plane.sweep(self.clock.now_ms())
 
+    def _background_failed(self, what: str, error: BaseException) -> None:
+        """A supervised task or thread failed (logged by the supervisor): NOT_SERVING, then stop."""
+        self.exit_status = 1
+        if self.health is not None:
+            asyncio.get_running_loop().create_task(self.health.enter_graceful_shutdown())
+        self._stop.set()
+
     def request_stop(self) -> None:
         if self._stop.is_set() and self.server is not None:
             # A second signal during the drain: stop waiting for in-flight RPCs.
@@ -405,13 +419,28 @@ class Daemon:
         await self._stop.wait()
 
     async def shutdown(self) -> None:
-        """Drain and stop; safe to call more than once."""
+        """Drain and stop; safe to call more than once. The tiers are synced and
+        closed whatever the drain met (finally)."""
         if self._stopped:
             return
         self._stopped = True
         started = time.monotonic()
         sd_notify("STOPPING=1")
         log.info("draining", extra={"grace_period_s": self.config.server.grace_period_s})
+        try:
+            await self._drain()
+        finally:
+            leases = await self._close_planes(started)
+            self._release_files()
+            await _cancelled(self._watchdog)
+        log.info(
+            "stopped",
+            extra={"leases_closed": leases, "drain_s": round(time.monotonic() - started, 3),
+                   "exit_status": self.exit_status},
+        )
+
+    async def _drain(self) -> None:
+        """Leave the cluster, end the streams, let in-flight RPCs finish, stop the sweeper."""
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
         if self.cluster is not None:
@@ -430,13 +459,23 @@ class Daemon:
                                                           "rpcs": describe(running)})
             await stop_server(self.server, self.config.server.grace_period_s, self.rpcs)
         await _cancelled(self._sweeper)
-        if self.device_plane is not None:
-            await self.device_plane.close()  # every pool's stream drained before the arena goes
-        leases = self.engine.close_all_leases() if self.engine is not None else 0
-        if self.disk_plane is not None:
-            # Queued write-through gets what is left of the grace period.
-            remaining_s = max(0.0, self.config.server.grace_period_s - (time.monotonic() - started))
-            await self.disk_plane.close(remaining_s)
+
+    async def _close_planes(self, started: float) -> int:
+        """Close the device plane, every lease, then the disk plane (queued writes get what is
+        left of the grace period; then sync and close); the leases closed."""
+        leases = 0
+        try:
+            if self.device_plane is not None:
+                await self.device_plane.close()  # every pool's stream drained before the arena goes
+            leases = self.engine.close_all_leases() if self.engine is not None else 0
+        finally:
+            if self.disk_plane is not None:
+                remaining_s = max(0.0, self.config.server.grace_period_s - (time.monotonic() - started))
+                await self.disk_plane.close(remaining_s)
+        return leases
+
+    def _release_files(self) -> None:
+        """The metrics server, the arena, the socket and endpoints.json."""
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
@@ -449,11 +488,6 @@ class Daemon:
                 socket_path.unlink()
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             (Path(self.config.state_dir) / "endpoints.json").unlink()
-        await _cancelled(self._watchdog)
-        log.info(
-            "stopped",
-            extra={"leases_closed": leases, "drain_s": round(time.monotonic() - started, 3)},
-        )
 
 
 def _listen(add_port, setting: str, address: str) -> int:
@@ -642,17 +676,15 @@ def _log_exposure(config: Config, tenants: list[TenantSettings]) -> None:
 
 
 async def _cancelled(task: asyncio.Task | None) -> None:
-    """Cancel a background task of the daemon and wait until it has ended."""
+    """Cancel a background task of the daemon and wait until it has ended (a failure
+    of its own was reported by the supervisor already)."""
     if task is None:
         return
     task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
+    await asyncio.gather(task, return_exceptions=True)
 
 
-async def _serve(config: Config) -> None:
+async def _serve(config: Config) -> int:
     daemon = Daemon(config)
     loop = asyncio.get_running_loop()
     handled = (signal.SIGTERM, signal.SIGINT)
@@ -671,6 +703,7 @@ async def _serve(config: Config) -> None:
         await daemon.shutdown()
         for signum in (*handled, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+    return daemon.exit_status
 
 
 def _describe_os_error(error: OSError) -> str:
@@ -680,9 +713,10 @@ def _describe_os_error(error: OSError) -> str:
     return str(error) or type(error).__name__
 
 
-def serve(config: Config) -> None:
-    """Run the daemon on uvloop until SIGTERM or SIGINT."""
+def serve(config: Config) -> int:
+    """Run the daemon on uvloop until SIGTERM or SIGINT (0), or until a supervised task
+    or thread fails (1: kvd.supervisor)."""
     import uvloop
 
     setup_logging(config.log.level, config.log.format)
-    uvloop.run(_serve(config))
+    return uvloop.run(_serve(config))

@@ -16,6 +16,7 @@ and peers follow, and a leaver's entries leave this node's shard at once.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 import contextlib
 import logging
 import socket
@@ -118,7 +119,9 @@ class ClusterNode:
     def register(self, server: grpc.aio.Server) -> None:
         kvd_pb2_grpc.add_ClusterServicer_to_server(self.servicer, server)
 
-    def start(self, bound_tcp_port: int | None, disk_capacity_bytes: int) -> None:
+    def start(self, bound_tcp_port: int | None, disk_capacity_bytes: int,
+              spawn: Callable[..., asyncio.Task] = asyncio.create_task) -> None:
+        """Join: the membership and publisher tasks run under `spawn` (the daemon's supervisor)."""
         incarnation = time.time_ns()  # new on every start: peers tell this process from an earlier one
         self.transport = self._open_transport(incarnation)
         self.member = Member(
@@ -132,8 +135,8 @@ class ClusterNode:
         self.membership = Membership(etcd_settings(self.config), self.member, self.view)
         self.membership.on_rejoined_as_new = self._rejoined_as_new
         self.joined = self.membership.joined
-        self._tasks = [asyncio.create_task(self.membership.run(), name="cluster-membership"),
-                       asyncio.create_task(self._publish_loop(), name="cluster-publisher")]
+        self._tasks = [spawn(self.membership.run(), name="cluster-membership"),
+                       spawn(self._publish_loop(), name="cluster-publisher")]
 
     def _open_transport(self, incarnation: int):
         """The NIXL agent, with the arena registered (cluster.transport auto or nixl)."""

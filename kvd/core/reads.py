@@ -167,6 +167,17 @@ class Reads(EnginePart):
             source.counters.load_failures += 1
             self.blocks.lose(block)
 
+    def give_up_loads(self, loads: Sequence[Transfer]) -> None:
+        """Reads that did not happen (their job raised, a bug, or never ran): nothing is lost,
+        each block keeps its copy below, its host slot goes back, its read's pin is released."""
+        for load in loads:
+            if load.block in self.blocks.loading:
+                check(self.blocks.host_slot(load.block) == load.target_slot, "{!r} loads into another slot", load.block)
+                self.blocks.loading.discard(load.block)
+                self.blocks.clear_host_slot(load.block, cold_parent=False)
+            if load.handle is not None:
+                load.handle.release()
+
     def abandon_get(self, plan: GetPlan) -> None:
         """Drop a plan whose loads were never started: slots back, pins released."""
         for load in plan.loads:

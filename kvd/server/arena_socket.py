@@ -47,7 +47,8 @@ class ArenaSocket:
         self._accepting: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
 
-    def start(self) -> None:
+    def start(self, spawn: Callable[..., asyncio.Task] | None = None) -> None:
+        """Listen; the accept loop runs under `spawn` (the daemon's supervisor), if given."""
         """Bind (mode 0600 from the start, whatever the umask) and accept on the running loop."""
         self.path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -59,7 +60,8 @@ class ArenaSocket:
         listener.listen(128)
         listener.setblocking(False)
         self._listener = listener
-        self._accepting = asyncio.get_running_loop().create_task(self._accept(), name="arena-socket")
+        spawn = spawn or asyncio.get_running_loop().create_task
+        self._accepting = spawn(self._accept(), name="arena-socket")
 
     async def close(self) -> None:
         for task in [self._accepting, *self._connections]:

@@ -127,6 +127,8 @@ class DiskPlane:
         self.arena = arena
         # The tier's maker, called on the I/O thread (crash tests hand in their own file systems).
         self._make_tier = make_tier
+        # Told of a bug met off the request path (the daemon's supervisor stops it; see start).
+        self._on_bug: Callable[[str, BaseException], None] = _log_bug
         self.engine: Engine | None = None
         self.tier: DiskTier | None = None
         self.counters = DiskPlaneCounters()
@@ -257,6 +259,7 @@ class DiskPlane:
         (the daemon's), a failure of either, or of the I/O thread, stops the daemon."""
         spawn = supervisor.spawn if supervisor is not None else asyncio.create_task
         if supervisor is not None:
+            self._on_bug = supervisor.fail
             loop = asyncio.get_running_loop()
             self._io.on_crash = lambda error: loop.call_soon_threadsafe(supervisor.fail, "the disk I/O thread", error)
         self._tasks.append(spawn(self._writer(), name="disk-writer"))
@@ -626,10 +629,22 @@ class DiskPlane:
             reading.add_done_callback(close)
 
     def _finish_loads(self, plan: GetPlan, reading: asyncio.Future) -> None:
-        """Loop thread: record the reads' outcome (a failed read is a lost block)."""
-        ok = _read_outcome(reading, len(plan.loads))
+        """Loop thread: record the reads' outcome. A block whose read failed (a media error,
+        reported per entry) is lost; a read job that raised (a bug: the daemon stops) loses
+        nothing, its blocks stay on disk."""
+        if reading.cancelled() or reading.exception() is not None:
+            self._job_failed("a disk read job", reading)
+            self.engine.give_up_loads(plan.loads)
+            self._resolve_loads(plan.loads, [False] * len(plan.loads))
+            return
+        ok = reading.result()
         self.engine.finish_loads(plan.loads, ok)
         self._resolve_loads(plan.loads, ok)
+
+    def _job_failed(self, what: str, job: asyncio.Future | concurrent.futures.Future) -> None:
+        """A disk job that raised is a bug (media errors are results): report it to the supervisor."""
+        if not job.cancelled():
+            self._on_bug(what, job.exception())
 
     def _resolve_loads(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         """Tell the Gets waiting for these loads how they went."""
@@ -757,8 +772,13 @@ class DiskPlane:
         """Loop thread: one prefetch job is over; verified blocks stay in host memory, unpinned."""
         for load in loads:
             self._prefetch_reads.pop(load.block, None)
-        # Dropped unread at shutdown (cancelled): the blocks stay on disk only.
-        ok = None if read.cancelled() else _read_outcome(read, len(loads))
+        # Dropped unread at shutdown (cancelled), or a job that raised (a bug, reported):
+        # the blocks stay on disk only.
+        ok = None
+        if read.cancelled() or read.exception() is not None:
+            self._job_failed("a disk prefetch job", read)
+        else:
+            ok = read.result()
         loaded = self.mover.prefetch_done(loads, ok)
         self._resolve_loads(loads, ok or [False] * len(loads))
         if not job_done.done():
@@ -798,12 +818,14 @@ class DiskPlane:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         # Every queued job first (a restore runs against the open tier, never a closed one).
         await asyncio.wrap_future(self._io.when_idle())
+        # The I/O thread is gone if it crashed (reported): then this thread is the tier's only caller.
+        run = self._run if self._io.crashed is None else _call
         try:
             if self.tier is not None:
-                await self._run(self.tier.sync)
+                await run(self.tier.sync)
         finally:
             if self.tier is not None:
-                await self._run(self.tier.close)
+                await run(self.tier.close)
             self._io.shutdown(wait=True)
 
 
@@ -814,8 +836,10 @@ def _resolve(outcomes) -> None:
             future.set_result(failure)
 
 
-def _read_outcome(reading: asyncio.Future | concurrent.futures.Future, count: int) -> list[bool]:
-    """Per-block outcome of a read job: all failed if it raised or never ran."""
-    if reading.cancelled() or reading.exception() is not None:
-        return [False] * count
-    return reading.result()
+async def _call(function: Callable[[], object]) -> object:
+    return function()
+
+
+def _log_bug(what: str, error: BaseException) -> None:
+    """Without a supervisor (a plane run on its own, in tests): log it."""
+    log.error("%s failed", what, exc_info=error)

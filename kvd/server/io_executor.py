@@ -68,6 +68,7 @@ class ScheduledExecutor:
         # Called on the I/O thread if its loop itself fails (a bug: a job's own exception goes to
         # its caller); the thread has then failed every queued job and stopped.
         self.on_crash: Callable[[BaseException], None] | None = None
+        self.crashed: BaseException | None = None
         self._busy = False  # a job popped and not yet done
         self._idle_waiters: list[concurrent.futures.Future] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -100,6 +101,7 @@ class ScheduledExecutor:
             self._loop()
         except BaseException as error:
             with self._condition:
+                self.crashed = error
                 self._closed = True
                 orphans = self.schedule.drain()
                 waiters, self._idle_waiters = self._idle_waiters, []
@@ -107,9 +109,9 @@ class ScheduledExecutor:
                 job.payload.future.set_exception(RuntimeError("the disk I/O thread failed"))
             for waiter in waiters:
                 waiter.set_result(None)
-            if self.on_crash is not None:
-                self.on_crash(error)
-            raise
+            if self.on_crash is None:
+                raise  # (threading's excepthook prints it)
+            self.on_crash(error)  # logged once, by whoever it tells
 
     def _loop(self) -> None:
         while True:

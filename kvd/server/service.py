@@ -40,7 +40,7 @@ from kvd.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvd.invariants import check
+from kvd.invariants import InvariantError, check
 from kvd.metrics import RpcMetrics
 from kvd.planner.distance import NONE
 from kvd.server import convert
@@ -75,8 +75,10 @@ StreamHandler = Callable[[Any, Any, grpc.aio.ServicerContext], AsyncIterator[Any
 
 
 @contextlib.asynccontextmanager
-async def _measured(metrics: RpcMetrics, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-    """Measure one RPC and map operating errors to their gRPC status."""
+async def _measured(metrics: RpcMetrics, method: str, context: grpc.aio.ServicerContext,
+                    on_bug: Callable[[str, BaseException], None] | None = None) -> AsyncIterator[None]:
+    """Measure one RPC and map operating errors to their gRPC status. A broken invariant
+    is a bug: the caller gets INTERNAL, and `on_bug` (the daemon's supervisor) stops kvd."""
     metrics.in_flight.inc()
     started = time.perf_counter()
     code = "OK"
@@ -89,6 +91,13 @@ async def _measured(metrics: RpcMetrics, method: str, context: grpc.aio.Servicer
         await context.abort(convert.status_of(error), error.message)
     except grpc.aio.AbortError:
         raise
+    except InvariantError as error:
+        code = "INTERNAL"
+        if on_bug is None:
+            log.exception("invariant broken in %s", method)
+        else:
+            on_bug(f"the {method} handler", error)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; kvd stops (see its log)")
     except Exception:
         code = "INTERNAL"
         log.exception("internal error in %s", method)
@@ -105,7 +114,7 @@ def rpc(method: str) -> Callable[[Handler], Handler]:
     def decorate(handler: Handler) -> Handler:
         @functools.wraps(handler)
         async def wrapper(self: KvdService, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            async with _measured(self.metrics, method, context):
+            async with _measured(self.metrics, method, context, self.on_bug):
                 self._scope(request)
                 return await handler(self, request, context)
 
@@ -120,7 +129,7 @@ def stream_rpc(method: str) -> Callable[[StreamHandler], StreamHandler]:
     def decorate(handler: StreamHandler) -> StreamHandler:
         @functools.wraps(handler)
         async def wrapper(self: KvdService, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async with _measured(self.metrics, method, context):
+            async with _measured(self.metrics, method, context, self.on_bug):
                 self._scope(request)
                 async for message in handler(self, request, context):
                     yield message
@@ -171,6 +180,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         # kvd.server.device_plane.DevicePlane when [device] kind is not "off" (set by the daemon).
         self.device_plane = None
         self.planning = Planning()
+        # Told of a broken invariant in a handler (the daemon's supervisor: kvd stops).
+        self.on_bug: Callable[[str, BaseException], None] | None = None
 
     def _caller(self) -> Tenant | None:
         """The tenant of the call being served; None without auth."""
