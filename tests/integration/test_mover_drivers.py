@@ -110,16 +110,18 @@ class DaemonSide:
         await self.plane.journal_deletions()
 
     async def settle(self) -> None:
-        """Wake the writer until it has nothing left to do (each wait is bounded by its turns, not by time)."""
-        mover = self.plane.mover
-        for _ in range(2000):
-            busy = mover.round is not None or not self.plane.writes_idle.is_set()
-            if not busy and not (mover.should_write() and self.engine.write_queue):
-                break
+        """Wake the writer until it has nothing left to do: wait for each round in flight to
+        end (an event), then look again (the deadline only catches a writer that hangs)."""
+        mover, loop = self.plane.mover, asyncio.get_running_loop()
+        deadline = loop.time() + 120
+        while (mover.round is not None or not self.plane.writes_idle.is_set()
+               or (mover.should_write() and self.engine.write_queue)):
+            assert loop.time() < deadline, "the disk writer never went quiet"
             self.plane.wake()
-            await asyncio.sleep(0.002)
-        else:
-            raise AssertionError("the disk writer never went quiet")
+            if self.plane.writes_idle.is_set():
+                await asyncio.sleep(0.002)  # its next turn starts the round
+            else:
+                await asyncio.wait_for(self.plane.writes_idle.wait(), max(0.0, deadline - loop.time()))
         mover.reclaim()
         self.engine.verify()
 
