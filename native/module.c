@@ -198,6 +198,90 @@ static PyObject *ring_register_buffers(RingObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static void release_views(Py_buffer *views, int count) {
+    for (int i = 0; i < count; i++) PyBuffer_Release(&views[i]);
+}
+
+/* A read batch's checksum cells (writable uint32), exported into `view`;
+ * 0, or -1 with an exception set and nothing held. */
+static int get_checksums(PyObject *object, Py_buffer *view, struct kvd_checksums *checksums) {
+    Py_ssize_t cells = get_array(object, view, 4, 1, "checksums");
+    if (cells < 0) return -1;
+    checksums->values = view->buf;
+    checksums->capacity = (uint64_t)cells;
+    return 0;
+}
+
+/* A batch's five arrays, exported into `views`: file_index int32, offset
+ * int64, length uint32, address uint64, results int64 (writable), all of
+ * one length. Returns it, or -1 with an exception set and nothing held. */
+static Py_ssize_t get_batch_views(PyObject *objects[5], Py_buffer views[5]) {
+    static const Py_ssize_t itemsizes[5] = {4, 8, 4, 8, 8};
+    static const char *names[5] = {"file_index", "offset", "length", "address", "results"};
+    Py_ssize_t count = -1;
+    for (int taken = 0; taken < 5; taken++) {
+        Py_ssize_t length = get_array(objects[taken], &views[taken], itemsizes[taken], taken == 4, names[taken]);
+        if (length >= 0 && taken > 0 && length != count) {
+            PyErr_SetString(PyExc_ValueError, "batch arrays differ in length");
+            PyBuffer_Release(&views[taken]);
+            length = -1;
+        }
+        if (length < 0) {
+            release_views(views, taken);
+            return -1;
+        }
+        count = length;
+    }
+    if ((size_t)count > KVD_MAX_BATCH_ENTRIES) {
+        PyErr_SetString(PyExc_ValueError, "batch too large");
+        release_views(views, 5);
+        return -1;
+    }
+    return count;
+}
+
+/* Room for `count` entries, then the ring claimed; NULL with an exception
+ * set (the ring not claimed) when either fails. */
+static struct kvd_entry *claim_with_entries(RingObject *self, Py_ssize_t count) {
+    struct kvd_entry *entries = malloc((count > 0 ? (size_t)count : 1) * sizeof *entries);
+    if (entries == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (claim(self) < 0) {
+        free(entries);
+        return NULL;
+    }
+    return entries;
+}
+
+/* Copies the arrays of get_batch_views into entries; runs with the GIL
+ * released (the exports keep every array alive and unresized). */
+static void copy_entries(struct kvd_entry *entries, const Py_buffer views[5], Py_ssize_t count) {
+    const int32_t *file_index = views[0].buf;
+    const int64_t *offset = views[1].buf;
+    const uint32_t *length = views[2].buf;
+    const uint64_t *address = views[3].buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        entries[i].address = address[i];
+        entries[i].offset = offset[i];
+        entries[i].length = length[i];
+        entries[i].file_index = file_index[i];
+    }
+}
+
+/* Keeps a started batch's results (and checksum cells) exported until
+ * wait() or close(). */
+static void hold_batch_buffers(RingObject *self, uint32_t slot, const Py_buffer *results,
+                               const Py_buffer *checksums) {
+    self->results[slot] = *results;
+    self->holding[slot] = 1;
+    if (checksums != NULL) {
+        self->checksums[slot] = *checksums;
+        self->holding_checksums[slot] = 1;
+    }
+}
+
 static PyObject *ring_submit(RingObject *self, PyObject *args) {
     int op;
     PyObject *objects[5];
@@ -210,80 +294,33 @@ static PyObject *ring_submit(RingObject *self, PyObject *args) {
     Py_buffer checksum_view;
     struct kvd_checksums checksums = {NULL, 0, chunk};
     int with_checksums = checksums_object != Py_None;
-    if (with_checksums) {
-        Py_ssize_t cells = get_array(checksums_object, &checksum_view, 4, 1, "checksums");
-        if (cells < 0) return NULL;
-        checksums.values = checksum_view.buf;
-        checksums.capacity = (uint64_t)cells;
-    }
-    /* file_index int32, offset int64, length uint32, address uint64, results int64 (writable) */
-    static const Py_ssize_t itemsizes[5] = {4, 8, 4, 8, 8};
-    static const char *names[5] = {"file_index", "offset", "length", "address", "results"};
+    if (with_checksums && get_checksums(checksums_object, &checksum_view, &checksums) < 0) return NULL;
     Py_buffer views[5];
-    Py_ssize_t count = -1;
-    int taken = 0;
-    for (; taken < 5; taken++) {
-        Py_ssize_t length = get_array(objects[taken], &views[taken], itemsizes[taken], taken == 4, names[taken]);
-        if (length < 0) goto fail;
-        if (taken > 0 && length != count) {
-            PyErr_SetString(PyExc_ValueError, "batch arrays differ in length");
-            PyBuffer_Release(&views[taken]);
-            goto fail;
-        }
-        count = length;
-    }
-    if ((size_t)count > KVD_MAX_BATCH_ENTRIES) {
-        PyErr_SetString(PyExc_ValueError, "batch too large");
-        goto fail;
-    }
-    struct kvd_entry *entries = malloc((count > 0 ? (size_t)count : 1) * sizeof *entries);
+    Py_ssize_t count = get_batch_views(objects, views);
+    struct kvd_entry *entries = count >= 0 ? claim_with_entries(self, count) : NULL;
     if (entries == NULL) {
-        PyErr_NoMemory();
-        goto fail;
+        if (count >= 0) release_views(views, 5);
+        if (with_checksums) PyBuffer_Release(&checksum_view);
+        return NULL;
     }
-    if (claim(self) < 0) {
-        free(entries);
-        goto fail;
-    }
-    const int32_t *file_index = views[0].buf;
-    const int64_t *offset = views[1].buf;
-    const uint32_t *length = views[2].buf;
-    const uint64_t *address = views[3].buf;
     uint64_t id = 0;
     uint32_t slot = 0;
     int error;
-    /* The exports keep every array alive and unresized while unlocked. */
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++) {
-        entries[i].address = address[i];
-        entries[i].offset = offset[i];
-        entries[i].length = length[i];
-        entries[i].file_index = file_index[i];
-    }
+    copy_entries(entries, views, count);
     error = kvd_ring_submit(&self->ring, op, entries, views[4].buf, (uint32_t)count,
                             with_checksums ? &checksums : NULL, &id, &slot);
     Py_END_ALLOW_THREADS
     self->busy = 0;
-    for (int i = 0; i < 4; i++) PyBuffer_Release(&views[i]);
+    release_views(views, 4);
     if (error < 0) {
         free(entries);
         PyBuffer_Release(&views[4]);
         if (with_checksums) PyBuffer_Release(&checksum_view);
         return raise_error(error);
     }
-    /* The results (and checksums) exports are held until wait() or close(). */
-    self->results[slot] = views[4];
-    self->holding[slot] = 1;
-    if (with_checksums) {
-        self->checksums[slot] = checksum_view;
-        self->holding_checksums[slot] = 1;
-    }
+    hold_batch_buffers(self, slot, &views[4], with_checksums ? &checksum_view : NULL);
     return PyLong_FromUnsignedLongLong(id);
-
-fail:
-    for (int i = 0; i < taken; i++) PyBuffer_Release(&views[i]);
-    if (with_checksums) PyBuffer_Release(&checksum_view);
-    return NULL;
 }
 
 static PyObject *ring_wait(RingObject *self, PyObject *id_object) {
@@ -405,6 +442,25 @@ static PyObject *ring_get_batches_in_flight(RingObject *self, void *Py_UNUSED(cl
     return PyLong_FromUnsignedLong(self->ring.open ? self->ring.active_batches : 0);
 }
 
+/* Tests: ids of the batches whose entries are not all in the kernel yet, in
+ * the order they will be handed over (0 would be a freed slot). */
+static PyObject *ring_get_pending_batches(RingObject *self, void *Py_UNUSED(closure)) {
+    if (!self->ring.open) return PyTuple_New(0);
+    if (claim(self) < 0) return NULL;
+    uint32_t count = kvd_ring_pending(&self->ring, NULL, 0);
+    uint64_t *ids = PyMem_Calloc(count > 0 ? count : 1, sizeof *ids);
+    PyObject *tuple = ids != NULL ? PyTuple_New(count) : PyErr_NoMemory();
+    if (tuple != NULL) kvd_ring_pending(&self->ring, ids, count);
+    self->busy = 0;
+    for (uint32_t k = 0; tuple != NULL && k < count; k++) {
+        PyObject *id = PyLong_FromUnsignedLongLong(ids[k]);
+        if (id == NULL) Py_CLEAR(tuple);
+        else PyTuple_SET_ITEM(tuple, k, id);
+    }
+    PyMem_Free(ids);
+    return tuple;
+}
+
 /* METH_O / METH_NOARGS functions take two arguments already; METH_VARARGS
  * ones too. The cast through void (*)(void) tells gcc the type pun is meant. */
 #define METHOD(function) ((PyCFunction)(void (*)(void))(function))
@@ -431,6 +487,7 @@ static PyGetSetDef ring_getset[] = {
     {"closed", (getter)ring_get_closed, NULL, NULL, NULL},
     {"queue_depth", (getter)ring_get_queue_depth, NULL, NULL, NULL},
     {"batches_in_flight", (getter)ring_get_batches_in_flight, NULL, NULL, NULL},
+    {"pending_batches", (getter)ring_get_pending_batches, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -5,7 +5,14 @@
  *   in_kernel <= queue_depth       so the SQ never runs out of SQEs and the
  *                                  CQ (2 x SQ entries) can never overflow;
  *   a slot's id != 0 exactly while its batch is in flight, and its
- *   entries/results stay valid until then.
+ *   entries/results stay valid until then;
+ *   the pending FIFO holds a slot at most once (batch->queued), exactly
+ *   while its batch is in flight and has entries not yet prepared: fill()
+ *   takes it out when its last entry is prepared, fail_unprepared() when
+ *   a failed enter fails the rest, wherever it stands. So a slot is never
+ *   freed, nor reused, from the FIFO, and entries reach the kernel in
+ *   submission order: an fsync's IO_DRAIN entry is prepared only once
+ *   every entry submitted before it is in the kernel or has failed.
  */
 #include "uring_batch.h"
 
@@ -197,12 +204,47 @@ static void prepare(struct kvd_ring *ring, struct io_uring_sqe *sqe, uint32_t sl
     io_uring_sqe_set_data64(sqe, ((uint64_t)slot << 32) | index);
 }
 
+/* ---- the pending FIFO (see the invariants at the top) ----------------- */
+
+static uint32_t *pending_cell(const struct kvd_ring *ring, uint32_t position) {
+    return &ring->pending[(ring->pending_head + position) % ring->max_batches];
+}
+
+/* Appends a batch just started, with entries to prepare. */
+static void pending_push(struct kvd_ring *ring, uint32_t slot) {
+    struct kvd_batch *batch = &ring->batches[slot];
+    KVD_CHECK(batch->id != 0 && !batch->queued && batch->next < batch->count);
+    KVD_CHECK(ring->pending_count < ring->active_batches); /* every other queued slot is in flight too */
+    *pending_cell(ring, ring->pending_count) = slot;
+    ring->pending_count++;
+    batch->queued = 1;
+}
+
+/* Takes the slot at `position` out of the FIFO; the others keep their order. */
+static void pending_take(struct kvd_ring *ring, uint32_t position) {
+    KVD_CHECK(position < ring->pending_count);
+    struct kvd_batch *batch = &ring->batches[*pending_cell(ring, position)];
+    KVD_CHECK(batch->id != 0 && batch->queued);
+    for (; position > 0; position--) *pending_cell(ring, position) = *pending_cell(ring, position - 1);
+    batch->queued = 0;
+    ring->pending_head = (ring->pending_head + 1) % ring->max_batches;
+    ring->pending_count--;
+}
+
+/* Takes a batch out of the FIFO wherever it stands (its entries failed). */
+static void pending_remove(struct kvd_ring *ring, uint32_t slot) {
+    uint32_t position = 0;
+    while (position < ring->pending_count && *pending_cell(ring, position) != slot) position++;
+    pending_take(ring, position); /* checks that it was there */
+}
+
 /* Prepares SQEs from the pending FIFO until the queue depth is reached.
  * Entries with an injected error complete here, without an SQE. */
 static void fill(struct kvd_ring *ring) {
     while (ring->pending_count > 0) {
         uint32_t slot = ring->pending[ring->pending_head];
         struct kvd_batch *batch = &ring->batches[slot];
+        KVD_CHECK(batch->id != 0 && batch->queued && batch->next < batch->count);
         while (batch->next < batch->count) {
             uint32_t index = batch->next;
             struct kvd_entry *entry = &batch->entries[index];
@@ -218,8 +260,7 @@ static void fill(struct kvd_ring *ring) {
             batch->next++;
             ring->in_kernel++;
         }
-        ring->pending_head = (ring->pending_head + 1) % ring->max_batches;
-        ring->pending_count--;
+        pending_take(ring, 0); /* all prepared: the next batch's turn */
     }
 }
 
@@ -289,7 +330,7 @@ static int start_batch(struct kvd_ring *ring, int32_t op, uint32_t fsync_flags, 
     }
     uint32_t slot = 0;
     while (ring->batches[slot].id != 0) slot++; /* a free slot exists: active < max */
-    KVD_CHECK(slot < ring->max_batches);
+    KVD_CHECK(slot < ring->max_batches && !ring->batches[slot].queued);
 
     for (uint32_t i = 0; i < count; i++) {
         entries[i].transfer_length = entries[i].length;
@@ -315,11 +356,7 @@ static int start_batch(struct kvd_ring *ring, int32_t op, uint32_t fsync_flags, 
         ring->stats.batches++;
         ring->stats.entries += count;
     }
-    if (count > 0) {
-        KVD_CHECK(ring->pending_count < ring->max_batches);
-        ring->pending[(ring->pending_head + ring->pending_count) % ring->max_batches] = slot;
-        ring->pending_count++;
-    }
+    if (count > 0) pending_push(ring, slot);
     fill(ring);
     flush(ring);
     *id_out = batch->id;
@@ -344,8 +381,13 @@ int kvd_ring_slot_of(const struct kvd_ring *ring, uint64_t id) {
 }
 
 /* The entries of a batch not yet handed to the kernel complete with
- * `error` now; those the kernel holds still complete on their own. */
-static void fail_unprepared(struct kvd_ring *ring, struct kvd_batch *batch, int error) {
+ * `error` now, and its slot leaves the pending FIFO (it may stand behind
+ * a batch still partly prepared); those the kernel holds still complete
+ * on their own. */
+static void fail_unprepared(struct kvd_ring *ring, uint32_t slot, int error) {
+    struct kvd_batch *batch = &ring->batches[slot];
+    KVD_CHECK(batch->queued == (batch->next < batch->count));
+    if (batch->queued) pending_remove(ring, slot);
     while (batch->next < batch->count) {
         complete_entry(ring, batch, batch->next, error);
         batch->next++;
@@ -399,7 +441,7 @@ static void drive(struct kvd_ring *ring, uint32_t slot) {
             continue;
         }
         ring->stats.enter_errors++;
-        if (!transient(error)) fail_unprepared(ring, batch, error);
+        if (!transient(error)) fail_unprepared(ring, slot, error);
         if (++failures > KVD_MAX_ENTER_FAILURES) {
             kvd_check_failed("io_uring_enter keeps failing with entries in the kernel", __FILE__, __LINE__);
         }
@@ -409,7 +451,7 @@ static void drive(struct kvd_ring *ring, uint32_t slot) {
 
 static void release_slot(struct kvd_ring *ring, uint32_t slot) {
     struct kvd_batch *batch = &ring->batches[slot];
-    KVD_CHECK(batch->id != 0 && batch->completed == batch->count);
+    KVD_CHECK(batch->id != 0 && batch->completed == batch->count && !batch->queued);
     free(batch->entries);
     memset(batch, 0, sizeof *batch);
     ring->active_batches--;
@@ -439,6 +481,14 @@ int kvd_ring_fsync(struct kvd_ring *ring, int32_t file_index, int datasync, int6
     *result = ring->batches[slot].own_result;
     release_slot(ring, slot);
     return 0;
+}
+
+uint32_t kvd_ring_pending(const struct kvd_ring *ring, uint64_t *ids, uint32_t capacity) {
+    if (!ring->open) return 0;
+    for (uint32_t k = 0; k < ring->pending_count && k < capacity; k++) {
+        ids[k] = ring->batches[*pending_cell(ring, k)].id;
+    }
+    return ring->pending_count;
 }
 
 void kvd_ring_fail_enters(struct kvd_ring *ring, int32_t error, uint32_t count) {
@@ -547,16 +597,7 @@ void kvd_ring_clear_faults(struct kvd_ring *ring) {
 void kvd_ring_close(struct kvd_ring *ring) {
     if (!ring->open) return;
     /* Entries the kernel never saw: cancel them without I/O. */
-    while (ring->pending_count > 0) {
-        uint32_t slot = ring->pending[ring->pending_head];
-        struct kvd_batch *batch = &ring->batches[slot];
-        while (batch->next < batch->count) {
-            complete_entry(ring, batch, batch->next, -ECANCELED);
-            batch->next++;
-        }
-        ring->pending_head = (ring->pending_head + 1) % ring->max_batches;
-        ring->pending_count--;
-    }
+    while (ring->pending_count > 0) fail_unprepared(ring, ring->pending[ring->pending_head], -ECANCELED);
     /* Entries the kernel holds may still write into caller buffers: wait.
      * Their batches are abandoned, so nothing is checksummed any more. */
     while (ring->in_kernel > 0) {

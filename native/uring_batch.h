@@ -16,7 +16,9 @@
  *
  * Entries are prepared in FIFO order whenever the engine is called
  * (submit, wait, fsync, close). Reaping in wait() completes entries of
- * any batch, so waiting for b1 before b0 is fine.
+ * any batch, so waiting for b1 before b0 is fine. A batch is in the FIFO
+ * once, while it has entries not yet prepared; one whose wait meets a
+ * failed enter leaves it at once, wherever it stands (see drive()).
  *
  * Nothing here retries: a short transfer is reported as the byte count
  * the kernel returned, an error as -errno. The caller decides.
@@ -120,6 +122,7 @@ struct kvd_batch {
     uint32_t count;
     uint32_t next;            /* first entry not yet prepared */
     uint32_t completed;
+    uint32_t queued;          /* 1 while the slot is in the pending FIFO */
     int32_t op;
     uint32_t fsync_flags;
     int64_t own_result;       /* results of an fsync batch */
@@ -139,7 +142,7 @@ struct kvd_ring {
     uint32_t max_batches;
     uint32_t active_batches;
     struct kvd_batch *batches;        /* max_batches slots */
-    uint32_t *pending;                /* FIFO of slots with unprepared entries */
+    uint32_t *pending;                /* FIFO of slots with unprepared entries (uring_batch.c) */
     uint32_t pending_head;
     uint32_t pending_count;
     uint64_t next_id;
@@ -201,6 +204,11 @@ int kvd_ring_wait(struct kvd_ring *ring, uint64_t id);
  * completed, so it covers all writes submitted so far. Blocks until done;
  * *result is 0 or -errno. */
 int kvd_ring_fsync(struct kvd_ring *ring, int32_t file_index, int datasync, int64_t *result);
+
+/* Tests: the ids of the batches in the pending FIFO (entries not yet handed
+ * to the kernel), head first; at most `capacity` are written. Returns how
+ * many batches the FIFO holds. */
+uint32_t kvd_ring_pending(const struct kvd_ring *ring, uint64_t *ids, uint32_t capacity);
 
 /* Tests: the next `count` io_uring_enter calls of wait and fsync fail with
  * -error instead of entering the kernel (close never fails this way). */
