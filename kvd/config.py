@@ -470,6 +470,11 @@ class Config:
             raise ConfigError("device.pool_lease_ms", f"must be 1000..86400000, got {device.pool_lease_ms}")
         if not 1 <= device.flag_timeout_ms <= 600_000:
             raise ConfigError("device.flag_timeout_ms", f"must be 1..600000, got {device.flag_timeout_ms}")
+        if device.kind != "off" and device.flag_timeout_ms >= self.leases.default_ms:
+            # A SaveLayers may wait this long for a layer under a lease of leases.default_ms.
+            raise ConfigError("device.flag_timeout_ms", f"{device.flag_timeout_ms} must be below leases.default_ms "
+                              f"({self.leases.default_ms}): a save waiting for the engine's flag would outlive "
+                              "its lease")
         if device.tier_bytes < 0 or device.tier_slot_bytes < 0 or device.tier_slot_bytes % 4096:
             raise ConfigError("device.tier_slot_bytes" if device.tier_bytes >= 0 else "device.tier_bytes",
                               "must not be negative, and slots a multiple of 4096 bytes")

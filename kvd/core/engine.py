@@ -231,6 +231,9 @@ class Engine:
     def abandon_get(self, plan: GetPlan) -> None:
         self.reads.abandon_get(plan)
 
+    def drop_get(self, plan: GetPlan) -> None:
+        self.reads.drop_get(plan)
+
     def give_up_loads(self, loads: Sequence[Transfer]) -> None:
         self.reads.give_up_loads(loads)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvd.core.block import NO_SLOT, Block, BlockState
+from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
 from kvd.core.lease import Lease, LeaseKind
 from kvd.core.namespaces import NamespaceState
 from kvd.core.part import EnginePart
@@ -40,6 +40,9 @@ class GetPlan:
     # What begin_get counted (Reads.count_get), taken back by abandon_get
     # so that a Get retried after a starved plan counts its keys once.
     counted: tuple[NamespaceState, int, int, int, dict[Tier, int]] | None = None
+    # The request's own pins on every matched block while it reads or waits, whatever
+    # becomes of its lease (released, expired): released by settle_get or abandon_get.
+    pins: list[BlockHandle] = field(default_factory=list)
 
 
 class Reads(EnginePart):
@@ -118,6 +121,9 @@ class Reads(EnginePart):
                 plan.starved = True
                 break
             plan.loads.append(self.start_load(block, source, source_slot, slot))
+        if plan.loads or plan.waits:
+            # It settles after awaits: its lease may end before then, its blocks may not move.
+            plan.pins = [self.blocks.acquire(block) for block in plan.matched]
         self.blocks.ledger.used(plan.matched)
         return plan
 
@@ -180,6 +186,7 @@ class Reads(EnginePart):
 
     def abandon_get(self, plan: GetPlan) -> None:
         """Drop a plan whose loads were never started: slots back, pins released."""
+        self._release_pins(plan)
         for load in plan.loads:
             block = load.block
             if block in self.blocks.loading:
@@ -197,14 +204,35 @@ class Reads(EnginePart):
             plan.counted = None
 
     def settle_get(self, plan: GetPlan) -> list[Block]:
-        """The servable prefix of a plan whose loads have all finished."""
-        for position, block in enumerate(plan.matched):
+        """The servable prefix of a plan whose loads have all finished; its own pins go.
+
+        A plan whose lease ended meanwhile (released, expired) serves
+        nothing: that is a normal end, not an error.
+        """
+        for block in plan.matched:
             check(block not in self.blocks.loading, "settle_get before the loads finished")
+        if plan.lease is not None and plan.lease.ended:
+            plan.matched = []  # (the caller tells the client why: see plan.lease.ended)
+        for position, block in enumerate(plan.matched):
             # No host slot: a prefetch this Get waited for was dropped unread.
             if block.state != BlockState.SEALED or self.blocks.host_slot(block) == NO_SLOT:
                 self.cut_plan(plan, position)
                 break
+        self._release_pins(plan)
         return plan.matched
+
+    def drop_get(self, plan: GetPlan) -> None:
+        """A Get that ends without settling (it failed, or was cancelled), once no read
+        into its slots runs: its lease ends, its own pins go."""
+        if plan.lease is not None and not plan.lease.ended:
+            self.leases.close(plan.lease)
+        self._release_pins(plan)
+
+    @staticmethod
+    def _release_pins(plan: GetPlan) -> None:
+        for handle in reversed(plan.pins):
+            handle.release()
+        plan.pins = []
 
     def cut_plan(self, plan: GetPlan, position: int) -> None:
         """Serve only matched[:position]; unpin the rest (tail first)."""

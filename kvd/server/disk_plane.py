@@ -615,13 +615,13 @@ class DiskPlane:
         return self.engine.settle_get(plan)
 
     def _end_failed_get(self, plan: GetPlan, reading: asyncio.Future | None, task: asyncio.Task) -> None:
-        """A Get that failed or was cancelled: its lease ends, once no read into its slots runs."""
+        """A Get that failed or was cancelled: its lease and its own pins end, once no read
+        into its slots runs."""
         if not task.cancelled() and task.exception() is None:
             return
 
         def close(_done=None) -> None:
-            if plan.lease is not None and not plan.lease.ended:
-                self.engine.leases.close(plan.lease)
+            self.engine.drop_get(plan)
 
         if reading is None or reading.done():
             close()

@@ -372,6 +372,7 @@ class Simulator:
         self.deletions = random.Random(config.seed + 2)
         self.prefetches = random.Random(config.seed + 3)
         self.durable_flows: set[Flow] = set()
+        self.unsettled: set[Flow] = set()  # Gets planned, not settled: each holds its own pins
         self.trace = iter(TraceGenerator(config.seed, config.trace))
         self.events: list[tuple[int, int, EventKind, object]] = []
         self._sequence = 0
@@ -546,6 +547,7 @@ class Simulator:
                 self._begin_get(flow, final=True)
             return
         flow.plan = plan
+        self.unsettled.add(flow)
         if plan.lease is not None:
             self.leases[plan.lease.lease_id] = plan.lease.deadline_ms
             flow.read_lease = plan.lease.lease_id
@@ -571,10 +573,10 @@ class Simulator:
         plan = flow.plan
         served = []
         if plan is not None:
-            if plan.lease is None or not plan.lease.ended:
-                served = engine.settle_get(plan)
-                self.contents.check_served(served)
-            # else the lease ran out while the loads were queued: nothing served.
+            # Nothing, if the lease ran out while the loads were queued (kvd.core.reads).
+            served = engine.settle_get(plan)
+            self.unsettled.discard(flow)
+            self.contents.check_served(served)
             if plan.lease is None and flow.read_lease:
                 del self.leases[flow.read_lease]  # cut to nothing: closed
                 flow.read_lease = 0
@@ -845,6 +847,7 @@ class Simulator:
         )
         held += sum(not write.handle.released for batch in self.batches.values() for write in batch.round.writes)
         held += sum(not pin.released for flow in self.durable_flows for pin in flow.durable_pins)
+        held += sum(not pin.released for flow in self.unsettled for pin in flow.plan.pins)
         # ... and by every disk read in flight (its own pin on the block it reads in).
         held += sum(not load.handle.released for reads in (self.prefetch_reads, self.get_reads)
                     for read in reads.values() for load in read.loads)

@@ -23,3 +23,16 @@ def test_counts_that_name_devices_are_accepted(kind, count):
 def test_other_counts_are_refused_naming_the_field(kind, count):
     with pytest.raises(ConfigError, match="device.count"):
         _config(kind, count).validate()
+
+
+def test_a_flag_wait_longer_than_the_default_lease_is_refused():
+    """A SaveLayers waits up to flag_timeout_ms for a layer under a lease of
+    leases.default_ms: a wait that can outlive the lease is a config error."""
+    config = _config("cpu", 1)
+    config.device.flag_timeout_ms = config.leases.default_ms
+    with pytest.raises(ConfigError, match="device.flag_timeout_ms.*leases.default_ms"):
+        config.validate()
+    config.device.flag_timeout_ms = config.leases.default_ms - 1
+    config.validate()
+    config.device.kind, config.device.flag_timeout_ms = "off", config.leases.default_ms
+    config.validate()  # no device plane: nothing waits for a flag

@@ -10,6 +10,7 @@ that was Put under that key.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -259,6 +260,8 @@ def test_random_operations_never_serve_a_wrong_block(engine_factory, seed, varia
                     engine.finish_loads(lease_holder.loads, [True] * len(lease_holder.loads))
                     for load in lease_holder.loads:
                         plane.host[load.target_slot] = plane.disk[load.source_slot]
+                if lease_holder.loads or lease_holder.waits:
+                    engine.settle_get(lease_holder)  # (as the daemon's Get task always does)
                 engine.expire(10)
         except KvdError:
             pass  # e.g. the host tier full of pins: a refusal, checked elsewhere
@@ -452,6 +455,41 @@ def test_a_get_lease_that_expires_during_its_disk_reads_leaves_their_slots_pinne
         engine.reserve(KeysRequest(plane.ns, "w", K("q"), LONG, 1_000))
     engine.finish_loads(plan.loads, plane.load(plan.loads))
     engine.verify()
+    # Settling after the lease ended is a normal end: nothing served, the request's pins go.
+    assert engine.settle_get(plan) == [] and plan.lease.ended
+    engine.verify()
     # Read in and unpinned: ordinary candidates now, still holding their own bytes.
     assert {engine.host_slot(block) for block in engine.lookup(plane.ns, K("abcd"))} == slots
     assert plane.served(engine.lookup(plane.ns, K("abcd"))) == K("abcd")
+
+
+def test_a_get_whose_lease_ends_while_it_waits_keeps_its_blocks_until_it_settles(plane):
+    """Get B waits on a block Get A is reading in; A finishes; B's lease then
+    ends (its client released it, or it expired) before B settles. The block
+    must stay put until B settles: before, B's lease was its only pin, so the
+    block was evicted and read in again for Get C, and B's settle found it
+    loading (InvariantError: settle_get before the loads finished)."""
+    engine = plane.engine
+    plane.put("ab")
+    plane.flush()
+    plane.put("wxyz")  # 4 host slots: ab is on disk only
+    assert tiers(plane, "ab") == [TierId.DISK] * 2
+    a = engine.begin_get(KeysRequest(plane.ns, "a", K("ab"), LONG, 0))
+    b = engine.begin_get(KeysRequest(plane.ns, "b", K("ab"), 10, 0))
+    assert len(a.loads) == 2 and b.waits == [load.block for load in a.loads]
+    engine.finish_loads(a.loads, plane.load(a.loads, set()))
+    assert engine.settle_get(a) == a.matched
+    engine.release("a", [a.lease.lease_id])
+    engine.expire(1_000)  # B's lease runs out while B is still waiting to settle
+    assert b.lease.ended
+    # Host pressure, and another Get of the same blocks: nothing may move them now.
+    with contextlib.suppress(KvdError):
+        plane.put("pqrs")
+    c = engine.begin_get(KeysRequest(plane.ns, "c", K("ab"), LONG, 1_000))
+    assert not c.loads
+    engine.verify()
+    assert engine.settle_get(b) == []  # settling after the lease ended: a normal end, nothing served
+    engine.verify()
+    assert engine.settle_get(c) == c.matched and plane.served(c.matched) == K("ab")
+    engine.release("c", [c.lease.lease_id])
+    engine.verify()
