@@ -40,6 +40,7 @@ Get hits of kvd_get_blocks_total.
 | kvd_disk_write_chunks_total | counter | | write-back chunks sent to the drives (one data batch each; a write job runs one while reads are under way, else several, pipelined): written bytes over chunks is the chunk size |
 | kvd_disk_commits_total | counter | | commits under disk.fsync group or none: each drive's written segments fdatasynced, then its manifest; a durable ack waits for one (every group_commit_ms, or at once when a client waits) |
 | kvd_disk_fdatasyncs_total | counter | | segment files fdatasynced (per write chunk under strict, per commit otherwise) |
+| kvd_disk_corrupt_blocks_total | counter | namespace | blocks read from the drives that failed their checksum: lost (never served), recomputed by the engine; each is logged (drive, slot, namespace, key; at most 20 lines a minute) |
 | kvd_disk_job_run_seconds | histogram | class | time a disk job ran: restore and prefetch jobs are one read_blocks batch, write jobs one or more write chunks; control is the rest (journal removals, syncs, compaction) |
 | kvd_blocks_sealed_total | counter | tier | blocks committed |
 | kvd_blocks_aborted_total | counter | tier | reservations aborted or expired unwritten |
@@ -323,9 +324,9 @@ class DiskIoCollector(Collector):
     def __init__(self, queued_jobs: Callable[[], Mapping[str, int]], io_bytes: Callable[[], tuple[int, int]],
                  drive_states: Callable[[], Sequence[str]] = tuple,
                  recovery_lost: Callable[[], int] = int, slack_writes: Callable[[], int] = int,
-                 write_chunks: Callable[[], int] = int, syncs: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+                 write_chunks: Callable[[], int] = int, totals: Callable[[], tuple[int, int, Mapping[bytes, int]]] = lambda: (0, 0, {})) -> None:
         self._queued_jobs = queued_jobs
-        self._syncs = syncs
+        self._totals = totals
         self._io_bytes = io_bytes
         self._drive_states = drive_states
         self._recovery_lost = recovery_lost
@@ -358,10 +359,15 @@ class DiskIoCollector(Collector):
                                   value=self._slack_writes())
         yield CounterMetricFamily("kvd_disk_write_chunks", "Write-back chunks sent to the drives (data batches).",
                                   value=self._write_chunks())
-        commits, fdatasyncs = self._syncs()
+        commits, fdatasyncs, corrupt = self._totals()
         yield CounterMetricFamily("kvd_disk_commits", "Commits (every drive's written data, then its manifest, "
                                   "synced) under fsync group or none.", value=commits)
         yield CounterMetricFamily("kvd_disk_fdatasyncs", "Segment files fdatasynced.", value=fdatasyncs)
+        damaged = CounterMetricFamily("kvd_disk_corrupt_blocks", "Blocks read from the drives that failed their "
+                                      "checksum (lost, recomputed), per namespace.", labels=["namespace"])
+        for namespace_id, count in sorted(corrupt.items()):
+            damaged.add_metric([namespace_id.hex()[:16]], count)
+        yield damaged
 
 
 class ArenaCollector(Collector):
@@ -424,9 +430,9 @@ class DiskIoMetrics:
     def __init__(self, registry: CollectorRegistry, queued_jobs: Callable[[], Mapping[str, int]],
                  io_bytes: Callable[[], tuple[int, int]], drive_states: Callable[[], Sequence[str]] = tuple,
                  recovery_lost: Callable[[], int] = int, slack_writes: Callable[[], int] = int,
-                 write_chunks: Callable[[], int] = int, syncs: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+                 write_chunks: Callable[[], int] = int, totals: Callable[[], tuple[int, int, Mapping[bytes, int]]] = lambda: (0, 0, {})) -> None:
         registry.register(DiskIoCollector(queued_jobs, io_bytes, drive_states, recovery_lost, slack_writes,
-                                          write_chunks, syncs))
+                                          write_chunks, totals))
         self.job_wait = Histogram("kvd_disk_job_wait_seconds", "Time a disk job waited in its queue.", ["class"],
                                   buckets=DISK_JOB_BUCKETS_S, registry=registry)
         self.job_run = Histogram("kvd_disk_job_run_seconds", "Time a disk job ran.", ["class"],

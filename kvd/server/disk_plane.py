@@ -179,10 +179,12 @@ class DiskPlane:
         """Blocks the drives described that the last start could not recover (known ones)."""
         return self.counters.recovery.get("lost_blocks", 0)
 
-    def syncs(self) -> tuple[int, int]:
-        """(commits, segment fdatasyncs) so far (for metrics; any thread)."""
+    def totals(self) -> tuple[int, int, dict[bytes, int]]:
+        """(commits, segment fdatasyncs, corrupt blocks by namespace) so far (for metrics; any thread)."""
         stats = self.tier.stats if self.tier is not None else None
-        return self.counters.commits, stats.fsyncs if stats is not None else 0
+        if stats is None:
+            return self.counters.commits, 0, {}
+        return self.counters.commits, stats.fsyncs, dict(stats.corrupt_blocks)
 
     def io_bytes(self) -> tuple[int, int]:
         """Bytes (read, written) through the drives so far (for metrics; any thread)."""

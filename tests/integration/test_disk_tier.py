@@ -72,6 +72,17 @@ def stored_with_a_corrupt_block(tmp_path: Path, seed: int) -> tuple[Path, dict, 
     return directory, config, keys, blocks
 
 
+def log_records(daemon) -> list[dict]:
+    """The daemon's JSON log lines, parsed (other lines skipped)."""
+    records = []
+    for line in daemon.log().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
 def wait_until(condition, timeout_s: float = 120.0) -> None:
     """Poll a condition of the daemon (its metrics) until it holds; the
     timeout only turns a hang into a failure."""
@@ -170,6 +181,11 @@ def test_a_corrupted_block_is_never_served(tmp_path):
         assert client.lookup(namespace, keys).matched == 3
         samples = metric_samples(daemon.metrics_url)
         assert samples['kvd_disk_failures_total{operation="load"}'] == 1
+        # Damage is never silent: counted per namespace, and logged with where it was.
+        assert samples[f'kvd_disk_corrupt_blocks_total{{namespace="{namespace.namespace_id.hex()[:16]}"}}'] == 1
+        [line] = [record for record in log_records(daemon) if "failed its checksum" in record.get("msg", "")]
+        assert line["key"] == keys[3].hex()[:16] and line["namespace"] == namespace.namespace_id.hex()[:16]
+        assert {"drive", "slot"} <= set(line)
         # What was lost can be put again, and is then served.
         assert client.put(namespace, keys, blocks, durable=True) == 6  # the 3 left and the 3 put again: all durable
         assert np.array_equal(client.get_numpy(namespace, keys), blocks)

@@ -51,6 +51,7 @@ from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.invariants import check
 from kvd.io.checksum import crc32c_chunks
 from kvd.io.engine import address_of, aligned_empty
+from kvd.logbudget import LogBudget
 from kvd.tiers.disk.journal import (
     ROOT_PARENT,
     FileSystem,
@@ -209,6 +210,7 @@ class DiskStats:
     checksum_failures: int = 0  # layers read in full whose crc32c did not match
     shredded: int = 0  # deleted blocks whose first page was overwritten with a tombstone
     errors: dict[str, int] = field(default_factory=dict)  # by kind: EIO, ENOSPC, short_read, fsync_EIO, manifest, ...
+    corrupt_blocks: dict[bytes, int] = field(default_factory=dict)  # by namespace: blocks that failed a checksum
 
     def count_error(self, kind: str, amount: int = 1) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + amount
@@ -309,6 +311,7 @@ class DiskTier:
         # Manifests and registries go through `fs` (crash tests swap it);
         # segment data always goes through the I/O engine.
         self._fs: FileSystem = ReadOnlyFileSystem() if read_only else (fs or OsFileSystem())
+        self._corrupt_log = LogBudget(log, lines=20, per_s=60.0)
         self._engine = engine
         self._owns_engine = engine is None
         self._op_read = 0
@@ -1017,7 +1020,24 @@ class DiskTier:
         good = int(ok.sum())
         self.stats.blocks_read += good
         self.stats.read_failures += count - good
+        if good < count:
+            self._report_corrupt(namespace_id, items, reasons)
         return ok
+
+    def _report_corrupt(self, namespace_id: bytes, items: Sequence[ReadItem], reasons: np.ndarray) -> None:
+        """Count the blocks that failed their checksum, per namespace, and log each (drive,
+        slot, namespace, key) within the log budget: damage is never silent."""
+        corrupt = np.nonzero(reasons == ReadFailure.CHECKSUM)[0].tolist()
+        if not corrupt:
+            return
+        counts = self.stats.corrupt_blocks
+        counts[namespace_id] = counts.get(namespace_id, 0) + len(corrupt)
+        for position in corrupt:
+            key, slot = items[position][0], items[position][1]
+            self._corrupt_log.warning(
+                "disk block failed its checksum: lost (recomputed by whoever wanted it)",
+                extra={"drive": drive_of(self.config, slot), "slot": slot, "namespace": namespace_id.hex()[:16],
+                       "key": key.hex()[:16]})
 
     def _read_targets(self, namespace_id: bytes, num_layers: int, items: Sequence[ReadItem], ok: np.ndarray,
                       reasons: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
