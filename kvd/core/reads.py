@@ -209,13 +209,14 @@ class Reads(EnginePart):
         A plan whose lease ended meanwhile (released, expired) serves
         nothing: that is a normal end, not an error.
         """
-        for block in plan.matched:
-            check(block not in self.blocks.loading, "settle_get before the loads finished")
+        loading = self.blocks.loading
+        check(not any(load.block in loading for load in plan.loads), "settle_get before the loads finished")
         if plan.lease is not None and plan.lease.ended:
             plan.matched = []  # (the caller tells the client why: see plan.lease.ended)
         for position, block in enumerate(plan.matched):
-            # No host slot: a prefetch this Get waited for was dropped unread.
-            if block.state != BlockState.SEALED or self.blocks.host_slot(block) == NO_SLOT:
+            # No host slot: a prefetch this Get waited for was dropped unread. Loading: and
+            # another request has started reading it in again since (its bytes are not there yet).
+            if block.state != BlockState.SEALED or self.blocks.host_slot(block) == NO_SLOT or block in loading:
                 self.cut_plan(plan, position)
                 break
         self._release_pins(plan)

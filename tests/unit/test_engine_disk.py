@@ -493,3 +493,30 @@ def test_a_get_whose_lease_ends_while_it_waits_keeps_its_blocks_until_it_settles
     assert engine.settle_get(c) == c.matched and plane.served(c.matched) == K("ab")
     engine.release("c", [c.lease.lease_id])
     engine.verify()
+
+
+def test_a_get_whose_prefetch_was_dropped_and_read_again_for_another_get_settles_short(plane):
+    """Get B waits on a prefetch of its blocks; the prefetch is dropped unread
+    (shutdown of its job, or a read job given up) and Get C starts reading the
+    same blocks in before B resumes. B's settle must not serve them (their
+    bytes are not there yet) and must not fail a check: it serves the prefix
+    before them. The soak test found this with GetLayers under Demote churn."""
+    engine = plane.engine
+    plane.put("ab")
+    plane.flush()
+    plane.put("wxyz")
+    engine.delete(plane.ns, K("wxyz")[1:2])  # frees x, y, z: room for a prefetch, which never evicts
+    plane.journal_removals()
+    prefetch = engine.begin_prefetch(plane.ns, K("ab"), b"", 16)
+    assert len(prefetch.loads) == 2
+    b = engine.begin_get(KeysRequest(plane.ns, "b", K("ab"), LONG, 0))
+    assert b.waits == [load.block for load in prefetch.loads] and not b.loads
+    engine.abandon_prefetch(prefetch.loads)
+    c = engine.begin_get(KeysRequest(plane.ns, "c", K("ab"), LONG, 0))
+    assert len(c.loads) == 2  # pinned by B, but on disk only: read in again, for C
+    engine.verify()
+    assert engine.settle_get(b) == []
+    engine.finish_loads(c.loads, plane.load(c.loads, set()))
+    assert plane.served(engine.settle_get(c)) == K("ab")
+    engine.release("c", [c.lease.lease_id])
+    engine.verify()
