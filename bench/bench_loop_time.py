@@ -545,6 +545,13 @@ def tail_parts(entry: dict) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda item: item[1], reverse=True))
 
 
+def slim(entry: dict) -> None:
+    """What the JSON keeps of the raw samples once summarized: wall time per call in whole
+    microseconds, in call order (the CPU times and per-call breakdowns only as summaries)."""
+    entry["wall_us"] = [round(value / 1e3) for value in entry.pop("wall_ns")]
+    del entry["cpu_ns"], entry["parts"]
+
+
 def summarize(samples_ns: list[int]) -> dict:
     if not samples_ns:
         return {"calls": 0}
@@ -565,6 +572,7 @@ def run_size(blocks: int, args: argparse.Namespace) -> tuple[Rig, dict]:
         entry["summary"] = summarize(entry["wall_ns"])
         entry["cpu_summary"] = summarize(entry["cpu_ns"])
         entry["tail_parts_ms"] = tail_parts(entry)
+        slim(entry)
     progress(f"N={blocks:,}: measured " + ", ".join(
         f"{name} p99 {entry['summary'].get('p99_ms', float('nan')):.3f} ms" for name, entry in measured.items()))
     return rig, {"blocks": blocks, "fill": fill, "state_before": state, "state_after": rig.state(),
