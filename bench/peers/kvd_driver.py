@@ -9,8 +9,9 @@ disk-tier drives (two directories on one file system, as a host with two
 NVMe drives would configure it), host memory sized to hold every block
 below the write-back watermark, and slots exactly one block long. Blocks
 are one prefix chain, stored with a durable Put (the call returns once
-every block is on disk, under the daemon's fsync policy, which the store
-command picks with its "fsync" key: none, group or strict). A restore is a
+every block is on disk and synced, whatever the daemon's fsync policy,
+which the store command picks with its "fsync" key: none, group or
+strict; under none and group the waiting Put starts the commits). A restore is a
 Get into the caller's array once the running daemon has dropped its host
 copies (`cold`: the Demote call), so every byte comes from disk, checksums
 verified; the caller's array is filled from the arena by the client as the
