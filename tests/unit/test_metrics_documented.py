@@ -33,7 +33,7 @@ def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
     engine.register_namespace(NamespaceSpec(model_id="m", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1))
     registry, rpc = make_registry(engine)
     disk = DiskIoMetrics(registry, lambda: {"restore": 0, "write": 0}, lambda: (0, 0), lambda: ["ok", "quarantined"],
-                         lambda: 0)
+                         lambda: 0, totals=lambda: (0, 0, {b"\x01" * 32: 1}))
     registry.register(ArenaCollector(lambda: 0, lambda: 0))
     registry.register(DeviceCollector(lambda: dict.fromkeys(
         ("pools", "saved_blocks", "loaded_blocks", "tier_blocks", "tier_slots", "tier_hits", "tier_misses",
