@@ -798,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
         profiles[name] = profile_operation(rig, name, args.profile_seconds)
         print_profile(name, profiles[name], sizes[-1])
     plotted = plot(results, RESULTS_DIR / "loop_time.png")
-    write_result("loop_time", {
+    write_result("bench_loop_time", {
         "target": {"metric": "p99 loop time per operation, largest size / smallest", "max_ratio": TARGET_RATIO},
         "pass": overall,
         "command": [sys.executable, *sys.argv],

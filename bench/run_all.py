@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "vllm_connector": ([], ["--prefix-tokens", "1024", "--prefixes", "3", "--disk-modes", "async"]),
     "cluster_fetch": ([], ["--mib", "64", "--rounds", "2"]),
     "io_ring": ([], ["--reads", "1024", "--file-mib", "256", "--rounds", "2"]),
+    "loop_time": ([], ["--quick"]),
 }
 
 
