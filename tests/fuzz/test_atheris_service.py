@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("atheris")
 
-RUNS = int(os.environ.get("KVD_ATHERIS_RUNS", "20000"))
+RUNS = int(os.environ.get("KVD_ATHERIS_RUNS", "15000"))
 SEED = int(os.environ.get("KVD_ATHERIS_SEED", "1"))
 HARNESS = Path(__file__).with_name("atheris_service.py")
 

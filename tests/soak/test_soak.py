@@ -69,8 +69,8 @@ from kvd.testing.soak_worker import LEASE_MS, TENANTS, family_keys
 from kvd.testing.tenants import ArenaView, TenantStub, by_prefix, tenant_blocks, write_tenants_file
 from kvd.v1 import kvd_pb2
 
-SOAK_S = float(os.environ.get("KVD_SOAK_SECONDS", "24"))
-FAULT_S = float(os.environ.get("KVD_SOAK_FAULT_SECONDS", "12"))
+SOAK_S = float(os.environ.get("KVD_SOAK_SECONDS", "18"))
+FAULT_S = float(os.environ.get("KVD_SOAK_FAULT_SECONDS", "9"))
 WORKERS = int(os.environ.get("KVD_SOAK_WORKERS", "5"))
 SEED = int(os.environ.get("KVD_SOAK_SEED", "11"))
 GRACE_PERIOD_S = 5.0
