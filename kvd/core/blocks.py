@@ -15,7 +15,6 @@ Everything else in the core decides *what* to change and calls this.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from operator import attrgetter
 
@@ -27,6 +26,7 @@ from kvd.core.prefetch_ledger import PrefetchLedger
 from kvd.core.residency import TierStack
 from kvd.core.slot_pool import SlotClass
 from kvd.core.tier import MemoryTier, StorageTier, Tier, TierId
+from kvd.core.write_queue import WriteQueue
 from kvd.invariants import InvariantError, check
 
 _SLOT_OF = attrgetter("slot")
@@ -51,7 +51,7 @@ class BlockBook:
         self.ledger = ledger
         # Per lower tier, sealed blocks waiting to be written there, in seal
         # order, so a parent is always written no later than its children.
-        self.write_queues: dict[StorageTier, deque[Block]] = {tier: deque() for tier in self.lower}
+        self.write_queues: dict[StorageTier, WriteQueue] = {tier: WriteQueue() for tier in self.lower}
         self.write_queue_max = write_queue_max
         self.write_queue_dropped = 0
         # Blocks whose host slot is being filled from a lower tier.
@@ -61,9 +61,9 @@ class BlockBook:
         self.pinned_blocks = 0
 
     @property
-    def write_queue(self) -> deque[Block]:
+    def write_queue(self) -> WriteQueue:
         """The durable tier's write-back queue (an empty one without a disk)."""
-        return self.write_queues[self.disk] if self.disk is not None else deque()
+        return self.write_queues[self.disk] if self.disk is not None else WriteQueue()
 
     def acquire(self, block: Block) -> BlockHandle:
         check(block.state == BlockState.SEALED, "read handle on {!r}", block)

@@ -199,7 +199,7 @@ class DurableWaits(Generic[Token]):
             return []
         engine = self.engine
         picked_blocks = {write.block for write in picked}
-        queued = set(engine.write_queue)
+        queued = engine.write_queue  # (membership in O(1): kvd.core.write_queue)
         outcomes = []
         for block in [block for block in self.waiting if engine.disk_slot(block) == NO_SLOT]:
             if block not in picked_blocks and block not in queued:

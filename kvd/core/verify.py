@@ -41,6 +41,8 @@ def verify_blocks(blocks: BlockBook, states: Iterable[NamespaceState], prefetch_
     check(tally.pinned == blocks.pinned_blocks, "pinned count {} but {} pinned", blocks.pinned_blocks, tally.pinned)
     check(tally.refs == blocks.live_handles, "{} live handles but {} references", blocks.live_handles, tally.refs)
     check(0 <= prefetch_in_flight <= len(blocks.loading), "{} prefetch loads in flight", prefetch_in_flight)
+    for queue in blocks.write_queues.values():
+        queue.verify()
     blocks.ledger.verify()
     for block in blocks.ledger.blocks:
         # A lost block being read still has its slot, until the read ends.

@@ -180,7 +180,6 @@ class WriteBack:
         child ahead of its parent; the copy further ahead is skipped."""
         tier = self.tier
         seen: set[Block] = set()
-        queued: set[Block] | None = None
         # Appended by this call: a child of one of them goes again too, even
         # when an earlier block of the call walked that parent's chain.
         appended: set[Block] = set()
@@ -193,17 +192,14 @@ class WriteBack:
                 node = node.parent
             if not chain:
                 continue
-            if queued is None:
-                queued = set(self.queue)
             again = False
             for member in reversed(chain):
                 if (member.state != BlockState.SEALED or self.blocks.host_slot(member) == NO_SLOT
                         or not member.index.disk_enabled):
                     continue
-                again = again or member not in queued or member.parent in appended
+                again = again or member not in self.queue or member.parent in appended
                 if again:
                     self.queue.append(member)
-                    queued.add(member)
                     appended.add(member)
 
     def allocate_slot(self, slot_class: SlotClass | None = None) -> int:
