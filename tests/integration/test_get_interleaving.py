@@ -227,3 +227,39 @@ def test_a_demote_skips_blocks_deleted_between_its_steps(tmp_path, monkeypatch):
         await node.plane.close(30.0)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("how", ["release", "expire"])
+@pytest.mark.parametrize("steps_kind", [LayerSteps, BlockSteps])
+def test_a_streaming_get_whose_lease_ends_while_its_reads_run_settles_cleanly(tmp_path, steps_kind, how):
+    """The client Releases the stream's lease (Release and Cancel are separate RPCs), or the clock
+    moves past its deadline, while the stream's reads are in flight; a second Get waits on those
+    reads meanwhile. The stream then ends with FAILED_PRECONDITION naming lease_ms (nothing is
+    pinned for it), the blocks it read stay good for the other Get, and no pin is left behind: the
+    Get's own pins (issue 35 item 2) go when it settles. The races that made a settle after the
+    lease ended break a check are reproduced in tests/unit/test_engine_disk.py; this is the path
+    through the service, for both streaming kinds."""
+    from kvd.errors import FailedPrecondition
+
+    async def scenario():
+        node, keys = await cold_node(tmp_path)
+        stream = node.service._stream_get(node.request("stream", keys), steps_kind)
+        first = await stream.__anext__()
+        assert len(node.engine.loading) == BLOCKS  # its reads are under way
+        if how == "release":
+            assert node.engine.release("stream", [first.lease_id]) == 1
+        else:
+            node.engine.expire(LONG_MS + 1)
+        waiting = asyncio.ensure_future(node.service._pinned_prefix(node.request("other", keys), "other"))
+        with pytest.raises(FailedPrecondition, match="lease_ms"):
+            async for _ in stream:
+                pass
+        lease, blocks, _ = await waiting
+        node.assert_served(blocks, keys)
+        node.engine.release("other", [lease.lease_id])
+        assert node.engine.leases.pins_of("stream") == 0 and not node.engine.loading
+        assert node.engine.pinned_blocks == 0
+        node.engine.verify()
+        await node.plane.close(30.0)
+
+    asyncio.run(scenario())
