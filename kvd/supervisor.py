@@ -44,20 +44,6 @@ class Supervisor:
         if not task.cancelled() and task.exception() is not None:
             self.fail(f"the {task.get_name()} task", task.exception())
 
-    def thread(self, target: Callable[[], None], name: str) -> Callable[[], None]:
-        """`target` wrapped for a long-lived thread: an exception it raises is reported on the
-        loop running now (call this on it)."""
-        loop = asyncio.get_running_loop()
-
-        def run() -> None:
-            try:
-                target()
-            except BaseException as error:  # reported on the loop, which stops the daemon
-                loop.call_soon_threadsafe(self.fail, f"the {name} thread", error)
-                raise
-
-        return run
-
     def fail(self, what: str, error: BaseException) -> None:
         """Report a failure of something kvd cannot go on without (on the loop)."""
         if self.failure is not None:

@@ -187,13 +187,7 @@ class Reads(EnginePart):
     def abandon_get(self, plan: GetPlan) -> None:
         """Drop a plan whose loads were never started: slots back, pins released."""
         self._release_pins(plan)
-        for load in plan.loads:
-            block = load.block
-            if block in self.blocks.loading:
-                self.blocks.loading.discard(block)
-                self.blocks.clear_host_slot(block, cold_parent=False)
-            if load.handle is not None:
-                load.handle.release()
+        self.give_up_loads(plan.loads)
         plan.loads = []
         if plan.lease is not None and not plan.lease.ended:
             self.leases.close(plan.lease)

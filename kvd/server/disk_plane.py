@@ -634,19 +634,23 @@ class DiskPlane:
         """Loop thread: record the reads' outcome. A block whose read failed (a media error,
         reported per entry) is lost; a read job that raised (a bug: the daemon stops) loses
         nothing, its blocks stay on disk."""
-        if reading.cancelled() or reading.exception() is not None:
-            self._job_failed("a disk read job", reading)
+        ok = self._job_outcome("a disk read job", reading)
+        if ok is None:
             self.engine.give_up_loads(plan.loads)
             self._resolve_loads(plan.loads, [False] * len(plan.loads))
             return
-        ok = reading.result()
         self.engine.finish_loads(plan.loads, ok)
         self._resolve_loads(plan.loads, ok)
 
-    def _job_failed(self, what: str, job: asyncio.Future | concurrent.futures.Future) -> None:
-        """A disk job that raised is a bug (media errors are results): report it to the supervisor."""
-        if not job.cancelled():
+    def _job_outcome(self, what: str, job: asyncio.Future | concurrent.futures.Future) -> list[bool] | None:
+        """A read job's per-block outcome; None when it never ran (cancelled) or raised. A job
+        that raised is a bug (media errors are results): it goes to the supervisor."""
+        if job.cancelled():
+            return None
+        if job.exception() is not None:
             self._on_bug(what, job.exception())
+            return None
+        return job.result()
 
     def _resolve_loads(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         """Tell the Gets waiting for these loads how they went."""
@@ -776,11 +780,7 @@ class DiskPlane:
             self._prefetch_reads.pop(load.block, None)
         # Dropped unread at shutdown (cancelled), or a job that raised (a bug, reported):
         # the blocks stay on disk only.
-        ok = None
-        if read.cancelled() or read.exception() is not None:
-            self._job_failed("a disk prefetch job", read)
-        else:
-            ok = read.result()
+        ok = self._job_outcome("a disk prefetch job", read)
         loaded = self.mover.prefetch_done(loads, ok)
         self._resolve_loads(loads, ok or [False] * len(loads))
         if not job_done.done():
@@ -824,10 +824,8 @@ class DiskPlane:
         run = self._run if self._io.crashed is None else _call
         try:
             if self.tier is not None:
-                await run(self.tier.sync)
+                await run(self.tier.close)  # (which syncs what the policy syncs first)
         finally:
-            if self.tier is not None:
-                await run(self.tier.close)
             self._io.shutdown(wait=True)
 
 

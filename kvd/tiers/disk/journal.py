@@ -429,6 +429,8 @@ class Manifest:
             self.fs.truncate(self.path, scan.valid_end)
             self.fs.fsync(self.path)
         self.size_bytes = scan.valid_end
+        # What a killed run appended may be in the page cache only: unsynced until the next sync.
+        self.unsynced_bytes = self.size_bytes
         self._replay(scan, report)
         report.live_blocks = len(self.live)
         report.removed_manifests = self._remove_stale_manifests()

@@ -412,14 +412,13 @@ class DiskTier:
         may have left writes in the page cache, and what this run serves as
         durable must be."""
         per_drive = self.config.segments_per_drive
-        for drive, manifest in enumerate(self._manifests):
+        for drive in range(len(self._manifests)):
             if drive in self.failed_drives:
                 continue
             first = file_index(self.config, drive, 0)
             self._unsynced_data[drive].update(
                 index for index in range(first, first + per_drive) if self._file_sizes[index] >= 0)
-            manifest.unsynced_bytes = max(manifest.unsynced_bytes, 1)
-            self._sync_drive(drive, force=True)
+            self._sync_drive(drive, force=True)  # (a replayed manifest counts as unsynced)
 
     def _quarantine(self, drive: int, path: Path, problem: str, blocks: int | None) -> None:
         """Take a drive whose metadata cannot be read out of service: nothing
