@@ -93,7 +93,7 @@ from _common import REPO_ROOT, RESULTS_DIR, percentile, progress, report, warn_i
 from kvd.core.block import NO_SLOT  # noqa: E402
 from kvd.core.engine import CommitRequest, Engine, KeysRequest  # noqa: E402
 from kvd.core.keys import NamespaceSpec  # noqa: E402
-from kvd.core.mover import Mover, MoverSettings, WriteRound  # noqa: E402
+from kvd.core.mover import WRITE_MODES, Mover, MoverSettings, WriteRound  # noqa: E402
 from kvd.core.quota import TenantQuota  # noqa: E402
 from kvd.sim.plane import SlotContents  # noqa: E402
 from kvd.invariants import check  # noqa: E402
@@ -757,7 +757,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backlog-share", type=float, default=0.4,
                         help="host slots' share waiting for write-back (the write queue's level)")
     parser.add_argument("--tenant-share", type=float, default=0.1, help="the tenant's host quota, share of host slots")
-    parser.add_argument("--write-mode", choices=("back", "through"), default="through",
+    parser.add_argument("--write-mode", choices=WRITE_MODES, default="through",
                         help="the writer's mode while measured (through: every turn writes a round)")
     parser.add_argument("--waiters", type=int, default=4, help="MakeDurable calls waiting at once, at most")
     parser.add_argument("--samples", type=int, default=1000, help="timed calls per operation and size, at most")

@@ -32,6 +32,8 @@ ENV_PREFIX = "KVD_"
 HOST_POLICIES = ("lru", "s3fifo")
 DISK_POLICIES = ("clock",)
 PROMOTION_POLICIES = ("always",)
+# disk.write_mode; must match kvd.core.mover.WRITE_MODES.
+WRITE_MODES = ("behind", "back", "through")
 ADMISSION_MIN_HITS_MAX = 255
 
 _SIZE_UNITS = {
@@ -116,10 +118,14 @@ class DiskSettings:
     # memory's. slot_bytes: one size only.
     min_slot_bytes: int = 512 << 10
     segment_bytes: int = 1 << 30
-    # "back": write a block to disk only when the host tier runs short of
-    # free slots (or a Put asks for ACK_DURABLE), so short-lived blocks never
-    # cost SSD writes; "through": write every sealed block at once.
-    write_mode: str = "back"
+    # "behind": queue every block the admission filter takes for the disk
+    # and write it in the gaps between reads, at the lowest priority, so a
+    # crash loses only the last moments (kvd_disk_oldest_unwritten_seconds);
+    # "back": write only when the host tier runs short of free slots (or a
+    # client asks for durability), so short-lived blocks never cost SSD
+    # writes, and a crash loses whatever was never written; "through":
+    # write every block at once, taking drive time from reads when behind.
+    write_mode: str = "behind"
     # When written blocks are synced (data, then the records that point to
     # it): "strict" with every write batch; "group" by a commit every
     # group_commit_ms; "none" never on its own. Whatever the policy, an
@@ -386,8 +392,7 @@ class Config:
         if self.disk.directories:
             if self.disk.fsync not in ("strict", "group", "none"):
                 raise ConfigError("disk.fsync", f"must be strict, group or none, got {self.disk.fsync!r}")
-            if self.disk.write_mode not in ("back", "through"):
-                raise ConfigError("disk.write_mode", f"must be back or through, got {self.disk.write_mode!r}")
+            _one_of("disk.write_mode", self.disk.write_mode, WRITE_MODES)
             if not 0.0 <= self.disk.write_anticipation_ms <= 1000.0:
                 raise ConfigError("disk.write_anticipation_ms", f"must be in [0, 1000], got {self.disk.write_anticipation_ms}")
             if self.disk.io_schedule not in ("slack", "fifo"):

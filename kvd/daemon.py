@@ -193,7 +193,8 @@ class Daemon:
             disk_metrics = DiskIoMetrics(registry, self.disk_plane.io.queued, self.disk_plane.io_bytes,
                                          self.disk_plane.drive_states, self.disk_plane.recovery_lost_blocks,
                                          lambda: schedule.counters.slack_writes,
-                                         lambda: self.disk_plane.counters.chunks, self.disk_plane.totals)
+                                         lambda: self.disk_plane.counters.chunks, self.disk_plane.totals,
+                                         self.disk_plane.oldest_unwritten_s)
             self.disk_plane.io.on_job = disk_metrics.observe_job
         self._prepare_cluster()
         self._build_server(tenants, rpc_metrics)

@@ -29,7 +29,7 @@ Get hits of kvd_get_blocks_total.
 | kvd_tier_moves_total | counter | source_tier, target_tier | blocks written to disk / loaded back |
 | kvd_host_demotions_total | counter | | host copies dropped because a disk copy exists |
 | kvd_disk_failures_total | counter | operation | disk blocks that failed to write, load (corrupt or unreadable) or recover |
-| kvd_disk_write_queue | gauge | | write backlog: sealed blocks queued to be written to disk (write-back or write-through) |
+| kvd_disk_write_queue | gauge | | write backlog: sealed blocks queued to be written to disk (whatever disk.write_mode) |
 | kvd_disk_admission_rejected_total | counter | | blocks dropped from host memory unwritten because the disk admission filter (disk.admission_min_hits) never admitted them |
 | kvd_disk_queue_jobs | gauge | class | disk jobs queued, not yet running, by I/O class (restore, prefetch, write, control) |
 | kvd_disk_io_bytes_total | counter | operation | bytes read from (read) and written to (write) the drives |
@@ -41,6 +41,7 @@ Get hits of kvd_get_blocks_total.
 | kvd_disk_commits_total | counter | | commits under disk.fsync group or none: each drive's written segments fdatasynced, then its manifest; a durable ack waits for one (every group_commit_ms, or at once when a client waits) |
 | kvd_disk_fdatasyncs_total | counter | | segment files fdatasynced (per write chunk under strict, per commit otherwise) |
 | kvd_disk_corrupt_blocks_total | counter | namespace | blocks read from the drives that failed their checksum: lost (never served), recomputed by the engine; each is logged (drive, slot, namespace, key; at most 20 lines a minute) |
+| kvd_disk_oldest_unwritten_seconds | gauge | | how long the oldest block queued for the disk has waited, at most (to within the writer's 50 ms turns; 0: none waits): under write_mode behind, what a crash at this moment would lose, in time. Alert when it stays above a few seconds |
 | kvd_disk_job_run_seconds | histogram | class | time a disk job ran: restore and prefetch jobs are one read_blocks batch, write jobs one or more write chunks; control is the rest (journal removals, syncs, compaction) |
 | kvd_blocks_sealed_total | counter | tier | blocks committed |
 | kvd_blocks_aborted_total | counter | tier | reservations aborted or expired unwritten |
@@ -256,7 +257,7 @@ def _disk_metrics(engine: Engine) -> Iterator[Metric]:
     failures.add_metric(["load"], counters.load_failures)
     failures.add_metric(["recovery_drop"], counters.recovery_dropped)
     yield failures
-    yield GaugeMetricFamily("kvd_disk_write_queue", "Sealed blocks waiting for write-through.",
+    yield GaugeMetricFamily("kvd_disk_write_queue", "Sealed blocks queued to be written to disk.",
                             value=len(engine.write_queue))
     yield CounterMetricFamily(
         "kvd_disk_admission_rejected",
@@ -324,8 +325,10 @@ class DiskIoCollector(Collector):
     def __init__(self, queued_jobs: Callable[[], Mapping[str, int]], io_bytes: Callable[[], tuple[int, int]],
                  drive_states: Callable[[], Sequence[str]] = tuple,
                  recovery_lost: Callable[[], int] = int, slack_writes: Callable[[], int] = int,
-                 write_chunks: Callable[[], int] = int, totals: Callable[[], tuple[int, int, Mapping[bytes, int]]] = lambda: (0, 0, {})) -> None:
+                 write_chunks: Callable[[], int] = int, totals: Callable[[], tuple[int, int, Mapping[bytes, int]]] = lambda: (0, 0, {}),
+                 oldest_unwritten: Callable[[], float] = float) -> None:
         self._queued_jobs = queued_jobs
+        self._oldest_unwritten = oldest_unwritten
         self._totals = totals
         self._io_bytes = io_bytes
         self._drive_states = drive_states
@@ -368,6 +371,9 @@ class DiskIoCollector(Collector):
         for namespace_id, count in sorted(corrupt.items()):
             damaged.add_metric([namespace_id.hex()[:16]], count)
         yield damaged
+        yield GaugeMetricFamily("kvd_disk_oldest_unwritten_seconds", "How long the oldest block queued for the "
+                                "disk has waited (at most): what a crash now would lose, in time.",
+                                value=self._oldest_unwritten())
 
 
 class ArenaCollector(Collector):
@@ -430,9 +436,10 @@ class DiskIoMetrics:
     def __init__(self, registry: CollectorRegistry, queued_jobs: Callable[[], Mapping[str, int]],
                  io_bytes: Callable[[], tuple[int, int]], drive_states: Callable[[], Sequence[str]] = tuple,
                  recovery_lost: Callable[[], int] = int, slack_writes: Callable[[], int] = int,
-                 write_chunks: Callable[[], int] = int, totals: Callable[[], tuple[int, int, Mapping[bytes, int]]] = lambda: (0, 0, {})) -> None:
+                 write_chunks: Callable[[], int] = int, totals: Callable[[], tuple[int, int, Mapping[bytes, int]]] = lambda: (0, 0, {}),
+                 oldest_unwritten: Callable[[], float] = float) -> None:
         registry.register(DiskIoCollector(queued_jobs, io_bytes, drive_states, recovery_lost, slack_writes,
-                                          write_chunks, totals))
+                                          write_chunks, totals, oldest_unwritten))
         self.job_wait = Histogram("kvd_disk_job_wait_seconds", "Time a disk job waited in its queue.", ["class"],
                                   buckets=DISK_JOB_BUCKETS_S, registry=registry)
         self.job_run = Histogram("kvd_disk_job_run_seconds", "Time a disk job ran.", ["class"],

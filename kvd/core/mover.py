@@ -9,10 +9,16 @@ its event loop with the I/O thread doing the work, and the simulator
 (kvd.sim), in simulated time against a modelled drive. Both therefore
 follow the same rules:
 
-* write-through writes every sealed block; write-back writes only while
-  host memory is being reclaimed (high watermark down to the low one),
-  while a client waits for durability, while a Get is starved of host
-  slots, or while the daemon drains;
+* write-behind (the default) and write-through write every block the
+  admission filter queued, at once; write-back writes only while host
+  memory is being reclaimed (high watermark down to the low one), while a
+  client waits for durability, while a Get is starved of host slots, or
+  while the daemon drains. Write-behind differs from write-through in
+  urgency only: its queue counts as a backlog (writes that may take
+  drive time from reads, kvd.core.io_schedule) only for those same
+  reasons, so otherwise it is written in the reads' gaps, the lowest
+  priority there is, and a crash loses only what the gaps have not yet
+  reached (`oldest unwritten`, in seconds, by the driver's clock);
 * before a round: above the high watermark, durable blocks are demoted
   down to the low one;
 * a round journals the REMOVE records of the slots it reuses *before* any
@@ -53,12 +59,14 @@ from kvd.invariants import check
 if TYPE_CHECKING:
     from kvd.core.engine import Engine
 
-WRITE_MODES = ("back", "through")
+WRITE_MODES = ("behind", "back", "through")
+# Modes that write whatever is queued, without waiting for a reason to.
+WRITE_EAGER = ("behind", "through")
 
 
 @dataclass(frozen=True, slots=True)
 class MoverSettings:
-    write_mode: str = "back"
+    write_mode: str = "behind"
     # Blocks picked for one write-back round.
     batch_blocks: int = 64
     # Blocks per write job of a round; 0: the whole round in one job (the
@@ -72,7 +80,7 @@ class MoverSettings:
 
     def __post_init__(self) -> None:
         check(self.sync in SYNC_POLICIES, "sync must be one of {}, got {!r}", SYNC_POLICIES, self.sync)
-        check(self.write_mode in WRITE_MODES, "write_mode must be back or through, got {!r}", self.write_mode)
+        check(self.write_mode in WRITE_MODES, "write_mode must be one of {}, got {!r}", WRITE_MODES, self.write_mode)
         check(self.batch_blocks > 0 and self.chunk_blocks >= 0, "write batches need blocks")
         check(self.prefetch_max_blocks > 0 and self.prefetch_chunk_blocks > 0, "prefetch jobs need blocks")
 
@@ -144,6 +152,11 @@ class Mover:
     # -- write-back ------------------------------------------------------------
 
     def should_write(self) -> bool:
+        return self.settings.write_mode in WRITE_EAGER or self.write_urgent()
+
+    def write_urgent(self) -> bool:
+        """Whether something waits for write-back: durability, a starved Get, the drain, host memory
+        (under write-through, always: its writes are the point)."""
         if self.settings.write_mode == "through" or self.durable.waiting or self.starved_gets or self.draining:
             return True
         return self.engine.host_reclaiming()
@@ -154,9 +167,9 @@ class Mover:
         return engine.demote_to_low_watermark() if engine.host_reclaiming() else 0
 
     def backlog(self, tier: StorageTier | None = None) -> int:
-        """Blocks waiting for write-back to `tier` (default: the disk) while memory needs them written
-        (for the I/O schedule)."""
-        return len(self.engine.write_queue_of(self._target(tier))) if self.should_write() else 0
+        """Blocks waiting for write-back to `tier` (default: the disk) while something waits for
+        them (for the I/O schedule: a full backlog takes a share of the drive from reads)."""
+        return len(self.engine.write_queue_of(self._target(tier))) if self.write_urgent() else 0
 
     def next_round(self, tier: StorageTier | None = None) -> WriteRound | None:
         """A turn of the writer to `tier` (default: the disk): reclaim if due,

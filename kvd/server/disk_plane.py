@@ -154,6 +154,8 @@ class DiskPlane:
         self._batch_done = asyncio.Event()
         # Set when a client waits for a commit (fsync group or none).
         self._commit_wanted = asyncio.Event()
+        # When the oldest block queued for the disk was queued, at the latest (time.monotonic; None: none).
+        self._unwritten_since: float | None = None
 
     @property
     def slot_count(self) -> int:
@@ -292,9 +294,18 @@ class DiskPlane:
         """Tell the schedule how many blocks wait for write-back while memory needs them written."""
         self._io.backlog = self.mover.backlog()
 
+    def oldest_unwritten_s(self) -> float:
+        """How long the oldest block queued for the disk has waited, at most (0: none waits);
+        for metrics, any thread."""
+        since = self._unwritten_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
     async def _writer(self) -> None:
         mover = self.mover
+        queue = self.engine.write_queue
         while not self._closing:
+            queue.mark(time.monotonic())
+            self._unwritten_since = queue.queued_since()
             round_ = mover.next_round()
             self._update_backlog()
             _resolve(mover.hopeless_waits())

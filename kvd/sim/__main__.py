@@ -18,7 +18,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from kvd.config import parse_size
+from kvd.config import WRITE_MODES, parse_size
 from kvd.errors import ConfigError
 from kvd.sim.report import Progress, describe, policy_names, sweep, table, write_json, write_plot
 from kvd.sim.simulator import SimConfig, SimFailure
@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
                         "0: none (the default)")
     p.add_argument("--block-tokens", type=int, default=_DEFAULTS.block_tokens, help="tokens per block")
     p.add_argument("--tenants", type=int, default=_DEFAULTS.trace.tenants, help="tenants (namespaces)")
-    p.add_argument("--write-mode", choices=("back", "through"), default=_DEFAULTS.write_mode)
+    p.add_argument("--write-mode", choices=WRITE_MODES, default=_DEFAULTS.write_mode)
     p.add_argument("--io-schedule", choices=("slack", "fifo"), default=_DEFAULTS.io_schedule,
                    help="order of the disk's jobs (disk.io_schedule)")
     p.add_argument("--admission-min-hits", type=int, default=_DEFAULTS.admission_min_hits,

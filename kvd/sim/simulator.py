@@ -51,7 +51,7 @@ from kvd.config import DiskSettings, HostConfig, LeaseConfig
 from kvd.core.block import NO_SLOT, BlockState
 from kvd.core.engine import Engine, EngineLimits, GetPlan, ReserveStatus, StorageSpec, TierId, Transfer
 from kvd.core.durable import NotDurable
-from kvd.core.mover import Mover, MoverSettings, WriteRound
+from kvd.core.mover import WRITE_MODES, Mover, MoverSettings, WriteRound
 from kvd.core.quota import QuotaExceeded, TenantQuota
 from kvd.core.io_schedule import IoSchedule
 from kvd.core.keys import NamespaceSpec, chain_keys
@@ -129,7 +129,7 @@ class SimConfig:
         check(self.requests >= 1 and self.host_blocks >= 1 and self.disk_blocks >= 0, "sizes must be positive")
         check(self.middle_blocks >= 0 and (self.disk_blocks or not self.middle_blocks),
               "a middle tier sits above a disk tier")
-        check(self.write_mode in ("back", "through"), f"write_mode must be back or through, got {self.write_mode!r}")
+        check(self.write_mode in WRITE_MODES, f"write_mode must be one of {WRITE_MODES}, got {self.write_mode!r}")
         check(self.write_chunk_blocks >= 1, "write_chunk_blocks must be positive")
         check(0.0 <= self.fault_rate < 1.0, "fault_rate must be in [0, 1)")
         check(0.0 <= self.durable_share <= 1.0 and self.durable_wait_ms > 0, "durable_share must be in [0, 1]")

@@ -251,9 +251,10 @@ def test_status_shows_the_disk_tier(tmp_path):
     assert os.path.isdir(tmp_path / "nvme0")
 
 
-@pytest.mark.parametrize("mode", ["back", "through"])
+@pytest.mark.parametrize("mode", ["behind", "back", "through"])
 def test_write_modes(tmp_path, mode):
-    """Write-through writes every block; write-back waits for host pressure."""
+    """Write-behind (the default) and write-through write every block at once; write-back waits
+    for host pressure, and kvd_disk_oldest_unwritten_seconds says how long its blocks have waited."""
     import time
 
     config = disk_config(tmp_path, write_mode=mode)
@@ -266,13 +267,16 @@ def test_write_modes(tmp_path, mode):
         def written() -> float:
             return metric_samples(daemon.metrics_url)['kvd_tier_moves_total{source_tier="host",target_tier="disk"}']
 
-        if mode == "through":
+        oldest = lambda: daemon.metric("kvd_disk_oldest_unwritten_seconds")
+        if mode != "back":
             wait_until(lambda: written() == 4)
+            wait_until(lambda: oldest() == 0)  # nothing left waiting (after the writer's next turn)
         else:
             # Nothing to wait for: nothing must happen. A second of the writer's
             # 50 ms polls (a slow machine only makes a write less likely).
             time.sleep(1.0)
             assert written() == 0
+            assert oldest() >= 0.9  # queued a second ago, to within the writer's turns
         # Fill the host tier: now write-back has to make room on disk too.
         more = namespace.keys(np.arange(HOST_SLOTS * 16) + 10**6)
         client.put(namespace, more, blocks_for(HOST_SLOTS, seed=6))

@@ -14,7 +14,8 @@ import pytest
 from kvd.core.block import NO_SLOT
 from kvd.core.engine import Engine
 from kvd.core.keys import NamespaceSpec
-from kvd.core.mover import Mover, MoverSettings
+from kvd import config
+from kvd.core.mover import WRITE_MODES, Mover, MoverSettings
 from kvd.invariants import InvariantError
 from kvd.sim.plane import SlotContents
 from kvd.core.requests import CommitRequest, KeysRequest
@@ -64,7 +65,7 @@ class Rig:
 
 
 def test_write_back_waits_for_a_reason_and_write_through_does_not():
-    rig = Rig()
+    rig = Rig(write_mode="back")
     rig.put("ab")
     assert not rig.mover.should_write() and rig.run_round() is None  # below the high watermark
     rig.mover.starved_gets = 1
@@ -85,8 +86,24 @@ def test_write_back_waits_for_a_reason_and_write_through_does_not():
     assert through.run_round() == [[0, 1]] and through.durable("ab") == [True, True]
 
 
+def test_write_behind_writes_at_once_in_the_reads_gaps():
+    """The default: every queued block is written without waiting for a reason, but the queue counts
+    as a backlog (which may take drive time from reads) only when something waits for it."""
+    assert MoverSettings().write_mode == "behind" and config.WRITE_MODES == WRITE_MODES
+    rig = Rig(write_mode="behind")
+    rig.put("ab")
+    assert rig.mover.should_write() and rig.mover.backlog() == 0
+    rig.mover.starved_gets = 1
+    assert rig.mover.backlog() == 2
+    rig.mover.starved_gets = 0
+    assert rig.run_round() == [[0, 1]] and rig.durable("ab") == [True, True]
+    through = Rig(write_mode="through")
+    through.put("ab")
+    assert through.mover.backlog() == 2
+
+
 def test_above_the_high_watermark_a_round_writes_and_the_next_turn_demotes():
-    rig = Rig(host_slots=8)
+    rig = Rig(host_slots=8, write_mode="back")
     rig.put("abcdef")  # 6 of 8 slots: at the high watermark (0.75)
     assert rig.mover.should_write() and rig.mover.backlog() == 6
     rig.run_round()
