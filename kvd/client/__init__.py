@@ -11,6 +11,8 @@
         client.prefetch(ns, keys)                 # read what is only on disk into memory, ahead of the Get
         client.put(ns, keys, blocks)              # (len(keys), *ns.spec.block_shape), the namespace dtype
         kv = client.get_tensor(ns, keys)          # (matched, *block_shape) torch tensor
+        got = client.get(ns, keys)                # got.blocks (numpy), got.corrupt: the next block
+                                                  # failed its checksum (gone), not merely unstored
 
 Block layout: (num_layers, 2, *inner) per block, layer-major, so one layer of
 one block is contiguous; inner is (block_tokens, kv_heads, head_dim) or
@@ -29,13 +31,13 @@ with `BlockMirror` to keep a copy of a namespace; see kvd.client.events.
 """
 
 from kvd.client._ops import TlsConfig
-from kvd.client._wire import ClusterLookupResult, LookupResult, Namespace, NodeMatch, PrefetchResult
+from kvd.client._wire import ClusterLookupResult, GetResult, LookupResult, Namespace, NodeMatch, PrefetchResult
 from kvd.client.aio import AsyncClient
 from kvd.client.errors import NotDurableError
 from kvd.client.events import BlockMirror, EventKind, EventSnapshot, KvEvent, ResyncRequired
 from kvd.client.sync import Client
 
 __all__ = [
-    "AsyncClient", "BlockMirror", "Client", "ClusterLookupResult", "EventKind", "EventSnapshot", "KvEvent",
-    "LookupResult", "Namespace", "NodeMatch", "NotDurableError", "PrefetchResult", "ResyncRequired", "TlsConfig",
+    "AsyncClient", "BlockMirror", "Client", "ClusterLookupResult", "EventKind", "EventSnapshot", "GetResult",
+    "KvEvent", "LookupResult", "Namespace", "NodeMatch", "NotDurableError", "PrefetchResult", "ResyncRequired", "TlsConfig",
 ]

@@ -21,7 +21,8 @@ import numpy as np
 
 from kvd import arena_protocol
 from kvd.client import _wire
-from kvd.client._wire import ArenaMapping, ClusterLookupResult, LookupResult, Namespace, NodeMatch, PrefetchResult
+from kvd.client._wire import (ArenaMapping, ClusterLookupResult, GetResult, LookupResult, Namespace, NodeMatch,
+                             PrefetchResult)
 from kvd.client.errors import NotDurableError
 from kvd.core.keys import KEY_BYTES, NamespaceSpec
 from kvd.errors import FailedPrecondition
@@ -461,8 +462,14 @@ def get_numpy(
     session: Session, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None, parent_key: bytes
 ) -> Op:
     """The stored prefix of `keys` as (matched, *block_shape); into `out` if given."""
+    return (yield from get(session, namespace, keys, out, parent_key)).blocks
+
+
+def get(session: Session, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None, parent_key: bytes
+        ) -> Op:
+    """The stored prefix of `keys`, and why it is not longer (a GetResult)."""
     if not keys:
-        return _wire.blocks_to_output(namespace, _wire.output_rows(namespace, 0, out), 0)
+        return GetResult(_wire.blocks_to_output(namespace, _wire.output_rows(namespace, 0, out), 0))
     yield from connect(session)
     if session.arena is not None and len(keys) * namespace.block_bytes >= session.streamed_get_min_bytes:
         return (yield from _get_streamed(session, namespace, keys, out, parent_key))
@@ -476,7 +483,7 @@ def get_numpy(
     finally:
         if response.lease_id:
             yield from release(session, [response.lease_id])
-    return _wire.blocks_to_output(namespace, rows, response.matched)
+    return GetResult(_wire.blocks_to_output(namespace, rows, response.matched), response.cut)
 
 
 def _get_request(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes
@@ -514,7 +521,7 @@ def _get_streamed(
         stream.cancel()
         if first.lease_id:
             yield from release(session, [first.lease_id])
-    return blocks.blocks()
+    return GetResult(blocks.blocks(), blocks.cut)
 
 
 def open_get_stream(session: Session, method: str, namespace: Namespace, keys: Sequence[bytes],
@@ -562,6 +569,7 @@ def _get_inline(
 ) -> Op:
     batch = _wire.inline_batch_blocks(namespace, session.info.max_message_bytes)
     payloads: list[bytes] = []
+    cut = kvd_pb2.GET_CUT_NONE
     for start in range(0, len(keys), batch):
         stop = min(start + batch, len(keys))
         response = yield (
@@ -576,11 +584,12 @@ def _get_inline(
         )
         payloads.extend(response.blocks)
         if response.matched < stop - start:
+            cut = response.cut
             break
     rows = _wire.output_rows(namespace, len(payloads), out)
     if payloads:
         rows[:] = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(payloads), namespace.block_bytes)
-    return _wire.blocks_to_output(namespace, rows, len(payloads))
+    return GetResult(_wire.blocks_to_output(namespace, rows, len(payloads)), cut)
 
 
 def delete(session: Session, namespace: Namespace, keys: Sequence[bytes]) -> Op:

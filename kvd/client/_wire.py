@@ -79,6 +79,19 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class GetResult:
+    """A Get's blocks, (matched, *block_shape), and why there are not more: a kvd.v1.GetCut value
+    (GET_CUT_CORRUPT: the next block failed its checksum and is gone; GET_CUT_NONE: not stored)."""
+
+    blocks: np.ndarray
+    cut: int = kvd_pb2.GET_CUT_NONE
+
+    @property
+    def corrupt(self) -> bool:
+        return self.cut == kvd_pb2.GET_CUT_CORRUPT
+
+
+@dataclass(frozen=True, slots=True)
 class NodeMatch:
     """One node's share of a prefix, from ClusterLookup."""
 
@@ -257,10 +270,13 @@ class StreamedCopy:
         self.slots = arena.slot_indices(first.offsets, namespace.block_bytes)
         self.source = arena.rows(arena.stride(namespace.block_bytes))
         self.copied = 0  # layers of every block, or leading blocks whole
+        # Why `matched` is short (kvd.v1.GetCut), from the message that says.
+        self.cut = first.cut
 
     def take_layers(self, message: Any) -> tuple[int, np.ndarray]:
         """(layers ready, the blocks so far) after a GetLayers message."""
         self.matched = min(self.matched, message.matched)
+        self.cut = message.cut or self.cut
         if self.copied < message.layers_ready:
             layer_bytes = self.namespace.layer_bytes
             copy_rows(self.source, self.slots[:self.matched], self.rows[:self.matched], self.copied * layer_bytes,
@@ -271,6 +287,7 @@ class StreamedCopy:
     def take_blocks(self, message: Any) -> None:
         """Copy the blocks a GetBlocks message reports ready and not yet copied."""
         self.matched = min(self.matched, message.matched)
+        self.cut = message.cut or self.cut
         ready = min(message.blocks_ready, self.matched)
         if ready > self.copied:
             copy_rows(self.source, self.slots[self.copied:ready], self.rows[self.copied:ready], 0,

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 
 from kvd.client import _ops, _wire
-from kvd.client._wire import ClusterLookupResult, LookupResult, Namespace, PrefetchResult
+from kvd.client._wire import ClusterLookupResult, GetResult, LookupResult, Namespace, PrefetchResult
 from kvd.client.events import AsyncEventWatch, EventSnapshot, SnapshotParts, snapshot_request, watch_request
 from kvd.client.pinned import AsyncPinnedBlocks, AsyncReservedBlocks
 from kvd.core.keys import NamespaceSpec
@@ -92,6 +92,11 @@ class AsyncClient(_ops.ClientBase):
         self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""
     ) -> np.ndarray:
         return await self._run(_ops.get_numpy(self.session, namespace, keys, out, parent_key))
+
+    async def get(self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None,
+                  parent_key: bytes = b"") -> GetResult:
+        """Client.get: the blocks and why there are not more."""
+        return await self._run(_ops.get(self.session, namespace, keys, out, parent_key))
 
     async def get_layers(
         self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""

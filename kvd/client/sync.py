@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 
 from kvd.client import _ops, _wire
-from kvd.client._wire import ClusterLookupResult, LookupResult, Namespace, PrefetchResult
+from kvd.client._wire import ClusterLookupResult, GetResult, LookupResult, Namespace, PrefetchResult
 from kvd.client.events import EventSnapshot, EventWatch, SnapshotParts, snapshot_request, watch_request
 from kvd.client.pinned import PinnedBlocks, ReservedBlocks
 from kvd.core.keys import NamespaceSpec
@@ -117,6 +117,12 @@ class Client(_ops.ClientBase):
     ) -> np.ndarray:
         """The stored prefix of `keys` as (matched, *block_shape); into `out` if given."""
         return self._run(_ops.get_numpy(self.session, namespace, keys, out, parent_key))
+
+    def get(self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None,
+            parent_key: bytes = b"") -> GetResult:
+        """get_numpy, and why the prefix is not longer: `result.corrupt` when the next block
+        failed its checksum on disk (kvd dropped it: recompute it), rather than never stored."""
+        return self._run(_ops.get(self.session, namespace, keys, out, parent_key))
 
     def get_pinned(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> PinnedBlocks:
         """The stored prefix of `keys` left in the daemon's arena, pinned there until released:

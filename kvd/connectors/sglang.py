@@ -229,6 +229,8 @@ class KvdHiCacheStorage(HiCacheStorage):
         # backup threads): each maps the arena itself and registers the
         # namespace once; no lock is held across an RPC.
         self._local = threading.local()
+        # Pages kvd reported lost to damage (a block failed its checksum), since start.
+        self.corrupt_pages = 0
         self._clients: list[Client] = []
         self._clients_lock = threading.Lock()
 
@@ -297,7 +299,7 @@ class KvdHiCacheStorage(HiCacheStorage):
             return []
         pages = page_ids(host_indices, self.mem_pool_host.page_size, len(keys))
         try:
-            rows = self._call(lambda client, ns: client.get_numpy(ns, kvd_keys(keys), parent_key=parent_of(extra_info)))
+            rows = self._get(keys, parent_of(extra_info))
         except KVD_ERRORS as error:
             logger.warning("kvd: get of %d pages failed, reporting misses: %s", len(keys), describe(error))
             return [False] * len(keys)
@@ -305,6 +307,17 @@ class KvdHiCacheStorage(HiCacheStorage):
         if matched:
             self._pages[pages[:matched]] = self._rows_as_pages(rows)
         return [index < matched for index in range(len(keys))]
+
+    def _get(self, keys: list[str], parent_key: bytes):
+        """The stored prefix of `keys`, as rows; damage kvd found on the way is logged and counted
+        (the pages are then misses, which SGLang recomputes, as for any miss)."""
+        result = self._call(lambda client, ns: client.get(ns, kvd_keys(keys), parent_key=parent_key))
+        if result.corrupt:
+            self.corrupt_pages += len(keys) - result.blocks.shape[0]
+            logger.warning("kvd: page %d of %d was corrupt on kvd's disk (failed its checksum) and is gone; "
+                           "it and the %d pages after it are misses", result.blocks.shape[0], len(keys),
+                           len(keys) - result.blocks.shape[0] - 1)
+        return result.blocks
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
@@ -360,7 +373,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         if not keys:
             return []
         try:
-            rows = self._call(lambda client, ns: client.get_numpy(ns, kvd_keys(keys)))
+            rows = self._get(keys, b"")
         except KVD_ERRORS as error:
             logger.warning("kvd: get of %d pages failed, reporting misses: %s", len(keys), describe(error))
             return [None] * len(keys)

@@ -15,6 +15,14 @@ client that is killed keeps its pins until its leases' deadlines pass
 sweeper then ends them and their blocks can be evicted again. Clients that
 read or write for longer renew their leases.
 
+A request that works on a lease's blocks after its own call returned to
+the event loop (SaveLayers copying into its reserved slots, LoadLayers
+copying out of its pinned ones, on a device stream) holds the lease
+(`hold`): until the last hold goes, the lease does not end, whatever
+ends it meanwhile (the client's Release, its deadline, the drain); it is
+gone for the client at once (NOT_FOUND) and ends for real at `unhold`. So
+no slot is freed, or reused, while a copy still runs into or out of it.
+
 Each client's pins are counted (`pins_of`): the blocks its open leases pin,
 a write lease's pinned parent included. A request that would take a client
 past `max_pins_per_client` is refused before anything changes, so one
@@ -64,6 +72,10 @@ class Lease:
     # Blocks this lease pins (its unreleased handles, parent included),
     # charged to its client in LeaseTable.pins_of.
     pinned: int = 0
+    # Requests working on its blocks now (LeaseTable.hold); while any does,
+    # an end (release, expiry) only marks it `closing`, and unhold ends it.
+    holds: int = 0
+    closing: bool = False
 
     def blocks(self) -> list[Block]:
         return [handle.block for handle in self.handles if not handle.released]
@@ -159,6 +171,8 @@ class LeaseTable:
     def find(self, lease_id: int, client_id: str) -> Lease:
         """The live lease `lease_id` owned by `client_id`, or a precise error."""
         lease = self._leases.get(lease_id)
+        if lease is not None and lease.closing:
+            lease = None  # ended, for the client: only a request's copy still holds it
         if lease is None or (lease.client_id != client_id and scope_of(lease.client_id) != scope_of(client_id)):
             # Another scope's (tenant's) lease is not even said to exist.
             raise NotFound(f"lease {lease_id} does not exist (released or expired)")
@@ -171,10 +185,26 @@ class LeaseTable:
         heapq.heappush(self._deadlines, (deadline_ms, lease.lease_id))
 
     def close(self, lease: Lease) -> None:
+        """End the lease; while a request holds it, only mark it closing (unhold ends it)."""
         check(self._leases.get(lease.lease_id) is lease, "close of a lease not in the table")
+        if lease.holds:
+            lease.closing = True
+            return
         del self._leases[lease.lease_id]
         self.refund(lease, lease.pinned)
         lease.end()
+
+    def hold(self, lease: Lease) -> None:
+        """A request works on the lease's blocks from now until its unhold: the lease does not end before."""
+        check(self._leases.get(lease.lease_id) is lease and not lease.closing, "hold of an ended lease")
+        lease.holds += 1
+
+    def unhold(self, lease: Lease) -> None:
+        """The request is done with the lease's blocks; a lease closed meanwhile ends now."""
+        check(lease.holds > 0 and self._leases.get(lease.lease_id) is lease, "unhold of a lease nobody holds")
+        lease.holds -= 1
+        if lease.holds == 0 and lease.closing:
+            self.close(lease)
 
     def expire(self, now_ms: int) -> list[Lease]:
         """End and return every lease whose deadline is at or before now."""
@@ -183,8 +213,8 @@ class LeaseTable:
         while deadlines and deadlines[0][0] <= now_ms:
             deadline_ms, lease_id = heapq.heappop(deadlines)
             lease = self._leases.get(lease_id)
-            # Stale heap entries: the lease ended or was renewed since.
-            if lease is None or lease.deadline_ms != deadline_ms:
+            # Stale heap entries: the lease ended (or is ending) or was renewed since.
+            if lease is None or lease.closing or lease.deadline_ms != deadline_ms:
                 continue
             self.close(lease)
             expired.append(lease)
@@ -195,13 +225,13 @@ class LeaseTable:
         while self._deadlines:
             deadline_ms, lease_id = self._deadlines[0]
             lease = self._leases.get(lease_id)
-            if lease is not None and lease.deadline_ms == deadline_ms:
+            if lease is not None and not lease.closing and lease.deadline_ms == deadline_ms:
                 return deadline_ms
             heapq.heappop(self._deadlines)
         return None
 
     def close_all(self) -> int:
-        leases = list(self._leases.values())
+        leases = [lease for lease in self._leases.values() if not lease.closing]
         for lease in leases:
             self.close(lease)
         return len(leases)
@@ -211,6 +241,7 @@ class LeaseTable:
         for lease_id, lease in self._leases.items():
             check(lease.lease_id == lease_id, "lease stored under a wrong id")
             check(not lease.ended, "ended lease still in the table")
+            check(lease.holds >= 0 and (lease.holds or not lease.closing), "lease {} closing with no hold", lease_id)
             held = sum(not handle.released for handle in lease.handles)
             held += lease.parent_handle is not None and not lease.parent_handle.released
             check(lease.pinned == held, "lease {} charged {} pins but holds {}", lease_id, lease.pinned, held)

@@ -12,6 +12,7 @@ prefix. Hits and misses are counted per namespace and per tier.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,25 @@ from kvd.core.requests import KeysRequest, check_client, check_keys, check_lease
 from kvd.core.tier import StorageTier, Tier, TierId
 from kvd.core.transfer import Transfer
 from kvd.invariants import check
+
+
+class GetCut(enum.IntEnum):
+    """Why a Get served less than the stored prefix it found (values as kvd.v1.GetCut)."""
+
+    NONE = 0  # it served all of it (or all that is still stored: a block may be deleted meanwhile)
+    CORRUPT = 1  # the next block failed its checksum when read: it and its descendants are lost
+    UNREADABLE = 2  # the drive could not read the next block (an I/O error): lost likewise
+    NO_ROOM = 3  # host memory had no slot for the next block (every one pinned), write-back or not
+    KEPT_BELOW = 4  # the promotion policy keeps the next block in a lower tier
+    LEASE_ENDED = 5  # the Get's lease ended (released, expired) while it read: it serves nothing
+
+
+class LoadOutcome(enum.IntEnum):
+    """How a read from a lower tier into host memory went."""
+
+    OK = 0
+    CORRUPT = 1  # read in full, failed its checksum
+    UNREADABLE = 2  # the drive returned an error or too few bytes
 
 
 @dataclass(slots=True)
@@ -37,6 +57,8 @@ class GetPlan:
     waits: list[Block] = field(default_factory=list)
     # Cut short because no host slot could be freed (all pinned).
     starved: bool = False
+    # Why begin_get cut the prefix it found (NO_ROOM: starved too; KEPT_BELOW).
+    cut: GetCut = GetCut.NONE
     # What begin_get counted (Reads.count_get), taken back by abandon_get
     # so that a Get retried after a starved plan counts its keys once.
     counted: tuple[NamespaceState, int, int, int, dict[Tier, int]] | None = None
@@ -114,11 +136,13 @@ class Reads(EnginePart):
             source, source_slot = self.blocks.lower_copy(block)
             if not source.promotion.promote(block):
                 self.cut_plan(plan, position)
+                plan.cut = GetCut.KEPT_BELOW
                 break
             slot = self.allocator.allocate(block.index.tenant, slot_class=self.blocks.host_class(block))
             if slot == NO_SLOT:
                 self.cut_plan(plan, position)
                 plan.starved = True
+                plan.cut = GetCut.NO_ROOM
                 break
             plan.loads.append(self.start_load(block, source, source_slot, slot))
         if plan.loads or plan.waits:

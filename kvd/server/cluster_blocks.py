@@ -84,7 +84,7 @@ class ClusterBlocks:
             get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, keys=keys[request.first:],
                                      parent_key=keys[request.first - 1] if request.first else b"",
                                      lease_ms=request.lease_ms)
-            lease, matched, _ = await self.service._pinned_prefix(get, PEER_CLIENT_PREFIX + request.node)
+            lease, matched, _, _ = await self.service._pinned_prefix(get, PEER_CLIENT_PREFIX + request.node)
         except KvdError as error:
             await context.abort(convert.status_of(error), error.message)
         except ValueError as error:

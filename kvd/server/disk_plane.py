@@ -35,9 +35,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from kvd.config import DiskSettings
 from kvd.core.block import Block
-from kvd.core.engine import Engine, GetPlan, PrefetchPlan, Transfer
+from kvd.core.engine import Engine, PrefetchPlan, Transfer
+from kvd.core.get_life import GetLife, Served
+from kvd.core.reads import LoadOutcome
 from kvd.core.io_schedule import IoClass, IoSchedule
 from kvd.core.durable import NotDurable
 from kvd.core.mover import Mover, MoverSettings, WriteRound
@@ -49,12 +53,16 @@ from kvd.server.io_executor import ScheduledExecutor
 from kvd.supervisor import Supervisor
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import DiskConfig, drive_of, location_of, split_location
-from kvd.tiers.disk.tier import DiskRecovery, DiskTier
+from kvd.tiers.disk.tier import DiskRecovery, DiskTier, ReadFailure
 from kvd.tiers.host import HostArena
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05
+# The tier's reason a read failed, as the engine's outcome of the load.
+_LOAD_OUTCOMES = {ReadFailure.NONE: LoadOutcome.OK, ReadFailure.CHECKSUM: LoadOutcome.CORRUPT,
+                  ReadFailure.IO_ERROR: LoadOutcome.UNREADABLE, ReadFailure.SHORT_READ: LoadOutcome.UNREADABLE,
+                  ReadFailure.MISSING_SEGMENT: LoadOutcome.UNREADABLE}
 # Fault injection for tests of the whole daemon: "write:ENOSPC:1000,read:EIO:5"
 # makes the I/O engine fail that many matching entries with that errno;
 # "read:SHORT:5" makes them transfer 0 bytes, a short read, as past the end
@@ -328,25 +336,16 @@ class DiskPlane:
             if mover.durable.commit_due():
                 self._commit_wanted.set()
 
-    async def wait_for_write_back(self, timeout_s: float) -> bool:
-        """Wake the writer and wait for its next batch to finish (False after timeout_s).
-
-        A Get that found host memory full of blocks not yet written waits
-        here: once they are on disk, their host copies can make room. False
-        at once when nothing is queued for writing or being written.
-        """
-        if not self.mover.write_back_pending():
-            return False
+    async def wait_for_round(self, timeout_s: float) -> bool:
+        """Wake the writer and wait for its next round to end (False after timeout_s): what a Get
+        starved of host slots waits for (kvd.core.get_life), since the round's blocks may then give
+        up their host copies."""
         self._batch_done.clear()
-        self.mover.starved_gets += 1
         self.wake()
         try:
             await asyncio.wait_for(self._batch_done.wait(), timeout_s)
         except TimeoutError:
             return False
-        finally:
-            self.mover.starved_gets -= 1
-        self.mover.after_round()
         return True
 
     async def _write_round(self, round_: WriteRound) -> None:
@@ -556,14 +555,14 @@ class DiskPlane:
 
     # -- reads ----------------------------------------------------------
 
-    def start_get(self, plan: GetPlan, on_layer=None, on_blocks=None) -> asyncio.Task:
-        """Start the plan's disk reads; a task that ends with the servable prefix.
+    def start_get(self, life: GetLife, on_layer=None, on_blocks=None) -> asyncio.Task:
+        """Start the reads of a planned Get; a task that ends with what it serves (`Served`).
 
         Called in the loop step of the plan's begin_get, before any await:
         from then on another Get's plan lists these blocks as waits, and
         finds the futures it waits on here. The task owns the reads: if it
         is cancelled, they still finish (the I/O thread writes into the
-        pinned slots) and then the lease is closed.
+        pinned slots) and then the Get is dropped (its lease and pins end).
 
         on_layer(layer, ok), if given, is called on the loop each time layer
         `layer` of every loaded block has landed and been verified; ok[i]
@@ -572,25 +571,30 @@ class DiskPlane:
         been verified (ok as for on_layer, for those).
         """
         check(on_layer is None or on_blocks is None, "a Get reports layers or blocks, not both")
-        check(not (plan.loads or plan.waits) or plan.lease is not None, "disk reads for a Get that pins nothing")
+        plan = life.plan
+        check(not life.pending or plan.lease is not None, "disk reads for a Get that pins nothing")
         # A Get now waits for these prefetches: they are restores from here on.
         for read in dict.fromkeys(filter(None, map(self._prefetch_reads.get, plan.waits))):
             self._io.promote(read, IoClass.RESTORE)
         loading = self.engine.loading
         check(all(block in self._loads or block not in loading for block in plan.waits),
               "a Get waits for a block being read that no read will report")
-        waiting = [self._loads[block] for block in plan.waits if block in self._loads]
-        reading = self._submit_loads(plan, on_layer, on_blocks) if plan.loads else None
-        task = asyncio.ensure_future(self._complete_get(plan, reading, waiting))
-        task.add_done_callback(functools.partial(self._end_failed_get, plan, reading))
+        for block in plan.waits:
+            if block not in self._loads:
+                life.wait_done(block, None)  # its read reported in this very loop step
+        waiting = {block: self._loads[block] for block in plan.waits if block in self._loads}
+        reading = self._submit_loads(life, on_layer, on_blocks) if plan.loads else None
+        task = asyncio.ensure_future(self._complete_get(life, reading, waiting))
+        task.add_done_callback(functools.partial(self._end_failed_get, life, reading))
         return task
 
-    def _submit_loads(self, plan: GetPlan, on_layer, on_blocks) -> asyncio.Future:
+    def _submit_loads(self, life: GetLife, on_layer, on_blocks) -> asyncio.Future:
         """Hand the plan's loads to the I/O thread as one restore job; its future.
 
         The loads are finished by a callback on that future, whatever becomes
         of the Get (even a task cancelled before it ever ran).
         """
+        plan = life.plan
         loop = asyncio.get_running_loop()
         progress = None
         report = on_layer or on_blocks
@@ -606,54 +610,55 @@ class DiskPlane:
             submitted = self._io.submit(IoClass.RESTORE, self._read_batch, self._read_work(plan.loads), progress,
                                         on_blocks is not None, nbytes=nbytes)
         except RuntimeError:  # the I/O thread is shut down: nothing read, nothing lost
-            self.engine.abandon_get(plan)
+            life.abandon()
             raise Unavailable("kvd is stopping; the Get's disk reads were not started") from None
         self._loads.update({load.block: loop.create_future() for load in plan.loads})
         reading = asyncio.wrap_future(submitted)
         # Registered before anyone awaits `reading`: the loads are finished
         # before the Get that awaits it resumes.
-        reading.add_done_callback(functools.partial(self._finish_loads, plan))
+        reading.add_done_callback(functools.partial(self._finish_loads, life))
         return reading
 
-    async def _complete_get(self, plan: GetPlan, reading: asyncio.Future | None,
-                            waiting: list[asyncio.Future]) -> list[Block]:
-        """Await the plan's own reads, then those of other Gets it waits on; settle."""
+    async def _complete_get(self, life: GetLife, reading: asyncio.Future | None,
+                            waiting: dict[Block, asyncio.Future]) -> Served:
+        """Await the plan's own reads, then those of other requests it waits on; settle."""
         if reading is not None:
             # Shielded: the I/O thread writes into the pinned slots whatever
             # becomes of this Get (see _end_failed_get).
             await asyncio.shield(reading)
             await self._journal_removals()
         if waiting:
-            await asyncio.gather(*(asyncio.shield(future) for future in waiting))
-        return self.engine.settle_get(plan)
+            outcomes = await asyncio.gather(*(asyncio.shield(future) for future in waiting.values()))
+            for block, outcome in zip(waiting, outcomes):
+                life.wait_done(block, outcome)
+        return life.settle()
 
-    def _end_failed_get(self, plan: GetPlan, reading: asyncio.Future | None, task: asyncio.Task) -> None:
+    def _end_failed_get(self, life: GetLife, reading: asyncio.Future | None, task: asyncio.Task) -> None:
         """A Get that failed or was cancelled: its lease and its own pins end, once no read
         into its slots runs."""
         if not task.cancelled() and task.exception() is None:
             return
 
         def close(_done=None) -> None:
-            self.engine.drop_get(plan)
+            life.drop()
 
-        if reading is None or reading.done():
+        if reading is None:
             close()
         else:
+            # Even when `reading` is done: its _finish_loads callback may be scheduled and not
+            # yet run, and a callback added now runs after it.
             reading.add_done_callback(close)
 
-    def _finish_loads(self, plan: GetPlan, reading: asyncio.Future) -> None:
+    def _finish_loads(self, life: GetLife, reading: asyncio.Future) -> None:
         """Loop thread: record the reads' outcome. A block whose read failed (a media error,
         reported per entry) is lost; a read job that raised (a bug: the daemon stops) loses
         nothing, its blocks stay on disk."""
-        ok = self._job_outcome("a disk read job", reading)
-        if ok is None:
-            self.engine.give_up_loads(plan.loads)
-            self._resolve_loads(plan.loads, [False] * len(plan.loads))
-            return
-        self.engine.finish_loads(plan.loads, ok)
-        self._resolve_loads(plan.loads, ok)
+        loads = life.plan.loads
+        outcomes = self._job_outcome("a disk read job", reading)
+        life.loads_done(loads, outcomes)
+        self._resolve_loads(loads, outcomes)
 
-    def _job_outcome(self, what: str, job: asyncio.Future | concurrent.futures.Future) -> list[bool] | None:
+    def _job_outcome(self, what: str, job: asyncio.Future | concurrent.futures.Future) -> list[LoadOutcome] | None:
         """A read job's per-block outcome; None when it never ran (cancelled) or raised. A job
         that raised is a bug (media errors are results): it goes to the supervisor."""
         if job.cancelled():
@@ -663,13 +668,13 @@ class DiskPlane:
             return None
         return job.result()
 
-    def _resolve_loads(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
-        """Tell the Gets waiting for these loads how they went."""
-        check(len(loads) == len(ok), "one outcome per load")
-        for load, good in zip(loads, ok):
+    def _resolve_loads(self, loads: Sequence[Transfer], outcomes: Sequence[LoadOutcome] | None) -> None:
+        """Tell the requests waiting for these loads how they went (None: the reads never ran)."""
+        check(outcomes is None or len(loads) == len(outcomes), "one outcome per load")
+        for position, load in enumerate(loads):
             future = self._loads.pop(load.block, None)
             if future is not None and not future.done():
-                future.set_result(bool(good))
+                future.set_result(None if outcomes is None else outcomes[position])
 
     def _read_work(self, loads: Sequence[Transfer]) -> list[tuple[bytes, int, int, list[tuple[int, int, int]]]]:
         """Loop thread: what to read, as plain data, grouped by namespace."""
@@ -689,17 +694,14 @@ class DiskPlane:
             work.append((namespace_id, spec.layer_bytes, spec.num_layers, items))
         return work
 
-    def _read_batch(self, work, progress=None, by_block: bool = False) -> list[bool]:
-        """I/O thread: reads into the host slots, checksums verified; progress(layer, mask)
-        as layers land, or with by_block progress(done, mask) as leading blocks do."""
+    def _read_batch(self, work, progress=None, by_block: bool = False) -> list[LoadOutcome]:
+        """I/O thread: reads into the host slots, checksums verified, an outcome per load;
+        progress(layer, mask) as layers land, or with by_block progress(done, mask) as leading
+        blocks do."""
         total = sum(len(items) for *_, items in work)
         check(not by_block or len(work) == 1, "block-wise progress for a Get of one namespace only")
-        ok = [False] * total
+        outcomes = [LoadOutcome.UNREADABLE] * total
         for namespace_id, layer_bytes, num_layers, items in work:
-            requests = [
-                (self.tier.key_of(slot), slot, address, self.tier.layer_checksums_of(slot))
-                for _, slot, address in items
-            ]
             report = None
             if progress is not None:
                 positions = [position for position, _, _ in items]
@@ -711,23 +713,32 @@ class DiskPlane:
                         mask[position] = bool(good)
                     progress(step, mask)
 
-            started = time.perf_counter()
-            if by_block:
-                # Whole blocks, reported as runs of them land: a client copies
-                # them out while the rest are read.
-                results = self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests, whole_blocks=True,
-                                                on_blocks=report)
-            else:
-                slack = self._slack_writes(namespace_id, num_layers, len(items))
-                # Nobody to hand layers to as they land, no writes between layer
-                # groups: read each block whole, the drive's largest requests.
-                results = self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests, report,
-                                                between_groups=slack, whole_blocks=report is None and slack is None)
-            if self.sizer is not None:
-                self.sizer.observe(True, len(requests) * layer_bytes * num_layers, time.perf_counter() - started)
-            for (position, _, _), good in zip(items, results):
-                ok[position] = bool(good)
-        return ok
+            failures = self._read_namespace(namespace_id, layer_bytes, num_layers, items, report, by_block)
+            for (position, _, _), failure in zip(items, failures.tolist()):
+                outcomes[position] = _LOAD_OUTCOMES[failure]
+        return outcomes
+
+    def _read_namespace(self, namespace_id: bytes, layer_bytes: int, num_layers: int, items, report,
+                        by_block: bool) -> np.ndarray:
+        """I/O thread: one namespace's reads; the tier's ReadFailure code per item."""
+        requests = [(self.tier.key_of(slot), slot, address, self.tier.layer_checksums_of(slot))
+                    for _, slot, address in items]
+        failures = np.zeros(len(requests), dtype=np.int8)
+        started = time.perf_counter()
+        if by_block:
+            # Whole blocks, reported as runs of them land: a client copies
+            # them out while the rest are read.
+            self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests, whole_blocks=True,
+                                  on_blocks=report, failures=failures)
+        else:
+            slack = self._slack_writes(namespace_id, num_layers, len(items))
+            # Nobody to hand layers to as they land, no writes between layer
+            # groups: read each block whole, the drive's largest requests.
+            self.tier.read_blocks(namespace_id, layer_bytes, num_layers, requests, report, between_groups=slack,
+                                  whole_blocks=report is None and slack is None, failures=failures)
+        if self.sizer is not None:
+            self.sizer.observe(True, len(requests) * layer_bytes * num_layers, time.perf_counter() - started)
+        return failures
 
     def _slack_writes(self, namespace_id: bytes, num_layers: int, blocks: int):
         """I/O thread: for a restore of `blocks` blocks, what to do between its layer groups: run
@@ -791,9 +802,10 @@ class DiskPlane:
             self._prefetch_reads.pop(load.block, None)
         # Dropped unread at shutdown (cancelled), or a job that raised (a bug, reported):
         # the blocks stay on disk only.
-        ok = self._job_outcome("a disk prefetch job", read)
+        outcomes = self._job_outcome("a disk prefetch job", read)
+        ok = None if outcomes is None else [outcome == LoadOutcome.OK for outcome in outcomes]
         loaded = self.mover.prefetch_done(loads, ok)
-        self._resolve_loads(loads, ok or [False] * len(loads))
+        self._resolve_loads(loads, outcomes)
         if not job_done.done():
             job_done.set_result(loaded)
 

@@ -28,14 +28,14 @@ class LayerSteps:
     def __init__(self, num_layers: int, matched: int, load_positions: Sequence[int], first_wait: int) -> None:
         self.num_layers = num_layers
 
-    def first(self, matched: int, pending: bool, **lease: object) -> kvd_pb2.GetLayersResponse:
-        return kvd_pb2.GetLayersResponse(matched=matched, layers_ready=0 if pending else self.num_layers, **lease)
+    def first(self, matched: int, pending: bool, **fields: object) -> kvd_pb2.GetLayersResponse:
+        return kvd_pb2.GetLayersResponse(matched=matched, layers_ready=0 if pending else self.num_layers, **fields)
 
     def step(self, layer: int, servable: int) -> kvd_pb2.GetLayersResponse:
         return kvd_pb2.GetLayersResponse(matched=servable, layers_ready=layer + 1)
 
-    def last(self, matched: int) -> kvd_pb2.GetLayersResponse:
-        return kvd_pb2.GetLayersResponse(matched=matched, layers_ready=self.num_layers)
+    def last(self, matched: int, cut: int) -> kvd_pb2.GetLayersResponse:
+        return kvd_pb2.GetLayersResponse(matched=matched, layers_ready=self.num_layers, cut=cut)
 
 
 class BlockSteps:
@@ -54,10 +54,10 @@ class BlockSteps:
         # Blocks before the first one being read are in host memory already.
         self.ready = min([first_wait, matched, *self.load_positions[:1]])
 
-    def first(self, matched: int, pending: bool, **lease: object) -> kvd_pb2.GetBlocksResponse:
+    def first(self, matched: int, pending: bool, **fields: object) -> kvd_pb2.GetBlocksResponse:
         check(pending or self.ready == matched, "a GetBlocks with nothing to read has {} of {} blocks ready",
               self.ready, matched)
-        return kvd_pb2.GetBlocksResponse(matched=matched, blocks_ready=self.ready, **lease)
+        return kvd_pb2.GetBlocksResponse(matched=matched, blocks_ready=self.ready, **fields)
 
     def step(self, done: int, servable: int) -> kvd_pb2.GetBlocksResponse:
         ready = self.load_positions[done] if done < len(self.load_positions) else self.matched
@@ -65,5 +65,5 @@ class BlockSteps:
         check(self.ready <= servable, "GetBlocks reports {} blocks ready of {} servable", self.ready, servable)
         return kvd_pb2.GetBlocksResponse(matched=servable, blocks_ready=self.ready)
 
-    def last(self, matched: int) -> kvd_pb2.GetBlocksResponse:
-        return kvd_pb2.GetBlocksResponse(matched=matched, blocks_ready=matched)
+    def last(self, matched: int, cut: int) -> kvd_pb2.GetBlocksResponse:
+        return kvd_pb2.GetBlocksResponse(matched=matched, blocks_ready=matched, cut=cut)

@@ -28,6 +28,8 @@ from kvd import __version__, arena_protocol
 from kvd.clock import Clock
 from kvd.core.block import NO_SLOT, BlockState
 from kvd.core.engine import CommitRequest, Engine, KeysRequest, ReserveStatus, namespace_not_found
+from kvd.core.get_life import GetLife, GetPhase, Served
+from kvd.core.reads import GetCut
 from kvd.core.quota import QuotaExceeded
 from kvd.errors import (
     FailedPrecondition,
@@ -415,29 +417,29 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                              "are durable); Put them first", len(stored), len(keys))
         return kvd_pb2.MakeDurableResponse(durable=len(stored))
 
-    async def _begin_get(self, request, client_id: str):
-        """engine.begin_get, retried once after an in-flight write batch if starved."""
+    async def _begin_get(self, request, client_id: str) -> GetLife:
+        """A Get planned (kvd.core.get_life): when host memory is held by blocks waiting for
+        write-back, it waits for write rounds to make room, up to STARVED_GET_WAIT_S, or until
+        the daemon drains; then it takes what there is."""
+        loop = asyncio.get_running_loop()
+        life = GetLife(self.engine, self.disk_plane.mover if self.disk_plane is not None else None,
+                       loop.time() + STARVED_GET_WAIT_S)
 
-        def begin():
-            return self.engine.begin_get(KeysRequest(request.namespace_id, client_id, list(request.keys),
-                                                     request.lease_ms, self.clock.now_ms(),
-                                                     parent_key=request.parent_key))
+        def keys_request() -> KeysRequest:
+            return KeysRequest(request.namespace_id, client_id, list(request.keys), request.lease_ms,
+                               self.clock.now_ms(), parent_key=request.parent_key)
 
-        plan = begin()
-        if self.disk_plane is None:
-            return plan
-        # Host memory is held by blocks waiting for write-back (or pinned by
-        # a write batch in flight): each batch that reaches disk lets their
-        # copies make room, so try again after each, while that helps. Once
-        # the daemon drains, take what there is at once.
-        deadline = asyncio.get_running_loop().time() + STARVED_GET_WAIT_S
-        while plan.starved:
-            left = deadline - asyncio.get_running_loop().time()
-            self.engine.abandon_get(plan)
-            if left <= 0 or not await self._unless_draining(lambda: self.disk_plane.wait_for_write_back(left)):
-                return begin()
-            plan = begin()
-        return plan
+        try:
+            phase = life.begin(keys_request(), loop.time())
+            while phase is GetPhase.WAITING_FOR_ROOM:
+                left = life.room_deadline - loop.time()
+                round_ended = await self._unless_draining(lambda: self.disk_plane.wait_for_round(left))
+                phase = life.begin(keys_request(), loop.time(), final=not round_ended)
+        except BaseException:
+            if life.phase in (GetPhase.PLANNING, GetPhase.WAITING_FOR_ROOM):
+                life.cancel()
+            raise
+        return life
 
     async def _unless_draining(self, wait: Callable[[], Awaitable[Any]]) -> Any:
         """wait()'s result, or None as soon as the daemon drains (the wait is then cancelled)."""
@@ -453,21 +455,25 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
                 waiting.cancel()
         return waiting.result() if waiting.done() and not waiting.cancelled() else None
 
-    async def _pinned_prefix(self, request, client_id: str) -> tuple[object, list, bytes]:
-        """begin_get + disk reads: (lease, servable blocks, their tiers before the Get)."""
-        plan = await self._begin_get(request, client_id)
+    async def _pinned_prefix(self, request, client_id: str) -> tuple[object, list, bytes, GetCut]:
+        """A Get planned, read and settled: (lease, servable blocks, their tiers before the Get, why
+        not more)."""
+        life = await self._begin_get(request, client_id)
+        plan = life.plan
         tiers = convert.tiers(self.engine, plan.matched)
-        if plan.loads or plan.waits:
-            # On failure the get task ends the lease itself, once no read
+        if life.pending:
+            # On failure the get task drops the Get itself (lease and pins), once no read
             # into the pinned slots is still running.
-            await self.disk_plane.start_get(plan)
-            self._check_lease_outlived_reads(request, plan)
-        return plan.lease, plan.matched, tiers[: len(plan.matched)]
+            served = await self.disk_plane.start_get(life)
+        else:
+            served = life.settle()
+        self._check_lease_outlived_reads(request, served)
+        return plan.lease, served.blocks, tiers[: len(served.blocks)], served.cut
 
-    def _check_lease_outlived_reads(self, request, plan) -> None:
+    def _check_lease_outlived_reads(self, request, served: Served) -> None:
         """A Get whose lease ended while its disk reads ran has nothing pinned: refuse it by name
         rather than hand out slots another block may take at any moment."""
-        if plan.lease is not None and plan.lease.ended:
+        if served.cut == GetCut.LEASE_ENDED:
             raise FailedPrecondition(
                 f"the Get's lease ran out before its disk reads finished, so nothing is pinned for it "
                 f"(lease_ms {request.lease_ms or self.engine.limits.lease_ms_default}); ask for a longer lease_ms")
@@ -487,7 +493,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             # Per client, or per tenant for a Get that names none: one
             # tenant's inline Gets never take from another's pin cap.
             owner = request.client_id or scoped_client_id(self._caller(), "-")
-            lease, matched, tiers = await self._pinned_prefix(request, INLINE_CLIENT_PREFIX + owner)
+            lease, matched, tiers, cut = await self._pinned_prefix(request, INLINE_CLIENT_PREFIX + owner)
             try:
                 response_bytes = len(matched) * (state.block_bytes + 8)
                 if response_bytes > self.max_message_bytes:
@@ -501,15 +507,16 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             finally:
                 if lease is not None and not lease.ended:
                     self.engine.leases.close(lease)
-            return kvd_pb2.GetResponse(matched=len(matched), blocks=blocks, tiers=tiers)
+            return kvd_pb2.GetResponse(matched=len(matched), blocks=blocks, tiers=tiers, cut=cut)
         self._check_arena(request)
-        lease, matched, tiers = await self._pinned_prefix(request, request.client_id)
+        lease, matched, tiers, cut = await self._pinned_prefix(request, request.client_id)
         return kvd_pb2.GetResponse(
             matched=len(matched),
             lease_id=lease.lease_id if lease else 0,
             lease_deadline_ms=lease.deadline_ms if lease else 0,
             offsets=self._offsets(lease, matched),
             tiers=tiers,
+            cut=cut,
         )
 
     def _offsets(self, lease, matched: list) -> list[int]:
@@ -542,9 +549,13 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         self._check_arena(request)
         await self._fetch_remote(request)
         layers = self.engine.namespace(request.namespace_id).spec.num_layers
-        plan = await self._begin_get(request, request.client_id)
+        life = await self._begin_get(request, request.client_id)
+        plan = life.plan
+        pending = life.pending
+        tiers = convert.tiers(self.engine, plan.matched)
+        # Nothing to read: settled at once, the first message is the last.
+        cut = {} if pending else {"cut": life.settle().cut}
         matched = list(plan.matched)
-        pending = bool(plan.loads or plan.waits)
         lease = plan.lease
         load_positions, first_wait = self._pending_positions(plan, matched) if pending else ([], len(matched))
         steps = steps_kind(layers, len(matched), load_positions, first_wait)
@@ -553,16 +564,17 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             lease_id=lease.lease_id if lease else 0,
             lease_deadline_ms=lease.deadline_ms if lease else 0,
             offsets=self._offsets(lease, matched),
-            tiers=convert.tiers(self.engine, matched),
+            tiers=tiers[:len(matched)],
+            **cut,
         )
         if not pending:
             yield first
             return
         updates: asyncio.Queue = asyncio.Queue()
         # Started before the first message goes out: the plan's loads are
-        # reads other Gets may wait on from now on. On failure the task ends
-        # the lease itself, once no read into the pinned slots is running.
-        getting = self.disk_plane.start_get(plan, **{steps.callback: lambda step, ok: updates.put_nowait((step, ok))})
+        # reads other Gets may wait on from now on. On failure the task drops
+        # the Get itself, once no read into the pinned slots is running.
+        getting = self.disk_plane.start_get(life, **{steps.callback: lambda step, ok: updates.put_nowait((step, ok))})
         servable = len(matched)
         try:
             yield first
@@ -581,8 +593,8 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         finally:
             if not getting.done():
                 getting.cancel()
-        self._check_lease_outlived_reads(request, plan)
-        yield steps.last(min(servable, len(served)))
+        self._check_lease_outlived_reads(request, served)
+        yield steps.last(min(servable, len(served.blocks)), served.cut)
 
     @staticmethod
     def _pending_positions(plan, matched: list) -> tuple[list[int], int]:
@@ -833,24 +845,40 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         reserved = [i for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
         offsets = self._reserved_offsets(result.slots)
         keys = [request.keys[i] for i in reserved]
-        writing = {handle.key: handle.block for handle in result.lease.handles if handle.writable} \
-            if result.lease is not None else {}
+        lease = result.lease
+        writing = {handle.key: handle.block for handle in lease.handles if handle.writable} if lease else {}
+        if lease is not None:
+            # The copies write into the reserved slots after this call yields: held, the lease
+            # cannot end (expire, drain) and free them under the copy.
+            self.engine.leases.hold(lease)
         try:
             done = await plane.save(pool, pages[reserved], [offsets[i] for i in reserved], request.engine_flag,
                                     request.kvd_flag, request.base, keys, [writing[key] for key in keys], distance)
+            stored = self._commit_saved(request, lease, keys)
         except BaseException:
-            if keys:
-                self.engine.commit(CommitRequest(request.namespace_id, request.client_id, result.lease.lease_id,
+            if keys and not lease.closing:
+                self.engine.commit(CommitRequest(request.namespace_id, request.client_id, lease.lease_id,
                                                  self.clock.now_ms(), abort_keys=keys))
             raise
-        stored = 0
-        if keys:
-            stored, _ = self.engine.commit(CommitRequest(request.namespace_id, request.client_id,
-                                                         result.lease.lease_id, self.clock.now_ms(), keys=keys))
-            if self.disk_plane is not None:
-                self.disk_plane.wake()
+        finally:
+            if lease is not None:
+                self.engine.leases.unhold(lease)  # a lease that ran out meanwhile ends here
         return kvd_pb2.SaveLayersResponse(statuses=[int(status) for status in result.statuses], stored=stored,
                                           done_value=done)
+
+    def _commit_saved(self, request, lease, keys: list[bytes]) -> int:
+        """Seal what a SaveLayers copied; refused by name when its lease ran out meanwhile."""
+        if not keys:
+            return 0
+        if lease.closing:
+            raise FailedPrecondition(
+                f"the SaveLayers' reservation lease ran out (leases.default_ms) while kvd copied its layers, so "
+                f"nothing is stored; {len(keys)} blocks were not kept")
+        stored, _ = self.engine.commit(CommitRequest(request.namespace_id, request.client_id, lease.lease_id,
+                                                     self.clock.now_ms(), keys=keys))
+        if self.disk_plane is not None:
+            self.disk_plane.wake()
+        return stored
 
     @rpc("LoadLayers")
     async def LoadLayers(self, request, context):
@@ -858,11 +886,17 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, client_id=request.client_id,
                                  keys=request.keys, parent_key=request.parent_key)
         await self._fetch_remote(get)
-        lease, matched, tiers = await self._pinned_prefix(get, request.client_id)
+        lease, matched, tiers, cut = await self._pinned_prefix(get, request.client_id)
+        if lease is not None:
+            # Copied out of the pinned slots on a device stream after this call returns: held,
+            # the lease cannot end (expire, drain) and let them go before the copy has landed.
+            self.engine.leases.hold(lease)
 
         def landed() -> None:
-            if lease is not None and not lease.ended:
-                self.engine.leases.close(lease)
+            if lease is not None:
+                self.engine.leases.unhold(lease)
+                if not lease.ended:
+                    self.engine.leases.close(lease)
 
         try:
             done, from_tier = plane.load(pool, pages[:len(matched)], request.keys[:len(matched)], matched,
@@ -871,7 +905,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
             landed()
             raise
         tiers = bytes(kvd_pb2.TIER_DEVICE if hit else tier for hit, tier in zip(from_tier, tiers))
-        return kvd_pb2.LoadLayersResponse(matched=len(matched), done_value=done, tiers=tiers)
+        return kvd_pb2.LoadLayersResponse(matched=len(matched), done_value=done, tiers=tiers, cut=cut)
 
     @rpc("Stats")
     async def Stats(self, request, context):

@@ -64,6 +64,8 @@ class DiskOp:
     removals: list[tuple[bytes, bytes, int]] = field(default_factory=list)
     # The write-back batch this operation belongs to, if any (the simulator's).
     batch: object = None
+    # The Get whose own reads these are (a kvd.core.get_life.GetLife), if any.
+    reader: object = None
     # Its job in the schedule (a prefetch a Get waits for is promoted to a restore).
     job: IoJob | None = None
     # The modelled device it runs on.

@@ -49,7 +49,9 @@ import numpy as np
 from kvd.clock import ManualClock
 from kvd.config import DiskSettings, HostConfig, LeaseConfig
 from kvd.core.block import NO_SLOT, BlockState
-from kvd.core.engine import Engine, EngineLimits, GetPlan, ReserveStatus, StorageSpec, TierId, Transfer
+from kvd.core.engine import Engine, EngineLimits, ReserveStatus, StorageSpec, TierId, Transfer
+from kvd.core.get_life import GetLife, GetPhase
+from kvd.core.reads import GetCut, LoadOutcome
 from kvd.core.durable import NotDurable
 from kvd.core.mover import WRITE_MODES, Mover, MoverSettings, WriteRound
 from kvd.core.quota import QuotaExceeded, TenantQuota
@@ -187,6 +189,8 @@ class RunStats:
     # Gets cut short: no host slot to load into, a load failed, or a lease
     # table with no room.
     get_starved: int = 0
+    # ... of which cut at a block that failed its checksum (told to the client as corrupt).
+    get_cut_corrupt: int = 0
     get_refused: int = 0
     lost_blocks: int = 0
     # Puts: blocks reserved, being written by another request, without room.
@@ -303,7 +307,9 @@ class Flow:
     keys: list[bytes]
     client_id: str
     tiers: list[TierId] = field(default_factory=list)
-    plan: GetPlan | None = None
+    # Its Get (kvd.core.get_life), and the blocks it waits for others to read.
+    life: GetLife | None = None
+    waits: set = field(default_factory=set)
     # The read operations this request waits for (its own, another Get's, a prefetch's).
     wait_ops: set = field(default_factory=set)
     # Until when a starved Get may wait for write-back to make room.
@@ -512,48 +518,48 @@ class Simulator:
         return operations
 
     def _begin_get(self, flow: Flow, *, final: bool) -> None:
-        """begin_get, as the daemon's Get runs it: a plan starved of host slots
-        by blocks waiting for write-back is dropped, and tried again after
-        each write batch, until `starved_get_wait_ms` has passed."""
+        """The Get planned, as the daemon's is (kvd.core.get_life): a plan starved of host slots
+        by blocks waiting for write-back waits for the next write round, until
+        `starved_get_wait_ms` has passed; then it takes what it can."""
         engine = self.engine
         namespace_id = self.namespace_ids[flow.namespace]
         keys = flow.keys
         # What a lookup would see now, without its side effects.
         matched = engine.namespace(namespace_id).index.match(keys)
         flow.tiers = [engine.tier_of(block) for block in matched]
+        if flow.life is None:
+            flow.life = GetLife(engine, self.mover if self.disk is not None else None, flow.starved_deadline_us)
+        life = flow.life
         try:
-            plan = engine.begin_get(KeysRequest(namespace_id, flow.client_id, keys, self.config.lease_ms,
-                                                self.clock.now_ms()))
+            phase = life.begin(KeysRequest(namespace_id, flow.client_id, keys, self.config.lease_ms,
+                                           self.clock.now_ms()), self.now_us, final=final)
         except ResourceExhausted:
+            life.cancel()
             self.stats.get_refused += 1
             self._settle(flow)
+            return
+        if phase is GetPhase.WAITING_FOR_ROOM:  # what it took and counted is given back
+            flow.waiting_write_back = True
+            self.starved.append(flow)
+            self._schedule(flow.starved_deadline_us, EventKind.STARVED_TIMEOUT, flow)
             return
         counters = self.expected_counters[flow.namespace]
         counters[2] += len(matched)
         counters[3] += len(keys) - len(matched)
+        plan = life.plan
         # begin_get sees the index as it is at this instant, cut at most (no
         # host slot for a disk block, or a block the policy keeps on disk).
         check([block.key for block in plan.matched] == [block.key for block in matched[: len(plan.matched)]],
               "begin_get matched another prefix than the index holds")
-        if plan.starved and self.disk is not None and not final:
-            engine.abandon_get(plan)  # which takes back what begin_get counted
-            counters[2] -= len(matched)
-            counters[3] -= len(keys) - len(matched)
-            if self.mover.starved_get_waits(self.now_us, flow.starved_deadline_us):
-                flow.waiting_write_back = True
-                self.starved.append(flow)
-                self._schedule(flow.starved_deadline_us, EventKind.STARVED_TIMEOUT, flow)
-            else:
-                self._begin_get(flow, final=True)
-            return
-        flow.plan = plan
         self.unsettled.add(flow)
         if plan.lease is not None:
             self.leases[plan.lease.lease_id] = plan.lease.deadline_ms
             flow.read_lease = plan.lease.lease_id
         for operation in self._submit_reads(DiskOpKind.READ, plan.loads):
+            operation.reader = life
             self.get_reads[operation.op_id] = operation
             flow.wait_ops.add(operation.op_id)
+        flow.waits = set(plan.waits)
         waited = {self.loading[block.key] for block in plan.waits}
         # A Get now waits for these prefetch reads: restores from here on (as the daemon promotes them).
         if waited & set(self.prefetch_reads):
@@ -567,21 +573,23 @@ class Simulator:
 
     def _settle(self, flow: Flow) -> None:
         """The Get is served (what could be); then the rest is reserved."""
-        engine = self.engine
         stats = self.stats
         request = flow.request
-        plan = flow.plan
+        life = flow.life
         served = []
-        if plan is not None:
-            # Nothing, if the lease ran out while the loads were queued (kvd.core.reads).
-            served = engine.settle_get(plan)
+        if life is not None and life.phase is GetPhase.READING:
+            # Nothing, if the lease ran out while the loads were queued (kvd.core.get_life).
+            answer = life.settle()
+            served = answer.blocks
             self.unsettled.discard(flow)
             self.contents.check_served(served)
-            if plan.lease is None and flow.read_lease:
+            if life.plan.lease is None and flow.read_lease:
                 del self.leases[flow.read_lease]  # cut to nothing: closed
                 flow.read_lease = 0
             if len(served) < len(flow.tiers):
                 stats.get_starved += 1
+            if answer.cut == GetCut.CORRUPT:
+                stats.get_cut_corrupt += 1
         flow.hit_blocks = len(served)
         served_tiers = flow.tiers[: len(served)]
         host_hits = served_tiers.count(TierId.HOST)
@@ -688,7 +696,6 @@ class Simulator:
         if self.disk is None:
             return
         mover = self.mover
-        mover.starved_gets = len(self.starved)
         for tier, device in self.devices.items():
             round_ = mover.next_round(tier)
             if round_ is not None:
@@ -750,10 +757,8 @@ class Simulator:
         outcomes = self.mover.finish_round(batch.round)
         del self.batches[batch.round.target]
         self._durable_outcomes(outcomes)
-        # Starved Gets try again once a round is on disk, after its
-        # demotions (as the daemon's wait_for_write_back does).
+        # Starved Gets try again once a round is on disk (after its demotions: kvd.core.get_life).
         if self.starved:
-            self.mover.after_round()
             waiting, self.starved = self.starved, []
             for flow in waiting:
                 flow.waiting_write_back = False
@@ -762,17 +767,21 @@ class Simulator:
     def _read_done(self, operation: DiskOp) -> None:
         corrupt = {load.source_slot for load in operation.loads if self._fault()}
         ok = self.contents.load(operation.loads, corrupt)
+        outcomes = [LoadOutcome.OK if good else LoadOutcome.CORRUPT for good in ok]
         if operation.kind == DiskOpKind.PREFETCH:
             del self.prefetch_reads[operation.op_id]
             self.mover.prefetch_done(operation.loads, ok)
         else:
             del self.get_reads[operation.op_id]
-            self.engine.finish_loads(operation.loads, ok)
+            operation.reader.loads_done(operation.loads, outcomes)
         self.stats.lost_blocks += ok.count(False)
         for load in operation.loads:
             del self.loading[load.block.key]
         for flow in self.read_waiters.pop(operation.op_id, []):
             flow.wait_ops.discard(operation.op_id)
+            for load, outcome in zip(operation.loads, outcomes):
+                if load.block in flow.waits:
+                    flow.life.wait_done(load.block, outcome)
             if not flow.wait_ops:
                 self._settle(flow)
 
@@ -847,7 +856,7 @@ class Simulator:
         )
         held += sum(not write.handle.released for batch in self.batches.values() for write in batch.round.writes)
         held += sum(not pin.released for flow in self.durable_flows for pin in flow.durable_pins)
-        held += sum(not pin.released for flow in self.unsettled for pin in flow.plan.pins)
+        held += sum(not pin.released for flow in self.unsettled for pin in flow.life.plan.pins)
         # ... and by every disk read in flight (its own pin on the block it reads in).
         held += sum(not load.handle.released for reads in (self.prefetch_reads, self.get_reads)
                     for read in reads.values() for load in read.loads)
@@ -858,6 +867,8 @@ class Simulator:
             counters = [state.lookup_hits, state.lookup_misses, state.get_hits, state.get_misses]
             check(counters == self.expected_counters[tenant], "hit counters {} of tenant {} drifted", counters, tenant)
             self._check_contents(state.index)
+        check(self.disk is None or self.mover.starved_gets == len(self.starved),
+              "{} Gets counted as starved, {} waiting", self.mover.starved_gets if self.disk else 0, len(self.starved))
         stats = self.stats
         check(stats.host_hit_blocks + stats.middle_hit_blocks + stats.disk_hit_blocks + stats.miss_blocks
               == stats.prompt_blocks, "hits in each tier + misses is not every prompt block")

@@ -52,6 +52,14 @@ class ReserveStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESERVE_STATUS_IN_FLIGHT: _ClassVar[ReserveStatus]
     RESERVE_STATUS_NO_SPACE: _ClassVar[ReserveStatus]
 
+class GetCut(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GET_CUT_NONE: _ClassVar[GetCut]
+    GET_CUT_CORRUPT: _ClassVar[GetCut]
+    GET_CUT_UNREADABLE: _ClassVar[GetCut]
+    GET_CUT_NO_ROOM: _ClassVar[GetCut]
+    GET_CUT_KEPT_BELOW: _ClassVar[GetCut]
+
 class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KvEventKind]
@@ -101,6 +109,11 @@ RESERVE_STATUS_RESERVED: ReserveStatus
 RESERVE_STATUS_EXISTS: ReserveStatus
 RESERVE_STATUS_IN_FLIGHT: ReserveStatus
 RESERVE_STATUS_NO_SPACE: ReserveStatus
+GET_CUT_NONE: GetCut
+GET_CUT_CORRUPT: GetCut
+GET_CUT_UNREADABLE: GetCut
+GET_CUT_NO_ROOM: GetCut
+GET_CUT_KEPT_BELOW: GetCut
 KV_EVENT_KIND_UNSPECIFIED: KvEventKind
 KV_EVENT_KIND_STORED: KvEventKind
 KV_EVENT_KIND_REMOVED: KvEventKind
@@ -327,52 +340,58 @@ class GetRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., inline: _Optional[bool] = ..., parent_key: _Optional[bytes] = ..., arena_instance_id: _Optional[str] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("matched", "lease_id", "lease_deadline_ms", "offsets", "blocks", "tiers")
+    __slots__ = ("matched", "lease_id", "lease_deadline_ms", "offsets", "blocks", "tiers", "cut")
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     matched: int
     lease_id: int
     lease_deadline_ms: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     blocks: _containers.RepeatedScalarFieldContainer[bytes]
     tiers: bytes
-    def __init__(self, matched: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., blocks: _Optional[_Iterable[bytes]] = ..., tiers: _Optional[bytes] = ...) -> None: ...
+    cut: GetCut
+    def __init__(self, matched: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., blocks: _Optional[_Iterable[bytes]] = ..., tiers: _Optional[bytes] = ..., cut: _Optional[_Union[GetCut, str]] = ...) -> None: ...
 
 class GetLayersResponse(_message.Message):
-    __slots__ = ("matched", "layers_ready", "lease_id", "lease_deadline_ms", "offsets", "tiers")
+    __slots__ = ("matched", "layers_ready", "lease_id", "lease_deadline_ms", "offsets", "tiers", "cut")
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     LAYERS_READY_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     matched: int
     layers_ready: int
     lease_id: int
     lease_deadline_ms: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     tiers: bytes
-    def __init__(self, matched: _Optional[int] = ..., layers_ready: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[bytes] = ...) -> None: ...
+    cut: GetCut
+    def __init__(self, matched: _Optional[int] = ..., layers_ready: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[bytes] = ..., cut: _Optional[_Union[GetCut, str]] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
-    __slots__ = ("matched", "blocks_ready", "lease_id", "lease_deadline_ms", "offsets", "tiers")
+    __slots__ = ("matched", "blocks_ready", "lease_id", "lease_deadline_ms", "offsets", "tiers", "cut")
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_READY_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     matched: int
     blocks_ready: int
     lease_id: int
     lease_deadline_ms: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     tiers: bytes
-    def __init__(self, matched: _Optional[int] = ..., blocks_ready: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[bytes] = ...) -> None: ...
+    cut: GetCut
+    def __init__(self, matched: _Optional[int] = ..., blocks_ready: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[bytes] = ..., cut: _Optional[_Union[GetCut, str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("client_id", "lease_ids")
@@ -694,14 +713,16 @@ class LoadLayersRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., kvd_flag: _Optional[int] = ..., base: _Optional[int] = ...) -> None: ...
 
 class LoadLayersResponse(_message.Message):
-    __slots__ = ("matched", "done_value", "tiers")
+    __slots__ = ("matched", "done_value", "tiers", "cut")
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     DONE_VALUE_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     matched: int
     done_value: int
     tiers: bytes
-    def __init__(self, matched: _Optional[int] = ..., done_value: _Optional[int] = ..., tiers: _Optional[bytes] = ...) -> None: ...
+    cut: GetCut
+    def __init__(self, matched: _Optional[int] = ..., done_value: _Optional[int] = ..., tiers: _Optional[bytes] = ..., cut: _Optional[_Union[GetCut, str]] = ...) -> None: ...
 
 class PlanRequestEntry(_message.Message):
     __slots__ = ("kv_bytes", "slo_s", "deposit_tokens", "token_bytes", "context_tokens")

@@ -174,11 +174,14 @@ def test_a_corrupted_block_is_never_served(tmp_path):
     directory, config, keys, blocks = stored_with_a_corrupt_block(tmp_path, seed=3)
     with run_daemon(directory, config=config) as daemon, Client(daemon.unix_target) as client:
         namespace = client.register_namespace(SPEC)
-        got = client.get_numpy(namespace, keys)
-        # Blocks 0..2 are good; block 3 is corrupt, so it and all after it are misses.
-        assert got.shape[0] == 3
-        assert np.array_equal(got, blocks[:3])
+        result = client.get(namespace, keys)
+        # Blocks 0..2 are good; block 3 is corrupt, so it and all after it are misses, and the
+        # client is told it was damage, not a miss.
+        assert result.blocks.shape[0] == 3 and result.corrupt and result.cut == kvd_pb2.GET_CUT_CORRUPT
+        assert np.array_equal(result.blocks, blocks[:3])
         assert client.lookup(namespace, keys).matched == 3
+        again = client.get(namespace, keys)  # dropped now: from here on, a plain miss
+        assert again.blocks.shape[0] == 3 and again.cut == kvd_pb2.GET_CUT_NONE
         samples = metric_samples(daemon.metrics_url)
         assert samples['kvd_disk_failures_total{operation="load"}'] == 1
         # Damage is never silent: counted per namespace, and logged with where it was.
@@ -210,6 +213,8 @@ def test_a_get_from_disk_streams_its_blocks_out_and_a_corrupt_one_is_still_a_mis
         # Offsets first, one message per block (fewer blocks than runs), the closing one.
         assert [(message.matched, message.blocks_ready) for message in messages] == [
             (6, 0), (6, 1), (6, 2), (6, 3), (3, 3), (3, 3), (3, 3), (3, 3)]
+        # The closing message says why: damage.
+        assert [message.cut for message in messages] == [kvd_pb2.GET_CUT_NONE] * 7 + [kvd_pb2.GET_CUT_CORRUPT]
         assert len(messages[0].offsets) == 6 and not any(message.offsets for message in messages[1:])
         client._stub.Release(kvd_pb2.ReleaseRequest(client_id="raw", lease_ids=[messages[0].lease_id]), timeout=30)
         client.demote()

@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 
 from kvd.config import DiskSettings
+from kvd.core.block import BlockState
 from kvd.core.engine import Engine
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
 from kvd.core.requests import CommitRequest, KeysRequest
+from kvd.errors import FailedPrecondition
 from kvd.server.disk_plane import DiskPlane
 from kvd.server.get_stream import BlockSteps, LayerSteps
 from kvd.server import service as service_module
@@ -102,7 +104,7 @@ def test_a_get_that_arrives_while_a_streaming_get_holds_its_first_message_waits_
         first = await stream.__anext__()
         assert (first.matched, first.layers_ready) == (BLOCKS, 0)
         assert len(node.engine.loading) == BLOCKS  # the stream's reads, under way
-        lease, blocks, _ = await node.service._pinned_prefix(node.request("plain", keys), "plain")
+        lease, blocks, _, _ = await node.service._pinned_prefix(node.request("plain", keys), "plain")
         node.assert_served(blocks, keys)
         messages = [message async for message in stream]
         assert (messages[-1].matched, messages[-1].layers_ready) == (BLOCKS, SPEC.num_layers)
@@ -135,7 +137,7 @@ def test_a_streaming_get_dropped_after_its_first_message_leaves_no_read_behind(t
             assert node.engine.leases.pins_of("gone") == BLOCKS  # its lease's, nothing more
             node.engine.release("gone", [first.lease_id])
         assert node.engine.leases.pins_of("gone") == 0
-        lease, blocks, _ = await node.service._pinned_prefix(node.request("later", keys), "later")
+        lease, blocks, _, _ = await node.service._pinned_prefix(node.request("later", keys), "later")
         node.assert_served(blocks, keys)
         node.engine.verify()
         await node.plane.close(30.0)
@@ -151,7 +153,7 @@ def test_a_get_reads_each_block_whole_and_a_streaming_get_layer_by_layer(tmp_pat
         node, keys = await cold_node(tmp_path)
         stats = node.plane.tier.stats
         before = stats.submissions
-        _, blocks, _ = await node.service._pinned_prefix(node.request("plain", keys[:3]), "plain")
+        _, blocks, _, _ = await node.service._pinned_prefix(node.request("plain", keys[:3]), "plain")
         node.assert_served(blocks, keys[:3])
         assert stats.submissions - before == 1
         before = stats.submissions
@@ -221,7 +223,7 @@ def test_a_demote_skips_blocks_deleted_between_its_steps(tmp_path, monkeypatch):
         assert (demoted, payload) == (3, 3 * SPEC.block_bytes)
         assert node.engine.host.pool.resident_blocks == 0 and not node.engine.stored(node.namespace_id, deleted)
         node.engine.verify()
-        lease, blocks, _ = await node.service._pinned_prefix(node.request("reader", kept), "reader")
+        lease, blocks, _, _ = await node.service._pinned_prefix(node.request("reader", kept), "reader")
         node.assert_served(blocks, kept)
         node.engine.verify()
         await node.plane.close(30.0)
@@ -239,7 +241,6 @@ def test_a_streaming_get_whose_lease_ends_while_its_reads_run_settles_cleanly(tm
     Get's own pins (issue 35 item 2) go when it settles. The races that made a settle after the
     lease ended break a check are reproduced in tests/unit/test_engine_disk.py; this is the path
     through the service, for both streaming kinds."""
-    from kvd.errors import FailedPrecondition
 
     async def scenario():
         node, keys = await cold_node(tmp_path)
@@ -254,11 +255,108 @@ def test_a_streaming_get_whose_lease_ends_while_its_reads_run_settles_cleanly(tm
         with pytest.raises(FailedPrecondition, match="lease_ms"):
             async for _ in stream:
                 pass
-        lease, blocks, _ = await waiting
+        lease, blocks, _, _ = await waiting
         node.assert_served(blocks, keys)
         node.engine.release("other", [lease.lease_id])
         assert node.engine.leases.pins_of("stream") == 0 and not node.engine.loading
         assert node.engine.pinned_blocks == 0
+        node.engine.verify()
+        await node.plane.close(30.0)
+
+    asyncio.run(scenario())
+
+
+class ParkedDevicePlane:
+    """The device plane's copies, parked where a GPU's run: a save until `finish` is set; a load's
+    landed callback until the test calls it."""
+
+    def __init__(self) -> None:
+        self.saving = asyncio.Event()
+        self.finish = asyncio.Event()
+        self.landed = None
+
+    def pool(self, client_id, pool_id, namespace_id):
+        return SimpleNamespace(layout=SimpleNamespace(layers=[0] * SPEC.num_layers))
+
+    def renew(self, pool, now_ms) -> None:
+        pass
+
+    def check_transfer(self, pool, keys, pages, flags, base):
+        return np.asarray(pages)
+
+    async def save(self, pool, pages, offsets, engine_flag, kvd_flag, base, keys, blocks, distance) -> int:
+        self.saving.set()
+        await self.finish.wait()
+        return base + SPEC.num_layers
+
+    def load(self, pool, pages, keys, blocks, offsets, kvd_flag, base, on_landed):
+        self.landed = on_landed
+        return base + SPEC.num_layers, [False] * len(blocks)
+
+
+def device_node(node: Node) -> ParkedDevicePlane:
+    plane = ParkedDevicePlane()
+    node.service._device_plane = lambda: plane
+    return plane
+
+
+def test_a_save_whose_lease_expires_while_its_layers_are_copied_frees_no_slot_under_the_copy(tmp_path):
+    """SaveLayers holds its reservation lease while the device copies into its slots: the lease
+    expiring meanwhile (the sweeper, any request's expiry) ends it for the client, but no slot
+    goes back to the pool until the copies are done; then the save is refused by name, nothing
+    stored, and the slots are free again."""
+
+    async def scenario():
+        node = Node(tmp_path / "nvme0")
+        await node.open()
+        plane = device_node(node)
+        keys = chain_keys(SPEC, np.arange(3 * SPEC.block_tokens) + 7_000)
+        request = kvd_pb2.SaveLayersRequest(namespace_id=node.namespace_id, client_id="engine", pool_id=1,
+                                            keys=keys, pages=[0, 1, 2], engine_flag=0, kvd_flag=1)
+        saving = asyncio.ensure_future(KvdService.SaveLayers.__wrapped__(node.service, request, None))
+        await plane.saving.wait()
+        [lease] = list(node.engine.leases)
+        slots = [node.engine.host_slot(handle.block) for handle in lease.handles]
+        node.engine.expire(lease.deadline_ms)
+        # Another Put now wants every free slot: it must not get the copies' slots.
+        others = chain_keys(SPEC, np.arange(HOST_SLOTS * SPEC.block_tokens) + 9_000)
+        other = node.engine.reserve(KeysRequest(node.namespace_id, "other", others, LONG_MS, lease.deadline_ms))
+        assert not set(slots) & set(other.slots)
+        assert all(handle.block.state == BlockState.WRITABLE for handle in lease.handles)
+        node.engine.release("other", [other.lease.lease_id])
+        plane.finish.set()
+        with pytest.raises(FailedPrecondition, match="lease ran out"):
+            await saving
+        assert lease.ended and not node.engine.leases and node.engine.pinned_blocks == 0
+        assert node.engine.lookup(node.namespace_id, keys) == []
+        node.engine.verify()
+        await node.plane.close(30.0)
+
+    asyncio.run(scenario())
+
+
+def test_a_load_whose_lease_expires_before_its_copies_land_keeps_its_blocks_pinned(tmp_path):
+    """LoadLayers answers once its copies are issued; they read the pinned host slots until they
+    land. Its lease expiring before then must leave the blocks pinned, until the copies land."""
+
+    async def scenario():
+        node = Node(tmp_path / "nvme0")
+        await node.open()
+        plane = device_node(node)
+        keys = chain_keys(SPEC, np.arange(3 * SPEC.block_tokens) + 8_000)
+        await node.store(keys)
+        request = kvd_pb2.LoadLayersRequest(namespace_id=node.namespace_id, client_id="engine", pool_id=1,
+                                            keys=keys, pages=[0, 1, 2], kvd_flag=1)
+        response = await KvdService.LoadLayers.__wrapped__(node.service, request, None)
+        assert response.matched == 3 and response.cut == kvd_pb2.GET_CUT_NONE
+        [lease] = [lease for lease in node.engine.leases if lease.client_id == "engine"]
+        node.engine.expire(lease.deadline_ms)
+        blocks = node.engine.stored(node.namespace_id, keys)
+        assert not lease.ended and all(block.ref_count > 0 for block in blocks)
+        node.engine.demote_all()  # nothing pinned may give up its host copy
+        assert all(node.engine.host_slot(block) >= 0 for block in blocks)
+        plane.landed()
+        assert lease.ended and node.engine.pinned_blocks == 0
         node.engine.verify()
         await node.plane.close(30.0)
 

@@ -111,6 +111,7 @@ def test_blocks_kvd_does_not_have_are_reported_and_left_alone(daemon, asynchrono
     loader.close()
     assert loader.load_errors() == {3, 4, 5, 6}
     assert loader.counters.load_errors == 4 and loader.counters.loaded_blocks == 0
+    assert loader.counters.corrupt_blocks == 0  # never stored: a miss, not damage
     assert not any(tensor.any() for tensor in engine.values())
 
 
@@ -195,6 +196,8 @@ def test_a_block_that_fails_its_checksum_on_disk_ends_the_load_there(tmp_path, a
         step(loader, engine, KvdConnectorMetadata(loads=[order]))
         loader.close()
     assert loader.load_errors() == {9, 10, 11}
+    # Reported as damage, not as a miss (vllm:kvd_corrupt_blocks_total).
+    assert loader.counters.corrupt_blocks == 3
     for name in engine:
         assert torch.equal(engine[name][[6, 7, 8]], source[name][[0, 1, 2]])
 

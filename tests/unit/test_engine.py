@@ -737,6 +737,50 @@ def test_expiry_aborts_writable_blocks_and_drops_read_pins(env):
     rejected(engine, NotFound, "renew", "reader", read.lease_id, LONG, 200)
 
 
+def test_a_held_lease_outlives_its_end_until_the_last_hold_goes(env):
+    """SaveLayers and LoadLayers hold their lease while a copy runs into or out of its slots: an
+    expiry, a release or the drain meanwhile ends it for the client at once (NOT_FOUND) but frees
+    no slot until unhold; a second hold keeps it one step longer."""
+    engine, ns = env
+    put(engine, ns, "xy")
+    write = engine.reserve(KeysRequest(ns, "writer", K("abc"), 100, 0))  # deadline 100
+    read, _ = engine.get(KeysRequest(ns, "reader", K("xy"), 100, 0))
+    writable = [handle.block for handle in write.lease.handles]
+    slots = [engine.host_slot(b) for b in writable]
+    engine.leases.hold(write.lease)
+    engine.leases.hold(read)
+    engine.leases.hold(read)
+    assert engine.expire(100) == 2
+    # Gone for the client, not for the copies.
+    rejected(engine, NotFound, "commit", CommitRequest(ns, "writer", write.lease.lease_id, 100))
+    rejected(engine, NotFound, "release", "reader", [read.lease_id])
+    assert [b.state for b in writable] == [BlockState.WRITABLE] * 3
+    assert [engine.host_slot(b) for b in writable] == slots and engine.pinned_blocks == 5
+    assert engine.close_all_leases() == 0  # the drain ends nothing a copy still holds
+    engine.leases.unhold(write.lease)
+    assert write.lease.ended and engine.host.counters.aborted == 3 and engine.pinned_blocks == 2
+    engine.leases.unhold(read)
+    assert not read.ended and engine.pinned_blocks == 2
+    engine.leases.unhold(read)
+    assert read.ended and (engine.live_handles, engine.pinned_blocks, len(engine.leases)) == (0, 0, 0)
+    assert engine.leases.expired_total == 2
+    with pytest.raises(InvariantError):
+        engine.leases.unhold(read)
+
+
+def test_a_lease_released_while_held_ends_at_unhold_and_cannot_be_held_again(env):
+    engine, ns = env
+    put(engine, ns, "ab")
+    lease, _ = engine.get(KeysRequest(ns, "r", K("ab"), LONG, 0))
+    engine.leases.hold(lease)
+    assert engine.release("r", [lease.lease_id]) == 1
+    assert not lease.ended and engine.pinned_blocks == 2
+    with pytest.raises(InvariantError):
+        engine.leases.hold(lease)
+    engine.leases.unhold(lease)
+    assert lease.ended and engine.pinned_blocks == 0
+
+
 def test_every_call_with_now_expires_first(env):
     engine, ns = env
     put(engine, ns, "ab")

@@ -205,7 +205,7 @@ def test_a_starved_get_stops_waiting_for_write_back_when_the_drain_starts(monkey
 
     class Engine:
         def begin_get(self, *arguments):
-            plan = SimpleNamespace(starved=not plans, number=len(plans))
+            plan = SimpleNamespace(starved=not plans, number=len(plans), matched=[], loads=[], waits=[])
             plans.append(plan)
             return plan
 
@@ -214,11 +214,14 @@ def test_a_starved_get_stops_waiting_for_write_back_when_the_drain_starts(monkey
 
     class DiskPlane:
         waits = 0
+        # Write-back is pending, so a starved Get waits (kvd.core.get_life).
+        mover = SimpleNamespace(starved_gets=0, starved_get_waits=lambda now, deadline: True,
+                                after_round=lambda: None)
 
-        async def wait_for_write_back(self, timeout_s):
+        async def wait_for_round(self, timeout_s):
             self.waits += 1
             self.waiting.set()
-            await asyncio.Event().wait()  # a write batch that never ends
+            await asyncio.Event().wait()  # a write round that never ends
 
     async def scenario():
         disk_plane = DiskPlane()
@@ -227,15 +230,15 @@ def test_a_starved_get_stops_waiting_for_write_back_when_the_drain_starts(monkey
         request = SimpleNamespace(namespace_id=b"n", keys=[b"k"], lease_ms=0, parent_key=b"")
         getting = asyncio.create_task(service._begin_get(request, "client"))
         await disk_plane.waiting.wait()
-        assert not getting.done() and disk_plane.waits == 1
+        assert not getting.done() and disk_plane.waits == 1 and disk_plane.mover.starved_gets == 1
         service.start_draining()
         # Only the drain can end the wait: the starved Get's own timeout is a day here.
-        return await asyncio.wait_for(getting, 60)
+        return await asyncio.wait_for(getting, 60), disk_plane.mover
 
     monkeypatch.setattr(service_module, "STARVED_GET_WAIT_S", 86400.0)
-    plan = asyncio.run(scenario())
+    life, mover = asyncio.run(scenario())
     # The starved plan was given back, and the Get took what it could.
-    assert plans[0].abandoned and plan is plans[1]
+    assert plans[0].abandoned and life.plan is plans[1] and mover.starved_gets == 0
 
 
 def test_a_reserve_waiting_for_a_write_batch_tries_again_when_the_drain_starts():

@@ -62,6 +62,7 @@ class KvdPromMetrics(KVConnectorPromMetrics):
         "loaded_blocks": "Blocks loaded from kvd into the engine (every layer).",
         "async_loads": "Requests whose hit was loaded from disk while vLLM ran other requests.",
         "load_errors": "Blocks that could not be loaded from kvd; vLLM recomputed them.",
+        "corrupt_blocks": "Of those, blocks lost because kvd found one corrupt on disk (failed its checksum).",
         "saved_blocks": "Blocks stored in kvd.",
         "save_errors": "Reservations or commits in kvd that failed; those blocks were not stored.",
         "load_wait_seconds": "Time the model's attention layers waited for bytes from kvd.",

@@ -59,6 +59,8 @@ class _DeviceLoad:
     base: int
     answer: concurrent.futures.Future
     matched: int = 0
+    # Why kvd served fewer blocks than were asked for (kvd.v1.GetCut).
+    cut: int = 0
     error: str | None = None
     settled: bool = False  # kvd is done with the word (every layer flagged, or FAILED)
     stream: None = None  # (WorkerSide._report's layer stream: none here)
@@ -212,7 +214,7 @@ class DeviceWorkerSide(WorkerSide):
             self._pool_lost(error)
             load.error, load.settled = f"LoadLayers failed: {error}", True
             return
-        load.matched = response.matched
+        load.matched, load.cut = response.matched, response.cut
         pause = 1e-6
         while True:
             # A pool the daemon lost will never be written again (and a new one has other words).

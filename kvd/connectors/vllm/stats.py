@@ -16,6 +16,7 @@ class Counters:
     loaded_blocks: int = 0  # blocks loaded into the engine, every layer landed
     async_loads: int = 0  # requests whose hit was loaded while vLLM ran other requests
     load_errors: int = 0  # blocks reported to vLLM as not loaded (it recomputes them)
+    corrupt_blocks: int = 0  # of those, blocks after a block kvd found corrupt (failed its checksum)
     saved_blocks: int = 0  # blocks committed to kvd
     save_errors: int = 0  # reservations or commits that failed (the blocks are not stored)
     load_wait_s: float = 0.0  # time the model's layers waited for loaded bytes

@@ -152,10 +152,13 @@ class LayerStream:
         self._ready = first.layers_ready
         self._changed = threading.Condition()
         self.matched = first.matched
+        # Why `matched` is short (kvd.v1.GetCut): GET_CUT_CORRUPT is damage, not a miss.
+        self.cut = first.cut
         self.slots = link.arena.slot_indices(first.offsets, namespace.block_bytes)
         self.lease_id = first.lease_id
         self.error: str | None = None
         self._closing = False
+        self._ended = threading.Event()
         self._thread = threading.Thread(target=self._read, name="kvd-layers", daemon=True)
         self._thread.start()
 
@@ -164,6 +167,7 @@ class LayerStream:
             for message in self._call:
                 with self._changed:
                     self.matched = min(self.matched, message.matched)
+                    self.cut = message.cut or self.cut
                     self._ready = max(self._ready, message.layers_ready)
                     self._changed.notify_all()
             if self._ready < self._layers:
@@ -172,6 +176,12 @@ class LayerStream:
             self._fail(f"{error.code().name}: {error.details()}")
         except Exception as error:  # noqa: BLE001 - any failure is a failed load, never a crash
             self._fail(repr(error))
+        finally:
+            self._ended.set()
+
+    def wait_end(self, timeout_s: float) -> bool:
+        """Until the daemon ended the stream (its last message says why `matched` is short)."""
+        return self._ended.wait(timeout_s)
 
     def _fail(self, why: str) -> None:
         with self._changed:

@@ -33,8 +33,17 @@ from kvd.connectors.vllm.layout import PagedLayout
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOrder
 from kvd.connectors.vllm.stats import Counters
 from kvd.connectors.vllm.transfer import LayerStream, Link, Reservation, Unavailable
+from kvd.v1 import kvd_pb2
 
 log = logging.getLogger("kvd.connectors.vllm")
+
+# Why kvd served less, in a log line (kvd.v1.GetCut; NONE: evicted or deleted since the Lookup).
+_CUT_REASONS = {
+    kvd_pb2.GET_CUT_CORRUPT: "kvd found the first of them corrupt on disk (failed its checksum) and dropped it",
+    kvd_pb2.GET_CUT_UNREADABLE: "the drive could not read the first of them; kvd dropped it",
+    kvd_pb2.GET_CUT_NO_ROOM: "kvd's host memory had no free slot for them",
+    kvd_pb2.GET_CUT_KEPT_BELOW: "kvd keeps them below host memory",
+}
 
 
 @dataclass(slots=True)
@@ -46,6 +55,11 @@ class _Load:
     @property
     def failed(self) -> bool:
         return self.stream is None or self.stream.error is not None or self.error is not None
+
+    @property
+    def cut(self) -> int:
+        """Why kvd served fewer blocks than were asked for (kvd.v1.GetCut)."""
+        return self.stream.cut if self.stream is not None else kvd_pb2.GET_CUT_NONE
 
 
 @dataclass(slots=True)
@@ -215,6 +229,8 @@ class WorkerSide:
         failed: set[str] = set()
         for load in loads:
             lost = self._lost(load)
+            if lost and not load.failed:
+                load.stream.wait_end(self.config.load_timeout_s)  # its last message says why
             if load.stream is not None:
                 load.stream.close()
             if lost:
@@ -230,10 +246,13 @@ class WorkerSide:
         return list(load.order.block_ids[load.stream.matched:])
 
     def _report(self, lost: list[int], load: _Load) -> None:
-        why = load.error or (load.stream.error if load.stream else None) or "blocks missing from kvd"
+        why = load.error or (load.stream.error if load.stream else None) or _CUT_REASONS.get(
+            load.cut, "blocks missing from kvd")
         log.warning("kvd: %d blocks of %s could not be loaded (%s); vLLM recomputes them",
                     len(lost), load.order.req_id, why)
         self.counters.add(load_errors=len(lost))
+        if load.error is None and load.cut == kvd_pb2.GET_CUT_CORRUPT:
+            self.counters.add(corrupt_blocks=len(lost))
         with self._lock:
             self._errors.update(lost)
 
