@@ -3,7 +3,7 @@
 
 What: one DiskTier (2 directories, the daemon's defaults: io_uring, queue
 depth 128, 512 KiB extents) and its one I/O thread, driven the way the
-daemon drives it (kvd.server.io_executor.ScheduledExecutor over
+daemon drives it (kvd.planes.io_executor.ScheduledExecutor over
 kvd.core.io_schedule.IoSchedule):
 
 * restores: back-to-back `read_blocks` of `--restore-blocks` blocks (a
@@ -71,7 +71,7 @@ from kvd.config import DiskSettings
 from kvd.core.io_schedule import IoClass, IoSchedule
 from kvd.core.keys import DType, NamespaceSpec
 from kvd.planner.slack import SlackTable, WriteSizer
-from kvd.server.io_executor import ScheduledExecutor
+from kvd.planes.io_executor import ScheduledExecutor
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import DiskConfig
 from kvd.tiers.disk.tier import DiskTier
@@ -94,7 +94,7 @@ class Rig:
         # Bandwidths observed over every contender's jobs; the profiled one sizes its writes with them.
         self.sizer = WriteSizer(table)
         self.sizer.restore(restore_blocks * SPEC.block_tokens, SPEC.layer_bytes // SPEC.block_tokens, SPEC.num_layers)
-        # The profiled contender's writes inside a restore (as kvd.server.disk_plane runs them); None: none.
+        # The profiled contender's writes inside a restore (as kvd.planes.disk runs them); None: none.
         self.between_groups = None
         self.restore_blocks = restore_blocks
         self.write_blocks = write_blocks

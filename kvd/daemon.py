@@ -124,8 +124,8 @@ class Daemon:
         self.clock = clock or MonotonicClock()
         self.arena: HostArena | None = None
         self.engine: Engine | None = None
-        self.disk_plane = None  # kvd.server.disk_plane.DiskPlane when a disk tier is configured
-        self.device_plane = None  # kvd.server.device_plane.DevicePlane with [device] kind other than "off"
+        self.disk_plane = None  # kvd.planes.disk.DiskPlane when a disk tier is configured
+        self.device_plane = None  # kvd.planes.device.DevicePlane with [device] kind other than "off"
         self.server: grpc.aio.Server | None = None
         self.service: KvdService | None = None
         self.health: HealthService | None = None
@@ -248,7 +248,7 @@ class Daemon:
         self.device_plane = _open_device_plane(config, self.arena)
         if not config.disk.directories:
             return None
-        from kvd.server.disk_plane import DiskPlane
+        from kvd.planes.disk import DiskPlane
 
         sd_notify("STATUS=recovering the disk tier")
         self.disk_plane = DiskPlane(config.disk, self.arena)
@@ -508,8 +508,8 @@ def _open_device_plane(config: Config, arena: HostArena):
     if config.device.kind == "off":
         return None
     from kvd.device import DeviceError, open_device
-    from kvd.server.device_plane import DevicePlane
-    from kvd.server.device_tier import DeviceTier
+    from kvd.planes.device import DevicePlane
+    from kvd.planes.device_tier import DeviceTier
 
     settings = config.device
     try:

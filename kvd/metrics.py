@@ -395,7 +395,7 @@ class ArenaCollector(Collector):
 
 
 class DeviceCollector(Collector):
-    """The device plane's counters (kvd.server.device_plane), read when scraped."""
+    """The device plane's counters (kvd.planes.device), read when scraped."""
 
     def __init__(self, counters: Callable[[], Mapping[str, int]]) -> None:
         self._counters = counters

@@ -30,7 +30,7 @@ from kvd.device import Device, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
 from kvd.v1 import kvd_pb2
 
-# kvd stores FAILED | done_value in its flag word when a transfer failed (kvd.server.device_plane).
+# kvd stores FAILED | done_value in its flag word when a transfer failed (kvd.planes.device).
 FAILED = 1 << 63
 
 

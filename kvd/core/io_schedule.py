@@ -34,7 +34,7 @@ registering a namespace) are short and often hold others up, so they go
 first in both modes.
 
 Pure bookkeeping, no threads or clocks: the daemon's executor
-(kvd.server.disk_plane) and the simulator drive it the same way.
+(kvd.planes.disk) and the simulator drive it the same way.
 """
 
 from __future__ import annotations

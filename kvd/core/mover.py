@@ -4,7 +4,7 @@ The engine decides *which* block goes where; the mover decides *when*, and
 in what order the pieces of a move must happen. It does no I/O, holds no
 clock and no futures: it hands its driver plain work (a `WriteRound`:
 removals to journal, then chunks of writes) and takes back plain outcomes.
-Two drivers run it: the daemon's disk plane (kvd.server.disk_plane), from
+Two drivers run it: the daemon's disk plane (kvd.planes.disk), from
 its event loop with the I/O thread doing the work, and the simulator
 (kvd.sim), in simulated time against a modelled drive. Both therefore
 follow the same rules:

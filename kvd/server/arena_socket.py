@@ -35,7 +35,7 @@ class ArenaSocket:
                  request_timeout_s: float = REQUEST_TIMEOUT_S,
                  on_deposit: Callable[[str, list[int]], dict[str, Any]] | None = None) -> None:
         self.path = path
-        # The device plane's deposit (kvd.server.device_plane): keeps copies of the descriptors an
+        # The device plane's deposit (kvd.planes.device): keeps copies of the descriptors an
         # engine passes for its RegisterPool. None: no device plane, deposits are refused.
         self.on_deposit = on_deposit
         self.request_timeout_s = request_timeout_s

@@ -1,7 +1,7 @@
 """What a streamed Get tells its client as its disk reads land.
 
 GetLayers and GetBlocks run the same Get (kvd.server.service plans it,
-kvd.server.disk_plane reads it); they differ only in the progress their
+kvd.planes.disk reads it); they differ only in the progress their
 messages carry. GetLayers reads each block in extents of whole layers and
 says how many leading layers of every block are in the arena, for an engine
 that starts on layer 0 early. GetBlocks reads each block whole, as a plain

@@ -53,7 +53,7 @@ from kvd.tiers.host import DEFAULT_TENANT, HostArena
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 if TYPE_CHECKING:
-    from kvd.server.disk_plane import DiskPlane
+    from kvd.planes.disk import DiskPlane
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class KvdService(kvd_pb2_grpc.KvdServicer):
         # kvd.server.cluster_blocks.ClusterBlocks when its Gets fetch from peers (set by the daemon).
         self.cluster = None
         self.cluster_blocks = None
-        # kvd.server.device_plane.DevicePlane when [device] kind is not "off" (set by the daemon).
+        # kvd.planes.device.DevicePlane when [device] kind is not "off" (set by the daemon).
         self.device_plane = None
         self.planning = Planning()
         # Told of a broken invariant in a handler (the daemon's supervisor: kvd stops).

@@ -116,7 +116,7 @@ def test_a_failed_write_fails_the_wait_with_its_reason_and_a_later_wait_retries_
     from kvd.config import DiskSettings
     from kvd.core.engine import Engine
     from kvd.io.engine import Op
-    from kvd.server.disk_plane import DiskPlane
+    from kvd.planes.disk import DiskPlane
     from kvd.tiers.host import ArenaLayout, HostArena
 
     settings = DiskSettings(directories=[str(tmp_path / "nvme0")], capacity_bytes=4 << 20, slot_bytes=SLOT_BYTES,

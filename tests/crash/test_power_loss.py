@@ -32,7 +32,7 @@ from kvd.core.engine import Engine
 from kvd.core.keys import chain_keys
 from kvd.core.requests import CommitRequest, KeysRequest
 from kvd.io.engine import open_engine
-from kvd.server.disk_plane import DiskPlane
+from kvd.planes.disk import DiskPlane
 from kvd.testing.crashdisk import PowerLoss, UnsyncedData
 from kvd.testing.crashfs import CrashFs
 from kvd.testing.put_stream import SPEC, block_bytes_for
@@ -120,7 +120,7 @@ async def run(tmp_path: Path, fsync: str, seed: int) -> tuple[list[tuple[PowerLo
 
 
 def check_capture(loss: PowerLoss, acked: list[bytes], settings: DiskSettings) -> None:
-    from kvd.server.disk_plane import disk_config
+    from kvd.planes.disk import disk_config
 
     loss.restore()
     tier = DiskTier(disk_config(settings), fs=loss.fs)

@@ -21,7 +21,7 @@ from kvd.core.engine import Engine
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
 from kvd.core.requests import CommitRequest, KeysRequest
 from kvd.errors import FailedPrecondition
-from kvd.server.disk_plane import DiskPlane
+from kvd.planes.disk import DiskPlane
 from kvd.server.get_stream import BlockSteps, LayerSteps
 from kvd.server import service as service_module
 from kvd.server.service import KvdService

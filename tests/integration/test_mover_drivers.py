@@ -24,7 +24,7 @@ import numpy as np
 from kvd.config import DiskSettings
 from kvd.core.engine import Engine, TierId
 from kvd.core.keys import chain_keys
-from kvd.server.disk_plane import DiskPlane
+from kvd.planes.disk import DiskPlane
 from kvd.server.get_stream import BlockSteps, LayerSteps
 from kvd.server.service import KvdService
 from kvd.sim.simulator import Flow, SimConfig, Simulator

@@ -27,7 +27,7 @@ from kvd.core.io_schedule import IoSchedule
 from kvd.core.mover import Mover
 from kvd.daemon import Daemon
 from kvd.invariants import InvariantError
-from kvd.server.disk_plane import DiskPlane
+from kvd.planes.disk import DiskPlane
 from kvd.testing.put_stream import SPEC, blocks_for
 from kvd.tiers.disk.tier import DiskTier
 

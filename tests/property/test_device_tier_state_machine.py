@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvd.device import open_device
 from kvd.device.transfer import ABSENT
 from kvd.planner.distance import NONE, is_offloaded
-from kvd.server.device_tier import DeviceTier
+from kvd.planes.device_tier import DeviceTier
 
 NS = b"n" * 32
 KEYS = [bytes([i]) * 32 for i in range(8)]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvd.core.io_schedule import READS_ACTIVE_S, IoClass, IoJob, IoSchedule
 from kvd.invariants import InvariantError
-from kvd.server.io_executor import ScheduledExecutor
+from kvd.planes.io_executor import ScheduledExecutor
 
 R, P, W, C = IoClass.RESTORE, IoClass.PREFETCH, IoClass.WRITE, IoClass.CONTROL
 

@@ -9,24 +9,27 @@ PACKAGE = Path(__file__).parents[2] / "kvd"
 
 # layer -> kvd modules it must never import (prefix match)
 FORBIDDEN = {
-    "kvd.core": ["kvd.tiers", "kvd.io", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.metrics", "kvd.v1",
+    "kvd.core": ["kvd.planes", "kvd.tiers", "kvd.io", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.metrics", "kvd.v1",
                  "kvd.testing"],
     # Native adapters: below the tiers, beside the core.
-    "kvd.io": ["kvd.tiers", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.metrics", "kvd.v1",
+    "kvd.io": ["kvd.planes", "kvd.tiers", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.metrics", "kvd.v1",
                "kvd.testing"],
     # Devices (CPU and CUDA): memory, streams and copies; below the tiers, beside kvd.io.
-    "kvd.device": ["kvd.core", "kvd.tiers", "kvd.io", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client",
+    "kvd.device": ["kvd.planes", "kvd.core", "kvd.tiers", "kvd.io", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client",
                    "kvd.metrics", "kvd.v1", "kvd.testing", "kvd.sim", "kvd.cluster", "kvd.connectors"],
-    "kvd.tiers": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.v1", "kvd.testing"],
-    "kvd.metrics": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing"],
+    "kvd.tiers": ["kvd.planes", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.v1", "kvd.testing"],
+    "kvd.metrics": ["kvd.planes", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing"],
     "kvd.server": ["kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing"],
+    # The data planes: below the gRPC edge, above the core and the tiers; no protobuf.
+    "kvd.planes": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing", "kvd.v1", "kvd.sim",
+                   "kvd.cluster", "kvd.connectors", "kvd.metrics"],
     "kvd.daemon": ["kvd.cli", "kvd.client", "kvd.testing"],
     # The cluster: membership, directory placement and shards; beside the server, below the daemon.
-    "kvd.cluster": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing", "kvd.sim", "kvd.tiers",
+    "kvd.cluster": ["kvd.planes", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.testing", "kvd.sim", "kvd.tiers",
                     "kvd.io"],
-    "kvd.client": ["kvd.server", "kvd.daemon", "kvd.tiers", "kvd.io", "kvd.cli", "kvd.metrics", "kvd.testing"],
+    "kvd.client": ["kvd.planes", "kvd.server", "kvd.daemon", "kvd.tiers", "kvd.io", "kvd.cli", "kvd.metrics", "kvd.testing"],
     # Engine connectors: clients of the daemon that live in an engine's process.
-    "kvd.connectors": ["kvd.server", "kvd.daemon", "kvd.tiers", "kvd.io", "kvd.cli", "kvd.metrics", "kvd.testing",
+    "kvd.connectors": ["kvd.planes", "kvd.server", "kvd.daemon", "kvd.tiers", "kvd.io", "kvd.cli", "kvd.metrics", "kvd.testing",
                        "kvd.sim"],
     # The arena socket's wire format, shared by client and server.
     "kvd.arena_protocol": ["kvd.core", "kvd.tiers", "kvd.io", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client",
@@ -38,7 +41,7 @@ FORBIDDEN = {
     "kvd.planner": ["kvd.core", "kvd.tiers", "kvd.io", "kvd.device", "kvd.server", "kvd.daemon", "kvd.cli",
                     "kvd.client", "kvd.metrics", "kvd.v1", "kvd.testing", "kvd.sim", "kvd.cluster", "kvd.connectors"],
     # The simulator drives the engine the way the daemon does, in-process.
-    "kvd.sim": ["kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.tiers", "kvd.io", "kvd.v1", "kvd.testing"],
+    "kvd.sim": ["kvd.planes", "kvd.server", "kvd.daemon", "kvd.cli", "kvd.client", "kvd.tiers", "kvd.io", "kvd.v1", "kvd.testing"],
 }
 # The core is pure: no transport, no clocks, no randomness, no threads, no I/O.
 CORE_FORBIDDEN_STDLIB = {"asyncio", "grpc", "os", "time", "random", "threading", "socket", "mmap"}
@@ -96,10 +99,11 @@ def test_only_the_edges_import_generated_code():
         for path in PACKAGE.rglob("*.py")
         if "v1" not in path.parts and any(name.startswith("kvd.v1") for name in imports_of(path))
     )
-    # The connectors are clients too (the vLLM worker speaks Reserve/GetLayers itself), and
-    # the cluster is the daemons' edge toward one another (kvd.v1.Cluster).
+    # The connectors are clients too (the vLLM worker speaks Reserve/GetLayers itself), as is
+    # the command line (kvd status), and the cluster is the daemons' edge toward one another
+    # (kvd.v1.Cluster).
     allowed_prefixes = ("kvd.server.", "kvd.client.", "kvd.connectors.", "kvd.daemon", "kvd.testing.",
-                        "kvd.cluster.")
+                        "kvd.cluster.", "kvd.cli.")
     assert importers and all(name.startswith(allowed_prefixes) for name in importers), importers
 
 

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from kvd.server.convert import metric_samples
-from kvd.server.status import Samples, render_status, status_from_response
+from kvd.cli.status import Samples, render_status, status_from_response
 from kvd.v1 import kvd_pb2
 
 

@@ -34,7 +34,7 @@ from kvd.device import Device, DeviceError, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
 from kvd.device.transfer import ABSENT, PoolLayout, load_layers, save_layers
 from kvd.planner.distance import NONE
-from kvd.server.device_tier import DeviceTier
+from kvd.planes.device_tier import DeviceTier
 from kvd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvd.invariants import check
 

@@ -61,7 +61,7 @@ def _admin_token(args: argparse.Namespace) -> str | None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from kvd.server.status import fetch_status, render_status, resolve_target
+    from kvd.cli.status import fetch_status, render_status, resolve_target
 
     target = resolve_target(args.target, args.state_dir)
     status = fetch_status(target, timeout_s=args.timeout, token=_admin_token(args), tls_ca_file=args.tls_ca_file)
@@ -74,7 +74,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_demote(args: argparse.Namespace) -> int:
     """Drop the host copies the disk also holds (the Demote RPC)."""
-    from kvd.server.status import demote, resolve_target
+    from kvd.cli.status import demote, resolve_target
 
     target = resolve_target(args.target, args.state_dir)
     result = demote(target, timeout_s=args.timeout, token=_admin_token(args), tls_ca_file=args.tls_ca_file)
@@ -91,7 +91,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvd.server.status import open_channel, resolve_target
+    from kvd.cli.status import open_channel, resolve_target
 
     target = resolve_target(args.target, args.state_dir)
     with open_channel(target, args.tls_ca_file) as channel:

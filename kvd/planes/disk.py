@@ -49,7 +49,7 @@ from kvd.errors import ConfigError, Unavailable
 from kvd.invariants import check
 from kvd.io.engine import Op
 from kvd.planner.slack import SlackTable, WriteSizer
-from kvd.server.io_executor import ScheduledExecutor
+from kvd.planes.io_executor import ScheduledExecutor
 from kvd.supervisor import Supervisor
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import DiskConfig, drive_of, location_of, split_location
