@@ -118,10 +118,6 @@ class IoSchedule:
             return sum(1 for job in self._fifo if job.io_class == io_class)
         return len(self._queues[io_class])
 
-    def queued_bytes(self, io_class: IoClass) -> int:
-        jobs = self._fifo if self.mode == "fifo" and io_class != IoClass.CONTROL else self._queues[io_class]
-        return sum(job.nbytes for job in jobs if job.io_class == io_class)
-
     def push(self, job: IoJob) -> IoJob:
         check(job.sequence == -1, "job pushed twice")
         job.sequence = self._next_sequence

@@ -20,7 +20,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Request = TypeVar("Request")
 # How long an ACK_DURABLE Put waits when its call has no deadline.
 DURABLE_WAIT_S = 30.0
 # A Get short of host slots waits this long for one write-back batch, then takes what it can.
