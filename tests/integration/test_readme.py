@@ -1,5 +1,5 @@
-"""The README's snippets run as written (issue 10: its Python snippet used
-undefined names, so a newcomer's first paste failed).
+"""The snippets of README.md and docs/*.md run as written (issue 10: the README's Python
+snippet used undefined names, so a newcomer's first paste failed).
 
 Every ```python block runs in a process of its own, from a directory whose
 state/kvd.sock is a real daemon's socket, as after `make run` from the
@@ -19,12 +19,13 @@ import pytest
 from kvd import config as kvd_config
 from kvd.testing.daemon import run_daemon
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
 def snippets(language: str) -> list[str]:
-    return [body for kind, body in FENCE.findall(README.read_text()) if kind == language]
+    return [body for document in DOCUMENTS for kind, body in FENCE.findall(document.read_text()) if kind == language]
 
 
 # What the events snippet (a function a router runs) is driven with: one Put,
@@ -73,8 +74,11 @@ def daemon_directory(tmp_path_factory):
         yield directory
 
 
-def test_the_readme_has_snippets():
+def test_the_documents_have_snippets():
     assert len(snippets("python")) >= 2 and snippets("toml")
+    readme = FENCE.findall((ROOT / "README.md").read_text())
+    assert any(kind == "python" for kind, _ in readme)  # the one example a newcomer pastes first
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300  # read in ten minutes
 
 
 @pytest.mark.parametrize("index", range(len(snippets("python"))))
@@ -84,11 +88,16 @@ def test_python_snippet_runs_as_written(daemon_directory, index):
         code += EVENTS_DRIVER
     result = subprocess.run([sys.executable, "-c", code], cwd=daemon_directory, capture_output=True, text=True,
                             timeout=300)
-    assert result.returncode == 0, f"README snippet {index} failed:\n{code}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, f"snippet {index} failed:\n{code}\n{result.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("index", range(len(snippets("toml"))))
 def test_toml_snippet_is_a_valid_configuration(tmp_path, index):
+    """A daemon's configuration; or, for a [[tenants]] table, a tenants file (auth.tenants_file)."""
     path = tmp_path / "kvd.toml"
-    path.write_text(snippets("toml")[index])
-    kvd_config.load(path, env={})
+    text = snippets("toml")[index]
+    path.write_text(text)
+    if text.lstrip().startswith("[[tenants]]"):
+        assert kvd_config.load_tenants(path, env={"KVD_OPS_TOKEN": "a-token-from-the-environment"})
+    else:
+        kvd_config.load(path, env={})
