@@ -23,7 +23,7 @@ from kvd.core.requests import CommitRequest, KeysRequest
 from kvd.errors import FailedPrecondition
 from kvd.planes.disk import DiskPlane
 from kvd.server.get_stream import BlockSteps, LayerSteps
-from kvd.server import service as service_module
+from kvd.server.handlers import admin as admin_handlers
 from kvd.server.service import KvdService
 from kvd.tiers.host import ArenaLayout, HostArena
 from kvd.v1 import kvd_pb2
@@ -205,7 +205,7 @@ def test_a_demote_skips_blocks_deleted_between_its_steps(tmp_path, monkeypatch):
     other calls running between steps. A chain deleted between two steps is
     skipped (its blocks are no candidates any more), nothing breaks, and the
     chain that was demoted comes back from the drive bit-exact."""
-    monkeypatch.setattr(service_module, "DEMOTE_STEP_BLOCKS", 1)  # one chain's leaf per step
+    monkeypatch.setattr(admin_handlers, "DEMOTE_STEP_BLOCKS", 1)  # one chain's leaf per step
 
     async def scenario():
         node = Node(tmp_path / "nvme0")

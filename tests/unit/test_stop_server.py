@@ -13,7 +13,7 @@ import pytest
 
 from kvd.errors import ResourceExhausted
 from kvd.server import drain
-from kvd.server import service as service_module
+from kvd.server.handlers import reads as reads_handlers
 from kvd.server.drain import RpcTracker, stop_server
 from kvd.server.service import KvdService
 
@@ -235,7 +235,7 @@ def test_a_starved_get_stops_waiting_for_write_back_when_the_drain_starts(monkey
         # Only the drain can end the wait: the starved Get's own timeout is a day here.
         return await asyncio.wait_for(getting, 60), disk_plane.mover
 
-    monkeypatch.setattr(service_module, "STARVED_GET_WAIT_S", 86400.0)
+    monkeypatch.setattr(reads_handlers, "STARVED_GET_WAIT_S", 86400.0)
     life, mover = asyncio.run(scenario())
     # The starved plan was given back, and the Get took what it could.
     assert plans[0].abandoned and life.plan is plans[1] and mover.starved_gets == 0

@@ -1,0 +1,1 @@
+"""KvdService's handlers, by concern (see kvd.server.service)."""

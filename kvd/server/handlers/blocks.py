@@ -1,0 +1,288 @@
+"""Namespaces, Lookup, Puts (Reserve/Commit, PutInline, MakeDurable), leases, Delete, Prefetch.
+
+A part of kvd.server.service.KvdService (its handlers by concern); they share the
+service's state and reach each other's helpers through self."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+
+from kvd import arena_protocol
+from kvd.core.block import NO_SLOT
+from kvd.core.engine import CommitRequest, KeysRequest, ReserveStatus
+from kvd.core.quota import QuotaExceeded
+from kvd.errors import (FailedPrecondition, InvalidArgument, KvdError, NotDurable, PermissionDenied, PinCapExceeded,
+                        ResourceExhausted, Unavailable)
+from kvd.invariants import check
+from kvd.server import convert
+from kvd.server.rpc import rpc
+from kvd.v1 import kvd_pb2
+
+
+log = logging.getLogger(__name__)
+
+# How long an ACK_DURABLE Put waits when its call has no deadline.
+DURABLE_WAIT_S = 30.0
+
+
+class BlockHandlers:
+    @rpc("RegisterNamespace")
+    async def RegisterNamespace(self, request, context):
+        if not request.HasField("spec"):
+            raise InvalidArgument("spec must be set")
+        spec = convert.spec_from_proto(request.spec)
+        tenant = self._caller()
+        if tenant is not None:
+            if not tenant.may_use(spec.model_id):
+                raise PermissionDenied(
+                    f"tenant {tenant.name!r} may not use model {spec.model_id!r} "
+                    f"(its namespaces: {', '.join(tenant.namespaces) or 'none'})"
+                )
+            # The tenant's own namespace: never the same as another's (kvd.core.keys).
+            spec = dataclasses.replace(spec, tenant=tenant.name)
+        known = len(self.engine.namespaces())
+        state = self.engine.register_namespace(spec)
+        if self.disk_plane is not None:
+            await self.disk_plane.register_namespace(self.engine, state.namespace_id)
+        slot_bytes = self.engine.host.pool.classes[state.index.host_class].slot_bytes
+        if len(self.engine.namespaces()) > known and state.block_bytes * 2 <= slot_bytes:
+            log.warning(
+                "namespace blocks fill at most half a host slot; set host.min_slot_bytes (or host.slot_bytes) "
+                "near the block size",
+                extra={
+                    "model_id": spec.model_id,
+                    "block_bytes": state.block_bytes,
+                    "slot_bytes": slot_bytes,
+                    "slot_use_percent": round(100.0 * state.block_bytes / slot_bytes, 1),
+                },
+            )
+        return kvd_pb2.RegisterNamespaceResponse(
+            namespace_id=state.public_id, block_bytes=state.block_bytes, layer_bytes=state.spec.layer_bytes
+        )
+
+    @rpc("ArenaInfo")
+    async def ArenaInfo(self, request, context):
+        layout = self.arena.layout
+        return kvd_pb2.ArenaInfoResponse(
+            arena_socket=self.arena_socket,
+            arena_bytes=layout.arena_bytes,
+            slot_bytes=layout.slot_bytes,
+            slot_count=layout.slot_count,
+            class_bytes=[slot_class.slot_bytes for slot_class in self.engine.host.pool.classes],
+            instance_id=self.arena.instance_id,
+            max_message_bytes=self.max_message_bytes,
+        )
+
+    @rpc("Lookup")
+    async def Lookup(self, request, context):
+        keys = convert.lookup_keys(request)
+        matched = self.engine.lookup(request.namespace_id, keys, request.parent_key)
+        tiers = convert.tiers(self.engine, matched)
+        tier = self.device_plane.tier if self.device_plane is not None else None
+        if tier is not None and len(tier):  # copies in the device tier, above host memory
+            held = tier.holds(request.namespace_id, keys, matched)
+            tiers = bytes(kvd_pb2.TIER_DEVICE if hit else level for hit, level in zip(held, tiers))
+        if request.include_remote:
+            tiers += await self._remote_tiers(request, keys, len(matched))
+        return kvd_pb2.LookupResponse(matched=len(tiers), tiers=tiers)
+
+    async def _remote_tiers(self, request, keys, local: int) -> bytes:
+        """TIER_REMOTE for the blocks past `local` that the longest peer holds."""
+        if self.cluster is None:
+            raise FailedPrecondition("include_remote: this kvd is not in a cluster ([cluster] etcd_endpoints is empty)")
+        if request.parent_key:
+            raise InvalidArgument("include_remote needs the chain from its root: parent_key must be empty")
+        if local >= len(keys):
+            return b""
+        answer = await self.cluster.lookup(request.namespace_id, b"".join(keys), local)
+        remote = max((node.matched for node in answer.nodes if not node.local), default=0)
+        return bytes([kvd_pb2.TIER_REMOTE]) * max(0, remote - local)
+
+    async def _reserve(self, request, lease_ms: int):
+        """engine.reserve, waiting once for an in-flight disk write batch to
+        unpin the host tier if that is all that stands in the way."""
+        def reserve():
+            return self.engine.reserve(KeysRequest(request.namespace_id, request.client_id, list(request.keys),
+                                                   lease_ms, self.clock.now_ms(), parent_key=request.parent_key))
+
+        try:
+            return reserve()
+        except (PinCapExceeded, QuotaExceeded):
+            raise  # the disk writer frees none of this client's pins, nor the tenant's quota
+        except ResourceExhausted:
+            if self.disk_plane is None or self.disk_plane.writes_idle.is_set() or self._draining:
+                raise
+        # Draining: try once more now rather than after the batch.
+        await self._unless_draining(self.disk_plane.writes_idle.wait)
+        return reserve()
+
+    def _check_arena(self, request) -> None:
+        """Offsets are only good for the arena of this instance: refuse a client that mapped another."""
+        if request.arena_instance_id and request.arena_instance_id != self.arena.instance_id:
+            raise FailedPrecondition(
+                f"{arena_protocol.ARENA_CHANGED}: the client mapped the arena of daemon instance "
+                f"{request.arena_instance_id[:32]!r}, this is instance {self.arena.instance_id!r} (the daemon "
+                "restarted); call ArenaInfo and map the arena again"
+            )
+
+    @rpc("Reserve")
+    async def Reserve(self, request, context):
+        self._check_arena(request)
+        result = await self._reserve(request, request.lease_ms)
+        return kvd_pb2.ReserveResponse(
+            lease_id=result.lease.lease_id if result.lease else 0,
+            lease_deadline_ms=result.lease.deadline_ms if result.lease else 0,
+            statuses=[int(status) for status in result.statuses],
+            offsets=self._reserved_offsets(result.slots),
+        )
+
+    @rpc("Commit")
+    async def Commit(self, request, context):
+        convert.ack_supported(request.ack, self.disk_plane is not None)
+        durable = request.ack == kvd_pb2.ACK_DURABLE
+        blocks = self._lease_blocks(request.client_id, request.lease_id, request.keys, request.abort_keys) \
+            if durable else []
+        sealed, aborted = self.engine.commit(CommitRequest(
+            request.namespace_id, request.client_id, request.lease_id, self.clock.now_ms(),
+            keys=request.keys, abort_keys=request.abort_keys))
+        if self.disk_plane is not None:
+            self.disk_plane.wake()  # the write-through starts now
+        if durable:
+            await self._make_durable(blocks, len(blocks), context)
+        return kvd_pb2.CommitResponse(sealed=sealed, aborted=aborted, durable=len(blocks))
+
+    def _lease_blocks(self, client_id: str, lease_id: int, keys, abort_keys) -> list:
+        """The blocks a commit will seal (all writable ones when both key lists are empty)."""
+        if not keys and abort_keys:
+            return []  # it only aborts
+        try:
+            lease = self.engine.leases.find(lease_id, client_id)
+        except KvdError:
+            return []  # commit reports the precise error
+        wanted = set(keys)
+        return [handle.block for handle in lease.handles if handle.writable and (not wanted or handle.key in wanted)]
+
+    async def _make_durable(self, blocks, requested: int, context) -> None:
+        """Wait until `blocks` (the leading ones of the `requested` blocks a
+        call asked to make durable, in chain order) are on disk; NotDurable
+        naming the first that is not, and how many before it are."""
+        remaining = context.time_remaining()
+        timeout_s = DURABLE_WAIT_S if remaining is None else max(0.0, remaining - 0.05)
+        failures = await self.disk_plane.wait_durable(blocks, timeout_s)
+        if not failures:
+            return
+        first = failures[0]
+        position = blocks.index(first.block)
+        raise NotDurable(
+            first.code,
+            f"of the {requested} blocks this call asked to make durable, the first {position} are; keys[{position}:"
+            f"{requested}] are not: keys[{position}] ({first.block.key.hex()[:16]}...) because {first.reason}",
+            position, requested,
+        )
+
+    @rpc("PutInline")
+    async def PutInline(self, request, context):
+        convert.ack_supported(request.ack, self.disk_plane is not None)
+        state = self.engine.namespace(request.namespace_id)
+        if len(request.blocks) != len(request.keys):
+            raise InvalidArgument(f"{len(request.keys)} keys but {len(request.blocks)} blocks; send one block per key")
+        for position, payload in enumerate(request.blocks):
+            if len(payload) != state.block_bytes:
+                raise InvalidArgument(
+                    f"blocks[{position}] is {len(payload)} bytes; this namespace's blocks are {state.block_bytes} bytes"
+                )
+        result = await self._reserve(request, 0)
+        now_ms = self.clock.now_ms()
+        sealed = 0
+        if result.lease is not None:
+            # Reserve, copy and seal without an await in between: no other
+            # request can observe the half-written blocks.
+            pool = self.engine.host.pool
+            for position, status in enumerate(result.statuses):
+                if status == ReserveStatus.RESERVED:
+                    self.arena.write_at(pool.offset_of(result.slots[position]), request.blocks[position])
+            sealed, _ = self.engine.commit(CommitRequest(request.namespace_id, request.client_id,
+                                                         result.lease.lease_id, now_ms))
+        if self.disk_plane is not None:
+            self.disk_plane.wake()
+        durable = 0
+        if request.ack == kvd_pb2.ACK_DURABLE:
+            # Every key, those already stored too: a retry must be as durable as the first try.
+            stored = self.engine.stored(request.namespace_id, list(request.keys), request.parent_key)
+            await self._make_durable(stored, len(request.keys), context)
+            if len(stored) < len(request.keys):
+                raise _not_stored(result.statuses, len(stored), len(request.keys))
+            durable = len(stored)
+        return kvd_pb2.PutInlineResponse(statuses=[int(status) for status in result.statuses], sealed=sealed,
+                                         durable=durable)
+
+    @rpc("MakeDurable")
+    async def MakeDurable(self, request, context):
+        if self.disk_plane is None:
+            raise FailedPrecondition("this kvd has no disk tier (disk.directories is empty): nothing can be durable")
+        keys = list(request.keys)
+        stored = self.engine.stored(request.namespace_id, keys, request.parent_key)
+        await self._make_durable(stored, len(keys), context)
+        if len(stored) < len(keys):
+            raise NotDurable("NOT_FOUND", f"keys[{len(stored)}:{len(keys)}] are not stored (the first {len(stored)} "
+                             "are durable); Put them first", len(stored), len(keys))
+        return kvd_pb2.MakeDurableResponse(durable=len(stored))
+
+    def _reserved_offsets(self, slots: list[int]) -> list[int]:
+        """Arena offsets of a reservation's slots (0 where the key got none)."""
+        pool = self.engine.host.pool
+        check(max(slots, default=NO_SLOT) < pool.slot_count, "a reserved slot is outside the host tier")
+        return [pool.offset_of(slot) if slot >= 0 else 0 for slot in slots]
+
+    @rpc("Release")
+    async def Release(self, request, context):
+        released = self.engine.release(request.client_id, request.lease_ids)
+        return kvd_pb2.ReleaseResponse(released=released)
+
+    @rpc("Renew")
+    async def Renew(self, request, context):
+        deadline_ms = self.engine.renew(request.client_id, request.lease_id, request.lease_ms, self.clock.now_ms())
+        return kvd_pb2.RenewResponse(lease_deadline_ms=deadline_ms)
+
+    @rpc("Delete")
+    async def Delete(self, request, context):
+        deleted, pinned = self.engine.delete(request.namespace_id, request.keys)
+        if deleted and self.disk_plane is not None:
+            # Answered only once no restart can bring the blocks back.
+            failed = await self.disk_plane.journal_deletions()
+            if failed:
+                raise Unavailable(
+                    f"{deleted} blocks are deleted from memory, but the removal of {failed} of them could not be "
+                    "made durable on disk (a drive's manifest failed; see the daemon log): they may be listed "
+                    "again after a restart, though their data was overwritten where the drive still allowed it"
+                )
+        return kvd_pb2.DeleteResponse(deleted=deleted, pinned=pinned)
+
+    @rpc("Prefetch")
+    async def Prefetch(self, request, context):
+        """Queue disk reads of a prefix a Get will want (see the proto); returns at once unless `wait`."""
+        keys = list(request.keys)
+        if self.disk_plane is None:
+            # Every stored block is in host memory: report, read nothing.
+            plan, reading = self.engine.begin_prefetch(request.namespace_id, keys, request.parent_key), None
+        else:
+            plan, reading = self.disk_plane.prefetch(request.namespace_id, keys, request.parent_key)
+        loaded = 0
+        if request.wait and reading is not None:
+            # Shielded: if this call is cancelled, the reads go on.
+            loaded = await asyncio.shield(reading)
+        return convert.prefetch_response(plan, loaded)
+
+
+def _not_stored(statuses, stored: int, requested: int) -> NotDurable:
+    """The error of a durable Put whose keys[stored:] were not stored (the rest are durable)."""
+    blocked = statuses[stored] if stored < len(statuses) else ReserveStatus.NO_SPACE
+    if blocked == ReserveStatus.IN_FLIGHT:
+        code, why = "UNAVAILABLE", "another client is writing them now; retry once it has committed"
+    else:
+        code, why = "RESOURCE_EXHAUSTED", "the host tier has no slot to spare (every slot is pinned or being written)"
+    return NotDurable(code, f"keys[{stored}:{requested}] were not stored, so they are not durable: {why}; the first "
+                      f"{stored} are durable", stored, requested)

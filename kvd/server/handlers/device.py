@@ -1,0 +1,134 @@
+"""The device plane's calls (engines' pools, kvd-driven SaveLayers and LoadLayers) and
+placement planning (PlanPlacement, ReportStep).
+
+A part of kvd.server.service.KvdService (its handlers by concern); they share the
+service's state and reach each other's helpers through self."""
+
+from __future__ import annotations
+
+from kvd.core.engine import CommitRequest, ReserveStatus
+from kvd.errors import FailedPrecondition, InvalidArgument
+from kvd.planner.distance import NONE
+from kvd.tiers.host import DEFAULT_TENANT
+from kvd.server.rpc import rpc
+from kvd.v1 import kvd_pb2
+
+
+class DeviceHandlers:
+    def _tenant_name(self) -> str:
+        tenant = self._caller()
+        return tenant.name if tenant is not None else DEFAULT_TENANT
+
+    @rpc("PlanPlacement")
+    async def PlanPlacement(self, request, context):
+        return await self.planning.plan(request, self._tenant_name())
+
+    @rpc("ReportStep")
+    async def ReportStep(self, request, context):
+        return self.planning.report(request, self._tenant_name())
+
+    def _device_plane(self):
+        if self.device_plane is None:
+            raise FailedPrecondition("this kvd has no device plane ([device] kind = \"off\")")
+        return self.device_plane
+
+    @rpc("RegisterPool")
+    async def RegisterPool(self, request, context):
+        plane = self._device_plane()
+        await plane.sweep(self.clock.now_ms())
+        spec = self.engine.namespace(request.namespace_id).spec
+        pool = plane.register(request, spec.num_layers, spec.layer_bytes, self.clock.now_ms(), self._tenant_name())
+        return kvd_pb2.RegisterPoolResponse(pool_id=pool.pool_id, lease_deadline_ms=pool.deadline_ms,
+                                            flag_words=pool.flag_words)
+
+    @rpc("UnregisterPool")
+    async def UnregisterPool(self, request, context):
+        await self._device_plane().unregister(request.client_id, request.pool_id)
+        return kvd_pb2.UnregisterPoolResponse()
+
+    def _device_pool(self, request, flags: dict[str, int]):
+        plane = self._device_plane()
+        pool = plane.pool(request.client_id, request.pool_id, request.namespace_id)
+        plane.renew(pool, self.clock.now_ms())
+        return plane, pool, plane.check_transfer(pool, request.keys, request.pages, flags, request.base)
+
+    @rpc("SaveLayers")
+    async def SaveLayers(self, request, context):
+        plane, pool, pages = self._device_pool(request, {"engine_flag": request.engine_flag,
+                                                         "kvd_flag": request.kvd_flag})
+        distance = _offload_distance(request.offload_distance, len(pool.layout.layers))
+        result = await self._reserve(request, 0)
+        reserved = [i for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
+        offsets = self._reserved_offsets(result.slots)
+        keys = [request.keys[i] for i in reserved]
+        lease = result.lease
+        writing = {handle.key: handle.block for handle in lease.handles if handle.writable} if lease else {}
+        if lease is not None:
+            # The copies write into the reserved slots after this call yields: held, the lease
+            # cannot end (expire, drain) and free them under the copy.
+            self.engine.leases.hold(lease)
+        try:
+            done = await plane.save(pool, pages[reserved], [offsets[i] for i in reserved], request.engine_flag,
+                                    request.kvd_flag, request.base, keys, [writing[key] for key in keys], distance)
+            stored = self._commit_saved(request, lease, keys)
+        except BaseException:
+            if keys and not lease.closing:
+                self.engine.commit(CommitRequest(request.namespace_id, request.client_id, lease.lease_id,
+                                                 self.clock.now_ms(), abort_keys=keys))
+            raise
+        finally:
+            if lease is not None:
+                self.engine.leases.unhold(lease)  # a lease that ran out meanwhile ends here
+        return kvd_pb2.SaveLayersResponse(statuses=[int(status) for status in result.statuses], stored=stored,
+                                          done_value=done)
+
+    def _commit_saved(self, request, lease, keys: list[bytes]) -> int:
+        """Seal what a SaveLayers copied; refused by name when its lease ran out meanwhile."""
+        if not keys:
+            return 0
+        if lease.closing:
+            raise FailedPrecondition(
+                f"the SaveLayers' reservation lease ran out (leases.default_ms) while kvd copied its layers, so "
+                f"nothing is stored; {len(keys)} blocks were not kept")
+        stored, _ = self.engine.commit(CommitRequest(request.namespace_id, request.client_id, lease.lease_id,
+                                                     self.clock.now_ms(), keys=keys))
+        if self.disk_plane is not None:
+            self.disk_plane.wake()
+        return stored
+
+    @rpc("LoadLayers")
+    async def LoadLayers(self, request, context):
+        plane, pool, pages = self._device_pool(request, {"kvd_flag": request.kvd_flag})
+        get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, client_id=request.client_id,
+                                 keys=request.keys, parent_key=request.parent_key)
+        await self._fetch_remote(get)
+        lease, matched, tiers, cut = await self._pinned_prefix(get, request.client_id)
+        if lease is not None:
+            # Copied out of the pinned slots on a device stream after this call returns: held,
+            # the lease cannot end (expire, drain) and let them go before the copy has landed.
+            self.engine.leases.hold(lease)
+
+        def landed() -> None:
+            if lease is not None:
+                self.engine.leases.unhold(lease)
+                if not lease.ended:
+                    self.engine.leases.close(lease)
+
+        try:
+            done, from_tier = plane.load(pool, pages[:len(matched)], request.keys[:len(matched)], matched,
+                                         self._offsets(lease, matched), request.kvd_flag, request.base, landed)
+        except BaseException:
+            landed()
+            raise
+        tiers = bytes(kvd_pb2.TIER_DEVICE if hit else tier for hit, tier in zip(from_tier, tiers))
+        return kvd_pb2.LoadLayersResponse(matched=len(matched), done_value=done, tiers=tiers, cut=cut)
+
+
+def _offload_distance(distance: int, layers: int) -> int:
+    """SaveLayers' offload_distance as the planner's (NONE for 0 or -1), or INVALID_ARGUMENT."""
+    if distance in (0, NONE):
+        return NONE
+    if not 1 <= distance < layers:
+        raise InvalidArgument(f"offload_distance must be -1 or 0 (every layer kept) or in [1, {layers - 1}] for "
+                              f"{layers} layers, got {distance}")
+    return distance

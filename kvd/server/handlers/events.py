@@ -1,0 +1,128 @@
+"""KV events: WatchEvents streams and EventSnapshot, and their publication.
+
+A part of kvd.server.service.KvdService (its handlers by concern); they share the
+service's state and reach each other's helpers through self."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+from kvd.core.block import BlockState
+from kvd.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvd.server import convert
+from kvd.server.rpc import stream_rpc
+from kvd.v1 import kvd_pb2
+
+
+# Events a subscriber takes from the ring at a time: what it holds while
+# a slow client keeps it waiting (at most this many x MAX_EVENT_KEYS keys).
+WATCH_READ_EVENTS = 8
+# Blocks per EventSnapshot message: about 70 bytes each on the wire.
+SNAPSHOT_PART_BLOCKS = 16384
+
+
+class EventHandlers:
+    @stream_rpc("WatchEvents")
+    async def WatchEvents(self, request, context):
+        events = self.engine.events
+        state = self.engine.namespace(request.namespace_id)
+        # Events carry the id the client knows (a tenant's differs from the engine's).
+        namespace_id, public_id = state.namespace_id, state.public_id
+        if self._draining:
+            raise Unavailable("kvd is draining; watch again once it is back, from a new snapshot")
+        if self._subscribers >= self.max_subscribers:
+            raise ResourceExhausted(f"too many event subscribers (max {self.max_subscribers}); close a watch first")
+        last = events.last_sequence(namespace_id)
+        if request.instance_id and request.instance_id != self.arena.instance_id:
+            yield self._resync(public_id, last, kvd_pb2.RESYNC_REASON_INSTANCE_CHANGED)
+            return
+        if request.from_sequence > last + 1:
+            raise InvalidArgument(
+                f"from_sequence {request.from_sequence} is ahead of this namespace's newest event {last}; "
+                f"watch from at most {last + 1}, or from 0 for new events only"
+            )
+        next_sequence = request.from_sequence or last + 1
+        if next_sequence < events.first_sequence(namespace_id):
+            yield self._resync(public_id, last, kvd_pb2.RESYNC_REASON_SEQUENCE_TOO_OLD)
+            return
+        self._subscribe(+1)
+        try:
+            yield kvd_pb2.KvEvent(
+                kind=kvd_pb2.KV_EVENT_KIND_WATCHING,
+                sequence=next_sequence - 1,
+                namespace_id=public_id,
+                instance_id=self.arena.instance_id,
+            )
+            while True:
+                published = self._events_published
+                if self._draining:
+                    raise Unavailable("kvd is draining; watch again once it is back, from a new snapshot")
+                batch = events.read(namespace_id, next_sequence, WATCH_READ_EVENTS)
+                if batch is None:
+                    yield self._resync(
+                        public_id, events.last_sequence(namespace_id), kvd_pb2.RESYNC_REASON_SUBSCRIBER_TOO_SLOW
+                    )
+                    return
+                if not batch:
+                    await published.wait()
+                    continue
+                for event in batch:
+                    yield convert.event_message(event, public_id)
+                next_sequence = batch[-1].sequence + 1
+        finally:
+            self._subscribe(-1)
+
+    @stream_rpc("EventSnapshot")
+    async def EventSnapshot(self, request, context):
+        engine = self.engine
+        state = engine.namespace(request.namespace_id)
+        # Taken whole, with no await in between: exactly the blocks served
+        # after event `sequence`, parents first (the index keeps insertion
+        # order, and a parent is never removed before its children).
+        sequence = engine.events.last_sequence(state.namespace_id)
+        blocks = [block for block in state.index if block.state == BlockState.SEALED]
+        keys = [block.key for block in blocks]
+        parent_keys = [block.parent.key if block.parent is not None else b"" for block in blocks]
+        tiers = convert.tiers(engine, blocks)
+        del blocks
+        for start in range(0, max(len(keys), 1), SNAPSHOT_PART_BLOCKS):
+            stop = start + SNAPSHOT_PART_BLOCKS
+            yield kvd_pb2.EventSnapshotResponse(
+                instance_id=self.arena.instance_id,
+                sequence=sequence,
+                block_count=len(keys),
+                keys=keys[start:stop],
+                parent_keys=parent_keys[start:stop],
+                tiers=tiers[start:stop],
+            )
+
+    def _resync(self, namespace_id: bytes, sequence: int, reason: int) -> kvd_pb2.KvEvent:
+        self.metrics.event_resyncs.labels(kvd_pb2.ResyncReason.Name(reason)[len("RESYNC_REASON_"):].lower()).inc()
+        return kvd_pb2.KvEvent(
+            kind=kvd_pb2.KV_EVENT_KIND_RESYNC_REQUIRED,
+            sequence=sequence,
+            namespace_id=namespace_id,
+            instance_id=self.arena.instance_id,
+            resync_reason=reason,
+        )
+
+    def _subscribe(self, change: int) -> None:
+        self._subscribers += change
+        self.metrics.event_subscribers.inc(change)
+        # The engine calls back only while someone listens: without
+        # subscribers events are published lazily, by the next reader.
+        self.engine.events.listener = self._on_event_opened if self._subscribers else None
+
+    def _on_event_opened(self) -> None:
+        # Called inside an engine call, on the loop: publish once this turn
+        # of the loop is over, so one turn's changes go out together.
+        if not self._publish_scheduled:
+            self._publish_scheduled = True
+            asyncio.get_running_loop().call_soon(self._publish_events)
+
+    def _publish_events(self) -> None:
+        self._publish_scheduled = False
+        self.engine.events.flush()
+        published, self._events_published = self._events_published, asyncio.Event()
+        published.set()
