@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import errno
 import functools
 import itertools
 import logging
@@ -47,7 +46,7 @@ from kvd.core.durable import NotDurable
 from kvd.core.mover import Mover, MoverSettings, WriteRound
 from kvd.errors import ConfigError, Unavailable
 from kvd.invariants import check
-from kvd.io.engine import Op
+from kvd.io import faults
 from kvd.planner.slack import SlackTable, WriteSizer
 from kvd.planes.io_executor import ScheduledExecutor
 from kvd.supervisor import Supervisor
@@ -63,35 +62,6 @@ IDLE_POLL_S = 0.05
 _LOAD_OUTCOMES = {ReadFailure.NONE: LoadOutcome.OK, ReadFailure.CHECKSUM: LoadOutcome.CORRUPT,
                   ReadFailure.IO_ERROR: LoadOutcome.UNREADABLE, ReadFailure.SHORT_READ: LoadOutcome.UNREADABLE,
                   ReadFailure.MISSING_SEGMENT: LoadOutcome.UNREADABLE}
-# Fault injection for tests of the whole daemon: "write:ENOSPC:1000,read:EIO:5"
-# makes the I/O engine fail that many matching entries with that errno;
-# "read:SHORT:5" makes them transfer 0 bytes, a short read, as past the end
-# of a truncated segment.
-FAULTS_ENV = "KVD_INJECT_IO_FAULTS"
-SHORT = "SHORT"
-
-
-@dataclass(frozen=True, slots=True)
-class FaultRule:
-    op: Op
-    count: int
-    error: int | None = None  # errno, or None for a short transfer
-    short_bytes: int | None = None
-
-
-def parse_fault_rules(text: str) -> list[FaultRule]:
-    rules = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        op_name, kind, count_text = (item.split(":") + ["1"])[:3]
-        error_number = getattr(errno, kind.upper(), None)
-        if (op_name.upper() not in Op.__members__ or (error_number is None and kind.upper() != SHORT)
-                or not count_text.isdigit()):
-            raise ValueError(f"{FAULTS_ENV}: cannot parse {item!r} (want op:ERRNO[:count] or op:SHORT[:count])")
-        rules.append(FaultRule(Op[op_name.upper()], int(count_text), error_number,
-                               None if error_number is not None else 0))
-    return rules
-
-
 @dataclass(slots=True)
 class DiskPlaneCounters:
     batches: int = 0
@@ -209,12 +179,8 @@ class DiskPlane:
         def open_tier() -> tuple[DiskTier, DiskRecovery]:
             tier = self._make_tier(self.config)
             recovery = tier.open()
-            for rule in parse_fault_rules(os.environ.get(FAULTS_ENV, "")):
-                log.warning("injecting disk faults (testing only)", extra={"rule": repr(rule)})
-                if rule.error is not None:
-                    tier.engine.inject_fault(rule.op, errno=rule.error, count=rule.count)
-                else:
-                    tier.engine.inject_fault(rule.op, short_bytes=rule.short_bytes, count=rule.count)
+            for fault in faults.inject(tier.engine, os.environ.get(faults.FAULTS_ENV, "")):
+                log.warning("injecting disk faults (testing only)", extra={"rule": repr(fault)})
             return tier, recovery
 
         self.tier, recovery = await self._run(open_tier)
