@@ -638,7 +638,7 @@ def profile_restore(restore: KvdRestore, title: str) -> tuple[str, dict[str, flo
         "engine_wait_seconds": cumulative("engine.py", "wait"),  # blocked on the drive (GIL released)
         "engine_submit_seconds": cumulative("engine.py", "submit"),  # checks + io_uring_enter
         # The crc32c runs inside the engine's wait (C, GIL released); this is the comparison only.
-        "verify_group_seconds": cumulative("tier.py", "_verify_group"),
+        "verify_group_seconds": cumulative("reads.py", "_verify_group"),
     }
     breakdown["other_seconds"] = wall - breakdown["engine_wait_seconds"] - breakdown["engine_submit_seconds"] - \
         breakdown["verify_group_seconds"]

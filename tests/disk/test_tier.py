@@ -14,7 +14,7 @@ from kvd.invariants import InvariantError
 from kvd.io import Op
 from kvd.tiers.disk.journal import FsyncPolicy, OsFileSystem
 from kvd.tiers.disk.layout import locate, segment_name
-from kvd.tiers.disk import tier as tier_module
+from kvd.tiers.disk import reads as reads_module
 from kvd.tiers.disk.tier import DiskTier, ReadFailure
 from tests.disk.conftest import (
     BLOCK_BYTES,
@@ -91,13 +91,13 @@ def test_chunks_are_written_pipelined_and_stop_ends_the_run_between_chunks(drive
             items.append((key(500 + host_slot), b"", host_slot, arena_address(arena, host_slot)))
         chunks.append(items)
     in_flight = []
-    submit = tier._submit
+    submit = tier._state.submit
 
     def counting_submit(*args, **kwargs):
-        in_flight.append(len(tier._owners))  # records journalled when each batch went out
+        in_flight.append(len(tier._state.owners))  # records journalled when each batch went out
         return submit(*args, **kwargs)
 
-    tier._submit = counting_submit
+    tier._state.submit = counting_submit
     asked = []
     done = tier.write_chunks(NAMESPACE, LAYER_BYTES, LAYERS, chunks, stop=lambda: asked.append(1) or len(asked) == 3)
     assert done == [[True] * 3] * 3  # stopped before the fourth chunk
@@ -123,15 +123,15 @@ def test_a_chunk_that_fails_to_finish_leaves_no_later_chunk_at_the_drive(drives,
         fill(arena, chunk, 600 + chunk)
         chunks.append([(key(600 + chunk), b"", chunk, arena_address(arena, chunk))])
     finishing = []
-    sync = tier._sync_data
+    sync = tier._writer.sync_data
 
-    def failing_first(ok, drives, files):  # inside _finish_write, after its chunk's batch was waited
+    def failing_first(ok, drives, files):  # inside BlockWriter._finish, after its chunk's batch was waited
         finishing.append(len(finishing))
         if len(finishing) == 1:
             raise OSError("injected: finishing chunk 0 failed")
         return sync(ok, drives, files)
 
-    monkeypatch.setattr(tier, "_sync_data", failing_first)
+    monkeypatch.setattr(tier._writer, "sync_data", failing_first)
     with pytest.raises(OSError, match="injected"):
         tier.write_chunks(NAMESPACE, LAYER_BYTES, LAYERS, chunks)
     assert finishing == [0, 1]  # chunk 1 was finished (waited for), chunk 0 not finished twice
@@ -169,7 +169,7 @@ def test_round_trip_is_bit_exact_through_a_host_arena(drives, arena, io_engine, 
 def test_layer_groups_are_read_ahead_within_the_byte_budget(drives, arena, io_engine, monkeypatch, read_ahead):
     """One layer per group (3 groups): all three are in flight at once while they fit in READ_AHEAD_BYTES;
     with no budget, two at a time (the floor). The bytes are bit-exact either way."""
-    monkeypatch.setattr(tier_module, "READ_AHEAD_BYTES", read_ahead)
+    monkeypatch.setattr(reads_module, "READ_AHEAD_BYTES", read_ahead)
     config = make_config(drives, engine=io_engine, read_extent_bytes=LAYER_BYTES)
     tier, _ = open_tier(config)
     blocks = {slot: 300 + slot for slot in range(6)}
@@ -279,7 +279,7 @@ def test_group_policy_syncs_a_removal_before_reusing_its_slot(drives, arena):
     config = make_config(drives, policy=FsyncPolicy.GROUP)
     tier, _ = open_tier(config)
     assert all(write(tier, arena, {2: 1, 3: 2}))
-    manifest = tier._manifests[0]
+    manifest = tier._state.manifests[0]
     assert manifest.unsynced_bytes > 0  # GROUP leaves the PUTs to sync()
     tier.sync()
     assert manifest.unsynced_bytes == 0
@@ -394,8 +394,8 @@ def test_whole_blocks_reported_in_runs_land_in_order_and_a_corrupt_block_fails_a
     """on_blocks: runs of whole blocks, a batch each, reported in order as each is verified, with
     the mask of every block so far (a corrupt one False, the rest of its run good); a block goes
     as one entry, or as an entry per layer where BLOCK_ENTRY_MAX_BYTES is smaller than it."""
-    monkeypatch.setattr(tier_module, "BLOCK_PARTS", 4)
-    monkeypatch.setattr(tier_module, "BLOCK_ENTRY_MAX_BYTES", entry_layers * LAYER_BYTES)
+    monkeypatch.setattr(reads_module, "BLOCK_PARTS", 4)
+    monkeypatch.setattr(reads_module, "BLOCK_ENTRY_MAX_BYTES", entry_layers * LAYER_BYTES)
     config = make_config(drives, engine=io_engine)
     tier, _ = open_tier(config)
     assert all(write(tier, arena, {slot: 90 + slot for slot in range(8)}))
@@ -422,10 +422,10 @@ def test_whole_blocks_reported_in_runs_land_in_order_and_a_corrupt_block_fails_a
 def test_a_block_read_in_entries_is_whole_only_if_every_entry_was():
     """Three blocks of two 4 KiB entries: whole; second entry short; first entry an error."""
     results = np.array([4096, 4096, 4096, 100, -errno.EIO, 4096], dtype=np.int64)
-    assert tier_module._block_results(results, 2, 4096).tolist() == [8192, 100, -errno.EIO]
-    assert tier_module._entry_layers(1 << 20, 32) == 4  # 4 MiB of 1 MiB layers, dividing 32
-    assert tier_module._entry_layers(3 << 20, 32) == 1
-    assert tier_module._entry_layers(5 << 20, 4) == 1  # larger than the cap: a layer per entry
+    assert reads_module.block_results(results, 2, 4096).tolist() == [8192, 100, -errno.EIO]
+    assert reads_module.entry_layers(1 << 20, 32) == 4  # 4 MiB of 1 MiB layers, dividing 32
+    assert reads_module.entry_layers(3 << 20, 32) == 1
+    assert reads_module.entry_layers(5 << 20, 4) == 1  # larger than the cap: a layer per entry
 
 
 def test_a_truncated_segment_drops_its_blocks_at_open(drives, arena):
@@ -558,8 +558,8 @@ def test_a_read_fault_in_one_entry_of_a_block_read_in_runs_fails_that_block_only
                                                                                  monkeypatch, fault, reason, kind):
     """on_blocks with a block cut into an entry per layer: a fault on layer 2's entry of block 2
     fails block 2 alone, for the reason the fault gives, and the runs still report in order."""
-    monkeypatch.setattr(tier_module, "BLOCK_PARTS", 3)
-    monkeypatch.setattr(tier_module, "BLOCK_ENTRY_MAX_BYTES", LAYER_BYTES)
+    monkeypatch.setattr(reads_module, "BLOCK_PARTS", 3)
+    monkeypatch.setattr(reads_module, "BLOCK_ENTRY_MAX_BYTES", LAYER_BYTES)
     config = make_config(drives, engine=io_engine)
     tier, _ = open_tier(config)
     assert all(write(tier, arena, {slot: slot for slot in range(6)}))
@@ -592,14 +592,14 @@ def test_a_failed_fdatasync_fails_the_blocks_of_that_file(drives, arena, io_engi
 def _log_syncs(tier: DiskTier) -> list[str]:
     """Record, in order, each segment fdatasync ("data <file>") and manifest sync ("manifest <drive>")."""
     events: list[str] = []
-    fdatasync = tier._fdatasync
+    fdatasync = tier._state.fdatasync
 
     def logged_fdatasync(index: int) -> int:
         events.append(f"data {index}")
         return fdatasync(index)
 
-    tier._fdatasync = logged_fdatasync
-    for drive, manifest in enumerate(tier._manifests):
+    tier._state.fdatasync = logged_fdatasync
+    for drive, manifest in enumerate(tier._state.manifests):
         def logged_sync(*, force: bool = False, sync=manifest.sync, drive=drive) -> None:
             if manifest.unsynced_bytes or force:
                 events.append(f"manifest {drive}")
@@ -664,11 +664,11 @@ def test_opening_syncs_what_a_killed_run_left_unsynced(drives, arena):
     tier.close()
     synced: list[str] = []
     tier = DiskTier(config)
-    fdatasync = tier._fdatasync
-    tier._fdatasync = lambda index: synced.append(index) or fdatasync(index)
+    fdatasync = tier._state.fdatasync
+    tier._state.fdatasync = lambda index: synced.append(index) or fdatasync(index)
     tier.open()
     assert {locate(config, slot).file_index for slot in (0, 1)} <= set(synced)
-    assert all(manifest.unsynced_bytes == 0 for manifest in tier._manifests)
+    assert all(manifest.unsynced_bytes == 0 for manifest in tier._state.manifests)
     tier.close()
 
 
@@ -680,9 +680,9 @@ def test_a_failed_group_fdatasync_takes_the_drive_out_before_its_manifest_is_syn
     tier.engine.inject_fault(Op.FSYNC, file_index=place.file_index, errno=errno.EIO)
     tier.sync()
     assert place.drive in tier.failed_drives and "fdatasync" in tier.failed_drives[place.drive]
-    assert tier._manifests[place.drive].unsynced_bytes > 0  # its records were not made durable
+    assert tier._state.manifests[place.drive].unsynced_bytes > 0  # its records were not made durable
     other = 1 - place.drive
-    assert other not in tier.failed_drives and tier._manifests[other].unsynced_bytes == 0
+    assert other not in tier.failed_drives and tier._state.manifests[other].unsynced_bytes == 0
     assert tier.stats.errors["fsync_EIO"] == 1
     tier.close()
 
@@ -831,16 +831,16 @@ def test_a_compaction_syncs_the_data_of_its_records_before_it_publishes_them(dri
     tier, _ = open_tier(config)
     assert all(write(tier, arena, {slot: 40 + slot for slot in range(4)}))
     events: list[str] = []
-    fdatasync, compacts = tier._fdatasync, [manifest.compact for manifest in tier._manifests]
-    monkeypatch.setattr(tier, "_fdatasync", lambda index: events.append(f"data {index}") or fdatasync(index))
-    for drive, manifest in enumerate(tier._manifests):
+    fdatasync, compacts = tier._state.fdatasync, [manifest.compact for manifest in tier._state.manifests]
+    monkeypatch.setattr(tier._state, "fdatasync", lambda index: events.append(f"data {index}") or fdatasync(index))
+    for drive, manifest in enumerate(tier._state.manifests):
         monkeypatch.setattr(manifest, "compact", lambda drive=drive: events.append(f"publish {drive}")
                             or compacts[drive]())
-    written = [sorted(pending) for pending in tier._unsynced_data]
+    written = [sorted(pending) for pending in tier._state.unsynced_data]
     assert any(written), "GROUP left no data unsynced: nothing to check"
     assert tier.compact_if_needed(0) == len(drives)
     for drive, indexes in enumerate(written):
         published = events.index(f"publish {drive}")
         assert all(events.index(f"data {index}") < published for index in indexes), events
-    assert not any(tier._unsynced_data)
+    assert not any(tier._state.unsynced_data)
     tier.close()

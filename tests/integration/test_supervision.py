@@ -71,7 +71,7 @@ async def fails_and_stops(daemon: Daemon, trigger=None) -> tuple[object, bool]:
     not_serving = daemon.health._statuses.get("") == health_pb2.HealthCheckResponse.NOT_SERVING
     tier = daemon.disk_plane.tier
     await daemon.shutdown()
-    assert tier._closed and daemon.arena.slots is None, "shutdown left the disk tier or the arena open"
+    assert tier.closed and daemon.arena.slots is None, "shutdown left the disk tier or the arena open"
     return daemon.supervisor.failure, not_serving
 
 
