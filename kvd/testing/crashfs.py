@@ -9,7 +9,7 @@ It models what a real file system guarantees after power loss, and no more:
   * `crash_after` makes the N-th operation raise `Crash` before it happens,
     so a test can stop the code at every step of a protocol.
 
-It implements kvd.tiers.disk.journal.FileSystem.
+It implements kvd.tiers.disk.fs.FileSystem.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ import pytest
 
 from kvd.core.keys import DType, NamespaceSpec
 from kvd.io import uring_unavailable_reason
-from kvd.tiers.disk.journal import FsyncPolicy, PutRecord
+from kvd.tiers.disk.journal import FsyncPolicy
+from kvd.tiers.disk.records import PutRecord
 from kvd.tiers.disk.layout import DiskConfig
 from kvd.tiers.disk.tier import DiskTier
 from kvd.tiers.host import ArenaLayout, HostArena

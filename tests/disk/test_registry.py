@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvd.core.keys import DType, InnerLayout, KvOrder, NamespaceSpec
 from kvd.errors import InvalidArgument
-from kvd.tiers.disk.journal import RecordType, encode_frame
+from kvd.tiers.disk.frames import RecordType, encode_frame
 from kvd.tiers.disk.layout import NAMESPACES
 from kvd.tiers.disk.registry import NamespaceEntry, NamespaceRegistry, decode_spec
 from tests.disk.conftest import SPEC

@@ -12,7 +12,8 @@ from kvd.core.keys import DType, NamespaceSpec
 from kvd.errors import InvalidArgument
 from kvd.invariants import InvariantError
 from kvd.io import Op
-from kvd.tiers.disk.journal import FsyncPolicy, OsFileSystem
+from kvd.tiers.disk.fs import OsFileSystem
+from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import locate, segment_name
 from kvd.tiers.disk import reads as reads_module
 from kvd.tiers.disk.tier import DiskTier, ReadFailure

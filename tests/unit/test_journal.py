@@ -9,19 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvd.testing.crashfs import Crash, CrashFs
-from kvd.tiers.disk.journal import (
-    CURRENT,
-    FRAME_HEADER,
-    ROOT_PARENT,
-    FsyncPolicy,
-    Manifest,
-    MetadataDamage,
-    PutRecord,
-    RecordType,
-    RemoveRecord,
-    decode_frames,
-    encode_frame,
-)
+from kvd.tiers.disk.frames import FRAME_HEADER, RecordType, decode_frames, encode_frame
+from kvd.tiers.disk.journal import CURRENT, FsyncPolicy, Manifest, MetadataDamage
+from kvd.tiers.disk.records import ROOT_PARENT, PutRecord, RemoveRecord
 
 DIRECTORY = Path("/drive0")
 NAMESPACE = bytes(range(32))

@@ -33,7 +33,8 @@ import numpy as np
 
 from kvd.errors import KvdError
 from kvd.io.engine import address_of, aligned_empty
-from kvd.tiers.disk.journal import FsyncPolicy, Manifest, MetadataDamage, PutRecord
+from kvd.tiers.disk.journal import FsyncPolicy, Manifest, MetadataDamage
+from kvd.tiers.disk.records import PutRecord
 from kvd.tiers.disk.layout import (
     ALIGN_BYTES,
     IDENTITY,

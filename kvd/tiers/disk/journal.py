@@ -3,7 +3,8 @@
 See FORMAT.md beside this module for the byte layout and the write order.
 This module owns the manifest files of one drive directory:
 
-  * framing: `encode_frame` / `decode_frames` (the first bad frame ends a log);
+  * framing (frames.py), the records (records.py) and the file system seam
+    (fs.py) are their own modules;
   * `Manifest`: replay at start (torn tail truncated), appends with an
     fsync policy, and compaction into a snapshot published by switching
     CURRENT atomically (temp file, fsync, rename, fsync the directory).
@@ -16,303 +17,25 @@ tests can run the same code on a file system that forgets unsynced writes
 from __future__ import annotations
 
 import enum
-import os
-import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
-import crc32c
-import numpy as np
 
-from kvd.invariants import check
+from kvd.tiers.disk.frames import (SEQUENCE, SNAPSHOT_END, FrameScan,
+                                   RecordType, decode_frames, encode_frame)
+from kvd.tiers.disk.fs import FileSystem, OsFileSystem
+from kvd.tiers.disk.records import PutRecord, Record, RemoveRecord
 
-FRAME_HEADER = struct.Struct("<IIB")  # length of payload, crc32c(type+payload), type
-MAX_PAYLOAD_BYTES = 1 << 20
+
 CURRENT = "CURRENT"
 MANIFEST_PREFIX = "MANIFEST-"
-KEY_BYTES = 32
-ROOT_PARENT = bytes(KEY_BYTES)
-
-
-class RecordType(enum.IntEnum):
-    SNAPSHOT_BEGIN = 1
-    PUT = 2
-    REMOVE = 3
-    SNAPSHOT_END = 4
-    NAMESPACE = 5  # only in a drive's NAMESPACES registry (registry.py), never in a manifest
 
 
 class FsyncPolicy(enum.Enum):
     STRICT = "strict"  # fsync after every append
     GROUP = "group"  # the caller syncs at most every group_commit_ms
     NONE = "none"  # never fsync the manifest (a cache you can afford to lose)
-
-
-def _checksum(record_type: int, payload: bytes) -> int:
-    return crc32c.crc32c(payload, crc32c.crc32c(bytes((record_type,))))
-
-
-def encode_frame(record_type: RecordType, payload: bytes) -> bytes:
-    check(len(payload) <= MAX_PAYLOAD_BYTES, "manifest payload too large")
-    return FRAME_HEADER.pack(len(payload), _checksum(record_type, payload), record_type) + payload
-
-
-@dataclass(slots=True)
-class FrameScan:
-    """What decode_frames found in a log.
-
-    frames: every valid frame, in file order. valid_end: where the last
-    valid frame ends; anything after it is a torn tail (an append a crash
-    cut short), safe to truncate. damaged: (start, end) byte ranges between
-    valid frames that hold no valid frame: damage inside the log, which
-    cost the records that were there.
-    """
-
-    frames: list[tuple[RecordType, bytes]] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)  # where each frame starts
-    valid_end: int = 0
-    damaged: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def damaged_bytes(self) -> int:
-        return sum(end - start for start, end in self.damaged)
-
-
-def _frame_at(data: bytes, position: int) -> tuple[RecordType, bytes, int] | None:
-    """The valid frame starting at `position` (type, payload, end), or None."""
-    if position + FRAME_HEADER.size > len(data):
-        return None
-    length, checksum, record_type = FRAME_HEADER.unpack_from(data, position)
-    start = position + FRAME_HEADER.size
-    end = start + length
-    if length > MAX_PAYLOAD_BYTES or end > len(data) or record_type not in RecordType._value2member_map_:
-        return None
-    if not _plausible_length(record_type, length):
-        return None
-    payload = bytes(data[start:end])
-    if _checksum(record_type, payload) != checksum:
-        return None
-    return RecordType(record_type), payload, end
-
-
-def _plausible_length(record_type: int, length: int) -> bool:
-    """Each record type has payloads of known lengths; resynchronisation
-    only considers frames whose length fits their type."""
-    if record_type == RecordType.PUT:
-        return length >= _PUT_HEAD.size and (length - _PUT_HEAD.size) % 4 == 0
-    if record_type == RecordType.REMOVE:
-        return length == _REMOVE.size
-    if record_type == RecordType.SNAPSHOT_BEGIN:
-        return length == _SEQUENCE.size
-    if record_type == RecordType.SNAPSHOT_END:
-        return length == _SNAPSHOT_END.size
-    return length > KEY_BYTES  # NAMESPACE: an id, then a spec encoding
-
-
-def _candidates(data: bytes, start: int) -> np.ndarray:
-    """Positions >= start where a frame header is plausible (a known type, a
-    length that fits the type and the data); ascending. One vectorised pass
-    over the rest of the log, so a damaged log costs O(bytes), not a
-    checksum per byte."""
-    size = len(data)
-    last = size - FRAME_HEADER.size  # the last position a header fits at
-    if last < start:
-        return np.zeros(0, dtype=np.int64)
-    raw = np.frombuffer(data, dtype=np.uint8)
-    positions = np.arange(start, last + 1, dtype=np.int64)
-    types = raw[positions + 8]
-    lengths = (raw[positions].astype(np.int64) | raw[positions + 1].astype(np.int64) << 8
-               | raw[positions + 2].astype(np.int64) << 16 | raw[positions + 3].astype(np.int64) << 24)
-    fits = (lengths <= MAX_PAYLOAD_BYTES) & (positions + FRAME_HEADER.size + lengths <= size)
-    plausible = np.zeros(positions.shape, dtype=bool)
-    for kind in RecordType:
-        mine = types == kind
-        if kind == RecordType.PUT:
-            mine &= (lengths >= _PUT_HEAD.size) & ((lengths - _PUT_HEAD.size) % 4 == 0)
-        elif kind == RecordType.REMOVE:
-            mine &= lengths == _REMOVE.size
-        elif kind == RecordType.SNAPSHOT_BEGIN:
-            mine &= lengths == _SEQUENCE.size
-        elif kind == RecordType.SNAPSHOT_END:
-            mine &= lengths == _SNAPSHOT_END.size
-        else:
-            mine &= lengths > KEY_BYTES
-        plausible |= mine
-    return positions[plausible & fits]
-
-
-def decode_frames(data: bytes) -> FrameScan:
-    """Every valid frame of a log, resynchronising after damage.
-
-    A frame that is short, too long, of unknown type, of a length its type
-    never has, or whose checksum does not match is not a frame. After one,
-    decoding resumes at the next position where a valid frame starts (the
-    crc32c of the whole frame makes a false start about 1 in 4 billion per
-    plausible header), so a flipped byte costs the records it hit, not the
-    rest of the log. Trailing bytes with no valid frame after them are a
-    torn tail.
-    """
-    scan = FrameScan()
-    position = 0
-    candidates: np.ndarray | None = None
-    while position < len(data):
-        found = _frame_at(data, position)
-        if found is not None:
-            record_type, payload, end = found
-            scan.frames.append((record_type, payload))
-            scan.positions.append(position)
-            position = scan.valid_end = end
-            continue
-        if candidates is None:
-            candidates = _candidates(data, position + 1)
-        resume = None
-        for candidate in candidates[np.searchsorted(candidates, position + 1):].tolist():
-            if _frame_at(data, candidate) is not None:
-                resume = candidate
-                break
-        if resume is None:
-            break  # a torn tail: nothing valid follows
-        scan.damaged.append((position, resume))
-        position = resume
-    return scan
-
-
-# ----------------------------------------------------------------------
-# Records
-
-_PUT_HEAD = struct.Struct("<Q32s32s32sQH")
-_REMOVE = struct.Struct("<Q32s32s")
-_SEQUENCE = struct.Struct("<Q")
-_SNAPSHOT_END = struct.Struct("<QQ")
-
-
-@dataclass(frozen=True, slots=True)
-class PutRecord:
-    sequence: int
-    namespace_id: bytes
-    key: bytes
-    parent_key: bytes  # ROOT_PARENT for a root block
-    location: int
-    # crc32c of each layer, packed as u32 little-endian: 4 bytes a layer,
-    # which is how the frame stores them and far smaller in memory than a
-    # tuple of ints (the tier keeps one record per block on disk).
-    layer_checksums: bytes
-
-    @property
-    def layer_count(self) -> int:
-        return len(self.layer_checksums) // 4
-
-    def checksum_values(self) -> tuple[int, ...]:
-        return struct.unpack(f"<{self.layer_count}I", self.layer_checksums)
-
-    def encode(self) -> bytes:
-        check(len(self.layer_checksums) % 4 == 0, "layer checksums are packed u32s")
-        head = _PUT_HEAD.pack(
-            self.sequence, self.namespace_id, self.key, self.parent_key, self.location, self.layer_count
-        )
-        return encode_frame(RecordType.PUT, head + self.layer_checksums)
-
-    @staticmethod
-    def decode(payload: bytes) -> PutRecord | None:
-        if len(payload) < _PUT_HEAD.size:
-            return None
-        sequence, namespace_id, key, parent_key, location, layers = _PUT_HEAD.unpack_from(payload)
-        if len(payload) != _PUT_HEAD.size + 4 * layers:
-            return None
-        return PutRecord(sequence, namespace_id, key, parent_key, location, payload[_PUT_HEAD.size:])
-
-
-@dataclass(frozen=True, slots=True)
-class RemoveRecord:
-    sequence: int
-    namespace_id: bytes
-    key: bytes
-
-    def encode(self) -> bytes:
-        return encode_frame(RecordType.REMOVE, _REMOVE.pack(self.sequence, self.namespace_id, self.key))
-
-    @staticmethod
-    def decode(payload: bytes) -> RemoveRecord | None:
-        if len(payload) != _REMOVE.size:
-            return None
-        return RemoveRecord(*_REMOVE.unpack(payload))
-
-
-Record = PutRecord | RemoveRecord
-
-
-# ----------------------------------------------------------------------
-# File system seam
-
-
-class FileSystem(Protocol):
-    """The file operations the manifest needs, and nothing more."""
-
-    def read(self, path: Path) -> bytes | None: ...
-
-    def write_new(self, path: Path, data: bytes) -> None:
-        """Create (or replace) `path` with `data`, not yet synced."""
-        ...
-
-    def append(self, path: Path, data: bytes) -> None: ...
-
-    def truncate(self, path: Path, size: int) -> None: ...
-
-    def fsync(self, path: Path) -> None: ...
-
-    def fsync_directory(self, path: Path) -> None: ...
-
-    def rename(self, source: Path, target: Path) -> None: ...
-
-    def remove(self, path: Path) -> None: ...
-
-    def list(self, directory: Path) -> list[str]: ...
-
-
-class OsFileSystem:
-    """The real one."""
-
-    def read(self, path: Path) -> bytes | None:
-        try:
-            return path.read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def write_new(self, path: Path, data: bytes) -> None:
-        with open(path, "wb") as handle:
-            handle.write(data)
-
-    def append(self, path: Path, data: bytes) -> None:
-        with open(path, "ab") as handle:
-            handle.write(data)
-
-    def truncate(self, path: Path, size: int) -> None:
-        os.truncate(path, size)
-
-    def fsync(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def fsync_directory(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def rename(self, source: Path, target: Path) -> None:
-        os.rename(source, target)
-
-    def remove(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
-
-    def list(self, directory: Path) -> list[str]:
-        return sorted(entry.name for entry in directory.iterdir())
 
 
 # ----------------------------------------------------------------------
@@ -525,7 +248,7 @@ class Manifest:
             frames = decode_frames(self.fs.read(self.directory / name) or b"").frames
             if [kind for kind, _ in frames] != [RecordType.SNAPSHOT_BEGIN, RecordType.SNAPSHOT_END]:
                 return False
-            if _SNAPSHOT_END.unpack(frames[1][1])[1] != 0:
+            if SNAPSHOT_END.unpack(frames[1][1])[1] != 0:
                 return False
         return True
 
@@ -567,13 +290,13 @@ class Manifest:
         for position, (record_type, payload) in zip(scan.positions, scan.frames, strict=True):
             report.records += 1
             if record_type in (RecordType.SNAPSHOT_BEGIN, RecordType.SNAPSHOT_END):
-                marker = _SEQUENCE.unpack_from(payload)[0]
+                marker = SEQUENCE.unpack_from(payload)[0]
                 if record_type == RecordType.SNAPSHOT_BEGIN and position == 0:
                     snapshot_sequence = marker
                 elif (record_type == RecordType.SNAPSHOT_END and snapshot_count is None and not edits
                       and marker < _MAX_SEQUENCE):
                     snapshot_sequence = marker if snapshot_sequence is None else snapshot_sequence
-                    snapshot_count = _SNAPSHOT_END.unpack(payload)[1]
+                    snapshot_count = SNAPSHOT_END.unpack(payload)[1]
                 else:
                     report.malformed_records += 1  # a marker out of place (never written so)
                     continue
@@ -664,9 +387,9 @@ class Manifest:
 
     def _snapshot_bytes(self) -> bytes:
         sequence = self.sequence()
-        parts = [encode_frame(RecordType.SNAPSHOT_BEGIN, _SEQUENCE.pack(sequence))]
+        parts = [encode_frame(RecordType.SNAPSHOT_BEGIN, SEQUENCE.pack(sequence))]
         parts.extend(record.encode() for record in self.live.values())
-        parts.append(encode_frame(RecordType.SNAPSHOT_END, _SNAPSHOT_END.pack(sequence, len(self.live))))
+        parts.append(encode_frame(RecordType.SNAPSHOT_END, SNAPSHOT_END.pack(sequence, len(self.live))))
         return b"".join(parts)
 
     def compact(self) -> None:

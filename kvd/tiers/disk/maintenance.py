@@ -19,7 +19,8 @@ import numpy as np
 
 from kvd.invariants import check
 from kvd.io.engine import address_of, aligned_empty
-from kvd.tiers.disk.journal import FsyncPolicy, RemoveRecord
+from kvd.tiers.disk.journal import FsyncPolicy
+from kvd.tiers.disk.records import RemoveRecord
 from kvd.tiers.disk.layout import ALIGN_BYTES, drive_of, locate_many
 from kvd.tiers.disk.state import TierState
 

@@ -18,7 +18,8 @@ from collections.abc import Iterable
 
 from kvd.invariants import check
 from kvd.tiers.disk.identities import open_identities
-from kvd.tiers.disk.journal import Manifest, MetadataDamage, PutRecord, ReplayReport
+from kvd.tiers.disk.journal import Manifest, MetadataDamage, ReplayReport
+from kvd.tiers.disk.records import PutRecord
 from kvd.tiers.disk.layout import DiskIdentityError, drive_of, file_index, locate, split_location, valid_location
 from kvd.tiers.disk.registry import NamespaceRegistry, RegistryReport
 from kvd.tiers.disk.results import DiskRecovery

@@ -3,7 +3,7 @@
 Recovery must know each namespace's shape (layers, layer bytes) before any
 client registers it again, or the blocks on disk could not be read back.
 Every drive therefore keeps an append-only file of framed, checksummed
-records (journal.encode_frame, type NAMESPACE):
+records (frames.encode_frame, type NAMESPACE):
 
     payload = namespace id (32)  NamespaceSpec.encode() bytes
 
@@ -31,7 +31,8 @@ from pathlib import Path
 from kvd.core.keys import KEY_BYTES, DType, InnerLayout, KvOrder, NamespaceSpec
 from kvd.errors import InvalidArgument
 from kvd.invariants import check
-from kvd.tiers.disk.journal import FileSystem, OsFileSystem, RecordType, decode_frames, encode_frame
+from kvd.tiers.disk.frames import RecordType, decode_frames, encode_frame
+from kvd.tiers.disk.fs import FileSystem, OsFileSystem
 from kvd.tiers.disk.layout import NAMESPACES
 
 _LENGTH = struct.Struct("<I")

@@ -11,7 +11,8 @@ import errno
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvd.tiers.disk.journal import PutRecord, ReplayReport
+from kvd.tiers.disk.journal import ReplayReport
+from kvd.tiers.disk.records import PutRecord
 from kvd.tiers.disk.registry import NamespaceEntry, RegistryReport
 
 

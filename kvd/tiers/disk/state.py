@@ -27,7 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from kvd.invariants import check
-from kvd.tiers.disk.journal import FileSystem, FsyncPolicy, Manifest, MetadataDamage, OsFileSystem, PutRecord, RemoveRecord
+from kvd.tiers.disk.fs import FileSystem, OsFileSystem
+from kvd.tiers.disk.journal import FsyncPolicy, Manifest, MetadataDamage
+from kvd.tiers.disk.records import PutRecord, RemoveRecord
 from kvd.tiers.disk.layout import DiskConfig, file_index, segment_name
 from kvd.tiers.disk.registry import NamespaceEntry, NamespaceRegistry
 from kvd.tiers.disk.results import DiskStats, DriveDamage, error_kind

@@ -54,7 +54,8 @@ import numpy as np
 from kvd.core.keys import NamespaceSpec
 from kvd.invariants import check
 from kvd.io.engine import address_of
-from kvd.tiers.disk.journal import FileSystem, PutRecord
+from kvd.tiers.disk.fs import FileSystem
+from kvd.tiers.disk.records import PutRecord
 from kvd.tiers.disk.layout import ALIGN_BYTES, Admission, DiskConfig, drive_of
 from kvd.tiers.disk.maintenance import TOMBSTONE_MAGIC, Maintenance
 from kvd.tiers.disk.reads import BlockReader, ReadOptions, BlocksCallback, LayerCallback, ReadItem

@@ -24,7 +24,8 @@ from kvd.core.keys import KEY_BYTES
 from kvd.errors import InvalidArgument
 from kvd.invariants import check
 from kvd.io.checksum import crc32c_chunks
-from kvd.tiers.disk.journal import ROOT_PARENT, FsyncPolicy, PutRecord
+from kvd.tiers.disk.journal import FsyncPolicy
+from kvd.tiers.disk.records import ROOT_PARENT, PutRecord
 from kvd.tiers.disk.layout import ALIGN_BYTES, locate_many
 from kvd.tiers.disk.registry import NamespaceEntry, decode_spec
 from kvd.tiers.disk.results import error_kind
