@@ -246,7 +246,7 @@ class WriteBack:
         have no child at all (an index leaf)."""
         if block.ref_count or block.state != BlockState.SEALED:
             return False
-        if block.children == 0:
+        if block.first_child is None:
             return True
         blocks = self.blocks
         return (block not in self.writing_parents and blocks.tiers.resident_children(block, self.tier) == 0
