@@ -280,6 +280,13 @@ class Engine:
         tier = tier or self.disk
         return [] if tier is None else self.writebacks[tier].pick_writes(limit)
 
+    def writes_cut_short(self, tier: StorageTier | None = None) -> bool:
+        """Whether the last pick_writes for `tier` (default: the durable tier)
+        stopped because its slot searches used up the turn's budget before
+        they could tell: the writer's next turn should come at once."""
+        tier = tier or self.disk
+        return tier is not None and self.writebacks[tier].cut_short
+
     def finish_writes(self, writes: Sequence[Transfer], ok: Sequence[bool]) -> None:
         if writes:
             self.writebacks[writes[0].target].finish_writes(writes, ok)
