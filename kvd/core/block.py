@@ -58,8 +58,15 @@ class Block:
     parent: Block | None
     state: BlockState = BlockState.WRITABLE
     ref_count: int = 0
-    # Children in the index.
-    children: int = 0
+    # The block's children in the index, as an intrusive doubly linked list
+    # (kvd.core.radix owns the links): its newest child, and the siblings on
+    # either side of this block (for a root block: the other roots, whose
+    # list the index heads). A leaf has first_child None, an O(1) test the
+    # hot paths make; walking a subtree costs its own size. A removed block
+    # keeps its next_sibling, so a walk that holds it goes on past it.
+    first_child: Block | None = None
+    next_sibling: Block | None = None
+    prev_sibling: Block | None = None
     # Where its copies are: the global slot id of its copy in the fastest
     # tier that has one, the head of a chain through the tiers' slot pools
     # (kvd.core.residency). One field however many tiers there are.
@@ -71,14 +78,23 @@ class Block:
     # A small int the host policy keeps about the block (S3-FIFO: queue,
     # frequency), kept while the block is not a candidate so that a pin
     # does not make the policy forget it. Values stay below 256 (cached
-    # ints). The record is 112 bytes (pymalloc size classes are 16 bytes
-    # apart): one more field costs 16 B per block.
+    # ints). The record is 128 bytes (pymalloc size classes are 16 bytes
+    # apart; 12 fields fill it): one more field costs 16 B per block.
     policy_state: int = 0
+
+    def child_count(self) -> int:
+        """Children in the index: a walk of the child list, O(children) (tests, repr)."""
+        count = 0
+        child = self.first_child
+        while child is not None:
+            count += 1
+            child = child.next_sibling
+        return count
 
     def __repr__(self) -> str:
         return (
             f"Block({self.key[:6].hex()}, {self.state.name}, refs={self.ref_count}, "
-            f"children={self.children}, slot={self.slot})"
+            f"children={self.child_count()}, slot={self.slot})"
         )
 
 

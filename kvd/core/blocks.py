@@ -106,7 +106,7 @@ class BlockBook:
         if writer and block.state == BlockState.WRITABLE:
             check(block.ref_count == 0, "a writable block has exactly one reference")
             check(block not in self.loading, "abort of a block being loaded")
-            check(block.children == 0, "abort of a writable block with children: abort tail first")
+            check(block.first_child is None, "abort of a writable block with children: abort tail first")
             self.host.counters.aborted += 1
             self.remove(block, cold_parent=False)
             return
@@ -229,7 +229,7 @@ class BlockBook:
             self.clear_host_slot(victim, cold_parent=True)
             host.counters.demotions += 1
             self.events.tier_changed(victim.index.namespace_id, victim.key, lower[0].tier_id)
-        elif victim.children == 0:
+        elif victim.first_child is None:
             if self.disk is not None and victim.index.disk_enabled and not self.disk.admission.admits(victim.key):
                 # Dropped, never written: the admission filter turned it away.
                 self.disk.counters.admission_rejected += 1
@@ -264,8 +264,8 @@ class BlockBook:
 
         Each loses its slots; those nobody pins leave the index at once
         (leaves first), the rest stay as LOST tombstones until released.
-        Costs a scan of the index, which only corruption or a dirty
-        eviction under pinned tombstones ever pays.
+        Costs two walks of the subtree (kvd.core.radix's child links), not
+        of the index.
         """
         for member in block.index.subtree(block):
             if member.state == BlockState.LOST:
@@ -284,12 +284,12 @@ class BlockBook:
             self.free_lower_slots(member)
             member.state = BlockState.LOST
         for member in block.index.subtree(block):
-            if member.state == BlockState.LOST and member.ref_count == 0 and member.children == 0:
+            if member.state == BlockState.LOST and member.ref_count == 0 and member.first_child is None:
                 self.remove(member, cold_parent=False)
 
     def bury(self, block: Block) -> None:
         """Remove a tombstone once nothing pins it and nothing hangs under it."""
-        if block.state == BlockState.LOST and block.ref_count == 0 and block.children == 0:
+        if block.state == BlockState.LOST and block.ref_count == 0 and block.first_child is None:
             self.remove(block, cold_parent=False)
 
     def maybe_admit(self, block: Block, *, cold: bool) -> None:

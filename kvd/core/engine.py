@@ -18,6 +18,7 @@ the simulator drive exactly the same code. Its parts, one job each:
 | puts.py | reserve and commit |
 | writeback.py | which blocks are written to each lower tier next, into which slots |
 | recovery.py | indexing what the disk held at start |
+| events.py, event_snapshot.py | the KV event log, and snapshots of a namespace built a step at a time |
 | verify.py | the invariants between all of the above |
 
 Concurrency: the daemon calls the engine only from its event-loop thread
@@ -35,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvd.core.block import Block, BlockHandle, BlockState
 from kvd.core.blocks import BlockBook
+from kvd.core.event_snapshot import SnapshotBuild
 from kvd.core.events import EventLog
 from kvd.core.eviction import TENANT_AFFINITY_WINDOW, HostAllocator
 from kvd.core.keys import NamespaceSpec
@@ -191,6 +193,12 @@ class Engine:
     def tier_of(self, block: Block) -> TierId:
         return self.blocks.tier_of(block)
 
+    def event_snapshot(self, namespace_id: bytes, step_blocks: int) -> SnapshotBuild:
+        """A snapshot of the blocks the namespace serves, built by repeated
+        step() calls of `step_blocks` blocks each (kvd.core.event_snapshot);
+        the caller closes it."""
+        return SnapshotBuild(self.namespace(namespace_id).index, self.events, self.blocks.tier_bytes, step_blocks)
+
     # -- namespaces -------------------------------------------------------------
 
     def register_namespace(self, spec: NamespaceSpec) -> NamespaceState:
@@ -271,6 +279,13 @@ class Engine:
         """The next writes to `tier` (default: the durable tier)."""
         tier = tier or self.disk
         return [] if tier is None else self.writebacks[tier].pick_writes(limit)
+
+    def writes_cut_short(self, tier: StorageTier | None = None) -> bool:
+        """Whether the last pick_writes for `tier` (default: the durable tier)
+        stopped because its slot searches used up the turn's budget before
+        they could tell: the writer's next turn should come at once."""
+        tier = tier or self.disk
+        return tier is not None and self.writebacks[tier].cut_short
 
     def finish_writes(self, writes: Sequence[Transfer], ok: Sequence[bool]) -> None:
         if writes:

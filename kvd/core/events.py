@@ -36,8 +36,15 @@ A reader whose next event has left the ring must resynchronise from a
 snapshot. Subscribers are cursors into the ring, so a subscriber costs
 nothing per event, and however slow it is it holds no event in memory.
 
+Tracking. A snapshot built over several event-loop steps
+(kvd.core.event_snapshot) must learn every key of its namespace that
+changes meanwhile, whether or not the event stays in the ring: `track`
+gives it a `KeyTracker` that every append for that namespace adds its keys
+to, until `untrack`.
+
 Cost: the engine pays a call and a list append per changed block where it
-already handles that block, and one list per batch; nothing else.
+already handles that block, and one list per batch; with no tracker, one
+more test of an empty dict per call.
 """
 
 from __future__ import annotations
@@ -76,6 +83,22 @@ class Event:
     sequence: int = 0
 
 
+class KeyTracker:
+    """The keys of one namespace that events named since tracking began (or since `take`)."""
+
+    __slots__ = ("namespace_id", "keys")
+
+    def __init__(self, namespace_id: bytes) -> None:
+        self.namespace_id = namespace_id
+        # Insertion-ordered, so whoever walks them does so in a fixed order.
+        self.keys: dict[bytes, None] = {}
+
+    def take(self) -> dict[bytes, None]:
+        """The keys noted so far; noting starts again from none."""
+        keys, self.keys = self.keys, {}
+        return keys
+
+
 @dataclass(slots=True, eq=False)
 class _Stream:
     """One namespace's numbering and its events still in the ring."""
@@ -107,6 +130,8 @@ class EventLog:
         self.published_keys = [0] * (len(EventKind) + 1)
         # Events that left the ring to make room.
         self.trimmed_events = 0
+        # Per namespace, the trackers told of each key an append names.
+        self._trackers: dict[bytes, list[KeyTracker]] = {}
 
     # ------------------------------------------------------------------
     # Appending: called by the engine where a block changes
@@ -115,6 +140,8 @@ class EventLog:
         """`keys`, a chain continuing `parent_key`, are now served from `tier`."""
         if not keys:
             return
+        if self._trackers:
+            self._note(namespace_id, keys)
         event = self._open
         if (
             event is None
@@ -135,6 +162,8 @@ class EventLog:
 
     def removed(self, namespace_id: bytes, key: bytes) -> None:
         """The block `key` is no longer served by any tier."""
+        if self._trackers:
+            self._note(namespace_id, (key,))
         event = self._open
         if (
             event is None
@@ -147,6 +176,8 @@ class EventLog:
 
     def tier_changed(self, namespace_id: bytes, key: bytes, tier: int) -> None:
         """The block `key` is now served from `tier`."""
+        if self._trackers:
+            self._note(namespace_id, (key,))
         event = self._open
         if (
             event is None
@@ -157,6 +188,12 @@ class EventLog:
         ):
             event = self._start(namespace_id, EventKind.TIER_CHANGED, tier, b"")
         event.keys.append(key)
+
+    def _note(self, namespace_id: bytes, keys: Sequence[bytes]) -> None:
+        for tracker in self._trackers.get(namespace_id, ()):
+            noted = tracker.keys
+            for key in keys:
+                noted[key] = None
 
     def _start(self, namespace_id: bytes, kind: EventKind, tier: int, parent_key: bytes) -> Event:
         self.flush()
@@ -227,6 +264,27 @@ class EventLog:
         # up reads near the tail in O(1), whatever the ring holds.
         return [events[position] for position in range(start, min(start + limit, len(events)))]
 
+    def track(self, namespace_id: bytes) -> KeyTracker:
+        """A tracker of the keys every append for the namespace names from now on."""
+        tracker = KeyTracker(namespace_id)
+        self._trackers.setdefault(namespace_id, []).append(tracker)
+        return tracker
+
+    def untrack(self, tracker: KeyTracker) -> None:
+        """Stop telling `tracker` (idempotent)."""
+        trackers = self._trackers.get(tracker.namespace_id, [])
+        if tracker in trackers:
+            trackers.remove(tracker)
+            if not trackers:
+                del self._trackers[tracker.namespace_id]
+
+    def tracking(self, tracker: KeyTracker) -> bool:
+        return tracker in self._trackers.get(tracker.namespace_id, ())
+
+    @property
+    def tracker_count(self) -> int:
+        return sum(map(len, self._trackers.values()))
+
     @property
     def open_key_count(self) -> int:
         return len(self._open.keys) if self._open is not None else 0
@@ -258,3 +316,6 @@ class EventLog:
         check(keys == self._ring_key_count, "ring key count drifted")
         if self._open is not None:
             check(self._open.sequence == 0 and len(self._open.keys) <= self.max_event_keys, "open event malformed")
+        for namespace_id, trackers in self._trackers.items():
+            check(bool(trackers) and all(tracker.namespace_id == namespace_id for tracker in trackers),
+                  "a tracker filed under another namespace")

@@ -283,8 +283,10 @@ class HostAllocator:
             count += 1
             child, parent = block, block.parent
             while count < needed and parent is not None and parent not in counted:
-                # The parent's children once `child` is gone: a non-durable child leaves the index.
-                children_left = parent.children - (0 if self.blocks.lower_copy(child) is not None else 1)
+                # Whether the parent keeps a child once `child` is gone: a durable
+                # child stays in the index, a non-durable one leaves it.
+                children_left = (self.blocks.lower_copy(child) is not None or parent.first_child is not child
+                                 or child.next_sibling is not None)
                 if not (self.blocks.host_slot(parent) != NO_SLOT and self.blocks.tiers.resident_children(parent, self.host) == 1 and parent.ref_count == 0
                         and parent.state == BlockState.SEALED and parent.index.quota is quota
                         and self.quota_victim(parent, keep, children_left)):
@@ -308,13 +310,14 @@ class HostAllocator:
             parent = parent.parent
         return run
 
-    def quota_victim(self, block: Block, keep: Block | None, children: int | None = None) -> bool:
+    def quota_victim(self, block: Block, keep: Block | None, has_children: bool | None = None) -> bool:
         """Whether a tenant's candidate may go to keep it within its host quota:
         not the block a reservation extends, and not one with children but no
-        copy below (evicting it would lose its subtree)."""
-        if children is None:
-            children = block.children
-        return block is not keep and not (children and self.blocks.lower_copy(block) is None)
+        copy below (evicting it would lose its subtree). `has_children`: what
+        to assume instead of the block's own child list."""
+        if has_children is None:
+            has_children = block.first_child is not None
+        return block is not keep and not (has_children and self.blocks.lower_copy(block) is None)
 
 
     def verify(self) -> None:

@@ -138,6 +138,8 @@ class Mover:
         self.starved_gets = 0
         self.draining = False
         self.rounds = 0
+        # Tiers whose last turn picked nothing because its slot searches ran out of budget.
+        self.searches_cut_short: set[StorageTier] = set()
 
     @property
     def round(self) -> WriteRound | None:
@@ -177,16 +179,25 @@ class Mover:
         one is due, and there is something to write."""
         tier = self._target(tier)
         self.reclaim()
+        self.searches_cut_short.discard(tier)
         if tier in self.in_flight or not self.should_write():
             return None
         writes = self.engine.pick_writes(self.settings.batch_blocks, tier)
         if not writes:
+            if self.engine.writes_cut_short(tier):
+                self.searches_cut_short.add(tier)
             return None
         # Taken after the picks: they include the removals of the slots
         # those writes take over from evicted blocks (persistent tiers).
         round_ = WriteRound(writes, self.engine.take_removals(tier), self.settings.chunk_blocks)
         self.in_flight[tier] = round_
         return round_
+
+    def searching(self, tier: StorageTier | None = None) -> bool:
+        """Whether the last turn to `tier` (default: the disk) picked nothing
+        only because its slot searches used up their budget: the next turn
+        goes on with them, and should come at once, not after a wait."""
+        return self._target(tier) in self.searches_cut_short
 
     def _check_in_flight(self, round_: WriteRound, journalled: bool, what: str) -> None:
         check(self.in_flight.get(round_.target) is round_ and round_.journalled == journalled,
@@ -275,6 +286,8 @@ class Mover:
 
     def verify(self) -> None:
         check(self.starved_gets >= 0, "a negative count of starved Gets")
+        check(all(tier not in self.in_flight for tier in self.searches_cut_short),
+              "a tier with a round in flight is still searching for slots")
         self.durable.verify()
         for tier, round_ in self.in_flight.items():
             check(round_.target is tier, "a round in flight to {} is filed under another tier", tier.name)

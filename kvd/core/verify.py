@@ -58,7 +58,7 @@ def _verify_block(blocks: BlockBook, block: Block, block_bytes: int, tally: _Tal
         # Only a pinned tombstone (a load or a writer still using its host slot) keeps that slot.
         check((host_slot == NO_SLOT or block.ref_count > 0) and len(copies) == (host_slot != NO_SLOT),
               "tombstone {!r} has slots", block)
-        check(block.ref_count > 0 or block.children > 0, "tombstone {!r} should be gone", block)
+        check(block.ref_count > 0 or block.first_child is not None, "tombstone {!r} should be gone", block)
     else:
         check(bool(copies), "{!r} resides nowhere", block)
     for tier, _ in copies:
@@ -79,7 +79,7 @@ def _verify_block(blocks: BlockBook, block: Block, block_bytes: int, tally: _Tal
     check((block in host.policy) == candidate, "{!r} candidate={} but policy membership disagrees", block, candidate)
     if candidate and len(copies) == 1:
         # What host eviction drops must be droppable.
-        check(block.children == 0 or bool(blocks.lower), "dirty candidate {!r} has children", block)
+        check(block.first_child is None or bool(blocks.lower), "dirty candidate {!r} has children", block)
 
 
 def verify_quotas(blocks: BlockBook, tenants: dict[str, TenantQuota]) -> None:

@@ -13,24 +13,51 @@ never written to it, and a block leaves it only when no child has a copy
 there (and, if it has no copy elsewhere, when it has no child at all).
 
 Tenants' disk quotas apply to the durable tier only.
+
+Bounded turns. Each `pick_writes` call (a writer turn) lets the tier's
+eviction policy look at no more than `scan_slots_per_turn` slots in all,
+however many slots the tier has; a search cut short gives NO_SLOT (full
+for now), `cut_short` tells the writer to take its next turn at once,
+and that turn's search goes on where the hand stopped. What each search
+looked at without finding a victim is added up across turns: once it
+covers two sweeps of the tier, nothing it wants may go (for now), as a
+single search of two sweeps used to conclude, and the writer waits
+before its next turn (a tenant at its disk quota with nothing of its own
+to give up is refused; a slot class with no block of its own to evict
+takes a page of another class).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.blocks import BlockBook
+from kvd.core.policy import ScanBudget
 from kvd.core.quota import TenantQuota
 from kvd.core.slot_pool import SlotClass
 from kvd.core.tier import StorageTier
 from kvd.core.transfer import Transfer
 from kvd.invariants import check
 
+# Slots a writer turn's victim searches may look at in all. On a full disk
+# of chains of 32 blocks (bench/bench_loop_time.py), a turn of 64 writes
+# (the daemon's default batch) looks at 550-1,900 slots (median, 10k to 1M
+# slots) and 2,000 at the 99th percentile, until a stretch of slots with
+# nothing that may go comes under the hand: that took a whole sweep (1.5 s
+# at a million slots), and now takes turns of this many looks, whatever
+# the disk's size. A look costs about 1 us at 10k slots and 2 us at 1M
+# (cache misses), so a larger budget would make a 1M disk's capped turns
+# slower than a small one's by more than the 1.5x issue 35 allows.
+SCAN_SLOTS_PER_TURN = 2048
+# The search for any evictable block (allocate_slot), as the searches are counted.
+ANY_BLOCK = "any block"
+
 
 class WriteBack:
-    def __init__(self, blocks: BlockBook, tier: StorageTier) -> None:
+    def __init__(self, blocks: BlockBook, tier: StorageTier, scan_slots_per_turn: int = SCAN_SLOTS_PER_TURN) -> None:
         check(tier in blocks.lower, "write-back goes to a tier below host memory")
+        check(scan_slots_per_turn > 0, "a writer turn must be able to look at a slot")
         self.blocks = blocks
         self.host = blocks.host
         self.tier = tier
@@ -40,6 +67,14 @@ class WriteBack:
         # Parents of the blocks being written here, with how many: their
         # copies here stay until those writes end (a child needs its parent).
         self.writing_parents: dict[Block | None, int] = {}  # None: roots
+        self.scan_slots_per_turn = scan_slots_per_turn
+        # What this turn's victim searches may still look at.
+        self.scan = ScanBudget(0)
+        # Per search (any block, a slot class's own, a tenant's own): slots
+        # looked at since it last found a victim.
+        self.fruitless: dict[Hashable, int] = {}
+        # Whether this turn's budget ran out before some search could tell.
+        self.cut_short = False
 
     def pick_writes(self, limit: int) -> list[Transfer]:
         """The next sealed blocks to write to this tier, parents before children.
@@ -56,6 +91,8 @@ class WriteBack:
         picked: set[Block] = set()
         full_tenants: set[TenantQuota] = set()
         queue = self.queue
+        self.scan = ScanBudget(self.scan_slots_per_turn)
+        self.cut_short = False
         while queue and len(picks) < limit:
             block = queue[0]
             if self._skip(block, picked):
@@ -71,7 +108,7 @@ class WriteBack:
                 queue.popleft()  # its tenant is at its disk quota with nothing of its own to give up
                 continue
             if slot == NO_SLOT:
-                break  # full until evictions' removals are journalled
+                break  # full until evictions' removals are journalled, or until the next turn's search
             queue.popleft()
             picks.append(self._start_write(block, slot))
             picked.add(block)
@@ -104,14 +141,15 @@ class WriteBack:
         if not (self.quotas and quota is not None and quota.disk_full(slot_class.slot_bytes)):
             return self.allocate_slot(slot_class)
         # The tenant's own block makes room, never another tenant's; or it is not written.
-        # A tenant found with nothing to give up is not searched again in this call:
-        # each search may sweep every slot.
+        # A tenant found with nothing to give up is not searched again in this call.
         slot = NO_SLOT if quota in full_tenants else self.take_own_slot(quota, slot_class)
-        if slot == NO_SLOT:
-            full_tenants.add(quota)
-            quota.counters.disk_refused += 1
-            return None
-        return slot
+        if slot != NO_SLOT:
+            return slot
+        if quota not in full_tenants and not self.searched_all(self._tenant_search(quota, slot_class)):
+            return NO_SLOT  # the searches so far looked at too few slots to tell: a later turn goes on
+        full_tenants.add(quota)
+        quota.counters.disk_refused += 1
+        return None
 
     def _start_write(self, block: Block, slot: int) -> Transfer:
         tier = self.tier
@@ -162,6 +200,8 @@ class WriteBack:
             parent = pool.owners[slot].parent
             writing[parent] = writing.get(parent, 0) + 1
         check(writing == self.writing_parents, "{}: the parents of the writes in flight drifted", self.tier.name)
+        check(self.scan.left >= 0, "{}: scan budget overdrawn ({})", self.tier.name, self.scan.left)
+        check(all(looked >= 0 for looked in self.fruitless.values()), "{}: a negative count of looks", self.tier.name)
 
     def take_removals(self) -> list[tuple[bytes, bytes, int]]:
         """(namespace id, key, slot) whose REMOVE must be journalled (persistent tiers)."""
@@ -211,7 +251,7 @@ class WriteBack:
         slot = pool.take_free()
         if slot != NO_SLOT:
             return slot
-        victim = self.victim(self.evictable)
+        victim = self.victim(self.evictable, ANY_BLOCK)
         return NO_SLOT if victim is None else self.evict(victim)
 
     def class_slot(self, slot_class: SlotClass) -> int:
@@ -227,16 +267,25 @@ class WriteBack:
             return slot
         if pool.take_page(slot_class):
             return pool.take_free(slot_class)
-        victim = self.victim(lambda block: self.evictable(block) and self.class_index(block) == slot_class.index)
-        if victim is not None:
-            return self.evict(victim)
-        victim = self.victim(self.evictable)
+        own = ("class", slot_class.index)
+        if not self.searched_all(own):
+            victim = self.victim(lambda block: self.evictable(block) and self.class_index(block) == slot_class.index,
+                                 own)
+            if victim is not None:
+                return self.evict(victim)
+            if not self.searched_all(own):
+                return NO_SLOT  # a later turn's search goes on
+        # None of the class's own blocks may go: a page of any class (searched
+        # again from the next turn on if this one's budget is spent).
+        victim = self.victim(self.evictable, ANY_BLOCK)
         if victim is None:
             return NO_SLOT
         page = pool.page_of(self.blocks.tiers.slot_in(victim, self.tier))
         if not self.empty_page(page):
             return NO_SLOT
         pool.take_over_page(page, slot_class)
+        # Once this page is full, the class's own blocks are searched again.
+        self.fruitless.pop(own, None)
         return pool.take_free(slot_class)
 
     def evictable(self, block: Block) -> bool:
@@ -246,7 +295,7 @@ class WriteBack:
         have no child at all (an index leaf)."""
         if block.ref_count or block.state != BlockState.SEALED:
             return False
-        if block.children == 0:
+        if block.first_child is None:
             return True
         blocks = self.blocks
         return (block not in self.writing_parents and blocks.tiers.resident_children(block, self.tier) == 0
@@ -268,17 +317,41 @@ class WriteBack:
             for block in ready:
                 self.drop_copy(block)
 
-    def victim(self, evictable: Callable[[Block], bool]) -> Block | None:
+    def victim(self, evictable: Callable[[Block], bool], search: Hashable) -> Block | None:
+        """The eviction policy's victim among the `evictable` blocks, within
+        this turn's scan budget; None if it found none. `search` keeps count
+        of the slots it looked at in vain (see searched_all)."""
         pool = self.tier.pool
-        return self.tier.eviction.victim(pool.owners, pool.incoming, evictable)
+        before = self.scan.left
+        victim = self.tier.eviction.victim(pool.owners, pool.incoming, evictable, self.scan)
+        check(0 <= self.scan.left <= before, "the eviction policy overdrew its scan budget")
+        if victim is not None:
+            self.fruitless.pop(search, None)
+            return victim
+        self.fruitless[search] = self.fruitless.get(search, 0) + before - self.scan.left
+        if self.scan.left == 0 and not self.searched_all(search):
+            self.cut_short = True
+        return None
+
+    def searched_all(self, search: Hashable) -> bool:
+        """Whether `search`'s looks since it last found a victim add up to two
+        sweeps of the tier: then nothing it wants may go (its looks spread
+        over turns, so this is a count, not a proof; it stays so until the
+        search finds one)."""
+        return self.fruitless.get(search, 0) >= 2 * self.tier.pool.slot_count
+
+    def _tenant_search(self, quota: TenantQuota, slot_class: SlotClass | None) -> Hashable:
+        index = None if slot_class is None or len(self.tier.pool.classes) == 1 else slot_class.index
+        return (quota, index)
 
     def take_own_slot(self, quota: TenantQuota, slot_class: SlotClass | None = None) -> int:
         """The slot of one of the tenant's own blocks (the eviction policy's
         pick among them, of `slot_class` if given), evicted for a newer one;
-        NO_SLOT if none may go."""
-        index = None if slot_class is None or len(self.tier.pool.classes) == 1 else slot_class.index
+        NO_SLOT if none may go, or none was found within this turn's budget."""
+        search = self._tenant_search(quota, slot_class)
+        index = search[1]  # type: ignore[index]
         victim = self.victim(lambda block: block.index.quota is quota and self.evictable(block)
-                             and (index is None or self.class_index(block) == index))
+                             and (index is None or self.class_index(block) == index), search)
         if victim is None:
             return NO_SLOT
         quota.counters.disk_evicted += 1

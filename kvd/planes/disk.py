@@ -283,6 +283,11 @@ class DiskPlane:
             round_ = mover.next_round()
             self._update_backlog()
             _resolve(mover.hopeless_waits())
+            if round_ is None and mover.searching():
+                # The slot searches stopped at their budget: go on after the
+                # loop's other work, not after an idle wait.
+                await asyncio.sleep(0)
+                continue
             if round_ is None:
                 self._wake.clear()
                 try:

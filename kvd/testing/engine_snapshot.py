@@ -21,7 +21,7 @@ def snapshot(engine: Engine) -> dict:
                 key: (
                     block.state,
                     block.ref_count,
-                    block.children,
+                    block.child_count(),
                     tuple((tier.tier_id, slot, engine.tiers.resident_children(block, tier))
                           for tier, slot in engine.tiers.copies(block)),
                     block.parent and block.parent.key,

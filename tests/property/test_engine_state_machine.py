@@ -556,7 +556,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert self.engine.live_handles == 0
         assert self.engine.pinned_blocks == 0
         assert len(self.engine.host.policy) == sum(
-            1 for state in self.engine.namespaces() for block in state.index if block.children == 0
+            1 for state in self.engine.namespaces() for block in state.index if block.first_child is None
         ), "with nothing pinned, every leaf is an eviction candidate"
 
 

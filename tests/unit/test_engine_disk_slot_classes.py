@@ -165,3 +165,26 @@ def test_a_random_two_model_workload_through_a_small_disk_keeps_every_invariant(
     while rig.write_back():
         pass
     rig.check()
+
+
+def test_a_class_short_of_slots_empties_another_class_page_once_its_bounded_searches_cover_the_disk():
+    rig = Rig()
+    rig.put(BIG, "abcdefgh")  # eight whole pages: the disk is full
+    while rig.write_back():
+        pass
+    writeback = rig.engine.writebacks[rig.engine.disk]
+    slots = rig.engine.disk.pool.slot_count
+    writeback.scan_slots_per_turn = 5
+    rig.put(SMALL, "wxyz")
+    # Each round looks at 5 slots: no small block may go anywhere, and once
+    # two sweeps' worth were looked at, a page of another class is emptied
+    # (its leaf's reference bit cleared on one sweep, taken on the next).
+    rounds = 0
+    while not rig.write_back():
+        rounds += 1
+        assert writeback.scan.left == 0 and rounds <= 2 * -(-2 * slots // 5) + 2
+    assert rounds > 2 * slots // 5
+    while rig.write_back() or rig.engine.write_queue_of(rig.engine.disk):
+        pass
+    assert rig.on_disk(SMALL, "wxyz") == 4 and rig.on_disk(BIG, "abcdefgh") == 7
+    rig.check()

@@ -104,9 +104,9 @@ def test_match_stops_at_a_key_under_another_parent(index):
 
 def test_match_does_not_change_the_index(index):
     blocks = sealed_chain(index, ["a", "b"])
-    before = {k: (n.state, n.children, n.ref_count, n.parent) for k, n in index.nodes.items()}
+    before = {k: (n.state, n.child_count(), n.ref_count, n.parent) for k, n in index.nodes.items()}
     index.match([key("a"), key("b"), key("zz")])
-    assert {k: (n.state, n.children, n.ref_count, n.parent) for k, n in index.nodes.items()} == before
+    assert {k: (n.state, n.child_count(), n.ref_count, n.parent) for k, n in index.nodes.items()} == before
     assert len(index) == len(blocks)
 
 
@@ -191,12 +191,14 @@ def test_packed_keys_must_be_whole_keys():
 
 def test_insert_creates_writable_nodes_and_counts_children(index):
     a = index.insert(key("a"), None)
-    assert (a.state, a.children, a.ref_count, a.parent, a.index) == (BlockState.WRITABLE, 0, 0, None, index)
+    assert (a.state, a.child_count(), a.ref_count, a.parent, a.index) == (BlockState.WRITABLE, 0, 0, None, index)
     a.state = BlockState.SEALED
     b = index.insert(key("b"), a)
     b2 = index.insert(key("b2"), a)
     c = index.insert(key("c"), b)
-    assert (a.children, b.children, b2.children, c.children) == (2, 1, 0, 0)
+    assert (a.child_count(), b.child_count(), b2.child_count(), c.child_count()) == (2, 1, 0, 0)
+    # The newest child heads its list.
+    assert (a.first_child, b2.next_sibling, b.prev_sibling, b.next_sibling) == (b2, b, b2, None)
     assert b.parent is a and c.parent is b
     assert len(index) == 4
     assert index.get(key("c")) is c
@@ -209,13 +211,13 @@ def test_remove_maintains_child_counts(index):
     a, b, c = sealed_chain(index, ["a", "b", "c"])
     (b2,) = sealed_chain(index, ["b2"], parent=a)
     assert index.remove(c) is b
-    assert (b.children, c.state, c.parent) == (0, BlockState.REMOVED, None)
+    assert (b.child_count(), b.first_child, c.state, c.parent) == (0, None, BlockState.REMOVED, None)
     assert index.get(key("c")) is None
     index.verify()
     assert index.remove(b2) is a
-    assert a.children == 1
+    assert a.child_count() == 1
     assert index.remove(b) is a
-    assert a.children == 0
+    assert a.child_count() == 0
     assert index.remove(a) is None
     assert len(index) == 0
     index.verify()
@@ -248,7 +250,7 @@ def test_insert_and_remove_refuse_misuse(index):
         index.insert(key("x"), b)  # parent no longer in the index
     with pytest.raises(InvariantError):
         index.remove(b)  # twice
-    assert a.children == 0
+    assert a.child_count() == 0
     index.verify()
 
 
@@ -277,16 +279,68 @@ def test_subtree_lists_descendants_leaves_first(index):
     index.verify()
 
 
+class UnwalkableNodes(dict):
+    """The index's dict, refusing to be walked: what must cost O(subtree) may only probe it."""
+
+    def _walked(self, *args):
+        raise AssertionError("the whole index was walked")
+
+    __iter__ = values = items = keys = _walked
+
+
+def test_subtree_costs_its_own_size_not_the_index(index):
+    # Issue 35 item 7: Delete walked every node of the namespace per deleted key.
+    a, b, c = sealed_chain(index, ["a", "b", "c"])
+    for number in range(2000):
+        sealed_chain(index, [f"other {number}", f"other {number} child"])
+    index.nodes = UnwalkableNodes(index.nodes)
+    assert [node.key for node in index.subtree(a)] == [c.key, b.key, a.key]
+    for node in index.subtree(a):
+        index.remove(node)
+    index.nodes = {key: index.nodes[key] for key in dict.keys(index.nodes)}
+    assert len(index) == 4000
+    index.verify()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=120))
+def test_links_stay_consistent_through_any_inserts_and_removals(steps):
+    index = PrefixIndex("links", 64)
+    for number, (insert, pick) in enumerate(steps):
+        nodes = list(index)
+        leaves = [node for node in nodes if node.first_child is None]
+        if insert or not leaves:
+            parent = nodes[pick % len(nodes)] if nodes and pick % 3 else None
+            index.insert(key(f"n{number}"), parent)
+        else:
+            index.remove(leaves[pick % len(leaves)])
+        index.verify()
+        for node in index:
+            expected = {id(other) for other in index if other.parent is node}
+            assert {id(child) for child in index.subtree(node)[:-1] if child.parent is node} == expected
+            assert len(index.subtree(node)) == 1 + sum(len(index.subtree(child)) for child in index
+                                                       if child.parent is node)
+
+
 # ----------------------------------------------------------------------
 # verify catches corruption
 
 
 def corrupt_cases():
-    def wrong_child_count(index, a, b, c):
-        b.children = 2
+    def child_linked_twice(index, a, b, c):
+        c.next_sibling = c
 
-    def missing_child_count(index, a, b, c):
-        a.children = 0
+    def child_unlinked(index, a, b, c):
+        a.first_child = None
+
+    def prev_link_disagrees(index, a, b, c):
+        c.prev_sibling = b
+
+    def root_unlinked(index, a, b, c):
+        index.first_root = None
+
+    def removed_node_still_linked(index, a, b, c):
+        del index.nodes[key("c")]
 
     def stored_under_wrong_key(index, a, b, c):
         index.nodes[key("zz")] = index.nodes.pop(key("c"))
@@ -307,8 +361,11 @@ def corrupt_cases():
         b.state = BlockState.WRITABLE
 
     return [
-        wrong_child_count,
-        missing_child_count,
+        child_linked_twice,
+        child_unlinked,
+        prev_link_disagrees,
+        root_unlinked,
+        removed_node_still_linked,
         stored_under_wrong_key,
         node_of_another_index,
         removed_node_in_index,

@@ -67,6 +67,14 @@ class EvictionPolicy(Protocol):
     def verify(self) -> None: ...
 
 
+@dataclass(slots=True)
+class ScanBudget:
+    """How many more slots victim searches may look at (the writer gives each
+    turn one, so no turn's searches grow with the tier's size)."""
+
+    left: int
+
+
 class SlotEvictionPolicy(Protocol):
     """Victim selection over a tier's slot array (no per-block links)."""
 
@@ -77,9 +85,15 @@ class SlotEvictionPolicy(Protocol):
         ...
 
     def victim(
-        self, owners: Sequence[Block | None], busy: Container[int], evictable: Callable[[Block], bool]
+        self, owners: Sequence[Block | None], busy: Container[int], evictable: Callable[[Block], bool],
+        budget: ScanBudget,
     ) -> Block | None:
-        """A block to evict: owns a slot not in `busy` and is `evictable`; None if none."""
+        """A block to evict: owns a slot not in `busy` and is `evictable`.
+
+        None if none was found among the slots looked at: every slot, or
+        as many as `budget` still allowed (each look takes one from it),
+        in which case the next search goes on where this one stopped.
+        """
         ...
 
     def verify(self) -> None: ...

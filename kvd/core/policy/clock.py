@@ -4,6 +4,13 @@ A reference bit per slot, set when the slot's block is read or written, and
 a hand that sweeps the slots clearing bits until it finds an evictable block
 whose bit is clear. That costs one byte per slot and no per-block links, so
 the index stays small however large the drives are.
+
+A search looks at two sweeps of slots at most, and at most what its
+`ScanBudget` allows: when most slots hold blocks that may not go (a
+block with children on the disk, a pinned one), a search could otherwise
+take a whole sweep, a second per million slots. The hand stays where a
+search stopped, so the next one goes on from there: a block that may go
+is reached within 2 x slots / budget searches, wherever it is.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Sequence
 
 from kvd.core.block import Block
+from kvd.core.policy import ScanBudget
 from kvd.invariants import check
 
 
@@ -26,22 +34,32 @@ class ClockPolicy:
         self.referenced[slot] = 1
 
     def victim(
-        self, owners: Sequence[Block | None], busy: Container[int], evictable: Callable[[Block], bool]
+        self, owners: Sequence[Block | None], busy: Container[int], evictable: Callable[[Block], bool],
+        budget: ScanBudget,
     ) -> Block | None:
-        """Two sweeps at most: the first may only clear reference bits."""
+        """Two sweeps at most (the first may only clear reference bits), and
+        no more looks than `budget` has left."""
+        check(budget.left >= 0, "a scan budget overdrawn: {}", budget.left)
         referenced = self.referenced
         slot_count = len(referenced)
-        for _ in range(2 * slot_count):
-            slot = self.hand
-            self.hand = (slot + 1) % slot_count
+        looks = min(2 * slot_count, budget.left)
+        slot = self.hand
+        found = None
+        looked = 0
+        while looked < looks:
+            looked += 1
             block = owners[slot]
-            if block is None or slot in busy or not evictable(block):
-                continue
-            if referenced[slot]:
+            candidate = block is not None and slot not in busy and evictable(block)
+            if candidate and referenced[slot]:
                 referenced[slot] = 0
-                continue
-            return block
-        return None
+            elif candidate:
+                found = block
+            slot = slot + 1 if slot + 1 < slot_count else 0
+            if found is not None:
+                break
+        self.hand = slot
+        budget.left -= looked
+        return found
 
     def verify(self) -> None:
         check(0 <= self.hand < len(self.referenced), "CLOCK hand {} outside the slots", self.hand)

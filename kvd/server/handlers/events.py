@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 
-from kvd.core.block import BlockState
 from kvd.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvd.server import convert
 from kvd.server.rpc import stream_rpc
@@ -18,8 +17,12 @@ from kvd.v1 import kvd_pb2
 # Events a subscriber takes from the ring at a time: what it holds while
 # a slow client keeps it waiting (at most this many x MAX_EVENT_KEYS keys).
 WATCH_READ_EVENTS = 8
-# Blocks per EventSnapshot message: about 70 bytes each on the wire.
-SNAPSHOT_PART_BLOCKS = 16384
+# Blocks per EventSnapshot message (about 70 bytes each on the wire), and
+# per step of its build (kvd.core.event_snapshot): each step and each
+# message costs the event loop about the same, however many blocks the
+# namespace holds.
+SNAPSHOT_PART_BLOCKS = 4096
+SNAPSHOT_STEP_BLOCKS = 4096
 
 
 class EventHandlers:
@@ -77,24 +80,22 @@ class EventHandlers:
     async def EventSnapshot(self, request, context):
         engine = self.engine
         state = engine.namespace(request.namespace_id)
-        # Taken whole, with no await in between: exactly the blocks served
-        # after event `sequence`, parents first (the index keeps insertion
-        # order, and a parent is never removed before its children).
-        sequence = engine.events.last_sequence(state.namespace_id)
-        blocks = [block for block in state.index if block.state == BlockState.SEALED]
-        keys = [block.key for block in blocks]
-        parent_keys = [block.parent.key if block.parent is not None else b"" for block in blocks]
-        tiers = convert.tiers(engine, blocks)
-        del blocks
-        for start in range(0, max(len(keys), 1), SNAPSHOT_PART_BLOCKS):
-            stop = start + SNAPSHOT_PART_BLOCKS
+        # Built a bounded step at a time, the loop turning in between; exactly
+        # the blocks served after event `build.sequence`, parents first.
+        build = engine.event_snapshot(state.namespace_id, SNAPSHOT_STEP_BLOCKS)
+        try:
+            while not build.step():
+                await asyncio.sleep(0)
+        finally:
+            build.close()
+        for part in build.parts(SNAPSHOT_PART_BLOCKS):
             yield kvd_pb2.EventSnapshotResponse(
                 instance_id=self.arena.instance_id,
-                sequence=sequence,
-                block_count=len(keys),
-                keys=keys[start:stop],
-                parent_keys=parent_keys[start:stop],
-                tiers=tiers[start:stop],
+                sequence=build.sequence,
+                block_count=build.block_count,
+                keys=part.keys,
+                parent_keys=part.parent_keys,
+                tiers=part.tiers,
             )
 
     def _resync(self, namespace_id: bytes, sequence: int, reason: int) -> kvd_pb2.KvEvent:
