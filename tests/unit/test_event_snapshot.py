@@ -413,10 +413,11 @@ def test_engine_snapshots_stay_exact_while_blocks_move_between_tiers(seed):
 def test_the_handler_yields_to_the_loop_between_steps_and_sends_bounded_parts(monkeypatch):
     # Issue 35 item 7: the handler listed the whole namespace in one loop step.
     from kvd.server import service as service_module
+    from kvd.server.handlers import events as event_handlers
     from kvd.v1 import kvd_pb2
 
-    monkeypatch.setattr(service_module, "SNAPSHOT_STEP_BLOCKS", 8)
-    monkeypatch.setattr(service_module, "SNAPSHOT_PART_BLOCKS", 16)
+    monkeypatch.setattr(event_handlers, "SNAPSHOT_STEP_BLOCKS", 8)
+    monkeypatch.setattr(event_handlers, "SNAPSHOT_PART_BLOCKS", 16)
     side = EngineSide()
     side.engine = Engine(host_slot_count=256, host_slot_bytes=64)
     side.ns = side.engine.register_namespace(SPEC).namespace_id
