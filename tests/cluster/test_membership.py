@@ -19,10 +19,13 @@ _prefixes = itertools.count()
 
 
 class Node:
-    """One member plus a condition its view notifies on every change."""
+    """One member plus an event its view sets on every change."""
 
     def __init__(self, settings: EtcdSettings, name: str, port: int, incarnation: int = 1) -> None:
-        self.changed = asyncio.Condition()
+        # An Event, not a Condition: a Condition.wait cancelled by wait_for must take its
+        # lock back before the timeout can be raised, and on CPython 3.11 one CI run hung
+        # there for the whole test timeout instead of failing after the bound.
+        self.changed = asyncio.Event()
         self.changes: list[tuple[str, str, int]] = []
         self.view = MemberView(name, on_join=lambda m: self._note("join", m),
                                on_leave=lambda m: self._note("leave", m))
@@ -32,22 +35,30 @@ class Node:
 
     def _note(self, what: str, member: Member) -> None:
         self.changes.append((what, member.name, member.incarnation))
-        asyncio.get_running_loop().create_task(self._notify())
-
-    async def _notify(self) -> None:
-        async with self.changed:
-            self.changed.notify_all()
+        self.changed.set()
 
     def start(self) -> Node:
         self.task = asyncio.create_task(self.membership.run())
         return self
 
     async def until(self, predicate, timeout_s: float = 10.0) -> float:
-        """Wait for the view to satisfy predicate; returns the seconds it took."""
+        """Wait for the view to satisfy predicate; returns the seconds it took.
+
+        Fails after timeout_s with what the view holds, so a hang reads as a finding."""
         started = time.monotonic()
-        async with self.changed:
-            await asyncio.wait_for(self.changed.wait_for(lambda: predicate(self.view)), timeout_s)
-        return time.monotonic() - started
+        deadline = started + timeout_s
+        while True:
+            self.changed.clear()
+            if predicate(self.view):
+                return time.monotonic() - started
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(
+                    f"{self.view.self_name}'s view was {sorted(self.names())} after {timeout_s} s; "
+                    f"changes {self.changes}; sessions {self.membership.sessions}, "
+                    f"failed {self.membership.failed_sessions}")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), remaining)
 
     def names(self) -> set[str]:
         return {member.name for member in self.view.members()}
