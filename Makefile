@@ -248,11 +248,13 @@ docs: setup
 
 # Undefined names, unused imports, syntax errors (generated code excluded);
 # in the daemon and the tools, also cyclomatic complexity (pyproject.toml's
-# max-complexity) and functions of at most 70 lines.
+# max-complexity) and functions of at most 70 lines, in Python and in the
+# native C and CUDA sources (lizard: length only).
 lint: setup
 	$(VENV)/bin/ruff check --select F,E9 --exclude kvd/v1 kvd tests bench examples
 	$(VENV)/bin/ruff check --select C901 kvd tools tests bench examples
 	$(PY) tools/check_function_length.py kvd tools tests bench examples
+	$(VENV)/bin/lizard --length 70 --CCN 1000 --arguments 100 --warnings_only native $(wildcard native/gpu/*.cu)
 
 bench: setup vllm-venv
 	$(MAKE) --no-print-directory apt APT_PACKAGES="$(BENCH_APT_PACKAGES)"
