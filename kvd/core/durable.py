@@ -114,6 +114,11 @@ class DurableWaits(Generic[Token]):
         engine.require_durable(unwritten)
         return started, failures, pins
 
+    def finish(self, pins: Sequence[BlockHandle]) -> None:
+        """A durable call is over (answered, timed out or cancelled): the pins start gave it end."""
+        for pin in pins:
+            pin.release()
+
     def _epoch_of(self, block: Block) -> int | None:
         """The epoch a commit must cover for `block`'s disk copy to be durable; None: it is."""
         if self.sync == "strict":

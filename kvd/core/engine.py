@@ -58,6 +58,7 @@ from kvd.core.verify import verify_blocks, verify_quotas
 from kvd.core.transfer import Transfer
 from kvd.core.writeback import WriteBack
 from kvd.errors import InvalidArgument
+from kvd.invariants import check
 
 __all__ = [
     "MAX_CLIENT_ID_CHARS", "TENANT_AFFINITY_WINDOW", "CommitRequest", "Engine", "EngineLimits", "GetPlan",
@@ -183,6 +184,21 @@ class Engine:
 
     def host_slot(self, block: Block) -> int:
         return self.blocks.host_slot(block)
+
+    def host_offsets(self, blocks: Sequence[Block]) -> list[int]:
+        """Where each block's host copy starts in the host tier, in one call (what a Get hands
+        out, what a read lands in); each must have a host slot."""
+        slots = [self.blocks.host_slot(block) for block in blocks]
+        check(min(slots, default=0) >= 0, "host offsets of {} blocks, some without a host slot", len(slots))
+        return self.host.pool.offsets_of(slots)
+
+    def load_offsets(self, loads: Sequence[Transfer]) -> list[int]:
+        """Where in the host tier each load lands: a slot only its own block holds, while the
+        engine knows it is being read (checked here, before the bytes are handed to a thread)."""
+        loading = self.blocks.loading
+        check(all(load.block in loading and self.blocks.host_slot(load.block) == load.target_slot for load in loads),
+              "reads into host slots their blocks do not hold")
+        return self.host.pool.offsets_of([load.target_slot for load in loads])
 
     def disk_slot(self, block: Block) -> int:
         return self.blocks.disk_slot(block)

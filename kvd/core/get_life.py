@@ -130,6 +130,12 @@ class GetLife:
         """Whether reads (its own, or others' it waits on) stand between the plan and its settling."""
         return bool(self._reading or self._waiting)
 
+    def load_offsets(self) -> list[int]:
+        """Where in the host tier each of the plan's own loads lands: the slot only its block
+        holds, while the engine knows it is being read."""
+        check(self.phase is GetPhase.READING, "the reads of a Get {}", self.phase.value)
+        return self.engine.load_offsets(self.plan.loads)
+
     def loads_done(self, loads: Sequence[Transfer], outcomes: Sequence[LoadOutcome] | None) -> None:
         """Some of the plan's own reads are over, with an outcome each; None: they never ran (their
         job was cancelled, or raised: a bug), and each block keeps its copy below."""

@@ -65,9 +65,10 @@ class DiskReads:
         return task
 
     def _submit_loads(self, life: GetLife, on_layer, on_blocks) -> asyncio.Future:
-        """Hand the plan's loads to the I/O thread as one restore job; its future.
+        """Hand the plan's loads to the I/O thread as one restore job; a future done once the
+        loads are finished in the engine.
 
-        The loads are finished by a callback on that future, whatever becomes
+        They are finished by a callback on the job's future, whatever becomes
         of the Get (even a task cancelled before it ever ran).
         """
         plan = life.plan
@@ -83,17 +84,20 @@ class DiskReads:
                                spec.num_layers)
         nbytes = sum(load.block.index.block_bytes for load in plan.loads)
         try:
-            submitted = self._io.submit(IoClass.RESTORE, self._read_batch, self._read_work(plan.loads), progress,
+            submitted = self._io.submit(IoClass.RESTORE, self._read_batch,
+                                        self._read_work(plan.loads, life.load_offsets()), progress,
                                         on_blocks is not None, nbytes=nbytes)
         except RuntimeError:  # the I/O thread is shut down: nothing read, nothing lost
             life.abandon()
             raise Unavailable("kvd is stopping; the Get's disk reads were not started") from None
         self._loads.update({load.block: loop.create_future() for load in plan.loads})
-        reading = asyncio.wrap_future(submitted)
-        # Registered before anyone awaits `reading`: the loads are finished
-        # before the Get that awaits it resumes.
-        reading.add_done_callback(functools.partial(self._finish_loads, life))
-        return reading
+        # Done only once _finish_loads has recorded the reads in the engine. Not the read
+        # job's own future: that one may be done before the Get's task first runs (the I/O
+        # thread can finish before start_get returns), and awaiting a done future does not
+        # yield, so the Get would settle before the callback that finishes its loads.
+        landed = loop.create_future()
+        asyncio.wrap_future(submitted).add_done_callback(functools.partial(self._finish_loads, life, landed))
+        return landed
 
     async def _complete_get(self, life: GetLife, reading: asyncio.Future | None,
                             waiting: dict[Block, asyncio.Future]) -> Served:
@@ -121,18 +125,29 @@ class DiskReads:
         if reading is None:
             close()
         else:
-            # Even when `reading` is done: its _finish_loads callback may be scheduled and not
-            # yet run, and a callback added now runs after it.
+            # `reading` is done once _finish_loads has run: no read into the slots is left.
             reading.add_done_callback(close)
 
-    def _finish_loads(self, life: GetLife, reading: asyncio.Future) -> None:
-        """Loop thread: record the reads' outcome. A block whose read failed (a media error,
-        reported per entry) is lost; a read job that raised (a bug: the daemon stops) loses
-        nothing, its blocks stay on disk."""
+    def _finish_loads(self, life: GetLife, landed: asyncio.Future, reading: asyncio.Future) -> None:
+        """Loop thread: record the reads' outcome, then say so (`landed`). A block whose read
+        failed (a media error, reported per entry) is lost; a read job that raised (a bug: the
+        daemon stops) loses nothing, its blocks stay on disk."""
         loads = life.plan.loads
-        outcomes = self._job_outcome("a disk read job", reading)
-        life.loads_done(loads, outcomes)
-        self._resolve_loads(loads, outcomes)
+        try:
+            outcomes = self._job_outcome("a disk read job", reading)
+            life.loads_done(loads, outcomes)
+            self._resolve_loads(loads, outcomes)
+        except Exception as error:  # a bug, in a callback no task awaits: to the supervisor
+            self._on_bug("finishing a Get's disk reads", error)
+            landed.set_exception(error)
+            return
+        # The Get sees the job's own end: cancelled (the daemon stops) or raised (a bug) fail it.
+        if reading.cancelled():
+            landed.cancel()
+        elif reading.exception() is not None:
+            landed.set_exception(reading.exception())
+        else:
+            landed.set_result(None)
 
     def _job_outcome(self, what: str, job: asyncio.Future | concurrent.futures.Future) -> list[LoadOutcome] | None:
         """A read job's per-block outcome; None when it never ran (cancelled) or raised. A job
@@ -152,18 +167,14 @@ class DiskReads:
             if future is not None and not future.done():
                 future.set_result(None if outcomes is None else outcomes[position])
 
-    def _read_work(self, loads: Sequence[Transfer]) -> list[tuple[bytes, int, int, list[tuple[int, int, int]]]]:
-        """Loop thread: what to read, as plain data, grouped by namespace."""
+    def _read_work(self, loads: Sequence[Transfer], offsets: Sequence[int]
+                   ) -> list[tuple[bytes, int, int, list[tuple[int, int, int]]]]:
+        """Loop thread: what to read, as plain data, grouped by namespace; offsets[i]: where in
+        the host tier loads[i] lands."""
         groups: dict[bytes, list[tuple[int, int, int]]] = {}
-        engine = self.engine
-        for position, load in enumerate(loads):
-            # The bytes land in a slot only its own block holds, while the engine knows it is being read.
-            check(load.block in engine.loading and engine.host_slot(load.block) == load.target_slot,
-                  "a read into host slot {} that {!r} does not hold", load.target_slot, load.block)
+        for position, (load, offset) in enumerate(zip(loads, offsets, strict=True)):
             groups.setdefault(load.block.index.namespace_id, []).append(
-                (position, self._location(load.source_slot),
-                 self.arena.address_at(engine.host.pool.offset_of(load.target_slot)))
-            )
+                (position, self._location(load.source_slot), self.arena.address_at(offset)))
         work = []
         for namespace_id, items in groups.items():
             spec = self.engine.namespace(namespace_id).spec
@@ -252,7 +263,8 @@ class DiskReads:
         jobs_done = []
         for number, loads in enumerate(jobs):
             try:
-                read = self._io.submit(IoClass.PREFETCH, self._read_batch, self._read_work(loads))
+                read = self._io.submit(IoClass.PREFETCH, self._read_batch,
+                                      self._read_work(loads, self.engine.load_offsets(loads)))
             except RuntimeError:  # the I/O thread is shut down: nothing read, nothing lost
                 for unread in jobs[number:]:
                     self.mover.prefetch_done(unread, None)

@@ -265,8 +265,7 @@ class DiskWrites:
                 elif future.result() is not None:
                     failures.append(future.result())
         finally:
-            for pin in pins:
-                pin.release()
+            self.mover.durable.finish(pins)
         if failures:
             self.counters.durable_wait_failures += 1
         order = {block: position for position, block in enumerate(blocks)}

@@ -145,6 +145,37 @@ def test_a_streaming_get_dropped_after_its_first_message_leaves_no_read_behind(t
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["get", "get-layers"])
+def test_a_get_whose_reads_finish_before_its_task_runs_settles_after_them(tmp_path, monkeypatch, streaming):
+    """The I/O thread may finish a Get's reads before start_get has even returned (a loaded
+    machine preempts the loop thread). The Get's task then first runs with its read job done;
+    it must still settle only after the loads are finished in the engine. It once did not:
+    awaiting the done job did not yield, the Get settled first, and an invariant stopped the
+    daemon under load."""
+
+    async def scenario():
+        node, keys = await cold_node(tmp_path)
+        submit = node.plane._io.submit
+
+        def submit_and_finish(*args, **kwargs):
+            job = submit(*args, **kwargs)
+            job.result(timeout=30)  # the loop thread waits: the job is done before start_get returns
+            return job
+
+        monkeypatch.setattr(node.plane._io, "submit", submit_and_finish)
+        if streaming:
+            messages = [message async for message in node.service._stream_get(node.request("s", keys), LayerSteps)]
+            assert (messages[-1].matched, messages[-1].layers_ready) == (BLOCKS, SPEC.num_layers)
+        else:
+            _, blocks, _, _ = await node.service._pinned_prefix(node.request("plain", keys), "plain")
+            node.assert_served(blocks, keys)
+        assert not node.engine.loading
+        node.engine.verify()
+        await node.plane.close(30.0)
+
+    asyncio.run(scenario())
+
+
 def test_a_get_reads_each_block_whole_and_a_streaming_get_layer_by_layer(tmp_path):
     """Nobody uses a plain Get's layers before all have landed: one batch, each block one extent.
     GetLayers hands layers over as they land: a batch per group of layers (here one layer)."""

@@ -148,10 +148,10 @@ class BlockHandlers:
         sealed, aborted = self.engine.commit(CommitRequest(
             request.namespace_id, request.client_id, request.lease_id, self.clock.now_ms(),
             keys=request.keys, abort_keys=request.abort_keys))
-        if self.disk_plane is not None:
-            self.disk_plane.wake()  # the write-through starts now
         if durable:
-            await self._make_durable(blocks, len(blocks), context)
+            await self._make_durable(blocks, len(blocks), context)  # which wakes the writer
+        elif self.disk_plane is not None:
+            self.disk_plane.wake()  # the write-back starts now
         return kvd_pb2.CommitResponse(sealed=sealed, aborted=aborted, durable=len(blocks))
 
     def _lease_blocks(self, client_id: str, lease_id: int, keys, abort_keys) -> list:
@@ -200,15 +200,15 @@ class BlockHandlers:
         if result.lease is not None:
             # Reserve, copy and seal without an await in between: no other
             # request can observe the half-written blocks.
-            pool = self.engine.host.pool
+            offsets = self._reserved_offsets(result.slots)
             for position, status in enumerate(result.statuses):
                 if status == ReserveStatus.RESERVED:
-                    self.arena.write_at(pool.offset_of(result.slots[position]), request.blocks[position])
+                    self.arena.write_at(offsets[position], request.blocks[position])
             sealed, _ = self.engine.commit(CommitRequest(request.namespace_id, request.client_id,
                                                          result.lease.lease_id, now_ms))
-        if self.disk_plane is not None:
-            self.disk_plane.wake()
         durable = 0
+        if self.disk_plane is not None and request.ack != kvd_pb2.ACK_DURABLE:
+            self.disk_plane.wake()  # a durable wait wakes the writer itself
         if request.ack == kvd_pb2.ACK_DURABLE:
             # Every key, those already stored too: a retry must be as durable as the first try.
             stored = self.engine.stored(request.namespace_id, list(request.keys), request.parent_key)
@@ -235,7 +235,8 @@ class BlockHandlers:
         """Arena offsets of a reservation's slots (0 where the key got none)."""
         pool = self.engine.host.pool
         check(max(slots, default=NO_SLOT) < pool.slot_count, "a reserved slot is outside the host tier")
-        return [pool.offset_of(slot) if slot >= 0 else 0 for slot in slots]
+        held = iter(pool.offsets_of([slot for slot in slots if slot >= 0]))
+        return [next(held) if slot >= 0 else 0 for slot in slots]
 
     @rpc("Release")
     async def Release(self, request, context):

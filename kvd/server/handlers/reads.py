@@ -99,8 +99,7 @@ class ReadHandlers:
                         f"{self.max_message_bytes}-byte message limit; ask for at most "
                         f"{max(1, self.max_message_bytes // (state.block_bytes + 8) - 1)} keys per call"
                     )
-                offsets = self.engine.host.pool.offsets_of([self.engine.host_slot(block) for block in matched])
-                blocks = [self.arena.read_at(offset, state.block_bytes) for offset in offsets]
+                blocks = [self.arena.read_at(offset, state.block_bytes) for offset in self.engine.host_offsets(matched)]
             finally:
                 if lease is not None and not lease.ended:
                     self.engine.leases.close(lease)
@@ -119,10 +118,9 @@ class ReadHandlers:
     def _offsets(self, lease, matched: list) -> list[int]:
         """Arena offsets of the blocks a Get hands out: each in host memory
         (never a slot another block may take) and pinned by the Get's lease."""
-        slots = [self.engine.host_slot(block) for block in matched]
-        check(not slots or (min(slots) >= 0 and lease is not None and not lease.ended),
-              "a Get hands out {} blocks without a host slot or a live lease", len(slots))
-        return self.engine.host.pool.offsets_of(slots)
+        check(not matched or (lease is not None and not lease.ended),
+              "a Get hands out {} blocks without a live lease", len(matched))
+        return self.engine.host_offsets(matched)
 
     @stream_rpc("GetLayers")
     async def GetLayers(self, request, context):
