@@ -43,8 +43,9 @@ Restore contenders, interleaved round by round (the order rotates):
   queue depth 32) through kvd.io into the same arena (on the development
   VM fio reached between about half of it and all of it, run to run).
 
-Store contenders, interleaved likewise: `write_blocks` of the same set in
-calls of `--store-batch-blocks` (64, the daemon's disk.write_batch_blocks),
+Store contenders, interleaved likewise: `write_blocks` (kvd.testing.disk_ops:
+one chunk of `DiskTier.write_chunks` a call) of the same set in calls of
+`--store-batch-blocks` (64, the daemon's disk.write_batch_blocks),
 with FsyncPolicy STRICT, GROUP (`sync()` once at the end, timed) and
 NONE, each on its own tier, against `fio
 --rw=write --direct=1 --bs=1M --iodepth=32 --end_fsync=1` (fio's runtime
@@ -110,6 +111,7 @@ from kvd.io import Op, open_engine
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import DiskConfig, locate_many
 from kvd.io.checksum import crc32c_chunks
+from kvd.testing import disk_ops
 from kvd.tiers.disk.tier import DiskTier
 from kvd.tiers.host import ArenaLayout, HostArena
 
@@ -262,12 +264,12 @@ class KvdRestore:
         b.poison()
         stats0 = (tier.stats.submissions, tier.stats.blocks_read, tier.stats.bytes_read,
                   tier.stats.checksum_failures, tier.stats.read_failures)
-        engine0 = tier.engine_stats()
+        engine0 = disk_ops.engine_stats(tier)
         (user0, sys0), t0 = cpu_split(), time.perf_counter()
         ok = self.read()
         seconds = time.perf_counter() - t0
         user1, sys1 = cpu_split()
-        engine1 = tier.engine_stats()
+        engine1 = disk_ops.engine_stats(tier)
         submissions, blocks_read, bytes_read, checksum_failures, read_failures = (
             now - before for now, before in zip(
                 (tier.stats.submissions, tier.stats.blocks_read, tier.stats.bytes_read,
@@ -434,8 +436,8 @@ class KvdStore:
         (user0, sys0), t0 = cpu_split(), time.perf_counter()
         durable = 0
         for first in range(0, b.count, self.batch_blocks):
-            ok = tier.write_blocks(b.namespace_id, b.layer_bytes, b.num_layers,
-                                   write_items(b, first, min(b.count, first + self.batch_blocks)))
+            ok = disk_ops.write_blocks(tier, b.namespace_id, b.layer_bytes, b.num_layers,
+                                       write_items(b, first, min(b.count, first + self.batch_blocks)))
             durable += sum(ok)
             calls += 1
         if self.policy == FsyncPolicy.GROUP:
@@ -725,8 +727,8 @@ def measure_restore(args: argparse.Namespace, label: str, blocks: Blocks, direct
     count, batch_blocks = blocks.count, args.store_batch_blocks
     progress(f"{label}: writing the blocks to the disk tier ({out['engine_kind']} engine)")
     for first in range(0, count, batch_blocks):
-        if not all(tier.write_blocks(blocks.namespace_id, blocks.layer_bytes, blocks.num_layers,
-                                     write_items(blocks, first, min(count, first + batch_blocks)))):
+        if not all(disk_ops.write_blocks(tier, blocks.namespace_id, blocks.layer_bytes, blocks.num_layers,
+                                         write_items(blocks, first, min(count, first + batch_blocks)))):
             raise RuntimeError("setup write failed")
     restore = KvdRestore(tier, blocks)
     contenders: list[Any] = [restore]

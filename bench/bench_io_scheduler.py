@@ -72,6 +72,7 @@ from kvd.core.io_schedule import IoClass, IoSchedule
 from kvd.core.keys import DType, NamespaceSpec
 from kvd.planner.slack import SlackTable, WriteSizer
 from kvd.planes.io_executor import ScheduledExecutor
+from kvd.testing import disk_ops
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import DiskConfig
 from kvd.tiers.disk.tier import DiskTier
@@ -119,8 +120,8 @@ class Rig:
         # cycles through the slots after it.
         items = [(key_of(i), b"", i, self.arena.address(i)) for i in range(restore_blocks)]
         for start in range(0, len(items), 64):
-            if not all(self.tier.write_blocks(self.namespace_id, SPEC.layer_bytes, SPEC.num_layers,
-                                              items[start:start + 64])):
+            if not all(disk_ops.write_blocks(self.tier, self.namespace_id, SPEC.layer_bytes, SPEC.num_layers,
+                                             items[start:start + 64])):
                 raise RuntimeError("setup write failed")
         # Restores land in arena slots after both sets.
         self.restore_items = [

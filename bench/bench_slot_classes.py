@@ -62,9 +62,10 @@ class Contender:
 
     def request(self, model: int, keys: list[bytes], now_ms: int) -> None:
         from kvd.core.engine import CommitRequest, KeysRequest
+        from kvd.testing import engine_ops
 
         namespace_id = self.namespaces[model]
-        lease, matched = self.engine.get(KeysRequest(namespace_id, CLIENT, keys, 0, now_ms))
+        lease, matched = engine_ops.get(self.engine, KeysRequest(namespace_id, CLIENT, keys, 0, now_ms))
         self.asked[model] += len(keys)
         self.hit[model] += len(matched)
         if lease is not None:

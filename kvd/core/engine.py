@@ -243,9 +243,6 @@ class Engine:
     def stored(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
         return self.reads.stored(namespace_id, keys, parent_key)
 
-    def get(self, request: KeysRequest):
-        return self.reads.get(request)
-
     def begin_get(self, request: KeysRequest) -> GetPlan:
         return self.reads.begin_get(request)
 
@@ -263,9 +260,6 @@ class Engine:
 
     def settle_get(self, plan: GetPlan) -> list[Block]:
         return self.reads.settle_get(plan)
-
-    def peek(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
-        return self.reads.peek(namespace_id, keys, parent_key)
 
     def begin_prefetch(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"",
                        max_in_flight: int = 0) -> PrefetchPlan:
@@ -346,9 +340,6 @@ class Engine:
     def demote(self, candidates: Sequence[Block]) -> tuple[int, int]:
         return self.allocator.demote(candidates)
 
-    def demote_all(self) -> tuple[int, int]:
-        return self.allocator.demote(self.host_candidates())
-
     # -- leases, Delete, in-process handles ----------------------------------------
 
     def release(self, client_id: str, lease_ids: Sequence[int]) -> int:
@@ -398,11 +389,6 @@ class Engine:
     def pin(self, block: Block) -> BlockHandle:
         """A read handle on one sealed block (e.g. while a Put waits for its disk copy)."""
         return self.blocks.acquire(block)
-
-    def acquire(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[BlockHandle]:
-        """Read handles for the stored prefix of `keys`; the caller releases them."""
-        matched = self.namespace(namespace_id).index.match(keys)
-        return [self.blocks.acquire(block) for block in matched]
 
     def verify(self) -> None:
         """Check every structure and every invariant between them (tests call this after each step)."""

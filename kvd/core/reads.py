@@ -88,17 +88,6 @@ class Reads(EnginePart):
         check_keys(self.limits, keys, "keys")
         return [block for block in match(state, keys, parent_key) if block.state == BlockState.SEALED]
 
-    def get(self, request: KeysRequest) -> tuple[Lease | None, list[Block]]:
-        """Pin the longest stored prefix of `keys` under a read lease.
-
-        For prefixes resident in the host tier. With a disk tier, callers use
-        begin_get / finish_loads / settle_get, which also bring blocks in from
-        disk.
-        """
-        plan = self.begin_get(request)
-        check(not plan.loads and not plan.waits, "get() of a prefix on disk: use begin_get")
-        return plan.lease, plan.matched
-
     def begin_get(self, request: KeysRequest) -> GetPlan:
         """Pin the longest stored prefix of `keys` and plan its disk reads.
 
@@ -264,16 +253,6 @@ class Reads(EnginePart):
         if not lease.handles:
             self.leases.close(lease)
             plan.lease = None
-
-    def peek(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
-        """Like get without a lease: for callers that copy out before they return."""
-        state = self.namespaces.namespace(namespace_id)
-        check_keys(self.limits, keys, "keys")
-        matched = match(state, keys, parent_key)
-        self.count_get(state, len(keys), matched)
-        self.blocks.touch_prefix(matched)
-        self.blocks.note_sightings(matched)
-        return matched
 
     def count_get(self, state: NamespaceState, requested: int,
                   matched: Sequence[Block]) -> tuple[NamespaceState, int, int, int, dict[Tier, int]]:

@@ -17,6 +17,7 @@ import pytest
 
 from kvd.core.keys import DType, NamespaceSpec
 from kvd.io import uring_unavailable_reason
+from kvd.testing import disk_ops
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.records import PutRecord
 from kvd.tiers.disk.layout import DiskConfig
@@ -113,7 +114,7 @@ def write(tier: DiskTier, arena: HostArena, blocks: dict[int, int], parent: byte
     for host_slot, (slot, seed) in enumerate(blocks.items()):
         fill(arena, host_slot, seed)
         items.append((key(seed), parent, slot, arena_address(arena, host_slot)))
-    return tier.write_blocks(NAMESPACE, LAYER_BYTES, LAYERS, items)
+    return disk_ops.write_blocks(tier, NAMESPACE, LAYER_BYTES, LAYERS, items)
 
 
 def records_by_slot(tier: DiskTier) -> dict[int, PutRecord]:

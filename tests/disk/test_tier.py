@@ -12,6 +12,7 @@ from kvd.core.keys import DType, NamespaceSpec
 from kvd.errors import InvalidArgument
 from kvd.invariants import InvariantError
 from kvd.io import Op
+from kvd.testing import disk_ops
 from kvd.tiers.disk.fs import OsFileSystem
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import locate, segment_name
@@ -159,7 +160,7 @@ def test_round_trip_is_bit_exact_through_a_host_arena(drives, arena, io_engine, 
     groups = -(-LAYERS // extent_layers)
     assert tier.stats.submissions == 1 + groups
     assert tier.stats.bytes_written == tier.stats.bytes_read == 10 * BLOCK_BYTES
-    engine_stats = tier.engine_stats()
+    engine_stats = disk_ops.engine_stats(tier)
     assert engine_stats["entries"] == 10 + 10 * groups
     assert engine_stats["checksum_chunks"] == 10 * LAYERS  # every layer checksummed by the engine
     tier.verify()
@@ -327,9 +328,9 @@ def test_register_namespace_checks_the_digest(drives):
 def test_using_an_unregistered_namespace_is_a_programmer_error(drives, arena):
     tier, _ = open_tier(make_config(drives))
     with pytest.raises(InvariantError, match="before register_namespace"):
-        tier.write_blocks(bytes(32), LAYER_BYTES, LAYERS, [(key(1), b"", 0, arena_address(arena, 0))])
+        disk_ops.write_blocks(tier, bytes(32), LAYER_BYTES, LAYERS, [(key(1), b"", 0, arena_address(arena, 0))])
     with pytest.raises(InvariantError, match="aligned"):
-        tier.write_blocks(NAMESPACE, LAYER_BYTES, LAYERS, [(key(1), b"", 0, arena_address(arena, 0) + 512)])
+        disk_ops.write_blocks(tier, NAMESPACE, LAYER_BYTES, LAYERS, [(key(1), b"", 0, arena_address(arena, 0) + 512)])
     tier.close()
 
 
@@ -382,7 +383,7 @@ def test_whole_block_reads_are_one_batch_of_one_extent_per_block_every_layer_sti
     assert ok.tolist() == [True] * 3 + [False] + [True] * 4
     assert reasons.tolist() == [0] * 3 + [ReadFailure.CHECKSUM] + [0] * 4
     assert tier.stats.submissions == 1
-    engine_stats = tier.engine_stats()
+    engine_stats = disk_ops.engine_stats(tier)
     assert engine_stats["entries"] == 8 and engine_stats["checksum_chunks"] == 8 * LAYERS
     for i in (0, 1, 2, 4, 5, 6, 7):
         assert host_bytes(arena, 32 + i) == expected_bytes(70 + i)
@@ -414,7 +415,7 @@ def test_whole_blocks_reported_in_runs_land_in_order_and_a_corrupt_block_fails_a
     assert ok.tolist() == [True] * 5 + [False] + [True] * 2
     good = ok.tolist()
     assert reports == [(2, good[:2]), (4, good[:4]), (6, good[:6]), (8, good)]
-    assert tier.stats.submissions == 4 and tier.engine_stats()["entries"] == 8 * LAYERS // entry_layers
+    assert tier.stats.submissions == 4 and disk_ops.engine_stats(tier)["entries"] == 8 * LAYERS // entry_layers
     with pytest.raises(InvariantError, match="whole blocks"):
         read(tier, arena, [0], on_blocks=on_blocks)  # layer groups cannot report blocks
     tier.close()
@@ -802,10 +803,10 @@ def test_data_is_durable_before_the_record_that_points_to_it(drives, arena):
 def test_records_of_slots_are_looked_up_for_reads(drives, arena):
     tier, _ = open_tier(make_config(drives))
     assert all(write(tier, arena, {9: 4}))
-    record = tier.record_of(9)
+    record = disk_ops.record_of(tier, 9)
     assert tier.key_of(9) == key(4) == record.key
     assert tier.layer_checksums_of(9) == record.layer_checksums and record.layer_count == LAYERS
-    assert tier.record_of(8) is None
+    assert disk_ops.record_of(tier, 8) is None
     with pytest.raises(InvariantError, match="does not hold"):
         tier.read_blocks(NAMESPACE, LAYER_BYTES, LAYERS, [(key(5), 9, arena_address(arena, 40), record.layer_checksums)])
     tier.close()

@@ -43,6 +43,7 @@ with atheris.instrument_imports(include=["kvd"]):
     from kvd.metrics import make_registry
     from kvd.server.registration import method_handlers
     from kvd.server.service import KvdService
+    from kvd.testing import engine_ops
     from kvd.tiers.host import ArenaLayout, HostArena
     from kvd.v1 import kvd_pb2
 
@@ -115,7 +116,7 @@ class Harness:
         self.play_id, self.play_keys = self._store(SPEC, b"play")
         hidden_id, hidden_keys = self._store(HIDDEN_SPEC, b"hidden")
         # Pinned by handles outside any lease: no input can end them.
-        self.reference = self.engine.acquire(hidden_id, hidden_keys)
+        self.reference = engine_ops.acquire(self.engine, hidden_id, hidden_keys)
         assert len(self.reference) == CHAIN_BLOCKS
 
     def _store(self, spec: NamespaceSpec, seed: bytes) -> tuple[bytes, list[bytes]]:

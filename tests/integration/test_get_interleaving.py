@@ -25,6 +25,7 @@ from kvd.planes.disk import DiskPlane
 from kvd.server.get_stream import BlockSteps, LayerSteps
 from kvd.server.handlers import admin as admin_handlers
 from kvd.server.service import KvdService
+from kvd.testing import engine_ops
 from kvd.tiers.host import ArenaLayout, HostArena
 from kvd.v1 import kvd_pb2
 
@@ -384,7 +385,7 @@ def test_a_load_whose_lease_expires_before_its_copies_land_keeps_its_blocks_pinn
         node.engine.expire(lease.deadline_ms)
         blocks = node.engine.stored(node.namespace_id, keys)
         assert not lease.ended and all(block.ref_count > 0 for block in blocks)
-        node.engine.demote_all()  # nothing pinned may give up its host copy
+        engine_ops.demote_all(node.engine)  # nothing pinned may give up its host copy
         assert all(node.engine.host_slot(block) >= 0 for block in blocks)
         plane.landed()
         assert lease.ended and node.engine.pinned_blocks == 0

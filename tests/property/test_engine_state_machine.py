@@ -36,6 +36,7 @@ from kvd.errors import (
     ResourceExhausted,
 )
 from kvd.testing.engine_snapshot import snapshot
+from kvd.testing import engine_ops
 from kvd.core.requests import CommitRequest, KeysRequest
 
 SLOTS = 6
@@ -403,8 +404,8 @@ class EngineMachine(RuleBasedStateMachine):
             expected = self.match(ns, chain[start:], parent_key or None)
 
         def call():
-            return self.engine.get(KeysRequest(self.ns_ids[ns], client, chain[start:], lease_ms, self.now,
-                                               parent_key=parent_key))
+            return engine_ops.get(self.engine, KeysRequest(self.ns_ids[ns], client, chain[start:], lease_ms, self.now,
+                                                           parent_key=parent_key))
 
         if expected and len(self.leases) >= MAX_LEASES:
             # (snapshot leaves out the hit/miss counters, which get bumps
@@ -486,7 +487,7 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(ns=namespaces, path=paths)
     def acquire(self, ns, path):
         chain = keys_of(ns, path)
-        handles = self.engine.acquire(self.ns_ids[ns], chain)
+        handles = engine_ops.acquire(self.engine, self.ns_ids[ns], chain)
         event(f"acquire: matched={bool(handles)}")
         assert [h.key for h in handles] == self.match(ns, chain)
         self.held.extend((ns, handle) for handle in handles)

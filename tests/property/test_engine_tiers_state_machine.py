@@ -49,6 +49,7 @@ from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.errors import ResourceExhausted
 from kvd.sim.plane import SlotContents
 from kvd.sim.report import policy_names
+from kvd.testing import engine_ops
 from kvd.core.requests import CommitRequest, KeysRequest
 
 HOST_SLOTS = 4
@@ -373,7 +374,7 @@ class TierMachine(RuleBasedStateMachine):
     def hold(self, data):
         """Pin a prefix and keep it pinned: a slow reader."""
         keys = chain(self.stored_path(data))
-        handles = self.engine.acquire(self.ns, keys)
+        handles = engine_ops.acquire(self.engine, self.ns, keys)
         assert [handle.key for handle in handles] == [block.key for block in self.match(keys)]
         self.held.extend(handles)
 

@@ -30,6 +30,7 @@ from kvd.errors import (
     ResourceExhausted,
 )
 from kvd.invariants import InvariantError
+from kvd.testing import engine_ops
 from kvd.testing.engine_snapshot import snapshot
 from kvd.core.requests import CommitRequest, KeysRequest
 
@@ -165,7 +166,7 @@ def test_reserve_then_commit_a_fresh_chain(env):
     assert [block(engine, ns, c).state for c in ("a", "ab", "abc")] == [BlockState.WRITABLE] * 3
     # Writable blocks are not discoverable.
     assert engine.lookup(ns, K("abc")) == []
-    assert engine.get(KeysRequest(ns, "reader", K("abc"), LONG, 0)) == (None, [])
+    assert engine_ops.get(engine, KeysRequest(ns, "reader", K("abc"), LONG, 0)) == (None, [])
     assert (engine.live_handles, engine.pinned_blocks, engine.host.pool.resident_blocks) == (3, 3, 3)
     assert engine.host.pool.used_bytes == 3 * SPEC.block_bytes
     assert engine.host.counters.reserved == 3
@@ -270,12 +271,12 @@ def test_full_pool_of_pinned_blocks_is_resource_exhausted(make):
     engine, ns = make(slots=6)
     put(engine, ns, "abc")
     put(engine, ns, "xyz")
-    engine.get(KeysRequest(ns, "reader", K("abc"), LONG, 0))
-    engine.get(KeysRequest(ns, "reader", K("xy"), LONG, 0))
+    engine_ops.get(engine, KeysRequest(ns, "reader", K("abc"), LONG, 0))
+    engine_ops.get(engine, KeysRequest(ns, "reader", K("xy"), LONG, 0))
     # The only candidate left, xyz, is the parent of the request: pinned for it.
     rejected(engine, ResourceExhausted, "reserve", KeysRequest(ns, "w", K("xyzuvw")[3:], LONG, 0,
                                                                parent_key=k("xyz")), match="full")
-    engine.get(KeysRequest(ns, "reader", K("xyz"), LONG, 0))
+    engine_ops.get(engine, KeysRequest(ns, "reader", K("xyz"), LONG, 0))
     rejected(engine, ResourceExhausted, "reserve", KeysRequest(ns, "w", K("pq"), LONG, 0), match="full")
     engine.close_all_leases()
 
@@ -354,7 +355,7 @@ def test_lru_among_single_blocks(make):
     for chain in ("a", "b", "c", "d"):
         put(engine, ns, chain)
     engine.lookup(ns, K("b"))
-    engine.get(KeysRequest(ns, "reader", K("a"), LONG, 0))  # pinned: not a candidate
+    engine_ops.get(engine, KeysRequest(ns, "reader", K("a"), LONG, 0))  # pinned: not a candidate
     engine.lookup(ns, K("c"))
     assert policy_order(engine) == [k("d"), k("b"), k("c")]
     assert reserve_and_report_evictions(engine, ns, "pq") == [k("d"), k("b")]
@@ -399,7 +400,7 @@ def test_pinned_blocks_are_never_evicted(env):
     engine, ns = env
     put(engine, ns, "abc")
     put(engine, ns, "xyz")
-    lease, matched = engine.get(KeysRequest(ns, "reader", K("abc"), LONG, 0))
+    lease, matched = engine_ops.get(engine, KeysRequest(ns, "reader", K("abc"), LONG, 0))
     assert [b.ref_count for b in matched] == [1, 1, 1]
     result = engine.reserve(KeysRequest(ns, "w", K("pqrs"), LONG, 0))
     assert result.statuses == [R, R, R, N]
@@ -413,7 +414,7 @@ def test_a_pinned_inner_block_protects_its_prefix_only(env):
     engine, ns = env
     put(engine, ns, "abc")
     put(engine, ns, "xyz")
-    lease, _ = engine.get(KeysRequest(ns, "reader", K("ab"), LONG, 0))
+    lease, _ = engine_ops.get(engine, KeysRequest(ns, "reader", K("ab"), LONG, 0))
     # c is still a candidate (the oldest); after it goes, ab is pinned and
     # not a candidate, so xyz goes next.
     assert reserve_and_report_evictions(engine, ns, "pqrs") == [k("abc"), k("xyz"), k("xy"), k("x")]
@@ -502,7 +503,7 @@ def test_foreign_lease_is_permission_denied(writing):
 def test_read_lease_cannot_be_committed(env):
     engine, ns = env
     put(engine, ns, "ab")
-    lease, _ = engine.get(KeysRequest(ns, "reader", K("ab"), LONG, 0))
+    lease, _ = engine_ops.get(engine, KeysRequest(ns, "reader", K("ab"), LONG, 0))
     rejected(engine, FailedPrecondition, "commit", CommitRequest(ns, "reader", lease.lease_id, 0), match="read lease")
     engine.release("reader", [lease.lease_id])
 
@@ -599,13 +600,13 @@ def test_writable_key_after_a_missing_one_is_rejected(env):
 
 
 # ----------------------------------------------------------------------
-# Get, peek, acquire
+# Get, acquire
 
 
 def test_get_pins_the_stored_prefix(env):
     engine, ns = env
     put(engine, ns, "abc")
-    lease, matched = engine.get(KeysRequest(ns, "reader", K("abcd"), 500, 10))
+    lease, matched = engine_ops.get(engine, KeysRequest(ns, "reader", K("abcd"), 500, 10))
     assert [b.key for b in matched] == K("abc")
     assert lease.kind == LeaseKind.READ and lease.deadline_ms == 510
     assert [b.ref_count for b in matched] == [1, 1, 1]
@@ -614,7 +615,7 @@ def test_get_pins_the_stored_prefix(env):
     state = engine.namespace(ns)
     assert (state.get_hits, state.get_misses) == (3, 1)
     # A second reader shares the blocks.
-    second, _ = engine.get(KeysRequest(ns, "other", K("ab"), 500, 10))
+    second, _ = engine_ops.get(engine, KeysRequest(ns, "other", K("ab"), 500, 10))
     assert [b.ref_count for b in matched] == [2, 2, 1]
     assert engine.pinned_blocks == 3 and engine.live_handles == 5
     assert engine.release("reader", [lease.lease_id]) == 1
@@ -626,7 +627,7 @@ def test_get_pins_the_stored_prefix(env):
 
 def test_get_miss_opens_no_lease(env):
     engine, ns = env
-    assert engine.get(KeysRequest(ns, "reader", K("ab"), LONG, 0)) == (None, [])
+    assert engine_ops.get(engine, KeysRequest(ns, "reader", K("ab"), LONG, 0)) == (None, [])
     assert len(engine.leases) == 0
     assert engine.namespace(ns).get_misses == 2
 
@@ -635,7 +636,6 @@ def test_lookup_counts_and_never_pins(env):
     engine, ns = env
     put(engine, ns, "ab")
     assert [b.key for b in engine.lookup(ns, K("abc"))] == K("ab")
-    assert [b.key for b in engine.peek(ns, K("abc"))] == K("ab")
     state = engine.namespace(ns)
     assert (state.lookup_hits, state.lookup_misses) == (2, 1)
     assert engine.pinned_blocks == 0
@@ -646,19 +646,18 @@ def test_lookup_and_get_from_a_parent_key(env):
     put(engine, ns, "abcd")
     tail = K("abcd")[2:]
     assert [b.key for b in engine.lookup(ns, tail, k("ab"))] == tail
-    assert [b.key for b in engine.peek(ns, tail, k("ab"))] == tail
     # The continuation must hang under that parent, not just be stored.
     assert engine.lookup(ns, tail, k("a")) == []
     assert engine.lookup(ns, tail) == []
     # An unknown parent matches nothing (it may have been evicted).
     assert engine.lookup(ns, tail, k("zz")) == []
-    lease, matched = engine.get(KeysRequest(ns, "r", tail, LONG, 0, parent_key=k("ab")))
+    lease, matched = engine_ops.get(engine, KeysRequest(ns, "r", tail, LONG, 0, parent_key=k("ab")))
     assert [b.key for b in matched] == tail and [h.key for h in lease.handles] == tail
     assert block(engine, ns, "ab").ref_count == 0  # only the matched blocks are pinned
-    assert engine.get(KeysRequest(ns, "r", tail, LONG, 0, parent_key=k("zz"))) == (None, [])
+    assert engine_ops.get(engine, KeysRequest(ns, "r", tail, LONG, 0, parent_key=k("zz"))) == (None, [])
     rejected(engine, InvalidArgument, "lookup", ns, tail, b"x" * 5, match="parent_key")
-    rejected(engine, InvalidArgument, "get", KeysRequest(ns, "r", tail, LONG, 0, parent_key=b"x" * 5),
-                                                         match="parent_key")
+    rejected(engine, InvalidArgument, "begin_get", KeysRequest(ns, "r", tail, LONG, 0, parent_key=b"x" * 5),
+             match="parent_key")
     engine.release("r", [lease.lease_id])
     # A parent still being written matches nothing.
     result = engine.reserve(KeysRequest(ns, "w", K("abcdef")[4:], LONG, 0, parent_key=k("abcd")))
@@ -669,7 +668,7 @@ def test_lookup_and_get_from_a_parent_key(env):
 def test_acquire_handles(env):
     engine, ns = env
     put(engine, ns, "ab")
-    handles = engine.acquire(ns, K("abc"))
+    handles = engine_ops.acquire(engine, ns, K("abc"))
     assert [h.key for h in handles] == K("ab")
     assert engine.live_handles == 2
     with handles[1] as handle:
@@ -701,8 +700,8 @@ def test_release_of_a_write_lease_aborts_unsealed_blocks(writing):
 def test_release_is_all_or_nothing(env):
     engine, ns = env
     put(engine, ns, "ab")
-    mine, _ = engine.get(KeysRequest(ns, "me", K("ab"), LONG, 0))
-    theirs, _ = engine.get(KeysRequest(ns, "them", K("a"), LONG, 0))
+    mine, _ = engine_ops.get(engine, KeysRequest(ns, "me", K("ab"), LONG, 0))
+    theirs, _ = engine_ops.get(engine, KeysRequest(ns, "them", K("a"), LONG, 0))
     rejected(engine, PermissionDenied, "release", "me", [mine.lease_id, theirs.lease_id])
     rejected(engine, NotFound, "release", "me", [mine.lease_id, 999])
     rejected(engine, InvalidArgument, "release", "me", [mine.lease_id, mine.lease_id], match="duplicates")
@@ -718,7 +717,7 @@ def test_expiry_aborts_writable_blocks_and_drops_read_pins(env):
     put(engine, ns, "xy")
     write = engine.reserve(KeysRequest(ns, "writer", K("abc"), 100, 0))
     engine.commit(CommitRequest(ns, "writer", write.lease.lease_id, 50, keys=[k("a")]))
-    read, _ = engine.get(KeysRequest(ns, "reader", K("xy"), 100, 20))  # deadline 120
+    read, _ = engine_ops.get(engine, KeysRequest(ns, "reader", K("xy"), 100, 20))  # deadline 120
     assert engine.pinned_blocks == 5
     assert engine.expire(99) == 0
     with pytest.raises(NotFound):
@@ -744,7 +743,7 @@ def test_a_held_lease_outlives_its_end_until_the_last_hold_goes(env):
     engine, ns = env
     put(engine, ns, "xy")
     write = engine.reserve(KeysRequest(ns, "writer", K("abc"), 100, 0))  # deadline 100
-    read, _ = engine.get(KeysRequest(ns, "reader", K("xy"), 100, 0))
+    read, _ = engine_ops.get(engine, KeysRequest(ns, "reader", K("xy"), 100, 0))
     writable = [handle.block for handle in write.lease.handles]
     slots = [engine.host_slot(b) for b in writable]
     engine.leases.hold(write.lease)
@@ -771,7 +770,7 @@ def test_a_held_lease_outlives_its_end_until_the_last_hold_goes(env):
 def test_a_lease_released_while_held_ends_at_unhold_and_cannot_be_held_again(env):
     engine, ns = env
     put(engine, ns, "ab")
-    lease, _ = engine.get(KeysRequest(ns, "r", K("ab"), LONG, 0))
+    lease, _ = engine_ops.get(engine, KeysRequest(ns, "r", K("ab"), LONG, 0))
     engine.leases.hold(lease)
     assert engine.release("r", [lease.lease_id]) == 1
     assert not lease.ended and engine.pinned_blocks == 2
@@ -785,11 +784,11 @@ def test_every_call_with_now_expires_first(env):
     engine, ns = env
     put(engine, ns, "ab")
     for call in (
-        lambda now: engine.get(KeysRequest(ns, "r", K("a"), 0, now)),
+        lambda now: engine_ops.get(engine, KeysRequest(ns, "r", K("a"), 0, now)),
         lambda now: engine.reserve(KeysRequest(ns, "r", K("ab"), 0, now)),
         lambda now: engine.renew("r", 12345, 0, now),
     ):
-        lease, _ = engine.get(KeysRequest(ns, "reader", K("ab"), 10, 0))
+        lease, _ = engine_ops.get(engine, KeysRequest(ns, "reader", K("ab"), 10, 0))
         try:
             call(10)
         except NotFound:
@@ -801,7 +800,7 @@ def test_every_call_with_now_expires_first(env):
 def test_renew_extends_the_deadline(env):
     engine, ns = env
     put(engine, ns, "ab")
-    lease, _ = engine.get(KeysRequest(ns, "reader", K("ab"), 100, 0))
+    lease, _ = engine_ops.get(engine, KeysRequest(ns, "reader", K("ab"), 100, 0))
     assert engine.renew("reader", lease.lease_id, 100, 50) == 150
     assert engine.expire(100) == 0  # the old deadline is stale
     assert engine.leases.next_deadline_ms() == 150
@@ -812,13 +811,13 @@ def test_renew_extends_the_deadline(env):
 def test_lease_ms_bounds(make):
     engine, ns = make(lease_ms_default=1_000, lease_ms_max=LONG)
     put(engine, ns, "a")
-    lease, _ = engine.get(KeysRequest(ns, "r", K("a"), 0, 100))
+    lease, _ = engine_ops.get(engine, KeysRequest(ns, "r", K("a"), 0, 100))
     assert lease.deadline_ms == 1_100  # 0 means the default
-    lease, _ = engine.get(KeysRequest(ns, "r", K("a"), LONG, 100))
+    lease, _ = engine_ops.get(engine, KeysRequest(ns, "r", K("a"), LONG, 100))
     assert lease.deadline_ms == LONG + 100  # the maximum is inclusive
     assert engine.renew("r", lease.lease_id, 0, 200) == 1_200
     for bad in (-1, LONG + 1, 10**9):
-        rejected(engine, InvalidArgument, "get", KeysRequest(ns, "r", K("a"), bad, 100), match="lease_ms")
+        rejected(engine, InvalidArgument, "begin_get", KeysRequest(ns, "r", K("a"), bad, 100), match="lease_ms")
         rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "r", K("ab"), bad, 100), match="lease_ms")
         rejected(engine, InvalidArgument, "renew", "r", lease.lease_id, bad, 100, match="lease_ms")
     engine.close_all_leases()
@@ -828,7 +827,7 @@ def test_lease_table_full(make):
     engine, ns = make(max_leases=1)
     put(engine, ns, "ab")
     put(engine, ns, "xy")
-    held, _ = engine.get(KeysRequest(ns, "r", K("a"), LONG, 0))
+    held, _ = engine_ops.get(engine, KeysRequest(ns, "r", K("a"), LONG, 0))
     assert policy_order(engine) == [k("ab"), k("xy")]
     rejected(engine, ResourceExhausted, "reserve", KeysRequest(ns, "w", K("pq"), LONG, 0), match="leases")
     # Regression: the refused reserve used to touch the stored prefix first.
@@ -836,7 +835,7 @@ def test_lease_table_full(make):
     # Needing no lease, a reserve of a stored chain still works.
     assert engine.reserve(KeysRequest(ns, "w", K("ab"), LONG, 0)).statuses == [E, E]
     # A get refused for lack of lease room changes nothing, counters included.
-    rejected(engine, ResourceExhausted, "get", KeysRequest(ns, "r", K("ab"), LONG, 0), match="leases")
+    rejected(engine, ResourceExhausted, "begin_get", KeysRequest(ns, "r", K("ab"), LONG, 0), match="leases")
     assert [b.ref_count for b in engine.lookup(ns, K("ab"))] == [1, 0]
     engine.release("r", [held.lease_id])
 
@@ -848,7 +847,7 @@ def test_batch_and_client_limits(make):
     rejected(engine, InvalidArgument, "delete", ns, K("abc"))
     rejected(engine, InvalidArgument, "release", "w", [1, 2, 3])
     rejected(engine, InvalidArgument, "reserve", KeysRequest(ns, "", K("ab"), LONG, 0), match="client_id")
-    rejected(engine, InvalidArgument, "get", KeysRequest(ns, "", K("ab"), LONG, 0), match="client_id")
+    rejected(engine, InvalidArgument, "begin_get", KeysRequest(ns, "", K("ab"), LONG, 0), match="client_id")
     rejected(engine, InvalidArgument, "lookup", ns, [k("a"), b"x" * 33], match=r"keys\[1\] is 33 bytes")
 
 
@@ -875,14 +874,14 @@ def test_delete_removes_a_subtree(env):
 def test_delete_of_a_pinned_subtree_is_refused(env):
     engine, ns = env
     put(engine, ns, "abc")
-    lease, _ = engine.get(KeysRequest(ns, "r", K("abc"), LONG, 0))
+    lease, _ = engine_ops.get(engine, KeysRequest(ns, "r", K("abc"), LONG, 0))
     before = snapshot(engine.engine)
     assert engine.delete(ns, [k("a")]) == (0, 1)
     assert engine.delete(ns, [k("abc")]) == (0, 1)
     assert snapshot(engine.engine) == before
     engine.release("r", [lease.lease_id])
     # Pinning an ancestor does not protect the descendants.
-    lease, _ = engine.get(KeysRequest(ns, "r", K("a"), LONG, 0))
+    lease, _ = engine_ops.get(engine, KeysRequest(ns, "r", K("a"), LONG, 0))
     assert engine.delete(ns, [k("ab")]) == (2, 0)
     assert engine.delete(ns, [k("a")]) == (0, 1)
     engine.release("r", [lease.lease_id])
@@ -903,7 +902,7 @@ def test_delete_mixed(env):
     engine, ns = env
     put(engine, ns, "ab")
     put(engine, ns, "xy")
-    lease, _ = engine.get(KeysRequest(ns, "r", K("xy"), LONG, 0))
+    lease, _ = engine_ops.get(engine, KeysRequest(ns, "r", K("xy"), LONG, 0))
     assert engine.delete(ns, [k("a"), k("x")]) == (2, 1)
     assert stored(engine, ns) == set(K("xy"))
     engine.release("r", [lease.lease_id])
@@ -917,7 +916,7 @@ def test_delete_mixed(env):
 def test_a_dropped_handle_is_counted_warned_and_released(env):
     engine, ns = env
     put(engine, ns, "ab")
-    handles = engine.acquire(ns, K("ab"))
+    handles = engine_ops.acquire(engine, ns, K("ab"))
     handles[0].release()
     with pytest.warns(ResourceWarning, match="leaked block handle"):
         del handles[1]  # the last reference: finalized right here
@@ -935,7 +934,7 @@ def test_a_leak_under_warnings_as_errors_still_releases(env, monkeypatch):
     put(engine, ns, "a")
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
-    handles = engine.acquire(ns, K("a"))
+    handles = engine_ops.acquire(engine, ns, K("a"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ResourceWarning)
         del handles[0]
@@ -963,7 +962,7 @@ def test_a_dropped_writer_handle_aborts_its_block(env):
 def test_leases_own_their_handles_so_closing_is_not_a_leak(env):
     engine, ns = env
     put(engine, ns, "abc")
-    engine.get(KeysRequest(ns, "r", K("abc"), LONG, 0))
+    engine_ops.get(engine, KeysRequest(ns, "r", K("abc"), LONG, 0))
     engine.reserve(KeysRequest(ns, "w", K("abcd"), LONG, 0))
     assert engine.close_all_leases() == 2
     gc.collect()

@@ -23,6 +23,7 @@ from kvd.core.policy.promotion import AlwaysPromote
 from kvd.errors import KvdError
 from kvd.invariants import InvariantError
 from kvd.sim.plane import SlotContents
+from kvd.testing import engine_ops
 from kvd.core.requests import CommitRequest, KeysRequest
 
 SPEC = NamespaceSpec(model_id="disk-test", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
@@ -409,18 +410,18 @@ def test_demote_all_drops_every_durable_unpinned_host_copy_and_keeps_the_rest(en
     plane.put("abxy")
     assert plane.flush() == 6
     plane.put("pq")  # never written: its only copy is in host memory
-    lease, held = engine.get(KeysRequest(plane.ns, "holder", K("abxy")[:3], LONG, 0))
+    lease, held = engine_ops.get(engine, KeysRequest(plane.ns, "holder", K("abxy")[:3], LONG, 0))
     assert len(held) == 3
     each = engine.namespace(plane.ns).block_bytes
-    assert engine.demote_all() == (3, 3 * each)  # d, c and y; x is held, so a and b stay too
+    assert engine_ops.demote_all(engine) == (3, 3 * each)  # d, c and y; x is held, so a and b stay too
     assert tiers(plane, "abcd") == [TierId.HOST, TierId.HOST, TierId.DISK, TierId.DISK]
     assert tiers(plane, "abxy") == [TierId.HOST] * 3 + [TierId.DISK]
     assert tiers(plane, "pq") == [TierId.HOST] * 2
     engine.release("holder", [lease.lease_id])
-    assert engine.demote_all() == (3, 3 * each)  # x, then b and a once neither branch holds them
+    assert engine_ops.demote_all(engine) == (3, 3 * each)  # x, then b and a once neither branch holds them
     assert tiers(plane, "abxy") == [TierId.DISK] * 4 and tiers(plane, "abcd") == [TierId.DISK] * 4
     assert engine.host.pool.resident_blocks == 2 and engine.host.counters.requested_demotions == 6
-    assert engine.demote_all() == (0, 0)
+    assert engine_ops.demote_all(engine) == (0, 0)
     engine.verify()
     assert plane.get("abcd") == K("abcd") and plane.get("abxy") == K("abxy")
     engine.verify()

@@ -19,6 +19,7 @@ from kvd.core.block import NO_SLOT
 from kvd.core.engine import CommitRequest, Engine, KeysRequest
 from kvd.core.keys import NamespaceSpec
 from kvd.errors import ResourceExhausted
+from kvd.testing import engine_ops
 from kvd.testing.chains import text_chain as keys
 
 PAGE = 64 << 10
@@ -99,7 +100,7 @@ def test_a_page_with_a_pinned_block_is_never_reclaimed():
     rig = Rig()
     assert rig.put(SMALL, "abcd") == 4
     assert rig.put(BIG, "ABCDEFG") == 7
-    pins = rig.engine.acquire(rig.ns["small"], keys(SMALL, "abcd"))
+    pins = engine_ops.acquire(rig.engine, rig.ns["small"], keys(SMALL, "abcd"))
     assert len(pins) == 4
     assert rig.put(BIG, "X") == 1  # a big block of its own class goes instead
     rig.check()
@@ -122,7 +123,8 @@ def test_a_class_finds_its_own_candidate_past_the_front_of_the_eviction_order():
     for chain in small_chains:
         assert rig.put(SMALL, chain) >= 1
     assert rig.put(BIG, "ABCDEFGHIJ") == 10
-    pins = [pin for chain in small_chains[::4] for pin in engine.acquire(rig.ns["small"], keys(SMALL, chain))]
+    pins = [pin for chain in small_chains[::4]
+            for pin in engine_ops.acquire(engine, rig.ns["small"], keys(SMALL, chain))]
     assert len(engine.host.policy) > 64 and not engine.host.pool.free_pages
     assert rig.put(BIG, "X") == 1
     rig.check()
@@ -149,7 +151,7 @@ def test_a_random_two_model_workload_keeps_every_invariant(seed):
         elif action < 0.7:
             rig.stored(spec, chain)
         elif action < 0.8:
-            held.extend(rig.engine.acquire(rig.ns[spec.model_id], keys(spec, chain)))
+            held.extend(engine_ops.acquire(rig.engine, rig.ns[spec.model_id], keys(spec, chain)))
         elif action < 0.9 and held:
             held.pop(rng.randrange(len(held))).release()
         else:

@@ -21,6 +21,7 @@ from kvd.core.quota import QuotaExceeded, TenantQuota
 from kvd.errors import NotFound, PermissionDenied, ResourceExhausted
 from kvd.testing.engine_snapshot import snapshot
 from kvd.core.requests import CommitRequest, KeysRequest
+from kvd.testing import engine_ops
 
 SPEC = NamespaceSpec(model_id="tenant-test", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
 SLOT = 64
@@ -81,7 +82,7 @@ def test_leases_of_another_scope_are_not_found_and_of_another_client_denied():
     engine = Engine(host_slot_count=8, host_slot_bytes=SLOT)
     a = engine.register_namespace(tenant_spec("a")).namespace_id
     put(engine, a, "ab", client="a\x00w")
-    lease, _ = engine.get(KeysRequest(a, "a\x00reader", K("ab"), LONG, 0))
+    lease, _ = engine_ops.get(engine, KeysRequest(a, "a\x00reader", K("ab"), LONG, 0))
     with pytest.raises(NotFound):
         engine.release("b\x00reader", [lease.lease_id])
     with pytest.raises(NotFound):
@@ -120,7 +121,7 @@ def test_a_put_past_the_host_quota_evicts_the_tenants_own_least_recently_used_bl
 def test_a_put_the_quota_cannot_make_room_for_is_refused_and_changes_nothing():
     engine, quota, a, b = host_quota_engine(slots=16, limit_slots=3)
     put(engine, a, "abc")
-    lease, _ = engine.get(KeysRequest(a, "r", K("abc"), LONG, 0))  # every block of the tenant pinned
+    lease, _ = engine_ops.get(engine, KeysRequest(a, "r", K("abc"), LONG, 0))  # every block of the tenant pinned
     before = snapshot(engine)
     with pytest.raises(QuotaExceeded, match=r"tenant 'a' is over its host quota: its blocks take 192 of its 192 "):
         engine.reserve(KeysRequest(a, "w", K("x"), LONG, 0))
@@ -375,8 +376,8 @@ def test_a_tenant_at_its_host_quota_makes_room_for_a_chain_from_its_own_chains()
     assert [stored(engine, a, chain) for chain in chains] == [0, 16, 16]
     assert quota.counters.host_evicted == 16 and quota.counters.host_refused == 0
     # One chain pinned, one pinned but for its last 4 blocks: 4 can go, 16 are needed.
-    leases = [engine.get(KeysRequest(a, "w2", K(chains[1]), LONG, 0))[0],
-              engine.get(KeysRequest(a, "w2", K(chains[2])[:12], LONG, 0))[0]]
+    leases = [engine_ops.get(engine, KeysRequest(a, "w2", K(chains[1]), LONG, 0))[0],
+              engine_ops.get(engine, KeysRequest(a, "w2", K(chains[2])[:12], LONG, 0))[0]]
     before = snapshot(engine)
     with pytest.raises(QuotaExceeded, match=f"only {4 * SLOT} bytes of its blocks can be evicted"):
         engine.reserve(KeysRequest(a, "w", K(chains[0]), LONG, 0))

@@ -20,6 +20,7 @@ from kvd.core.reads import GetCut, LoadOutcome
 from kvd.core.requests import CommitRequest, KeysRequest
 from kvd.invariants import InvariantError
 from kvd.sim.plane import SlotContents
+from kvd.testing import engine_ops
 from kvd.testing.chains import text_chain as keys
 from kvd.v1 import kvd_pb2
 
@@ -48,7 +49,7 @@ class Rig:
         while self.run_round():
             pass
         self.mover.draining = False
-        self.engine.demote_all()
+        engine_ops.demote_all(self.engine)
         assert all(self.engine.host_slot(block) < 0 for block in self.engine.stored(self.ns, keys(SPEC, chain)))
 
     def run_round(self) -> bool:

@@ -17,6 +17,7 @@ from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.core.policy import DiskPolicies
 from kvd.errors import ResourceExhausted
 from kvd.metrics import make_registry
+from kvd.testing import engine_ops
 from kvd.testing.engine_snapshot import snapshot
 from kvd.core.requests import CommitRequest, KeysRequest
 
@@ -57,22 +58,22 @@ def test_a_get_past_the_pin_cap_is_refused_before_anything_changes(capped):
     engine, ns = capped
     put(engine, ns, "abcd")
     put(engine, ns, "abcdef")  # 2 new blocks and their pinned parent: under the cap
-    lease, matched = engine.get(KeysRequest(ns, "reader", K("abc"), LONG, 0))
+    lease, matched = engine_ops.get(engine, KeysRequest(ns, "reader", K("abc"), LONG, 0))
     assert len(matched) == 3 and engine.leases.pins_of("reader") == 3
-    error = refused(engine, "get", KeysRequest(ns, "reader", K("ab"), LONG, 0))
+    error = refused(engine, "begin_get", KeysRequest(ns, "reader", K("ab"), LONG, 0))
     assert "'reader' pins 3 blocks" in error.message and "2 more" in error.message
     assert "cap of 4 blocks per client (leases.max_pins_per_client)" in error.message
     # Exactly at the cap is allowed, and the cap is per client.
-    engine.get(KeysRequest(ns, "reader", K("a"), LONG, 0))
+    engine_ops.get(engine, KeysRequest(ns, "reader", K("a"), LONG, 0))
     assert engine.leases.pins_of("reader") == 4
-    _, other = engine.get(KeysRequest(ns, "other", K("abcd"), LONG, 0))
+    _, other = engine_ops.get(engine, KeysRequest(ns, "other", K("abcd"), LONG, 0))
     assert len(other) == 4 and engine.leases.pins_of("other") == 4
     assert (engine.leases.pinning_clients(), engine.leases.max_client_pins(), engine.leases.pinned_total) == (2, 4, 8)
     # A Get that matches nothing pins nothing and is never refused.
-    assert engine.get(KeysRequest(ns, "reader", K("xyz"), LONG, 0)) == (None, [])
+    assert engine_ops.get(engine, KeysRequest(ns, "reader", K("xyz"), LONG, 0)) == (None, [])
     engine.release("reader", [lease.lease_id])
     assert engine.leases.pins_of("reader") == 1
-    engine.get(KeysRequest(ns, "reader", K("abc"), LONG, 0))
+    engine_ops.get(engine, KeysRequest(ns, "reader", K("abc"), LONG, 0))
     engine.verify()
 
 
@@ -100,7 +101,7 @@ def test_expired_leases_give_their_pins_back_and_the_blocks_become_evictable(eng
     engine = engine_factory(4, 64, limits=EngineLimits(max_pins_per_client=8))
     ns = engine.register_namespace(SPEC).namespace_id
     put(engine, ns, "abcd")
-    engine.get(KeysRequest(ns, "dead", K("abcd"), 100, 0))
+    engine_ops.get(engine, KeysRequest(ns, "dead", K("abcd"), 100, 0))
     assert engine.leases.pins_of("dead") == 4 and engine.pinned_blocks == 4
     # Before the deadline the whole host tier is pinned: nothing can be evicted.
     with pytest.raises(ResourceExhausted, match="host tier is full"):
@@ -118,10 +119,10 @@ def test_pin_metrics(capped):
     engine, ns = capped
     registry, _ = make_registry(engine)
     put(engine, ns, "abcd")
-    engine.get(KeysRequest(ns, "r1", K("abc"), LONG, 0))
-    engine.get(KeysRequest(ns, "r2", K("a"), LONG, 0))
+    engine_ops.get(engine, KeysRequest(ns, "r1", K("abc"), LONG, 0))
+    engine_ops.get(engine, KeysRequest(ns, "r2", K("a"), LONG, 0))
     with pytest.raises(ResourceExhausted):
-        engine.get(KeysRequest(ns, "r1", K("ab"), LONG, 0))
+        engine_ops.get(engine, KeysRequest(ns, "r1", K("ab"), LONG, 0))
     value = registry.get_sample_value
     assert value("kvd_lease_pinned_blocks") == 4
     assert value("kvd_lease_clients") == 2
@@ -135,7 +136,7 @@ def test_get_hits_and_misses_by_tier_without_a_disk(engine_factory):
     ns = engine.register_namespace(SPEC).namespace_id
     registry, _ = make_registry(engine)
     put(engine, ns, "abc")
-    lease, _ = engine.get(KeysRequest(ns, "r", K("abcde"), LONG, 0))  # 3 found, 2 not
+    lease, _ = engine_ops.get(engine, KeysRequest(ns, "r", K("abcde"), LONG, 0))  # 3 found, 2 not
     engine.release("r", [lease.lease_id])
     engine.lookup(ns, K("abcde"))  # Lookups are not Gets
     value = registry.get_sample_value

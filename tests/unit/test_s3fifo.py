@@ -16,6 +16,7 @@ from kvd.core.policy.lru import LruPolicy
 from kvd.core.policy.s3fifo import COLD, FREQUENCY, LINKED, MAIN, S3FifoPolicy
 from kvd.core.radix import PrefixIndex
 from kvd.invariants import InvariantError
+from kvd.testing import engine_ops
 from kvd.core.requests import CommitRequest, KeysRequest
 
 INDEX = PrefixIndex("s3fifo-test")
@@ -381,7 +382,7 @@ def test_engine_scan_resistance(engine_factory, policy, hot_survives, use):
             if use == "lookup":
                 engine.lookup(ns, keys)
             else:
-                lease, _ = engine.get(KeysRequest(ns, "reader", keys, 10_000, 0))
+                lease, _ = engine_ops.get(engine, KeysRequest(ns, "reader", keys, 10_000, 0))
                 engine.release("reader", [lease.lease_id])
             engine.verify()
     scan = [chr(0x100 + 2 * n) + chr(0x101 + 2 * n) for n in range(40)]

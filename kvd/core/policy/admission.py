@@ -2,7 +2,7 @@
 least `min_hits` times, so blocks nobody asks for again never cost SSD
 writes (an SSD's endurance is a budget of bytes written).
 
-A sighting is the Put that seals a block, a Get (or peek) that serves it,
+A sighting is the Put that seals a block, a Get that serves it,
 or a Put that finds it already stored (EXISTS). A Lookup is not one: an
 engine's scheduler may ask "how much is cached?" many times for one request
 (vLLM asks again each step until the request is scheduled), and a Lookup

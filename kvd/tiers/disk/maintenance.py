@@ -30,7 +30,7 @@ TOMBSTONE_MAGIC = b"kvd-deleted-block\0"
 
 class Maintenance:
     """Removal, shredding, sync and compaction over a TierState (their contracts:
-    DiskTier.remove_blocks, shred, sync, compact_if_needed)."""
+    DiskTier.remove_blocks, sync, compact_if_needed; shred's below)."""
 
     def __init__(self, state: TierState) -> None:
         self.state = state
@@ -90,7 +90,14 @@ class Maintenance:
         return by_drive
 
     def shred(self, slots: Sequence[int]) -> int:
-        """See DiskTier.shred."""
+        """Overwrite the first page of each slot with a tombstone; how many were.
+
+        The tombstone carries random bytes drawn for this call, so no block
+        a client stored can equal it: whatever record still names one of
+        these slots, its layer 0 fails its checksum from now on. One batch,
+        then one fdatasync per segment file touched. A failure only costs
+        this second line of defence (counted), never the removal itself.
+        """
         if not slots:
             return 0
         state = self.state

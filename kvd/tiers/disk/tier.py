@@ -37,7 +37,7 @@ a wrong one as good.
     counts as read; a block with any bad layer is a miss.
   * reuse: a slot's REMOVE is synced before new bytes go into that slot;
   * delete: a client's Delete is synced whatever the policy, and the
-    block's first page overwritten (`shred`);
+    block's first page overwritten (maintenance.py's `shred`);
   * damage: a drive whose IDENTITY, CURRENT or live manifest cannot be
     read is quarantined alone (read and written no more, its blocks lost);
     damage inside a manifest costs only the records it hit.
@@ -134,27 +134,23 @@ class DiskTier:
 
     # -- write ------------------------------------------------------------
 
-    def write_blocks(
-        self, namespace_id: bytes, layer_bytes: int, num_layers: int, items: Sequence[WriteItem]
-    ) -> list[bool]:
-        """Write blocks into their slots and journal them; per-item durable.
-
-        items: (key, parent key or b"" for a root, slot, source address of
-        the block, layer-major, 4 KiB aligned). A slot must be free: never
-        written, or its block removed. Failures (EIO, ENOSPC, short writes,
-        a failed fdatasync or manifest append) are False, never exceptions.
-        """
-        done = self.write_chunks(namespace_id, layer_bytes, num_layers, [items] if items else [])
-        return done[0] if done else []
-
     def write_chunks(
         self, namespace_id: bytes, layer_bytes: int, num_layers: int, chunks: Sequence[Sequence[WriteItem]],
         stop: Callable[[], bool] | None = None,
     ) -> list[list[bool]]:
-        """write_blocks of each chunk in turn, pipelined: chunk k+1 is at the drive while chunk k
-        is finished (synced as the policy says, journalled), so the drive never drains between
-        chunks. Before each chunk after the first, `stop()` (if given) may end the run: the
-        chunks not started are not written. Returns one ok list per chunk written, in order."""
+        """Write each chunk of blocks into their slots and journal them; per-item durable.
+
+        A chunk's items: (key, parent key or b"" for a root, slot, source
+        address of the block, layer-major, 4 KiB aligned); it goes to the
+        drive as one batch. A slot must be free: never written, or its block
+        removed. Failures (EIO, ENOSPC, short writes, a failed fdatasync or
+        manifest append) are False, never exceptions.
+        Chunks are pipelined: chunk k+1 is at the drive while chunk k is
+        finished (synced as the policy says, journalled), so the drive never
+        drains between chunks. Before each chunk after the first, `stop()`
+        (if given) may end the run: the chunks not started are not written.
+        Returns one ok list per chunk written, in order.
+        """
         self._state.check_writable()
         return self._writer.write_chunks(namespace_id, layer_bytes, num_layers, chunks, stop)
 
@@ -210,7 +206,7 @@ class DiskTier:
         """Journal the removal of blocks; their slots may then be written again.
 
         Under STRICT the REMOVE records are durable when this returns; under
-        GROUP at the next sync(), and write_blocks syncs first if it is
+        GROUP at the next sync(), and write_chunks syncs first if it is
         handed one of these slots before then. False: the drive's manifest
         failed; the slot stays unusable until the tier is reopened. A slot
         no record names (its write failed before the PUT was journalled)
@@ -219,23 +215,12 @@ class DiskTier:
         deleted: a client's Delete. Its REMOVE records are durable when this
         returns whatever the fsync policy (False where they are not), and
         the first page of each block is overwritten with a tombstone
-        (`shred`), so that even a manifest damaged later, which could lose
-        the REMOVE and bring the PUT record back, can never serve the bytes:
-        the block's layer 0 no longer matches its checksum.
+        (maintenance.py's `shred`), so that even a manifest damaged later,
+        which could lose the REMOVE and bring the PUT record back, can never
+        serve the bytes: the block's layer 0 no longer matches its checksum.
         """
         self._state.check_writable()
         return self._maintenance.remove_blocks(namespace_id, keys_and_slots, deleted=deleted)
-
-    def shred(self, slots: Sequence[int]) -> int:
-        """Overwrite the first page of each slot with a tombstone; how many were.
-
-        The tombstone carries random bytes drawn for this call, so no block
-        a client stored can equal it: whatever record still names one of
-        these slots, its layer 0 fails its checksum from now on. One batch,
-        then one fdatasync per segment file touched. A failure only costs
-        this second line of defence (counted), never the removal itself.
-        """
-        return self._maintenance.shred(slots)
 
     # -- maintenance --------------------------------------------------------
 
@@ -252,10 +237,6 @@ class DiskTier:
 
     # -- records ------------------------------------------------------------
 
-    def record_of(self, slot: int) -> PutRecord | None:
-        """The live record of a slot, None if the slot is free."""
-        return self._state.owners.get(slot)
-
     def key_of(self, slot: int) -> bytes:
         record = self._state.owners.get(slot)
         check(record is not None, f"disk slot {slot} holds no block")
@@ -267,6 +248,9 @@ class DiskTier:
         return record.layer_checksums
 
     def manifest_bytes(self) -> list[int]:
+        """Each drive's manifest size, which compact_if_needed measures. Only tests ask
+        (compaction shrinks them); it stays here because the manifests are the tier's
+        own state, which nothing else it shows would tell."""
         return [manifest.size_bytes for manifest in self._state.manifests]
 
     def live_records(self) -> list[PutRecord]:
@@ -280,10 +264,6 @@ class DiskTier:
         """The I/O engine (tests inject faults through it)."""
         return self._state.engine
 
-    def engine_stats(self) -> dict[str, int]:
-        engine = self._state.engine
-        return dict(engine.stats) if engine is not None else {}
-
     def register_buffers(self, regions: Sequence[tuple[int, int]]) -> None:
         """Pass (address, nbytes) regions, e.g. the host arena, to the I/O
         engine to register: only a speed-up (the kernel skips pinning pages
@@ -296,7 +276,9 @@ class DiskTier:
 
     @property
     def closed(self) -> bool:
-        """Whether close() has run (it is idempotent)."""
+        """Whether close() has run (it is idempotent). Only tests ask (did a daemon's
+        shutdown close its tier?); it stays here because that is the tier's own state,
+        which nothing else it shows would tell."""
         return self._state.closed
 
     def close(self) -> None:

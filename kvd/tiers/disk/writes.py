@@ -52,7 +52,7 @@ class PendingWrite:
 
 
 class BlockWriter:
-    """The write path over a TierState (its contract: DiskTier.write_blocks, write_chunks)."""
+    """The write path over a TierState (its contract: DiskTier.register_namespace, write_chunks)."""
 
     def __init__(self, state: TierState) -> None:
         self.state = state
