@@ -14,7 +14,6 @@ MODULE_LINES = 600
 OVER_TODAY = {
     "kvd/client/_ops.py": 652,
     "kvd/config.py": 812,
-    "kvd/daemon.py": 723,
 }
 
 
