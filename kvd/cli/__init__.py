@@ -37,7 +37,7 @@ def _load_config(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvd.daemon import serve
+    from kvd.daemon.lifecycle import serve
 
     return serve(_load_config(args))
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from kvd.config import WRITE_MODES, parse_size
 from kvd.errors import ConfigError
 from kvd.sim.report import Progress, describe, policy_names, sweep, table, write_json, write_plot
-from kvd.sim.simulator import SimConfig, SimFailure
+from kvd.sim.config import SimConfig
+from kvd.sim.simulator import SimFailure
 
 _DEFAULTS = SimConfig()
 _DEFAULT_HOST = "8,16,32,64,128"

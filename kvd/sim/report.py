@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import TextIO
 
 from kvd.core.policy import make_policy
-from kvd.sim.simulator import RunResult, SimConfig, Simulator
+from kvd.sim.config import SimConfig
+from kvd.sim.results import RunResult
+from kvd.sim.simulator import Simulator
 
 GIB = 1 << 30
 

@@ -70,7 +70,7 @@ BASE = ROOT / "deploy/k8s/base"
 # token hashes to, so the base as shipped admits nobody.
 PLACEHOLDER_DIGEST = re.compile(r"([0-9a-f])\1{63}")
 # With tenants, kvd may map every host slot on its own and refuses to start
-# when slots + 4096 (its headroom, kvd.daemon.host_slot_classes) exceed the
+# when slots + 4096 (its headroom, kvd.daemon.planes.host_slot_classes) exceed the
 # node's vm.max_map_count, whose kernel default is 65530.
 DEFAULT_MAX_MAP_COUNT = 65530
 MAP_COUNT_HEADROOM = 4096

@@ -16,7 +16,6 @@ what order bytes move live in one place.
 from __future__ import annotations
 
 import asyncio
-import heapq
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,7 +26,9 @@ from kvd.core.keys import chain_keys
 from kvd.planes.disk import DiskPlane
 from kvd.server.get_stream import BlockSteps, LayerSteps
 from kvd.server.service import KvdService
-from kvd.sim.simulator import Flow, SimConfig, Simulator
+from kvd.sim.clients import Flow
+from kvd.sim.config import SimConfig
+from kvd.sim.simulator import Simulator
 from kvd.v1 import kvd_pb2
 from kvd.tiers.host import ArenaLayout, HostArena
 from kvd.core.requests import CommitRequest, KeysRequest
@@ -61,15 +62,17 @@ def tier_state(engine: Engine, namespace_id: bytes) -> dict:
 class SimSide:
     def __init__(self) -> None:
         self.sim = Simulator(SIM)
+        self.world = self.sim.world
         self.engine = self.sim.engine
-        self.spec = self.sim.specs[0]
-        self.namespace_id = self.sim.namespace_ids[0]
+        self.spec = self.world.specs[0]
+        self.namespace_id = self.world.namespace_ids[0]
 
     def put(self, keys: list[bytes]) -> None:
-        reserved = self.engine.reserve(KeysRequest(self.namespace_id, "w", keys, LONG_MS, self.sim.clock.now_ms()))
-        self.sim.contents.fill(keys, reserved.slots)
+        now_ms = self.world.timeline.clock.now_ms()
+        reserved = self.engine.reserve(KeysRequest(self.namespace_id, "w", keys, LONG_MS, now_ms))
+        self.world.contents.fill(keys, reserved.slots)
         if reserved.lease is not None:
-            self.engine.commit(CommitRequest(self.namespace_id, "w", reserved.lease.lease_id, self.sim.clock.now_ms()))
+            self.engine.commit(CommitRequest(self.namespace_id, "w", reserved.lease.lease_id, now_ms))
 
     def delete(self, keys: list[bytes]) -> None:
         self.engine.delete(self.namespace_id, keys)
@@ -77,24 +80,24 @@ class SimSide:
     def get(self, first: int, blocks: int) -> int:
         """A request for the chain, through the simulator's own Get (its read lease released
         once it is served, as a client does); how many blocks it served."""
-        sim = self.sim
+        now_us = self.world.timeline.now_us
         request = SimpleNamespace(prompt=np.arange(first, first + blocks * self.spec.block_tokens),
-                                  reply=np.zeros(0, dtype=np.int64), client_crashes=False, arrival_us=sim.now_us,
+                                  reply=np.zeros(0, dtype=np.int64), client_crashes=False, arrival_us=now_us,
                                   tenant=0)
         flow = Flow(request, 0, chain(self.spec, first, blocks), f"get-{first}")
-        flow.starved_deadline_us = sim.now_us + sim.config.starved_get_wait_ms * 1000
-        sim._begin_get(flow, final=False)
+        flow.starved_deadline_us = now_us + SIM.starved_get_wait_ms * 1000
+        self.sim.clients.begin_get(flow, final=False)
         self.settle()
         return flow.hit_blocks
 
     def settle(self) -> None:
         """Run the modelled drive until nothing is left to do."""
         sim = self.sim
-        sim._pump_devices()
-        while sim.events:
-            time_us, _, kind, payload = heapq.heappop(sim.events)
-            sim._handle(time_us, kind, payload)
-        sim.mover.reclaim()
+        timeline = self.world.timeline
+        sim.pump_devices()
+        while timeline:
+            sim.handle(*timeline.pop())
+        self.world.mover.reclaim()
         sim.check_invariants()
 
 
@@ -219,5 +222,5 @@ def test_the_daemon_and_the_simulator_move_the_same_blocks_to_the_same_slots(tmp
     assert sum(int(step.split(", ")[1].split()[0]) for step in steps if step.startswith("get")) > 0, steps
     # The scenario exercised what it is for: rounds ran, blocks were demoted and evicted.
     engine = simulated.engine
-    assert simulated.sim.mover.rounds >= 3 and engine.disk.counters.written > HOST_SLOTS
+    assert simulated.world.mover.rounds >= 3 and engine.disk.counters.written > HOST_SLOTS
     assert engine.host.counters.demotions + engine.host.counters.evictions > 0

@@ -25,7 +25,7 @@ from kvd.config import load
 from kvd.core.engine import Engine
 from kvd.core.io_schedule import IoSchedule
 from kvd.core.mover import Mover
-from kvd.daemon import Daemon
+from kvd.daemon.lifecycle import Daemon
 from kvd.invariants import InvariantError
 from kvd.planes.disk import DiskPlane
 from kvd.testing.put_stream import SPEC, blocks_for

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd.client import Client
 from kvd.core.keys import DType, NamespaceSpec
-from kvd.daemon import watchdog_interval_s
+from kvd.daemon.systemd import watchdog_interval_s
 from kvd.testing.daemon import run_daemon, start_daemon
 from kvd.v1 import kvd_pb2
 
@@ -195,7 +195,7 @@ def test_without_notify_socket_nothing_is_sent_and_watchdog_needs_our_pid():
 
 def test_sd_notify_abstract_socket(monkeypatch):
     """systemd may name an abstract socket ("@..."), as it does in containers."""
-    from kvd.daemon import sd_notify
+    from kvd.daemon.systemd import sd_notify
 
     name = f"kvd-notify-test-{os.getpid()}"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:

@@ -27,7 +27,8 @@ from kvd.sim.__main__ import main, reproduce_command
 from kvd.sim.disk import DiskOpKind, DiskSpec, ModelledDisk
 from kvd.sim.plane import SlotContents
 from kvd.sim.report import policy_names, sweep, table, write_json
-from kvd.sim.simulator import SimConfig, Simulator
+from kvd.sim.config import SimConfig
+from kvd.sim.simulator import Simulator
 from kvd.sim.traces import TraceConfig
 
 REPO = Path(__file__).parents[2]
