@@ -40,13 +40,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd import __version__, arena_protocol
 from kvd.clock import Clock, MonotonicClock
-from kvd.config import Config, ConfigError, HostConfig, ServerConfig, TenantSettings, load_tenants, parse_address
+from kvd.config import Config, HostConfig, ServerConfig, TenantSettings, load_tenants, parse_address
 from kvd.core.engine import Engine, EngineLimits
 from kvd.core.events import EventLog
 from kvd.core.policy import DiskPolicies
 from kvd.core.quota import TenantQuota
 from kvd.core.slot_pool import class_sizes
-from kvd.errors import StartupFailed
+from kvd.errors import ConfigError, StartupFailed
 from kvd.metrics import ArenaCollector, ClusterCollector, DeviceCollector, DiskIoMetrics, make_registry
 from kvd.server.arena_socket import ArenaSocket
 from kvd.server.cluster_blocks import ClusterBlocks
