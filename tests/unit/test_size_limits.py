@@ -12,7 +12,6 @@ CLASS_LINES = 400
 MODULE_LINES = 600
 # Still to split, at their size when the limit came in (2026-11-28).
 OVER_TODAY = {
-    "kvd/client/_ops.py": 652,
     "kvd/daemon.py": 723,
     "kvd/sim/simulator.py": 930,
     "kvd/sim/simulator.py:Simulator": 599,
