@@ -7,7 +7,8 @@ Two sections, each between a BEGIN and an END marker:
 - config-reference: every setting of kvd.config.Config, its type, its
   default (the embedded kvd/default.toml as `kvd config` loads it), its
   environment variable and its comment (the comment above the field in
-  kvd/config.py, else the comment beside it in kvd/default.toml);
+  its section's module of kvd/config/, else the comment beside it in
+  kvd/default.toml);
 - metrics-reference: the table in kvd/metrics.py's docstring.
 tests/deploy/test_operations_docs.py fails when either is stale.
 """
@@ -46,8 +47,15 @@ class Setting:
 
 
 def _source_comments() -> dict[tuple[str, str], str]:
-    """(class name, field) -> the comment lines right above the field in kvd/config.py."""
-    source = Path(config_module.__file__).read_text()
+    """(class name, field) -> the comment lines right above the field, in every module of kvd/config/."""
+    found = {}
+    for path in sorted(Path(config_module.__file__).parent.glob("*.py")):
+        found.update(_module_comments(path.read_text()))
+    return found
+
+
+def _module_comments(source: str) -> dict[tuple[str, str], str]:
+    """(class name, field) -> the comment lines right above the field (and beside it) in `source`."""
     comments = {}
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
@@ -125,7 +133,7 @@ def _toml_value(name: str, value: Any) -> str:
 
 
 def settings() -> list[Setting]:
-    """Every setting, in the order of kvd/config.py."""
+    """Every setting, in the order of kvd.config.Config and its sections."""
     defaults = config_module.load(env={})
     source, toml = _source_comments(), _toml_comments()
     rows = []

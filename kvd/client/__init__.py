@@ -30,7 +30,7 @@ KV events (stored / removed / tier-changed, for KV-aware routers):
 with `BlockMirror` to keep a copy of a namespace; see kvd.client.events.
 """
 
-from kvd.client._ops import TlsConfig
+from kvd.client._channel import TlsConfig
 from kvd.client._wire import ClusterLookupResult, GetResult, LookupResult, Namespace, NodeMatch, PrefetchResult
 from kvd.client.aio import AsyncClient
 from kvd.client.errors import NotDurableError

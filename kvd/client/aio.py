@@ -1,4 +1,5 @@
-"""The asyncio client: drives kvd.client._ops over a grpc.aio channel."""
+"""The asyncio client: runs the client's operations (kvd.client._ops, and by job _reads, _writes,
+_admin and _device_ops) over a grpc.aio channel."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvd.client import _ops, _wire
+from kvd.client import _admin, _channel, _device_ops, _ops, _reads, _wire, _writes
 from kvd.client._wire import ClusterLookupResult, GetResult, LookupResult, Namespace, PrefetchResult
 from kvd.client.events import AsyncEventWatch, EventSnapshot, SnapshotParts, snapshot_request, watch_request
 from kvd.client.pinned import AsyncPinnedBlocks, AsyncReservedBlocks
@@ -20,8 +21,8 @@ from kvd.v1 import kvd_pb2
 class AsyncClient(_ops.ClientBase):
     """The asyncio twin of kvd.client.Client; same arguments, same methods, awaited."""
 
-    def __init__(self, target: str, *, tls: _ops.TlsConfig | None = None, **options: Any) -> None:
-        credentials, channel_options = _ops.channel_arguments(tls)
+    def __init__(self, target: str, *, tls: _channel.TlsConfig | None = None, **options: Any) -> None:
+        credentials, channel_options = _channel.channel_arguments(tls)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=channel_options)
         else:
@@ -66,43 +67,43 @@ class AsyncClient(_ops.ClientBase):
         return await self._run(_ops.arena_info(self.session))
 
     async def register_namespace(self, spec: NamespaceSpec) -> Namespace:
-        return await self._run(_ops.register_namespace(self.session, spec))
+        return await self._run(_admin.register_namespace(self.session, spec))
 
     async def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"",
                      include_remote: bool = False) -> LookupResult:
         """The stored prefix of `keys`; include_remote: also what a peer holds (TIER_REMOTE), in a cluster."""
-        return await self._run(_ops.lookup(self.session, namespace, keys, parent_key, include_remote))
+        return await self._run(_reads.lookup(self.session, namespace, keys, parent_key, include_remote))
 
     async def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> ClusterLookupResult:
         """Which nodes of the cluster hold how much of the chain `keys` (given from its root)."""
-        return await self._run(_ops.cluster_lookup(self.session, namespace, keys))
+        return await self._run(_reads.cluster_lookup(self.session, namespace, keys))
 
     async def prefetch(
         self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"", wait: bool = False
     ) -> PrefetchResult:
         """As Client.prefetch: read a prefix from disk into host memory ahead of a Get."""
-        return await self._run(_ops.prefetch(self.session, namespace, keys, parent_key, wait))
+        return await self._run(_reads.prefetch(self.session, namespace, keys, parent_key, wait))
 
     async def put(
         self, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes = b"", durable: bool = False
     ) -> int:
-        return await self._run(_ops.put(self.session, namespace, keys, blocks, parent_key, durable))
+        return await self._run(_writes.put(self.session, namespace, keys, blocks, parent_key, durable))
 
     async def get_numpy(
         self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""
     ) -> np.ndarray:
-        return await self._run(_ops.get_numpy(self.session, namespace, keys, out, parent_key))
+        return await self._run(_reads.get_numpy(self.session, namespace, keys, out, parent_key))
 
     async def get(self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None,
                   parent_key: bytes = b"") -> GetResult:
         """Client.get: the blocks and why there are not more."""
-        return await self._run(_ops.get(self.session, namespace, keys, out, parent_key))
+        return await self._run(_reads.get(self.session, namespace, keys, out, parent_key))
 
     async def get_layers(
         self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""
     ) -> AsyncIterator[tuple[int, np.ndarray]]:
         """Client.get_layers as an async iterator: `async for layers_ready, blocks in ...`."""
-        stream, first = await self._run(_ops.open_get_stream(self.session, "GetLayers", namespace, keys, parent_key))
+        stream, first = await self._run(_reads.open_get_stream(self.session, "GetLayers", namespace, keys, parent_key))
         if stream is None:
             raise FailedPrecondition("get_layers needs the daemon's shared-memory arena; use get_numpy")
         layers = _wire.StreamedCopy(namespace, self.session.arena, first, out)
@@ -119,7 +120,7 @@ class AsyncClient(_ops.ClientBase):
     async def get_pinned(self, namespace: Namespace, keys: Sequence[bytes],
                          parent_key: bytes = b"") -> AsyncPinnedBlocks:
         """As Client.get_pinned; release with `async with` or `await held.release()`."""
-        response, arena = await self._run(_ops.get_pinned(self.session, namespace, keys, parent_key))
+        response, arena = await self._run(_reads.get_pinned(self.session, namespace, keys, parent_key))
         if response is None:
             return AsyncPinnedBlocks(namespace, arena, 0, (), 0, self._release_leases)
         return AsyncPinnedBlocks(namespace, arena, response.matched, response.offsets, response.lease_id,
@@ -127,7 +128,7 @@ class AsyncClient(_ops.ClientBase):
 
     async def reserve(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> AsyncReservedBlocks:
         """As Client.reserve; `await slots.commit(...)`, released with `async with`."""
-        response = await self._run(_ops.reserve_slots(self.session, namespace, keys, parent_key))
+        response = await self._run(_writes.reserve_slots(self.session, namespace, keys, parent_key))
         return AsyncReservedBlocks(self._run, self.session, namespace, keys, parent_key, response)
 
     async def _release_leases(self, lease_ids: list[int]) -> None:
@@ -140,22 +141,22 @@ class AsyncClient(_ops.ClientBase):
         return rows_to_tensor(array, namespace.spec.kv_dtype)
 
     async def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> tuple[int, int]:
-        return await self._run(_ops.delete(self.session, namespace, keys))
+        return await self._run(_writes.delete(self.session, namespace, keys))
 
     async def stats(self) -> kvd_pb2.StatsResponse:
-        return await self._run(_ops.stats(self.session))
+        return await self._run(_admin.stats(self.session))
 
     async def demote(self) -> kvd_pb2.DemoteResponse:
         """Drop the host copies a lower tier also holds (an admin call; see the proto)."""
-        return await self._run(_ops.demote(self.session))
+        return await self._run(_admin.demote(self.session))
 
     async def plan_placement(self, request: kvd_pb2.PlanPlacementRequest) -> kvd_pb2.PlanPlacementResponse:
         """A decode batch's KV placement (kvd.planner; docs/planner.md)."""
-        return await self._run(_ops.plan_placement(self.session, request))
+        return await self._run(_device_ops.plan_placement(self.session, request))
 
     async def report_step(self, request: kvd_pb2.ReportStepRequest) -> kvd_pb2.ReportStepResponse:
         """One observed decode step for a plan profile; the answer says whether to plan again."""
-        return await self._run(_ops.report_step(self.session, request))
+        return await self._run(_device_ops.report_step(self.session, request))
 
     async def watch_events(self, namespace: Namespace, from_sequence: int = 0, instance_id: str = "") -> AsyncEventWatch:
         """As Client.watch_events; iterate the result with `async for`."""

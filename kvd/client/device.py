@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvd.arena_protocol import deposit_fds
-from kvd.client._ops import resolve_token
+from kvd.client._channel import resolve_token
 from kvd.client._wire import Namespace
 from kvd.device import Device, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag

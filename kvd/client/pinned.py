@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvd.client import _ops
+from kvd.client import _ops, _writes
 from kvd.client._wire import ArenaMapping, Namespace, as_rows, blocks_to_output, copy_rows, output_rows, reserved_run
 from kvd.errors import FailedPrecondition
 from kvd.v1 import kvd_pb2
@@ -146,15 +146,15 @@ class ReservedBlocks:
         if durable:
             def written(answer) -> int:
                 count, statuses = answer
-                _ops.check_all_stored(statuses)
+                _writes.check_all_stored(statuses)
                 return count
 
-            return _ops.commit_durable(self._session, self.namespace, self.keys, self.parent_key, self._response,
-                                       self.start, self.stop), written
+            return _writes.commit_durable(self._session, self.namespace, self.keys, self.parent_key, self._response,
+                                          self.start, self.stop), written
         count = self.stop - self.start
         if count == 0:
             return None, lambda answer: 0
-        return _ops._commit(self._session, self.namespace, self._response.lease_id, kvd_pb2.ACK_HOST), \
+        return _writes.commit(self._session, self.namespace, self._response.lease_id, kvd_pb2.ACK_HOST), \
             lambda answer: count
 
     def _release_op(self) -> _ops.Op | None:

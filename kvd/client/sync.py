@@ -1,4 +1,5 @@
-"""The blocking client: drives kvd.client._ops over a grpc channel."""
+"""The blocking client: runs the client's operations (kvd.client._ops, and by job _reads, _writes,
+_admin and _device_ops) over a grpc channel."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvd.client import _ops, _wire
+from kvd.client import _admin, _channel, _device_ops, _ops, _reads, _wire, _writes
 from kvd.client._wire import ClusterLookupResult, GetResult, LookupResult, Namespace, PrefetchResult
 from kvd.client.events import EventSnapshot, EventWatch, SnapshotParts, snapshot_request, watch_request
 from kvd.client.pinned import PinnedBlocks, ReservedBlocks
@@ -30,8 +31,8 @@ class Client(_ops.ClientBase):
     read from disk (default 16 MiB).
     """
 
-    def __init__(self, target: str, *, tls: _ops.TlsConfig | None = None, **options: Any) -> None:
-        credentials, channel_options = _ops.channel_arguments(tls)
+    def __init__(self, target: str, *, tls: _channel.TlsConfig | None = None, **options: Any) -> None:
+        credentials, channel_options = _channel.channel_arguments(tls)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=channel_options)
         else:
@@ -76,16 +77,16 @@ class Client(_ops.ClientBase):
         return self._run(_ops.arena_info(self.session))
 
     def register_namespace(self, spec: NamespaceSpec) -> Namespace:
-        return self._run(_ops.register_namespace(self.session, spec))
+        return self._run(_admin.register_namespace(self.session, spec))
 
     def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"",
                include_remote: bool = False) -> LookupResult:
         """The stored prefix of `keys`; include_remote: also what a peer holds (TIER_REMOTE), in a cluster."""
-        return self._run(_ops.lookup(self.session, namespace, keys, parent_key, include_remote))
+        return self._run(_reads.lookup(self.session, namespace, keys, parent_key, include_remote))
 
     def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> ClusterLookupResult:
         """Which nodes of the cluster hold how much of the chain `keys` (given from its root)."""
-        return self._run(_ops.cluster_lookup(self.session, namespace, keys))
+        return self._run(_reads.cluster_lookup(self.session, namespace, keys))
 
     def prefetch(
         self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"", wait: bool = False
@@ -100,7 +101,7 @@ class Client(_ops.ClientBase):
         is not an error (see PrefetchResult). Without a disk tier nothing
         needs reading and the result only reports what is stored.
         """
-        return self._run(_ops.prefetch(self.session, namespace, keys, parent_key, wait))
+        return self._run(_reads.prefetch(self.session, namespace, keys, parent_key, wait))
 
     def put(
         self, namespace: Namespace, keys: Sequence[bytes], blocks: Any, parent_key: bytes = b"", durable: bool = False
@@ -109,25 +110,25 @@ class Client(_ops.ClientBase):
 
         durable=True: returns only once every block of `keys` is on disk (then
         len(keys)), or raises NotDurableError saying how many leading keys
-        are durable and why the next is not (see kvd.client._ops.put)."""
-        return self._run(_ops.put(self.session, namespace, keys, blocks, parent_key, durable))
+        are durable and why the next is not (see kvd.client._writes.put)."""
+        return self._run(_writes.put(self.session, namespace, keys, blocks, parent_key, durable))
 
     def get_numpy(
         self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None, parent_key: bytes = b""
     ) -> np.ndarray:
         """The stored prefix of `keys` as (matched, *block_shape); into `out` if given."""
-        return self._run(_ops.get_numpy(self.session, namespace, keys, out, parent_key))
+        return self._run(_reads.get_numpy(self.session, namespace, keys, out, parent_key))
 
     def get(self, namespace: Namespace, keys: Sequence[bytes], out: np.ndarray | None = None,
             parent_key: bytes = b"") -> GetResult:
         """get_numpy, and why the prefix is not longer: `result.corrupt` when the next block
         failed its checksum on disk (kvd dropped it: recompute it), rather than never stored."""
-        return self._run(_ops.get(self.session, namespace, keys, out, parent_key))
+        return self._run(_reads.get(self.session, namespace, keys, out, parent_key))
 
     def get_pinned(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> PinnedBlocks:
         """The stored prefix of `keys` left in the daemon's arena, pinned there until released:
         read-only views, no copy (kvd.client.pinned). Needs the shared-memory arena."""
-        response, arena = self._run(_ops.get_pinned(self.session, namespace, keys, parent_key))
+        response, arena = self._run(_reads.get_pinned(self.session, namespace, keys, parent_key))
         if response is None:
             return PinnedBlocks(namespace, arena, 0, (), 0, lambda ids: None)
         return PinnedBlocks(namespace, arena, response.matched, response.offsets, response.lease_id,
@@ -136,7 +137,7 @@ class Client(_ops.ClientBase):
     def reserve(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"") -> ReservedBlocks:
         """Slots in the daemon's arena for a Put the caller fills in place, then commits
         (kvd.client.pinned). Needs the shared-memory arena."""
-        response = self._run(_ops.reserve_slots(self.session, namespace, keys, parent_key))
+        response = self._run(_writes.reserve_slots(self.session, namespace, keys, parent_key))
         return ReservedBlocks(self._run, self.session, namespace, keys, parent_key, response)
 
     def get_layers(
@@ -150,7 +151,7 @@ class Client(_ops.ClientBase):
         disk turns out corrupt. Needs the shared-memory arena. One numpy copy
         per layer, whatever the number of blocks.
         """
-        stream, first = self._run(_ops.open_get_stream(self.session, "GetLayers", namespace, keys, parent_key))
+        stream, first = self._run(_reads.open_get_stream(self.session, "GetLayers", namespace, keys, parent_key))
         if stream is None:
             raise FailedPrecondition("get_layers needs the daemon's shared-memory arena; use get_numpy")
         layers = _wire.StreamedCopy(namespace, self.session.arena, first, out)
@@ -172,47 +173,48 @@ class Client(_ops.ClientBase):
 
     def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> tuple[int, int]:
         """Remove blocks (and their descendants); returns (deleted, pinned)."""
-        return self._run(_ops.delete(self.session, namespace, keys))
+        return self._run(_writes.delete(self.session, namespace, keys))
 
     def register_pool(self, namespace: Namespace, layers: Sequence[bytes], num_blocks: int, flags: bytes,
                       lease_ms: int = 0, page_stride: int = 0, v_offset: int = 0) -> kvd_pb2.RegisterPoolResponse:
         """Register an engine's paged KV pool (IPC handles, one per layer, and its flag words' handle;
         page_stride and v_offset for pools that keep K and V apart, see the proto);
         kvd.client.device.DevicePool is the engine-side helper."""
-        return self._run(_ops.register_pool(self.session, namespace, layers, num_blocks, flags, lease_ms,
-                                            page_stride, v_offset))
+        return self._run(_device_ops.register_pool(self.session, namespace, layers, num_blocks, flags, lease_ms,
+                                                   page_stride, v_offset))
 
     def unregister_pool(self, pool_id: int) -> None:
-        self._run(_ops.unregister_pool(self.session, pool_id))
+        self._run(_device_ops.unregister_pool(self.session, pool_id))
 
     def save_layers(self, namespace: Namespace, pool_id: int, keys: Sequence[bytes], pages: Sequence[int],
                     engine_flag: int, kvd_flag: int, base: int, parent_key: bytes = b"",
                     offload_distance: int = -1) -> kvd_pb2.SaveLayersResponse:
         """kvd copies the blocks of `keys` out of the pool's `pages`, layer by layer (see the proto);
         with a device tier, it keeps there the layers a plan at `offload_distance` keeps on the GPU."""
-        return self._run(_ops.save_layers(self.session, namespace, pool_id, keys, pages, engine_flag, kvd_flag, base,
-                                          parent_key, offload_distance))
+        return self._run(_device_ops.save_layers(self.session, namespace, pool_id, keys, pages, engine_flag, kvd_flag,
+                                                 base, parent_key, offload_distance))
 
     def load_layers(self, namespace: Namespace, pool_id: int, keys: Sequence[bytes], pages: Sequence[int],
                     kvd_flag: int, base: int, parent_key: bytes = b"") -> kvd_pb2.LoadLayersResponse:
         """kvd copies the stored prefix of `keys` into the pool's `pages`, flagging each layer."""
-        return self._run(_ops.load_layers(self.session, namespace, pool_id, keys, pages, kvd_flag, base, parent_key))
+        return self._run(_device_ops.load_layers(self.session, namespace, pool_id, keys, pages, kvd_flag, base,
+                                                 parent_key))
 
     def stats(self) -> kvd_pb2.StatsResponse:
-        return self._run(_ops.stats(self.session))
+        return self._run(_admin.stats(self.session))
 
     def demote(self) -> kvd_pb2.DemoteResponse:
         """Drop the host copies a lower tier also holds, so the next Get of them reads
         the disk (an admin call; see the proto): (blocks, bytes) demoted, blocks kept."""
-        return self._run(_ops.demote(self.session))
+        return self._run(_admin.demote(self.session))
 
     def plan_placement(self, request: kvd_pb2.PlanPlacementRequest) -> kvd_pb2.PlanPlacementResponse:
         """A decode batch's KV placement (kvd.planner; docs/planner.md)."""
-        return self._run(_ops.plan_placement(self.session, request))
+        return self._run(_device_ops.plan_placement(self.session, request))
 
     def report_step(self, request: kvd_pb2.ReportStepRequest) -> kvd_pb2.ReportStepResponse:
         """One observed decode step for a plan profile; the answer says whether to plan again."""
-        return self._run(_ops.report_step(self.session, request))
+        return self._run(_device_ops.report_step(self.session, request))
 
     def watch_events(self, namespace: Namespace, from_sequence: int = 0, instance_id: str = "") -> EventWatch:
         """Subscribe to the namespace's KV events: an iterator of KvEvent.

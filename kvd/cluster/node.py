@@ -31,7 +31,8 @@ from kvd.cluster.membership import EtcdSettings, Membership
 from kvd.cluster.publisher import Publisher
 from kvd.cluster.router import ClusterRouter
 from kvd.cluster.rpc import DirectoryServicer, Peers
-from kvd.config import Config, ConfigError, parse_address
+from kvd.config import Config, parse_address
+from kvd.errors import ConfigError
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 log = logging.getLogger("kvd.cluster")

@@ -39,7 +39,7 @@ from grpc_health.v1 import health_pb2
 
 from kvd import __version__
 from kvd.clock import Clock, MonotonicClock
-from kvd.config import Config, ConfigError, TenantSettings, load_tenants
+from kvd.config import Config, TenantSettings, load_tenants
 from kvd.core.engine import Engine
 from kvd.daemon.logs import setup_logging
 from kvd.daemon.planes import (build_engine, claim_slots_for_tenants, new_disk_plane, open_arena, open_device_plane,
@@ -49,7 +49,7 @@ from kvd.daemon.serving import (SERVICE_NAME, add_cluster, add_health, grpc_serv
                                 new_arena_socket, new_cluster_node, restrict_sockets, serve_kvd, tls_credentials,
                                 token_table, write_endpoints)
 from kvd.daemon.systemd import keep_alive, sd_notify, watchdog_interval_s
-from kvd.errors import StartupFailed
+from kvd.errors import ConfigError, StartupFailed
 from kvd.metrics import make_registry
 from kvd.server.arena_socket import ArenaSocket
 from kvd.server.auth import TokenTable

@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvd.config import Config, ConfigError, HostConfig, TenantSettings
+from kvd.config import Config, HostConfig, TenantSettings
 from kvd.core.engine import Engine, EngineLimits
 from kvd.core.events import EventLog
 from kvd.core.policy import DiskPolicies
 from kvd.core.quota import TenantQuota
 from kvd.core.slot_pool import class_sizes
 from kvd.daemon.systemd import sd_notify
-from kvd.errors import StartupFailed
+from kvd.errors import ConfigError, StartupFailed
 from kvd.tiers.host import ArenaLayout, HostArena
 
 if TYPE_CHECKING:

@@ -19,8 +19,9 @@ from grpc_health.v1 import health_pb2_grpc
 
 from kvd import arena_protocol
 from kvd.clock import Clock
-from kvd.config import Config, ConfigError, ServerConfig, TenantSettings, parse_address
+from kvd.config import Config, ServerConfig, TenantSettings, parse_address
 from kvd.core.engine import Engine
+from kvd.errors import ConfigError
 from kvd.server.arena_socket import ArenaSocket
 from kvd.server.auth import FAILURE_REASONS, AuthInterceptor, TokenTable
 from kvd.server.cluster_blocks import ClusterBlocks

@@ -1,7 +1,7 @@
 """docs/operations.md and the Grafana dashboard stay true to the code.
 
 The guide's configuration reference and metrics table are generated
-(tools/gen_operations_docs.py) from kvd/config.py, kvd/default.toml and the
+(tools/gen_operations_docs.py) from kvd/config/, kvd/default.toml and the
 table in kvd/metrics.py; the dashboard is checked query by query against
 that table: every metric it names is one kvd exports, every label it
 selects or groups by is one of that metric's labels.
@@ -39,7 +39,7 @@ def test_every_setting_is_in_the_reference_with_a_meaning():
     rows = {row.name: row for row in generator.settings()}
     assert sorted(rows) == sorted(setting_names())
     assert [name for name, row in rows.items() if not row.comment] == [], (
-        "settings without a comment in kvd/config.py or kvd/default.toml"
+        "settings without a comment in kvd/config/ or kvd/default.toml"
     )
     text = generator.DOCS.read_text()
     for name, row in rows.items():

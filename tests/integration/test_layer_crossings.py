@@ -31,7 +31,7 @@ import pytest
 import kvd.core
 import kvd.planes
 from kvd.client import Client
-from kvd.daemon import Daemon
+from kvd.daemon.lifecycle import Daemon
 from kvd.server.service import KvdService
 from kvd.testing.put_stream import SPEC, blocks_for
 from tests.integration.test_supervision import config

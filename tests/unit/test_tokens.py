@@ -9,9 +9,9 @@ import json
 import pytest
 
 from kvd import config
-from kvd.config import ConfigError, load_tenants
+from kvd.config import load_tenants
 from kvd.core.keys import NamespaceSpec
-from kvd.errors import InvalidArgument
+from kvd.errors import ConfigError, InvalidArgument
 from kvd.server import auth
 from kvd.server.auth import Tenant, TokenTable, bearer_token, scoped_client_id
 from kvd.tiers.disk.registry import decode_spec

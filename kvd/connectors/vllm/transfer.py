@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 from kvd.client import Client, Namespace
-from kvd.client import _ops
+from kvd.client import _ops, _writes
 from kvd.client._wire import reserved_run
 from kvd.core.keys import NamespaceSpec
 from kvd.v1 import kvd_pb2
@@ -88,7 +88,7 @@ class Link:
         """Reserve the keys of a chain from its root; None when nothing needs writing."""
         self.connect()
         response = registering(self.client, namespace,
-                               lambda: self.client._run(_ops.reserve(self.client.session, namespace, keys)))
+                               lambda: self.client._run(_writes.reserve(self.client.session, namespace, keys)))
         if response is None:
             raise Unavailable("the daemon restarted and its new arena could not be mapped")
         start, stop = reserved_run(response.statuses)
@@ -98,7 +98,7 @@ class Link:
         return Reservation(response.lease_id, start, stop, slots)
 
     def commit(self, namespace: Namespace, lease_id: int) -> None:
-        self.client._run(_ops._commit(self.client.session, namespace, lease_id, kvd_pb2.ACK_HOST))
+        self.client._run(_writes.commit(self.client.session, namespace, lease_id, kvd_pb2.ACK_HOST))
 
     def release(self, lease_ids: list[int]) -> None:
         if lease_ids:
