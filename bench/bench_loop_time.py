@@ -39,7 +39,7 @@ loop steps (the I/O between them is not counted):
   writer_turn  a turn of the disk writer with a round: next_round (reclaim,
                pick_writes: disk slots by CLOCK eviction, the disk being
                full), backlog, hopeless_waits (DurableWaits.unwritable),
-               removals_journalled, chunks, chunk_written per chunk,
+               round_removals_journalled, chunks, chunk_written per chunk,
                finish_round; run whenever the write queue is at least the
                backlog, so it stays about that long
   durable      DurableWaits.start (MakeDurable) on the oldest chain not yet
@@ -231,7 +231,7 @@ class Rig:
     def drain(self) -> None:
         """Fill rounds until nothing is left to write."""
         while (round_ := self.mover.next_round()) is not None:
-            self.mover.removals_journalled(round_, ())
+            self.mover.round_removals_journalled(round_, ())
             self.contents.drop(round_.removals)
             for positions in round_.chunks():
                 writes = [round_.writes[position] for position in positions]
@@ -290,7 +290,7 @@ def _journal_removals(rig: Rig, watch: Stopwatch) -> None:
     removals = watch(rig.mover.take_removals)
     if removals:
         rig.contents.drop(removals)
-        watch(rig.mover.removals_done, removals, ())
+        watch(rig.mover.removals_journalled, removals, ())
 
 
 def _stored_chain(rig: Rig, blocks: int) -> tuple[int, list] | None:
@@ -352,7 +352,7 @@ def op_delete(rig: Rig) -> Stopwatch | None:
 def _write_round(rig: Rig, round_: WriteRound, watch: Stopwatch) -> None:
     mover = rig.mover
     rig.contents.drop(round_.removals)  # journalled by the I/O thread
-    watch(mover.removals_journalled, round_, ())
+    watch(mover.round_removals_journalled, round_, ())
     for positions in watch(round_.chunks):
         ok = rig.contents.write([round_.writes[position] for position in positions])
         watch(mover.chunk_written, round_, positions, ok)

@@ -1,6 +1,6 @@
 """The block lifecycle over the tier stack: every change to a block's state is made here.
 
-`BlockBook` is the handle owner (kvd.core.block.HandleOwner): it pins and
+`BlockLifecycle` is the handle owner (kvd.core.block.HandleOwner): it pins and
 unpins blocks, seals them, aborts unsealed ones, and takes blocks out of
 the index (removed) or out of service (lost, tombstones while pinned). It
 moves residency (host memory and the tiers below it) with the tier stack
@@ -32,7 +32,7 @@ from kvd.invariants import InvariantError, check
 _SLOT_OF = attrgetter("slot")
 
 
-class BlockBook:
+class BlockLifecycle:
     def __init__(self, host: MemoryTier, lower: Sequence[StorageTier], events: EventLog, ledger: PrefetchLedger,
                  write_queue_max: int) -> None:
         # The stack: host memory first, at global slot id 0; then the tiers

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from kvd.core.block import Block, BlockHandle, BlockState
-from kvd.core.blocks import BlockBook
+from kvd.core.blocks import BlockLifecycle
 from kvd.core.event_snapshot import SnapshotBuild
 from kvd.core.events import EventLog
 from kvd.core.eviction import TENANT_AFFINITY_WINDOW, HostAllocator
@@ -108,7 +108,7 @@ class Engine:
             base = lower[-1].pool.end
         self.events = events if events is not None else EventLog()
         self.leases = LeaseTable(self.limits.max_leases, self.limits.max_pins_per_client)
-        self.blocks = BlockBook(self.host, lower, self.events, PrefetchLedger(), write_queue_max)
+        self.blocks = BlockLifecycle(self.host, lower, self.events, PrefetchLedger(), write_queue_max)
         # The durable tier, if any (the disk).
         self.disk = self.blocks.disk
         self.namespace_table = NamespaceTable(self.limits, self.host, lower, tenant_quotas)
@@ -308,14 +308,14 @@ class Engine:
         """(namespace id, key, slot) of `tier`'s freed slots whose REMOVE must be journalled."""
         return self.writebacks[tier].take_removals()
 
-    def confirm_removals(self, tier: StorageTier, slots: Sequence[int]) -> None:
-        self.writebacks[tier].confirm_removals(slots)
+    def removals_journalled(self, tier: StorageTier, slots: Sequence[int]) -> None:
+        self.writebacks[tier].removals_journalled(slots)
 
     def take_disk_removals(self) -> list[tuple[bytes, bytes, int]]:
         return [] if self.disk is None else self.take_removals(self.disk)
 
-    def confirm_disk_removals(self, slots: Sequence[int]) -> None:
-        self.confirm_removals(self.disk, slots)
+    def disk_removals_journalled(self, slots: Sequence[int]) -> None:
+        self.removals_journalled(self.disk, slots)
 
     def require_durable(self, blocks: Iterable[Block]) -> None:
         if self.disk is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from kvd.core.block import NO_SLOT, Block, BlockState
-from kvd.core.blocks import BlockBook
+from kvd.core.blocks import BlockLifecycle
 from kvd.core.quota import QuotaExceeded, TenantQuota
 from kvd.core.slot_pool import SlotClass
 from kvd.invariants import check
@@ -32,7 +32,7 @@ TENANT_AFFINITY_WINDOW = 64
 
 
 class HostAllocator:
-    def __init__(self, blocks: BlockBook) -> None:
+    def __init__(self, blocks: BlockLifecycle) -> None:
         self.blocks = blocks
         self.host = blocks.host
         # Per-tenant host memory (kvd.tiers.host.HostArena.claim): called

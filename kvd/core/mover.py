@@ -95,7 +95,7 @@ class WriteRound:
     chunk_blocks: int
     # Per write: durable. Filled as chunks finish.
     ok: list[bool] = field(default_factory=list)
-    # Slots whose REMOVE failed: never written (set by removals_journalled).
+    # Slots whose REMOVE failed: never written (set by round_removals_journalled).
     unusable: frozenset[int] = frozenset()
     journalled: bool = False
 
@@ -203,11 +203,11 @@ class Mover:
         check(self.in_flight.get(round_.target) is round_ and round_.journalled == journalled,
               "{} of a round not in flight", what)
 
-    def removals_journalled(self, round_: WriteRound, failed: Collection[int]) -> None:
+    def round_removals_journalled(self, round_: WriteRound, failed: Collection[int]) -> None:
         """The round's removals are journalled (durable), but those of the `failed` slots."""
         self._check_in_flight(round_, False, "removals")
         failed = frozenset(failed)
-        self.engine.confirm_removals(round_.target, [slot for _, _, slot in round_.removals if slot not in failed])
+        self.engine.removals_journalled(round_.target, [slot for _, _, slot in round_.removals if slot not in failed])
         round_.unusable = failed
         round_.journalled = True
 
@@ -231,7 +231,7 @@ class Mover:
     def abandon_round(self, round_: WriteRound) -> list[tuple[object, NotDurable | None]]:
         """The round's I/O could not run at all (shutdown): nothing was written."""
         if not round_.journalled:
-            self.removals_journalled(round_, {slot for _, _, slot in round_.removals})
+            self.round_removals_journalled(round_, {slot for _, _, slot in round_.removals})
         return self.finish_round(round_)
 
     def hopeless_waits(self) -> list[tuple[object, NotDurable]]:
@@ -267,8 +267,9 @@ class Mover:
         """Removals of lost, deleted or evicted blocks, to journal now."""
         return self.engine.take_disk_removals()
 
-    def removals_done(self, removals: Sequence[tuple[bytes, bytes, int]], failed: Collection[int]) -> None:
-        self.engine.confirm_disk_removals([slot for _, _, slot in removals if slot not in failed])
+    def removals_journalled(self, removals: Sequence[tuple[bytes, bytes, int]], failed: Collection[int]) -> None:
+        """Removals taken outside a round (take_removals) are journalled, but those of the `failed` slots."""
+        self.engine.disk_removals_journalled([slot for _, _, slot in removals if slot not in failed])
 
     # -- Gets starved of host slots --------------------------------------------
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvd.core.block import NO_SLOT, Block
-from kvd.core.part import EnginePart
+from kvd.core.component import EngineComponent
 from kvd.core.reads import Reads
 from kvd.core.requests import check_keys, match
 from kvd.core.transfer import Transfer
@@ -50,7 +50,7 @@ class PrefetchPlan:
     limit: PrefetchLimit = PrefetchLimit.NONE
 
 
-class Prefetcher(EnginePart):
+class Prefetcher(EngineComponent):
     def __init__(self, reads: Reads) -> None:
         super().__init__(reads.limits, reads.namespaces, reads.blocks, reads.allocator, reads.leases)
         self.reads = reads

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.lease import Lease, LeaseKind
 from kvd.core.namespaces import NamespaceState
-from kvd.core.part import EnginePart
+from kvd.core.component import EngineComponent
 from kvd.core.radix import PrefixIndex
 from kvd.core.requests import (CommitRequest, KeysRequest, check_client, check_keys, check_lease_room,
                                 granted_lease_ms, parent_block)
@@ -44,7 +44,7 @@ class ReserveResult:
     slots: list[int]
 
 
-class Puts(EnginePart):
+class Puts(EngineComponent):
     def reserve(self, request: KeysRequest) -> ReserveResult:
         """Reserve writable slots for the keys of a chain not yet stored.
 

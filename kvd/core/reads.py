@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
 from kvd.core.lease import Lease, LeaseKind
 from kvd.core.namespaces import NamespaceState
-from kvd.core.part import EnginePart
+from kvd.core.component import EngineComponent
 from kvd.core.requests import KeysRequest, check_client, check_keys, check_lease_room, granted_lease_ms, match
 from kvd.core.tier import StorageTier, Tier, TierId
 from kvd.core.transfer import Transfer
@@ -67,7 +67,7 @@ class GetPlan:
     pins: list[BlockHandle] = field(default_factory=list)
 
 
-class Reads(EnginePart):
+class Reads(EngineComponent):
     def lookup(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
         """Longest stored prefix of `keys` (a chain continuing `parent_key`).
 

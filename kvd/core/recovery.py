@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvd.core.block import BlockState
-from kvd.core.blocks import BlockBook
+from kvd.core.blocks import BlockLifecycle
 from kvd.core.namespaces import NamespaceTable
 from kvd.core.slot_pool import NO_CLASS
 from kvd.core.tier import TierId
@@ -21,7 +21,7 @@ from kvd.invariants import check
 
 
 class Recovery:
-    def __init__(self, namespaces: NamespaceTable, blocks: BlockBook) -> None:
+    def __init__(self, namespaces: NamespaceTable, blocks: BlockLifecycle) -> None:
         self.namespaces = namespaces
         self.blocks = blocks
         self.disk = blocks.disk

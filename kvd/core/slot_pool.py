@@ -21,7 +21,7 @@ Slot states:
 * resident: owned, and the owner's residency chain names the slot;
 * quarantined (persistent tiers only): freed, but the tier's journal still
   has the old block's record; reused only once a REMOVE record for it is
-  durable (`confirm_removals`), so a replay after a crash never pairs an
+  durable (`removals_journalled`), so a replay after a crash never pairs an
   old record with new bytes;
 * retired: out of service for good (its drive could not be read at start).
 
@@ -133,7 +133,7 @@ class SlotPool:
         # Pages out of service (pools with classes; one class retires slots).
         self.retired_pages: set[int] = set()
         # Quarantined slots whose page went to another class before their
-        # REMOVE was durable (take_over_page), until confirm_removals.
+        # REMOVE was durable (take_over_page), until removals_journalled.
         self.handed_over: set[int] = set()
         # (namespace id, key, slot) freed but not yet journalled as removed.
         self.removals: list[tuple[bytes, bytes, int]] = []
@@ -353,7 +353,7 @@ class SlotPool:
         removals, self.removals = self.removals, []
         return removals
 
-    def confirm_removals(self, slots: Iterable[int]) -> None:
+    def removals_journalled(self, slots: Iterable[int]) -> None:
         """The REMOVE records of these slots are durable: they may be reused."""
         for slot in slots:
             if slot in self.quarantine:

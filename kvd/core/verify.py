@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvd.core.block import NO_SLOT, Block, BlockState
-from kvd.core.blocks import BlockBook
+from kvd.core.blocks import BlockLifecycle
 from kvd.core.namespaces import NamespaceState
 from kvd.core.quota import TenantQuota
 from kvd.core.tier import Tier
@@ -21,14 +21,14 @@ from kvd.invariants import check
 class _Tally:
     """What a walk over every block counted, to compare with the pools and counters."""
 
-    def __init__(self, blocks: BlockBook) -> None:
+    def __init__(self, blocks: BlockLifecycle) -> None:
         self.resident_children: dict = {tier: {} for tier in blocks.tiers}
         # Per tier: resident blocks and their bytes.
         self.resident: dict[Tier, list[int]] = {tier: [0, 0] for tier in blocks.tiers}
         self.pinned = self.refs = 0
 
 
-def verify_blocks(blocks: BlockBook, states: Iterable[NamespaceState], prefetch_in_flight: int) -> None:
+def verify_blocks(blocks: BlockLifecycle, states: Iterable[NamespaceState], prefetch_in_flight: int) -> None:
     tally = _Tally(blocks)
     for state in states:
         state.index.verify()
@@ -50,7 +50,7 @@ def verify_blocks(blocks: BlockBook, states: Iterable[NamespaceState], prefetch_
               "prefetched {!r} not in host memory", block)
 
 
-def _verify_block(blocks: BlockBook, block: Block, block_bytes: int, tally: _Tally) -> None:
+def _verify_block(blocks: BlockLifecycle, block: Block, block_bytes: int, tally: _Tally) -> None:
     blocks.tiers.verify_block(block, tally.resident_children)
     copies = blocks.tiers.copies(block)
     host_slot = blocks.host_slot(block)
@@ -82,7 +82,7 @@ def _verify_block(blocks: BlockBook, block: Block, block_bytes: int, tally: _Tal
         check(block.first_child is None or bool(blocks.lower), "dirty candidate {!r} has children", block)
 
 
-def verify_quotas(blocks: BlockBook, tenants: dict[str, TenantQuota]) -> None:
+def verify_quotas(blocks: BlockLifecycle, tenants: dict[str, TenantQuota]) -> None:
     """Each tenant's usage is the slots its blocks hold; its candidates are the host policy's."""
     if not tenants:
         return

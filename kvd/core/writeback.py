@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from kvd.core.block import NO_SLOT, Block, BlockState
-from kvd.core.blocks import BlockBook
+from kvd.core.blocks import BlockLifecycle
 from kvd.core.policy import ScanBudget
 from kvd.core.quota import TenantQuota
 from kvd.core.slot_pool import SlotClass
@@ -55,7 +55,7 @@ ANY_BLOCK = "any block"
 
 
 class WriteBack:
-    def __init__(self, blocks: BlockBook, tier: StorageTier, scan_slots_per_turn: int = SCAN_SLOTS_PER_TURN) -> None:
+    def __init__(self, blocks: BlockLifecycle, tier: StorageTier, scan_slots_per_turn: int = SCAN_SLOTS_PER_TURN) -> None:
         check(tier in blocks.lower, "write-back goes to a tier below host memory")
         check(scan_slots_per_turn > 0, "a writer turn must be able to look at a slot")
         self.blocks = blocks
@@ -207,8 +207,8 @@ class WriteBack:
         """(namespace id, key, slot) whose REMOVE must be journalled (persistent tiers)."""
         return self.tier.pool.take_removals()
 
-    def confirm_removals(self, slots: Sequence[int]) -> None:
-        self.tier.pool.confirm_removals(slots)
+    def removals_journalled(self, slots: Sequence[int]) -> None:
+        self.tier.pool.removals_journalled(slots)
 
     def require_durable(self, blocks: Iterable[Block]) -> None:
         """A client asked for these blocks to be durable (ACK_DURABLE, a

@@ -97,7 +97,7 @@ class DiskWrites:
         at most, two if it arrives while the drive was serving writes only.
         """
         failed_removals = await self._run(self._remove_sync, round_.removals) if round_.removals else set()
-        self.mover.removals_journalled(round_, failed_removals)
+        self.mover.round_removals_journalled(round_, failed_removals)
         if round_.chunk_blocks:  # (fifo: whole rounds)
             block_bytes = max(write.block.index.block_bytes for write in round_.writes)
             fixed = max(1, min(self.settings.write_chunk_blocks, self.settings.write_chunk_bytes // block_bytes))
@@ -186,7 +186,7 @@ class DiskWrites:
 
     async def _journal(self, removals: list[tuple[bytes, bytes, int]], deleted: bool) -> int:
         failed = await self._run(self._remove_sync, removals, deleted)
-        self.mover.removals_done(removals, failed)
+        self.mover.removals_journalled(removals, failed)
         return len(failed)
 
     async def journal_deletions(self) -> int:

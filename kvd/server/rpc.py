@@ -63,7 +63,7 @@ def rpc(method: str) -> Callable[[Handler], Handler]:
         @functools.wraps(handler)
         async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with _measured(self.metrics, method, context, self.on_bug):
-                self._scope(request)
+                self._resolve_tenant_ids(request)
                 return await handler(self, request, context)
 
         return wrapper
@@ -78,7 +78,7 @@ def stream_rpc(method: str) -> Callable[[StreamHandler], StreamHandler]:
         @functools.wraps(handler)
         async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             async with _measured(self.metrics, method, context, self.on_bug):
-                self._scope(request)
+                self._resolve_tenant_ids(request)
                 async for message in handler(self, request, context):
                     yield message
 

@@ -14,7 +14,7 @@ atomic. Operating errors (KvdError) become a gRPC status here and only here;
 anything else is a bug and surfaces as INTERNAL with a logged traceback.
 
 Before any handler runs, its request is brought inside the caller's tenant
-(`KvdService._scope`, kvd.server.auth): namespace ids and client ids are
+(`KvdService._resolve_tenant_ids`, kvd.server.auth): namespace ids and client ids are
 replaced by the engine's ids of the caller's own. Without auth the caller
 is no tenant, and only namespaces of no tenant are found.
 """
@@ -103,7 +103,7 @@ class KvdService(BlockHandlers, ReadHandlers, EventHandlers, AdminHandlers, Devi
             raise Unauthenticated("kvd does not know who sent this call")
         return tenant
 
-    def _scope(self, request) -> None:
+    def _resolve_tenant_ids(self, request) -> None:
         """Bring a request inside its caller's tenant, before its handler sees it.
 
         Every request that names a namespace has it resolved within the

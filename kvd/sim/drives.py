@@ -109,7 +109,7 @@ class Drives:
         self.disk.submit(operation)
 
     def _removals_journalled(self, batch: WriteBatch) -> None:
-        self.world.mover.removals_journalled(batch.round, ())
+        self.world.mover.round_removals_journalled(batch.round, ())
         batch.chunks = batch.round.chunks()
         self._submit_chunk(batch)
 
@@ -129,7 +129,7 @@ class Drives:
         if operation.kind == DiskOpKind.JOURNAL:
             world.contents.drop(operation.removals)
             if batch is None:
-                world.mover.removals_done(operation.removals, ())
+                world.mover.removals_journalled(operation.removals, ())
             else:
                 self._removals_journalled(batch)
             return None

@@ -66,7 +66,7 @@ class SlotContents:
 
     def journal_removals(self) -> None:
         """Make the engine's pending disk removals durable, at once."""
-        self.engine.confirm_disk_removals(self.drop(self.engine.take_disk_removals()))
+        self.engine.disk_removals_journalled(self.drop(self.engine.take_disk_removals()))
 
     def served(self, blocks: Sequence[Block]) -> list[bytes]:
         """What a client copies out of the host slots of `blocks`."""

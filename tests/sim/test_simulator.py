@@ -185,7 +185,7 @@ def failure_lines(process: subprocess.CompletedProcess) -> tuple[str, str]:
 
 
 # The engine forgets to make released blocks eviction candidates.
-BROKEN_ENGINE = "from kvd.core.blocks import BlockBook\nBlockBook.maybe_admit = lambda self, block, *, cold: None"
+BROKEN_ENGINE = "from kvd.core.blocks import BlockLifecycle\nBlockLifecycle.maybe_admit = lambda self, block, *, cold: None"
 
 
 def test_a_broken_engine_is_caught_with_its_seed_and_reproduced_by_the_printed_command():

@@ -148,7 +148,7 @@ class Disk:
         writes = self.engine.pick_writes(limit)
         removals = self.engine.take_disk_removals()
         self.engine.finish_writes(writes, [True] * len(writes))
-        self.engine.confirm_disk_removals([slot for _, _, slot in removals])
+        self.engine.disk_removals_journalled([slot for _, _, slot in removals])
         self.engine.verify()
         return [write.block.key for write in writes]
 

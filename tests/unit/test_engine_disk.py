@@ -216,7 +216,7 @@ def test_recovery_rebuilds_the_index_and_drops_orphans(engine_factory):
     assert [engine.tier_of(block) for block in engine.lookup(ns, keys)] == [TierId.DISK] * 4
     removals = engine.take_disk_removals()
     assert [(key, slot) for _, key, slot in removals] == [(k("xx"), 5)]
-    engine.confirm_disk_removals([5])
+    engine.disk_removals_journalled([5])
     assert sorted(engine.disk.pool.free_slots) == [4, 5, 6, 7]
     assert engine.disk.counters.recovery_dropped == 2
 

@@ -52,7 +52,7 @@ class Rig:
         writes = engine.pick_writes(64)
         removals = engine.take_disk_removals()
         self.journal.append(("remove", [slot for _, _, slot in removals]))
-        engine.confirm_disk_removals([slot for _, _, slot in removals])
+        engine.disk_removals_journalled([slot for _, _, slot in removals])
         self.journal.append(("write", [write.target_slot for write in writes]))
         engine.finish_writes(writes, [True] * len(writes))
         return len(writes)
@@ -133,7 +133,7 @@ def test_recovery_gives_each_page_the_class_of_its_records_and_drops_a_conflict(
     assert sum(page_class == NO_CLASS for page_class in pool.page_class) == PAGES - 2
     # The clashing record's REMOVE is journalled, but its slot was never this pool's to hold.
     assert [slot for _, _, slot in rig.engine.take_disk_removals()] == [clash]
-    rig.engine.confirm_disk_removals([clash])
+    rig.engine.disk_removals_journalled([clash])
     assert rig.engine.disk.pool.free_count_of(pool.classes[2]) == 2  # the rest of page 5
     rig.check()
 

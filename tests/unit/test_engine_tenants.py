@@ -179,7 +179,7 @@ def flush(engine: Engine) -> list[bytes]:
     writes = engine.pick_writes(100)
     removals = engine.take_disk_removals()
     engine.finish_writes(writes, [True] * len(writes))
-    engine.confirm_disk_removals([slot for _, _, slot in removals])
+    engine.disk_removals_journalled([slot for _, _, slot in removals])
     engine.verify()
     return [write.block.key for write in writes if engine.disk_slot(write.block) == write.target_slot]
 

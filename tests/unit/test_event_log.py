@@ -261,7 +261,7 @@ class Plane:
 
     def journal(self) -> None:
         removals = self.engine.take_disk_removals()
-        self.engine.confirm_disk_removals([slot for _, _, slot in removals])
+        self.engine.disk_removals_journalled([slot for _, _, slot in removals])
 
     def get(self, chain: str, client: str = "r") -> int:
         plan = self.engine.begin_get(KeysRequest(self.ns, client, K(chain), LONG, 0))

@@ -370,7 +370,7 @@ class EngineSide:
 
     def journal(self) -> None:
         removals = self.engine.take_disk_removals()
-        self.engine.confirm_disk_removals([slot for _, _, slot in removals])
+        self.engine.disk_removals_journalled([slot for _, _, slot in removals])
 
     def served(self) -> tuple[dict[bytes, int], dict[bytes, bytes]]:
         blocks = [block for block in self.engine.namespace(self.ns).index if block.state == BlockState.SEALED]

@@ -64,7 +64,7 @@ class Rig:
 
     def finish_round(self, round_) -> None:
         self.contents.drop(round_.removals)
-        self.mover.removals_journalled(round_, ())
+        self.mover.round_removals_journalled(round_, ())
         for positions in round_.chunks():
             self.mover.chunk_written(round_, positions, self.contents.write([round_.writes[p] for p in positions]))
         self.mover.finish_round(round_)

@@ -49,7 +49,7 @@ class Rig:
         if round_ is None:
             return None
         self.contents.drop([removal for removal in round_.removals if removal[2] not in failed_removals])
-        self.mover.removals_journalled(round_, failed_removals)
+        self.mover.round_removals_journalled(round_, failed_removals)
         chunks = round_.chunks()
         for positions in chunks:
             writes = [round_.writes[position] for position in positions]
@@ -132,7 +132,7 @@ def test_writes_wait_for_the_removals_and_skip_a_slot_whose_removal_failed():
     [(_, _, reused)] = round_.removals
     with pytest.raises(InvariantError):
         round_.chunks()  # no write before the removals are durable
-    rig.mover.removals_journalled(round_, {reused})
+    rig.mover.round_removals_journalled(round_, {reused})
     assert round_.chunks() == []  # the only write went to the slot whose REMOVE failed
     rig.mover.finish_round(round_)
     assert rig.durable("c") == [False]

@@ -158,7 +158,7 @@ def flush(engine) -> None:
     """The daemon's write pipeline, every write succeeding."""
     writes = engine.pick_writes(100)
     removals = engine.take_disk_removals()
-    engine.confirm_disk_removals([slot for _, _, slot in removals])
+    engine.disk_removals_journalled([slot for _, _, slot in removals])
     engine.finish_writes(writes, [True] * len(writes))
     engine.verify()
 

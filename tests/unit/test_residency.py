@@ -57,7 +57,7 @@ def drop(stack: TierStack, block: Block, tier) -> None:
     slot = stack.drop_copy(block, tier)
     tier.pool.release(slot, block)
     if tier.pool.persistent:
-        tier.pool.confirm_removals([slot])
+        tier.pool.removals_journalled([slot])
 
 
 def recount(stack: TierStack, blocks: list[Block]) -> None:

@@ -1,16 +1,17 @@
-"""What each request-handling part of the engine (reads, puts, prefetch) works with."""
+"""The base of the engine's request components (reads, puts, prefetch): the engine's tables they
+share, by reference (limits, namespaces, the block lifecycle, the host allocator, leases)."""
 
 from __future__ import annotations
 
-from kvd.core.blocks import BlockBook
+from kvd.core.blocks import BlockLifecycle
 from kvd.core.eviction import HostAllocator
 from kvd.core.lease import LeaseTable
 from kvd.core.limits import EngineLimits
 from kvd.core.namespaces import NamespaceTable
 
 
-class EnginePart:
-    def __init__(self, limits: EngineLimits, namespaces: NamespaceTable, blocks: BlockBook,
+class EngineComponent:
+    def __init__(self, limits: EngineLimits, namespaces: NamespaceTable, blocks: BlockLifecycle,
                  allocator: HostAllocator, leases: LeaseTable) -> None:
         self.limits = limits
         self.namespaces = namespaces
