@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
 import urllib.request
+from types import SimpleNamespace
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -324,18 +326,19 @@ def test_a_one_token_remainder_is_loaded_without_enforce_eager(engine_python, mo
 
 
 @pytest.fixture(scope="module")
-def served(engine_python, model, kvd, tmp_path_factory) -> Iterator[int]:
-    """`vllm serve` with the connector to the module's kvd: its port."""
-    with vllm_server(engine_python, model, tmp_path_factory.mktemp("serve") / "serve.log",
-                     connector={"target": kvd.target}, env={"VLLM_SERVER_DEV_MODE": "1"}) as port:
-        yield port
+def served(engine_python, model, kvd, tmp_path_factory) -> Iterator[SimpleNamespace]:
+    """`vllm serve` with the connector to the module's kvd: its port and its log."""
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with vllm_server(engine_python, model, log, connector={"target": kvd.target},
+                     env={"VLLM_SERVER_DEV_MODE": "1"}) as port:
+        yield SimpleNamespace(port=port, log=log)
 
 
 def test_vllm_serve_stores_and_loads_through_the_connector(served, kvd):
     """The README's command line: the first request stores its prompt's blocks; once vLLM's own
     prefix cache is reset (a dev endpoint), the same prompt is served from kvd, with the same answer."""
     prompt, blocks = tiny_llama.prompt_words(prompts()["C"]), len(prompts()["C"]) // BLOCK
-    port = served
+    port = served.port
     saved_before = prometheus_samples(port).get("vllm:kvd_saved_blocks_total", 0)
     computed = complete(port, prompt)
     assert post(port, "/reset_prefix_cache") == {"success": True}
@@ -350,6 +353,12 @@ def test_vllm_serve_stores_and_loads_through_the_connector(served, kvd):
     # The connector's counters on vLLM's own /metrics.
     assert metrics["vllm:kvd_saved_blocks_total"] - saved_before == blocks
     assert metrics["vllm:kvd_loaded_blocks_total"] == blocks and metrics["vllm:kvd_load_errors_total"] == 0
+    assert metrics["vllm:kvd_loaded_tokens_total"] == blocks * BLOCK and metrics["vllm:kvd_recomputed_tokens_total"] == 0
+    # The connector logs through vLLM's logging: its start-up line, INFO, with vLLM's prefix
+    # ("(EngineCore pid=...) INFO mm-dd hh:mm:ss [connector.py:NNN] kvd connector: ...").
+    started = [line for line in served.log.read_text(errors="replace").splitlines() if "kvd connector:" in line]
+    assert started and all(re.search(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d.*\[connector\.py:\d+\]", line)
+                           for line in started), started
 
 
 # Write-behind: how long a stored block may wait for the disk, here, before a crash may lose it.
@@ -365,7 +374,7 @@ def test_a_sigkill_under_load_loses_at_most_the_write_behind_window(served, kvd)
     `vllm serve`, SIGKILLed the moment it publishes a STORED event: after a restart, every chain
     it announced more than WRITE_BEHIND_WINDOW_S before the kill is there, whole (from disk: host
     memory died with the process), and vLLM answered on through the outage."""
-    port = served
+    port = served.port
     rng = np.random.default_rng(29)
     new_prompt = lambda: tiny_llama.prompt_words(rng.integers(4, tiny_llama.VOCAB, 6 * BLOCK + 40).tolist())
     complete(port, new_prompt())  # the connector's namespace exists from here on

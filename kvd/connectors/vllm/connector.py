@@ -7,7 +7,6 @@ vllm.worker) moves the bytes. This class only adapts vLLM's calls.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.device_worker import DeviceWorkerSide
 from kvd.connectors.vllm.layout import UnsupportedLayout, namespace_spec, paged_layout
+from kvd.connectors.vllm.logs import log
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, KvdHandshake
 from kvd.connectors.vllm.scheduler import SchedulerSide
 from kvd.connectors.vllm.transfer import local_namespace
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvd.connectors.vllm")
 
 
 class KvdConnectorStats(KVConnectorStats):
@@ -60,10 +59,14 @@ class KvdPromMetrics(KVConnectorPromMetrics):
 
     HELP = {
         "loaded_blocks": "Blocks loaded from kvd into the engine (every layer).",
+        "loaded_tokens": "Tokens loaded from kvd, not computed: the connector's count (vLLM's prefix-cache "
+                         "counters also count a load that then failed).",
+        "recomputed_tokens": "Tokens vLLM recomputed because their load from kvd failed.",
         "async_loads": "Requests whose hit was loaded from disk while vLLM ran other requests.",
         "load_errors": "Blocks that could not be loaded from kvd; vLLM recomputed them.",
         "corrupt_blocks": "Of those, blocks lost because kvd found one corrupt on disk (failed its checksum).",
         "saved_blocks": "Blocks stored in kvd.",
+        "saved_tokens": "Tokens whose KV was stored in kvd.",
         "save_errors": "Reservations or commits in kvd that failed; those blocks were not stored.",
         "load_wait_seconds": "Time the model's attention layers waited for bytes from kvd.",
     }

@@ -28,7 +28,6 @@ it. kvd marks a failed transfer's word FAILED | done, so no wait hangs.
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -38,13 +37,12 @@ import torch
 from kvd.arena_protocol import socket_path_for_target
 from kvd.client.device import FAILED, DevicePool
 from kvd.connectors.vllm.layout import PagedLayout, UnsupportedLayout
+from kvd.connectors.vllm.logs import log
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOrder
 from kvd.connectors.vllm.transfer import Unavailable, registering
 from kvd.connectors.vllm.worker import WorkerSide
 from kvd.device import open_device
 from kvd.errors import KvdError
-
-log = logging.getLogger("kvd.connectors.vllm")
 
 ENGINE_WORD, SAVE_WORD = 0, 1  # the engine's "layer written" word; kvd's word for saves (nobody waits on it)
 FIRST_LOAD_WORD = 2
@@ -243,7 +241,7 @@ class DeviceWorkerSide(WorkerSide):
                     step.saves.append((order, self._saving.submit(self._save, self.device_pool, order, step.save_base)))
         for order, saving in step.saves:
             try:
-                self.counters.add(saved_blocks=saving.result().stored)
+                self._count_saved(saving.result().stored)
             except (grpc.RpcError, KvdError, Unavailable, OSError) as error:
                 self._pool_lost(error)
                 self.counters.add(save_errors=1)
@@ -260,7 +258,7 @@ class DeviceWorkerSide(WorkerSide):
             if lost:
                 failed.add(load.order.req_id)
                 self._report(lost, load)
-            self.counters.add(loaded_blocks=len(load.order.block_ids) - len(lost))
+            self._count_load(load.order, len(lost))
         return failed
 
     def _settle(self, load: _DeviceLoad) -> None:

@@ -13,15 +13,13 @@ namespace's current blocks again.
 
 from __future__ import annotations
 
-import logging
 import threading
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 from kvd.client import Client, EventKind, KvEvent, Namespace, ResyncRequired
+from kvd.connectors.vllm.logs import log
 from kvd.v1 import kvd_pb2
-
-log = logging.getLogger("kvd.connectors.vllm")
 
 MEDIUM = {kvd_pb2.TIER_DEVICE: "GPU", kvd_pb2.TIER_HOST: "CPU", kvd_pb2.TIER_DISK: "STORAGE"}
 MAX_PENDING = 100_000  # events kept for take_events; beyond, the oldest are dropped and a resync sent

@@ -16,7 +16,6 @@ plan pauses, whose KV does not fit even at its most frugal, is saved at that mos
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,11 +23,10 @@ from typing import Any
 
 import grpc
 
+from kvd.connectors.vllm.logs import log
 from kvd.connectors.vllm.metadata import SaveOrder
 from kvd.planner.distance import distance_options
 from kvd.v1 import kvd_pb2
-
-log = logging.getLogger("kvd.connectors.vllm")
 
 OPTIONAL = {"per_token_s": 0.0, "slo_s": 1.0}  # the keys a placement table may leave out, with their defaults
 

@@ -20,7 +20,6 @@ is down, requests simply miss.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +28,12 @@ import grpc
 from kvd.client import Client, Namespace
 from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.events import EventFeed
+from kvd.connectors.vllm.logs import log
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, KvdHandshake, LoadOrder, SaveOrder
 from kvd.connectors.vllm.placement import SavePlanner
 from kvd.connectors.vllm.requests import prompt_keys
 from kvd.connectors.vllm.transfer import local_namespace, registering
 from kvd.v1 import kvd_pb2
-
-log = logging.getLogger("kvd.connectors.vllm")
 
 
 @dataclass(slots=True)

@@ -14,10 +14,13 @@ class Counters:
     every change goes through `add`, under the lock `take` holds, so none is lost between the two."""
 
     loaded_blocks: int = 0  # blocks loaded into the engine, every layer landed
+    loaded_tokens: int = 0  # their tokens: what vLLM did not compute (its own counts include failed loads)
     async_loads: int = 0  # requests whose hit was loaded while vLLM ran other requests
     load_errors: int = 0  # blocks reported to vLLM as not loaded (it recomputes them)
+    recomputed_tokens: int = 0  # their tokens
     corrupt_blocks: int = 0  # of those, blocks after a block kvd found corrupt (failed its checksum)
     saved_blocks: int = 0  # blocks committed to kvd
+    saved_tokens: int = 0  # their tokens
     save_errors: int = 0  # reservations or commits that failed (the blocks are not stored)
     load_wait_s: float = 0.0  # time the model's layers waited for loaded bytes
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

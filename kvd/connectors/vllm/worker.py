@@ -18,7 +18,6 @@ source blocks may hold garbage.
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,12 +29,11 @@ import torch
 from kvd.client import Namespace
 from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.layout import PagedLayout
+from kvd.connectors.vllm.logs import log
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOrder
 from kvd.connectors.vllm.stats import Counters
 from kvd.connectors.vllm.transfer import LayerStream, Link, Reservation, Unavailable
 from kvd.v1 import kvd_pb2
-
-log = logging.getLogger("kvd.connectors.vllm")
 
 # Why kvd served less, in a log line (kvd.v1.GetCut; NONE: evicted or deleted since the Lookup).
 _CUT_REASONS = {
@@ -220,7 +218,7 @@ class WorkerSide:
                 continue
             try:
                 self.link.commit(self.namespace, save.reservation.lease_id)
-                self.counters.add(saved_blocks=save.reservation.stop - save.reservation.start)
+                self._count_saved(save.reservation.stop - save.reservation.start)
             except grpc.RpcError as error:
                 self.counters.add(save_errors=1)
                 log.warning("kvd: committing %s failed: %s", save.order.req_id, error.details())
@@ -236,8 +234,19 @@ class WorkerSide:
             if lost:
                 failed.add(load.order.req_id)
                 self._report(lost, load)
-            self.counters.add(loaded_blocks=len(load.order.block_ids) - len(lost))
+            self._count_load(load.order, len(lost))
         return failed
+
+    def _count_load(self, order, lost: int) -> None:
+        """A load is over: its blocks and tokens counted, its outcome logged (debug)."""
+        tokens = self.namespace.spec.block_tokens
+        loaded = len(order.block_ids) - lost
+        self.counters.add(loaded_blocks=loaded, loaded_tokens=loaded * tokens)
+        log.debug("kvd: %s loaded %d of %d blocks (%d tokens) from kvd", order.req_id, loaded,
+                  len(order.block_ids), loaded * tokens)
+
+    def _count_saved(self, blocks: int) -> None:
+        self.counters.add(saved_blocks=blocks, saved_tokens=blocks * self.namespace.spec.block_tokens)
 
     def _lost(self, load: _Load) -> list[int]:
         """Engine blocks of a load that did not get every layer."""
@@ -250,7 +259,7 @@ class WorkerSide:
             load.cut, "blocks missing from kvd")
         log.warning("kvd: %d blocks of %s could not be loaded (%s); vLLM recomputes them",
                     len(lost), load.order.req_id, why)
-        self.counters.add(load_errors=len(lost))
+        self.counters.add(load_errors=len(lost), recomputed_tokens=len(lost) * self.namespace.spec.block_tokens)
         if load.error is None and load.cut == kvd_pb2.GET_CUT_CORRUPT:
             self.counters.add(corrupt_blocks=len(lost))
         with self._lock:
