@@ -19,9 +19,12 @@ so `read` polls against its own deadline and, past it, releases the
 transfer handle (which cancels it) and reports failure: the caller then
 aborts the reserved slots, and the blocks are misses.
 
-UCX's InfiniBand modules are kept from loading (UCX_MODULES=^ib,rdmacm,
-unless set): the wheel's bundled libnl crashes in its exit destructor on
-hosts without RDMA, turning every daemon exit into SIGSEGV.
+Fabric. On a host with an RDMA device (InfiniBand or RoCE: an entry under
+/sys/class/infiniband) UCX may use it, and READs go over RDMA. On a host
+without one, UCX's InfiniBand modules are kept from loading
+(UCX_MODULES=^ib,rdmacm, unless the operator set UCX_MODULES): the wheel's
+bundled libnl crashes in its exit destructor there, turning every daemon
+exit into SIGSEGV. `fabric()` says which of the two this host is.
 """
 
 from __future__ import annotations
@@ -32,15 +35,43 @@ import logging
 import os
 import time
 
+from pathlib import Path
+
 import numpy as np
 
 log = logging.getLogger("kvd.cluster")
 
 PROGRESS_INTERVAL_S = 0.001
+RDMA_CLASS = Path("/sys/class/infiniband")
+NO_RDMA_MODULES = "^ib,rdmacm"
+
+
+def rdma_devices(root: Path = RDMA_CLASS) -> list[str]:
+    """The host's RDMA devices (InfiniBand HCAs and RoCE NICs alike register here)."""
+    try:
+        return sorted(entry.name for entry in root.iterdir())
+    except OSError:
+        return []
+
+
+def fabric(root: Path = RDMA_CLASS, environ: dict[str, str] | None = None) -> str:
+    """"rdma" when UCX may use an RDMA device of this host, else "tcp" (TCP, or shared memory
+    between daemons on one host)."""
+    environ = os.environ if environ is None else environ
+    excluded = environ.get("UCX_MODULES", "").startswith("^") and "ib" in environ["UCX_MODULES"][1:].split(",")
+    return "rdma" if rdma_devices(root) and not excluded else "tcp"
+
+
+def keep_rdma_modules_out_without_a_device(root: Path = RDMA_CLASS, environ=None) -> None:
+    """Before NIXL loads: UCX's InfiniBand modules stay out on a host with no RDMA device (see the
+    module's docstring), unless the operator set UCX_MODULES."""
+    environ = os.environ if environ is None else environ
+    if not rdma_devices(root):
+        environ.setdefault("UCX_MODULES", NO_RDMA_MODULES)
 
 
 def nixl_available() -> bool:
-    os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
+    keep_rdma_modules_out_without_a_device()
     try:
         import nixl._api  # noqa: F401
     except ImportError:
@@ -53,6 +84,7 @@ class NixlTransport:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = f"{node}-{incarnation}"
+        self.fabric = fabric()
         self.arena_address = arena_address
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-nixl")
         config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])

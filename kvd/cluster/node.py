@@ -157,7 +157,9 @@ class ClusterNode:
                 raise ConfigError("cluster.transport", "nixl, but the nixl package is not installed")
             log.info("NIXL not installed: blocks move between nodes over gRPC streams")
             return None
-        return NixlTransport(self.name, incarnation, self.arena.address_at(0), self.arena.layout.arena_bytes)
+        transport = NixlTransport(self.name, incarnation, self.arena.address_at(0), self.arena.layout.arena_bytes)
+        log.info("blocks move between nodes over NIXL", extra={"fabric": transport.fabric})
+        return transport
 
     def _joined(self, member: Member) -> None:
         if self.transport is not None and member.name != self.name:
