@@ -243,6 +243,9 @@ class Engine:
     def stored(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
         return self.reads.stored(namespace_id, keys, parent_key)
 
+    def chain_to(self, namespace_id: bytes, key: bytes) -> list[bytes]:
+        return self.reads.chain_to(namespace_id, key)
+
     def begin_get(self, request: KeysRequest) -> GetPlan:
         return self.reads.begin_get(request)
 

@@ -88,6 +88,22 @@ class Reads(EngineComponent):
         check_keys(self.limits, keys, "keys")
         return [block for block in match(state, keys, parent_key) if block.state == BlockState.SEALED]
 
+    def chain_to(self, namespace_id: bytes, key: bytes) -> list[bytes]:
+        """The keys of the stored chain from its root to `key`, `key` last; [] when `key` is not
+        stored here. What a peer's directory needs to find the rest of a chain that a request
+        continues from a local parent (keys are chained: a block's key names its whole prefix)."""
+        state = self.namespaces.namespace(namespace_id)
+        check_keys(self.limits, [key], "parent_key")
+        block = state.index.get(key)
+        if block is None or block.state != BlockState.SEALED:
+            return []
+        chain = []
+        while block is not None:
+            chain.append(block.key)
+            block = block.parent
+        chain.reverse()
+        return chain
+
     def begin_get(self, request: KeysRequest) -> GetPlan:
         """Pin the longest stored prefix of `keys` and plan its disk reads.
 

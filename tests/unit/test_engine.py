@@ -212,6 +212,19 @@ def test_reserve_from_a_parent_key(env):
     assert (result.lease, result.statuses) == (None, [E, E])
 
 
+def test_the_chain_to_a_stored_key_runs_from_its_root(env):
+    """What a Get continuing a local parent sends a peer's directory (issue 37): the whole chain."""
+    engine, ns = env
+    put(engine, ns, "abcd")
+    assert engine.chain_to(ns, k("abc")) == K("abc")
+    assert engine.chain_to(ns, k("a")) == K("a")
+    assert engine.chain_to(ns, k("abz")) == []  # not stored here
+    result = engine.reserve(KeysRequest(ns, "w", K("abcde")[4:], LONG, 0, parent_key=k("abcd")))
+    assert engine.chain_to(ns, k("abcde")) == []  # reserved, not sealed: nothing to continue yet
+    engine.release("w", [result.lease.lease_id])
+    rejected(engine, InvalidArgument, "chain_to", ns, b"x" * 31, match="parent_key")
+
+
 def test_reserve_parent_key_errors(env):
     engine, ns = env
     put(engine, ns, "a")
