@@ -45,7 +45,7 @@ Get hits of kvd_get_blocks_total.
 | kvd_disk_job_run_seconds | histogram | class | time a disk job ran: restore and prefetch jobs are one read_blocks batch, write jobs one or more write chunks; control is the rest (journal removals, syncs, compaction) |
 | kvd_blocks_sealed_total | counter | tier | blocks committed |
 | kvd_blocks_aborted_total | counter | tier | reservations aborted or expired unwritten |
-| kvd_blocks_deleted_total | counter | tier | blocks removed by Delete |
+| kvd_blocks_deleted_total | counter | tier | blocks removed by Delete and DeleteNamespace |
 | kvd_prefetch_blocks_total | counter | result | Prefetch keys: queued (read from disk), already_in_host, already_loading (a read was in flight), refused (a limit was reached), missing (not stored) |
 | kvd_prefetch_used_total | counter | | prefetched blocks a Get then matched |
 | kvd_prefetch_wasted_total | counter | | prefetched blocks that left host memory before any Get used them (evicted, deleted, failed their read); useful ratio = used / (used + wasted) |
@@ -225,7 +225,7 @@ def _tier_metrics(engine: Engine) -> Iterator[Metric]:
     yield _per_tier(counter, "kvd_blocks_sealed", "Blocks committed.", mappable, lambda tier: tier.counters.sealed)
     yield _per_tier(counter, "kvd_blocks_aborted", "Reservations aborted or expired unwritten.", mappable,
                     lambda tier: tier.counters.aborted)
-    yield _per_tier(counter, "kvd_blocks_deleted", "Blocks removed by Delete.", mappable,
+    yield _per_tier(counter, "kvd_blocks_deleted", "Blocks removed by Delete and DeleteNamespace.", mappable,
                     lambda tier: tier.counters.deleted)
 
 

@@ -1,4 +1,4 @@
-"""The `kvd` command: serve, status, health, config, token, inspect, fsck."""
+"""The `kvd` command: serve, status, demote, namespaces, delete, health, config, token, inspect, fsck."""
 
 from __future__ import annotations
 
@@ -86,6 +86,28 @@ def cmd_demote(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_namespaces(args: argparse.Namespace) -> int:
+    """Every namespace, its identity and its blocks per tier (the ListNamespaces RPC)."""
+    from kvd.cli.namespaces import admin_client, namespaces_data, render_namespaces
+    from kvd.cli.status import resolve_target
+
+    target = resolve_target(args.target, args.state_dir)
+    with admin_client(target, _admin_token(args), args.tls_ca_file, args.timeout) as client:
+        namespaces = client.namespaces(args.tenant)
+    print(json.dumps(namespaces_data(target, namespaces), indent=2) if args.json else render_namespaces(namespaces))
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    """Every block of one namespace, deleted from every tier (the DeleteNamespace RPC)."""
+    from kvd.cli.namespaces import admin_client, run_delete
+    from kvd.cli.status import resolve_target
+
+    target = resolve_target(args.target, args.state_dir)
+    with admin_client(target, _admin_token(args), args.tls_ca_file, args.timeout) as client:
+        return run_delete(client, args.namespace, args.tenant, args.yes, args.json)
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 when the daemon's gRPC health service says SERVING (no token needed): for exec probes."""
     import grpc
@@ -126,6 +148,46 @@ def cmd_disk(args: argparse.Namespace) -> int:
     return main(args.command, args.directories, repair=getattr(args, "repair", False))
 
 
+def _add_admin_flags(sub: argparse.ArgumentParser, timeout_s: float = 5.0) -> None:
+    """The options of the commands that ask a running daemon: where it is, how to authenticate, --json."""
+    sub.add_argument("--target", help="unix:///path/kvd.sock or host:port (default: from --state-dir)")
+    sub.add_argument("--state-dir", default="state", help="state_dir of the daemon (default: state)")
+    sub.add_argument("--timeout", type=float, default=timeout_s,
+                     help=f"seconds to wait for the daemon's answer (default: {timeout_s:g})")
+    sub.add_argument("--json", action="store_true", help="print JSON instead of text")
+    sub.add_argument("--token-file", type=Path,
+                     help="file holding an admin tenant's bearer token (auth.mode = token; default: $KVD_TOKEN)")
+    sub.add_argument("--tls-ca-file", help="PEM CAs to trust, for a TCP --target with TLS")
+
+
+def _add_namespace_commands(commands) -> None:
+    """`kvd namespaces` and `kvd delete --namespace` (kvd.cli.namespaces)."""
+    namespaces = commands.add_parser(
+        "namespaces", help="list a running daemon's namespaces: id, tenant, model_id, the identity the engine's "
+        "connector recorded, blocks and bytes per tier, hit rate",
+        description="List every namespace of a running daemon, one row each: the start of its id, its tenant (when "
+        "any has one), its model_id (its name), its blocks in all and per tier (with the bytes of the slots they "
+        "take), its hits and misses, and the identity its engine's connector recorded (the spec's model_revision). "
+        "--json also gives the full ids and spec. With auth.mode = token it needs an admin's token.")
+    _add_admin_flags(namespaces)
+    namespaces.add_argument("--tenant", default="", help="only this tenant's namespaces (auth.mode = token)")
+    namespaces.set_defaults(handler=cmd_namespaces)
+
+    delete = commands.add_parser(
+        "delete", help="delete every block of one namespace from every tier of a running daemon, durably",
+        description="Delete every block of one namespace from every tier, as Delete does: answered once no restart "
+        "can bring them back. Blocks a lease or a read pins stay (the answer counts them). The namespace stays "
+        "registered: engines using it keep working and miss. Without --yes it asks on the terminal, and refuses "
+        "(exit 2) when stdin is not one. Exit 1: the daemon refused or could not be reached, or the answer was no.")
+    _add_admin_flags(delete, timeout_s=300.0)
+    delete.add_argument("--namespace", required=True, metavar="NAME_OR_ID",
+                        help="its model_id, its id (64 hex digits) or an id prefix of at least 8, as `kvd namespaces` "
+                        "shows them; id:HEX matches ids only. Several matches are an error listing them")
+    delete.add_argument("--tenant", default="", help="look only among this tenant's namespaces")
+    delete.add_argument("--yes", action="store_true", help="delete without asking")
+    delete.set_defaults(handler=cmd_delete)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvd", description="kvd: a per-node KV-cache store for LLM inference.")
     parser.add_argument("--version", action="version", version=f"kvd {__version__}")
@@ -148,22 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(config)
     config.set_defaults(handler=cmd_config)
 
-    def add_admin_flags(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--target", help="unix:///path/kvd.sock or host:port (default: from --state-dir)")
-        sub.add_argument("--state-dir", default="state", help="state_dir of the daemon (default: state)")
-        sub.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
-        sub.add_argument("--json", action="store_true", help="print JSON instead of text")
-        sub.add_argument("--token-file", type=Path,
-                         help="file holding an admin tenant's bearer token (auth.mode = token; default: $KVD_TOKEN)")
-        sub.add_argument("--tls-ca-file", help="PEM CAs to trust, for a TCP --target with TLS")
-
     status = commands.add_parser("status", help="show a running daemon's tiers, disk I/O, leases and pins, events and namespaces")
-    add_admin_flags(status)
+    _add_admin_flags(status)
     status.set_defaults(handler=cmd_status)
 
     demote = commands.add_parser("demote", help="drop a running daemon's host copies of blocks the disk also holds")
-    add_admin_flags(demote)
+    _add_admin_flags(demote)
     demote.set_defaults(handler=cmd_demote)
+
+    _add_namespace_commands(commands)
 
     health = commands.add_parser("health", help="exit 0 when the daemon serves (its gRPC health service); no token needed")
     health.add_argument("--target", help="unix:///path/kvd.sock or host:port (default: from --state-dir)")

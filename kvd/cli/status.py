@@ -297,7 +297,7 @@ def _listing(values: dict[str, int | float]) -> str:
     return ", ".join(f"{key} {_number(value)}" for key, value in values.items()) or "none"
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
+def text_table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
     lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(headers, widths)).rstrip()]
     lines.append("  ".join("-" * width for width in widths))
@@ -335,7 +335,7 @@ def _tier_table(status: dict[str, Any]) -> str:
         )
     headers = ["tier", "blocks", "used", "payload", "capacity", "fill", "pinned", "hits", "misses", "hit rate",
                "evictions"]
-    return _table(headers, rows)
+    return text_table(headers, rows)
 
 
 def _disk_io_lines(disk_io: dict[str, Any]) -> list[str]:
@@ -361,7 +361,7 @@ def _disk_io_lines(disk_io: dict[str, Any]) -> list[str]:
         for entry in disk_io["classes"]
     ]
     headers = ["class", "queued", "jobs", "wait p50", "wait p99", "run p50", "run p99", "run mean"]
-    return lines + _table(headers, rows).splitlines()
+    return lines + text_table(headers, rows).splitlines()
 
 
 def render_status(status: dict[str, Any]) -> str:
@@ -429,7 +429,7 @@ def render_status(status: dict[str, Any]) -> str:
     if namespace_rows:
         headers = ["namespace", *(["tenant"] if tenant_column else []), "model", "blocks", "block size", "hits",
                    "misses", "hit rate"]
-        parts.append(_table(headers, namespace_rows))
+        parts.append(text_table(headers, namespace_rows))
     else:
         parts.append("no namespaces registered")
     return "\n".join(parts)

@@ -25,6 +25,11 @@ token=...)` (default: $KVD_TOKEN); a TCP listener with TLS wants
 `tls=TlsConfig(ca_file=..., cert_file=..., key_file=...)` (the last two for
 mutual TLS).
 
+Operators (an admin token): `client.namespaces()` lists every namespace with
+its spec and blocks per tier; `client.delete_namespace("llama-3-8b")` removes
+every block of the one a model_id, an id or an id prefix names
+(kvd.client.namespaces).
+
 KV events (stored / removed / tier-changed, for KV-aware routers):
 `client.event_snapshot(ns)` and `client.watch_events(ns, from_sequence)`,
 with `BlockMirror` to keep a copy of a namespace; see kvd.client.events.
@@ -34,10 +39,12 @@ from kvd.client._channel import TlsConfig
 from kvd.client._wire import ClusterLookupResult, GetResult, LookupResult, Namespace, NodeMatch, PrefetchResult
 from kvd.client.aio import AsyncClient
 from kvd.client.errors import NotDurableError
+from kvd.client.namespaces import AmbiguousNamespace, NamespaceDeleted, NamespaceInfo, TierUsage
 from kvd.client.events import BlockMirror, EventKind, EventSnapshot, KvEvent, ResyncRequired
 from kvd.client.sync import Client
 
 __all__ = [
-    "AsyncClient", "BlockMirror", "Client", "ClusterLookupResult", "EventKind", "EventSnapshot", "GetResult",
-    "KvEvent", "LookupResult", "Namespace", "NodeMatch", "NotDurableError", "PrefetchResult", "ResyncRequired", "TlsConfig",
+    "AmbiguousNamespace", "AsyncClient", "BlockMirror", "Client", "ClusterLookupResult", "EventKind", "EventSnapshot",
+    "GetResult", "KvEvent", "LookupResult", "Namespace", "NamespaceDeleted", "NamespaceInfo", "NodeMatch",
+    "NotDurableError", "PrefetchResult", "ResyncRequired", "TierUsage", "TlsConfig",
 ]

@@ -12,6 +12,7 @@ import numpy as np
 from kvd.client import _admin, _channel, _device_ops, _ops, _reads, _wire, _writes
 from kvd.client._wire import ClusterLookupResult, GetResult, LookupResult, Namespace, PrefetchResult
 from kvd.client.events import AsyncEventWatch, EventSnapshot, SnapshotParts, snapshot_request, watch_request
+from kvd.client.namespaces import NamespaceDeleted, NamespaceInfo
 from kvd.client.pinned import AsyncPinnedBlocks, AsyncReservedBlocks
 from kvd.core.keys import NamespaceSpec
 from kvd.errors import FailedPrecondition
@@ -149,6 +150,18 @@ class AsyncClient(_ops.ClientBase):
     async def demote(self) -> kvd_pb2.DemoteResponse:
         """Drop the host copies a lower tier also holds (an admin call; see the proto)."""
         return await self._run(_admin.demote(self.session))
+
+    async def namespaces(self, tenant: str = "") -> list[NamespaceInfo]:
+        """Every namespace the daemon knows, with its blocks per tier (an admin call; Client.namespaces)."""
+        return await self._run(_admin.namespaces(self.session, tenant))
+
+    async def find_namespace(self, name_or_id: str, tenant: str = "") -> NamespaceInfo:
+        """The one namespace `name_or_id` names (an admin call; Client.find_namespace)."""
+        return await self._run(_admin.find_namespace(self.session, name_or_id, tenant))
+
+    async def delete_namespace(self, namespace: str | NamespaceInfo, tenant: str = "") -> NamespaceDeleted:
+        """Every block of a namespace removed from every tier, durably (an admin call; Client.delete_namespace)."""
+        return await self._run(_admin.delete_namespace(self.session, namespace, tenant))
 
     async def plan_placement(self, request: kvd_pb2.PlanPlacementRequest) -> kvd_pb2.PlanPlacementResponse:
         """A decode batch's KV placement (kvd.planner; docs/planner.md)."""

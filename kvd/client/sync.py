@@ -12,6 +12,7 @@ import numpy as np
 from kvd.client import _admin, _channel, _device_ops, _ops, _reads, _wire, _writes
 from kvd.client._wire import ClusterLookupResult, GetResult, LookupResult, Namespace, PrefetchResult
 from kvd.client.events import EventSnapshot, EventWatch, SnapshotParts, snapshot_request, watch_request
+from kvd.client.namespaces import NamespaceDeleted, NamespaceInfo
 from kvd.client.pinned import PinnedBlocks, ReservedBlocks
 from kvd.core.keys import NamespaceSpec
 from kvd.errors import FailedPrecondition
@@ -207,6 +208,23 @@ class Client(_ops.ClientBase):
         """Drop the host copies a lower tier also holds, so the next Get of them reads
         the disk (an admin call; see the proto): (blocks, bytes) demoted, blocks kept."""
         return self._run(_admin.demote(self.session))
+
+    def namespaces(self, tenant: str = "") -> list[NamespaceInfo]:
+        """Every namespace the daemon knows (of `tenant` only, if given): ids, tenant, spec (whose
+        model_revision is the identity an engine's connector records), blocks and bytes per tier,
+        hits and misses (an admin call; see kvd.client.namespaces)."""
+        return self._run(_admin.namespaces(self.session, tenant))
+
+    def find_namespace(self, name_or_id: str, tenant: str = "") -> NamespaceInfo:
+        """The one namespace `name_or_id` names: its model_id, its id, or an id prefix of at least
+        8 hex digits (kvd.client.namespaces.resolve_namespace); an admin call."""
+        return self._run(_admin.find_namespace(self.session, name_or_id, tenant))
+
+    def delete_namespace(self, namespace: str | NamespaceInfo, tenant: str = "") -> NamespaceDeleted:
+        """Remove every block of a namespace from every tier, durably (an admin call; see the proto's
+        DeleteNamespaceRequest): the one `namespace` names (as find_namespace), or that very one.
+        Its registration stays: engines using it simply miss."""
+        return self._run(_admin.delete_namespace(self.session, namespace, tenant))
 
     def plan_placement(self, request: kvd_pb2.PlanPlacementRequest) -> kvd_pb2.PlanPlacementResponse:
         """A decode batch's KV placement (kvd.planner; docs/planner.md)."""

@@ -12,10 +12,12 @@ the simulator drive exactly the same code. Its parts, one job each:
 | blocks.py | the block lifecycle: handles, sealing, removal, loss, residency moves |
 | residency.py, slot_pool.py, tier.py | the tier stack: slots and where each block's copies are |
 | eviction.py | host slots: allocation, tenant affinity, quota room, watermarks |
-| part.py | what the request parts below share (limits, namespaces, blocks, host slots, leases) |
+| component.py | what the request components below share (limits, namespaces, blocks, host slots, leases) |
 | reads.py | Lookup and Get, with the reads from lower tiers a Get needs |
 | prefetch.py, prefetch_ledger.py | reads ahead of a Get, and whether they paid |
 | puts.py | reserve and commit |
+| deletes.py | Delete, and a namespace's every block removed a step at a time |
+| namespace_usage.py | a namespace's blocks and bytes per tier, counted a step at a time |
 | writeback.py | which blocks are written to each lower tier next, into which slots |
 | recovery.py | indexing what the disk held at start |
 | events.py, event_snapshot.py | the KV event log, and snapshots of a namespace built a step at a time |
@@ -34,14 +36,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from kvd.core.block import Block, BlockHandle, BlockState
+from kvd.core.block import Block, BlockHandle
 from kvd.core.blocks import BlockLifecycle
+from kvd.core.deletes import Deletes, NamespaceDeletion
 from kvd.core.event_snapshot import SnapshotBuild
 from kvd.core.events import EventLog
 from kvd.core.eviction import TENANT_AFFINITY_WINDOW, HostAllocator
 from kvd.core.keys import NamespaceSpec
 from kvd.core.lease import LeaseTable
 from kvd.core.limits import MAX_CLIENT_ID_CHARS, EngineLimits
+from kvd.core.namespace_usage import UsageCount
 from kvd.core.namespaces import NamespaceState, NamespaceTable, namespace_not_found
 from kvd.core.policy import DiskPolicies, make_policy
 from kvd.core.prefetch import PrefetchLimit, PrefetchPlan, Prefetcher
@@ -50,7 +54,7 @@ from kvd.core.puts import Puts, ReserveResult, ReserveStatus
 from kvd.core.quota import TenantQuota
 from kvd.core.reads import GetPlan, Reads
 from kvd.core.recovery import Recovery
-from kvd.core.requests import CommitRequest, KeysRequest, check_client, check_keys, granted_lease_ms
+from kvd.core.requests import CommitRequest, KeysRequest, check_client, granted_lease_ms
 from kvd.core.residency import TierStack
 from kvd.core.slot_pool import SlotPool, class_sizes
 from kvd.core.tier import MemoryTier, StorageSpec, StorageTier, TierId
@@ -116,6 +120,7 @@ class Engine:
         self.reads = Reads(self.limits, self.namespace_table, self.blocks, self.allocator, self.leases)
         self.prefetcher = Prefetcher(self.reads)
         self.puts = Puts(self.limits, self.namespace_table, self.blocks, self.allocator, self.leases)
+        self.deletes = Deletes(self.limits, self.namespace_table, self.blocks, self.allocator, self.leases)
         self.writebacks = {tier: WriteBack(self.blocks, tier) for tier in lower}
         self.recovery = Recovery(self.namespace_table, self.blocks)
 
@@ -234,6 +239,11 @@ class Engine:
 
     def namespaces(self) -> list[NamespaceState]:
         return self.namespace_table.namespaces()
+
+    def namespace_usage(self, namespace_id: bytes) -> UsageCount:
+        """The namespace's blocks and bytes in each tier, counted by the count's step() calls
+        (kvd.core.namespace_usage)."""
+        return UsageCount(self.namespace(namespace_id).index, self.tiers)
 
     # -- Lookup, Get, Prefetch (kvd.core.reads, kvd.core.prefetch) ---------------
 
@@ -366,22 +376,11 @@ class Engine:
 
     def delete(self, namespace_id: bytes, keys: Sequence[bytes]) -> tuple[int, int]:
         """Remove blocks and their descendants. Returns (deleted, pinned)."""
-        state = self.namespace(namespace_id)
-        check_keys(self.limits, keys, "keys")
-        deleted = pinned = 0
-        for key in keys:
-            node = state.index.get(key)
-            if node is None:
-                continue
-            subtree = state.index.subtree(node)
-            if any(block.ref_count > 0 or block.state != BlockState.SEALED for block in subtree):
-                pinned += 1
-                continue
-            for block in subtree:
-                self.blocks.remove(block, cold_parent=False)
-            deleted += len(subtree)
-        self.host.counters.deleted += deleted
-        return deleted, pinned
+        return self.deletes.delete(namespace_id, keys)
+
+    def delete_namespace(self, namespace_id: bytes) -> NamespaceDeletion:
+        """Every block of the namespace, removed by the deletion's step() calls (kvd.core.deletes)."""
+        return self.deletes.delete_namespace(namespace_id)
 
     def expire(self, now_ms: int) -> int:
         return len(self.leases.expire(now_ms))

@@ -38,6 +38,15 @@ class NamespaceState:
     # Its tenant's usage and quota (None: no tenant).
     quota: TenantQuota | None = None
 
+    @property
+    def hits(self) -> int:
+        """Keys Lookups and Gets found (what Stats and ListNamespaces report)."""
+        return self.lookup_hits + self.get_hits
+
+    @property
+    def misses(self) -> int:
+        return self.lookup_misses + self.get_misses
+
 
 def namespace_not_found(namespace_id: bytes) -> NotFound:
     """The one error for a namespace the caller cannot use, whether or not anyone registered it."""

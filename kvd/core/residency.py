@@ -66,6 +66,28 @@ class TierStack:
                   "a global slot id belongs to no tier")
         return self._id_bytes[np.searchsorted(self._ends, gids, side="right")]
 
+    def copies_by_tier(self, gids: np.ndarray) -> list[np.ndarray]:
+        """The local slots of every copy of the blocks whose chains start at `gids`
+        (NO_SLOT: no copy), one array per tier in stack order: each block's copies
+        in all its tiers, not only the fastest. One numpy pass per tier a chain
+        goes through (a chain only goes down the stack), never a loop per block."""
+        found: list[list[np.ndarray]] = [[] for _ in self.tiers]
+        current = gids[gids >= 0]
+        while len(current):
+            check(int(current.min()) >= self._by_base[0].pool.base and int(current.max()) < int(self._ends[-1]),
+                  "a global slot id belongs to no tier")
+            positions = np.searchsorted(self._ends, current, side="right")
+            below = []
+            for position in np.unique(positions).tolist():
+                pool = self._by_base[position].pool
+                slots = current[positions == position] - pool.base
+                found[self._by_base[position].rank].append(slots)
+                # The pool's `below` links, read in place (int64, like array "q").
+                nexts = np.frombuffer(pool.below, dtype=np.int64)[slots]
+                below.append(nexts[nexts >= 0])
+            current = np.concatenate(below)
+        return [np.concatenate(parts) if parts else np.empty(0, dtype=np.int64) for parts in found]
+
     def tier_at(self, gid: int) -> Tier:
         for tier in self._by_base:
             if gid < tier.pool.end:

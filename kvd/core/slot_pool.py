@@ -47,6 +47,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvd.core.block import NO_SLOT
 from kvd.invariants import check
 
@@ -161,6 +163,15 @@ class SlotPool:
 
     def slot_bytes_of(self, slot: int) -> int:
         return self.class_of(slot).slot_bytes
+
+    def slots_bytes(self, slots: np.ndarray) -> int:
+        """The bytes of the local `slots` together, each its class's size (slot_bytes_of, in one
+        numpy pass)."""
+        if len(self.classes) == 1:
+            return len(slots) * self.slot_bytes
+        starts = np.array([slot_class.start for slot_class in self.classes], dtype=np.int64)
+        sizes = np.array([slot_class.slot_bytes for slot_class in self.classes], dtype=np.int64)
+        return int(sizes[np.searchsorted(starts, slots, side="right") - 1].sum())
 
     def page_of(self, slot: int) -> int:
         slot_class = self.class_of(slot)

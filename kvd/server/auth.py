@@ -47,8 +47,9 @@ from kvd.errors import InvalidArgument
 
 SERVICE_PREFIX = "/kvd.v1.Kvd/"
 # Methods only an admin tenant may call: Stats shows every tenant's
-# namespaces and the daemon's metrics; Demote moves every tenant's blocks.
-ADMIN_METHODS = frozenset({"Stats", "Demote"})
+# namespaces and the daemon's metrics; Demote moves every tenant's blocks;
+# ListNamespaces shows, and DeleteNamespace deletes, any tenant's namespace.
+ADMIN_METHODS = frozenset({"Stats", "Demote", "ListNamespaces", "DeleteNamespace"})
 # Client ids a client chooses, at most (kvd.core.engine allows room for the scope).
 MAX_CLIENT_ID_CHARS = 128
 # A bearer token longer than this is refused unread (gRPC caps metadata at 8 KiB anyway).

@@ -15,6 +15,8 @@ from kvd.core.block import Block
 from kvd.core.engine import Engine, PrefetchPlan, TierId
 from kvd.core.events import Event
 from kvd.core.keys import KEY_BYTES, DType, InnerLayout, KvOrder, NamespaceSpec, PackedKeys
+from kvd.core.namespace_usage import TierUsage
+from kvd.core.namespaces import NamespaceState
 from kvd.errors import InvalidArgument, KvdError
 from kvd.v1 import kvd_pb2
 
@@ -55,6 +57,30 @@ def spec_from_proto(message: kvd_pb2.NamespaceSpec) -> NamespaceSpec:
         lora_id=message.lora_id,
         tenant_salt=message.tenant_salt,
         hash_scheme=message.hash_scheme,
+    )
+
+
+# The spec's fields a NamespaceSpec message carries back to an operator: all but the salt.
+_LISTED_SPEC_FIELDS = tuple(name for name in kvd_pb2.NamespaceSpec.DESCRIPTOR.fields_by_name if name != "tenant_salt")
+
+
+def namespace_info(state: NamespaceState, usage: Sequence[TierUsage]) -> kvd_pb2.NamespaceInfo:
+    """One namespace as ListNamespaces reports it, with its per-tier `usage` (kvd.core.namespace_usage)."""
+    spec = state.spec
+    return kvd_pb2.NamespaceInfo(
+        namespace_id=state.namespace_id,
+        client_namespace_id=state.public_id,
+        tenant=spec.tenant,
+        spec=kvd_pb2.NamespaceSpec(**{name: getattr(spec, name) for name in _LISTED_SPEC_FIELDS}),
+        salted=bool(spec.tenant_salt),
+        block_bytes=state.block_bytes,
+        blocks=len(state.index),
+        tiers=[kvd_pb2.NamespaceTierUsage(tier=int(tier.tier_id), blocks=tier.blocks,
+                                          payload_bytes=tier.payload_bytes, bytes_used=tier.slot_bytes)
+               for tier in usage],
+        hits=state.hits,
+        misses=state.misses,
+        disk_enabled=state.index.disk_enabled,
     )
 
 

@@ -2,9 +2,10 @@
 
 KvdService is the servicer gRPC calls; its handlers live by concern in
 kvd/server/handlers/ (blocks: namespaces, Lookup, Puts, leases, Delete,
-Prefetch; reads: Gets; events; admin: Stats, Demote; device: pools,
-SaveLayers, LoadLayers, placement planning; cluster: ClusterLookup), each
-a part of this class, and every one runs under kvd.server.rpc's wrapper.
+Prefetch; reads: Gets; events; admin: Stats, Demote, ListNamespaces,
+DeleteNamespace; device: pools, SaveLayers, LoadLayers, placement
+planning; cluster: ClusterLookup), each a part of this class, and every
+one runs under kvd.server.rpc's wrapper.
 This module keeps what they share: the service's state, the tenant scope
 of every request, and the drain.
 

@@ -532,6 +532,70 @@ class DemoteResponse(_message.Message):
     blocks_kept: int
     def __init__(self, blocks_demoted: _Optional[int] = ..., bytes_demoted: _Optional[int] = ..., blocks_kept: _Optional[int] = ...) -> None: ...
 
+class ListNamespacesRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class NamespaceTierUsage(_message.Message):
+    __slots__ = ("tier", "blocks", "payload_bytes", "bytes_used")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    blocks: int
+    payload_bytes: int
+    bytes_used: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., bytes_used: _Optional[int] = ...) -> None: ...
+
+class NamespaceInfo(_message.Message):
+    __slots__ = ("namespace_id", "client_namespace_id", "tenant", "spec", "salted", "block_bytes", "blocks", "tiers", "hits", "misses", "disk_enabled")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SALTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    DISK_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    client_namespace_id: bytes
+    tenant: str
+    spec: NamespaceSpec
+    salted: bool
+    block_bytes: int
+    blocks: int
+    tiers: _containers.RepeatedCompositeFieldContainer[NamespaceTierUsage]
+    hits: int
+    misses: int
+    disk_enabled: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_namespace_id: _Optional[bytes] = ..., tenant: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., salted: _Optional[bool] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[NamespaceTierUsage, _Mapping]]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., disk_enabled: _Optional[bool] = ...) -> None: ...
+
+class ListNamespacesResponse(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteNamespaceRequest(_message.Message):
+    __slots__ = ("daemon_namespace_id",)
+    DAEMON_NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    daemon_namespace_id: bytes
+    def __init__(self, daemon_namespace_id: _Optional[bytes] = ...) -> None: ...
+
+class DeleteNamespaceResponse(_message.Message):
+    __slots__ = ("deleted", "pinned")
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    pinned: int
+    def __init__(self, deleted: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
+
 class WatchEventsRequest(_message.Message):
     __slots__ = ("namespace_id", "from_sequence", "instance_id")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -31,9 +31,11 @@ class KvdStub:
     the daemon does not know: UNAUTHENTICATED. A tenant sees only its own
     namespaces: a namespace_id it did not register is NOT_FOUND, exactly as
     one nobody registered, whoever else uses the same spec and keys; its
-    client_ids are its own too. Stats and Demote are administrative:
-    PERMISSION_DENIED for a tenant that is not an admin. A Put over the tenant's host quota is
-    RESOURCE_EXHAUSTED. The gRPC health service needs no token.
+    client_ids are its own too. Stats, Demote, ListNamespaces and
+    DeleteNamespace are administrative: PERMISSION_DENIED for a tenant that is
+    not an admin; an admin's calls of them cover every tenant. A Put over
+    the tenant's host quota is RESOURCE_EXHAUSTED. The gRPC health service
+    needs no token.
     """
 
     def __init__(self, channel):
@@ -117,6 +119,16 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.DemoteRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.DemoteResponse.FromString,
                 _registered_method=True)
+        self.ListNamespaces = channel.unary_unary(
+                '/kvd.v1.Kvd/ListNamespaces',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.ListNamespacesRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.ListNamespacesResponse.FromString,
+                _registered_method=True)
+        self.DeleteNamespace = channel.unary_unary(
+                '/kvd.v1.Kvd/DeleteNamespace',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.DeleteNamespaceRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.DeleteNamespaceResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/kvd.v1.Kvd/WatchEvents',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.WatchEventsRequest.SerializeToString,
@@ -175,9 +187,11 @@ class KvdServicer:
     the daemon does not know: UNAUTHENTICATED. A tenant sees only its own
     namespaces: a namespace_id it did not register is NOT_FOUND, exactly as
     one nobody registered, whoever else uses the same spec and keys; its
-    client_ids are its own too. Stats and Demote are administrative:
-    PERMISSION_DENIED for a tenant that is not an admin. A Put over the tenant's host quota is
-    RESOURCE_EXHAUSTED. The gRPC health service needs no token.
+    client_ids are its own too. Stats, Demote, ListNamespaces and
+    DeleteNamespace are administrative: PERMISSION_DENIED for a tenant that is
+    not an admin; an admin's calls of them cover every tenant. A Put over
+    the tenant's host quota is RESOURCE_EXHAUSTED. The gRPC health service
+    needs no token.
     """
 
     def RegisterNamespace(self, request, context):
@@ -272,6 +286,20 @@ class KvdServicer:
 
     def Demote(self, request, context):
         """Drops the host copies that a lower tier also holds (see DemoteRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListNamespaces(self, request, context):
+        """Every namespace, its spec and its blocks per tier (see ListNamespacesRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteNamespace(self, request, context):
+        """Every block of one namespace removed from every tier (see DeleteNamespaceRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -432,6 +460,16 @@ def add_KvdServicer_to_server(servicer, server):
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.DemoteRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.DemoteResponse.SerializeToString,
             ),
+            'ListNamespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNamespaces,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.ListNamespacesRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.ListNamespacesResponse.SerializeToString,
+            ),
+            'DeleteNamespace': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteNamespace,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.DeleteNamespaceRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.DeleteNamespaceResponse.SerializeToString,
+            ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.WatchEventsRequest.FromString,
@@ -496,9 +534,11 @@ class Kvd:
     the daemon does not know: UNAUTHENTICATED. A tenant sees only its own
     namespaces: a namespace_id it did not register is NOT_FOUND, exactly as
     one nobody registered, whoever else uses the same spec and keys; its
-    client_ids are its own too. Stats and Demote are administrative:
-    PERMISSION_DENIED for a tenant that is not an admin. A Put over the tenant's host quota is
-    RESOURCE_EXHAUSTED. The gRPC health service needs no token.
+    client_ids are its own too. Stats, Demote, ListNamespaces and
+    DeleteNamespace are administrative: PERMISSION_DENIED for a tenant that is
+    not an admin; an admin's calls of them cover every tenant. A Put over
+    the tenant's host quota is RESOURCE_EXHAUSTED. The gRPC health service
+    needs no token.
     """
 
     @staticmethod
@@ -896,6 +936,60 @@ class Kvd:
             '/kvd.v1.Kvd/Demote',
             kvd_dot_v1_dot_kvd__pb2.DemoteRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.DemoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNamespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/ListNamespaces',
+            kvd_dot_v1_dot_kvd__pb2.ListNamespacesRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.ListNamespacesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteNamespace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/DeleteNamespace',
+            kvd_dot_v1_dot_kvd__pb2.DeleteNamespaceRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.DeleteNamespaceResponse.FromString,
             options,
             channel_credentials,
             insecure,

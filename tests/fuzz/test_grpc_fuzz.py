@@ -20,8 +20,8 @@ must end within its deadline with a status from PRECISE (or OK), never OK
 for a request `certainly_invalid` refuses, and with details that are not an
 internal error; and precisely (`expected_code`): UNAUTHENTICATED without a
 token the daemon knows, NOT_FOUND for another tenant's namespace,
-PERMISSION_DENIED for Stats and Demote of a tenant that is not an admin. No inline
-Get ever serves a block of owner's. After every example the reference
+PERMISSION_DENIED for an administrative method (ADMIN_METHODS) of a tenant
+that is not an admin. No inline Get ever serves a block of owner's. After every example the reference
 blocks are checked bit-exact (conftest.FuzzTarget.check_reference).
 
 KVD_FUZZ_EXAMPLES raises the number of examples of each fuzzer (`make

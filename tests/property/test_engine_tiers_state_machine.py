@@ -15,7 +15,9 @@ What the model predicts exactly, for any policy:
 - write-back: which blocks pick_writes picks (every block sealed since the
   last flush, in seal order, that still has a host copy, no disk copy, and
   a parent on disk or in the same batch), and which become durable;
-- delete: what goes, and what a pin keeps.
+- delete, and a whole namespace's deletion in steps: what goes, and what a
+  pin keeps;
+- each tier's copies of the namespace's blocks, as ListNamespaces counts them.
 
 Which block a full host tier gives up is the policy's choice. The model
 learns it from the engine after each reserve and get and checks it was
@@ -370,6 +372,20 @@ class TierMachine(RuleBasedStateMachine):
         assert self.engine.delete(self.ns, [chain(path)[-1] for path in path_list]) == (deleted, pinned)
         self.journal()
 
+    @rule(step_blocks=st.integers(1, 5))
+    def delete_namespace(self, step_blocks):
+        """Every block goes but those pinned, lost or over one that is: Delete's rule, a step at a time."""
+        refs = self.refs()
+        kept = {block.key for block in self.blocks.values()
+                if any(refs.get(member.key) or member.lost for member in self.subtree(block))}
+        deletion = self.engine.delete_namespace(self.ns)
+        while not deletion.done:
+            deletion.step(step_blocks)
+        event(f"delete_namespace: kept={bool(kept)}")
+        assert (deletion.deleted, deletion.pinned) == (len(self.blocks) - len(kept), len(kept))
+        self.blocks = {key: block for key, block in self.blocks.items() if key in kept}
+        self.journal()
+
     @rule(data=st.data())
     def hold(self, data):
         """Pin a prefix and keep it pinned: a slow reader."""
@@ -412,6 +428,18 @@ class TierMachine(RuleBasedStateMachine):
         assert all(tier.counters.evictions == 0 for tier in self.engine.lower_tiers)
         if self.middle is not None:
             assert self.middle.pool.resident_blocks == sum(block.middle for block in self.blocks.values())
+
+    @invariant()
+    def each_tier_holds_what_the_model_counts(self):
+        """ListNamespaces' figures: every copy in every tier, with its payload and slot bytes."""
+        count = self.engine.namespace_usage(self.ns)
+        while not count.done:
+            count.step(3)
+        copies = {TierId.HOST: self.host_count(), TierId.DISK: sum(block.disk for block in self.blocks.values())}
+        if self.middle is not None:
+            copies[self.middle.tier_id] = sum(block.middle for block in self.blocks.values())
+        assert {usage.tier_id: (usage.blocks, usage.payload_bytes, usage.slot_bytes) for usage in count.usage} == {
+            tier: (blocks, blocks * SPEC.block_bytes, blocks * 64) for tier, blocks in copies.items()}
 
     def teardown(self):
         for handle in self.held:

@@ -251,16 +251,22 @@ class BlockHandlers:
     @rpc("Delete")
     async def Delete(self, request, context):
         deleted, pinned = self.engine.delete(request.namespace_id, request.keys)
-        if deleted and self.disk_plane is not None:
-            # Answered only once no restart can bring the blocks back.
-            failed = await self.disk_plane.journal_deletions()
-            if failed:
-                raise Unavailable(
-                    f"{deleted} blocks are deleted from memory, but the removal of {failed} of them could not be "
-                    "made durable on disk (a drive's manifest failed; see the daemon log): they may be listed "
-                    "again after a restart, though their data was overwritten where the drive still allowed it"
-                )
+        await self._deletions_durable(deleted)
         return kvd_pb2.DeleteResponse(deleted=deleted, pinned=pinned)
+
+    async def _deletions_durable(self, deleted: int, what_else: str = "") -> None:
+        """Return once no restart can bring back the `deleted` blocks the engine has just
+        removed (call it with no await in between: see DiskPlane.journal_deletions);
+        Unavailable, ending in `what_else`, when a drive could not record their removal."""
+        if not deleted or self.disk_plane is None:
+            return
+        failed = await self.disk_plane.journal_deletions()
+        if failed:
+            raise Unavailable(
+                f"{deleted} blocks are deleted from memory, but the removal of {failed} of them could not be "
+                "made durable on disk (a drive's manifest failed; see the daemon log): they may be listed "
+                f"again after a restart, though their data was overwritten where the drive still allowed it{what_else}"
+            )
 
     @rpc("Prefetch")
     async def Prefetch(self, request, context):
