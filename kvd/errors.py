@@ -39,6 +39,11 @@ class FailedPrecondition(KvdError):
     code = "FAILED_PRECONDITION"
 
 
+# The words of the FAILED_PRECONDITION a daemon outside a cluster answers an include_remote
+# Lookup with; a client that asks "where there is a cluster" stops asking when it reads them.
+NOT_IN_A_CLUSTER = "this kvd is not in a cluster"
+
+
 class PermissionDenied(KvdError):
     code = "PERMISSION_DENIED"
 

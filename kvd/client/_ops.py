@@ -55,6 +55,8 @@ class Session:
     info: kvd_pb2.ArenaInfoResponse | None = None
     arena: ArenaMapping | None = None
     connected: bool = field(default=False)
+    # Whether the daemon is in a cluster, as its answers said (None: not asked yet).
+    in_cluster: bool | None = None
 
     def close(self) -> None:
         if self.arena is not None:

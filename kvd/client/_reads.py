@@ -15,21 +15,38 @@ from kvd.client import _wire
 from kvd.client._ops import NEXT, STREAMING, Op, Session, arena_changed, connect, release, remap, remapping
 from kvd.client._wire import ClusterLookupResult, GetResult, LookupResult, Namespace, NodeMatch, PrefetchResult
 from kvd.core.keys import KEY_BYTES
-from kvd.errors import FailedPrecondition
+from kvd.errors import NOT_IN_A_CLUSTER, FailedPrecondition
 from kvd.v1 import kvd_pb2
 
 
 def lookup(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes,
-           include_remote: bool = False) -> Op:
+           include_remote: bool | None = False) -> Op:
+    """include_remote None: where the daemon is in a cluster. The first such Lookup asks for the
+    peers' blocks; a daemon outside a cluster refuses by name, and this client stops asking."""
+    remote = session.in_cluster is not False if include_remote is None else include_remote
     request = kvd_pb2.LookupRequest(namespace_id=namespace.namespace_id, parent_key=parent_key,
-                                    include_remote=include_remote)
+                                    include_remote=remote)
     packed = b"".join(keys)
     if len(packed) == KEY_BYTES * len(keys):
         request.packed_keys = packed
     else:  # a key of the wrong size: the daemon names it (keys[i] is N bytes)
         request.keys.extend(keys)
-    response = yield ("Lookup", request)
+    try:
+        response = yield ("Lookup", request)
+    except grpc.RpcError as error:
+        if include_remote is not None or not remote or not _not_in_a_cluster(error):
+            raise
+        session.in_cluster = False
+        request.include_remote = False
+        response = yield ("Lookup", request)
+    else:
+        if remote:
+            session.in_cluster = True
     return LookupResult(response.matched, list(response.tiers))
+
+
+def _not_in_a_cluster(error: grpc.RpcError) -> bool:
+    return error.code() == grpc.StatusCode.FAILED_PRECONDITION and NOT_IN_A_CLUSTER in (error.details() or "")
 
 
 def cluster_lookup(session: Session, namespace: Namespace, keys: Sequence[bytes]) -> Op:

@@ -71,8 +71,9 @@ class AsyncClient(_ops.ClientBase):
         return await self._run(_admin.register_namespace(self.session, spec))
 
     async def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"",
-                     include_remote: bool = False) -> LookupResult:
-        """The stored prefix of `keys`; include_remote: also what a peer holds (TIER_REMOTE), in a cluster."""
+                     include_remote: bool | None = False) -> LookupResult:
+        """The stored prefix of `keys`; include_remote: also what a peer holds (TIER_REMOTE), in a
+        cluster (None: where the daemon is in one; a daemon outside a cluster is asked once)."""
         return await self._run(_reads.lookup(self.session, namespace, keys, parent_key, include_remote))
 
     async def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> ClusterLookupResult:

@@ -81,8 +81,9 @@ class Client(_ops.ClientBase):
         return self._run(_admin.register_namespace(self.session, spec))
 
     def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"",
-               include_remote: bool = False) -> LookupResult:
-        """The stored prefix of `keys`; include_remote: also what a peer holds (TIER_REMOTE), in a cluster."""
+               include_remote: bool | None = False) -> LookupResult:
+        """The stored prefix of `keys`; include_remote: also what a peer holds (TIER_REMOTE), in a
+        cluster (None: where the daemon is in one; a daemon outside a cluster is asked once)."""
         return self._run(_reads.lookup(self.session, namespace, keys, parent_key, include_remote))
 
     def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> ClusterLookupResult:

@@ -279,11 +279,13 @@ class KvdHiCacheStorage(HiCacheStorage):
     # -- zero-copy interface (interface_v1) --------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """How many leading pages of `keys` kvd holds: one Lookup."""
+        """How many leading pages of `keys` kvd can serve, from its tiers or (in a cluster) a peer's:
+        one Lookup; batch_get_v1 then has the daemon fetch a peer's pages."""
         if not keys:
             return 0
         try:
-            return self._call(lambda client, ns: client.lookup(ns, kvd_keys(keys), parent_of(extra_info)).matched)
+            return self._call(lambda client, ns: client.lookup(ns, kvd_keys(keys), parent_of(extra_info),
+                                                               include_remote=None).matched)
         except KVD_ERRORS as error:
             logger.warning("kvd: exists of %d pages failed, reporting none: %s", len(keys), describe(error))
             return 0

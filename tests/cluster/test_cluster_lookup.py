@@ -51,6 +51,14 @@ def test_cluster_lookup_follows_puts_deletes_and_a_crash(tmp_path, etcd):
                 result = cb.lookup(ns_b, keys, include_remote=True)
                 assert result.matched == 300 and result.tiers == [2] * 50 + [4] * 250
                 assert cb.lookup(ns_b, keys).matched == 50
+                # ... also for keys that continue a parent stored here (what an engine holding a
+                # local prefix asks), and "where there is a cluster" asks too.
+                result = cb.lookup(ns_b, keys[30:], parent_key=keys[29], include_remote=None)
+                assert result.matched == 270 and result.tiers == [2] * 20 + [4] * 250
+                assert cb.session.in_cluster is True
+                assert cb.lookup(ns_b, keys[50:], parent_key=keys[49], include_remote=True).tiers == [4] * 250
+                # A parent not stored here (b holds 50): nothing of a peer can continue it here.
+                assert cb.lookup(ns_b, keys[61:], parent_key=keys[60], include_remote=True).matched == 0
                 answer = ca.cluster_lookup(ns_a, keys)
                 assert [(n.node, n.matched, n.local) for n in answer.nodes] == [("a", 300, True), ("b", 50, False)]
                 assert answer.segments >= 2 and answer.segments_unanswered == 0
@@ -122,12 +130,16 @@ def test_cluster_rpcs_refuse_bad_calls(tmp_path, etcd):
             with pytest.raises(grpc.RpcError) as caught:
                 solo_client.cluster_lookup(solo_client.register_namespace(SMALL_SPEC), keys)
             assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            solo_namespace = solo_client.register_namespace(SMALL_SPEC)
             with pytest.raises(grpc.RpcError) as caught:
-                solo_client.lookup(solo_client.register_namespace(SMALL_SPEC), keys, include_remote=True)
+                solo_client.lookup(solo_namespace, keys, include_remote=True)
             assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            with pytest.raises(grpc.RpcError) as caught:
-                client.lookup(namespace, keys[1:], parent_key=keys[0], include_remote=True)
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parent_key" in caught.value.details()
+            assert "not in a cluster" in caught.value.details()
+            # "Where there is a cluster": a daemon outside one is asked once, then never again.
+            assert solo_client.put(solo_namespace, keys, random_blocks(SMALL_SPEC, 4, seed=1)) == 4
+            assert solo_client.lookup(solo_namespace, keys, include_remote=None).tiers == [2] * 4
+            assert solo_client.session.in_cluster is False
+            assert solo_client.lookup(solo_namespace, keys, include_remote=None).matched == 4
         with grpc.insecure_channel(a.tcp_target) as channel:
             kvd = kvd_pb2_grpc.KvdStub(channel)
             for packed, words in ((b"", "non-empty"), (b"x" * 33, "33 bytes")):

@@ -10,7 +10,9 @@ computes the prompt's chained keys in every shard, and:
   rest of the prompt. A hit that needs the disk is prefetched at once and,
   with load = "async" (or "auto" while other requests run), reported as an
   asynchronous load: vLLM parks the request until the worker says the
-  bytes are in, and runs other requests meanwhile.
+  bytes are in, and runs other requests meanwhile. In a cluster the Lookup
+  also counts what a peer holds past the local prefix: the daemon fetches
+  it when the worker loads, and it is loaded like a disk hit.
 - build_connector_meta turns allocated blocks into load orders, and the
   prompt blocks that become full in a step into save orders.
 
@@ -97,8 +99,8 @@ class SchedulerSide:
         if usable <= first:
             return 0, False
         try:
-            stop, on_disk = self._lookup(tracked, usable)
-            if stop > first and on_disk:
+            stop, slow = self._lookup(tracked, usable)
+            if stop > first and slow:
                 self._prefetch(tracked, first, stop)
         except grpc.RpcError as error:
             log.warning("kvd: lookup failed, the request misses: %s", error.details())
@@ -107,18 +109,20 @@ class SchedulerSide:
             return 0, False
         # "auto": asynchronous only if the scheduler has another request to run meanwhile.
         others = len(self.requests) > 1
-        asynchronous = on_disk and (self.config.load == "async" or (self.config.load == "auto" and others))
+        asynchronous = slow and (self.config.load == "async" or (self.config.load == "auto" and others))
         self._plans[request.request_id] = _Plan(first, stop, asynchronous)
         return (stop - first) * self.block_size, asynchronous
 
     def _lookup(self, tracked: _Tracked, usable: int) -> tuple[int, bool]:
-        """The prefix every shard holds, and whether any of it is only on disk."""
-        stop, on_disk = usable, False
+        """The prefix every shard can have (its kvd's tiers, then a peer's in a cluster), and whether
+        any of it is on disk or on another node (a load that should not hold up a step)."""
+        stop, slow = usable, False
         for namespace, keys in zip(self.shards, tracked.keys):
-            result = registering(self.client, namespace, lambda: self.client.lookup(namespace, keys[:usable]))
+            result = registering(self.client, namespace,
+                                 lambda: self.client.lookup(namespace, keys[:usable], include_remote=None))
             stop = min(stop, result.matched)
-            on_disk = on_disk or any(tier != kvd_pb2.TIER_HOST for tier in result.tiers[:stop])
-        return stop, on_disk
+            slow = slow or any(tier != kvd_pb2.TIER_HOST for tier in result.tiers[:stop])
+        return stop, slow
 
     def _prefetch(self, tracked: _Tracked, first: int, stop: int) -> None:
         for namespace, keys in zip(self.shards, tracked.keys):

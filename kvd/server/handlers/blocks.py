@@ -14,8 +14,8 @@ from kvd import arena_protocol
 from kvd.core.block import NO_SLOT
 from kvd.core.engine import CommitRequest, KeysRequest, ReserveStatus
 from kvd.core.quota import QuotaExceeded
-from kvd.errors import (FailedPrecondition, InvalidArgument, KvdError, NotDurable, PermissionDenied, PinCapExceeded,
-                        ResourceExhausted, Unavailable)
+from kvd.errors import (NOT_IN_A_CLUSTER, FailedPrecondition, InvalidArgument, KvdError, NotDurable, PermissionDenied,
+                        PinCapExceeded, ResourceExhausted, Unavailable)
 from kvd.invariants import check
 from kvd.server import convert
 from kvd.server.rpc import rpc
@@ -90,16 +90,23 @@ class BlockHandlers:
         return kvd_pb2.LookupResponse(matched=len(tiers), tiers=tiers)
 
     async def _remote_tiers(self, request, keys, local: int) -> bytes:
-        """TIER_REMOTE for the blocks past `local` that the longest peer holds."""
+        """TIER_REMOTE for the blocks past `local` that the longest peer holds (of a chain from its
+        root, or continuing a parent stored here)."""
         if self.cluster is None:
-            raise FailedPrecondition("include_remote: this kvd is not in a cluster ([cluster] etcd_endpoints is empty)")
-        if request.parent_key:
-            raise InvalidArgument("include_remote needs the chain from its root: parent_key must be empty")
-        if local >= len(keys):
+            raise FailedPrecondition(f"include_remote: {NOT_IN_A_CLUSTER} ([cluster] etcd_endpoints is empty)")
+        chain = self._chain_before(request)
+        if local >= len(keys) or chain is None:
             return b""
-        answer = await self.cluster.lookup(request.namespace_id, b"".join(keys), local)
-        remote = max((node.matched for node in answer.nodes if not node.local), default=0)
+        answer = await self.cluster.lookup(request.namespace_id, b"".join(chain) + b"".join(keys), len(chain) + local)
+        remote = max((node.matched for node in answer.nodes if not node.local), default=0) - len(chain)
         return bytes([kvd_pb2.TIER_REMOTE]) * max(0, remote - local)
+
+    def _chain_before(self, request) -> list[bytes] | None:
+        """The stored chain a request's keys continue, root first: [] for keys from the root, None
+        when its parent_key is not stored here (then no peer's blocks can be placed under it)."""
+        if not request.parent_key:
+            return []
+        return self.engine.chain_to(request.namespace_id, request.parent_key) or None
 
     async def _reserve(self, request, lease_ms: int):
         """engine.reserve, waiting once for an in-flight disk write batch to
