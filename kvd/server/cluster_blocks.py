@@ -38,7 +38,7 @@ import grpc
 import numpy as np
 
 from kvd.cluster.keys import split
-from kvd.core.engine import CommitRequest, KeysRequest, ReserveStatus
+from kvd.core.engine import KeysRequest, ReserveStatus
 from kvd.errors import KvdError
 from kvd.io.checksum import crc32c_chunks, crc32c_of_buffers
 from kvd.server import convert
@@ -197,10 +197,7 @@ class ClusterBlocks:
               transport: str) -> int:
         """Seal the first `verified` reserved blocks and give the rest back: a cut-short fetch leaves
         misses, not holes."""
-        reserved = [keys[first + i] for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
-        sealed, _ = self.service.engine.commit(CommitRequest(namespace_id, FETCH_CLIENT, result.lease.lease_id,
-                                                             self.service.clock.now_ms(), keys=reserved[:verified],
-                                                             abort_keys=reserved[verified:]))
+        sealed = self.service.engine.seal_prefix(result.lease, verified, self.service.clock.now_ms())
         self.fetched_blocks[transport] += sealed
         return sealed
 
