@@ -81,6 +81,11 @@ class StartupFailed(KvdError):
     code = "FAILED_PRECONDITION"
 
 
+class PeerCallFailed(Exception):
+    """A call to another kvd node failed: its status (the message names it), or its channel
+    closed under it. Not a KvdError: no client ever sees it; a fetch it cuts short leaves misses."""
+
+
 class ConfigError(Exception):
     """Invalid configuration; the message names the offending field."""
 

@@ -106,7 +106,8 @@ class ClusterNode:
         self.publisher = Publisher(engine, cluster.segment_blocks, cluster.directory_replicas)
         self.router = ClusterRouter(self.name, self.view, self.shard, self.peers, cluster.segment_blocks,
                                     cluster.rpc_timeout_s, cluster.directory_replicas)
-        self.servicer = DirectoryServicer(self.shard, self.view, self.secret)
+        self.servicer = DirectoryServicer(self.shard, self.view, self.secret,
+                                          serves_nixl=lambda: self.transport is not None)
         self.arena = arena
         # kvd.cluster.nixl_transport.NixlTransport once started, where NIXL is used.
         self.transport = None

@@ -2,10 +2,12 @@
 
 `DirectoryServicer` serves kvd.v1.Cluster on the daemon's listener: a
 holder's DirectoryUpdate lands in this node's DirectoryShard, a router's
-DirectoryQuery reads it. Every call must carry the cluster credential; an
-update must come from a live member under its current incarnation (so a
-node that left, or a process that restarted, cannot write entries for the
-one that replaced it).
+DirectoryQuery reads it, and a fetching peer's ReadBlocks, PinBlocks and
+ReleasePins go on to the holder's side of them (kvd.server.handlers.cluster).
+Every call must carry the cluster credential; an update, and every call
+for blocks, must come from a live member under its current incarnation (so
+a node that left, or a process that restarted, cannot write entries for
+the one that replaced it).
 
 `Peers` keeps one gRPC channel per live peer, opened on join and closed on
 leave, and makes the calls with the credential and a deadline.
@@ -17,7 +19,7 @@ import asyncio
 import hmac
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -70,12 +72,15 @@ def decode_answer(segment: kvd_pb2.SegmentHolders, nodes: Sequence[str]) -> list
 
 
 class DirectoryServicer(kvd_pb2_grpc.ClusterServicer):
-    def __init__(self, shard: DirectoryShard, view: MemberView, secret: bytes) -> None:
+    def __init__(self, shard: DirectoryShard, view: MemberView, secret: bytes, serves_nixl: Callable[[], bool]) -> None:
         self.shard = shard
         self.view = view
         self.secret = secret
-        # What serves ReadBlocks (kvd.server.cluster_blocks.ClusterBlocks); set by the daemon.
-        self.blocks = None
+        # Whether this node has a NIXL agent for peers' READs (it opens when the node joins).
+        self.serves_nixl = serves_nixl
+        # The holder's side of ReadBlocks, PinBlocks and ReleasePins (the kvd service,
+        # kvd.server.handlers.cluster); set by the daemon.
+        self.holder = None
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
         sent = dict(context.invocation_metadata() or ()).get(SECRET_METADATA, "")
@@ -91,22 +96,23 @@ class DirectoryServicer(kvd_pb2_grpc.ClusterServicer):
     async def ReadBlocks(self, request, context):
         await self._authenticate(context)
         await self._check_member(request, context)
-        if self.blocks is None:
+        if self.holder is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node serves no blocks yet")
-        async for message in self.blocks.serve(request, context):
+        async for message in self.holder.read_blocks_for_peer(request, context):
             yield message
 
     async def PinBlocks(self, request, context):
         await self._authenticate(context)
         await self._check_member(request, context)
-        if self.blocks is None or self.blocks.node.transport is None:
+        if self.holder is None or not self.serves_nixl():
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no NIXL agent; use ReadBlocks")
-        return await self.blocks.pin(request, context)
+        return await self.holder.pin_blocks_for_peer(request, context)
 
     async def ReleasePins(self, request, context):
         await self._authenticate(context)
         await self._check_member(request, context)
-        checksums = await self.blocks.release(request.node, request.lease_id) if self.blocks is not None else None
+        checksums = (await self.holder.release_pins_of_peer(request.node, request.lease_id)
+                     if self.holder is not None else None)
         if checksums is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no pins of {request.node!r} under lease {request.lease_id}")
         return kvd_pb2.ReleasePinsResponse(crc32c=checksums)

@@ -43,7 +43,7 @@ from kvd.core.event_snapshot import SnapshotBuild
 from kvd.core.events import EventLog
 from kvd.core.eviction import TENANT_AFFINITY_WINDOW, HostAllocator
 from kvd.core.keys import NamespaceSpec
-from kvd.core.lease import LeaseTable
+from kvd.core.lease import Lease, LeaseTable
 from kvd.core.limits import MAX_CLIENT_ID_CHARS, EngineLimits
 from kvd.core.namespace_usage import UsageCount
 from kvd.core.namespaces import NamespaceState, NamespaceTable, namespace_not_found
@@ -291,6 +291,9 @@ class Engine:
 
     def commit(self, request: CommitRequest) -> tuple[int, int]:
         return self.puts.commit(request)
+
+    def seal_prefix(self, lease: Lease, count: int, now_ms: int) -> int:
+        return self.puts.seal_prefix(lease, count, now_ms)
 
     # -- the tiers below host memory (kvd.core.writeback, kvd.core.recovery) ------
 

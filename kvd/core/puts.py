@@ -5,7 +5,9 @@ are EXISTS, keys another client is writing stop the walk (IN_FLIGHT),
 missing keys get a host slot (RESERVED) until none can be freed
 (NO_SPACE). The reserved keys are one contiguous run under one write
 lease; the client writes their bytes into the slots and commits, which
-seals them (discoverable from then on) or aborts the rest of the chain.
+seals them (discoverable from then on) or aborts the rest of the chain. A
+write that kvd itself cut short seals the prefix it finished and aborts
+the rest (`seal_prefix`).
 Every check runs before any state changes.
 """
 
@@ -185,6 +187,18 @@ class Puts(EngineComponent):
         if not any(handle.writable for handle in lease.handles):
             self.leases.close(lease)
         return len(to_seal), aborted
+
+    def seal_prefix(self, lease: Lease, count: int, now_ms: int) -> int:
+        """Seal the first `count` blocks a write lease reserved and abort the rest: a write cut
+        short (a fetch from a peer whose bytes stopped verifying, a SaveLayers whose copy failed)
+        leaves a sealed prefix and misses after it, never holes. Returns how many were sealed."""
+        keys = [handle.key for handle in lease.handles]
+        # An empty commit would seal every block the lease reserved.
+        check(0 <= count <= len(keys) and len(keys) > 0, "seal {} of the {} blocks of a reservation", count,
+              len(keys))
+        sealed, _ = self.commit(CommitRequest(lease.namespace_id, lease.client_id, lease.lease_id, now_ms,
+                                              keys=keys[:count], abort_keys=keys[count:]))
+        return sealed
 
     def _abort_from(self, lease: Lease, abort_from: int) -> int:
         """Abort the chain from position `abort_from`, tail first; how many were aborted."""

@@ -85,6 +85,7 @@ class Daemon:
         self.tokens: TokenTable | None = None
         self.arena_socket: ArenaSocket | None = None
         self.cluster = None  # kvd.cluster.node.ClusterNode with [cluster] etcd_endpoints
+        self.cluster_fetch = None  # and its kvd.planes.cluster_fetch.ClusterFetch
         # Long-lived tasks and threads: a failure of one stops the daemon with exit status 1.
         self.supervisor = Supervisor()
         self.supervisor.on_failure(self._background_failed)
@@ -168,7 +169,7 @@ class Daemon:
                                    on_bug=self.supervisor.fail)
         serve_kvd(self.server, self.service, rpc_metrics)
         if self.cluster is not None:
-            add_cluster(self.cluster, self.server, self.service, config)
+            self.cluster_fetch = add_cluster(self.cluster, self.server, self.service, config)
         self.health = add_health(self.server)
 
     async def _listen(self, tls, rpc_metrics) -> None:
@@ -188,7 +189,7 @@ class Daemon:
         config = self.config
         cluster.start(self.bound_tcp_port, config.disk.capacity_bytes * len(config.disk.directories),
                       self.supervisor.spawn)
-        watch_cluster(registry, cluster)
+        watch_cluster(registry, cluster, self.cluster_fetch)
 
     def _announce_ready(self, layout: ArenaLayout) -> None:
         socket_path = self.config.unix_socket_path

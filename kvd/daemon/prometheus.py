@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from kvd.cluster.node import ClusterNode
+    from kvd.planes.cluster_fetch import ClusterFetch
     from kvd.planes.device import DevicePlane
     from kvd.planes.disk import DiskPlane
     from kvd.server.arena_socket import ArenaSocket
@@ -36,12 +37,11 @@ def watch_arena(registry: CollectorRegistry, arena: HostArena, arena_socket: Are
         registry.register(DeviceCollector(device_plane.counters))
 
 
-def watch_cluster(registry: CollectorRegistry, cluster: ClusterNode) -> None:
+def watch_cluster(registry: CollectorRegistry, cluster: ClusterNode, fetch: ClusterFetch) -> None:
     """The cluster as this node sees it: members, joined, etcd sessions, blocks fetched from peers."""
-    blocks = cluster.servicer.blocks
     registry.register(ClusterCollector(lambda: len(cluster.view), cluster.joined.is_set,
-                                       lambda: cluster.membership.sessions, lambda: blocks.fetched_blocks,
-                                       lambda: blocks.failed_fetches))
+                                       lambda: cluster.membership.sessions, lambda: fetch.fetched_blocks,
+                                       lambda: fetch.failed_fetches))
 
 
 def serve_metrics(address: str, registry: CollectorRegistry):

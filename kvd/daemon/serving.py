@@ -19,12 +19,13 @@ from grpc_health.v1 import health_pb2_grpc
 
 from kvd import arena_protocol
 from kvd.clock import Clock
+from kvd.cluster.peer_blocks import PeerBlocks
 from kvd.config import Config, ServerConfig, TenantSettings, parse_address
 from kvd.core.engine import Engine
 from kvd.errors import ConfigError
+from kvd.planes.cluster_fetch import ClusterFetch
 from kvd.server.arena_socket import ArenaSocket
 from kvd.server.auth import FAILURE_REASONS, AuthInterceptor, TokenTable
-from kvd.server.cluster_blocks import ClusterBlocks
 from kvd.server.drain import RpcTracker
 from kvd.server.health import HealthService
 from kvd.server.registration import add_kvd_service
@@ -121,15 +122,18 @@ def new_cluster_node(config: Config, engine: Engine, arena: HostArena) -> Cluste
     return ClusterNode(config, engine, arena)
 
 
-def add_cluster(cluster: ClusterNode, server: grpc.aio.Server, service: KvdService, config: Config) -> None:
-    """The peers' service on the server, and blocks fetched from peers (on a Get's miss with
-    cluster.fetch_on_get)."""
+def add_cluster(cluster: ClusterNode, server: grpc.aio.Server, service: KvdService, config: Config) -> ClusterFetch:
+    """The peers' service on the server, its block calls served by the kvd service; and the fetch
+    plane, which Gets use on a miss with cluster.fetch_on_get (built either way: its counters are
+    exported)."""
     cluster.register(server)
     service.cluster = cluster
-    blocks = ClusterBlocks(service, cluster, config.cluster.fetch_timeout_s)
-    cluster.servicer.blocks = blocks
+    cluster.servicer.holder = service
+    fetch = ClusterFetch(service.engine, service.arena, service.clock.now_ms, PeerBlocks(cluster),
+                         config.cluster.fetch_timeout_s)
     if config.cluster.fetch_on_get:
-        service.cluster_blocks = blocks
+        service.cluster_fetch = fetch
+    return fetch
 
 
 async def listen(server: grpc.aio.Server, config: Config, tls: grpc.ServerCredentials | None) -> int | None:

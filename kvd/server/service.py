@@ -4,8 +4,9 @@ KvdService is the servicer gRPC calls; its handlers live by concern in
 kvd/server/handlers/ (blocks: namespaces, Lookup, Puts, leases, Delete,
 Prefetch; reads: Gets; events; admin: Stats, Demote, ListNamespaces,
 DeleteNamespace; device: pools, SaveLayers, LoadLayers, placement
-planning; cluster: ClusterLookup), each a part of this class, and every
-one runs under kvd.server.rpc's wrapper.
+planning; cluster: ClusterLookup, and the holder's side of the peers'
+ReadBlocks, PinBlocks and ReleasePins), each a part of this class; every
+Kvd call runs under kvd.server.rpc's wrapper.
 This module keeps what they share: the service's state, the tenant scope
 of every request, and the drain.
 
@@ -87,9 +88,11 @@ class KvdService(BlockHandlers, ReadHandlers, EventHandlers, AdminHandlers, Devi
         self._events_published = asyncio.Event()
         self._publish_scheduled = False
         # kvd.cluster.node.ClusterNode when this daemon is in a cluster, and
-        # kvd.server.cluster_blocks.ClusterBlocks when its Gets fetch from peers (set by the daemon).
+        # kvd.planes.cluster_fetch.ClusterFetch when its Gets fetch from peers (set by the daemon).
         self.cluster = None
-        self.cluster_blocks = None
+        self.cluster_fetch = None
+        # Blocks pinned for peers' NIXL reads, by lease id (kvd.server.handlers.cluster).
+        self._peer_pins = {}
         # kvd.planes.device.DevicePlane when [device] kind is not "off" (set by the daemon).
         self.device_plane = None
         self.planning = Planning()

@@ -1,4 +1,5 @@
-"""The fetcher's checks, against a real engine and a peer that lies, stalls or dies mid-stream."""
+"""The fetcher's checks (kvd.planes.cluster_fetch over kvd.cluster.peer_blocks), against a real engine
+and a peer that lies, stalls or dies mid-stream."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import numpy as np
 from kvd.clock import ManualClock
 from kvd.core.engine import Engine
 from kvd.core.keys import NamespaceSpec, chain_keys
-from kvd.server.cluster_blocks import ClusterBlocks
+from kvd.cluster.peer_blocks import PeerBlocks
+from kvd.planes.cluster_fetch import ClusterFetch
 from kvd.v1 import kvd_pb2
 
 SPEC = NamespaceSpec(model_id="fetch-test", num_layers=2, num_kv_heads=1, head_dim=4, block_tokens=1)
@@ -59,10 +61,9 @@ def setup(peer: Peer, timeout_s: float = 5.0):
     engine = Engine(host_slot_count=64, host_slot_bytes=64)
     namespace_id = engine.register_namespace(SPEC).namespace_id
     arena = Arena()
-    service = SimpleNamespace(engine=engine, arena=arena, clock=ManualClock(), max_message_bytes=1 << 20)
     node = SimpleNamespace(name="me", member=SimpleNamespace(incarnation=7),
                            peers=SimpleNamespace(stub=lambda name: peer, metadata=()))
-    return ClusterBlocks(service, node, timeout_s), engine, namespace_id, arena
+    return ClusterFetch(engine, arena, ManualClock().now_ms, PeerBlocks(node), timeout_s), engine, namespace_id, arena
 
 
 def payloads(n: int) -> list[bytes]:
@@ -81,16 +82,16 @@ def message(first: int, blocks: list[bytes], crcs: list[int] | None = None) -> k
     return kvd_pb2.ReadBlocksResponse(first=first, blocks=blocks, crc32c=crcs if crcs is not None else layer_crcs(blocks))
 
 
-def fetch(blocks: ClusterBlocks, namespace_id: bytes, keys, first: int = 0) -> int:
-    return asyncio.run(blocks._fetch("peer", namespace_id, keys, first, len(keys)))
+def fetch(plane: ClusterFetch, namespace_id: bytes, keys, first: int = 0) -> int:
+    return asyncio.run(plane._fetch("peer", namespace_id, keys, first, len(keys)))
 
 
 def test_a_good_stream_is_sealed_with_the_bytes_sent():
     data = payloads(6)
     peer = Peer([message(0, data[:4]), message(4, data[4:])])
-    blocks, engine, namespace_id, arena = setup(peer)
+    plane, engine, namespace_id, arena = setup(peer)
     keys = chain_keys(SPEC, list(range(6)))
-    assert fetch(blocks, namespace_id, keys) == 6
+    assert fetch(plane, namespace_id, keys) == 6
     assert len(engine.lookup(namespace_id, keys)) == 6
     assert sorted(arena.writes.values()) == sorted(data)
     assert peer.requests[0].first == 0 and len(peer.requests[0].packed_keys) == 6 * 32
@@ -100,31 +101,31 @@ def test_a_wrong_checksum_ends_the_fetch_and_only_the_verified_prefix_is_kept():
     data = payloads(6)
     crcs = layer_crcs(data)
     crcs[3 * SPEC.num_layers + 1] ^= 1  # block 3's second layer
-    blocks, engine, namespace_id, arena = setup(Peer([message(0, data, crcs)]))
+    plane, engine, namespace_id, arena = setup(Peer([message(0, data, crcs)]))
     keys = chain_keys(SPEC, list(range(6)))
-    assert fetch(blocks, namespace_id, keys) == 3
-    assert len(engine.lookup(namespace_id, keys)) == 3 and blocks.failed_fetches == 1
+    assert fetch(plane, namespace_id, keys) == 3
+    assert len(engine.lookup(namespace_id, keys)) == 3 and plane.failed_fetches == 1
     # The aborted reservations are gone: a later Put of the same keys gets slots again.
     engine.verify()
 
 
 def test_short_or_misplaced_blocks_are_refused():
     data = payloads(4)
-    blocks, engine, namespace_id, _ = setup(Peer([message(0, [data[0], data[1][:-1]])]))
+    plane, engine, namespace_id, _ = setup(Peer([message(0, [data[0], data[1][:-1]])]))
     keys = chain_keys(SPEC, list(range(4)))
-    assert fetch(blocks, namespace_id, keys) == 1
-    blocks, engine, namespace_id, _ = setup(Peer([message(1, data[:2])]))
-    assert fetch(blocks, namespace_id, keys) == 0
+    assert fetch(plane, namespace_id, keys) == 1
+    plane, engine, namespace_id, _ = setup(Peer([message(1, data[:2])]))
+    assert fetch(plane, namespace_id, keys) == 0
     assert len(engine.lookup(namespace_id, keys)) == 0
 
 
 def test_a_peer_that_dies_or_stalls_leaves_misses_within_the_deadline():
     data = payloads(5)
     keys = chain_keys(SPEC, list(range(5)))
-    blocks, engine, namespace_id, _ = setup(Peer([message(0, data[:2])], ending=Dead()))
-    assert fetch(blocks, namespace_id, keys) == 2
-    blocks, engine, namespace_id, _ = setup(Peer([message(0, data[:1])], ending="stall"), timeout_s=0.2)
-    assert fetch(blocks, namespace_id, keys) == 1
+    plane, engine, namespace_id, _ = setup(Peer([message(0, data[:2])], ending=Dead()))
+    assert fetch(plane, namespace_id, keys) == 2
+    plane, engine, namespace_id, _ = setup(Peer([message(0, data[:1])], ending="stall"), timeout_s=0.2)
+    assert fetch(plane, namespace_id, keys) == 1
     assert len(engine.lookup(namespace_id, keys)) == 1
     engine.verify()
 
@@ -132,11 +133,11 @@ def test_a_peer_that_dies_or_stalls_leaves_misses_within_the_deadline():
 def test_a_fetch_continues_a_local_prefix():
     data = payloads(6)
     peer = Peer([message(0, data[:2])])
-    blocks, engine, namespace_id, arena = setup(peer)
+    plane, engine, namespace_id, arena = setup(peer)
     keys = chain_keys(SPEC, list(range(6)))
-    assert fetch(blocks, namespace_id, keys[:2]) == 2
+    assert fetch(plane, namespace_id, keys[:2]) == 2
     peer.messages = [message(2, data[2:])]
-    assert fetch(blocks, namespace_id, keys, first=2) == 4
+    assert fetch(plane, namespace_id, keys, first=2) == 4
     assert peer.requests[-1].first == 2 and len(peer.requests[-1].packed_keys) == 6 * 32
     assert len(engine.lookup(namespace_id, keys)) == 6
     assert sorted(arena.writes.values()) == sorted(data)
@@ -198,21 +199,20 @@ def nixl_setup(holder: Holder):
     engine = Engine(host_slot_count=64, host_slot_bytes=SPEC.block_bytes)
     namespace_id = engine.register_namespace(SPEC).namespace_id
     arena = MemoryArena(64 * SPEC.block_bytes)
-    service = SimpleNamespace(engine=engine, arena=arena, clock=ManualClock(), max_message_bytes=1 << 20)
     node = SimpleNamespace(name="me", member=SimpleNamespace(incarnation=7), transport=Copying(),
                            peers=SimpleNamespace(stub=lambda name: holder, metadata=(), timeout_s=1.0))
-    return ClusterBlocks(service, node, 5.0), engine, namespace_id, arena
+    return ClusterFetch(engine, arena, ManualClock().now_ms, PeerBlocks(node), 5.0), engine, namespace_id, arena
 
 
 def test_a_nixl_read_is_sealed_once_the_release_s_checksums_match():
     data = payloads(6)
     holder = Holder(data)
-    blocks, engine, namespace_id, arena = nixl_setup(holder)
+    plane, engine, namespace_id, arena = nixl_setup(holder)
     keys = chain_keys(SPEC, list(range(6)))
-    assert asyncio.run(blocks._fetch_nixl("peer", namespace_id, keys, 0, 6)) == 6
-    assert holder.released == [9] and blocks.fetched_blocks["nixl"] == 6
+    assert asyncio.run(plane._fetch_nixl("peer", namespace_id, keys, 0, 6)) == 6
+    assert holder.released == [9] and plane.fetched_blocks["nixl"] == 6
     matched = engine.lookup(namespace_id, keys)
-    offsets = engine.host.pool.offsets_of([engine.host_slot(block) for block in matched])
+    offsets = engine.host_offsets(matched)
     assert [arena.buffer[o:o + SPEC.block_bytes].tobytes() for o in offsets] == data
 
 
@@ -220,9 +220,9 @@ def test_a_nixl_read_keeps_only_the_prefix_its_checksums_vouch_for():
     data = payloads(6)
     crcs = layer_crcs(data)
     crcs[4 * SPEC.num_layers + 1] ^= 1  # block 4's second layer
-    blocks, engine, namespace_id, _ = nixl_setup(Holder(data, release_crcs=crcs))
+    plane, engine, namespace_id, _ = nixl_setup(Holder(data, release_crcs=crcs))
     keys = chain_keys(SPEC, list(range(6)))
-    assert asyncio.run(blocks._fetch_nixl("peer", namespace_id, keys, 0, 6)) == 4
+    assert asyncio.run(plane._fetch_nixl("peer", namespace_id, keys, 0, 6)) == 4
     assert len(engine.lookup(namespace_id, keys)) == 4
     engine.verify()
 
@@ -231,9 +231,9 @@ def test_a_nixl_read_whose_pins_were_gone_at_release_is_all_misses():
     """The holder's lease ran out before the release: the READ may have raced a reused slot."""
     data = payloads(5)
     holder = Holder(data, release_error=Gone())
-    blocks, engine, namespace_id, _ = nixl_setup(holder)
+    plane, engine, namespace_id, _ = nixl_setup(holder)
     keys = chain_keys(SPEC, list(range(5)))
-    assert asyncio.run(blocks._fetch_nixl("peer", namespace_id, keys, 0, 5)) == 0
+    assert asyncio.run(plane._fetch_nixl("peer", namespace_id, keys, 0, 5)) == 0
     assert holder.released == [9] and len(engine.lookup(namespace_id, keys)) == 0
     engine.verify()
 
@@ -241,7 +241,7 @@ def test_a_nixl_read_whose_pins_were_gone_at_release_is_all_misses():
 def test_a_message_with_a_checksum_per_block_instead_of_per_layer_is_refused():
     data = payloads(3)
     whole_block = [crc32c.crc32c(b) for b in data]
-    blocks, engine, namespace_id, _ = setup(Peer([message(0, data, whole_block)]))
+    plane, engine, namespace_id, _ = setup(Peer([message(0, data, whole_block)]))
     keys = chain_keys(SPEC, list(range(3)))
-    assert fetch(blocks, namespace_id, keys) == 0 and blocks.failed_fetches == 1
+    assert fetch(plane, namespace_id, keys) == 0 and plane.failed_fetches == 1
     assert len(engine.lookup(namespace_id, keys)) == 0

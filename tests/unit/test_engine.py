@@ -545,6 +545,23 @@ def test_abort_everything(writing):
     assert (engine.live_handles, engine.pinned_blocks) == (0, 0)
 
 
+def test_seal_prefix_keeps_what_was_written_and_aborts_the_rest(env):
+    """A write kvd cut short (a fetch from a peer, a failed SaveLayers): a sealed prefix, no holes."""
+    engine, ns = env
+    lease = engine.reserve(KeysRequest(ns, "fetch", K("abcd"), LONG, 0)).lease
+    assert engine.seal_prefix(lease, 2, 0) == 2
+    assert stored(engine, ns) == set(K("ab")) and engine.host.counters.aborted == 2
+    assert len(engine.leases) == 0 and lease.ended
+    lease = engine.reserve(KeysRequest(ns, "fetch", K("abxy"), LONG, 0)).lease
+    assert engine.seal_prefix(lease, 0, 0) == 0
+    assert stored(engine, ns) == set(K("ab")) and len(engine.leases) == 0
+    lease = engine.reserve(KeysRequest(ns, "fetch", K("abxy"), LONG, 0)).lease
+    with pytest.raises(InvariantError):
+        engine.seal_prefix(lease, 3, 0)  # two were reserved
+    assert engine.seal_prefix(lease, 2, 0) == 2
+    assert stored(engine, ns) == set(K("abxy"))
+
+
 def test_abort_after_commit_is_refused(writing):
     engine, ns, lease_id = writing
     engine.commit(CommitRequest(ns, "writer", lease_id, 0, keys=K("ab")))

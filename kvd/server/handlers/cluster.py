@@ -1,13 +1,55 @@
-"""The cluster's calls from clients: ClusterLookup.
+"""The cluster's calls: ClusterLookup from clients, and the holder's side of the peers' block calls.
 
 A part of kvd.server.service.KvdService (its handlers by concern); they share the
-service's state and reach each other's helpers through self."""
+service's state and reach each other's helpers through self.
+
+The holder serves ReadBlocks, PinBlocks and ReleasePins of the peers' Cluster
+service (kvd.cluster.rpc checks the cluster credential and that the caller
+is a live member, then hands the call here). The blocks asked for are
+pinned through the Get path (`_pinned_prefix`: a disk-only block is read
+into host memory first, as for any Get), under a lease of the peer's own
+client id:
+
+- ReadBlocks copies them out in messages of about CHUNK_BYTES, each block
+  with the CRC-32C of each of its layers, computed from the pinned copy,
+  and closes the lease when the stream ends, however it ends: nothing stays
+  pinned for a peer.
+- PinBlocks, for a peer's one-sided NIXL READ, answers their arena offsets
+  at once and computes their per-layer CRC-32Cs on a worker thread while
+  the peer READs; ReleasePins ends the pins and hands the CRC-32Cs over.
+  Pins still held at that release were held for the whole READ; a release
+  that finds them gone (their lease ran out first) gives no checksums, and
+  the blocks read become the peer's misses.
+"""
 
 from __future__ import annotations
 
-from kvd.errors import FailedPrecondition
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from kvd.cluster.keys import split
+from kvd.core.lease import Lease
+from kvd.errors import FailedPrecondition, KvdError
+from kvd.io.checksum import crc32c_chunks, crc32c_of_buffers
 from kvd.server import convert
 from kvd.server.rpc import rpc
+from kvd.v1 import kvd_pb2
+
+CHUNK_BYTES = 8 << 20
+PEER_CLIENT_PREFIX = "kvd-cluster-peer:"
+
+
+@dataclass(slots=True)
+class PeerPins:
+    """Blocks pinned for a peer's READ, until it releases them or their lease runs out."""
+
+    node: str
+    lease: Lease
+    # layer_checksums of the pinned blocks, running on a worker thread.
+    checksums: asyncio.Future
 
 
 class ClusterHandlers:
@@ -18,3 +60,94 @@ class ClusterHandlers:
         keys = convert.cluster_lookup_keys(request, self.engine.limits.max_batch_keys)
         local = self.engine.lookup(request.namespace_id, keys)
         return await self.cluster.lookup(request.namespace_id, request.packed_keys, len(local))
+
+    # -- the holder ---------------------------------------------------------------
+
+    async def _pin_for_peer(self, request, context):
+        """Pin what this node has of the chain from `request.first` on, under the peer's own client
+        id: (the namespace's spec, lease or None, arena offsets of the pinned blocks)."""
+        try:
+            state = self.engine.namespace(request.namespace_id)
+            keys = split(request.packed_keys)
+            if len(request.packed_keys) % 32 or not keys or request.first >= len(keys):
+                raise ValueError("packed_keys must be whole 32-byte keys, and first inside them")
+            get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, keys=keys[request.first:],
+                                     parent_key=keys[request.first - 1] if request.first else b"",
+                                     lease_ms=request.lease_ms)
+            lease, matched, _, _ = await self._pinned_prefix(get, PEER_CLIENT_PREFIX + request.node)
+        except KvdError as error:
+            await context.abort(convert.status_of(error), error.message)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return state.spec, lease, self.engine.host_offsets(matched)
+
+    async def read_blocks_for_peer(self, request, context):
+        """ReadBlocks: the pinned blocks streamed with their per-layer CRC-32Cs; the pins end with the stream."""
+        spec, lease, offsets = await self._pin_for_peer(request, context)
+        try:
+            chunk = min(CHUNK_BYTES, self.max_message_bytes // 2)
+            per_message = max(1, chunk // spec.block_bytes)
+            for start in range(0, len(offsets), per_message):
+                blocks, crcs = await asyncio.to_thread(copied_blocks, self.arena, offsets[start:start + per_message],
+                                                       spec)
+                yield kvd_pb2.ReadBlocksResponse(first=request.first + start, blocks=blocks, crc32c=crcs.ravel().tolist())
+        finally:
+            if lease is not None and not lease.ended:
+                self.engine.leases.close(lease)
+
+    async def pin_blocks_for_peer(self, request, context) -> kvd_pb2.PinBlocksResponse:
+        """PinBlocks: pin blocks for a peer's one-sided READ until it releases them or lease_ms passes.
+        Their CRC-32Cs are computed under the pins, on a worker thread while the peer READs, and
+        handed over by `release_pins_of_peer`."""
+        engine, arena = self.engine, self.arena
+        spec, lease, offsets = await self._pin_for_peer(request, context)
+        if lease is None or not offsets:
+            if lease is not None:
+                engine.leases.close(lease)
+            return kvd_pb2.PinBlocksResponse(block_bytes=spec.block_bytes, arena_address=arena.address_at(0))
+        loop = asyncio.get_running_loop()
+        checksums = loop.run_in_executor(None, layer_checksums, arena, offsets, spec)
+        self._peer_pins[lease.lease_id] = PeerPins(request.node, lease, checksums)
+        self.cluster.transport.serving(+1)
+        loop.call_later(max(lease.deadline_ms - self.clock.now_ms(), 0) / 1000 + 0.1,
+                        self._expire_peer_pins, lease.lease_id)
+        return kvd_pb2.PinBlocksResponse(lease_id=lease.lease_id, offsets=offsets, block_bytes=spec.block_bytes,
+                                         arena_address=arena.address_at(0))
+
+    async def release_pins_of_peer(self, node: str, lease_id: int) -> list[int] | None:
+        """ReleasePins: end a peer's pins; their CRC-32Cs, or None when they are not (or no longer)
+        held: what the peer read is then not to be trusted."""
+        pinned = self._peer_pins.get(lease_id)
+        if pinned is None or pinned.node != node:
+            return None
+        del self._peer_pins[lease_id]
+        try:
+            checksums = await pinned.checksums
+            held = not pinned.lease.ended
+        finally:
+            self._close_peer_pins(pinned)
+        return checksums.ravel().tolist() if held else None
+
+    def _expire_peer_pins(self, lease_id: int) -> None:
+        pinned = self._peer_pins.pop(lease_id, None)
+        if pinned is not None:
+            # The blocks stay pinned until the checksum thread is done reading them.
+            pinned.checksums.add_done_callback(lambda _: self._close_peer_pins(pinned))
+
+    def _close_peer_pins(self, pinned: PeerPins) -> None:
+        if not pinned.lease.ended:
+            self.engine.leases.close(pinned.lease)
+        self.cluster.transport.serving(-1)
+
+
+def layer_checksums(arena, offsets, spec) -> np.ndarray:
+    """(blocks, layers) CRC-32Cs of the blocks at `offsets` in the arena, in one native call."""
+    addresses = np.asarray(offsets, dtype=np.uint64) + np.uint64(arena.address_at(0))
+    return crc32c_chunks(addresses, spec.layer_bytes, spec.num_layers)
+
+
+def copied_blocks(arena, offsets, spec) -> tuple[list[bytes], np.ndarray]:
+    """Copies of the blocks at `offsets`, and their per-layer CRC-32Cs computed from the copies
+    (while they are still in cache: one pass over the arena, not two)."""
+    blocks = [arena.read_at(offset, spec.block_bytes) for offset in offsets]
+    return blocks, crc32c_of_buffers(blocks, spec.layer_bytes, spec.num_layers)

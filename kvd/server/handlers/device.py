@@ -6,7 +6,7 @@ service's state and reach each other's helpers through self."""
 
 from __future__ import annotations
 
-from kvd.core.engine import CommitRequest, ReserveStatus
+from kvd.core.engine import ReserveStatus
 from kvd.errors import FailedPrecondition, InvalidArgument
 from kvd.planner.distance import NONE
 from kvd.tiers.host import DEFAULT_TENANT
@@ -70,11 +70,10 @@ class DeviceHandlers:
         try:
             done = await plane.save(pool, pages[reserved], [offsets[i] for i in reserved], request.engine_flag,
                                     request.kvd_flag, request.base, keys, [writing[key] for key in keys], distance)
-            stored = self._commit_saved(request, lease, keys)
+            stored = self._commit_saved(lease, len(keys))
         except BaseException:
             if keys and not lease.closing:
-                self.engine.commit(CommitRequest(request.namespace_id, request.client_id, lease.lease_id,
-                                                 self.clock.now_ms(), abort_keys=keys))
+                self.engine.seal_prefix(lease, 0, self.clock.now_ms())
             raise
         finally:
             if lease is not None:
@@ -82,16 +81,16 @@ class DeviceHandlers:
         return kvd_pb2.SaveLayersResponse(statuses=[int(status) for status in result.statuses], stored=stored,
                                           done_value=done)
 
-    def _commit_saved(self, request, lease, keys: list[bytes]) -> int:
-        """Seal what a SaveLayers copied; refused by name when its lease ran out meanwhile."""
-        if not keys:
+    def _commit_saved(self, lease, copied: int) -> int:
+        """Seal the `copied` blocks a SaveLayers reserved, all of them; refused by name when its lease
+        ran out meanwhile."""
+        if not copied:
             return 0
         if lease.closing:
             raise FailedPrecondition(
                 f"the SaveLayers' reservation lease ran out (leases.default_ms) while kvd copied its layers, so "
-                f"nothing is stored; {len(keys)} blocks were not kept")
-        stored, _ = self.engine.commit(CommitRequest(request.namespace_id, request.client_id, lease.lease_id,
-                                                     self.clock.now_ms(), keys=keys))
+                f"nothing is stored; {copied} blocks were not kept")
+        stored = self.engine.seal_prefix(lease, copied, self.clock.now_ms())
         if self.disk_plane is not None:
             self.disk_plane.wake()
         return stored

@@ -76,10 +76,10 @@ class ReadHandlers:
                 f"(lease_ms {request.lease_ms or self.engine.limits.lease_ms_default}); ask for a longer lease_ms")
 
     async def _fetch_remote(self, request) -> None:
-        """In a cluster: bring what a peer holds of a chain that misses here (kvd.server.cluster_blocks)."""
-        if self.cluster_blocks is None or request.parent_key or not request.keys:
+        """In a cluster: bring what a peer holds of a chain that misses here (kvd.planes.cluster_fetch)."""
+        if self.cluster_fetch is None or request.parent_key or not request.keys:
             return
-        await self.cluster_blocks.fetch_for_get(request.namespace_id, list(request.keys))
+        await self.cluster_fetch.fetch_for_get(request.namespace_id, list(request.keys))
 
     @rpc("Get")
     async def Get(self, request, context):

@@ -1,0 +1,260 @@
+"""Fetch on Get: the part of a chain a peer holds and this node lacks, brought into host memory.
+
+A Get of a chain from its root that misses locally asks the directory which
+node holds more of it, reserves host slots for the missing blocks under a
+fetch lease, and brings them from the longest holder under
+`cluster.fetch_timeout_s`:
+
+- over NIXL where both nodes have an agent: the holder pins the blocks and
+  answers their offsets, the blocks are READ into the reserved slots, and
+  the release of the pins hands over the holder's per-layer CRC-32Cs
+  (pins still held at the release were held for the whole READ; pins gone
+  by then vouch for nothing, and the blocks are misses). A READ that
+  fails is tried again over the stream;
+- over the holder's ReadBlocks stream otherwise: each message's blocks
+  are checked (position, size and every layer's CRC-32C, one native call
+  per message) before they are written to their slots.
+
+The verified prefix is sealed (these are ordinary local blocks from then
+on, published to the directory like any other) and the rest of the
+reservation is aborted (Engine.seal_prefix). A peer that dies, is cut off
+or sends a wrong byte turns the rest of the fetch into misses, never into
+wrong data. The Get then goes on as usual.
+
+The plane works with plain values: the calls to peers are
+kvd.cluster.peer_blocks's, and `Peers` below says what it asks of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from kvd.core.engine import Engine, KeysRequest, ReserveResult, ReserveStatus
+from kvd.core.keys import NamespaceSpec
+from kvd.errors import KvdError, PeerCallFailed
+from kvd.io.checksum import crc32c_chunks, crc32c_of_buffers
+from kvd.tiers.host import HostArena
+
+log = logging.getLogger("kvd.cluster")
+
+# The client id of the fetch leases, which hold the reserved slots while the bytes arrive.
+FETCH_CLIENT = "kvd-cluster-fetch"
+
+
+class PinnedBlocks(Protocol):
+    """Blocks a holder pinned for a READ (kvd.cluster.peer_blocks.PeerPin)."""
+
+    lease_id: int
+    offsets: Sequence[int]
+    block_bytes: int
+    arena_address: int
+
+
+class Peers(Protocol):
+    """What a fetch asks of other nodes (kvd.cluster.peer_blocks.PeerBlocks); `keys` is always the
+    chain from its root, and `first` the position of the first block wanted."""
+
+    async def holder(self, namespace_id: bytes, keys: Sequence[bytes], local: int) -> tuple[str, int] | None: ...
+
+    def reachable(self, peer: str) -> bool: ...
+
+    def over_nixl(self, peer: str) -> bool: ...
+
+    def read_blocks(self, peer: str, namespace_id: bytes, keys: Sequence[bytes], first: int, lease_ms: int,
+                    timeout_s: float) -> AsyncIterator[tuple[int, list[bytes], list[int]]]: ...
+
+    async def pin(self, peer: str, namespace_id: bytes, keys: Sequence[bytes], first: int, lease_ms: int,
+                  timeout_s: float) -> PinnedBlocks | None: ...
+
+    async def read(self, peer: str, local: list[int], remote: list[int], length: int, timeout_s: float) -> bool: ...
+
+    async def release(self, peer: str, lease_id: int) -> list[int] | None: ...
+
+
+class ClusterFetch:
+    def __init__(self, engine: Engine, arena: HostArena, now_ms: Callable[[], int], peers: Peers,
+                 fetch_timeout_s: float) -> None:
+        self.engine = engine
+        self.arena = arena
+        self.now_ms = now_ms
+        self.peers = peers
+        self.fetch_timeout_s = fetch_timeout_s
+        # The fetch's leases (its reservation here, the holder's pins for a READ) outlive its deadline.
+        self.lease_ms = int(fetch_timeout_s * 1000) + 1000
+        # Blocks sealed here from peers, by transport; fetches cut short (kvd_cluster_* metrics).
+        self.fetched_blocks = {"nixl": 0, "grpc": 0}
+        self.failed_fetches = 0
+
+    async def fetch_for_get(self, namespace_id: bytes, keys: list[bytes]) -> int:
+        """Bring the part of `keys` (a chain from its root) that a peer holds and this node lacks;
+        how many blocks were sealed."""
+        local = len(self.engine.lookup(namespace_id, keys))
+        if local >= len(keys):
+            return 0
+        holder = await self.peers.holder(namespace_id, keys, local)
+        if holder is None:
+            return 0
+        peer, matched = holder
+        if self.peers.over_nixl(peer):
+            fetched = await self._fetch_nixl(peer, namespace_id, keys, local, matched)
+            if fetched is not None:
+                return fetched
+        return await self._fetch(peer, namespace_id, keys, local, matched)
+
+    def _reserve(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> ReserveResult | None:
+        """Host slots for keys[first:end] under a fetch lease; None when nothing could be reserved."""
+        reserve = KeysRequest(namespace_id, FETCH_CLIENT, keys[first:end], self.lease_ms, self.now_ms(),
+                              parent_key=keys[first - 1] if first else b"")
+        try:
+            result = self.engine.reserve(reserve)
+        except KvdError as error:
+            log.info("remote fetch skipped: no room", extra={"peer": peer, "reason": error.message})
+            return None
+        return result if result.lease is not None else None
+
+    def _reserved_slots(self, result: ReserveResult) -> tuple[list[int], list[int]]:
+        """(positions of the reserved keys, arena offsets of their slots)."""
+        positions = [i for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
+        return positions, self.engine.host.pool.offsets_of([result.slots[i] for i in positions])
+
+    def _seal(self, result: ReserveResult, verified: int, transport: str) -> int:
+        """Seal the first `verified` reserved blocks and give the rest back: a cut-short fetch leaves
+        misses, not holes."""
+        sealed = self.engine.seal_prefix(result.lease, verified, self.now_ms())
+        self.fetched_blocks[transport] += sealed
+        return sealed
+
+    # -- over the holder's ReadBlocks stream -------------------------------------
+
+    async def _fetch(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> int:
+        if not self.peers.reachable(peer):
+            return 0
+        result = self._reserve(peer, namespace_id, keys, first, end)
+        if result is None:
+            return 0
+        verified = await self._receive(peer, namespace_id, keys, first, result)
+        return self._seal(result, verified, "grpc")
+
+    async def _receive(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int,
+                       result: ReserveResult) -> int:
+        """Stream the blocks into their reserved slots; returns how many reserved ones are verified, in order."""
+        spec = self.engine.namespace(namespace_id).spec
+        end = first + len(result.statuses)
+        positions, offsets = self._reserved_slots(result)
+        slot_offsets = dict(zip(positions, offsets))
+        stream = self.peers.read_blocks(peer, namespace_id, keys[:end], first, int(self.fetch_timeout_s * 1000),
+                                        self.fetch_timeout_s)
+        position, verified = first, 0
+        try:
+            async with asyncio.timeout(self.fetch_timeout_s), contextlib.aclosing(stream):
+                async for message_first, blocks, crcs in stream:
+                    good = await checked_prefix(message_first, blocks, crcs, position, end, spec)
+                    for index, block in enumerate(blocks[:good], position - first):
+                        offset = slot_offsets.get(index)
+                        if offset is not None:
+                            self.arena.write_at(offset, block)
+                            verified += 1
+                    position += good
+                    if good < len(blocks):
+                        raise ValueError(f"block {position} failed its size or per-layer CRC-32C check")
+        except (PeerCallFailed, TimeoutError, ValueError) as error:
+            self._cut_short(peer, position - first, error)
+        return verified
+
+    def _cut_short(self, peer: str, fetched: int, error: BaseException) -> None:
+        self.failed_fetches += 1
+        reason = str(error) if isinstance(error, PeerCallFailed) else f"{type(error).__name__}: {error}"
+        log.warning("remote fetch cut short", extra={"peer": peer, "fetched": fetched, "reason": reason})
+
+    # -- over NIXL -------------------------------------------------------------------
+
+    async def _fetch_nixl(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> int | None:
+        """Pin on the holder, READ into reserved slots, release (which hands over the checksums),
+        verify, seal; None: use the gRPC stream instead."""
+        pin = await self.peers.pin(peer, namespace_id, keys[:end], first, self.lease_ms, self.fetch_timeout_s)
+        if pin is None:
+            return None
+        released = False
+        try:
+            sealed, read = await self._read_pinned(peer, namespace_id, keys, first, pin)
+            released = True
+            # A READ that failed (not a bad checksum) is tried again over the gRPC stream.
+            return sealed if read else None
+        finally:
+            if not released:
+                await self.peers.release(peer, pin.lease_id)
+
+    async def _read_pinned(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int,
+                           pin: PinnedBlocks) -> tuple[int, bool]:
+        """(blocks sealed, whether the READ itself completed); releases the pins either way."""
+        spec = self.engine.namespace(namespace_id).spec
+        result = None
+        if pin.offsets and pin.block_bytes == spec.block_bytes:
+            result = self._reserve(peer, namespace_id, keys, first, first + len(pin.offsets))
+        if result is None:
+            await self.peers.release(peer, pin.lease_id)
+            return 0, True
+        positions, offsets = self._reserved_slots(result)
+        local = np.array([self.arena.address_at(offset) for offset in offsets], dtype=np.uint64)
+        remote = [pin.arena_address + pin.offsets[i] for i in positions]
+        started = time.perf_counter()
+        read = await self.peers.read(peer, local.tolist(), remote, spec.block_bytes, self.fetch_timeout_s)
+        read_at = time.perf_counter()
+        # Released only now: pins that were still held at the release were held for the whole READ.
+        expected = await self.peers.release(peer, pin.lease_id)
+        verified = 0
+        if not read:
+            self.failed_fetches += 1
+        elif expected is None or len(expected) != len(pin.offsets) * spec.num_layers:
+            log.warning("NIXL read not verified: the holder's pins were gone", extra={"peer": peer})
+        else:
+            expected = np.array(expected, dtype=np.uint32).reshape(len(pin.offsets), spec.num_layers)[positions]
+            verified = await self._verified_prefix(peer, first, local, spec, expected)
+        verified_at = time.perf_counter()
+        sealed = self._seal(result, verified, "nixl")
+        log.debug("NIXL fetch", extra={"peer": peer, "blocks": len(positions), "read_ms": _ms(started, read_at),
+                                       "verify_ms": _ms(read_at, verified_at),
+                                       "seal_ms": _ms(verified_at, time.perf_counter())})
+        return sealed, read
+
+    @staticmethod
+    async def _verified_prefix(peer: str, first: int, addresses: np.ndarray, spec: NamespaceSpec,
+                               expected: np.ndarray) -> int:
+        """How many of the blocks at `addresses`, in order, match their expected per-layer CRC-32Cs."""
+        crcs = await asyncio.to_thread(crc32c_chunks, addresses, spec.layer_bytes, spec.num_layers)
+        mismatch = np.flatnonzero((crcs != expected).any(axis=1))
+        if len(mismatch):
+            log.warning("NIXL read failed its CRC-32C check", extra={"peer": peer, "block": first + int(mismatch[0])})
+            return int(mismatch[0])
+        return len(expected)
+
+
+async def checked_prefix(first: int, blocks: list[bytes], crcs: list[int], position: int, end: int,
+                         spec: NamespaceSpec) -> int:
+    """How many of a ReadBlocks message's blocks, in order, pass their size and per-layer CRC-32C
+    checks; ValueError for a message out of place or of the wrong shape."""
+    if first != position:
+        raise ValueError(f"a ReadBlocks message for position {first}, expected {position}")
+    count = len(blocks)
+    if position + count > end:
+        raise ValueError("more blocks than asked for")
+    if len(crcs) != count * spec.num_layers:
+        raise ValueError(f"{len(crcs)} checksums for {count} blocks of {spec.num_layers} layers")
+    sized = next((i for i, block in enumerate(blocks) if len(block) != spec.block_bytes), count)
+    if not sized:
+        raise ValueError(f"block {position} is not {spec.block_bytes} bytes")
+    computed = await asyncio.to_thread(crc32c_of_buffers, blocks[:sized], spec.layer_bytes, spec.num_layers)
+    expected = np.array(crcs, dtype=np.uint32).reshape(count, spec.num_layers)[:sized]
+    mismatch = np.flatnonzero((computed != expected).any(axis=1))
+    return int(mismatch[0]) if len(mismatch) else sized
+
+
+def _ms(start: float, end: float) -> float:
+    return round((end - start) * 1000, 2)
