@@ -49,9 +49,11 @@ def test_a_get_fetches_the_missing_blocks_from_the_longest_holder(tmp_path, etcd
             # c holds the first 10 itself.
             assert cc.put(ns_c, keys[:10], blocks[:10]) == 10
             wait_matches(cc, ns_c, keys, {"a": 400, "b": 60, "c": 10})
-            got = cc.get_numpy(ns_c, keys)
-            assert got.shape[0] == 400 and np.array_equal(got, blocks)
+            # As an engine that holds the first 10 asks: the rest, under its local parent.
+            got = cc.get_numpy(ns_c, keys[10:], parent_key=keys[9])
+            assert got.shape[0] == 390 and np.array_equal(got, blocks[10:])
             assert fetched(c, transport) == 390 and c.metric("kvd_cluster_failed_fetches_total") == 0
+            assert np.array_equal(cc.get_numpy(ns_c, keys), blocks) and fetched(c, transport) == 390
             # Sealed here now: c answers for itself, and the directory learns it.
             assert cc.lookup(ns_c, keys).matched == 400
             wait_matches(ca, ns_a, keys, {"a": 400, "b": 60, "c": 400})

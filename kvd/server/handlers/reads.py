@@ -76,10 +76,13 @@ class ReadHandlers:
                 f"(lease_ms {request.lease_ms or self.engine.limits.lease_ms_default}); ask for a longer lease_ms")
 
     async def _fetch_remote(self, request) -> None:
-        """In a cluster: bring what a peer holds of a chain that misses here (kvd.planes.cluster_fetch)."""
-        if self.cluster_fetch is None or request.parent_key or not request.keys:
+        """In a cluster: bring what a peer holds of a chain that misses here (kvd.planes.cluster_fetch),
+        also past a parent stored here (an engine that holds the chain's start asks for the rest)."""
+        if self.cluster_fetch is None or not request.keys:
             return
-        await self.cluster_fetch.fetch_for_get(request.namespace_id, list(request.keys))
+        chain = self._chain_before(request)
+        if chain is not None:
+            await self.cluster_fetch.fetch_for_get(request.namespace_id, chain + list(request.keys))
 
     @rpc("Get")
     async def Get(self, request, context):
