@@ -10,6 +10,7 @@ opened again: every block is then on disk only, as after a restart.
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -116,21 +117,37 @@ def test_a_get_that_arrives_while_a_streaming_get_holds_its_first_message_waits_
 
 
 @pytest.mark.parametrize("steps_kind, taken", [(LayerSteps, 1), (BlockSteps, 1), (BlockSteps, 3)])
-def test_a_streaming_get_dropped_after_its_first_message_leaves_no_read_behind(tmp_path, steps_kind, taken):
+def test_a_streaming_get_dropped_after_its_first_message_leaves_no_read_behind(tmp_path, monkeypatch, steps_kind,
+                                                                              taken):
     """The client goes away as soon as it has the offsets (or, for GetBlocks, a few blocks in):
     the reads it started still finish and the blocks are served whole. Dropped while its reads
-    run, the stream's lease ends with them; dropped a few blocks in, the reads may all have landed
-    already, and then its lease stands, as any Get's does, until released (or expired)."""
+    run (held back here until it is gone), the stream's lease ends with them; dropped a few
+    blocks in, the reads may all have landed already, and then its lease stands, as any Get's
+    does, until released (or expired)."""
 
     async def scenario():
         node, keys = await cold_node(tmp_path)
+        gone = threading.Event()
+        if taken > 1:
+            gone.set()
+        read_batch = node.plane._read_batch
+
+        def after_the_client_left(*args, **kwargs):  # the I/O thread
+            assert gone.wait(30)
+            return read_batch(*args, **kwargs)
+
+        monkeypatch.setattr(node.plane, "_read_batch", after_the_client_left)
         stream = node.service._stream_get(node.request("gone", keys), steps_kind)
         first = await stream.__anext__()
         for _ in range(taken - 1):
             await stream.__anext__()
         await stream.aclose()
+        gone.set()
+        # The reads land, then the dropped Get ends (a callback, a loop turn later): only its
+        # lease's pins may stand, and only when the reads had landed before it was dropped.
+        settled = (0,) if taken == 1 else (0, BLOCKS)
         for _ in range(1000):
-            if not node.engine.loading:
+            if not node.engine.loading and node.engine.leases.pins_of("gone") in settled:
                 break
             await asyncio.sleep(0.005)
         assert not node.engine.loading
