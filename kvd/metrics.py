@@ -464,7 +464,8 @@ class ClusterCollector(Collector):
     """Cluster membership as this daemon sees it, read when scraped."""
 
     def __init__(self, members: Callable[[], int], joined: Callable[[], bool], sessions: Callable[[], int],
-                 fetched: Callable[[], Mapping[str, int]] = dict, failed_fetches: Callable[[], int] = int) -> None:
+                 fetched: Callable[[], Mapping[tuple[str, str], int]] = dict,
+                 failed_fetches: Callable[[], Mapping[str, int]] = dict) -> None:
         self._members = members
         self._joined = joined
         self._sessions = sessions
@@ -480,11 +481,14 @@ class ClusterCollector(Collector):
         yield CounterMetricFamily("kvd_cluster_etcd_sessions",
                                   "etcd sessions this daemon has joined through (1 + rejoins).", value=self._sessions())
         fetched = CounterMetricFamily("kvd_cluster_fetched_blocks",
-                                      "Blocks fetched from peers, verified and sealed here, by transport.",
-                                      labels=["transport"])
-        for transport, count in sorted(self._fetched().items()):
-            fetched.add_metric([transport], count)
+                                      "Blocks fetched from peers, verified and sealed here, by peer and transport.",
+                                      labels=["peer", "transport"])
+        for (peer, transport), count in sorted(self._fetched().items()):
+            fetched.add_metric([peer, transport], count)
         yield fetched
-        yield CounterMetricFamily("kvd_cluster_failed_fetches",
-                                  "Fetches from peers cut short (dead or slow peer, bad bytes); the rest were misses.",
-                                  value=self._failed_fetches())
+        failed = CounterMetricFamily("kvd_cluster_failed_fetches",
+                                     "Fetches from peers cut short (dead or slow peer, bad bytes), by peer; the rest "
+                                     "were misses.", labels=["peer"])
+        for peer, count in sorted(self._failed_fetches().items()):
+            failed.add_metric([peer], count)
+        yield failed

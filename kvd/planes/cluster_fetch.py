@@ -28,6 +28,7 @@ kvd.cluster.peer_blocks's, and `Peers` below says what it asks of them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -89,8 +90,9 @@ class ClusterFetch:
         # The fetch's leases (its reservation here, the holder's pins for a READ) outlive its deadline.
         self.lease_ms = int(fetch_timeout_s * 1000) + 1000
         # Blocks sealed here from peers, by transport; fetches cut short (kvd_cluster_* metrics).
-        self.fetched_blocks = {"nixl": 0, "grpc": 0}
-        self.failed_fetches = 0
+        # Blocks sealed here from peers, by (peer, transport); fetches cut short, by peer.
+        self.fetched_blocks: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.failed_fetches: collections.Counter[str] = collections.Counter()
 
     async def fetch_for_get(self, namespace_id: bytes, keys: list[bytes]) -> int:
         """Bring the part of `keys` (a chain from its root) that a peer holds and this node lacks;
@@ -124,11 +126,11 @@ class ClusterFetch:
         positions = [i for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
         return positions, self.engine.host.pool.offsets_of([result.slots[i] for i in positions])
 
-    def _seal(self, result: ReserveResult, verified: int, transport: str) -> int:
+    def _seal(self, peer: str, result: ReserveResult, verified: int, transport: str) -> int:
         """Seal the first `verified` reserved blocks and give the rest back: a cut-short fetch leaves
         misses, not holes."""
         sealed = self.engine.seal_prefix(result.lease, verified, self.now_ms())
-        self.fetched_blocks[transport] += sealed
+        self.fetched_blocks[peer, transport] += sealed
         return sealed
 
     # -- over the holder's ReadBlocks stream -------------------------------------
@@ -140,7 +142,7 @@ class ClusterFetch:
         if result is None:
             return 0
         verified = await self._receive(peer, namespace_id, keys, first, result)
-        return self._seal(result, verified, "grpc")
+        return self._seal(peer, result, verified, "grpc")
 
     async def _receive(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int,
                        result: ReserveResult) -> int:
@@ -169,7 +171,7 @@ class ClusterFetch:
         return verified
 
     def _cut_short(self, peer: str, fetched: int, error: BaseException) -> None:
-        self.failed_fetches += 1
+        self.failed_fetches[peer] += 1
         reason = str(error) if isinstance(error, PeerCallFailed) else f"{type(error).__name__}: {error}"
         log.warning("remote fetch cut short", extra={"peer": peer, "fetched": fetched, "reason": reason})
 
@@ -211,14 +213,14 @@ class ClusterFetch:
         expected = await self.peers.release(peer, pin.lease_id)
         verified = 0
         if not read:
-            self.failed_fetches += 1
+            self.failed_fetches[peer] += 1
         elif expected is None or len(expected) != len(pin.offsets) * spec.num_layers:
             log.warning("NIXL read not verified: the holder's pins were gone", extra={"peer": peer})
         else:
             expected = np.array(expected, dtype=np.uint32).reshape(len(pin.offsets), spec.num_layers)[positions]
             verified = await self._verified_prefix(peer, first, local, spec, expected)
         verified_at = time.perf_counter()
-        sealed = self._seal(result, verified, "nixl")
+        sealed = self._seal(peer, result, verified, "nixl")
         log.debug("NIXL fetch", extra={"peer": peer, "blocks": len(positions), "read_ms": _ms(started, read_at),
                                        "verify_ms": _ms(read_at, verified_at),
                                        "seal_ms": _ms(verified_at, time.perf_counter())})

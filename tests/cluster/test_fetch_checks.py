@@ -104,7 +104,7 @@ def test_a_wrong_checksum_ends_the_fetch_and_only_the_verified_prefix_is_kept():
     plane, engine, namespace_id, arena = setup(Peer([message(0, data, crcs)]))
     keys = chain_keys(SPEC, list(range(6)))
     assert fetch(plane, namespace_id, keys) == 3
-    assert len(engine.lookup(namespace_id, keys)) == 3 and plane.failed_fetches == 1
+    assert len(engine.lookup(namespace_id, keys)) == 3 and plane.failed_fetches["peer"] == 1
     # The aborted reservations are gone: a later Put of the same keys gets slots again.
     engine.verify()
 
@@ -210,7 +210,7 @@ def test_a_nixl_read_is_sealed_once_the_release_s_checksums_match():
     plane, engine, namespace_id, arena = nixl_setup(holder)
     keys = chain_keys(SPEC, list(range(6)))
     assert asyncio.run(plane._fetch_nixl("peer", namespace_id, keys, 0, 6)) == 6
-    assert holder.released == [9] and plane.fetched_blocks["nixl"] == 6
+    assert holder.released == [9] and plane.fetched_blocks["peer", "nixl"] == 6
     matched = engine.lookup(namespace_id, keys)
     offsets = engine.host_offsets(matched)
     assert [arena.buffer[o:o + SPEC.block_bytes].tobytes() for o in offsets] == data
@@ -243,5 +243,5 @@ def test_a_message_with_a_checksum_per_block_instead_of_per_layer_is_refused():
     whole_block = [crc32c.crc32c(b) for b in data]
     plane, engine, namespace_id, _ = setup(Peer([message(0, data, whole_block)]))
     keys = chain_keys(SPEC, list(range(3)))
-    assert fetch(plane, namespace_id, keys) == 0 and plane.failed_fetches == 1
+    assert fetch(plane, namespace_id, keys) == 0 and plane.failed_fetches["peer"] == 1
     assert len(engine.lookup(namespace_id, keys)) == 0

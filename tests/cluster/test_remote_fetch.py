@@ -24,9 +24,15 @@ def config(etcd, name: str, prefix: str, **cluster) -> dict:
     return values
 
 
-def fetched(daemon, transport: str) -> float:
-    return daemon.metric_samples("kvd_cluster_fetched_blocks_total").get(
-        f'kvd_cluster_fetched_blocks_total{{transport="{transport}"}}', 0.0)
+def fetched(daemon, transport: str, peer: str | None = None) -> float:
+    """Blocks the daemon fetched over `transport` (from `peer`, or from any)."""
+    samples = daemon.metric_samples("kvd_cluster_fetched_blocks_total")
+    return sum(value for line, value in samples.items()
+               if f'transport="{transport}"' in line and (peer is None or f'peer="{peer}"' in line))
+
+
+def failed_fetches(daemon) -> float:
+    return sum(daemon.metric_samples("kvd_cluster_failed_fetches_total").values())
 
 
 # NIXL over shared memory (UCX copies between the processes), over TCP (the
@@ -52,7 +58,8 @@ def test_a_get_fetches_the_missing_blocks_from_the_longest_holder(tmp_path, etcd
             # As an engine that holds the first 10 asks: the rest, under its local parent.
             got = cc.get_numpy(ns_c, keys[10:], parent_key=keys[9])
             assert got.shape[0] == 390 and np.array_equal(got, blocks[10:])
-            assert fetched(c, transport) == 390 and c.metric("kvd_cluster_failed_fetches_total") == 0
+            # All from a, the longest holder (b holds 60).
+            assert fetched(c, transport, peer="a") == fetched(c, transport) == 390 and failed_fetches(c) == 0
             assert np.array_equal(cc.get_numpy(ns_c, keys), blocks) and fetched(c, transport) == 390
             # Sealed here now: c answers for itself, and the directory learns it.
             assert cc.lookup(ns_c, keys).matched == 400

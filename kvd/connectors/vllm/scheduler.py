@@ -46,6 +46,10 @@ class _Tracked:
     prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
     offered: int = 0  # blocks [0, offered) were handed to the workers to store
+    loading: set[int] = field(default_factory=set)  # engine blocks of its load order, if any
+    # A load of it failed: vLLM recomputes it, and asks again; kvd offers nothing more for it
+    # (the holder it came from may be gone, and the directory says so only after its lease).
+    load_failed: bool = False
 
 
 @dataclass(slots=True)
@@ -90,7 +94,7 @@ class SchedulerSide:
 
     def matched_tokens(self, request: Any, computed: int) -> tuple[int, bool]:
         tracked = self.track(request)
-        if tracked is None:
+        if tracked is None or tracked.load_failed:
             return 0, False
         first = computed // self.block_size
         # vLLM computes at least one prompt token itself, so the last block
@@ -136,6 +140,7 @@ class SchedulerSide:
             return
         tracked = self.requests[request.request_id]
         stop = plan.first + external_tokens // self.block_size
+        tracked.loading = set(block_ids[plan.first:stop])
         self._loads.append(LoadOrder(
             req_id=request.request_id,
             keys=[keys[:stop] for keys in tracked.keys],
@@ -145,8 +150,10 @@ class SchedulerSide:
         ))
 
     def load_failed(self, block_ids: set[int]) -> None:
-        """Blocks a worker could not load are recomputed by vLLM: offer them to kvd again."""
+        """Blocks a worker could not load are recomputed by vLLM: offer them to kvd again, and
+        load nothing more for their request."""
         for tracked in self.requests.values():
+            tracked.load_failed = tracked.load_failed or not tracked.loading.isdisjoint(block_ids)
             for position, block in enumerate(tracked.block_ids[:tracked.offered]):
                 if block in block_ids:
                     tracked.offered = position
