@@ -33,6 +33,9 @@ from pathlib import Path
 import pytest
 
 from kvd.testing.daemon import run_daemon
+from kvd.testing.etcd import EtcdServer
+from tests.cluster.test_daemon_cluster import cluster_config, wait_metric
+from tests.cluster.test_remote_fetch import fetched
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
@@ -171,3 +174,23 @@ def test_sglang_own_device_write_path_on_the_cpu_is_recorded(scenario):
 
 def test_runs_within_budget(scenario):
     assert scenario["seconds"] < 150, scenario["seconds"]
+
+
+def test_pages_another_node_stored_are_found_and_fetched(tmp_path):
+    """Two daemons in a cluster (etcd; blocks between them over NIXL, or gRPC): SGLang's write-back
+    stores a prompt's pages beside node x; SGLang beside node y counts them in batch_exists (the
+    peer's pages, TIER_REMOTE) and batch_get_v1 has y fetch them from x: bit-exact (issue 37)."""
+    require_sglang_venv()
+    with EtcdServer() as etcd:
+        configs = {name: {**cluster_config(etcd, name, "/kvd-sglang-cluster/"), "host": HOST} for name in "xy"}
+        with run_daemon(tmp_path / "x", configs["x"]) as x, run_daemon(tmp_path / "y", configs["y"]) as y:
+            for daemon in (x, y):
+                wait_metric(daemon, "kvd_cluster_members", 2)
+            chain = {"seed": 5, "layout": "layer_first"}
+            written, = harness([{"op": "write", "target": x.unix_target, **chain}])
+            assert written["exists_after"] == PAGES
+            read, = harness([{"op": "read", "target": y.unix_target, **chain}])
+            assert read["hit_tokens"] == read["loaded_tokens"] == PAGES * PAGE_TOKENS
+            assert read["bit_exact"] is True
+            assert sum(fetched(y, transport, peer="x") for transport in ("nixl", "grpc")) == PAGES
+            assert x.metric("kvd_lease_pinned_blocks") == 0
