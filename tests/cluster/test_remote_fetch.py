@@ -12,6 +12,8 @@ import pytest
 from kvd.client import Client
 from kvd.core.keys import DType, NamespaceSpec
 from kvd.testing.daemon import run_daemon, start_daemon
+from kvd.testing.put_stream import SPEC
+from kvd.testing.tenants import tenant_blocks, write_tenants_file
 from tests.cluster.test_cluster_lookup import wait_matches
 from tests.cluster.test_daemon_cluster import cluster_config, wait_metric
 from tests.integration.conftest import SMALL_SPEC, random_blocks
@@ -143,3 +145,36 @@ def test_a_holder_killed_mid_transfer_leaves_a_verified_prefix(tmp_path, etcd, t
         finally:
             a.process.kill()
             a.stop()
+
+
+def test_a_tenants_blocks_reach_only_that_tenant_on_another_node(tmp_path, etcd):
+    """Tenants (auth.mode = "token", the same tenants file on both nodes) register the same spec and
+    so name their blocks by the same keys. What tenant a stored on x is remote for a on y, and is
+    fetched with a's bytes; for tenant b on y it does not exist, in a Lookup or in a Get."""
+    prefix = "/kvd-fetch-tenants/"
+    tenants = write_tenants_file(tmp_path / "tenants.toml", {
+        "a": {"token": "token-a-" + "1" * 24, "namespaces": ["*"]},
+        "b": {"token": "token-b-" + "2" * 24, "namespaces": ["*"]}})
+    auth = {"auth": {"mode": "token", "tenants_file": str(tenants)}}
+    with run_daemon(tmp_path / "x", {**config(etcd, "x", prefix), **auth}) as x, \
+            run_daemon(tmp_path / "y", {**config(etcd, "y", prefix), **auth}) as y:
+        for daemon in (x, y):
+            wait_metric(daemon, "kvd_cluster_members", 2)
+        with Client(x.unix_target, token="token-a-" + "1" * 24) as a_on_x, \
+                Client(y.unix_target, token="token-a-" + "1" * 24) as a_on_y, \
+                Client(y.unix_target, token="token-b-" + "2" * 24) as b_on_y:
+            ns = a_on_x.register_namespace(SPEC)
+            keys = ns.keys(np.arange(40 * SPEC.block_tokens) + 5)
+            assert a_on_x.put(ns, keys, tenant_blocks("a", keys)) == 40
+            ns_a, ns_b = a_on_y.register_namespace(SPEC), b_on_y.register_namespace(SPEC)
+            assert ns_a.namespace_id == ns_b.namespace_id  # the same id as each tenant knows it
+            deadline = time.monotonic() + 15
+            while a_on_y.lookup(ns_a, keys, include_remote=True).matched < 40:
+                assert time.monotonic() < deadline, "the directory never learned a's blocks"
+                time.sleep(0.05)
+            assert b_on_y.lookup(ns_b, keys, include_remote=True).matched == 0
+            assert b_on_y.get_numpy(ns_b, keys).shape[0] == 0
+            assert fetched(y, "nixl") + fetched(y, "grpc") == 0
+            got = a_on_y.get_numpy(ns_a, keys)
+            assert got.tobytes() == tenant_blocks("a", keys).tobytes()
+            assert b_on_y.get_numpy(ns_b, keys).shape[0] == 0  # now on y, still a's alone
