@@ -17,7 +17,11 @@ sides make progress.
 Deadlines. NIXL reports nothing for a READ across a cut link (FIELD-NOTES),
 so `read` polls against its own deadline and, past it, releases the
 transfer handle (which cancels it) and reports failure: the caller then
-aborts the reserved slots, and the blocks are misses.
+aborts the reserved slots, and the blocks are misses. A release that fails
+leaves a READ that may still write into those slots: `read` then also
+returns a future, done once the agent reports the transfer over (polled
+with the agent's progress) or its peer is removed, and until then the
+caller keeps the slots out of use.
 
 Fabric. On a host with an RDMA device (InfiniBand or RoCE: an entry under
 /sys/class/infiniband) UCX may use it, and READs go over RDMA. On a host
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import time
@@ -80,20 +85,26 @@ def nixl_available() -> bool:
 
 
 class NixlTransport:
-    def __init__(self, node: str, incarnation: int, arena_address: int, arena_bytes: int) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
+    def __init__(self, node: str, incarnation: int, arena_address: int, arena_bytes: int, agent=None) -> None:
+        """`agent`: a NIXL agent's stand-in (tests); by default a UCX agent of its own."""
         self.name = f"{node}-{incarnation}"
         self.fabric = fabric()
         self.arena_address = arena_address
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-nixl")
-        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        self.agent = self._thread.submit(nixl_agent, self.name, config).result()
+        if agent is None:
+            from nixl._api import nixl_agent, nixl_agent_config
+
+            config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            agent = self._thread.submit(nixl_agent, self.name, config).result()
+        self.agent = agent
         self._registration = self._thread.submit(
             self.agent.register_memory, [(arena_address, arena_bytes, 0, "")], "DRAM").result()
         self.metadata: bytes = self._thread.submit(self.agent.get_agent_metadata).result()
         self._peers: dict[str, str] = {}
         self._serving = 0
+        # READs whose handle could not be released while they ran, by peer: each with the future
+        # that says it can write no more (the agent reported it over, or its peer was removed).
+        self._uncancelled: dict[str, list[tuple[object, asyncio.Future]]] = {}
         self._progress: asyncio.Task | None = None
         self.reads = 0
         self.failed_reads = 0
@@ -121,26 +132,55 @@ class NixlTransport:
                 await self._call(self.agent.remove_remote_agent, name)
             except Exception as error:
                 log.warning("NIXL peer not removed", extra={"node": node, "reason": str(error)})
+        # With its peer gone, an uncancelled READ from it has nothing left to read.
+        for _, over in self._uncancelled.pop(node, []):
+            if not over.done():
+                over.set_result(None)
 
     def serving(self, change: int) -> None:
         """Pins held for peers went up or down: keep the agent progressing while any are."""
         self._serving = max(0, self._serving + change)
-        if self._serving and (self._progress is None or self._progress.done()):
-            self._progress = asyncio.get_running_loop().create_task(self._progress_while_serving())
+        self._keep_progressing()
 
-    async def _progress_while_serving(self) -> None:
-        while self._serving:
+    def _keep_progressing(self) -> None:
+        if (self._serving or self._uncancelled) and (self._progress is None or self._progress.done()):
+            self._progress = asyncio.get_running_loop().create_task(self._progress_while_needed())
+
+    async def _progress_while_needed(self) -> None:
+        """Drive the agent while peers hold pins here or READs that could not be cancelled run."""
+        while self._serving or self._uncancelled:
             await self._call(self.agent.get_new_notifs)
+            for node, reads in list(self._uncancelled.items()):
+                self._uncancelled[node] = [read for read in reads if not await self._over(node, *read)]
+                if not self._uncancelled[node]:
+                    del self._uncancelled[node]
             await asyncio.sleep(PROGRESS_INTERVAL_S)
 
+    async def _over(self, node: str, handle, over: asyncio.Future) -> bool:
+        """Whether an uncancelled READ has ended (then its handle is released and `over` done)."""
+        try:
+            state = await self._call(self.agent.check_xfer_state, handle)
+        except Exception:  # the agent no longer knows it: nothing of it runs
+            state = "ERR"
+        if state == "PROC":
+            return False
+        with contextlib.suppress(Exception):
+            await self._call(self.agent.release_xfer_handle, handle)
+        log.info("NIXL read that could not be cancelled has ended", extra={"node": node, "state": state})
+        if not over.done():
+            over.set_result(None)
+        return True
+
     async def read(self, node: str, local_addresses: list[int], remote_addresses: list[int], length: int,
-                   timeout_s: float) -> bool:
-        """READ `length` bytes at each remote address into the local one; False if not all arrived in time."""
+                   timeout_s: float) -> tuple[bool, asyncio.Future | None]:
+        """READ `length` bytes at each remote address into the local one: (whether all arrived in
+        time, None or a future: the READ could not be cancelled and may write into the local
+        addresses until the future is done)."""
         peer = self._peers.get(node)
         if peer is None or not local_addresses:
-            return False
+            return False, None
         deadline = time.monotonic() + timeout_s
-        handle = None
+        handle, state = None, "ERR"
         try:
             handle = await self._call(self._start_read, peer, local_addresses, remote_addresses, length)
             state = await self._call(self.agent.transfer, handle)
@@ -151,16 +191,28 @@ class NixlTransport:
             log.warning("NIXL read failed", extra={"node": node, "reason": str(error)})
             state = "ERR"
         finally:
-            if handle is not None:
-                try:
-                    await self._call(self.agent.release_xfer_handle, handle)
-                except Exception as error:
-                    log.error("NIXL transfer could not be cancelled", extra={"node": node, "reason": str(error)})
+            running = await self._release(node, handle, state) if handle is not None else None
         self.reads += 1
         if state != "DONE":
             self.failed_reads += 1
-            return False
-        return True
+            return False, running
+        return True, None
+
+    async def _release(self, node: str, handle, state: str) -> asyncio.Future | None:
+        """Release a READ's handle (which cancels it if it still runs); a future when it could not
+        be and the READ may still write (see `read`)."""
+        try:
+            await self._call(self.agent.release_xfer_handle, handle)
+            return None
+        except Exception as error:
+            log.error("NIXL transfer could not be cancelled; its slots stay out of use until it ends",
+                      extra={"node": node, "state": state, "reason": str(error)})
+        if state == "DONE":
+            return None  # it wrote all it will
+        over = asyncio.get_running_loop().create_future()
+        self._uncancelled.setdefault(node, []).append((handle, over))
+        self._keep_progressing()
+        return over
 
     def _start_read(self, peer: str, local: list[int], remote: list[int], length: int):
         def descs(addresses: list[int]):
@@ -172,6 +224,11 @@ class NixlTransport:
 
     async def close(self) -> None:
         self._serving = 0
+        for reads in self._uncancelled.values():
+            for _, over in reads:
+                if not over.done():
+                    over.set_result(None)  # the daemon stops: its slots go with it
+        self._uncancelled.clear()
         for node in list(self._peers):
             await self.remove_peer(node)
         try:

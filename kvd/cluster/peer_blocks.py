@@ -120,9 +120,11 @@ class PeerBlocks:
                                      "pin_ms": _elapsed_ms(started)})
         return PeerPin(pin.lease_id, list(pin.offsets), pin.block_bytes, pin.arena_address)
 
-    async def read(self, peer: str, local: list[int], remote: list[int], length: int, timeout_s: float) -> bool:
+    async def read(self, peer: str, local: list[int], remote: list[int], length: int,
+                   timeout_s: float) -> tuple[bool, asyncio.Future | None]:
         """One-sided READ of `length` bytes from each of `peer`'s `remote` addresses into the `local`
-        ones; False when it failed or ran past `timeout_s`."""
+        ones: (False when it failed or ran past `timeout_s`, and a future when it could not be
+        cancelled: it may write into `local` until that future is done)."""
         return await self.node.transport.read(peer, local, remote, length, timeout_s)
 
     async def release(self, peer: str, lease_id: int) -> list[int] | None:

@@ -74,7 +74,8 @@ class Peers(Protocol):
     async def pin(self, peer: str, namespace_id: bytes, keys: Sequence[bytes], first: int, lease_ms: int,
                   timeout_s: float) -> PinnedBlocks | None: ...
 
-    async def read(self, peer: str, local: list[int], remote: list[int], length: int, timeout_s: float) -> bool: ...
+    async def read(self, peer: str, local: list[int], remote: list[int], length: int,
+                   timeout_s: float) -> tuple[bool, asyncio.Future | None]: ...
 
     async def release(self, peer: str, lease_id: int) -> list[int] | None: ...
 
@@ -207,10 +208,25 @@ class ClusterFetch:
         local = np.array([self.arena.address_at(offset) for offset in offsets], dtype=np.uint64)
         remote = [pin.arena_address + pin.offsets[i] for i in positions]
         started = time.perf_counter()
-        read = await self.peers.read(peer, local.tolist(), remote, spec.block_bytes, self.fetch_timeout_s)
+        # Held while the READ may write into the slots: their lease cannot end (expire) and free them.
+        self.engine.leases.hold(result.lease)
+        try:
+            read, running = await self.peers.read(peer, local.tolist(), remote, spec.block_bytes,
+                                                  self.fetch_timeout_s)
+        except BaseException:
+            self.engine.leases.unhold(result.lease)
+            raise
         read_at = time.perf_counter()
         # Released only now: pins that were still held at the release were held for the whole READ.
         expected = await self.peers.release(peer, pin.lease_id)
+        if running is not None:
+            self._keep_reserved_until(running, peer, result)
+            self.failed_fetches[peer] += 1
+            return 0, read
+        self.engine.leases.unhold(result.lease)
+        if result.lease.ended:  # expired during the READ: its slots are free again, nothing to seal
+            self.failed_fetches[peer] += 1
+            return 0, read
         verified = 0
         if not read:
             self.failed_fetches[peer] += 1
@@ -225,6 +241,18 @@ class ClusterFetch:
                                        "verify_ms": _ms(read_at, verified_at),
                                        "seal_ms": _ms(verified_at, time.perf_counter())})
         return sealed, read
+
+    def _keep_reserved_until(self, running: asyncio.Future, peer: str, result: ReserveResult) -> None:
+        """A READ that could not be cancelled may still write into the reserved slots: they stay
+        reserved (the lease held since the READ began: no expiry, no reuse) until it has ended,
+        then are given back."""
+        lease = result.lease
+
+        def ended(_running) -> None:
+            self.engine.leases.unhold(lease)  # a lease that expired meanwhile ends here, its slots freed
+            if not lease.ended:
+                self._seal(peer, result, 0, "nixl")
+        running.add_done_callback(ended)
 
     @staticmethod
     async def _verified_prefix(peer: str, first: int, addresses: np.ndarray, spec: NamespaceSpec,

@@ -12,10 +12,10 @@ import grpc
 import numpy as np
 
 from kvd.clock import ManualClock
-from kvd.core.engine import Engine
+from kvd.core.engine import Engine, KeysRequest, ReserveStatus
 from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.cluster.peer_blocks import PeerBlocks
-from kvd.planes.cluster_fetch import ClusterFetch
+from kvd.planes.cluster_fetch import FETCH_CLIENT, ClusterFetch
 from kvd.v1 import kvd_pb2
 
 SPEC = NamespaceSpec(model_id="fetch-test", num_layers=2, num_kv_heads=1, head_dim=4, block_tokens=1)
@@ -184,7 +184,7 @@ class Copying:
     async def read(self, node, local, remote, length, timeout_s):
         for target, source in zip(local, remote):
             ctypes.memmove(target, source, length)
-        return True
+        return True, None
 
 
 class Gone(grpc.RpcError):
@@ -245,3 +245,45 @@ def test_a_message_with_a_checksum_per_block_instead_of_per_layer_is_refused():
     keys = chain_keys(SPEC, list(range(3)))
     assert fetch(plane, namespace_id, keys) == 0 and plane.failed_fetches["peer"] == 1
     assert len(engine.lookup(namespace_id, keys)) == 0
+
+
+class Uncancelled:
+    """transport.read of a READ that ran past its deadline and could not be cancelled."""
+
+    def __init__(self) -> None:
+        self.running: asyncio.Future | None = None
+
+    async def read(self, node, local, remote, length, timeout_s):
+        self.running = asyncio.get_running_loop().create_future()
+        return False, self.running
+
+
+def test_slots_an_uncancelled_read_may_still_write_stay_reserved_until_it_ends():
+    """Before: the reservation was aborted at once and its slots reused, so a late READ could
+    overwrite another block's verified bytes (issue 37 item 2). Now its lease is held, past its
+    expiry too, until the transport says the READ has ended; then its blocks are aborted."""
+    data = payloads(4)
+    holder = Holder(data)
+    plane, engine, namespace_id, _ = nixl_setup(holder)
+    transport = Uncancelled()
+    plane.peers.node.transport = transport
+    clock = ManualClock()
+    plane.now_ms = clock.now_ms
+    keys = chain_keys(SPEC, list(range(4)))
+
+    async def scenario():
+        assert await plane._fetch_nixl("peer", namespace_id, keys, 0, 4) is None  # then the gRPC stream
+        lease = next(lease for lease in engine.leases if lease.client_id == FETCH_CLIENT)
+        reserved = engine.reserve(KeysRequest(namespace_id, "other", keys, 60_000, clock.now_ms()))
+        assert set(reserved.statuses) == {ReserveStatus.IN_FLIGHT}  # still the fetch's, WRITABLE
+        clock.advance(10 * 60_000)
+        engine.expire(clock.now_ms())  # past its deadline: held, so its slots stay
+        assert not lease.ended and engine.host.pool.free_count == 64 - 4
+        transport.running.set_result(None)
+        await asyncio.sleep(0)
+        assert lease.ended and engine.host.pool.free_count == 64
+        again = engine.reserve(KeysRequest(namespace_id, "other", keys, 60_000, clock.now_ms()))
+        assert set(again.statuses) == {ReserveStatus.RESERVED}
+        engine.verify()
+
+    asyncio.run(scenario())
