@@ -465,12 +465,14 @@ class ClusterCollector(Collector):
 
     def __init__(self, members: Callable[[], int], joined: Callable[[], bool], sessions: Callable[[], int],
                  fetched: Callable[[], Mapping[tuple[str, str], int]] = dict,
-                 failed_fetches: Callable[[], Mapping[str, int]] = dict) -> None:
+                 failed_fetches: Callable[[], Mapping[str, int]] = dict,
+                 peers: Callable[[], Mapping[str, str]] = dict) -> None:
         self._members = members
         self._joined = joined
         self._sessions = sessions
         self._fetched = fetched
         self._failed_fetches = failed_fetches
+        self._peers = peers
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("kvd_cluster_members", "Live cluster members in this daemon's view, itself included.",
@@ -492,3 +494,10 @@ class ClusterCollector(Collector):
         for peer, count in sorted(self._failed_fetches().items()):
             failed.add_metric([peer], count)
         yield failed
+        peers = GaugeMetricFamily("kvd_cluster_peer",
+                                  "1 for each peer in this daemon's view, labelled with the transport blocks from it "
+                                  "take: nixl-rdma, nixl-tcp (TCP or shared memory) or grpc.",
+                                  labels=["peer", "transport"])
+        for peer, transport in sorted(self._peers().items()):
+            peers.add_metric([peer, transport], 1)
+        yield peers

@@ -163,6 +163,7 @@ def status_from_response(target: str, response: kvd_pb2.StatsResponse) -> dict[s
         "events": _events(samples),
         "prefetch": _prefetch(samples),
         "tenants": _tenants(samples),
+        "peers": _peers(samples),
         "namespaces": [
             {
                 "namespace_id": namespace.namespace_id.hex(),
@@ -199,6 +200,14 @@ def _tenants(samples: Samples) -> list[dict[str, Any]]:
             "evictions": _counts(samples.by_label("kvd_tenant_quota_evictions_total", "tier", only)),
         })
     return tenants
+
+
+def _peers(samples: Samples) -> list[dict[str, Any]]:
+    """The cluster's other nodes as this daemon sees them: transport, blocks fetched, fetches cut short."""
+    return [{"peer": labels["peer"], "transport": labels["transport"],
+             "fetched_blocks": _count(samples.value("kvd_cluster_fetched_blocks_total", {"peer": labels["peer"]})) or 0,
+             "failed_fetches": _count(samples.value("kvd_cluster_failed_fetches_total", {"peer": labels["peer"]})) or 0}
+            for labels, _ in sorted(samples.matching("kvd_cluster_peer"), key=lambda sample: sample[0]["peer"])]
 
 
 def _pins(samples: Samples) -> dict[str, int] | None:
@@ -400,6 +409,8 @@ def render_status(status: dict[str, Any]) -> str:
         ratio = prefetch["useful_ratio"]
         useful = f"; useful {100.0 * ratio:.1f}% (used / (used + wasted))" if ratio is not None else ""
         parts += _section("prefetch", [_listing(prefetch["samples"]) + useful])
+    parts += _section("peer", [f"{peer['peer']}: over {peer['transport']}; fetched {peer['fetched_blocks']} blocks, "
+                               f"fetches cut short {peer['failed_fetches']}" for peer in status.get("peers", [])])
     for tenant in status.get("tenants", []):
         usage = []
         for tier, used in tenant["used_bytes"].items():

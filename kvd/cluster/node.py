@@ -162,6 +162,13 @@ class ClusterNode:
         log.info("blocks move between nodes over NIXL", extra={"fabric": transport.fabric})
         return transport
 
+    def peer_transports(self) -> dict[str, str]:
+        """Each peer in the view, and how blocks from it move: over NIXL (on this host's fabric) when
+        its agent was added, else over the gRPC stream."""
+        transport = self.transport
+        return {member.name: f"nixl-{transport.fabric}" if transport is not None and transport.has_peer(member.name)
+                else "grpc" for member in self.view.peers()}
+
     def _joined(self, member: Member) -> None:
         if self.transport is not None and member.name != self.name:
             asyncio.get_running_loop().create_task(self.transport.add_peer(member.name, member.nixl_metadata))

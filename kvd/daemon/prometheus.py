@@ -41,7 +41,7 @@ def watch_cluster(registry: CollectorRegistry, cluster: ClusterNode, fetch: Clus
     """The cluster as this node sees it: members, joined, etcd sessions, blocks fetched from peers."""
     registry.register(ClusterCollector(lambda: len(cluster.view), cluster.joined.is_set,
                                        lambda: cluster.membership.sessions, lambda: fetch.fetched_blocks,
-                                       lambda: fetch.failed_fetches))
+                                       lambda: fetch.failed_fetches, cluster.peer_transports))
 
 
 def serve_metrics(address: str, registry: CollectorRegistry):

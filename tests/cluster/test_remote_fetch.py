@@ -60,6 +60,10 @@ def test_a_get_fetches_the_missing_blocks_from_the_longest_holder(tmp_path, etcd
             # As an engine that holds the first 10 asks: the rest, under its local parent.
             got = cc.get_numpy(ns_c, keys[10:], parent_key=keys[9])
             assert got.shape[0] == 390 and np.array_equal(got, blocks[10:])
+            # Each peer as c sees it, with the way blocks from it move (what `kvd status` shows).
+            peers = c.metric_samples("kvd_cluster_peer")
+            way = "nixl-tcp" if transport == "nixl" else "grpc"
+            assert peers == {f'kvd_cluster_peer{{peer="{name}",transport="{way}"}}': 1.0 for name in "ab"}
             # All from a, the longest holder (b holds 60).
             assert fetched(c, transport, peer="a") == fetched(c, transport) == 390 and failed_fetches(c) == 0
             assert np.array_equal(cc.get_numpy(ns_c, keys), blocks) and fetched(c, transport) == 390

@@ -73,6 +73,11 @@ def test_render_shows_every_section_with_its_numbers():
             sample("kvd_events_total", 4, kind="stored"), sample("kvd_event_subscribers", 1),
             sample("kvd_event_resyncs_total", 2, reason="subscriber_too_slow"),
             sample("kvd_prefetch_used_total", 3), sample("kvd_prefetch_wasted_total", 1),
+            sample("kvd_cluster_peer", 1, peer="b", transport="nixl-tcp"),
+            sample("kvd_cluster_peer", 1, peer="a", transport="grpc"),
+            sample("kvd_cluster_fetched_blocks_total", 30, peer="b", transport="nixl"),
+            sample("kvd_cluster_fetched_blocks_total", 2, peer="b", transport="grpc"),
+            sample("kvd_cluster_failed_fetches_total", 1, peer="a"),
         ],
     )
     status = status_from_response("unix:///x.sock", response)
@@ -101,6 +106,8 @@ def test_render_shows_every_section_with_its_numbers():
     assert "events    subscribers 1; published stored 4; resyncs subscriber_too_slow 2" in lines
     assert "prefetch  used_total 3, wasted_total 1; useful 75.0% (used / (used + wasted))" in lines
     assert "no namespaces registered" in lines
+    assert "peer      a: over grpc; fetched 0 blocks, fetches cut short 1" in lines
+    assert "          b: over nixl-tcp; fetched 32 blocks, fetches cut short 0" in lines
 
 
 def test_a_daemon_without_metrics_renders_the_summary_only():
