@@ -420,9 +420,14 @@ def render_status(status: dict[str, Any]) -> str:
                                      + f"; quota refusals {_listing(tenant['refusals'])}"
                                      + f", evictions {_listing(tenant['evictions'])}"])
     parts.append("")
-    tenant_column = any(namespace.get("tenant") for namespace in status["namespaces"])
+    parts.append(_namespace_table(status["namespaces"]))
+    return "\n".join(parts)
+
+
+def _namespace_table(namespaces: list[dict[str, Any]]) -> str:
+    tenant_column = any(namespace.get("tenant") for namespace in namespaces)
     namespace_rows = []
-    for namespace in status["namespaces"]:
+    for namespace in namespaces:
         requests = namespace["hits"] + namespace["misses"]
         hit_rate = f"{100.0 * namespace['hits'] / requests:.1f}%" if requests else "-"
         namespace_rows.append(
@@ -437,10 +442,8 @@ def render_status(status: dict[str, Any]) -> str:
                 hit_rate,
             ]
         )
-    if namespace_rows:
-        headers = ["namespace", *(["tenant"] if tenant_column else []), "model", "blocks", "block size", "hits",
-                   "misses", "hit rate"]
-        parts.append(text_table(headers, namespace_rows))
-    else:
-        parts.append("no namespaces registered")
-    return "\n".join(parts)
+    if not namespace_rows:
+        return "no namespaces registered"
+    headers = ["namespace", *(["tenant"] if tenant_column else []), "model", "blocks", "block size", "hits",
+               "misses", "hit rate"]
+    return text_table(headers, namespace_rows)
