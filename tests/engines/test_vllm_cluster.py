@@ -66,11 +66,25 @@ def nodes(tmp_path_factory):
             etcd.close()
 
 
-def test_a_prefix_computed_on_one_node_is_loaded_by_vllm_on_another(engine_python, model, nodes, tmp_path):
+@pytest.fixture(scope="module")
+def alone(engine_python, model, tmp_path_factory) -> VllmRun:
+    """vLLM without kvd on prompts B and D (the answers to match), started at once, in the background."""
+    return VllmRun(engine_python, model, tmp_path_factory.mktemp("alone"), [prompts()["B"], prompts()["D"]])
+
+
+@pytest.fixture(scope="module")
+def stored_on_a(engine_python, model, nodes, alone, tmp_path_factory) -> dict:
+    """vLLM A beside daemon a serves prompts A and D: their blocks are stored in a."""
+    a = nodes[3][0]
+    report = run_vllm(engine_python, model, tmp_path_factory.mktemp("A"), [prompts()["A"], prompts()["D"]],
+                      target=a.unix_target)
+    assert report["connector"]["totals"]["saved_blocks"] == (len(prompts()["A"]) + len(prompts()["D"])) // BLOCK
+    return report
+
+
+def test_a_prefix_computed_on_one_node_is_loaded_by_vllm_on_another(engine_python, model, nodes, alone, stored_on_a,
+                                                                     tmp_path):
     net, _, _, (a, b) = nodes
-    alone = VllmRun(engine_python, model, tmp_path / "alone", [prompts()["B"]])
-    stored = run_vllm(engine_python, model, tmp_path / "A", [prompts()["A"]], target=a.unix_target)
-    assert stored["connector"]["totals"]["saved_blocks"] == len(prompts()["A"]) // BLOCK
     spec = namespace_spec()
     keys = chain_keys(spec, prompts()["B"])[:SHARED]
     with Client(b.unix_target) as client:
@@ -92,13 +106,10 @@ def test_a_prefix_computed_on_one_node_is_loaded_by_vllm_on_another(engine_pytho
 
 
 def test_a_holder_killed_between_lookup_and_load_costs_a_recompute_not_a_wrong_answer(
-        engine_python, model, nodes, tmp_path):
+        engine_python, model, nodes, alone, stored_on_a, tmp_path):
     net, etcd, work, daemons = nodes
     a, b = daemons
     prompt = prompts()["D"]  # a chain of its own: b holds none of it
-    alone = VllmRun(engine_python, model, tmp_path / "alone", [prompt])
-    assert run_vllm(engine_python, model, tmp_path / "A", [prompt], target=a.unix_target)[
-        "connector"]["totals"]["saved_blocks"] == len(prompt) // BLOCK
     spec = namespace_spec()
     keys = chain_keys(spec, prompt)
     with Client(b.unix_target) as client:
@@ -109,7 +120,7 @@ def test_a_holder_killed_between_lookup_and_load_costs_a_recompute_not_a_wrong_a
                       env={"KVD_TEST_DAEMON_PID": str(a.pid)})
     result, totals = report["results"][0], report["connector"]["totals"]
     assert result["fired"] == ["kill"]
-    assert same_answer(result, alone.report()["results"][0]) <= LOGPROB_TOLERANCE
+    assert same_answer(result, alone.report()["results"][1]) <= LOGPROB_TOLERANCE
     assert totals["loaded_blocks"] == 0 and totals["load_errors"] == len(keys)
     assert totals["recomputed_tokens"] == len(keys) * BLOCK
     assert fetched(b, "nixl") + fetched(b, "grpc") == fetched_before  # nothing of this chain arrived
