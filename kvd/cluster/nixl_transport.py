@@ -39,7 +39,7 @@ import contextlib
 import logging
 import os
 import time
-
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -85,8 +85,11 @@ def nixl_available() -> bool:
 
 
 class NixlTransport:
-    def __init__(self, node: str, incarnation: int, arena_address: int, arena_bytes: int, agent=None) -> None:
-        """`agent`: a NIXL agent's stand-in (tests); by default a UCX agent of its own."""
+    def __init__(self, node: str, incarnation: int, arena_address: int, arena_bytes: int, agent=None,
+                 spawn: Callable[..., asyncio.Task] = asyncio.create_task) -> None:
+        """`agent`: a NIXL agent's stand-in (tests); by default a UCX agent of its own. `spawn` runs
+        the progress task (the daemon's supervisor: an agent that fails there stops kvd loudly)."""
+        self._spawn = spawn
         self.name = f"{node}-{incarnation}"
         self.fabric = fabric()
         self.arena_address = arena_address
@@ -144,7 +147,7 @@ class NixlTransport:
 
     def _keep_progressing(self) -> None:
         if (self._serving or self._uncancelled) and (self._progress is None or self._progress.done()):
-            self._progress = asyncio.get_running_loop().create_task(self._progress_while_needed())
+            self._progress = self._spawn(self._progress_while_needed(), name="nixl-progress")
 
     async def _progress_while_needed(self) -> None:
         """Drive the agent while peers hold pins here or READs that could not be cancelled run."""

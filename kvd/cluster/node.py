@@ -125,7 +125,7 @@ class ClusterNode:
               spawn: Callable[..., asyncio.Task] = asyncio.create_task) -> None:
         """Join: the membership and publisher tasks run under `spawn` (the daemon's supervisor)."""
         incarnation = time.time_ns()  # new on every start: peers tell this process from an earlier one
-        self.transport = self._open_transport(incarnation)
+        self.transport = self._open_transport(incarnation, spawn)
         self.member = Member(
             name=self.name,
             address=advertised_address(self.config, bound_tcp_port),
@@ -140,7 +140,7 @@ class ClusterNode:
         self._tasks = [spawn(self.membership.run(), name="cluster-membership"),
                        spawn(self._publish_loop(), name="cluster-publisher")]
 
-    def _open_transport(self, incarnation: int):
+    def _open_transport(self, incarnation: int, spawn: Callable[..., asyncio.Task]):
         """The NIXL agent, with the arena registered (cluster.transport auto or nixl)."""
         mode = self.config.cluster.transport
         if mode == "grpc" or self.arena is None:
@@ -158,7 +158,8 @@ class ClusterNode:
                 raise ConfigError("cluster.transport", "nixl, but the nixl package is not installed")
             log.info("NIXL not installed: blocks move between nodes over gRPC streams")
             return None
-        transport = NixlTransport(self.name, incarnation, self.arena.address_at(0), self.arena.layout.arena_bytes)
+        transport = NixlTransport(self.name, incarnation, self.arena.address_at(0), self.arena.layout.arena_bytes,
+                                  spawn=spawn)
         log.info("blocks move between nodes over NIXL", extra={"fabric": transport.fabric})
         return transport
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from kvd.cluster.nixl_transport import NixlTransport
+from kvd.supervisor import Supervisor
 
 
 class StuckAgent:
@@ -85,6 +86,28 @@ def test_removing_its_peer_ends_an_uncancelled_read_and_a_cancelled_one_returns_
         await transport.add_peer("peer", b"metadata")
         done, running = await transport.read("peer", [0x1000], [0x2000], 64, timeout_s=0.01)
         assert (done, running) == (False, None)
+        await transport.close()
+
+    asyncio.run(scenario())
+
+
+class BrokenAgent(StuckAgent):
+    def get_new_notifs(self):
+        raise RuntimeError("NIXL_ERR_BACKEND: the UCX worker is gone")
+
+
+def test_an_agent_that_fails_in_the_progress_task_stops_kvd_loudly():
+    """The progress task runs under the daemon's supervisor: it does not die silently."""
+    async def scenario():
+        supervisor = Supervisor()
+        failed = asyncio.Event()
+        supervisor.on_failure(lambda what, error: failed.set())
+        transport = NixlTransport("me", 1, 0x1000, 4096, agent=BrokenAgent(), spawn=supervisor.spawn)
+        transport.serving(+1)  # a peer holds pins here: the agent must progress
+        await asyncio.wait_for(failed.wait(), 5)
+        what, error = supervisor.failure
+        assert what == "the nixl-progress task" and "UCX worker is gone" in str(error)
+        transport.serving(-1)
         await transport.close()
 
     asyncio.run(scenario())
