@@ -78,6 +78,12 @@ Get hits of kvd_get_blocks_total.
 | kvd_device_tier_host_layers_total | counter | | layers of device tier copies that their save's placement plan (SaveLayers offload_distance) left in host memory |
 | kvd_device_tier_lookups_total | counter | result | loaded blocks found in the device tier (hit: copied device to device) or not (miss: from host memory) |
 | kvd_device_tier_evictions_total | counter | | device tier copies dropped to make room |
+| kvd_cluster_members | gauge | | live cluster members in this daemon's view, itself included ([cluster]) |
+| kvd_cluster_joined | gauge | | 1 while this daemon holds its member lease and watches the members; 0 while etcd is out of reach (the view is then as last seen) |
+| kvd_cluster_etcd_sessions_total | counter | | etcd sessions this daemon has joined through (1 + rejoins) |
+| kvd_cluster_fetched_blocks_total | counter | peer, transport | blocks fetched from a peer, verified and sealed here, by peer and transport (nixl, grpc) |
+| kvd_cluster_failed_fetches_total | counter | peer | fetches from a peer cut short (dead or slow peer, bad bytes); the rest of the chain was a miss |
+| kvd_cluster_peer | gauge | peer, transport | 1 for each peer in the view, labelled with how blocks from it move: nixl-rdma, nixl-tcp (TCP or shared memory) or grpc |
 | kvd_tenant_used_bytes | gauge | tenant, tier | capacity a tenant's blocks take (whole slots; auth.mode = "token"): host counts blocks being written or read back, disk blocks being written |
 | kvd_tenant_quota_bytes | gauge | tenant, tier | a tenant's quota, where one is set |
 | kvd_tenant_quota_refusals_total | counter | tenant, tier | host: Puts refused (RESOURCE_EXHAUSTED) for the tenant's host quota; disk: blocks left unwritten for its disk quota |

@@ -9,7 +9,7 @@ import kvd.metrics
 from kvd.core.engine import Engine
 from kvd.core.keys import NamespaceSpec
 from kvd.core.quota import TenantQuota
-from kvd.metrics import ArenaCollector, DeviceCollector, DiskIoMetrics, make_registry
+from kvd.metrics import ArenaCollector, ClusterCollector, DeviceCollector, DiskIoMetrics, make_registry
 
 ROW = re.compile(r"^\| (kvd_\w+) \| (\w+) \|\s*([\w, ]*?)\s*\| .+ \|$")
 
@@ -27,7 +27,8 @@ def documented() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """metric name -> (type, labels) of every family a daemon with a disk tier and a device plane exports."""
+    """metric name -> (type, labels) of every family a daemon with a disk tier, a device plane and a
+    cluster exports."""
     engine = Engine(host_slot_count=4, host_slot_bytes=64, disk_slot_count=4, disk_slot_bytes=64,
                     tenant_quotas=[TenantQuota("team-a", host_limit_bytes=128)])
     engine.register_namespace(NamespaceSpec(model_id="m", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1))
@@ -38,6 +39,8 @@ def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
     registry.register(DeviceCollector(lambda: dict.fromkeys(
         ("pools", "saved_blocks", "loaded_blocks", "tier_blocks", "tier_slots", "tier_hits", "tier_misses",
          "tier_evictions", "tier_used_slots", "tier_host_layers"), 0)))
+    registry.register(ClusterCollector(lambda: 2, lambda: True, lambda: 1, lambda: {("b", "nixl"): 3},
+                                       lambda: {"b": 1}, lambda: {"b": "nixl-tcp"}))
     # Labelled metrics of the server export samples once a label is used.
     rpc.duration.labels("Get").observe(0.001)
     rpc.total.labels("Get", "OK").inc()
