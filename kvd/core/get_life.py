@@ -117,7 +117,18 @@ class GetLife:
         self._reading = {load.block for load in plan.loads}
         self._waiting = set(plan.waits)
         self._enter(GetPhase.READING, GetPhase.PLANNING)
+        self._describe(request.namespace_id, plan)
         return self.phase
+
+    def _describe(self, namespace_id: bytes, plan: GetPlan) -> None:
+        """What the answer and the reads need, taken in the plan's own step (one entry into core):
+        each found block's tier before the Get, where each is (or lands) in the host tier, where
+        the plan's own loads land, and the namespace's shape."""
+        engine = self.engine
+        self.tiers: bytes = engine.tier_bytes(plan.matched)
+        self.offsets: list[int] = engine.host_offsets(plan.matched)
+        self.load_offsets: list[int] = engine.load_offsets(plan.loads)
+        self.spec = engine.namespace(namespace_id).spec
 
     def cancel(self) -> None:
         """The Get ends before it has a plan (its call was cancelled while it waited for room)."""
@@ -129,12 +140,6 @@ class GetLife:
     def pending(self) -> bool:
         """Whether reads (its own, or others' it waits on) stand between the plan and its settling."""
         return bool(self._reading or self._waiting)
-
-    def load_offsets(self) -> list[int]:
-        """Where in the host tier each of the plan's own loads lands: the slot only its block
-        holds, while the engine knows it is being read."""
-        check(self.phase is GetPhase.READING, "the reads of a Get {}", self.phase.value)
-        return self.engine.load_offsets(self.plan.loads)
 
     def loads_done(self, loads: Sequence[Transfer], outcomes: Sequence[LoadOutcome] | None) -> None:
         """Some of the plan's own reads are over, with an outcome each; None: they never ran (their

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvd.core.keys import NamespaceSpec
 from kvd.core.block import Block
 from kvd.core.engine import PrefetchPlan, Transfer
 from kvd.core.get_life import GetLife, Served
@@ -79,13 +80,13 @@ class DiskReads:
             def progress(step: int, ok) -> None:  # I/O thread
                 loop.call_soon_threadsafe(report, step, ok)
         if self.sizer is not None:
-            spec = self.engine.namespace(plan.loads[0].block.index.namespace_id).spec
+            spec = life.spec
             self.sizer.restore(len(plan.loads) * spec.block_tokens, spec.layer_bytes // spec.block_tokens,
                                spec.num_layers)
         nbytes = sum(load.block.index.block_bytes for load in plan.loads)
         try:
             submitted = self._io.submit(IoClass.RESTORE, self._read_batch,
-                                        self._read_work(plan.loads, life.load_offsets()), progress,
+                                        self._read_work(plan.loads, life.load_offsets, life.spec), progress,
                                         on_blocks is not None, nbytes=nbytes)
         except RuntimeError:  # the I/O thread is shut down: nothing read, nothing lost
             life.abandon()
@@ -167,19 +168,15 @@ class DiskReads:
             if future is not None and not future.done():
                 future.set_result(None if outcomes is None else outcomes[position])
 
-    def _read_work(self, loads: Sequence[Transfer], offsets: Sequence[int]
+    def _read_work(self, loads: Sequence[Transfer], offsets: Sequence[int], spec: NamespaceSpec
                    ) -> list[tuple[bytes, int, int, list[tuple[int, int, int]]]]:
-        """Loop thread: what to read, as plain data, grouped by namespace; offsets[i]: where in
-        the host tier loads[i] lands."""
-        groups: dict[bytes, list[tuple[int, int, int]]] = {}
-        for position, (load, offset) in enumerate(zip(loads, offsets, strict=True)):
-            groups.setdefault(load.block.index.namespace_id, []).append(
-                (position, self._location(load.source_slot), self.arena.address_at(offset)))
-        work = []
-        for namespace_id, items in groups.items():
-            spec = self.engine.namespace(namespace_id).spec
-            work.append((namespace_id, spec.layer_bytes, spec.num_layers, items))
-        return work
+        """Loop thread: what to read, as plain data (the loads of one namespace, of shape `spec`);
+        offsets[i]: where in the host tier loads[i] lands."""
+        namespace_id = loads[0].block.index.namespace_id
+        check(all(load.block.index.namespace_id == namespace_id for load in loads), "one read job, one namespace")
+        items = [(position, self._location(load.source_slot), self.arena.address_at(offset))
+                 for position, (load, offset) in enumerate(zip(loads, offsets, strict=True))]
+        return [(namespace_id, spec.layer_bytes, spec.num_layers, items)]
 
     def _read_batch(self, work, progress=None, by_block: bool = False) -> list[LoadOutcome]:
         """I/O thread: reads into the host slots, checksums verified, an outcome per load;
@@ -259,12 +256,13 @@ class DiskReads:
         plan, jobs = self.mover.prefetch(namespace_id, keys, parent_key)
         if not plan.loads:
             return plan, None
+        spec = self.engine.namespace(namespace_id).spec
         loop = asyncio.get_running_loop()
         jobs_done = []
         for number, loads in enumerate(jobs):
             try:
                 read = self._io.submit(IoClass.PREFETCH, self._read_batch,
-                                      self._read_work(loads, self.engine.load_offsets(loads)))
+                                      self._read_work(loads, self.engine.load_offsets(loads), spec))
             except RuntimeError:  # the I/O thread is shut down: nothing read, nothing lost
                 for unread in jobs[number:]:
                     self.mover.prefetch_done(unread, None)

@@ -106,7 +106,7 @@ def test_a_get_that_arrives_while_a_streaming_get_holds_its_first_message_waits_
         first = await stream.__anext__()
         assert (first.matched, first.layers_ready) == (BLOCKS, 0)
         assert len(node.engine.loading) == BLOCKS  # the stream's reads, under way
-        lease, blocks, _, _ = await node.service._pinned_prefix(node.request("plain", keys), "plain")
+        lease, blocks, *_ = await node.service._pinned_prefix(node.request("plain", keys), "plain")
         node.assert_served(blocks, keys)
         messages = [message async for message in stream]
         assert (messages[-1].matched, messages[-1].layers_ready) == (BLOCKS, SPEC.num_layers)
@@ -155,7 +155,7 @@ def test_a_streaming_get_dropped_after_its_first_message_leaves_no_read_behind(t
             assert node.engine.leases.pins_of("gone") == BLOCKS  # its lease's, nothing more
             node.engine.release("gone", [first.lease_id])
         assert node.engine.leases.pins_of("gone") == 0
-        lease, blocks, _, _ = await node.service._pinned_prefix(node.request("later", keys), "later")
+        lease, blocks, *_ = await node.service._pinned_prefix(node.request("later", keys), "later")
         node.assert_served(blocks, keys)
         node.engine.verify()
         await node.plane.close(30.0)
@@ -185,7 +185,7 @@ def test_a_get_whose_reads_finish_before_its_task_runs_settles_after_them(tmp_pa
             messages = [message async for message in node.service._stream_get(node.request("s", keys), LayerSteps)]
             assert (messages[-1].matched, messages[-1].layers_ready) == (BLOCKS, SPEC.num_layers)
         else:
-            _, blocks, _, _ = await node.service._pinned_prefix(node.request("plain", keys), "plain")
+            _, blocks, *_ = await node.service._pinned_prefix(node.request("plain", keys), "plain")
             node.assert_served(blocks, keys)
         assert not node.engine.loading
         node.engine.verify()
@@ -202,7 +202,7 @@ def test_a_get_reads_each_block_whole_and_a_streaming_get_layer_by_layer(tmp_pat
         node, keys = await cold_node(tmp_path)
         stats = node.plane.tier.stats
         before = stats.submissions
-        _, blocks, _, _ = await node.service._pinned_prefix(node.request("plain", keys[:3]), "plain")
+        _, blocks, *_ = await node.service._pinned_prefix(node.request("plain", keys[:3]), "plain")
         node.assert_served(blocks, keys[:3])
         assert stats.submissions - before == 1
         before = stats.submissions
@@ -272,7 +272,7 @@ def test_a_demote_skips_blocks_deleted_between_its_steps(tmp_path, monkeypatch):
         assert (demoted, payload) == (3, 3 * SPEC.block_bytes)
         assert node.engine.host.pool.resident_blocks == 0 and not node.engine.stored(node.namespace_id, deleted)
         node.engine.verify()
-        lease, blocks, _, _ = await node.service._pinned_prefix(node.request("reader", kept), "reader")
+        lease, blocks, *_ = await node.service._pinned_prefix(node.request("reader", kept), "reader")
         node.assert_served(blocks, kept)
         node.engine.verify()
         await node.plane.close(30.0)
@@ -304,7 +304,7 @@ def test_a_streaming_get_whose_lease_ends_while_its_reads_run_settles_cleanly(tm
         with pytest.raises(FailedPrecondition, match="lease_ms"):
             async for _ in stream:
                 pass
-        lease, blocks, _, _ = await waiting
+        lease, blocks, *_ = await waiting
         node.assert_served(blocks, keys)
         node.engine.release("other", [lease.lease_id])
         assert node.engine.leases.pins_of("stream") == 0 and not node.engine.loading

@@ -40,7 +40,7 @@ from tests.integration.test_supervision import config
 RPC: contextvars.ContextVar[str | None] = contextvars.ContextVar("rpc", default=None)
 LAYERS = (("kvd.server", "edge"), ("kvd.planes", "plane"), ("kvd.core", "core"))
 # What kvd/README.md states ("How a request crosses the layers"): calls into core, all kinds.
-CORE_BUDGET = {"Get": 10, "Reserve": 3, "Commit": 6}
+CORE_BUDGET = {"Get": 6, "Reserve": 3, "Commit": 6}
 # GetLife's transitions (its other calls only read).
 GET_STEPS = {"begin", "cancel", "loads_done", "wait_done", "settle", "drop", "abandon"}
 

@@ -131,8 +131,9 @@ class DaemonSide:
         request = kvd_pb2.GetRequest(namespace_id=self.namespace_id, client_id="r", keys=keys, lease_ms=LONG_MS,
                                      arena_instance_id=self.arena.instance_id)
         if path == "unary":
-            lease, served, _, _ = await self.service._pinned_prefix(request, "r")
-            lease_id, offsets = (lease.lease_id if lease else 0), self.service._offsets(lease, served)
+            pinned = await self.service._pinned_prefix(request, "r")
+            lease, served = pinned.lease, pinned.blocks
+            lease_id, offsets = (lease.lease_id if lease else 0), self.service._offsets(lease, pinned.offsets)
         else:
             messages = [message async for message in
                         self.service._stream_get(request, LayerSteps if path == "layers" else BlockSteps)]

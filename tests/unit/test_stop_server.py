@@ -212,6 +212,19 @@ def test_a_starved_get_stops_waiting_for_write_back_when_the_drain_starts(monkey
         def abandon_get(self, plan):
             plan.abandoned = True
 
+        # What GetLife takes from the engine once it has a plan (nothing found here).
+        def tier_bytes(self, blocks):
+            return b""
+
+        def host_offsets(self, blocks):
+            return []
+
+        def load_offsets(self, loads):
+            return []
+
+        def namespace(self, namespace_id):
+            return SimpleNamespace(spec=None)
+
     class DiskPlane:
         waits = 0
         # Write-back is pending, so a starved Get waits (kvd.core.get_life).

@@ -74,12 +74,12 @@ class ClusterHandlers:
             get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, keys=keys[request.first:],
                                      parent_key=keys[request.first - 1] if request.first else b"",
                                      lease_ms=request.lease_ms)
-            lease, matched, _, _ = await self._pinned_prefix(get, PEER_CLIENT_PREFIX + request.node)
+            lease, _, _, _, offsets = await self._pinned_prefix(get, PEER_CLIENT_PREFIX + request.node)
         except KvdError as error:
             await context.abort(convert.status_of(error), error.message)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        return state.spec, lease, self.engine.host_offsets(matched)
+        return state.spec, lease, offsets
 
     async def read_blocks_for_peer(self, request, context):
         """ReadBlocks: the pinned blocks streamed with their per-layer CRC-32Cs; the pins end with the stream."""

@@ -101,7 +101,7 @@ class DeviceHandlers:
         get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, client_id=request.client_id,
                                  keys=request.keys, parent_key=request.parent_key)
         await self._fetch_remote(get)
-        lease, matched, tiers, cut = await self._pinned_prefix(get, request.client_id)
+        lease, matched, tiers, cut, offsets = await self._pinned_prefix(get, request.client_id)
         if lease is not None:
             # Copied out of the pinned slots on a device stream after this call returns: held,
             # the lease cannot end (expire, drain) and let them go before the copy has landed.
@@ -115,7 +115,7 @@ class DeviceHandlers:
 
         try:
             done, from_tier = plane.load(pool, pages[:len(matched)], request.keys[:len(matched)], matched,
-                                         self._offsets(lease, matched), request.kvd_flag, request.base, landed)
+                                         self._offsets(lease, offsets), request.kvd_flag, request.base, landed)
         except BaseException:
             landed()
             raise

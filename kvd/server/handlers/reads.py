@@ -7,6 +7,7 @@ service's state and reach each other's helpers through self."""
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 
 from kvd.core.engine import KeysRequest
@@ -14,7 +15,6 @@ from kvd.core.get_life import GetLife, GetPhase, Served
 from kvd.core.reads import GetCut
 from kvd.errors import FailedPrecondition, ResourceExhausted
 from kvd.invariants import check
-from kvd.server import convert
 from kvd.server.auth import scoped_client_id
 from kvd.server.get_stream import BlockSteps, LayerSteps
 from kvd.server.rpc import rpc, stream_rpc
@@ -25,6 +25,17 @@ from kvd.v1 import kvd_pb2
 STARVED_GET_WAIT_S = 5.0
 # Inline Gets pin under a lease of their own, never one a client can name.
 INLINE_CLIENT_PREFIX = "inline\x00"
+
+
+class Pinned(NamedTuple):
+    """A Get planned, read and settled: its lease, the servable blocks, their tiers before the Get,
+    why not more, and their offsets in the host arena."""
+
+    lease: object
+    blocks: list
+    tiers: bytes
+    cut: GetCut
+    offsets: list[int]
 
 
 class ReadHandlers:
@@ -52,12 +63,10 @@ class ReadHandlers:
             raise
         return life
 
-    async def _pinned_prefix(self, request, client_id: str) -> tuple[object, list, bytes, GetCut]:
-        """A Get planned, read and settled: (lease, servable blocks, their tiers before the Get, why
-        not more)."""
+    async def _pinned_prefix(self, request, client_id: str) -> Pinned:
+        """A Get planned, read and settled (see Pinned)."""
         life = await self._begin_get(request, client_id)
         plan = life.plan
-        tiers = convert.tiers(self.engine, plan.matched)
         if life.pending:
             # On failure the get task drops the Get itself (lease and pins), once no read
             # into the pinned slots is still running.
@@ -65,7 +74,8 @@ class ReadHandlers:
         else:
             served = life.settle()
         self._check_lease_outlived_reads(request, served)
-        return plan.lease, served.blocks, tiers[: len(served.blocks)], served.cut
+        count = len(served.blocks)
+        return Pinned(plan.lease, served.blocks, life.tiers[:count], served.cut, life.offsets[:count])
 
     def _check_lease_outlived_reads(self, request, served: Served) -> None:
         """A Get whose lease ended while its disk reads ran has nothing pinned: refuse it by name
@@ -93,7 +103,7 @@ class ReadHandlers:
             # Per client, or per tenant for a Get that names none: one
             # tenant's inline Gets never take from another's pin cap.
             owner = request.client_id or scoped_client_id(self._caller(), "-")
-            lease, matched, tiers, cut = await self._pinned_prefix(request, INLINE_CLIENT_PREFIX + owner)
+            lease, matched, tiers, cut, offsets = await self._pinned_prefix(request, INLINE_CLIENT_PREFIX + owner)
             try:
                 response_bytes = len(matched) * (state.block_bytes + 8)
                 if response_bytes > self.max_message_bytes:
@@ -102,28 +112,29 @@ class ReadHandlers:
                         f"{self.max_message_bytes}-byte message limit; ask for at most "
                         f"{max(1, self.max_message_bytes // (state.block_bytes + 8) - 1)} keys per call"
                     )
-                blocks = [self.arena.read_at(offset, state.block_bytes) for offset in self.engine.host_offsets(matched)]
+                blocks = [self.arena.read_at(offset, state.block_bytes) for offset in offsets]
             finally:
                 if lease is not None and not lease.ended:
                     self.engine.leases.close(lease)
             return kvd_pb2.GetResponse(matched=len(matched), blocks=blocks, tiers=tiers, cut=cut)
         self._check_arena(request)
-        lease, matched, tiers, cut = await self._pinned_prefix(request, request.client_id)
+        lease, matched, tiers, cut, offsets = await self._pinned_prefix(request, request.client_id)
         return kvd_pb2.GetResponse(
             matched=len(matched),
             lease_id=lease.lease_id if lease else 0,
             lease_deadline_ms=lease.deadline_ms if lease else 0,
-            offsets=self._offsets(lease, matched),
+            offsets=self._offsets(lease, offsets),
             tiers=tiers,
             cut=cut,
         )
 
-    def _offsets(self, lease, matched: list) -> list[int]:
-        """Arena offsets of the blocks a Get hands out: each in host memory
-        (never a slot another block may take) and pinned by the Get's lease."""
-        check(not matched or (lease is not None and not lease.ended),
-              "a Get hands out {} blocks without a live lease", len(matched))
-        return self.engine.host_offsets(matched)
+    @staticmethod
+    def _offsets(lease, offsets: list[int]) -> list[int]:
+        """Arena offsets of the blocks a Get hands out (each in host memory, never a slot another
+        block may take: GetLife took them at its plan), checked to be pinned by the Get's lease."""
+        check(not offsets or (lease is not None and not lease.ended),
+              "a Get hands out {} blocks without a live lease", len(offsets))
+        return offsets
 
     @stream_rpc("GetLayers")
     async def GetLayers(self, request, context):
@@ -140,11 +151,10 @@ class ReadHandlers:
     async def _stream_get(self, request, steps_kind: type[LayerSteps | BlockSteps]):
         self._check_arena(request)
         await self._fetch_remote(request)
-        layers = self.engine.namespace(request.namespace_id).spec.num_layers
         life = await self._begin_get(request, request.client_id)
         plan = life.plan
         pending = life.pending
-        tiers = convert.tiers(self.engine, plan.matched)
+        layers = life.spec.num_layers
         # Nothing to read: settled at once, the first message is the last.
         cut = {} if pending else {"cut": life.settle().cut}
         matched = list(plan.matched)
@@ -155,8 +165,8 @@ class ReadHandlers:
             len(matched), pending,
             lease_id=lease.lease_id if lease else 0,
             lease_deadline_ms=lease.deadline_ms if lease else 0,
-            offsets=self._offsets(lease, matched),
-            tiers=tiers[:len(matched)],
+            offsets=self._offsets(lease, life.offsets),
+            tiers=life.tiers,
             **cut,
         )
         if not pending:
