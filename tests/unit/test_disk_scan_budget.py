@@ -153,18 +153,25 @@ class Disk:
         return [write.block.key for write in writes]
 
 
-def test_a_turn_looks_at_no_more_slots_than_its_budget_and_a_lone_victim_far_away_still_goes():
-    disk = Disk(disk_slots=2000)
+def full_of_one_chain(slots: int):
+    """A disk filled by one chain (each block has a child on it but the last, which is pinned), a
+    search budget of 300 slots a turn, and block "b" waiting to be written: (disk, namespace, the chain,
+    the tail's pin)."""
+    disk = Disk(disk_slots=slots)
     ns = disk.namespace()
-    chain = K("a" * 2000)
+    chain = K("a" * slots)
     disk.put(ns, chain)
     while disk.turn(limit=500):
         pass
-    assert disk.engine.disk.pool.resident_blocks == 2000
-    # A chain fills the disk: each block has a child on it but the last, which is pinned.
+    assert disk.engine.disk.pool.resident_blocks == slots
     tail = disk.engine.pin(disk.engine.namespace(ns).index.get(chain[-1]))
     disk.writeback.scan_slots_per_turn = 300
     disk.put(ns, K("b"))
+    return disk, ns, chain, tail
+
+
+def test_a_turn_looks_at_no_more_slots_than_its_budget_and_a_lone_victim_far_away_still_goes():
+    disk, ns, chain, tail = full_of_one_chain(2000)
     for _ in range(20):
         assert disk.turn() == []
         assert disk.looks == 300  # the old search looked at all 4,000 twice-swept slots in one turn
@@ -218,15 +225,7 @@ def test_a_tenant_at_its_disk_quota_is_refused_only_once_its_searches_covered_th
 def test_the_writer_is_told_to_go_on_at_once_while_searches_are_cut_short_and_to_wait_once_they_cover_the_disk():
     from kvd.core.mover import Mover, MoverSettings
 
-    disk = Disk(disk_slots=1000)
-    ns = disk.namespace()
-    chain = K("a" * 1000)
-    disk.put(ns, chain)
-    while disk.turn(limit=500):
-        pass
-    pinned = disk.engine.pin(disk.engine.namespace(ns).index.get(chain[-1]))
-    disk.writeback.scan_slots_per_turn = 300
-    disk.put(ns, K("b"))
+    disk, _, _, pinned = full_of_one_chain(1000)
     mover = Mover(disk.engine, MoverSettings(write_mode="through"))
     searching = []
     for _ in range(9):
