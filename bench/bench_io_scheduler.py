@@ -4,7 +4,7 @@
 What: one DiskTier (2 directories, the daemon's defaults: io_uring, queue
 depth 128, 512 KiB extents) and its one I/O thread, driven the way the
 daemon drives it (kvd.planes.io_executor.ScheduledExecutor over
-kvd.core.io_schedule.IoSchedule):
+kvd.planner.io_schedule.IoSchedule):
 
 * restores: back-to-back `read_blocks` of `--restore-blocks` blocks (a
   long prompt: 128 blocks x 2 MiB = 256 MiB by default; 16 tokens per
@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_ratio, percentile, progress, ratio, report, warn_if_busy, write_result
 
 from kvd.config import DiskSettings
-from kvd.core.io_schedule import IoClass, IoSchedule
+from kvd.planner.io_schedule import IoClass, IoSchedule
 from kvd.core.keys import DType, NamespaceSpec
 from kvd.planner.slack import SlackTable, WriteSizer
 from kvd.planes.io_executor import ScheduledExecutor

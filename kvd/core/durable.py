@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 from kvd.core.block import NO_SLOT, Block, BlockHandle, BlockState
 from kvd.core.transfer import Transfer
@@ -56,6 +56,16 @@ class SyncWait(Generic[Token]):
     slot: int
 
 
+class Started(NamedTuple, Generic[Token]):
+    """Durable waits begun: each block's token, the failures known at once, the pins to release
+    when the call is over, and whether a client now waits for a commit (run one now)."""
+
+    waiting: dict[Block, Token]
+    failures: list[NotDurable]
+    pins: list[BlockHandle]
+    commit_due: bool
+
+
 class DurableWaits(Generic[Token]):
     """The blocks clients wait on to be durable; one token (a future, a simulated request) per wait and block."""
 
@@ -78,9 +88,8 @@ class DurableWaits(Generic[Token]):
     def __len__(self) -> int:
         return len(self.waiting) + len(self.syncing)
 
-    def start(self, blocks: Iterable[Block], drives_down: str, token: Callable[[Block], Token]
-              ) -> tuple[dict[Block, Token], list[NotDurable], list[BlockHandle]]:
-        """Wait on the blocks not yet durable: (block -> its token, failures known at once, pins).
+    def start(self, blocks: Iterable[Block], drives_down: str, token: Callable[[Block], Token]) -> Started[Token]:
+        """Wait on the blocks not yet durable (see Started).
 
         The blocks waited for stay pinned until the caller releases the
         pins: otherwise host eviction could drop one before the writer
@@ -112,7 +121,7 @@ class DurableWaits(Generic[Token]):
             else:
                 self.syncing.setdefault(block, []).append(SyncWait(started[block], epoch, slot))
         engine.require_durable(unwritten)
-        return started, failures, pins
+        return Started(started, failures, pins, self.commit_due())
 
     def finish(self, pins: Sequence[BlockHandle]) -> None:
         """A durable call is over (answered, timed out or cancelled): the pins start gave it end."""

@@ -50,7 +50,7 @@ from kvd.core.namespaces import NamespaceState, NamespaceTable, namespace_not_fo
 from kvd.core.policy import DiskPolicies, make_policy
 from kvd.core.prefetch import PrefetchLimit, PrefetchPlan, Prefetcher
 from kvd.core.prefetch_ledger import PrefetchCounters, PrefetchLedger
-from kvd.core.puts import Puts, ReserveResult, ReserveStatus
+from kvd.core.puts import Committed, Puts, ReserveResult, ReserveStatus
 from kvd.core.quota import TenantQuota
 from kvd.core.reads import GetPlan, Reads
 from kvd.core.recovery import Recovery
@@ -66,7 +66,7 @@ from kvd.invariants import check
 
 __all__ = [
     "MAX_CLIENT_ID_CHARS", "TENANT_AFFINITY_WINDOW", "CommitRequest", "Engine", "EngineLimits", "GetPlan",
-    "KeysRequest", "NamespaceState", "PrefetchCounters", "PrefetchLimit", "PrefetchPlan", "ReserveResult", "ReserveStatus",
+    "Committed", "KeysRequest", "NamespaceState", "PrefetchCounters", "PrefetchLimit", "PrefetchPlan", "ReserveResult", "ReserveStatus",
     "StorageSpec", "TierId", "Transfer", "namespace_not_found",
 ]
 
@@ -289,7 +289,7 @@ class Engine:
     def reserve(self, request: KeysRequest) -> ReserveResult:
         return self.puts.reserve(request)
 
-    def commit(self, request: CommitRequest) -> tuple[int, int]:
+    def commit(self, request: CommitRequest) -> Committed:
         return self.puts.commit(request)
 
     def seal_prefix(self, lease: Lease, count: int, now_ms: int) -> int:

@@ -141,19 +141,25 @@ class GetLife:
         """Whether reads (its own, or others' it waits on) stand between the plan and its settling."""
         return bool(self._reading or self._waiting)
 
-    def loads_done(self, loads: Sequence[Transfer], outcomes: Sequence[LoadOutcome] | None) -> None:
+    def loads_done(self, loads: Sequence[Transfer], outcomes: Sequence[LoadOutcome] | None
+                   ) -> list[tuple[bytes, bytes, int]]:
         """Some of the plan's own reads are over, with an outcome each; None: they never ran (their
-        job was cancelled, or raised: a bug), and each block keeps its copy below."""
+        job was cancelled, or raised: a bug), and each block keeps its copy below.
+
+        Returns the removals now queued (a block whose read failed is lost, and what that cut
+        off with it), taken for the driver to journal before the Get settles; [] when the reads
+        never ran (whatever is queued stays for the next taker)."""
         blocks = {load.block for load in loads}
         check(self.phase is GetPhase.READING and blocks <= self._reading, "loads_done for reads the Get is not waiting on")
+        self._reading -= blocks
         if outcomes is None:
             self.engine.give_up_loads(loads)
-        else:
-            check(len(outcomes) == len(loads), "one outcome per load")
-            self.engine.finish_loads(loads, [outcome == LoadOutcome.OK for outcome in outcomes])
-            self._failed.update((load.block, outcome) for load, outcome in zip(loads, outcomes)
-                                if outcome != LoadOutcome.OK)
-        self._reading -= blocks
+            return []
+        check(len(outcomes) == len(loads), "one outcome per load")
+        self.engine.finish_loads(loads, [outcome == LoadOutcome.OK for outcome in outcomes])
+        self._failed.update((load.block, outcome) for load, outcome in zip(loads, outcomes)
+                            if outcome != LoadOutcome.OK)
+        return self.mover.take_removals()
 
     def wait_done(self, block: Block, outcome: LoadOutcome | None) -> None:
         """A read the plan waits on (another request's) is over; None: how is not known."""

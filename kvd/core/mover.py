@@ -15,7 +15,7 @@ follow the same rules:
   client waits for durability, while a Get is starved of host slots, or
   while the daemon drains. Write-behind differs from write-through in
   urgency only: its queue counts as a backlog (writes that may take
-  drive time from reads, kvd.core.io_schedule) only for those same
+  drive time from reads, kvd.planner.io_schedule) only for those same
   reasons, so otherwise it is written in the reads' gaps, the lowest
   priority there is, and a crash loses only what the gaps have not yet
   reached (`oldest unwritten`, in seconds, by the driver's clock);

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvd.core.block import NO_SLOT, Block, BlockState
 from kvd.core.lease import Lease, LeaseKind
@@ -44,6 +45,15 @@ class ReserveResult:
     statuses: list[ReserveStatus]
     # Host slot of each key; NO_SLOT where the status is not RESERVED.
     slots: list[int]
+
+
+class Committed(NamedTuple):
+    """A commit's outcome: how many blocks it sealed and aborted, and the sealed ones in chain
+    order (what a durable Put then waits on)."""
+
+    sealed: int
+    aborted: int
+    blocks: list[Block]
 
 
 class Puts(EngineComponent):
@@ -159,11 +169,11 @@ class Puts(EngineComponent):
             raise ResourceExhausted(f"host tier is full: all {self.host.slot_count} slots are pinned or being written")
         return lease
 
-    def commit(self, request: CommitRequest) -> tuple[int, int]:
+    def commit(self, request: CommitRequest) -> Committed:
         """Seal `keys` (all, when both lists are empty) and abort `abort_keys`.
 
-        Aborting a block aborts the rest of the chain after it. Returns
-        (sealed, aborted). All checks run before any block changes.
+        Aborting a block aborts the rest of the chain after it. All checks
+        run before any block changes.
         """
         namespace_id, lease_id, keys, abort_keys = (request.namespace_id, request.lease_id, request.keys,
                                                     request.abort_keys)
@@ -183,10 +193,11 @@ class Puts(EngineComponent):
         abort_from = min((positions[key] for key in abort_keys), default=len(lease.handles))
         _check_chain_order(lease, to_seal, abort_from)
         aborted = self._abort_from(lease, abort_from)
+        sealed = [lease.handles[position].block for position in to_seal]
         self._seal(namespace_id, lease, to_seal)
         if not any(handle.writable for handle in lease.handles):
             self.leases.close(lease)
-        return len(to_seal), aborted
+        return Committed(len(to_seal), aborted, sealed)
 
     def seal_prefix(self, lease: Lease, count: int, now_ms: int) -> int:
         """Seal the first `count` blocks a write lease reserved and abort the rest: a write cut
@@ -196,9 +207,8 @@ class Puts(EngineComponent):
         # An empty commit would seal every block the lease reserved.
         check(0 <= count <= len(keys) and len(keys) > 0, "seal {} of the {} blocks of a reservation", count,
               len(keys))
-        sealed, _ = self.commit(CommitRequest(lease.namespace_id, lease.client_id, lease.lease_id, now_ms,
-                                              keys=keys[:count], abort_keys=keys[count:]))
-        return sealed
+        return self.commit(CommitRequest(lease.namespace_id, lease.client_id, lease.lease_id, now_ms,
+                                         keys=keys[:count], abort_keys=keys[count:])).sealed
 
     def _abort_from(self, lease: Lease, abort_from: int) -> int:
         """Abort the chain from position `abort_from`, tail first; how many were aborted."""

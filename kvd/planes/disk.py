@@ -7,7 +7,7 @@ together:
   * one dedicated I/O thread owns the DiskTier (every call into it happens
     there); the event loop owns the engine (every call into it happens on
     the loop, between awaits). The thread takes its jobs in the order the
-    I/O schedule (kvd.core.io_schedule, disk.io_schedule) picks: restores
+    I/O schedule (kvd.planner.io_schedule, disk.io_schedule) picks: restores
     for Gets first, then prefetches, then write-back, which goes out in
     small jobs (disk.write_chunk_blocks) in the gaps between reads;
   * a writer task drains the engine's write-through queue in batches:
@@ -39,7 +39,7 @@ from pathlib import Path
 from kvd.config import DiskSettings
 from kvd.core.block import Block
 from kvd.core.engine import Engine
-from kvd.core.io_schedule import IoClass, IoSchedule
+from kvd.planner.io_schedule import IoClass, IoSchedule
 from kvd.core.mover import Mover, MoverSettings
 from kvd.errors import ConfigError
 from kvd.io import faults

@@ -19,7 +19,7 @@ from kvd.core.block import Block
 from kvd.core.engine import PrefetchPlan, Transfer
 from kvd.core.get_life import GetLife, Served
 from kvd.core.reads import LoadOutcome
-from kvd.core.io_schedule import IoClass
+from kvd.planner.io_schedule import IoClass
 from kvd.errors import Unavailable
 from kvd.invariants import check
 from kvd.tiers.disk.tier import ReadFailure
@@ -106,8 +106,7 @@ class DiskReads:
         if reading is not None:
             # Shielded: the I/O thread writes into the pinned slots whatever
             # becomes of this Get (see _end_failed_get).
-            await asyncio.shield(reading)
-            await self._journal_removals()
+            await asyncio.shield(reading)  # and the removals its failed reads queued, journalled
         if waiting:
             outcomes = await asyncio.gather(*(asyncio.shield(future) for future in waiting.values()))
             for block, outcome in zip(waiting, outcomes):
@@ -136,19 +135,19 @@ class DiskReads:
         loads = life.plan.loads
         try:
             outcomes = self._job_outcome("a disk read job", reading)
-            life.loads_done(loads, outcomes)
+            removals = life.loads_done(loads, outcomes)
             self._resolve_loads(loads, outcomes)
         except Exception as error:  # a bug, in a callback no task awaits: to the supervisor
             self._on_bug("finishing a Get's disk reads", error)
             landed.set_exception(error)
             return
-        # The Get sees the job's own end: cancelled (the daemon stops) or raised (a bug) fail it.
-        if reading.cancelled():
-            landed.cancel()
-        elif reading.exception() is not None:
-            landed.set_exception(reading.exception())
+        if removals:
+            # Journalled whatever becomes of the Get (its slots stay quarantined until they are);
+            # the Get settles after them.
+            self._start_journal(removals, False).add_done_callback(functools.partial(_mirror, landed))
         else:
-            landed.set_result(None)
+            # The Get sees the job's own end: cancelled (the daemon stops) or raised (a bug) fail it.
+            _mirror(landed, reading)
 
     def _job_outcome(self, what: str, job: asyncio.Future | concurrent.futures.Future) -> list[LoadOutcome] | None:
         """A read job's per-block outcome; None when it never ran (cancelled) or raised. A job
@@ -301,3 +300,12 @@ class DiskReads:
             await self._journal_removals()
         return loaded
 
+
+def _mirror(target: asyncio.Future, source: asyncio.Future) -> None:
+    """End `target` as `source` ended: cancelled, raised, or done (with its result)."""
+    if source.cancelled():
+        target.cancel()
+    elif source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(source.result())

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 
 from kvd.core.block import Block
-from kvd.core.io_schedule import IoClass
+from kvd.planner.io_schedule import IoClass
 from kvd.core.durable import NotDurable
 from kvd.core.mover import WriteRound
 from kvd.invariants import check
@@ -179,10 +179,14 @@ class DiskWrites:
             if deleted:  # what others appended unsynced must not outlive a Delete either
                 await self._run(functools.partial(self.tier.sync, force=True))
             return 0
+        return await asyncio.shield(self._start_journal(removals, deleted))
+
+    def _start_journal(self, removals: list[tuple[bytes, bytes, int]], deleted: bool) -> asyncio.Future:
+        """Journal removals already taken, in a task of their own: their outcome is recorded
+        (and retrieved) even when nobody awaits it any more."""
         journal = asyncio.ensure_future(self._journal(removals, deleted))
-        # Its outcome is retrieved here even when nobody awaits it any more.
         journal.add_done_callback(lambda done: done.cancelled() or done.exception())
-        return await asyncio.shield(journal)
+        return journal
 
     async def _journal(self, removals: list[tuple[bytes, bytes, int]], deleted: bool) -> int:
         failed = await self._run(self._remove_sync, removals, deleted)
@@ -246,11 +250,11 @@ class DiskWrites:
         """
         self.counters.durable_waits += 1
         loop = asyncio.get_running_loop()
-        waiting, failures, pins = self.mover.durable.start(blocks, self._no_drive_writes(),
-                                                           lambda block: loop.create_future())
+        waiting, failures, pins, commit_due = self.mover.durable.start(blocks, self._no_drive_writes(),
+                                                                       lambda block: loop.create_future())
         try:
             self.wake()
-            if self.mover.durable.commit_due():
+            if commit_due:
                 self._commit_wanted.set()
             if waiting:
                 # asyncio.wait, not wait_for(gather(...)): when the call is

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.core.io_schedule import READS, IoClass, IoJob, IoSchedule
+from kvd.planner.io_schedule import READS, IoClass, IoJob, IoSchedule
 
 # A held write looks at the clock again at least this often (the clock may
 # be injected, and jump: a submit is not the only thing that ends a hold).

@@ -9,5 +9,8 @@ the GPU's block budget. Pure: numpy, the standard library and the native search,
 - `latency`: the step-latency model;
 - `search`: exhaustive search (the oracle) and branch and bound over the pruned space (native);
 - `plan`: the plan around the search: SLO with deposits, the decode window, pause;
-- `profile`: per-layer compute and bandwidth, corrected by the engine's step reports.
+- `profile`: per-layer compute and bandwidth, corrected by the engine's step reports;
+- `slack` and `io_schedule`: the disk's side of the same question, which job a drive runs next
+  (restores before prefetches before write-back, writes in the gaps Tutti's slack table finds);
+  the daemon's I/O executor (kvd.planes.io_executor) and the simulator drive it alike.
 """

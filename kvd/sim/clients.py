@@ -313,7 +313,7 @@ class Clients:
             check(owner is not None and owner.key == key,
                   f"host slot {slot} was reserved for a writer still writing it, and now belongs to {owner!r}")
         world.contents.fill([key for _, key in flow.reserved], [slot for slot, _ in flow.reserved])
-        sealed, aborted = engine.commit(CommitRequest(world.namespace_ids[flow.namespace], flow.client_id,
+        sealed, aborted, _ = engine.commit(CommitRequest(world.namespace_ids[flow.namespace], flow.client_id,
                                                       flow.write_lease, world.timeline.clock.now_ms()))
         check((sealed, aborted) == (len(flow.reserved), 0), f"commit sealed {sealed} and aborted {aborted}")
         del world.expected.leases[flow.write_lease]

@@ -1,7 +1,7 @@
 """A modelled NVMe drive: what the disk tier's I/O costs in simulated time.
 
 One operation runs at a time and takes `latency + bytes / bandwidth`. Which
-operation runs next is the daemon's own I/O schedule (kvd.core.io_schedule):
+operation runs next is the daemon's own I/O schedule (kvd.planner.io_schedule):
 under "slack", removal journals first, then restores, and write-back only
 in the gaps between reads (or its bounded share once the backlog is full);
 under "fifo", arrival order. Which blocks move, and when a job is made, is
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvd.core.engine import Transfer
-from kvd.core.io_schedule import IoClass, IoJob, IoSchedule
+from kvd.planner.io_schedule import IoClass, IoJob, IoSchedule
 from kvd.invariants import check
 
 GIB = 1 << 30

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvd.core.io_schedule import IoSchedule
+from kvd.planner.io_schedule import IoSchedule
 from kvd.core.mover import WriteRound
 from kvd.core.reads import LoadOutcome
 from kvd.core.tier import StorageTier
@@ -200,7 +200,9 @@ class Drives:
             world.mover.prefetch_done(operation.loads, ok)
         else:
             del self.get_reads[operation.op_id]
-            operation.reader.loads_done(operation.loads, outcomes)
+            removals = operation.reader.loads_done(operation.loads, outcomes)
+            if removals:  # as the daemon: the lost blocks' removals journalled before the Get settles
+                self.journal(removals, None)
         world.stats.lost_blocks += ok.count(False)
         for load in operation.loads:
             del self.loading[load.block.key]

@@ -33,7 +33,7 @@ class DurablePuts:
         world = self.world
         timeline = world.timeline
         blocks = world.engine.stored(world.namespace_ids[flow.namespace], flow.keys)
-        started, failures, pins = world.mover.durable.start(blocks, "", lambda block: (flow, block))
+        started, failures, pins, _ = world.mover.durable.start(blocks, "", lambda block: (flow, block))
         flow.durable_pending, flow.durable_pins, flow.durable_failures = set(started), pins, failures
         flow.durable_since_us = timeline.now_us
         self.flows.add(flow)

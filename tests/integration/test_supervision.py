@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2
 from kvd.client import Client
 from kvd.config import load
 from kvd.core.engine import Engine
-from kvd.core.io_schedule import IoSchedule
+from kvd.planner.io_schedule import IoSchedule
 from kvd.core.mover import Mover
 from kvd.daemon.lifecycle import Daemon
 from kvd.invariants import InvariantError

@@ -356,7 +356,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.blocks[lease.ns][key].state = "S"
             lease.handles[position[key]][1] = "S"
         event(f"commit: all={not keys and not abort} sealed={bool(sealing)} aborted={bool(aborted)}")
-        assert call() == (len(sealing), aborted)
+        assert call()[:2] == (len(sealing), aborted)
         if not any(entry[1] == "W" for entry in lease.handles):
             self.end_lease(lease)
 

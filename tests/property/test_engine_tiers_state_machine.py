@@ -240,7 +240,7 @@ class TierMachine(RuleBasedStateMachine):
             event("put: NO_SPACE")
             self.check_nothing_evictable(set())
         self.contents.fill(keys, result.slots)
-        assert self.engine.commit(CommitRequest(self.ns, "writer", result.lease.lease_id, 0)) == (reserved, 0)
+        assert self.engine.commit(CommitRequest(self.ns, "writer", result.lease.lease_id, 0))[:2] == (reserved, 0)
         for key in keys[len(matched) : len(matched) + reserved]:
             parent = self.blocks[key] = MBlock(key, parent)
             for pending in self.pending.values():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.core.io_schedule import IoSchedule
+from kvd.planner.io_schedule import IoSchedule
 from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.core.policy import make_policy
 from kvd.core.requests import CommitRequest, KeysRequest

@@ -53,7 +53,7 @@ class Plane(SlotContents):
         self.fill(keys, result.slots)
         if result.lease is None:
             return 0
-        sealed, _ = self.engine.commit(CommitRequest(self.ns, client, result.lease.lease_id, 0))
+        sealed, _, _ = self.engine.commit(CommitRequest(self.ns, client, result.lease.lease_id, 0))
         return sealed
 
     def flush(self, limit: int = 100, fail: set[bytes] = frozenset()) -> int:

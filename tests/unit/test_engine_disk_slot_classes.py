@@ -43,7 +43,7 @@ class Rig:
         result = self.engine.reserve(request)
         if result.lease is None:
             return 0  # stored already
-        sealed, _ = self.engine.commit(CommitRequest(request.namespace_id, "w", result.lease.lease_id, 0))
+        sealed, _, _ = self.engine.commit(CommitRequest(request.namespace_id, "w", result.lease.lease_id, 0))
         return sealed
 
     def write_back(self) -> int:

@@ -15,7 +15,7 @@ import pytest
 
 from kvd.core.block import NO_SLOT, BlockState
 from kvd.core.engine import Engine, PrefetchLimit, TierId
-from kvd.core.io_schedule import IoClass, IoJob, IoSchedule
+from kvd.planner.io_schedule import IoClass, IoJob, IoSchedule
 from kvd.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvd.core.requests import CommitRequest, KeysRequest
 from tests.unit.test_engine_disk import LONG, SPEC, K, Plane, k, tiers

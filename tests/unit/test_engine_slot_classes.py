@@ -39,7 +39,7 @@ class Rig:
         result = self.engine.reserve(request)
         if result.lease is None:
             return 0
-        sealed, _ = self.engine.commit(CommitRequest(request.namespace_id, "w", result.lease.lease_id, 0))
+        sealed, _, _ = self.engine.commit(CommitRequest(request.namespace_id, "w", result.lease.lease_id, 0))
         return sealed
 
     def stored(self, spec: NamespaceSpec, chain: str) -> int:

@@ -43,7 +43,7 @@ def put(engine: Engine, namespace_id: bytes, chain: str, client: str = "w", pare
     result = engine.reserve(KeysRequest(namespace_id, client, keys, LONG, 0, parent_key=parent_key))
     if result.lease is None:
         return 0
-    sealed, _ = engine.commit(CommitRequest(namespace_id, client, result.lease.lease_id, 0))
+    sealed, _, _ = engine.commit(CommitRequest(namespace_id, client, result.lease.lease_id, 0))
     if verify:
         engine.verify()
     return sealed

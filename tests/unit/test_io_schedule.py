@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.core.io_schedule import READS_ACTIVE_S, IoClass, IoJob, IoSchedule
+from kvd.planner.io_schedule import READS_ACTIVE_S, IoClass, IoJob, IoSchedule
 from kvd.invariants import InvariantError
 from kvd.planes.io_executor import ScheduledExecutor
 

@@ -71,7 +71,7 @@ def test_write_back_waits_for_a_reason_and_write_through_does_not():
     rig.mover.starved_gets = 1
     assert rig.mover.should_write()
     rig.mover.starved_gets = 0
-    started, failures, pins = rig.mover.durable.start(rig.engine.stored(rig.ns[SPEC], keys(SPEC, "ab")), "", lambda block: object())
+    started, failures, pins, _ = rig.mover.durable.start(rig.engine.stored(rig.ns[SPEC], keys(SPEC, "ab")), "", lambda block: object())
     assert len(started) == 2 and failures == []
     assert rig.mover.should_write()  # a client waits for durability
     rig.run_round()
@@ -182,15 +182,15 @@ def test_a_durable_wait_fails_at_once_when_it_never_can_succeed_and_says_why():
     assert rig.outcomes == []  # nobody waited
     rig.put("ab")  # the parent is not on disk, so its child never will be written alone
     blocks = rig.engine.stored(rig.ns[SPEC], keys(SPEC, "ab"))
-    started, failures, pins = rig.mover.durable.start(blocks, "", lambda block: object())
+    started, failures, pins, _ = rig.mover.durable.start(blocks, "", lambda block: object())
     assert list(started) == blocks and failures == []  # both queued again, parent first
     rig.run_round()
     assert [failure for _, failure in rig.outcomes] == [None, None] and rig.durable("ab") == [True, True]
     for pin in pins:
         pin.release()
-    _, down, _ = rig.mover.durable.start(rig.engine.stored(rig.ns[OTHER], []), "", lambda block: object())
+    _, down, _, _ = rig.mover.durable.start(rig.engine.stored(rig.ns[OTHER], []), "", lambda block: object())
     rig.put("xy", OTHER)
-    started, down, pins = rig.mover.durable.start(rig.engine.stored(rig.ns[OTHER], keys(OTHER, "xy")),
+    started, down, pins, _ = rig.mover.durable.start(rig.engine.stored(rig.ns[OTHER], keys(OTHER, "xy")),
                                                  "no drive takes writes", lambda block: object())
     assert started == {} and pins == [] and [(failure.code, failure.reason) for failure in down] == [
         ("UNAVAILABLE", "no drive takes writes")] * 2
@@ -204,7 +204,7 @@ def test_under_group_a_written_block_is_durable_only_once_a_commit_begun_after_i
     rig = Rig(write_mode="through", sync="group")
     durable = rig.mover.durable
     rig.put("ab")
-    started, _, pins = _start(rig, "ab")
+    started, _, pins, _ = _start(rig, "ab")
     rig.run_round()
     # Written, but not synced: no outcome yet, and a commit is wanted now.
     assert rig.outcomes == [] and durable.commit_due()
@@ -213,7 +213,7 @@ def test_under_group_a_written_block_is_durable_only_once_a_commit_begun_after_i
     rig.put("abc")
     rig.run_round()
     # a and b wait for the commit in flight (their writes ended before it began), c for the next.
-    late, _, late_pins = _start(rig, "abc")
+    late, _, late_pins, _ = _start(rig, "abc")
     a, b, c = rig.engine.stored(rig.ns[SPEC], keys(SPEC, "abc"))
     answered = durable.end_sync(covered, lambda slot: "")
     assert {id(token) for token, _ in answered} == {id(token) for token in [*started.values(), late[a], late[b]]}
@@ -221,7 +221,7 @@ def test_under_group_a_written_block_is_durable_only_once_a_commit_begun_after_i
     (failed,) = durable.end_sync(durable.begin_sync(), lambda slot: "drive 0: EIO")
     assert failed[0] is late[c] and failed[1].code == "UNAVAILABLE"
     # The drive failed its sync: the block is not durable, and a new wait fails at the next commit again.
-    again, _, again_pins = _start(rig, "abc")
+    again, _, again_pins, _ = _start(rig, "abc")
     assert len(again) == 1
     outcome = durable.end_sync(durable.begin_sync(), lambda slot: "drive 0: EIO")
     assert [failure.code for _, failure in outcome] == ["UNAVAILABLE"] and "EIO" in outcome[0][1].reason
@@ -239,14 +239,14 @@ def test_under_none_every_wait_on_a_disk_copy_asks_for_a_commit_and_strict_asks_
     rig.run_round()
     durable = rig.mover.durable
     assert not durable.unsynced and not durable.commit_due()  # nobody waits: nothing is tracked
-    started, _, pins = _start(rig, "ab")
+    started, _, pins, _ = _start(rig, "ab")
     assert len(started) == 2 and durable.commit_due()
     assert [failure for _, failure in durable.end_sync(durable.begin_sync(), lambda slot: "")] == [None, None]
     for pin in pins:
         pin.release()
     strict = Rig(write_mode="through")
     strict.put("ab")
-    started, _, pins = _start(strict, "ab")
+    started, _, pins, _ = _start(strict, "ab")
     strict.run_round()
     assert [failure for _, failure in strict.outcomes] == [None, None] and not strict.mover.durable.commit_due()
     assert _start(strict, "ab")[0] == {}
@@ -259,7 +259,7 @@ def test_a_block_deleted_before_its_commit_is_not_acknowledged():
     rig.put("ab")
     rig.run_round()
     durable = rig.mover.durable
-    started, _, pins = _start(rig, "ab")
+    started, _, pins, _ = _start(rig, "ab")
     for pin in pins:
         pin.release()
     rig.engine.delete(rig.ns[SPEC], keys(SPEC, "ab"))

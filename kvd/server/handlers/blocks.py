@@ -14,7 +14,7 @@ from kvd import arena_protocol
 from kvd.core.block import NO_SLOT
 from kvd.core.engine import CommitRequest, KeysRequest, ReserveStatus
 from kvd.core.quota import QuotaExceeded
-from kvd.errors import (NOT_IN_A_CLUSTER, FailedPrecondition, InvalidArgument, KvdError, NotDurable, PermissionDenied,
+from kvd.errors import (NOT_IN_A_CLUSTER, FailedPrecondition, InvalidArgument, NotDurable, PermissionDenied,
                         PinCapExceeded, ResourceExhausted, Unavailable)
 from kvd.invariants import check
 from kvd.server import convert
@@ -149,28 +149,15 @@ class BlockHandlers:
     @rpc("Commit")
     async def Commit(self, request, context):
         convert.ack_supported(request.ack, self.disk_plane is not None)
-        durable = request.ack == kvd_pb2.ACK_DURABLE
-        blocks = self._lease_blocks(request.client_id, request.lease_id, request.keys, request.abort_keys) \
-            if durable else []
-        sealed, aborted = self.engine.commit(CommitRequest(
+        committed = self.engine.commit(CommitRequest(
             request.namespace_id, request.client_id, request.lease_id, self.clock.now_ms(),
             keys=request.keys, abort_keys=request.abort_keys))
+        durable = committed.blocks if request.ack == kvd_pb2.ACK_DURABLE else []
         if durable:
-            await self._make_durable(blocks, len(blocks), context)  # which wakes the writer
+            await self._make_durable(durable, len(durable), context)  # which wakes the writer
         elif self.disk_plane is not None:
             self.disk_plane.wake()  # the write-back starts now
-        return kvd_pb2.CommitResponse(sealed=sealed, aborted=aborted, durable=len(blocks))
-
-    def _lease_blocks(self, client_id: str, lease_id: int, keys, abort_keys) -> list:
-        """The blocks a commit will seal (all writable ones when both key lists are empty)."""
-        if not keys and abort_keys:
-            return []  # it only aborts
-        try:
-            lease = self.engine.leases.find(lease_id, client_id)
-        except KvdError:
-            return []  # commit reports the precise error
-        wanted = set(keys)
-        return [handle.block for handle in lease.handles if handle.writable and (not wanted or handle.key in wanted)]
+        return kvd_pb2.CommitResponse(sealed=committed.sealed, aborted=committed.aborted, durable=len(durable))
 
     async def _make_durable(self, blocks, requested: int, context) -> None:
         """Wait until `blocks` (the leading ones of the `requested` blocks a
@@ -211,7 +198,7 @@ class BlockHandlers:
             for position, status in enumerate(result.statuses):
                 if status == ReserveStatus.RESERVED:
                     self.arena.write_at(offsets[position], request.blocks[position])
-            sealed, _ = self.engine.commit(CommitRequest(request.namespace_id, request.client_id,
+            sealed, _, _ = self.engine.commit(CommitRequest(request.namespace_id, request.client_id,
                                                          result.lease.lease_id, now_ms))
         durable = 0
         if self.disk_plane is not None and request.ack != kvd_pb2.ACK_DURABLE:
