@@ -7,6 +7,10 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvd-installed
 BUILT_STAMP := $(VENV)/.kvd-built
+# A venv kept while the built extension went (git clean, a new checkout) builds it again.
+ifeq ($(wildcard kvd/_native*.so),)
+$(shell rm -f $(BUILT_STAMP))
+endif
 # Debian packages: etcd-server and etcd-client for the cluster tests (a real
 # etcd the harness starts); liburing-dev and libisal-dev (crc32c) to build the native
 # I/O engine (kvd._native);

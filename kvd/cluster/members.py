@@ -3,8 +3,9 @@
 A member record is what a daemon publishes under its leased etcd key
 (`<prefix>members/<node name>`): where to reach it, who it is this time
 (`incarnation`, new on every start, so a peer tells a restarted node from
-the process it used to talk to), what it can hold, and the NIXL agent
-metadata a peer needs to read its arena. The value is JSON, versioned, and
+the process it used to talk to), what it can hold, and how a peer's NIXL
+agent connects to its own (no memory: what a peer may READ is granted in a
+PinBlocks answer, kvd.cluster.nixl_transport). The value is JSON, versioned, and
 checked on the way in: a record a peer cannot parse is ignored and logged,
 never trusted.
 
@@ -44,7 +45,7 @@ class Member:
     incarnation: int
     host_capacity_bytes: int = 0
     disk_capacity_bytes: int = 0
-    # The NIXL agent's metadata (get_agent_metadata()); b"" without NIXL.
+    # The NIXL agent's connection metadata (no memory described); b"" without NIXL.
     nixl_metadata: bytes = b""
 
     def encode(self) -> bytes:

@@ -4,9 +4,17 @@ One agent per daemon process, named `<node>-<incarnation>`, with NIXL's
 progress thread off (it burns a core idle on small machines, FIELD-NOTES):
 every agent call runs on one dedicated thread of this module, so the agent
 is never entered by two threads at once, and the event loop only awaits.
-The whole host arena is registered once; its metadata travels in the
-member record, and a peer is added when it joins and removed when it
-leaves.
+
+Grants. The member record (in etcd) carries only the agent's connection
+metadata: no address, no memory key. The host arena is registered as the
+destination of this node's own READs, and its metadata never leaves the
+process. What a peer may READ is granted per tenant: the holder registers a
+mapping of one tenant's arena file alone (HostArena.tenant_view: that
+tenant's blocks at their offsets, zeros elsewhere) and hands its metadata
+over in the PinBlocks answer, on the authenticated node-to-node channel, to
+a member that asked for that tenant's blocks. A peer's agent refuses a READ
+outside the regions it was granted (NIXL_ERR_NOT_FOUND). docs/CLUSTER.md
+says what this does and does not hold against (the threat model).
 
 Progress. A READ over UCX's TCP transport needs the *holder* to make
 progress too, so while a peer holds pins here (`serving`) a task drives the
@@ -100,9 +108,15 @@ class NixlTransport:
             config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
             agent = self._thread.submit(nixl_agent, self.name, config).result()
         self.agent = agent
+        # The destination of this node's READs: registered, never described to anyone.
         self._registration = self._thread.submit(
             self.agent.register_memory, [(arena_address, arena_bytes, 0, "")], "DRAM").result()
-        self.metadata: bytes = self._thread.submit(self.agent.get_agent_metadata).result()
+        # What the member record carries: how to connect, and no memory at all.
+        self.metadata: bytes = self._thread.submit(self._partial_metadata, [], True).result()
+        # Regions granted to peers (address -> its registration and metadata), made on first use.
+        self._grants: dict[int, asyncio.Future] = {}
+        # Grants this node's agent has loaded, by peer.
+        self._loaded: dict[str, set[bytes]] = {}
         self._peers: dict[str, str] = {}
         self._serving = 0
         # READs whose handle could not be released while they ran, by peer: each with the future
@@ -114,6 +128,34 @@ class NixlTransport:
 
     async def _call(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
+
+    def _partial_metadata(self, regions: list[tuple[int, int]], connection: bool) -> bytes:
+        """Agent thread: the metadata of exactly `regions` (each registered as one region), with
+        the connection's or without."""
+        rows = np.array([(address, length, 0) for address, length in regions], dtype=np.uint64).reshape(-1, 3)
+        if len(rows):
+            descs = self.agent.get_reg_descs(rows, "DRAM")
+        else:
+            from nixl._api import nixlBind
+            descs = nixlBind.nixlRegDList(self.agent.nixl_mems["DRAM"], rows)
+        return self.agent.get_partial_agent_metadata(descs, connection, ["UCX"])
+
+    async def grant(self, address: int, length: int) -> bytes:
+        """The metadata a peer needs to READ [address, address + length) and nothing else: the
+        region registered on its own (once, until close)."""
+        granted = self._grants.get(address)
+        if granted is None:
+            granted = self._grants[address] = asyncio.ensure_future(self._register_grant(address, length))
+        try:
+            return (await asyncio.shield(granted))[1]
+        except Exception:
+            if self._grants.get(address) is granted:
+                del self._grants[address]  # the next PinBlocks tries again
+            raise
+
+    async def _register_grant(self, address: int, length: int):
+        registration = await self._call(self.agent.register_memory, [(address, length, 0, "")], "DRAM")
+        return registration, await self._call(self._partial_metadata, [(address, length)], False)
 
     def has_peer(self, node: str) -> bool:
         return node in self._peers
@@ -130,6 +172,7 @@ class NixlTransport:
 
     async def remove_peer(self, node: str) -> None:
         name = self._peers.pop(node, None)
+        self._loaded.pop(node, None)
         if name is not None:
             try:
                 await self._call(self.agent.remove_remote_agent, name)
@@ -175,16 +218,18 @@ class NixlTransport:
         return True
 
     async def read(self, node: str, local_addresses: list[int], remote_addresses: list[int], length: int,
-                   timeout_s: float) -> tuple[bool, asyncio.Future | None]:
-        """READ `length` bytes at each remote address into the local one: (whether all arrived in
-        time, None or a future: the READ could not be cancelled and may write into the local
-        addresses until the future is done)."""
+                   timeout_s: float, grant: bytes) -> tuple[bool, asyncio.Future | None]:
+        """READ `length` bytes at each remote address into the local one, inside the region `grant`
+        describes (the holder's PinBlocks answer): (whether all arrived in time, None or a future:
+        the READ could not be cancelled and may write into the local addresses until the future
+        is done)."""
         peer = self._peers.get(node)
         if peer is None or not local_addresses:
             return False, None
         deadline = time.monotonic() + timeout_s
         handle, state = None, "ERR"
         try:
+            await self._load_grant(node, grant)
             handle = await self._call(self._start_read, peer, local_addresses, remote_addresses, length)
             state = await self._call(self.agent.transfer, handle)
             while state == "PROC" and time.monotonic() < deadline:
@@ -200,6 +245,14 @@ class NixlTransport:
             self.failed_reads += 1
             return False, running
         return True, None
+
+    async def _load_grant(self, node: str, grant: bytes) -> None:
+        """Make a holder's grant known to the agent (once per peer: a region's metadata does not
+        change while its holder runs)."""
+        loaded = self._loaded.setdefault(node, set())
+        if grant not in loaded:
+            await self._call(self.agent.add_remote_agent, grant)
+            loaded.add(grant)
 
     async def _release(self, node: str, handle, state: str) -> asyncio.Future | None:
         """Release a READ's handle (which cancels it if it still runs); a future when it could not
@@ -234,8 +287,14 @@ class NixlTransport:
         self._uncancelled.clear()
         for node in list(self._peers):
             await self.remove_peer(node)
-        try:
-            await self._call(self.agent.deregister_memory, self._registration)
-        except Exception as error:
-            log.warning("NIXL deregistration failed", extra={"reason": str(error)})
+        registrations = [self._registration]
+        for granted in self._grants.values():
+            if granted.done() and not granted.cancelled() and granted.exception() is None:
+                registrations.append(granted.result()[0])
+        self._grants.clear()
+        for registration in registrations:
+            try:
+                await self._call(self.agent.deregister_memory, registration)
+            except Exception as error:
+                log.warning("NIXL deregistration failed", extra={"reason": str(error)})
         self._thread.shutdown(wait=True)

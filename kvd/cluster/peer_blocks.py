@@ -47,6 +47,8 @@ class PeerPin:
     offsets: list[int]
     block_bytes: int
     arena_address: int
+    # The NIXL metadata of the one region the holder lets this node READ for these blocks.
+    grant: bytes
 
 
 class PeerBlocks:
@@ -118,14 +120,14 @@ class PeerBlocks:
             return None
         log.debug("NIXL pin", extra={"peer": peer, "blocks": len(pin.offsets),
                                      "pin_ms": _elapsed_ms(started)})
-        return PeerPin(pin.lease_id, list(pin.offsets), pin.block_bytes, pin.arena_address)
+        return PeerPin(pin.lease_id, list(pin.offsets), pin.block_bytes, pin.arena_address, pin.grant)
 
-    async def read(self, peer: str, local: list[int], remote: list[int], length: int,
+    async def read(self, peer: str, pin: PeerPin, local: list[int], remote: list[int], length: int,
                    timeout_s: float) -> tuple[bool, asyncio.Future | None]:
-        """One-sided READ of `length` bytes from each of `peer`'s `remote` addresses into the `local`
-        ones: (False when it failed or ran past `timeout_s`, and a future when it could not be
-        cancelled: it may write into `local` until that future is done)."""
-        return await self.node.transport.read(peer, local, remote, length, timeout_s)
+        """One-sided READ of `length` bytes from each of `peer`'s `remote` addresses (inside what
+        `pin` granted) into the `local` ones: (False when it failed or ran past `timeout_s`, and a
+        future when it could not be cancelled: it may write into `local` until that future is done)."""
+        return await self.node.transport.read(peer, local, remote, length, timeout_s, pin.grant)
 
     async def release(self, peer: str, lease_id: int) -> list[int] | None:
         """ReleasePins: the pinned blocks' per-layer CRC-32Cs, block by block; None when nothing was

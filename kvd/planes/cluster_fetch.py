@@ -56,6 +56,7 @@ class PinnedBlocks(Protocol):
     offsets: Sequence[int]
     block_bytes: int
     arena_address: int
+    grant: bytes
 
 
 class Peers(Protocol):
@@ -74,7 +75,7 @@ class Peers(Protocol):
     async def pin(self, peer: str, namespace_id: bytes, keys: Sequence[bytes], first: int, lease_ms: int,
                   timeout_s: float) -> PinnedBlocks | None: ...
 
-    async def read(self, peer: str, local: list[int], remote: list[int], length: int,
+    async def read(self, peer: str, pin: PinnedBlocks, local: list[int], remote: list[int], length: int,
                    timeout_s: float) -> tuple[bool, asyncio.Future | None]: ...
 
     async def release(self, peer: str, lease_id: int) -> list[int] | None: ...
@@ -211,7 +212,7 @@ class ClusterFetch:
         # Held while the READ may write into the slots: their lease cannot end (expire) and free them.
         self.engine.leases.hold(result.lease)
         try:
-            read, running = await self.peers.read(peer, local.tolist(), remote, spec.block_bytes,
+            read, running = await self.peers.read(peer, pin, local.tolist(), remote, spec.block_bytes,
                                                   self.fetch_timeout_s)
         except BaseException:
             self.engine.leases.unhold(result.lease)

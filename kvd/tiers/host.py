@@ -66,6 +66,8 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.fallocate.restype = ctypes.c_int
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _libc.madvise.restype = ctypes.c_int
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
@@ -132,6 +134,8 @@ class HostArena:
         # tenant -> its memfd; with tenants, the spare file backs unclaimed slots.
         self._files: dict[str, int] = {}
         self._closed = True
+        # tenant -> the address of a mapping of its file alone (tenant_view).
+        self._views: dict[str, int] = {}
         backing = self._new_file("spare") if per_tenant else self.tenant_fd(DEFAULT_TENANT)
         self._spare = backing if per_tenant else None
         # The tenant whose file backs each granule, as an index into
@@ -183,6 +187,23 @@ class HostArena:
         if fd is None:
             fd = self._files[tenant] = self._new_file("tenant" if tenant else "default")
         return fd
+
+    def tenant_view(self, tenant: str) -> int:
+        """The address, in this process, of a mapping of `tenant`'s file alone (made on first use,
+        kept until close): its blocks at their arena offsets, zeros wherever another tenant's
+        block is. What a peer may be granted to READ for that tenant's fetches
+        (kvd.cluster.nixl_transport); without tenants, the arena's one file."""
+        tenant = tenant if self.per_tenant else DEFAULT_TENANT
+        address = self._views.get(tenant)
+        if address is None:
+            # Writable only because RDMA registration asks for local write access; nothing writes here.
+            address = _libc.mmap(None, self.layout.arena_bytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED,
+                                 self.tenant_fd(tenant), 0)
+            if address in (None, _MAP_FAILED):
+                error = ctypes.get_errno()
+                raise OSError(error, f"mmap of tenant {tenant!r}'s arena file: {os.strerror(error)}")
+            self._views[tenant] = address
+        return address
 
     def claim(self, slot: int, tenant: str) -> None:
         """Back page-sized `slot` with `tenant`'s file (see claim_range)."""
@@ -335,6 +356,9 @@ class HostArena:
         if self._closed:
             return
         self._closed = True
+        for address in self._views.values():
+            _libc.munmap(address, self.layout.arena_bytes)
+        self._views.clear()
         for fd in {*self._files.values(), *([self._spare] if self._spare is not None else [])}:
             os.close(fd)
         self._files.clear()

@@ -1005,16 +1005,18 @@ class PinBlocksRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[int] = ..., namespace_id: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ..., first: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class PinBlocksResponse(_message.Message):
-    __slots__ = ("lease_id", "offsets", "block_bytes", "arena_address")
+    __slots__ = ("lease_id", "offsets", "block_bytes", "arena_address", "grant")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     block_bytes: int
     arena_address: int
-    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., arena_address: _Optional[int] = ...) -> None: ...
+    grant: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., arena_address: _Optional[int] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class ReleasePinsRequest(_message.Message):
     __slots__ = ("node", "incarnation", "lease_id")

@@ -169,7 +169,8 @@ class Holder:
     async def PinBlocks(self, request, timeout, metadata):
         count = len(request.packed_keys) // 32 - request.first
         return kvd_pb2.PinBlocksResponse(lease_id=9, offsets=[i * SPEC.block_bytes for i in range(count)],
-                                         block_bytes=SPEC.block_bytes, arena_address=self.memory.address_at(0))
+                                         block_bytes=SPEC.block_bytes, arena_address=self.memory.address_at(0),
+                                         grant=b"grant of the holder's view")
 
     async def ReleasePins(self, request, timeout, metadata):
         self.released.append(request.lease_id)
@@ -181,7 +182,8 @@ class Holder:
 class Copying:
     """transport.read as a memmove (what a completed one-sided READ leaves behind)."""
 
-    async def read(self, node, local, remote, length, timeout_s):
+    async def read(self, node, local, remote, length, timeout_s, grant):
+        assert grant == b"grant of the holder's view"
         for target, source in zip(local, remote):
             ctypes.memmove(target, source, length)
         return True, None
@@ -253,7 +255,7 @@ class Uncancelled:
     def __init__(self) -> None:
         self.running: asyncio.Future | None = None
 
-    async def read(self, node, local, remote, length, timeout_s):
+    async def read(self, node, local, remote, length, timeout_s, grant):
         self.running = asyncio.get_running_loop().create_future()
         return False, self.running
 

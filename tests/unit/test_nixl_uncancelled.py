@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from nixl._api import nixlBind
+
 from kvd.cluster.nixl_transport import NixlTransport
 from kvd.supervisor import Supervisor
 
@@ -20,8 +22,13 @@ class StuckAgent:
     def register_memory(self, *args):
         return "registration"
 
-    def get_agent_metadata(self):
+    nixl_mems = {"DRAM": nixlBind.DRAM_SEG}
+
+    def get_partial_agent_metadata(self, descs, connection, backends):
         return b"metadata"
+
+    def get_reg_descs(self, rows, kind):
+        return rows
 
     def add_remote_agent(self, metadata):
         return b"peer-1"
@@ -56,7 +63,7 @@ class StuckAgent:
 async def stuck_read(agent: StuckAgent) -> tuple[NixlTransport, bool, asyncio.Future | None]:
     transport = NixlTransport("me", 1, 0x1000, 4096, agent=agent)
     await transport.add_peer("peer", b"metadata")
-    done, running = await transport.read("peer", [0x1000], [0x2000], 64, timeout_s=0.01)
+    done, running = await transport.read("peer", [0x1000], [0x2000], 64, timeout_s=0.01, grant=b"grant")
     return transport, done, running
 
 
@@ -84,7 +91,7 @@ def test_removing_its_peer_ends_an_uncancelled_read_and_a_cancelled_one_returns_
         assert running.done()
         agent.state = "ERR"  # released at once now: nothing keeps running
         await transport.add_peer("peer", b"metadata")
-        done, running = await transport.read("peer", [0x1000], [0x2000], 64, timeout_s=0.01)
+        done, running = await transport.read("peer", [0x1000], [0x2000], 64, timeout_s=0.01, grant=b"grant")
         assert (done, running) == (False, None)
         await transport.close()
 

@@ -15,7 +15,9 @@ client id:
   and closes the lease when the stream ends, however it ends: nothing stays
   pinned for a peer.
 - PinBlocks, for a peer's one-sided NIXL READ, answers their arena offsets
-  at once and computes their per-layer CRC-32Cs on a worker thread while
+  and the grant of the namespace's tenant's view of the arena (the only
+  memory of this node the peer can READ; kvd.cluster.nixl_transport) at
+  once, and computes their per-layer CRC-32Cs on a worker thread while
   the peer READs; ReleasePins ends the pins and hands the CRC-32Cs over.
   Pins still held at that release were held for the whole READ; a release
   that finds them gone (their lease ran out first) gives no checksums, and
@@ -104,7 +106,14 @@ class ClusterHandlers:
         if lease is None or not offsets:
             if lease is not None:
                 engine.leases.close(lease)
-            return kvd_pb2.PinBlocksResponse(block_bytes=spec.block_bytes, arena_address=arena.address_at(0))
+            return kvd_pb2.PinBlocksResponse(block_bytes=spec.block_bytes)
+        # The peer READs through the namespace's tenant's own view of the arena (see nixl_transport).
+        view = arena.tenant_view(spec.tenant)
+        try:
+            grant = await self.cluster.transport.grant(view, arena.layout.arena_bytes)
+        except BaseException:
+            engine.leases.close(lease)
+            raise
         loop = asyncio.get_running_loop()
         checksums = loop.run_in_executor(None, layer_checksums, arena, offsets, spec)
         self._peer_pins[lease.lease_id] = PeerPins(request.node, lease, checksums)
@@ -112,7 +121,7 @@ class ClusterHandlers:
         loop.call_later(max(lease.deadline_ms - self.clock.now_ms(), 0) / 1000 + 0.1,
                         self._expire_peer_pins, lease.lease_id)
         return kvd_pb2.PinBlocksResponse(lease_id=lease.lease_id, offsets=offsets, block_bytes=spec.block_bytes,
-                                         arena_address=arena.address_at(0))
+                                         arena_address=view, grant=grant)
 
     async def release_pins_of_peer(self, node: str, lease_id: int) -> list[int] | None:
         """ReleasePins: end a peer's pins; their CRC-32Cs, or None when they are not (or no longer)
