@@ -10,6 +10,7 @@ reader's agent refuses anything outside what it was granted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -31,23 +32,32 @@ def tenant_arena(tmp_blocks: dict[int, tuple[str, bytes]]) -> HostArena:
     return arena
 
 
-async def two_agents(holder_arena: HostArena, reader_arena: HostArena):
+@contextlib.asynccontextmanager
+async def two_agents(holder_blocks: dict[int, tuple[str, bytes]]):
+    """(holder, its arena, reader, its arena): two agents, each with its own arena, connected as
+    two members are (each has the other's member-record metadata)."""
+    holder_arena = tenant_arena(holder_blocks)
+    reader_arena = HostArena(ArenaLayout(SLOT, SLOTS), prefault=True)
     holder = NixlTransport("holder", 1, holder_arena.address_at(0), holder_arena.layout.arena_bytes)
     reader = NixlTransport("reader", 1, reader_arena.address_at(0), reader_arena.layout.arena_bytes)
-    await reader.add_peer("holder", holder.metadata)
-    await holder.add_peer("reader", reader.metadata)
-    holder.serving(+1)  # as while a peer holds pins: the holder's agent makes progress
-    return holder, reader
+    try:
+        await reader.add_peer("holder", holder.metadata)
+        await holder.add_peer("reader", reader.metadata)
+        holder.serving(+1)  # as while a peer holds pins: the holder's agent makes progress
+        yield holder, holder_arena, reader, reader_arena
+    finally:
+        await reader.close()
+        await holder.close()
+        holder_arena.close()
+        reader_arena.close()
 
 
 def test_a_peer_reads_what_it_was_granted_and_nothing_else():
     mine, theirs = b"A" * SLOT, b"B" * SLOT
 
     async def scenario():
-        holder_arena = tenant_arena({0: ("tenant-a", mine), 1: ("tenant-b", theirs)})
-        reader_arena = HostArena(ArenaLayout(SLOT, SLOTS), prefault=True)
-        holder, reader = await two_agents(holder_arena, reader_arena)
-        try:
+        async with two_agents({0: ("tenant-a", mine), 1: ("tenant-b", theirs)}) as (holder, holder_arena, reader,
+                                                                                     reader_arena):
             view = holder_arena.tenant_view("tenant-a")
             grant = await holder.grant(view, holder_arena.layout.arena_bytes)
             assert await holder.grant(view, holder_arena.layout.arena_bytes) == grant  # registered once
@@ -68,11 +78,6 @@ def test_a_peer_reads_what_it_was_granted_and_nothing_else():
             assert await read(view + holder_arena.layout.arena_bytes, grant) == (False, None)
             assert reader_arena.read(0, SLOT) == bytes(SLOT)
             assert reader.failed_reads == 2
-        finally:
-            await reader.close()
-            await holder.close()
-            holder_arena.close()
-            reader_arena.close()
 
     asyncio.run(scenario())
 
@@ -81,19 +86,11 @@ def test_the_member_record_grants_nothing():
     """What etcd holds (the member record's metadata) lets no one READ anything: a reader that has
     only that, even passing it as a grant, gets no bytes."""
     async def scenario():
-        holder_arena = tenant_arena({0: ("tenant-a", b"A" * SLOT)})
-        reader_arena = HostArena(ArenaLayout(SLOT, SLOTS), prefault=True)
-        holder, reader = await two_agents(holder_arena, reader_arena)
-        try:
+        async with two_agents({0: ("tenant-a", b"A" * SLOT)}) as (holder, holder_arena, reader, reader_arena):
             view = holder_arena.tenant_view("tenant-a")
             for remote in (view, holder_arena.address_at(0)):
                 assert await reader.read("holder", [reader_arena.address(0)], [remote], SLOT, 5.0,
                                          holder.metadata) == (False, None)
             assert not reader_arena.slots[0].any()
-        finally:
-            await reader.close()
-            await holder.close()
-            holder_arena.close()
-            reader_arena.close()
 
     asyncio.run(scenario())
