@@ -72,6 +72,7 @@ Get hits of kvd_get_blocks_total.
 | kvd_arena_slot_tenant_changes_total | counter | | host slots moved to another tenant's arena file (auth.mode = "token"): each is a remap in the daemon and the slot's pages punched out of the previous tenant's file |
 | kvd_device_pools | gauge | | engines' KV pools registered with the device plane ([device] kind) |
 | kvd_device_blocks_total | counter | op | blocks kvd copied out of engines' pools (save) and into them (load) |
+| kvd_device_disk_loads_total | counter | result | LoadLayers whose blocks were read from disk and went to the engine's pages layer by layer as each landed: landed, or failed (a read failed or the Get ended early; the flag word got FAILED) |
 | kvd_device_tier_blocks | gauge | | blocks held in the device tier ([device] tier_bytes) |
 | kvd_device_tier_slots | gauge | | slots of the device tier (0: none) |
 | kvd_device_tier_used_slots | gauge | | slots of the device tier holding copies (or being written) |
@@ -414,6 +415,11 @@ class DeviceCollector(Collector):
         moved.add_metric(["save"], c["saved_blocks"])
         moved.add_metric(["load"], c["loaded_blocks"])
         yield moved
+        from_disk = CounterMetricFamily("kvd_device_disk_loads", "LoadLayers sent to the engine layer by layer as "
+                                        "their blocks landed from disk.", labels=["result"])
+        from_disk.add_metric(["landed"], c["disk_loads_landed"])
+        from_disk.add_metric(["failed"], c["disk_loads_failed"])
+        yield from_disk
         yield GaugeMetricFamily("kvd_device_tier_blocks", "Blocks held in the device tier.", value=c["tier_blocks"])
         yield GaugeMetricFamily("kvd_device_tier_slots", "Slots of the device tier (0: no device tier).",
                                 value=c["tier_slots"])

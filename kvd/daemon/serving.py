@@ -95,6 +95,8 @@ def kvd_service(config: Config, engine: Engine, arena: HostArena, clock: Clock, 
     )
     service.device_plane = device_plane
     service.on_bug = on_bug
+    if device_plane is not None:
+        device_plane.on_bug = on_bug
     return service
 
 

@@ -137,15 +137,27 @@ def save_layers(stream: Stream, layout: PoolLayout, block_ids, arena: Memory, sl
     return base + len(layout.layers)
 
 
+def load_places(layout: PoolLayout, sources: Sequence[tuple[Memory, object, object]]) -> list:
+    """A load's sources with their offsets on both sides, computed once for every layer. A source is
+    (memory, block_ids, slot offsets (1-D: slots holding every layer) or layer offsets [blocks,
+    layers] with ABSENT where the layer comes from another source): the arena, and the device tier."""
+    return [(memory, *_offsets(layout, ids, offsets)) for memory, ids, offsets in sources]
+
+
+def load_layer(stream: Stream, layout: PoolLayout, places, layer: int, kvd_flags: Memory, flag_index: int,
+               base: int) -> None:
+    """Scatter one layer into the engine's pages from its places (load_places), then flag it landed."""
+    pool = layout.layers[layer]
+    for memory, slots, pages, nbytes in _copies(layout, layer, places):
+        stream.copy_blocks(pool, pages, memory, slots, nbytes)
+    stream.write_flag(kvd_flags, flag_index, base + layer + 1)
+
+
 def load_layers(stream: Stream, layout: PoolLayout, sources: Sequence[tuple[Memory, object, object]],
                 kvd_flags: Memory, flag_index: int, base: int) -> int:
-    """Scatter each layer into the engine's pages from its sources, flagging each layer as it lands;
-    returns the flag value that means every layer has. A source is (memory, block_ids, slot offsets
-    (1-D: slots holding every layer) or layer offsets [blocks, layers] with ABSENT where the layer
-    comes from another source): the arena, and the device tier."""
-    places = [(memory, *_offsets(layout, ids, offsets)) for memory, ids, offsets in sources]
-    for layer, pool in enumerate(layout.layers):
-        for memory, slots, pages, nbytes in _copies(layout, layer, places):
-            stream.copy_blocks(pool, pages, memory, slots, nbytes)
-        stream.write_flag(kvd_flags, flag_index, base + layer + 1)
+    """Scatter each layer into the engine's pages from its sources (see load_places), flagging each
+    layer as it lands; returns the flag value that means every layer has."""
+    places = load_places(layout, sources)
+    for layer in range(len(layout.layers)):
+        load_layer(stream, layout, places, layer, kvd_flags, flag_index, base)
     return base + len(layout.layers)

@@ -25,7 +25,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +34,7 @@ from kvd.device import Device, DeviceError, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
 from kvd.device.transfer import ABSENT, PoolLayout, load_layers, save_layers
 from kvd.planner.distance import NONE
+from kvd.planes.device_loads import LayerLoad
 from kvd.planes.device_tier import DeviceTier
 from kvd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvd.invariants import check
@@ -114,6 +115,8 @@ class DevicePlane:
         self.devices = {device.uuid: device for device in devices}
         self.tier = tier
         self.saved_blocks = self.loaded_blocks = 0
+        # Loads whose layers went to the engine as they landed from disk, by how they ended.
+        self.disk_loads = {"landed": 0, "failed": 0}
         self.host = host if host is not None else (self.device if isinstance(self.device, CpuDevice) else CpuDevice())
         # Flag words come from the CPU device of the engine's host side: the CPU devices served, or `host`.
         self.hosts = {uuid: device for uuid, device in self.devices.items() if isinstance(device, CpuDevice)} \
@@ -126,6 +129,8 @@ class DevicePlane:
         self.deposits: dict[str, Deposit] = {}
         self._ids = itertools.count(1)
         self._drains: set[asyncio.Task] = set()
+        # Where a failed transfer task goes (the daemon's supervisor: kvd stops loudly).
+        self.on_bug: Callable[[str, BaseException], None] | None = None
 
     def _registers_arena(self, device: Device) -> bool:
         """Whether `device` holds a registration of the arena of its own. A CUDA registration is
@@ -320,6 +325,7 @@ class DevicePlane:
         """For the metrics: pools, blocks moved, and the device tier's state."""
         tier = self.tier
         return {"pools": len(self.pools), "saved_blocks": self.saved_blocks, "loaded_blocks": self.loaded_blocks,
+                "disk_loads_landed": self.disk_loads["landed"], "disk_loads_failed": self.disk_loads["failed"],
                 "tier_blocks": len(tier) if tier else 0, "tier_slots": tier.slot_count if tier else 0,
                 "tier_hits": tier.hits if tier else 0, "tier_misses": tier.misses if tier else 0,
                 "tier_evictions": tier.evictions if tier else 0, "tier_used_slots": tier.used_slots if tier else 0,
@@ -416,32 +422,54 @@ class DevicePlane:
             pause = min(_POLL_MAX_S, pause * 2 or 0.00002)
 
     def load(self, pool: Pool, pages: np.ndarray, keys, blocks, slot_offsets: list[int], kvd_flag: int, base: int,
-             on_landed) -> tuple[int, list[bool]]:
+             on_landed, reading: tuple[asyncio.Queue, asyncio.Future] | None = None) -> tuple[int, list[bool]]:
         """Issue the per-layer scatter of `blocks` (pinned by the caller, in the arena at
         slot_offsets) into the pages, from the device tier where it holds them; `on_landed()` runs
         (on the event loop) once every copy has landed or the stream failed. Returns the value
-        flags[kvd_flag] reaches, and which blocks came from the device tier."""
+        flags[kvd_flag] reaches, and which blocks came from the device tier.
+
+        `reading`: the blocks are still being read from disk into their slots: (the reads'
+        on_layer steps, the Get's task); each layer is then issued as it lands
+        (kvd.planes.device_loads)."""
         tier = self._tier_of(pool)
         entries = tier.find(pool.namespace_id, keys, blocks) if tier is not None else []
-        try:
-            done = load_layers(pool.stream, pool.layout, self._sources(pool, pages, slot_offsets, entries),
-                               pool.flags_on_device, kvd_flag, base)
-        except BaseException:
-            if tier is not None:
-                tier.unpin(pool.namespace_id, keys, entries)
-            raise
 
         def landed() -> None:
             if tier is not None:
                 tier.unpin(pool.namespace_id, keys, entries)
             on_landed()
 
+        sources = self._sources(pool, pages, slot_offsets, entries)
+        if reading is not None:
+            as_read = LayerLoad(pool, sources, kvd_flag, base, len(blocks), *reading)
+            pool.begin()
+            self._spawn(self._count_disk_load(as_read.run(landed)))
+            self.loaded_blocks += len(blocks)
+            return as_read.done, [entry is not None for entry in entries] or [False] * len(blocks)
+        try:
+            done = load_layers(pool.stream, pool.layout, sources, pool.flags_on_device, kvd_flag, base)
+        except BaseException:
+            if tier is not None:
+                tier.unpin(pool.namespace_id, keys, entries)
+            raise
         pool.begin()
         self.loaded_blocks += len(blocks)
-        task = asyncio.get_running_loop().create_task(self._landed(pool, landed, kvd_flag, done))
-        self._drains.add(task)
-        task.add_done_callback(self._drains.discard)
+        self._spawn(self._landed(pool, landed, kvd_flag, done))
         return done, [entry is not None for entry in entries] or [False] * len(blocks)
+
+    async def _count_disk_load(self, running) -> None:
+        self.disk_loads["landed" if await running else "failed"] += 1
+
+    def _spawn(self, work) -> None:
+        """A task that ends a transfer (kept until done; a bug in it goes to the supervisor)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._drains.add(task)
+        task.add_done_callback(self._transfer_ended)
+
+    def _transfer_ended(self, task: asyncio.Task) -> None:
+        self._drains.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.on_bug is not None:
+            self.on_bug("a device transfer's completion", task.exception())
 
     def _sources(self, pool: Pool, pages: np.ndarray, slot_offsets, entries) -> list:
         """A load's sources: the device tier for the layers its entries hold, the arena for the rest."""

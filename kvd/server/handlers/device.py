@@ -6,6 +6,8 @@ service's state and reach each other's helpers through self."""
 
 from __future__ import annotations
 
+import asyncio
+
 from kvd.core.engine import ReserveStatus
 from kvd.errors import FailedPrecondition, InvalidArgument
 from kvd.planner.distance import NONE
@@ -101,18 +103,16 @@ class DeviceHandlers:
         get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, client_id=request.client_id,
                                  keys=request.keys, parent_key=request.parent_key)
         await self._fetch_remote(get)
-        lease, matched, tiers, cut, offsets = await self._pinned_prefix(get, request.client_id)
+        life = await self._begin_get(get, request.client_id)
+        if life.pending and not life.plan.waits:
+            # Disk reads of its own only: each layer goes to the engine as it lands (device_loads).
+            return self._load_as_read(plane, pool, pages, request, life)
+        lease, matched, tiers, cut, offsets = await self._settled_get(life, get)
         if lease is not None:
             # Copied out of the pinned slots on a device stream after this call returns: held,
             # the lease cannot end (expire, drain) and let them go before the copy has landed.
             self.engine.leases.hold(lease)
-
-        def landed() -> None:
-            if lease is not None:
-                self.engine.leases.unhold(lease)
-                if not lease.ended:
-                    self.engine.leases.close(lease)
-
+        landed = self._close_when_landed(lease)
         try:
             done, from_tier = plane.load(pool, pages[:len(matched)], request.keys[:len(matched)], matched,
                                          self._offsets(lease, offsets), request.kvd_flag, request.base, landed)
@@ -121,6 +121,37 @@ class DeviceHandlers:
             raise
         tiers = bytes(kvd_pb2.TIER_DEVICE if hit else tier for hit, tier in zip(from_tier, tiers))
         return kvd_pb2.LoadLayersResponse(matched=len(matched), done_value=done, tiers=tiers, cut=cut)
+
+    def _close_when_landed(self, lease):
+        """What ends a load's lease once its copies have landed (the Get's pins go with it)."""
+        def landed() -> None:
+            if lease is not None:
+                self.engine.leases.unhold(lease)
+                if not lease.ended:
+                    self.engine.leases.close(lease)
+        return landed
+
+    def _load_as_read(self, plane, pool, pages, request, life):
+        """Answer at once; the layers follow the disk reads (the engine waits on the flag word).
+        A read that fails later turns the flag FAILED: the engine recomputes."""
+        plan = life.plan
+        matched, lease = list(plan.matched), plan.lease
+        # Held from now: the slots are read by the device stream until the last copy lands, even if
+        # the Get ends early (its pins then go only when the lease is closed after that).
+        self.engine.leases.hold(lease)
+        steps: asyncio.Queue = asyncio.Queue()
+        getting = self.disk_plane.start_get(life, on_layer=lambda layer, ok: steps.put_nowait((layer, ok)))
+        landed = self._close_when_landed(lease)
+        try:
+            done, from_tier = plane.load(pool, pages[:len(matched)], request.keys[:len(matched)], matched,
+                                         self._offsets(lease, life.offsets), request.kvd_flag, request.base, landed,
+                                         reading=(steps, getting))
+        except BaseException:
+            getting.cancel()
+            landed()
+            raise
+        tiers = bytes(kvd_pb2.TIER_DEVICE if hit else tier for hit, tier in zip(from_tier, life.tiers))
+        return kvd_pb2.LoadLayersResponse(matched=len(matched), done_value=done, tiers=tiers, cut=plan.cut)
 
 
 def _offload_distance(distance: int, layers: int) -> int:

@@ -65,7 +65,10 @@ class ReadHandlers:
 
     async def _pinned_prefix(self, request, client_id: str) -> Pinned:
         """A Get planned, read and settled (see Pinned)."""
-        life = await self._begin_get(request, client_id)
+        return await self._settled_get(await self._begin_get(request, client_id), request)
+
+    async def _settled_get(self, life: GetLife, request) -> Pinned:
+        """A planned Get read and settled (see Pinned)."""
         plan = life.plan
         if life.pending:
             # On failure the get task drops the Get itself (lease and pins), once no read

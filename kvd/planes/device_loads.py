@@ -1,0 +1,110 @@
+"""A LoadLayers whose blocks are still being read from disk: each layer goes to the engine as it lands.
+
+The disk plane reads the Get's blocks in extents of whole layers, verifying
+each layer's CRC-32C in the read (kvd.tiers.disk.reads), into host-arena
+slots that serve as the staging buffer (pinned host memory, registered with
+the device). As soon as layer l of every block has landed and checked out,
+its copies into the engine's pages are issued on the pool's stream, then
+the flag word that tells the engine layer l is there: attention of layer 0
+may run while the drives still read layer 1. Without this, a disk hit went
+disk -> host tier -> device only once the whole Get had landed.
+
+A read that fails (a media error, a checksum that does not match) or a Get
+that ends early stops the issuing: once every copy issued so far has landed,
+the flag word gets the FAILED mark, so the engine recomputes instead of
+reading pages kvd no longer vouches for. Layers flagged before the failure
+were good (each flag covers every block of that layer), so nothing the
+engine already used was wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvd.core.get_life import Served
+from kvd.core.reads import GetCut
+from kvd.device import DeviceError
+from kvd.device.cpu import store_flag
+from kvd.device.transfer import load_layer, load_places
+
+log = logging.getLogger(__name__)
+
+# The flag's failure mark (kvd.planes.device.FAILED; repeated here to keep the import one way).
+FAILED = 1 << 63
+
+
+@dataclass(slots=True)
+class LayerLoad:
+    """One pool's load as its layers land: `steps` gets (last layer landed, ok per load) from the
+    disk plane's on_layer, `getting` is the Get's task (it ends with what the Get serves)."""
+
+    pool: object
+    sources: list
+    kvd_flag: int
+    base: int
+    matched: int
+    steps: asyncio.Queue
+    getting: asyncio.Future
+
+    @property
+    def done(self) -> int:
+        return self.base + len(self.pool.layout.layers)
+
+    async def run(self, on_landed: Callable[[], None]) -> bool:
+        """Issue each layer as it lands; then wait for the stream; FAILED on anything short. Whether
+        every layer landed."""
+        pool = self.pool
+        good = False
+        try:
+            good = await self._issue_as_landed()
+        finally:
+            try:
+                await asyncio.to_thread(pool.stream.synchronize)
+            except DeviceError as error:
+                good = False
+                log.error("a load into an engine's pool failed", extra={"pool_id": pool.pool_id, "error": str(error)})
+            if not good:
+                # After the stream: no copy still lands in the pages once the engine reads FAILED.
+                store_flag(pool.flags, self.kvd_flag, FAILED | self.done)
+            pool.end()
+            on_landed()
+        return good
+
+    async def _issue_as_landed(self) -> bool:
+        """Whether every layer was issued and the Get served every block it promised."""
+        layout = self.pool.layout
+        places = load_places(layout, self.sources)
+        issued = 0
+        while issued < len(layout.layers):
+            step = await self._next_step()
+            if step is None:
+                break  # the Get ended before its last layer landed
+            layer, ok = step
+            if not all(ok):
+                break  # a read failed: the engine recomputes these blocks
+            for next_layer in range(issued, layer + 1):
+                load_layer(self.pool.stream, layout, places, next_layer, self.pool.flags_on_device, self.kvd_flag,
+                           self.base)
+            issued = layer + 1
+        try:
+            served: Served = await self.getting
+        except Exception as error:  # the Get failed (the daemon stops, the lease went): nothing more lands
+            log.info("a load from disk into an engine's pool ended early", extra={"pool_id": self.pool.pool_id,
+                                                                               "reason": str(error)})
+            return False
+        return issued == len(layout.layers) and served.cut != GetCut.LEASE_ENDED and len(served.blocks) == self.matched
+
+    async def _next_step(self) -> tuple[int, list[bool]] | None:
+        """The next (layer, ok) the reads report, or None once the Get has ended with none left."""
+        while self.steps.empty():
+            if self.getting.done():
+                return None
+            waiter = asyncio.ensure_future(self.steps.get())
+            await asyncio.wait({waiter, self.getting}, return_when=asyncio.FIRST_COMPLETED)
+            if waiter.done():
+                return waiter.result()
+            waiter.cancel()
+        return self.steps.get_nowait()

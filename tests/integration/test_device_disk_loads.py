@@ -1,0 +1,79 @@
+"""LoadLayers of blocks that are only on disk (issue 37 item 3): each layer goes to the engine's pages
+as it lands from the drives and checks out, against a real daemon in another process with a disk
+tier on real files and the CPU device, synchronous and asynchronous (copies and flag stores land
+after they are issued, as a GPU's do). A read that fails turns the flag word FAILED, after every
+copy issued has landed; the daemon keeps serving and holds no pins."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvd.client import Client
+from kvd.client.device import FAILED
+from kvd.device.cpu import DELAY_ENV
+from kvd.io.faults import FAULTS_ENV
+from kvd.testing.daemon import run_daemon
+from kvd.v1 import kvd_pb2
+from tests.integration.test_device_plane import KVD, SPEC, Engine, blocks, keys_for, wait_for
+
+
+def disk_config(tmp_path) -> dict:
+    return {"host": {"capacity_bytes": 16 << 20, "slot_bytes": 64 << 10},
+            "disk": {"directories": [str(tmp_path / "nvme0")], "capacity_bytes": 64 << 20,
+                     "segment_bytes": 8 << 20, "slot_bytes": 64 << 10, "write_mode": "through"},
+            "device": {"kind": "cpu", "flag_timeout_ms": 2000, "pool_lease_ms": 5000}}
+
+
+@pytest.fixture(params=["synchronous", "asynchronous"])
+def delay(request) -> str:
+    return "5" if request.param == "asynchronous" else "0"
+
+
+def stored_on_disk_only(client: Client, engine: Engine, count: int, seed: int):
+    """`count` blocks put durably, then every host copy demoted: their only copy is on disk."""
+    data, keys = blocks(count, seed), keys_for(seed, count)
+    assert client.put(engine.namespace, keys, data, durable=True) == count
+    assert client.demote().blocks_demoted >= count
+    assert list(client.lookup(engine.namespace, keys).tiers) == [kvd_pb2.TIER_DISK] * count
+    return data, keys
+
+
+def test_a_load_from_disk_lands_layer_by_layer_with_the_stored_bytes(tmp_path, delay):
+    with run_daemon(tmp_path / "kvd", config=disk_config(tmp_path), env={DELAY_ENV: delay}) as daemon, \
+            Client(daemon.unix_target) as client:
+        engine = Engine(client)
+        data, keys = stored_on_disk_only(client, engine, 6, seed=3)
+        pages = [9, 2, 30, 14, 0, 21]
+        base = engine.pool.flag(KVD)
+        loaded = engine.pool.load(keys, pages, KVD, base)
+        assert loaded.matched == 6 and loaded.done_value == base + SPEC.num_layers
+        assert bytes(loaded.tiers) == bytes([kvd_pb2.TIER_DISK] * 6)  # what the blocks were before the load
+        wait_for(lambda: engine.pool.flag(KVD) >= loaded.done_value)
+        assert engine.pool.flag(KVD) == loaded.done_value  # not FAILED
+        for page, block in zip(pages, data):
+            np.testing.assert_array_equal(engine.read(page), block)
+        wait_for(lambda: daemon.metric("kvd_lease_pinned_blocks") == 0)
+        assert daemon.metric_samples("kvd_device_disk_loads_total") == {
+            'kvd_device_disk_loads_total{result="landed"}': 1.0, 'kvd_device_disk_loads_total{result="failed"}': 0.0}
+        engine.close()
+
+
+def test_a_read_that_fails_turns_the_flag_failed_and_leaves_no_pins(tmp_path, delay):
+    faults = {DELAY_ENV: delay, FAULTS_ENV: "read:EIO:1"}
+    with run_daemon(tmp_path / "kvd", config=disk_config(tmp_path), env=faults) as daemon, \
+            Client(daemon.unix_target) as client:
+        engine = Engine(client)
+        data, keys = stored_on_disk_only(client, engine, 4, seed=5)
+        base = engine.pool.flag(KVD)
+        loaded = engine.pool.load(keys, [0, 1, 2, 3], KVD, base)
+        assert loaded.matched == 4  # what it found; the reads follow the answer
+        wait_for(lambda: engine.pool.flag(KVD) >= FAILED)
+        assert engine.pool.flag(KVD) == FAILED | loaded.done_value
+        wait_for(lambda: daemon.metric("kvd_lease_pinned_blocks") == 0)
+        # The block whose read failed is lost, with the chain after it; the daemon serves on.
+        assert len(client.get_numpy(engine.namespace, keys)) < 4
+        again = engine.pool.load(keys, [4, 5, 6, 7], KVD, engine.pool.flag(KVD) & ~FAILED)
+        wait_for(lambda: engine.pool.flag(KVD) == again.done_value)
+        assert daemon.metric_samples("kvd_device_disk_loads_total")['kvd_device_disk_loads_total{result="failed"}'] == 1
+        engine.close()
