@@ -8,8 +8,11 @@ fetcher's client Gets it (the fetcher finds the holder through the
 directory, reserves slots, moves and verifies the bytes, seals them, then
 serves the Get), and Gets it again (a local host hit: the baseline). Rounds
 of the transports interleave, so machine noise hits each alike. Printed:
-GiB/s of the fetching Get and of the local Get, their ratio, and NIXL over
-gRPC. Results in bench/results/bench_cluster_fetch.json.
+GiB/s of the fetching Get and of the local Get, their ratio, NIXL over
+gRPC, and, from the fetcher's kvd_cluster_fetch_* metrics, the rate of the
+NIXL READ inside the same fetch between the same two processes (the raw
+READ of those bytes) and where the rest of the fetch's time goes (pin,
+read, release, verify, seal). Results in bench/results/bench_cluster_fetch.json.
 
 Run:  .venv/bin/python bench/bench_cluster_fetch.py [--mib 256] [--rounds 3]
 """
@@ -63,7 +66,15 @@ def wait_members(daemon, count: int) -> None:
         time.sleep(0.05)
 
 
-def one_round(pair, round_index: int, blocks: np.ndarray) -> tuple[float, float]:
+def fetch_stages(daemon) -> dict[str, float]:
+    """The fetcher's NIXL stage seconds (kvd_cluster_fetch_seconds_total) and READ bytes."""
+    stages = {line.split('stage="')[1].split('"')[0]: value
+              for line, value in daemon.metric_samples("kvd_cluster_fetch_seconds_total").items()}
+    return stages | {"read_bytes": daemon.metric("kvd_cluster_fetch_read_bytes_total") or 0.0}
+
+
+def one_round(pair, round_index: int, blocks: np.ndarray) -> tuple[float, float, dict[str, float]]:
+    """(seconds of the Get that fetched, seconds of the local Get after it, the fetch's stages)."""
     holder, fetcher = pair
     with Client(holder.unix_target) as put_client, Client(fetcher.unix_target) as get_client:
         ns_h, ns_f = put_client.register_namespace(SPEC), get_client.register_namespace(SPEC)
@@ -76,9 +87,12 @@ def one_round(pair, round_index: int, blocks: np.ndarray) -> tuple[float, float]
                 raise SystemExit("the directory never listed the holder")
             time.sleep(0.02)
         out = np.empty_like(blocks)
+        stages_before = fetch_stages(fetcher)
         started = time.perf_counter()
         get_client.get_numpy(ns_f, keys, out=out)
         remote_s = time.perf_counter() - started
+        after = fetch_stages(fetcher)
+        stages = {stage: after[stage] - stages_before.get(stage, 0.0) for stage in after}
         if not np.array_equal(out, blocks):
             raise SystemExit("a fetched block differs from what the holder stored")
         started = time.perf_counter()
@@ -86,7 +100,7 @@ def one_round(pair, round_index: int, blocks: np.ndarray) -> tuple[float, float]
         local_s = time.perf_counter() - started
         get_client.delete(ns_f, keys)
         put_client.delete(ns_h, keys)
-    return remote_s, local_s
+    return remote_s, local_s, stages
 
 
 def main() -> int:
@@ -99,6 +113,7 @@ def main() -> int:
     blocks = np.random.default_rng(0).standard_normal((count, *SPEC.block_shape)).astype(np.float16)
     gib = blocks.nbytes / 2**30
     times: dict[str, dict[str, list[float]]] = {t: {"remote": [], "local": []} for t in TRANSPORTS}
+    stage_rounds: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="kvd-bench-fetch-") as tmp, EtcdServer() as etcd:
         pairs = {t: cluster(Path(tmp), etcd, t, args.mib) for t in TRANSPORTS}
         try:
@@ -107,10 +122,12 @@ def main() -> int:
             for r in range(args.rounds + 1):  # round 0 warms up (connections, first touch)
                 for transport, pair in pairs.items():
                     progress(f"round {r}/{args.rounds} {transport}")
-                    remote_s, local_s = one_round(pair, r, blocks)
+                    remote_s, local_s, stages = one_round(pair, r, blocks)
                     if r:
                         times[transport]["remote"].append(remote_s)
                         times[transport]["local"].append(local_s)
+                        if transport == "nixl":
+                            stage_rounds.append(stages)
         finally:
             for pair in pairs.values():
                 for daemon in pair:
@@ -127,8 +144,25 @@ def main() -> int:
                f"fetch/local {fmt_ratio(ratio(remote, local))}")
     nixl_vs_grpc = ratio(results["nixl"]["fetch_gib_s"], results["grpc"]["fetch_gib_s"])
     report(f"  NIXL fetch / gRPC fetch: {fmt_ratio(nixl_vs_grpc)}")
+    # The READ inside the same fetch, between the same two processes: its own rate is the raw
+    # NIXL READ of those bytes; the rest of the fetch is where the stages below go.
+    stages = {stage: statistics.median(round_[stage] for round_ in stage_rounds)
+              for stage in stage_rounds[0]} if stage_rounds and "read" in stage_rounds[0] else {}
+    read_gib_s = stages["read_bytes"] / 2**30 / stages["read"] if stages.get("read") else None
+    whole_gib_s = stages["read_bytes"] / 2**30 / stages["whole"] if stages.get("whole") else None
+    fetch_vs_read = ratio(whole_gib_s, read_gib_s) if read_gib_s and whole_gib_s else None
+    if fetch_vs_read:
+        report(f"  NIXL READ inside the fetch {read_gib_s:6.2f} GiB/s (each piece checksummed while the next "
+               f"lands); the whole fetch {whole_gib_s:6.2f} GiB/s: fetch / READ {fmt_ratio(fetch_vs_read)}")
+        report("  where a fetch's time goes (median ms): " + ", ".join(
+            f"{stage} {stages[stage] * 1e3:.1f}" for stage in ("lookup", "pin", "read", "release", "verify", "seal",
+                                                                 "whole") if stage in stages)
+            + f"; the Get around it {statistics.median(times['nixl']['remote']) * 1e3:.1f}")
     write_result("bench_cluster_fetch", {"mib": args.mib, "rounds": args.rounds, "block_bytes": SPEC.block_bytes,
-                                         "results": results, "nixl_vs_grpc": nixl_vs_grpc})
+                                         "results": results, "nixl_vs_grpc": nixl_vs_grpc,
+                                         "nixl_stages_s": stages, "nixl_read_gib_s": read_gib_s,
+                                         "nixl_fetch_gib_s": whole_gib_s,
+                                         "fetch_vs_read": fetch_vs_read})
     return 0
 
 

@@ -85,6 +85,8 @@ Get hits of kvd_get_blocks_total.
 | kvd_cluster_fetched_blocks_total | counter | peer, transport | blocks fetched from a peer, verified and sealed here, by peer and transport (nixl, grpc) |
 | kvd_cluster_failed_fetches_total | counter | peer | fetches from a peer cut short (dead or slow peer, bad bytes); the rest of the chain was a miss |
 | kvd_cluster_peer | gauge | peer, transport | 1 for each peer in the view, labelled with how blocks from it move: nixl-rdma, nixl-tcp (TCP or shared memory) or grpc |
+| kvd_cluster_fetch_seconds_total | counter | stage | seconds NIXL fetches spent per stage: lookup (the directory), pin (PinBlocks), read (the READs, each piece checksummed while the next lands), release (ReleasePins, which hands over the holder's checksums), verify (the comparison), seal; and whole (each fetch from its lookup to its seal) |
+| kvd_cluster_fetch_read_bytes_total | counter | | bytes NIXL fetches READ from peers; over the read stage's seconds, the READ's own rate beside the whole fetch's |
 | kvd_tenant_used_bytes | gauge | tenant, tier | capacity a tenant's blocks take (whole slots; auth.mode = "token"): host counts blocks being written or read back, disk blocks being written |
 | kvd_tenant_quota_bytes | gauge | tenant, tier | a tenant's quota, where one is set |
 | kvd_tenant_quota_refusals_total | counter | tenant, tier | host: Puts refused (RESOURCE_EXHAUSTED) for the tenant's host quota; disk: blocks left unwritten for its disk quota |
@@ -478,7 +480,11 @@ class ClusterCollector(Collector):
     def __init__(self, members: Callable[[], int], joined: Callable[[], bool], sessions: Callable[[], int],
                  fetched: Callable[[], Mapping[tuple[str, str], int]] = dict,
                  failed_fetches: Callable[[], Mapping[str, int]] = dict,
-                 peers: Callable[[], Mapping[str, str]] = dict) -> None:
+                 peers: Callable[[], Mapping[str, str]] = dict,
+                 stage_seconds: Callable[[], Mapping[str, float]] = dict,
+                 read_bytes: Callable[[], int] = int) -> None:
+        self._stage_seconds = stage_seconds
+        self._read_bytes = read_bytes
         self._members = members
         self._joined = joined
         self._sessions = sessions
@@ -513,3 +519,12 @@ class ClusterCollector(Collector):
         for peer, transport in sorted(self._peers().items()):
             peers.add_metric([peer, transport], 1)
         yield peers
+        stages = CounterMetricFamily("kvd_cluster_fetch_seconds", "Seconds NIXL fetches spent in each stage: lookup, "
+                                     "pin, read (the READs, each piece checksummed while the next lands), release, "
+                                     "verify, seal; and whole fetches.", labels=["stage"])
+        for stage, seconds in sorted(self._stage_seconds().items()):
+            stages.add_metric([stage], seconds)
+        yield stages
+        yield CounterMetricFamily("kvd_cluster_fetch_read_bytes", "Bytes NIXL fetches READ from peers (with "
+                                  "kvd_cluster_fetch_seconds{stage=\"read\"}: the READ's own rate).",
+                                  value=self._read_bytes())

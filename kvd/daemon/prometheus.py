@@ -41,7 +41,8 @@ def watch_cluster(registry: CollectorRegistry, cluster: ClusterNode, fetch: Clus
     """The cluster as this node sees it: members, joined, etcd sessions, blocks fetched from peers."""
     registry.register(ClusterCollector(lambda: len(cluster.view), cluster.joined.is_set,
                                        lambda: cluster.membership.sessions, lambda: fetch.fetched_blocks,
-                                       lambda: fetch.failed_fetches, cluster.peer_transports))
+                                       lambda: fetch.failed_fetches, cluster.peer_transports,
+                                       lambda: fetch.stage_seconds, lambda: fetch.read_bytes))
 
 
 def serve_metrics(address: str, registry: CollectorRegistry):

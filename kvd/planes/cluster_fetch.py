@@ -47,6 +47,8 @@ log = logging.getLogger("kvd.cluster")
 
 # The client id of the fetch leases, which hold the reserved slots while the bytes arrive.
 FETCH_CLIENT = "kvd-cluster-fetch"
+# A NIXL fetch READs in pieces of about this size, checking each while the next one lands.
+READ_PIECE_BYTES = 32 << 20
 
 
 class PinnedBlocks(Protocol):
@@ -95,6 +97,11 @@ class ClusterFetch:
         # Blocks sealed here from peers, by (peer, transport); fetches cut short, by peer.
         self.fetched_blocks: collections.Counter[tuple[str, str]] = collections.Counter()
         self.failed_fetches: collections.Counter[str] = collections.Counter()
+        # Seconds NIXL fetches spent in each stage (lookup, pin, read, release, verify, seal) and in
+        # whole ("whole"), and the bytes their READs moved: the READ's own rate beside the whole
+        # fetch's (kvd_cluster_fetch_*).
+        self.stage_seconds: collections.Counter[str] = collections.Counter()
+        self.read_bytes = 0
 
     async def fetch_for_get(self, namespace_id: bytes, keys: list[bytes]) -> int:
         """Bring the part of `keys` (a chain from its root) that a peer holds and this node lacks;
@@ -102,13 +109,16 @@ class ClusterFetch:
         local = len(self.engine.lookup(namespace_id, keys))
         if local >= len(keys):
             return 0
+        started = time.perf_counter()
         holder = await self.peers.holder(namespace_id, keys, local)
         if holder is None:
             return 0
         peer, matched = holder
         if self.peers.over_nixl(peer):
+            self.stage_seconds["lookup"] += time.perf_counter() - started
             fetched = await self._fetch_nixl(peer, namespace_id, keys, local, matched)
             if fetched is not None:
+                self.stage_seconds["whole"] += time.perf_counter() - started
                 return fetched
         return await self._fetch(peer, namespace_id, keys, local, matched)
 
@@ -182,7 +192,9 @@ class ClusterFetch:
     async def _fetch_nixl(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> int | None:
         """Pin on the holder, READ into reserved slots, release (which hands over the checksums),
         verify, seal; None: use the gRPC stream instead."""
+        started = time.perf_counter()
         pin = await self.peers.pin(peer, namespace_id, keys[:end], first, self.lease_ms, self.fetch_timeout_s)
+        self.stage_seconds["pin"] += time.perf_counter() - started
         if pin is None:
             return None
         released = False
@@ -207,19 +219,19 @@ class ClusterFetch:
             return 0, True
         positions, offsets = self._reserved_slots(result)
         local = np.array([self.arena.address_at(offset) for offset in offsets], dtype=np.uint64)
-        remote = [pin.arena_address + pin.offsets[i] for i in positions]
+        remote = np.array([pin.arena_address + pin.offsets[i] for i in positions], dtype=np.uint64)
         started = time.perf_counter()
         # Held while the READ may write into the slots: their lease cannot end (expire) and free them.
         self.engine.leases.hold(result.lease)
         try:
-            read, running = await self.peers.read(peer, pin, local.tolist(), remote, spec.block_bytes,
-                                                  self.fetch_timeout_s)
+            read, running, computed = await self._read_in_pieces(peer, pin, local, remote, spec)
         except BaseException:
             self.engine.leases.unhold(result.lease)
             raise
         read_at = time.perf_counter()
         # Released only now: pins that were still held at the release were held for the whole READ.
         expected = await self.peers.release(peer, pin.lease_id)
+        released_at = time.perf_counter()
         if running is not None:
             self._keep_reserved_until(running, peer, result)
             self.failed_fetches[peer] += 1
@@ -235,13 +247,45 @@ class ClusterFetch:
             log.warning("NIXL read not verified: the holder's pins were gone", extra={"peer": peer})
         else:
             expected = np.array(expected, dtype=np.uint32).reshape(len(pin.offsets), spec.num_layers)[positions]
-            verified = await self._verified_prefix(peer, first, local, spec, expected)
+            verified = _verified_prefix(peer, first, computed, expected)
         verified_at = time.perf_counter()
         sealed = self._seal(peer, result, verified, "nixl")
+        sealed_at = time.perf_counter()
+        for stage, seconds in (("read", read_at - started), ("release", released_at - read_at),
+                               ("verify", verified_at - released_at), ("seal", sealed_at - verified_at)):
+            self.stage_seconds[stage] += seconds
+        self.read_bytes += len(positions) * spec.block_bytes if read else 0
         log.debug("NIXL fetch", extra={"peer": peer, "blocks": len(positions), "read_ms": _ms(started, read_at),
-                                       "verify_ms": _ms(read_at, verified_at),
-                                       "seal_ms": _ms(verified_at, time.perf_counter())})
+                                       "release_ms": _ms(read_at, released_at), "verify_ms": _ms(released_at, verified_at),
+                                       "seal_ms": _ms(verified_at, sealed_at)})
         return sealed, read
+
+    async def _read_in_pieces(self, peer: str, pin: PinnedBlocks, local: np.ndarray, remote: np.ndarray,
+                              spec: NamespaceSpec) -> tuple[bool, asyncio.Future | None, np.ndarray]:
+        """READ the blocks in pieces of about READ_PIECE_BYTES, each piece's per-layer CRC-32Cs computed
+        on a worker thread while the next piece lands: (whether every piece arrived in time, a future
+        when a READ could not be cancelled (see Peers.read), the CRC-32Cs [blocks read, layers])."""
+        per_piece = max(1, READ_PIECE_BYTES // spec.block_bytes)
+        deadline = time.monotonic() + self.fetch_timeout_s
+        checksums: list[asyncio.Future] = []
+        read, running = True, None
+        try:
+            for start in range(0, len(local), per_piece):
+                piece = slice(start, start + per_piece)
+                read, running = await self.peers.read(peer, pin, local[piece].tolist(), remote[piece].tolist(),
+                                                      spec.block_bytes, max(0.0, deadline - time.monotonic()))
+                if not read:
+                    break
+                checksums.append(asyncio.ensure_future(asyncio.to_thread(
+                    crc32c_chunks, local[piece], spec.layer_bytes, spec.num_layers)))
+        finally:
+            # Every checksum thread reads the slots: all end before the caller may give them back.
+            computed = await asyncio.gather(*checksums, return_exceptions=True)
+        for crcs in computed:
+            if isinstance(crcs, BaseException):
+                raise crcs
+        rows = np.concatenate(computed) if computed else np.zeros((0, spec.num_layers), dtype=np.uint32)
+        return read, running, rows
 
     def _keep_reserved_until(self, running: asyncio.Future, peer: str, result: ReserveResult) -> None:
         """A READ that could not be cancelled may still write into the reserved slots: they stay
@@ -255,16 +299,14 @@ class ClusterFetch:
                 self._seal(peer, result, 0, "nixl")
         running.add_done_callback(ended)
 
-    @staticmethod
-    async def _verified_prefix(peer: str, first: int, addresses: np.ndarray, spec: NamespaceSpec,
-                               expected: np.ndarray) -> int:
-        """How many of the blocks at `addresses`, in order, match their expected per-layer CRC-32Cs."""
-        crcs = await asyncio.to_thread(crc32c_chunks, addresses, spec.layer_bytes, spec.num_layers)
-        mismatch = np.flatnonzero((crcs != expected).any(axis=1))
-        if len(mismatch):
-            log.warning("NIXL read failed its CRC-32C check", extra={"peer": peer, "block": first + int(mismatch[0])})
-            return int(mismatch[0])
-        return len(expected)
+
+def _verified_prefix(peer: str, first: int, computed: np.ndarray, expected: np.ndarray) -> int:
+    """How many blocks, in order, have the per-layer CRC-32Cs the holder computed under its pins."""
+    mismatch = np.flatnonzero((computed != expected).any(axis=1))
+    if len(mismatch):
+        log.warning("NIXL read failed its CRC-32C check", extra={"peer": peer, "block": first + int(mismatch[0])})
+        return int(mismatch[0])
+    return len(expected)
 
 
 async def checked_prefix(first: int, blocks: list[bytes], crcs: list[int], position: int, end: int,

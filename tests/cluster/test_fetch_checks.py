@@ -15,6 +15,7 @@ from kvd.clock import ManualClock
 from kvd.core.engine import Engine, KeysRequest, ReserveStatus
 from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.cluster.peer_blocks import PeerBlocks
+from kvd.planes import cluster_fetch
 from kvd.planes.cluster_fetch import FETCH_CLIENT, ClusterFetch
 from kvd.v1 import kvd_pb2
 
@@ -226,6 +227,34 @@ def test_a_nixl_read_keeps_only_the_prefix_its_checksums_vouch_for():
     keys = chain_keys(SPEC, list(range(6)))
     assert asyncio.run(plane._fetch_nixl("peer", namespace_id, keys, 0, 6)) == 4
     assert len(engine.lookup(namespace_id, keys)) == 4
+    engine.verify()
+
+
+class Pieces(Copying):
+    """transport.read that notes how many blocks each READ moves."""
+
+    def __init__(self) -> None:
+        self.reads: list[int] = []
+
+    async def read(self, node, local, remote, length, timeout_s, grant):
+        self.reads.append(len(local))
+        await asyncio.sleep(0)  # a READ takes a while: the previous piece's checksum thread starts
+        return await super().read(node, local, remote, length, timeout_s, grant)
+
+
+def test_a_nixl_fetch_reads_in_pieces_and_checks_each_while_the_next_lands(monkeypatch):
+    monkeypatch.setattr(cluster_fetch, "READ_PIECE_BYTES", 2 * SPEC.block_bytes)
+    data = payloads(5)
+    crcs = layer_crcs(data)
+    crcs[3 * SPEC.num_layers] ^= 1  # block 3, in the second piece
+    holder = Holder(data, release_crcs=crcs)
+    plane, engine, namespace_id, arena = nixl_setup(holder)
+    plane.peers.node.transport = pieces = Pieces()
+    keys = chain_keys(SPEC, list(range(5)))
+    assert asyncio.run(plane._fetch_nixl("peer", namespace_id, keys, 0, 5)) == 3
+    assert pieces.reads == [2, 2, 1]
+    assert plane.read_bytes == 5 * SPEC.block_bytes and plane.stage_seconds.keys() >= {"pin", "read", "verify"}
+    assert len(engine.lookup(namespace_id, keys)) == 3
     engine.verify()
 
 
