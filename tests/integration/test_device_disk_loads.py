@@ -77,3 +77,17 @@ def test_a_read_that_fails_turns_the_flag_failed_and_leaves_no_pins(tmp_path, de
         wait_for(lambda: engine.pool.flag(KVD) == again.done_value)
         assert daemon.metric_samples("kvd_device_disk_loads_total")['kvd_device_disk_loads_total{result="failed"}'] == 1
         engine.close()
+
+
+def test_a_daemon_stopped_during_a_load_from_disk_exits_cleanly(tmp_path, delay):
+    """SIGTERM right after a LoadLayers that still reads from disk: the drain waits for the reads and
+    the copies (no slot goes back while a read or a copy still uses it), and kvd exits 0. The engine's
+    flag ends at the load's value or FAILED, never in between."""
+    with run_daemon(tmp_path / "kvd", config=disk_config(tmp_path), env={DELAY_ENV: delay}) as daemon:
+        with Client(daemon.unix_target) as client:
+            engine = Engine(client)
+            _, keys = stored_on_disk_only(client, engine, 24, seed=7)
+            base = engine.pool.flag(KVD)
+            loaded = engine.pool.load(keys, list(range(24)), KVD, base)
+            assert daemon.stop() == 0
+            assert engine.pool.flag(KVD) in (loaded.done_value, FAILED | loaded.done_value)
