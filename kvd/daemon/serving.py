@@ -133,6 +133,7 @@ def add_cluster(cluster: ClusterNode, server: grpc.aio.Server, service: KvdServi
     cluster.servicer.holder = service
     fetch = ClusterFetch(service.engine, service.arena, service.clock.now_ms, PeerBlocks(cluster),
                          config.cluster.fetch_timeout_s)
+    fetch.on_bug = service.on_bug
     if config.cluster.fetch_on_get:
         service.cluster_fetch = fetch
     return fetch

@@ -102,6 +102,8 @@ class ClusterFetch:
         # fetch's (kvd_cluster_fetch_*).
         self.stage_seconds: collections.Counter[str] = collections.Counter()
         self.read_bytes = 0
+        # Where a bug in a callback goes (the daemon's supervisor: kvd stops loudly).
+        self.on_bug: Callable[[str, BaseException], None] = _raise_bug
 
     async def fetch_for_get(self, namespace_id: bytes, keys: list[bytes]) -> int:
         """Bring the part of `keys` (a chain from its root) that a peer holds and this node lacks;
@@ -294,10 +296,18 @@ class ClusterFetch:
         lease = result.lease
 
         def ended(_running) -> None:
-            self.engine.leases.unhold(lease)  # a lease that expired meanwhile ends here, its slots freed
-            if not lease.ended:
-                self._seal(peer, result, 0, "nixl")
+            try:
+                self.engine.leases.unhold(lease)  # a lease that expired meanwhile ends here, its slots freed
+                if not lease.ended:
+                    self._seal(peer, result, 0, "nixl")
+            except Exception as error:  # a bug, in a callback no task awaits: to the supervisor
+                self.on_bug("giving back the slots of a READ that could not be cancelled", error)
         running.add_done_callback(ended)
+
+
+def _raise_bug(what: str, error: BaseException) -> None:
+    """Without a supervisor (tests): the bug is raised where it happened."""
+    raise error
 
 
 def _verified_prefix(peer: str, first: int, computed: np.ndarray, expected: np.ndarray) -> int:

@@ -318,3 +318,23 @@ def test_slots_an_uncancelled_read_may_still_write_stay_reserved_until_it_ends()
         engine.verify()
 
     asyncio.run(scenario())
+
+
+def test_a_bug_giving_back_an_uncancelled_reads_slots_goes_to_the_supervisor(monkeypatch):
+    """The slots go back in a callback no task awaits: a failure there must stop kvd loudly, not
+    vanish into the event loop's log."""
+    plane, engine, namespace_id, _ = nixl_setup(Holder(payloads(2)))
+    plane.peers.node.transport = transport = Uncancelled()
+    bugs = []
+    plane.on_bug = lambda what, error: bugs.append((what, error))
+    keys = chain_keys(SPEC, list(range(2)))
+
+    async def scenario():
+        assert await plane._fetch_nixl("peer", namespace_id, keys, 0, 2) is None
+        monkeypatch.setattr(engine, "seal_prefix", lambda *args: (_ for _ in ()).throw(RuntimeError("a bug")))
+        transport.running.set_result(None)
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert [(what, str(error)) for what, error in bugs] == [
+        ("giving back the slots of a READ that could not be cancelled", "a bug")]
