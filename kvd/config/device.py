@@ -29,6 +29,10 @@ class DeviceConfig:
     # for other engines' loads (0: none), in slots of tier_slot_bytes (0: host.slot_bytes).
     tier_bytes: int = 0
     tier_slot_bytes: int = 0
+    # A LoadLayers of blocks only on disk reads them through host-arena slots; whether those stay
+    # as the blocks' host copies afterwards (false: given back once the engine has its layers,
+    # the blocks stay only on disk and host memory keeps what was hot before).
+    disk_loads_keep_host_copy: bool = True
 
 
 def validate_device(device: DeviceConfig, leases: LeaseConfig, host: HostConfig) -> None:

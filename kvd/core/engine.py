@@ -353,8 +353,8 @@ class Engine:
         """Every host eviction candidate now, next victim first (for `demote`)."""
         return self.host.policy.order()
 
-    def demote(self, candidates: Sequence[Block]) -> tuple[int, int]:
-        return self.allocator.demote(candidates)
+    def demote(self, candidates: Sequence[Block], *, chains: bool = True) -> tuple[int, int]:
+        return self.allocator.demote(candidates, chains=chains)
 
     # -- leases, Delete, in-process handles ----------------------------------------
 

@@ -75,7 +75,7 @@ class HostAllocator:
         self.reclaim_due()
         return demoted
 
-    def demote(self, candidates: Iterable[Block]) -> tuple[int, int]:
+    def demote(self, candidates: Iterable[Block], *, chains: bool = True) -> tuple[int, int]:
         """Drop the host copy of each of `candidates` that is still an eviction
         candidate and that a lower tier also holds (the Demote RPC); returns
         (blocks, payload bytes).
@@ -87,6 +87,8 @@ class HostAllocator:
         only copy is here stays, as does every ancestor above it. Each block
         is checked as it comes, so `candidates` may be a snapshot taken
         before other calls changed the engine (Engine.host_candidates).
+        Without `chains`, only the candidates themselves (leaf first, so
+        that each is a leaf when its turn comes).
         """
         host, blocks = self.host, self.blocks
         demoted = payload = 0
@@ -97,7 +99,7 @@ class HostAllocator:
                 host.counters.requested_demotions += 1
                 demoted += 1
                 payload += blocks.block_bytes(block)
-                block = block.parent
+                block = block.parent if chains else None
         self.reclaim_due()
         return demoted, payload
 

@@ -94,6 +94,7 @@ def kvd_service(config: Config, engine: Engine, arena: HostArena, clock: Clock, 
         arena_socket=str(arena_protocol.socket_path(socket_path.resolve())) if socket_path else "",
     )
     service.device_plane = device_plane
+    service.keep_disk_loads_in_host = config.device.disk_loads_keep_host_copy
     service.on_bug = on_bug
     if device_plane is not None:
         device_plane.on_bug = on_bug

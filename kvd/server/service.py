@@ -95,6 +95,8 @@ class KvdService(BlockHandlers, ReadHandlers, EventHandlers, AdminHandlers, Devi
         self._peer_pins = {}
         # kvd.planes.device.DevicePlane when [device] kind is not "off" (set by the daemon).
         self.device_plane = None
+        # [device] disk_loads_keep_host_copy: a LoadLayers' blocks read from disk stay in host memory.
+        self.keep_disk_loads_in_host = True
         self.planning = Planning()
         # Told of a broken invariant in a handler (the daemon's supervisor: kvd stops).
         self.on_bug: Callable[[str, BaseException], None] | None = None

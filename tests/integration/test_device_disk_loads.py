@@ -56,6 +56,27 @@ def test_a_load_from_disk_lands_layer_by_layer_with_the_stored_bytes(tmp_path, d
         wait_for(lambda: daemon.metric("kvd_lease_pinned_blocks") == 0)
         assert daemon.metric_samples("kvd_device_disk_loads_total") == {
             'kvd_device_disk_loads_total{result="landed"}': 1.0, 'kvd_device_disk_loads_total{result="failed"}': 0.0}
+        # By default the slots they were read through stay as their host copies.
+        assert list(client.lookup(engine.namespace, keys).tiers) == [kvd_pb2.TIER_HOST] * 6
+        engine.close()
+
+
+def test_without_keeping_host_copies_a_load_from_disk_leaves_host_memory_as_it_was(tmp_path):
+    """[device] disk_loads_keep_host_copy = false: the blocks reach the engine through host slots
+    that are given back once the copies have landed; the blocks stay only on disk."""
+    config = disk_config(tmp_path)
+    config["device"]["disk_loads_keep_host_copy"] = False
+    with run_daemon(tmp_path / "kvd", config=config) as daemon, Client(daemon.unix_target) as client:
+        engine = Engine(client)
+        data, keys = stored_on_disk_only(client, engine, 5, seed=11)
+        resident = daemon.metric_samples("kvd_tier_blocks")['kvd_tier_blocks{tier="host"}']
+        loaded = engine.pool.load(keys, [1, 3, 5, 7, 9], KVD, engine.pool.flag(KVD))
+        wait_for(lambda: engine.pool.flag(KVD) >= loaded.done_value)
+        assert engine.pool.flag(KVD) == loaded.done_value
+        for page, block in zip([1, 3, 5, 7, 9], data):
+            np.testing.assert_array_equal(engine.read(page), block)
+        wait_for(lambda: list(client.lookup(engine.namespace, keys).tiers) == [kvd_pb2.TIER_DISK] * 5)
+        assert daemon.metric_samples("kvd_tier_blocks")['kvd_tier_blocks{tier="host"}'] == resident
         engine.close()
 
 

@@ -122,13 +122,17 @@ class DeviceHandlers:
         tiers = bytes(kvd_pb2.TIER_DEVICE if hit else tier for hit, tier in zip(from_tier, tiers))
         return kvd_pb2.LoadLayersResponse(matched=len(matched), done_value=done, tiers=tiers, cut=cut)
 
-    def _close_when_landed(self, lease):
-        """What ends a load's lease once its copies have landed (the Get's pins go with it)."""
+    def _close_when_landed(self, lease, staged=()):
+        """What ends a load's lease once its copies have landed (the Get's pins go with it); the
+        host copies of `staged` blocks (read from disk only to reach the engine, leaf first) then
+        go, where nothing else pins them."""
         def landed() -> None:
             if lease is not None:
                 self.engine.leases.unhold(lease)
                 if not lease.ended:
                     self.engine.leases.close(lease)
+            if staged:
+                self.engine.demote(staged, chains=False)
         return landed
 
     def _load_as_read(self, plane, pool, pages, request, life):
@@ -141,7 +145,8 @@ class DeviceHandlers:
         self.engine.leases.hold(lease)
         steps: asyncio.Queue = asyncio.Queue()
         getting = self.disk_plane.start_get(life, on_layer=lambda layer, ok: steps.put_nowait((layer, ok)))
-        landed = self._close_when_landed(lease)
+        staged = [] if self.keep_disk_loads_in_host else [load.block for load in reversed(plan.loads)]
+        landed = self._close_when_landed(lease, staged)
         try:
             done, from_tier = plane.load(pool, pages[:len(matched)], request.keys[:len(matched)], matched,
                                          self._offsets(lease, life.offsets), request.kvd_flag, request.base, landed,
