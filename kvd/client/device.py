@@ -28,10 +28,8 @@ from kvd.client._channel import resolve_token
 from kvd.client._wire import Namespace
 from kvd.device import Device, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
+from kvd.device.transfer import FAILED as FAILED  # kvd stores FAILED | done_value when a transfer failed
 from kvd.v1 import kvd_pb2
-
-# kvd stores FAILED | done_value in its flag word when a transfer failed (kvd.planes.device).
-FAILED = 1 << 63
 
 
 class DevicePool:

@@ -30,6 +30,9 @@ import numpy as np
 from kvd.device.api import DeviceError, Memory, Stream
 
 ABSENT = -1  # a layer offset meaning: that layer is not in this place
+# A flag word at or past this means the transfer failed (kvd stores FAILED | its done value; values
+# only grow, so a waiter for any layer is released): the engine must treat the pages as not loaded.
+FAILED = 1 << 63
 
 
 @dataclass(frozen=True, slots=True)

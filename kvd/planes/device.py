@@ -32,7 +32,7 @@ import numpy as np
 
 from kvd.device import Device, DeviceError, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
-from kvd.device.transfer import ABSENT, PoolLayout, load_layers, save_layers
+from kvd.device.transfer import ABSENT, FAILED, PoolLayout, load_layers, save_layers
 from kvd.planner.distance import NONE
 from kvd.planes.device_loads import LayerLoad
 from kvd.planes.device_tier import DeviceTier
@@ -42,9 +42,6 @@ from kvd.invariants import check
 log = logging.getLogger(__name__)
 
 MAX_POOL_BLOCKS = 1 << 31
-# A flag word at or past this means the transfer failed (values only grow, so a waiter for any
-# layer is released): the engine must treat the pages as not loaded.
-FAILED = 1 << 63
 _POLL_MAX_S = 0.0005
 
 

@@ -28,12 +28,9 @@ from kvd.core.get_life import Served
 from kvd.core.reads import GetCut
 from kvd.device import DeviceError
 from kvd.device.cpu import store_flag
-from kvd.device.transfer import load_layer, load_places
+from kvd.device.transfer import FAILED, load_layer, load_places
 
 log = logging.getLogger(__name__)
-
-# The flag's failure mark (kvd.planes.device.FAILED; repeated here to keep the import one way).
-FAILED = 1 << 63
 
 
 @dataclass(slots=True)
