@@ -88,9 +88,11 @@ class LayerLoad:
             issued = layer + 1
         try:
             served: Served = await self.getting
-        except Exception as error:  # the Get failed (the daemon stops, the lease went): nothing more lands
+        except (Exception, asyncio.CancelledError) as error:  # the Get failed or was cancelled: nothing more lands
+            if isinstance(error, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # this load itself is being cancelled
             log.info("a load from disk into an engine's pool ended early", extra={"pool_id": self.pool.pool_id,
-                                                                               "reason": str(error)})
+                                                                               "reason": repr(error)})
             return False
         return issued == len(layout.layers) and served.cut != GetCut.LEASE_ENDED and len(served.blocks) == self.matched
 
