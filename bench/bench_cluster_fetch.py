@@ -66,14 +66,17 @@ def wait_members(daemon, count: int) -> None:
         time.sleep(0.05)
 
 
-def fetch_stages(daemon) -> dict[str, float]:
-    """The fetcher's NIXL stage seconds (kvd_cluster_fetch_seconds_total) and READ bytes."""
+def fetch_stages(daemon, transport: str) -> dict[str, float]:
+    """The fetcher's stage seconds for `transport` (kvd_cluster_fetch_seconds_total) and the bytes it moved."""
+    label = f'transport="{transport}"'
     stages = {line.split('stage="')[1].split('"')[0]: value
-              for line, value in daemon.metric_samples("kvd_cluster_fetch_seconds_total").items()}
-    return stages | {"read_bytes": daemon.metric("kvd_cluster_fetch_read_bytes_total") or 0.0}
+              for line, value in daemon.metric_samples("kvd_cluster_fetch_seconds_total").items() if label in line}
+    moved = sum(value for line, value in daemon.metric_samples("kvd_cluster_fetch_bytes_total").items()
+                if label in line)
+    return stages | {"bytes": moved}
 
 
-def one_round(pair, round_index: int, blocks: np.ndarray) -> tuple[float, float, dict[str, float]]:
+def one_round(pair, transport: str, round_index: int, blocks: np.ndarray) -> tuple[float, float, dict[str, float]]:
     """(seconds of the Get that fetched, seconds of the local Get after it, the fetch's stages)."""
     holder, fetcher = pair
     with Client(holder.unix_target) as put_client, Client(fetcher.unix_target) as get_client:
@@ -87,11 +90,11 @@ def one_round(pair, round_index: int, blocks: np.ndarray) -> tuple[float, float,
                 raise SystemExit("the directory never listed the holder")
             time.sleep(0.02)
         out = np.empty_like(blocks)
-        stages_before = fetch_stages(fetcher)
+        stages_before = fetch_stages(fetcher, transport)
         started = time.perf_counter()
         get_client.get_numpy(ns_f, keys, out=out)
         remote_s = time.perf_counter() - started
-        after = fetch_stages(fetcher)
+        after = fetch_stages(fetcher, transport)
         stages = {stage: after[stage] - stages_before.get(stage, 0.0) for stage in after}
         if not np.array_equal(out, blocks):
             raise SystemExit("a fetched block differs from what the holder stored")
@@ -101,6 +104,30 @@ def one_round(pair, round_index: int, blocks: np.ndarray) -> tuple[float, float,
         get_client.delete(ns_f, keys)
         put_client.delete(ns_h, keys)
     return remote_s, local_s, stages
+
+
+def report_stages(stage_rounds: dict[str, list[dict[str, float]]], nixl_get_s: float) -> dict:
+    """The fetches themselves, from the fetcher's metrics (medians over rounds): the NIXL READ inside
+    the same fetch, between the same two processes (the raw READ of those bytes), beside the whole
+    fetch; where a NIXL fetch's time goes; each transport's whole fetch beside the other's."""
+    medians = {transport: {stage: statistics.median(round_.get(stage, 0.0) for round_ in rounds)
+                           for stage in rounds[0]} for transport, rounds in stage_rounds.items() if rounds}
+    nixl, grpc = medians.get("nixl", {}), medians.get("grpc", {})
+    if not nixl.get("read") or not nixl.get("whole"):
+        return {}
+    rate = {name: stages["bytes"] / 2**30 / stages["whole"] for name, stages in medians.items() if stages.get("whole")}
+    read_gib_s = nixl["bytes"] / 2**30 / nixl["read"]
+    report(f"  NIXL READ inside the fetch {read_gib_s:6.2f} GiB/s (each piece checksummed while the next lands); "
+           f"the whole fetch {rate['nixl']:6.2f} GiB/s: fetch / READ {fmt_ratio(ratio(rate['nixl'], read_gib_s))}")
+    report("  where a NIXL fetch's time goes (median ms): " + ", ".join(
+        f"{stage} {nixl[stage] * 1e3:.1f}" for stage in ("lookup", "pin", "read", "release", "verify", "seal", "whole")
+        if stage in nixl) + f"; the Get around it {nixl_get_s * 1e3:.1f}")
+    if "grpc" in rate:
+        report(f"  gRPC fetch {rate['grpc']:6.2f} GiB/s (stream {grpc.get('stream', 0) * 1e3:.1f} ms of "
+               f"{grpc['whole'] * 1e3:.1f}); NIXL fetch / gRPC fetch {fmt_ratio(ratio(rate['nixl'], rate['grpc']))}")
+    return {"fetch_stages_s": medians, "nixl_read_gib_s": read_gib_s, "fetch_gib_s": rate,
+            "fetch_vs_read": ratio(rate["nixl"], read_gib_s),
+            "nixl_vs_grpc_fetch": ratio(rate["nixl"], rate["grpc"]) if "grpc" in rate else None}
 
 
 def main() -> int:
@@ -113,7 +140,7 @@ def main() -> int:
     blocks = np.random.default_rng(0).standard_normal((count, *SPEC.block_shape)).astype(np.float16)
     gib = blocks.nbytes / 2**30
     times: dict[str, dict[str, list[float]]] = {t: {"remote": [], "local": []} for t in TRANSPORTS}
-    stage_rounds: list[dict[str, float]] = []
+    stage_rounds: dict[str, list[dict[str, float]]] = {t: [] for t in TRANSPORTS}
     with tempfile.TemporaryDirectory(prefix="kvd-bench-fetch-") as tmp, EtcdServer() as etcd:
         pairs = {t: cluster(Path(tmp), etcd, t, args.mib) for t in TRANSPORTS}
         try:
@@ -122,12 +149,11 @@ def main() -> int:
             for r in range(args.rounds + 1):  # round 0 warms up (connections, first touch)
                 for transport, pair in pairs.items():
                     progress(f"round {r}/{args.rounds} {transport}")
-                    remote_s, local_s, stages = one_round(pair, r, blocks)
+                    remote_s, local_s, stages = one_round(pair, transport, r, blocks)
                     if r:
                         times[transport]["remote"].append(remote_s)
                         times[transport]["local"].append(local_s)
-                        if transport == "nixl":
-                            stage_rounds.append(stages)
+                        stage_rounds[transport].append(stages)
         finally:
             for pair in pairs.values():
                 for daemon in pair:
@@ -144,25 +170,9 @@ def main() -> int:
                f"fetch/local {fmt_ratio(ratio(remote, local))}")
     nixl_vs_grpc = ratio(results["nixl"]["fetch_gib_s"], results["grpc"]["fetch_gib_s"])
     report(f"  NIXL fetch / gRPC fetch: {fmt_ratio(nixl_vs_grpc)}")
-    # The READ inside the same fetch, between the same two processes: its own rate is the raw
-    # NIXL READ of those bytes; the rest of the fetch is where the stages below go.
-    stages = {stage: statistics.median(round_[stage] for round_ in stage_rounds)
-              for stage in stage_rounds[0]} if stage_rounds and "read" in stage_rounds[0] else {}
-    read_gib_s = stages["read_bytes"] / 2**30 / stages["read"] if stages.get("read") else None
-    whole_gib_s = stages["read_bytes"] / 2**30 / stages["whole"] if stages.get("whole") else None
-    fetch_vs_read = ratio(whole_gib_s, read_gib_s) if read_gib_s and whole_gib_s else None
-    if fetch_vs_read:
-        report(f"  NIXL READ inside the fetch {read_gib_s:6.2f} GiB/s (each piece checksummed while the next "
-               f"lands); the whole fetch {whole_gib_s:6.2f} GiB/s: fetch / READ {fmt_ratio(fetch_vs_read)}")
-        report("  where a fetch's time goes (median ms): " + ", ".join(
-            f"{stage} {stages[stage] * 1e3:.1f}" for stage in ("lookup", "pin", "read", "release", "verify", "seal",
-                                                                 "whole") if stage in stages)
-            + f"; the Get around it {statistics.median(times['nixl']['remote']) * 1e3:.1f}")
+    stages = report_stages(stage_rounds, statistics.median(times["nixl"]["remote"]))
     write_result("bench_cluster_fetch", {"mib": args.mib, "rounds": args.rounds, "block_bytes": SPEC.block_bytes,
-                                         "results": results, "nixl_vs_grpc": nixl_vs_grpc,
-                                         "nixl_stages_s": stages, "nixl_read_gib_s": read_gib_s,
-                                         "nixl_fetch_gib_s": whole_gib_s,
-                                         "fetch_vs_read": fetch_vs_read})
+                                         "results": results, "nixl_vs_grpc": nixl_vs_grpc} | stages)
     return 0
 
 

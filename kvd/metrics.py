@@ -85,8 +85,8 @@ Get hits of kvd_get_blocks_total.
 | kvd_cluster_fetched_blocks_total | counter | peer, transport | blocks fetched from a peer, verified and sealed here, by peer and transport (nixl, grpc) |
 | kvd_cluster_failed_fetches_total | counter | peer | fetches from a peer cut short (dead or slow peer, bad bytes); the rest of the chain was a miss |
 | kvd_cluster_peer | gauge | peer, transport | 1 for each peer in the view, labelled with how blocks from it move: nixl-rdma, nixl-tcp (TCP or shared memory) or grpc |
-| kvd_cluster_fetch_seconds_total | counter | stage | seconds NIXL fetches spent per stage: lookup (the directory), pin (PinBlocks), read (the READs, each piece checksummed while the next lands), release (ReleasePins, which hands over the holder's checksums), verify (the comparison), seal; and whole (each fetch from its lookup to its seal) |
-| kvd_cluster_fetch_read_bytes_total | counter | | bytes NIXL fetches READ from peers; over the read stage's seconds, the READ's own rate beside the whole fetch's |
+| kvd_cluster_fetch_seconds_total | counter | transport, stage | seconds fetches spent per stage: lookup (the directory); for nixl pin (PinBlocks), read (the READs, each piece checksummed while the next lands), release (ReleasePins, which hands over the holder's checksums), verify (the comparison), seal; for grpc stream (received, checked and written); and whole (each fetch from its lookup to its seal) |
+| kvd_cluster_fetch_bytes_total | counter | transport | bytes fetches moved from peers (a NIXL READ, a gRPC stream); over a stage's seconds, its rate: the READ's own beside the whole fetch's, one transport's fetch beside the other's |
 | kvd_tenant_used_bytes | gauge | tenant, tier | capacity a tenant's blocks take (whole slots; auth.mode = "token"): host counts blocks being written or read back, disk blocks being written |
 | kvd_tenant_quota_bytes | gauge | tenant, tier | a tenant's quota, where one is set |
 | kvd_tenant_quota_refusals_total | counter | tenant, tier | host: Puts refused (RESOURCE_EXHAUSTED) for the tenant's host quota; disk: blocks left unwritten for its disk quota |
@@ -481,10 +481,10 @@ class ClusterCollector(Collector):
                  fetched: Callable[[], Mapping[tuple[str, str], int]] = dict,
                  failed_fetches: Callable[[], Mapping[str, int]] = dict,
                  peers: Callable[[], Mapping[str, str]] = dict,
-                 stage_seconds: Callable[[], Mapping[str, float]] = dict,
-                 read_bytes: Callable[[], int] = int) -> None:
+                 stage_seconds: Callable[[], Mapping[tuple[str, str], float]] = dict,
+                 moved_bytes: Callable[[], Mapping[str, int]] = dict) -> None:
         self._stage_seconds = stage_seconds
-        self._read_bytes = read_bytes
+        self._moved_bytes = moved_bytes
         self._members = members
         self._joined = joined
         self._sessions = sessions
@@ -519,12 +519,14 @@ class ClusterCollector(Collector):
         for peer, transport in sorted(self._peers().items()):
             peers.add_metric([peer, transport], 1)
         yield peers
-        stages = CounterMetricFamily("kvd_cluster_fetch_seconds", "Seconds NIXL fetches spent in each stage: lookup, "
-                                     "pin, read (the READs, each piece checksummed while the next lands), release, "
-                                     "verify, seal; and whole fetches.", labels=["stage"])
-        for stage, seconds in sorted(self._stage_seconds().items()):
-            stages.add_metric([stage], seconds)
+        stages = CounterMetricFamily("kvd_cluster_fetch_seconds", "Seconds fetches spent in each stage, by "
+                                     "transport: lookup, pin, read, release, verify, seal (nixl), stream (grpc), and "
+                                     "whole fetches.", labels=["transport", "stage"])
+        for (transport, stage), seconds in sorted(self._stage_seconds().items()):
+            stages.add_metric([transport, stage], seconds)
         yield stages
-        yield CounterMetricFamily("kvd_cluster_fetch_read_bytes", "Bytes NIXL fetches READ from peers (with "
-                                  "kvd_cluster_fetch_seconds{stage=\"read\"}: the READ's own rate).",
-                                  value=self._read_bytes())
+        moved = CounterMetricFamily("kvd_cluster_fetch_bytes", "Bytes fetches moved from peers, by transport.",
+                                    labels=["transport"])
+        for transport, count in sorted(self._moved_bytes().items()):
+            moved.add_metric([transport], count)
+        yield moved

@@ -42,7 +42,7 @@ def watch_cluster(registry: CollectorRegistry, cluster: ClusterNode, fetch: Clus
     registry.register(ClusterCollector(lambda: len(cluster.view), cluster.joined.is_set,
                                        lambda: cluster.membership.sessions, lambda: fetch.fetched_blocks,
                                        lambda: fetch.failed_fetches, cluster.peer_transports,
-                                       lambda: fetch.stage_seconds, lambda: fetch.read_bytes))
+                                       lambda: fetch.stage_seconds, lambda: fetch.moved_bytes))
 
 
 def serve_metrics(address: str, registry: CollectorRegistry):

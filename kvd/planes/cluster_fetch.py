@@ -97,11 +97,11 @@ class ClusterFetch:
         # Blocks sealed here from peers, by (peer, transport); fetches cut short, by peer.
         self.fetched_blocks: collections.Counter[tuple[str, str]] = collections.Counter()
         self.failed_fetches: collections.Counter[str] = collections.Counter()
-        # Seconds NIXL fetches spent in each stage (lookup, pin, read, release, verify, seal) and in
-        # whole ("whole"), and the bytes their READs moved: the READ's own rate beside the whole
-        # fetch's (kvd_cluster_fetch_*).
-        self.stage_seconds: collections.Counter[str] = collections.Counter()
-        self.read_bytes = 0
+        # Seconds fetches spent in each stage, by (transport, stage), whole ones included ("whole"),
+        # and the bytes they moved, by transport: a NIXL READ's own rate beside the whole fetch's,
+        # and each transport's fetch beside the other's (kvd_cluster_fetch_*).
+        self.stage_seconds: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.moved_bytes: collections.Counter[str] = collections.Counter()
         # Where a bug in a callback goes (the daemon's supervisor: kvd stops loudly).
         self.on_bug: Callable[[str, BaseException], None] = _raise_bug
 
@@ -116,13 +116,19 @@ class ClusterFetch:
         if holder is None:
             return 0
         peer, matched = holder
+        looked_up = time.perf_counter() - started
         if self.peers.over_nixl(peer):
-            self.stage_seconds["lookup"] += time.perf_counter() - started
             fetched = await self._fetch_nixl(peer, namespace_id, keys, local, matched)
             if fetched is not None:
-                self.stage_seconds["whole"] += time.perf_counter() - started
+                self._timed("nixl", lookup=looked_up, whole=time.perf_counter() - started)
                 return fetched
-        return await self._fetch(peer, namespace_id, keys, local, matched)
+        fetched = await self._fetch(peer, namespace_id, keys, local, matched)
+        self._timed("grpc", lookup=looked_up, whole=time.perf_counter() - started)
+        return fetched
+
+    def _timed(self, transport: str, **stages: float) -> None:
+        for stage, seconds in stages.items():
+            self.stage_seconds[transport, stage] += seconds
 
     def _reserve(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> ReserveResult | None:
         """Host slots for keys[first:end] under a fetch lease; None when nothing could be reserved."""
@@ -155,7 +161,10 @@ class ClusterFetch:
         result = self._reserve(peer, namespace_id, keys, first, end)
         if result is None:
             return 0
+        started = time.perf_counter()
         verified = await self._receive(peer, namespace_id, keys, first, result)
+        self._timed("grpc", stream=time.perf_counter() - started)
+        self.moved_bytes["grpc"] += verified * self.engine.namespace(namespace_id).spec.block_bytes
         return self._seal(peer, result, verified, "grpc")
 
     async def _receive(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int,
@@ -196,7 +205,7 @@ class ClusterFetch:
         verify, seal; None: use the gRPC stream instead."""
         started = time.perf_counter()
         pin = await self.peers.pin(peer, namespace_id, keys[:end], first, self.lease_ms, self.fetch_timeout_s)
-        self.stage_seconds["pin"] += time.perf_counter() - started
+        self._timed("nixl", pin=time.perf_counter() - started)
         if pin is None:
             return None
         released = False
@@ -253,10 +262,9 @@ class ClusterFetch:
         verified_at = time.perf_counter()
         sealed = self._seal(peer, result, verified, "nixl")
         sealed_at = time.perf_counter()
-        for stage, seconds in (("read", read_at - started), ("release", released_at - read_at),
-                               ("verify", verified_at - released_at), ("seal", sealed_at - verified_at)):
-            self.stage_seconds[stage] += seconds
-        self.read_bytes += len(positions) * spec.block_bytes if read else 0
+        self._timed("nixl", read=read_at - started, release=released_at - read_at, verify=verified_at - released_at,
+                    seal=sealed_at - verified_at)
+        self.moved_bytes["nixl"] += len(positions) * spec.block_bytes if read else 0
         log.debug("NIXL fetch", extra={"peer": peer, "blocks": len(positions), "read_ms": _ms(started, read_at),
                                        "release_ms": _ms(read_at, released_at), "verify_ms": _ms(released_at, verified_at),
                                        "seal_ms": _ms(verified_at, sealed_at)})

@@ -40,7 +40,7 @@ def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
         ("pools", "saved_blocks", "loaded_blocks", "tier_blocks", "tier_slots", "tier_hits", "tier_misses",
          "tier_evictions", "tier_used_slots", "tier_host_layers", "disk_loads_landed", "disk_loads_failed"), 0)))
     registry.register(ClusterCollector(lambda: 2, lambda: True, lambda: 1, lambda: {("b", "nixl"): 3},
-                                       lambda: {"b": 1}, lambda: {"b": "nixl-tcp"}, lambda: {"read": 0.5}, lambda: 7))
+                                       lambda: {"b": 1}, lambda: {"b": "nixl-tcp"}, lambda: {("nixl", "read"): 0.5}, lambda: {"nixl": 7}))
     # Labelled metrics of the server export samples once a label is used.
     rpc.duration.labels("Get").observe(0.001)
     rpc.total.labels("Get", "OK").inc()
