@@ -248,8 +248,8 @@ class NixlTransport:
 
     async def _load_grant(self, node: str, grant: bytes) -> None:
         """Make a holder's grant known to the agent (once per peer: a region's metadata does not
-        change while its holder runs). An empty grant comes from a holder of before grants, whose member
-        record described its whole arena."""
+        change while its holder runs). An empty grant comes from a holder of before grants, whose
+        member record described its whole arena."""
         loaded = self._loaded.setdefault(node, set())
         if grant and grant not in loaded:
             await self._call(self.agent.add_remote_agent, grant)
