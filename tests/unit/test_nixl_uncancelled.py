@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-from nixl._api import nixlBind
-
 from kvd.cluster.nixl_transport import NixlTransport
 from kvd.supervisor import Supervisor
 
@@ -21,8 +19,6 @@ class StuckAgent:
 
     def register_memory(self, *args):
         return "registration"
-
-    nixl_mems = {"DRAM": nixlBind.DRAM_SEG}
 
     def get_partial_agent_metadata(self, descs, connection, backends):
         return b"metadata"
