@@ -5,7 +5,8 @@ UCX over TCP, so the bytes really cross the veth), a vLLM process beside each da
 connector on the daemon's unix socket). vLLM A serves a prompt and stores its blocks in A;
 vLLM B serves the same prefix with another suffix: its connector's Lookup counts A's blocks
 (TIER_REMOTE), the load fetches them under B's own blocks, and B answers exactly as vLLM
-alone does. Then A is SIGKILLed between B's Lookup and its load: the blocks are reported,
+alone does; the same with B's KV tensors registered with kvd (transfer = "daemon"), kvd copying
+the fetched blocks in itself. Then A is SIGKILLed between B's Lookup and its load: the blocks are reported,
 vLLM recomputes them, the answer is still exact, and A holds no pins after its restart.
 """
 
@@ -37,6 +38,7 @@ def node_config(etcd: EtcdServer, name: str) -> dict:
     config = cluster_config(etcd, name, "/kvd-vllm-cluster/")
     config["cluster"].update(fetch_timeout_s=5.0, rpc_timeout_s=2.0)
     config["host"] = KVD_CONFIG["host"]
+    config["device"] = KVD_CONFIG["device"]  # for vLLM B's transfer = "daemon"
     return config
 
 
@@ -68,17 +70,18 @@ def nodes(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def alone(engine_python, model, tmp_path_factory) -> VllmRun:
-    """vLLM without kvd on prompts B and D (the answers to match), started at once, in the background."""
-    return VllmRun(engine_python, model, tmp_path_factory.mktemp("alone"), [prompts()["B"], prompts()["D"]])
+    """vLLM without kvd on prompts B, D and C (the answers to match), started at once, in the background."""
+    return VllmRun(engine_python, model, tmp_path_factory.mktemp("alone"),
+                   [prompts()["B"], prompts()["D"], prompts()["C"]])
 
 
 @pytest.fixture(scope="module")
 def stored_on_a(engine_python, model, nodes, alone, tmp_path_factory) -> dict:
-    """vLLM A beside daemon a serves prompts A and D: their blocks are stored in a."""
+    """vLLM A beside daemon a serves prompts A, D and C: their blocks are stored in a."""
     a = nodes[3][0]
-    report = run_vllm(engine_python, model, tmp_path_factory.mktemp("A"), [prompts()["A"], prompts()["D"]],
-                      target=a.unix_target)
-    assert report["connector"]["totals"]["saved_blocks"] == (len(prompts()["A"]) + len(prompts()["D"])) // BLOCK
+    batch = [prompts()["A"], prompts()["D"], prompts()["C"]]
+    report = run_vllm(engine_python, model, tmp_path_factory.mktemp("A"), batch, target=a.unix_target)
+    assert report["connector"]["totals"]["saved_blocks"] == sum(len(prompt) // BLOCK for prompt in batch)
     return report
 
 
@@ -102,6 +105,28 @@ def test_a_prefix_computed_on_one_node_is_loaded_by_vllm_on_another(engine_pytho
     assert totals["loaded_tokens"] == SHARED * BLOCK and totals["recomputed_tokens"] == 0
     assert fetched(b, "nixl", peer="a") == SHARED and failed_fetches(b) == 0
     assert veth_received(net, 0) - sent_before >= SHARED * spec.block_bytes
+    assert a.metric("kvd_lease_pinned_blocks") == 0
+
+
+def test_with_transfer_daemon_the_daemon_fetches_the_prefix_and_copies_it_into_vllms_tensors(
+        engine_python, model, nodes, alone, stored_on_a, tmp_path):
+    """vLLM B with transfer = "daemon" (its KV tensors registered with b's device plane): b fetches
+    prompt C's blocks from a and copies them into vLLM's tensors itself; the answer is exact."""
+    _, _, _, (a, b) = nodes
+    prompt = prompts()["C"]  # b holds none of it
+    spec = namespace_spec()
+    keys = chain_keys(spec, prompt)
+    with Client(b.unix_target) as client:
+        wait_matches(client, client.register_namespace(spec), keys, {"a": len(keys)})
+    fetched_before = fetched(b, "nixl", peer="a")
+
+    report = run_vllm(engine_python, model, tmp_path / "B", [prompt], target=b.unix_target, transfer="daemon")
+    result, totals = report["results"][0], report["connector"]["totals"]
+    assert same_answer(result, alone.report()["results"][2]) <= LOGPROB_TOLERANCE
+    assert result["cached_tokens"] == len(keys) * BLOCK
+    assert totals["loaded_blocks"] == len(keys) and totals["load_errors"] == 0
+    assert fetched(b, "nixl", peer="a") - fetched_before == len(keys)
+    assert b.metric_samples("kvd_device_blocks_total")['kvd_device_blocks_total{op="load"}'] == len(keys)
     assert a.metric("kvd_lease_pinned_blocks") == 0
 
 
