@@ -135,8 +135,9 @@ def test_an_operator_finds_namespaces_and_deletes_them_for_good(tmp_path):
         second = client.delete_namespace(MISTRAL.namespace_id().hex())
         assert (second.deleted, second.pinned) == (2, 0)
         assert client.get_numpy(mistral, mistral_keys).shape[0] == 0
-        # The registrations stay: an engine goes on, and misses.
-        assert client.put(mistral, mistral_keys[:1], blocks_for(1, 4)) == 1
+        # The registrations stay: an engine goes on, and misses. (Durable: a write-back still in
+        # flight would pin the block, and the Delete would leave it.)
+        assert client.put(mistral, mistral_keys[:1], blocks_for(1, 4), durable=True) == 1
         assert client.delete_namespace("mistral-7b").deleted == 1
         # Unclean: nothing at shutdown may be needed for the deletions to hold.
         daemon.stop(signal.SIGKILL)
