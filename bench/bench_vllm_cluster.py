@@ -25,7 +25,6 @@ Run:  .venv/bin/python bench/bench_vllm_cluster.py [--prefix-tokens 1024 4096] [
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 import tempfile
@@ -34,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import progress, ratio, report, write_result  # noqa: E402
-from bench_vllm_connector import BLOCK, ENGINE_PYTHON, bench_pass, dataset, summary  # noqa: E402
+from bench_vllm_connector import (BLOCK, ENGINE_PYTHON, bench_pass, dataset, dataset_arguments,  # noqa: E402
+                                  summary)
 
 from kvd.testing import tiny_llama  # noqa: E402
 from kvd.testing.daemon import start_daemon  # noqa: E402
@@ -114,14 +114,7 @@ def run(args, work: Path, model: Path) -> dict[tuple[str, int], dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prefix-tokens", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--prefixes", type=int, default=12, help="prompts per pass (each prefix once)")
-    parser.add_argument("--suffix-tokens", type=int, default=128)
-    parser.add_argument("--output-tokens", type=int, default=8)
-    parser.add_argument("--engine-blocks", type=int, default=48,
-                        help="each vLLM's KV cache in blocks: too small to hold the working set")
-    args = parser.parse_args()
+    args = dataset_arguments(__doc__.split("\n\n")[0]).parse_args()
     if not ENGINE_PYTHON.exists():
         sys.exit(f"{ENGINE_PYTHON} is missing: run `make vllm-venv` first")
     with tempfile.TemporaryDirectory(prefix="kvd-bench-vllm-cluster-") as scratch:

@@ -181,15 +181,22 @@ def run(args, work: Path, model: Path) -> dict[tuple[str, int], dict]:
     return runner.rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def dataset_arguments(description: str) -> argparse.ArgumentParser:
+    """A parser with the prefix-reuse dataset's options and the small KV cache's size (shared with
+    bench_vllm_cluster.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--prefix-tokens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--prefixes", type=int, default=12, help="prompts per pass (each prefix once)")
     parser.add_argument("--suffix-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--engine-blocks", type=int, default=48,
                         help="vLLM's KV cache in blocks when it must not hold the working set")
+    return parser
+
+
+def main() -> int:
+    parser = dataset_arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--disk-modes", nargs="+", default=["auto", "async"], choices=["auto", "async", "layerwise"],
                         help="the connector's load modes to measure (auto, the default, is layerwise here: "
                              "one request at a time leaves the engine idle)")
