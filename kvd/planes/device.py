@@ -34,7 +34,7 @@ from kvd.device import Device, DeviceError, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
 from kvd.device.transfer import ABSENT, FAILED, PoolLayout, load_layers, save_layers
 from kvd.planner.distance import NONE
-from kvd.planes.device_loads import LayerLoad
+from kvd.planes.device_loads import LayerLoad, load_landed
 from kvd.planes.device_tier import DeviceTier
 from kvd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvd.invariants import check
@@ -437,21 +437,20 @@ class DevicePlane:
             on_landed()
 
         sources = self._sources(pool, pages, slot_offsets, entries)
-        if reading is not None:
+        if reading is None:
+            try:
+                done = load_layers(pool.stream, pool.layout, sources, pool.flags_on_device, kvd_flag, base)
+            except BaseException:
+                if tier is not None:
+                    tier.unpin(pool.namespace_id, keys, entries)
+                raise
+            ending = load_landed(pool, kvd_flag, done, landed)
+        else:
             as_read = LayerLoad(pool, sources, kvd_flag, base, len(blocks), *reading)
-            pool.begin()
-            self._spawn(self._count_disk_load(as_read.run(landed)))
-            self.loaded_blocks += len(blocks)
-            return as_read.done, [entry is not None for entry in entries] or [False] * len(blocks)
-        try:
-            done = load_layers(pool.stream, pool.layout, sources, pool.flags_on_device, kvd_flag, base)
-        except BaseException:
-            if tier is not None:
-                tier.unpin(pool.namespace_id, keys, entries)
-            raise
+            done, ending = as_read.done, self._count_disk_load(as_read.run(landed))
         pool.begin()
         self.loaded_blocks += len(blocks)
-        self._spawn(self._landed(pool, landed, kvd_flag, done))
+        self._spawn(ending)
         return done, [entry is not None for entry in entries] or [False] * len(blocks)
 
     async def _count_disk_load(self, running) -> None:
@@ -481,14 +480,3 @@ class DevicePlane:
             sources.append((self.tier.memory, pages[rows], in_tier))
         return sources
 
-    async def _landed(self, pool: Pool, on_landed, kvd_flag: int, done: int) -> None:
-        try:
-            await asyncio.to_thread(pool.stream.synchronize)
-        except DeviceError as error:
-            # The stream skipped the layers' flags after the failure: release the engine's waits
-            # with the failed mark rather than leave its stream waiting forever.
-            store_flag(pool.flags, kvd_flag, FAILED | done)
-            log.error("a load into an engine's pool failed", extra={"pool_id": pool.pool_id, "error": str(error)})
-        finally:
-            pool.end()
-            on_landed()

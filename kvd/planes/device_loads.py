@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvd.core.get_life import Served
@@ -51,24 +51,8 @@ class LayerLoad:
         return self.base + len(self.pool.layout.layers)
 
     async def run(self, on_landed: Callable[[], None]) -> bool:
-        """Issue each layer as it lands; then wait for the stream; FAILED on anything short. Whether
-        every layer landed."""
-        pool = self.pool
-        good = False
-        try:
-            good = await self._issue_as_landed()
-        finally:
-            try:
-                await asyncio.to_thread(pool.stream.synchronize)
-            except DeviceError as error:
-                good = False
-                log.error("a load into an engine's pool failed", extra={"pool_id": pool.pool_id, "error": str(error)})
-            if not good:
-                # After the stream: no copy still lands in the pages once the engine reads FAILED.
-                store_flag(pool.flags, self.kvd_flag, FAILED | self.done)
-            pool.end()
-            on_landed()
-        return good
+        """Issue each layer as it lands, then end the load (`load_landed`). Whether every layer landed."""
+        return await load_landed(self.pool, self.kvd_flag, self.done, on_landed, self._issue_as_landed())
 
     async def _issue_as_landed(self) -> bool:
         """Whether every layer was issued and the Get served every block it promised."""
@@ -107,3 +91,29 @@ class LayerLoad:
                 return waiter.result()
             waiter.cancel()
         return self.steps.get_nowait()
+
+
+async def load_landed(pool, kvd_flag: int, done: int, on_landed: Callable[[], None],
+                      issuing: Awaitable[bool] | None = None) -> bool:
+    """The end of a load into an engine's pool, whichever way it was issued: once `issuing` (the
+    copies still to issue; None: all issued) is over and the pool's stream has drained, the flag
+    gets FAILED unless every layer was issued and landed; then the pool's transfer ends and
+    `on_landed` runs. Whether every layer landed."""
+    good = issuing is None
+    try:
+        if issuing is not None:
+            good = await issuing
+    finally:
+        try:
+            await asyncio.to_thread(pool.stream.synchronize)
+        except DeviceError as error:
+            # The stream skipped the layers' flags after the failure: release the engine's waits
+            # with the failed mark rather than leave its stream waiting forever.
+            good = False
+            log.error("a load into an engine's pool failed", extra={"pool_id": pool.pool_id, "error": str(error)})
+        if not good:
+            # After the stream: no copy still lands in the pages once the engine reads FAILED.
+            store_flag(pool.flags, kvd_flag, FAILED | done)
+        pool.end()
+        on_landed()
+    return good

@@ -119,8 +119,7 @@ class DeviceHandlers:
         except BaseException:
             landed()
             raise
-        tiers = bytes(kvd_pb2.TIER_DEVICE if hit else tier for hit, tier in zip(from_tier, tiers))
-        return kvd_pb2.LoadLayersResponse(matched=len(matched), done_value=done, tiers=tiers, cut=cut)
+        return _load_response(len(matched), done, from_tier, tiers, cut)
 
     def _close_when_landed(self, lease, staged=()):
         """What ends a load's lease once its copies have landed (the Get's pins go with it); the
@@ -155,8 +154,13 @@ class DeviceHandlers:
             getting.cancel()
             landed()
             raise
-        tiers = bytes(kvd_pb2.TIER_DEVICE if hit else tier for hit, tier in zip(from_tier, life.tiers))
-        return kvd_pb2.LoadLayersResponse(matched=len(matched), done_value=done, tiers=tiers, cut=plan.cut)
+        return _load_response(len(matched), done, from_tier, life.tiers, plan.cut)
+
+
+def _load_response(matched: int, done: int, from_tier: list[bool], tiers: bytes, cut) -> kvd_pb2.LoadLayersResponse:
+    """A LoadLayers' answer: each block's tier before the load, the device tier's where it came from there."""
+    tiers = bytes(kvd_pb2.TIER_DEVICE if hit else tier for hit, tier in zip(from_tier, tiers))
+    return kvd_pb2.LoadLayersResponse(matched=matched, done_value=done, tiers=tiers, cut=cut)
 
 
 def _offload_distance(distance: int, layers: int) -> int:
