@@ -77,8 +77,12 @@ static void release_views(ProxyObject *self) {
     }
 }
 
-static int start(ProxyObject *self, PyObject *fds_object, PyObject *targets_object, unsigned int batch_entries,
-                 unsigned int queue_depth) {
+struct proxy_shape {
+    unsigned int batch_entries, queue_depth, grants;
+    unsigned long long split_at, split_to;
+};
+
+static int start(ProxyObject *self, PyObject *fds_object, PyObject *targets_object, const struct proxy_shape *shape) {
     Py_buffer fds_view, targets_view;
     Py_ssize_t files = get_array(fds_object, &fds_view, sizeof(int32_t), 0, "fds");
     if (files < 0) return -1;
@@ -94,8 +98,11 @@ static int start(ProxyObject *self, PyObject *fds_object, PyObject *targets_obje
         .file_count = (uint32_t)files,
         .staging = self->staging_view.buf,
         .staging_bytes = (uint64_t)self->staging_view.len,
-        .batch_entries = batch_entries,
-        .queue_depth = queue_depth,
+        .batch_entries = shape->batch_entries,
+        .queue_depth = shape->queue_depth,
+        .grant_count = shape->grants,
+        .split_at = shape->split_at,
+        .split_to = shape->split_to,
         .copy = self->copier != NULL ? kvd_cuda_copy : kvd_copy_host,
         .copy_context = self->copier,
         .copy_each = self->copier == NULL,
@@ -106,9 +113,9 @@ static int start(ProxyObject *self, PyObject *fds_object, PyObject *targets_obje
     PyBuffer_Release(&fds_view);
     PyBuffer_Release(&targets_view);
     if (rc == -EINVAL) {
-        PyErr_Format(PyExc_ValueError, "batch_entries must be 1..%u, queue_depth 1..%u, fds at most %u, and "
-                     "targets 1..%u (address, length) pairs, sorted and disjoint", KVD_PROXY_MAX_BATCH,
-                     KVD_MAX_QUEUE_DEPTH, KVD_MAX_FILES, KVD_MAX_BUFFERS);
+        PyErr_Format(PyExc_ValueError, "batch_entries must be 1..%u, queue_depth 1..%u, grants 1..%u, fds at "
+                     "most %u, and targets 1..%u (address, length) pairs, sorted and disjoint", KVD_PROXY_MAX_BATCH,
+                     KVD_MAX_QUEUE_DEPTH, KVD_PROXY_MAX_GRANTS, KVD_MAX_FILES, KVD_MAX_BUFFERS);
         return -1;
     }
     if (rc < 0) {
@@ -119,12 +126,14 @@ static int start(ProxyObject *self, PyObject *fds_object, PyObject *targets_obje
 }
 
 static int proxy_init(ProxyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"ring", "fds", "staging", "targets", "batch_entries", "queue_depth", "device", NULL};
+    static char *keywords[] = {"ring", "fds", "staging", "targets", "batch_entries", "queue_depth", "device",
+                               "grants", "split_at", "split_to", NULL};
     PyObject *ring_object, *fds_object, *staging_object, *targets_object;
-    unsigned int batch_entries = 64, queue_depth = 64;
+    struct proxy_shape shape = {.batch_entries = 64, .queue_depth = 64, .grants = 4096};
     int device = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|IIi", keywords, &ring_object, &fds_object, &staging_object,
-                                     &targets_object, &batch_entries, &queue_depth, &device)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|IIiIKK", keywords, &ring_object, &fds_object,
+                                     &staging_object, &targets_object, &shape.batch_entries, &shape.queue_depth,
+                                     &device, &shape.grants, &shape.split_at, &shape.split_to)) {
         return -1;
     }
     if (self->proxy != NULL || self->holding) {
@@ -138,7 +147,7 @@ static int proxy_init(ProxyObject *self, PyObject *args, PyObject *kwargs) {
     }
     self->holding = 1;
     if (check_ring_memory(&self->ring_view) < 0 || check_staging(&self->staging_view) < 0 ||
-        (device >= 0 && open_copier(self, device) < 0) || start(self, fds_object, targets_object, batch_entries, queue_depth) < 0) {
+        (device >= 0 && open_copier(self, device) < 0) || start(self, fds_object, targets_object, &shape) < 0) {
         release_views(self);
         return -1;
     }
@@ -160,10 +169,82 @@ static PyObject *proxy_stop(ProxyObject *self, PyObject *Py_UNUSED(ignored)) {
 static PyObject *proxy_stats(ProxyObject *self, PyObject *Py_UNUSED(ignored)) {
     struct kvd_proxy_stats s = self->final;
     if (self->proxy != NULL) kvd_proxy_read_stats(self->proxy, &s);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsK}", "reads", s.reads, "failed", s.failed, "bytes", s.bytes,
-                         "checksum_mismatches", s.checksum_mismatches, "rejected", s.rejected, "dropped", s.dropped,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsK}", "reads", s.reads, "failed", s.failed, "bytes", s.bytes,
+                         "checksum_mismatches", s.checksum_mismatches, "rejected", s.rejected,
+                         "ungranted", s.ungranted, "dropped", s.dropped,
                          "batches", s.batches, "copy_calls", s.copy_calls, "copy_errors", s.copy_errors,
                          "idle_sleeps", s.idle_sleeps);
+}
+
+static struct kvd_proxy *running_proxy(ProxyObject *self) {
+    if (self->proxy == NULL) PyErr_SetString(PyExc_RuntimeError, "the RingProxy is stopped");
+    return self->proxy;
+}
+
+/* grant(tags, reads, stamps): arms grant tags[i] for reads[i] (7 uint64 each: file, offset, length,
+ * target, layer, checksum, unused) under stamps[i]; all or, on the first refusal, an error (the
+ * grants armed before it stay armed: the caller revokes them). */
+static PyObject *proxy_grant(ProxyObject *self, PyObject *args) {
+    PyObject *tags_object, *reads_object, *stamps_object;
+    if (!PyArg_ParseTuple(args, "OOO", &tags_object, &reads_object, &stamps_object)) return NULL;
+    struct kvd_proxy *proxy = running_proxy(self);
+    if (proxy == NULL) return NULL;
+    Py_buffer tags, reads, stamps;
+    Py_ssize_t count = get_array(tags_object, &tags, 8, 0, "tags");
+    if (count < 0) return NULL;
+    Py_ssize_t words = get_array(reads_object, &reads, 8, 0, "reads");
+    Py_ssize_t stamped = words < 0 ? -1 : get_array(stamps_object, &stamps, 8, 0, "stamps");
+    int rc = words < 0 || stamped < 0 ? -1 : 0;
+    if (rc == 0 && (words != 7 * count || stamped != count)) {
+        PyErr_SetString(PyExc_ValueError, "grant: one stamp and 7 words of read per tag");
+        rc = -1;
+    }
+    const uint64_t *tag = tags.buf, *read = reads.buf, *stamp = stamps.buf;
+    for (Py_ssize_t i = 0; rc == 0 && i < count; i++) {
+        const uint64_t *r = read + 7 * i;
+        kvd_io_desc desc = {0, r[1], r[2], r[3], r[0], r[4], tag[i], r[5]};
+        rc = kvd_proxy_grant(proxy, tag[i], &desc, stamp[i]);
+        if (rc < 0) PyErr_Format(PyExc_ValueError, "grant %llu: %s", (unsigned long long)tag[i],
+                                 rc == -EBUSY ? "armed already" : "tag out of range or stamp 0");
+    }
+    if (stamped >= 0) PyBuffer_Release(&stamps);
+    if (words >= 0) PyBuffer_Release(&reads);
+    PyBuffer_Release(&tags);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* settle(tags, stamps, out, revoke): per grant, into the int8 array out: 2 read and verified, 3 read
+ * and failed, 0 not over yet; with revoke, a grant no read took is disarmed (1: it will never be
+ * read), and 0 then means taken and still being read. */
+static PyObject *proxy_settle(ProxyObject *self, PyObject *args) {
+    PyObject *tags_object, *stamps_object, *out_object;
+    int revoke;
+    if (!PyArg_ParseTuple(args, "OOOp", &tags_object, &stamps_object, &out_object, &revoke)) return NULL;
+    struct kvd_proxy *proxy = running_proxy(self);
+    if (proxy == NULL) return NULL;
+    Py_buffer tags, stamps, out;
+    Py_ssize_t count = get_array(tags_object, &tags, 8, 0, "tags");
+    if (count < 0) return NULL;
+    Py_ssize_t stamped = get_array(stamps_object, &stamps, 8, 0, "stamps");
+    Py_ssize_t room = stamped < 0 ? -1 : get_array(out_object, &out, 1, 1, "out");
+    int ok = room >= 0 && stamped == count && room == count;
+    if (room >= 0 && !ok) PyErr_SetString(PyExc_ValueError, "settle: one stamp and one out cell per tag");
+    const uint64_t *tag = tags.buf, *stamp = stamps.buf;
+    for (Py_ssize_t i = 0; ok && i < count; i++) {
+        int8_t *cell = (int8_t *)out.buf + i;
+        if (revoke && kvd_proxy_revoke(proxy, tag[i], stamp[i]) == 1) {
+            *cell = 1;
+            continue;
+        }
+        uint64_t outcome = kvd_proxy_outcome(proxy, tag[i]);
+        *cell = outcome >> 1 == stamp[i] ? (outcome & 1 ? 2 : 3) : 0;
+    }
+    if (room >= 0) PyBuffer_Release(&out);
+    if (stamped >= 0) PyBuffer_Release(&stamps);
+    PyBuffer_Release(&tags);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *proxy_get_running(ProxyObject *self, void *Py_UNUSED(closure)) {
@@ -179,6 +260,11 @@ static PyMethodDef proxy_methods[] = {
     {"stop", (PyCFunction)proxy_stop, METH_NOARGS,
      "stop() -> None: takes no new descriptors, finishes the reads it holds, joins the thread; idempotent"},
     {"stats", (PyCFunction)proxy_stats, METH_NOARGS, "stats() -> dict of counters"},
+    {"grant", (PyCFunction)proxy_grant, METH_VARARGS,
+     "grant(tags, reads, stamps) -> None: arms the grants (reads: 7 uint64 each, see ring_proxy.h)"},
+    {"settle", (PyCFunction)proxy_settle, METH_VARARGS,
+     "settle(tags, stamps, out, revoke) -> None: out[i]: 2 verified, 3 failed, 0 not over; with revoke, "
+     "1 for a grant no read took (now disarmed)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -276,7 +362,48 @@ static PyObject *native_io_ring_wait_record(PyObject *Py_UNUSED(module), PyObjec
     return result;
 }
 
+/* io_ring_publish(buffer, reads, timeout_ns) -> published: a producer on the host publishes reads
+ * (7 uint64 each: file, offset, length, target, layer, checksum, tag) in order, in chunks of at
+ * most the ring's capacity, as the submit kernel does; a chunk whose slots do not free up within
+ * timeout_ns is abandoned (counted in its layers' abandoned[]), and so is everything after it. */
+static PyObject *native_io_ring_publish(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *object, *reads_object;
+    unsigned long long timeout_ns;
+    if (!PyArg_ParseTuple(args, "OOK", &object, &reads_object, &timeout_ns)) return NULL;
+    Py_buffer view, reads;
+    kvd_io_ring *ring = get_ring(object, 0, &view, "io_ring_publish");
+    if (ring == NULL) return NULL;
+    Py_ssize_t words = get_array(reads_object, &reads, 8, 0, "reads");
+    if (words < 0 || words % 7) {
+        if (words >= 0) PyBuffer_Release(&reads);
+        PyBuffer_Release(&view);
+        if (words >= 0) PyErr_SetString(PyExc_ValueError, "io_ring_publish: 7 words per read");
+        return NULL;
+    }
+    uint64_t count = (uint64_t)words / 7, capacity = ring->capacity, published = 0;
+    const uint64_t *r = reads.buf;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t deadline = kvd_io_ring_deadline(timeout_ns);
+    while (published < count) {
+        uint64_t need = count - published < capacity ? count - published : capacity, ticket;
+        if (!kvd_io_ring_reserve(ring, need, deadline, &ticket)) break;
+        for (uint64_t k = 0; k < need; k++) {
+            const uint64_t *read = r + 7 * (published + k);
+            kvd_io_ring_publish(ring, ticket + k, read[0], read[1], read[2], read[3], read[4], read[6], read[5]);
+        }
+        published += need;
+    }
+    for (uint64_t i = published; i < count; i++) kvd_io_ring_abandon(ring, r[7 * i + 4], 1);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&reads);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(published);
+}
+
 static PyMethodDef proxy_functions[] = {
+    {"io_ring_publish", native_io_ring_publish, METH_VARARGS,
+     "io_ring_publish(buffer, reads, timeout_ns) -> published: a host producer's submit (7 uint64 per read: "
+     "file, offset, length, target, layer, checksum, tag); the rest abandoned at the deadline"},
     {"io_ring_init", native_io_ring_init, METH_VARARGS,
      "io_ring_init(buffer, capacity, layers) -> bytes: lays out an empty I/O ring (native/gpu/io_ring.h)"},
     {"io_ring_wait", native_io_ring_wait, METH_VARARGS,

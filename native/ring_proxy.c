@@ -34,7 +34,13 @@ int kvd_proxy_check_ring(const kvd_io_ring *ring, uint64_t bytes, uint64_t *capa
 
 static uint64_t half_bytes(const struct kvd_proxy *proxy) { return proxy->config.staging_bytes / 2; }
 
+/* A descriptor's `sequence`, once the proxy took it, holds the stamp of the grant it was taken
+ * under (0: none); its outcome goes to that grant before the ring counts the read. */
 static void complete(struct kvd_proxy *proxy, const kvd_io_desc *desc, int ok) {
+    if (desc->sequence != 0) {
+        __atomic_store_n(&proxy->grants[desc->tag].outcome, desc->sequence << 1 | (uint64_t)(ok != 0),
+                         __ATOMIC_RELEASE);
+    }
     kvd_io_ring_complete(proxy->config.ring, desc->layer, ok);
     STAT_ADD(proxy, reads, 1);
     if (!ok) STAT_ADD(proxy, failed, 1);
@@ -57,11 +63,62 @@ static int inside_targets(const struct kvd_proxy *proxy, uint64_t target, uint64
     return 0;
 }
 
+/* Whether the read's copies land inside the target regions: one, or its two parts of a split page. */
+static int lands_inside(const struct kvd_proxy *proxy, const kvd_io_desc *desc) {
+    uint64_t at = proxy->config.split_at, to = proxy->config.split_to;
+    if (at == 0 || desc->length <= at) return inside_targets(proxy, desc->target, desc->length);
+    return inside_targets(proxy, desc->target, at) && desc->target <= UINT64_MAX - to &&
+           inside_targets(proxy, desc->target + to, desc->length - at);
+}
+
 /* Whether the descriptor can be read at all. */
 static int readable(const struct kvd_proxy *proxy, const kvd_io_desc *desc) {
     return desc->file < proxy->config.file_count && desc->length > 0 && desc->length <= half_bytes(proxy) &&
-           desc->length <= UINT32_MAX && desc->offset <= INT64_MAX && inside_targets(proxy, desc->target,
-                                                                                    desc->length);
+           desc->length <= UINT32_MAX && desc->offset <= INT64_MAX && lands_inside(proxy, desc);
+}
+
+#define GRANT_LOAD(grant, field) __atomic_load_n(&(grant)->field, __ATOMIC_RELAXED)
+
+/* Takes the armed grant the descriptor names, if its fields are the grant's: the grant's stamp,
+ * or 0 (no such grant; it stays as it was). The fields are read between two looks at the stamp
+ * (an acquire, then the compare-and-swap that disarms): a grant revoked or armed again meanwhile
+ * fails the swap, so fields torn by a re-arm are never acted on. */
+static uint64_t take_grant(struct kvd_proxy *proxy, const kvd_io_desc *desc) {
+    if (desc->tag >= proxy->config.grant_count) return 0;
+    struct kvd_grant *grant = &proxy->grants[desc->tag];
+    uint64_t stamp = __atomic_load_n(&grant->stamp, __ATOMIC_ACQUIRE);
+    if (stamp == 0) return 0;
+    int same = GRANT_LOAD(grant, file) == desc->file && GRANT_LOAD(grant, offset) == desc->offset &&
+               GRANT_LOAD(grant, length) == desc->length && GRANT_LOAD(grant, target) == desc->target &&
+               GRANT_LOAD(grant, layer) == desc->layer && GRANT_LOAD(grant, checksum) == desc->checksum;
+    if (!same || !__atomic_compare_exchange_n(&grant->stamp, &stamp, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        return 0;
+    }
+    return stamp;
+}
+
+int kvd_proxy_grant(struct kvd_proxy *proxy, uint64_t tag, const kvd_io_desc *desc, uint64_t stamp) {
+    if (tag >= proxy->config.grant_count || stamp == 0 || stamp >= (1ull << 63)) return -EINVAL;
+    struct kvd_grant *grant = &proxy->grants[tag];
+    if (__atomic_load_n(&grant->stamp, __ATOMIC_ACQUIRE) != 0) return -EBUSY;
+    __atomic_store_n(&grant->outcome, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&grant->file, desc->file, __ATOMIC_RELAXED);
+    __atomic_store_n(&grant->offset, desc->offset, __ATOMIC_RELAXED);
+    __atomic_store_n(&grant->length, desc->length, __ATOMIC_RELAXED);
+    __atomic_store_n(&grant->target, desc->target, __ATOMIC_RELAXED);
+    __atomic_store_n(&grant->layer, desc->layer, __ATOMIC_RELAXED);
+    __atomic_store_n(&grant->checksum, desc->checksum, __ATOMIC_RELAXED);
+    __atomic_store_n(&grant->stamp, stamp, __ATOMIC_RELEASE);
+    return 0;
+}
+
+int kvd_proxy_revoke(struct kvd_proxy *proxy, uint64_t tag, uint64_t stamp) {
+    if (tag >= proxy->config.grant_count) return -EINVAL;
+    return __atomic_compare_exchange_n(&proxy->grants[tag].stamp, &stamp, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+
+uint64_t kvd_proxy_outcome(struct kvd_proxy *proxy, uint64_t tag) {
+    return tag < proxy->config.grant_count ? __atomic_load_n(&proxy->grants[tag].outcome, __ATOMIC_ACQUIRE) : 0;
 }
 
 /* The next descriptor to place (the carried one first); 0 when none is published. */
@@ -76,8 +133,10 @@ static int next_desc(struct kvd_proxy *proxy, kvd_io_desc *out) {
             STAT_ADD(proxy, dropped, 1);
             continue;
         }
-        if (!readable(proxy, out)) {
+        out->sequence = readable(proxy, out) ? take_grant(proxy, out) : 0;
+        if (out->sequence == 0) {
             STAT_ADD(proxy, rejected, 1);
+            if (readable(proxy, out)) STAT_ADD(proxy, ungranted, 1);
             complete(proxy, out, 0);
             continue;
         }
@@ -162,11 +221,19 @@ static void finish(struct kvd_proxy *proxy, struct kvd_proxy_batch *batch) {
     for (uint32_t i = 0; i < batch->count; i++) {
         if (!verified(proxy, batch, i)) continue;
         const kvd_io_desc *desc = &batch->descs[i];
-        const void *source = (const unsigned char *)proxy->config.staging + batch->staging_offsets[i];
-        proxy->copies[good] = (struct kvd_copy){desc->target, source, desc->length};
+        const unsigned char *source = (const unsigned char *)proxy->config.staging + batch->staging_offsets[i];
+        uint64_t at = proxy->config.split_at;
+        if (at != 0 && desc->length > at) {  /* a split page: its second part goes split_to further on */
+            proxy->copies[good] = (struct kvd_copy){desc->target, source, at};
+            proxy->copied[good++] = i;
+            proxy->copies[good] = (struct kvd_copy){desc->target + proxy->config.split_to, source + at,
+                                                    desc->length - at};
+        } else {
+            proxy->copies[good] = (struct kvd_copy){desc->target, source, desc->length};
+        }
         proxy->copied[good++] = i;
         if (proxy->config.copy_each) {
-            copy_out(proxy, batch, proxy->copied, 1);
+            copy_out(proxy, batch, proxy->copied, good);
             good = 0;
         }
     }
@@ -217,6 +284,7 @@ static int check_config(const struct kvd_proxy_config *config) {
     if ((uintptr_t)config->staging % KVD_PROXY_ALIGN != 0) return -EINVAL;
     if (config->staging_bytes == 0 || config->staging_bytes % (2 * KVD_PROXY_ALIGN) != 0) return -EINVAL;
     if (config->batch_entries == 0 || config->batch_entries > KVD_PROXY_MAX_BATCH) return -EINVAL;
+    if (config->grant_count == 0 || config->grant_count > KVD_PROXY_MAX_GRANTS) return -EINVAL;
     if (config->queue_depth == 0 || config->queue_depth > KVD_MAX_QUEUE_DEPTH) return -EINVAL;
     if (config->targets == NULL || config->target_count == 0 || config->target_count > KVD_MAX_BUFFERS) {
         return -EINVAL;
@@ -239,6 +307,7 @@ static void free_proxy(struct kvd_proxy *proxy) {
     }
     free(proxy->copies);
     free(proxy->copied);
+    free(proxy->grants);
     free(proxy->targets);
     free(proxy);
 }
@@ -253,10 +322,11 @@ static int allocate(struct kvd_proxy *proxy) {
             return -ENOMEM;
         }
     }
-    proxy->copies = calloc(n, sizeof(struct kvd_copy));
-    proxy->copied = calloc(n, sizeof(uint32_t));
+    proxy->copies = calloc(2 * (size_t)n, sizeof(struct kvd_copy));
+    proxy->copied = calloc(2 * (size_t)n, sizeof(uint32_t));
+    proxy->grants = calloc(proxy->config.grant_count, sizeof(struct kvd_grant));
     proxy->targets = calloc(proxy->config.target_count, sizeof(struct kvd_region));
-    if (proxy->copies == NULL || proxy->copied == NULL || proxy->targets == NULL) return -ENOMEM;
+    if (!proxy->copies || !proxy->copied || !proxy->grants || !proxy->targets) return -ENOMEM;
     memcpy(proxy->targets, proxy->config.targets, proxy->config.target_count * sizeof(struct kvd_region));
     proxy->config.targets = proxy->targets;
     return 0;

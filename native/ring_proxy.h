@@ -27,7 +27,23 @@
  * with (an engine's registered pool), never at an arbitrary address of the
  * proxy's process. A descriptor that cannot be read (unknown file, a target
  * outside those regions, a length of 0 or more than half of staging) fails
- * without I/O. One whose layer has no counter cannot be completed at all: it
+ * without I/O.
+ *
+ * Grants: the proxy reads only what its owner (the daemon) granted. Grant
+ * `tag` of the proxy's own table names one read (file, offset, length,
+ * target, layer, checksum); a descriptor is read only when its tag names an
+ * armed grant with exactly its fields, and taking it disarms the grant (one
+ * read per grant). Anything else fails without I/O, and leaves the grant
+ * armed: a producer that forges a descriptor reads nothing of another
+ * tenant's and burns nobody's grant. A grant's stamp (nonzero, never reused
+ * by its owner) is how arming, taking and revoking stay exact when they
+ * race: each moves the stamp with a compare-and-swap. When the read it was
+ * taken for is over, the grant's outcome says so (stamp << 1 | ok).
+ *
+ * Split pages: where an engine keeps a page's K half and V half apart, a
+ * read of a whole layer goes out as two copies, its first `split_at` bytes
+ * to the target and the rest `split_to` bytes after it; both must lie in
+ * the target regions. One whose layer has no counter cannot be completed at all: it
  * is dropped and counted in stats.dropped. A stopping proxy takes no new descriptors, finishes the
  * reads it holds and fails the one it had taken but not yet placed.
  *
@@ -60,6 +76,13 @@ typedef int (*kvd_copy_fn)(void *context, const struct kvd_copy *copies, uint32_
 /* The copy hook for targets in this process's host memory. */
 int kvd_copy_host(void *context, const struct kvd_copy *copies, uint32_t count);
 
+/* One read the owner granted (see "Grants" above). */
+struct kvd_grant {
+    uint64_t stamp;    /* the arm's own number while armed; 0: free, taken or revoked */
+    uint64_t file, offset, length, target, layer, checksum;
+    uint64_t outcome;  /* stamp << 1 | ok, once the read it was taken for is over; 0 before */
+};
+
 struct kvd_proxy_config {
     kvd_io_ring *ring;          /* initialised: version, capacity (a power of two), layers */
     uint64_t ring_bytes;        /* of the memory holding it */
@@ -75,7 +98,12 @@ struct kvd_proxy_config {
     uint32_t target_count;             /* >= 1 */
     int copy_each;              /* call `copy` per read, right after its check (host memory: the
                                    bytes are still in cache); 0: once per batch (a device's DMA) */
+    uint32_t grant_count;       /* the grant table's size, 1..KVD_PROXY_MAX_GRANTS */
+    uint64_t split_at;          /* 0: a read is one copy; else see "Split pages" above */
+    uint64_t split_to;
 };
+
+#define KVD_PROXY_MAX_GRANTS (1u << 22)
 
 struct kvd_proxy_stats {
     uint64_t reads;              /* descriptors completed, failed ones included */
@@ -83,6 +111,7 @@ struct kvd_proxy_stats {
     uint64_t bytes;              /* bytes delivered to targets */
     uint64_t checksum_mismatches;/* read in full, but not the bytes the descriptor named */
     uint64_t rejected;           /* failed without I/O (bad file, length or target) */
+    uint64_t ungranted;          /* ... of which no armed grant matched */
     uint64_t dropped;            /* layer out of range: not completed at all */
     uint64_t batches;
     uint64_t copy_calls;
@@ -108,8 +137,9 @@ struct kvd_proxy {
     pthread_t thread;
     int stop;                    /* set by kvd_proxy_stop (atomic) */
     struct kvd_proxy_batch batches[2];
-    struct kvd_copy *copies;     /* batch_entries of them */
+    struct kvd_copy *copies;     /* 2 * batch_entries of them (a split read takes two) */
     uint32_t *copied;            /* the read each of `copies` is for */
+    struct kvd_grant *grants;    /* config.grant_count of them, the proxy's own memory */
     kvd_io_desc carry;           /* taken, but did not fit the batch being filled */
     int carrying;
     struct kvd_proxy_stats stats;/* written by the thread; read with atomics */
@@ -125,6 +155,18 @@ int kvd_proxy_start(struct kvd_proxy **out, const struct kvd_proxy_config *confi
 /* Stops and joins the thread (see above), copies its last counters into
  * `final` (may be NULL), then frees everything. */
 void kvd_proxy_stop(struct kvd_proxy *proxy, struct kvd_proxy_stats *final);
+
+/* Arms grant `tag` for `desc`'s fields (its sequence ignored) under `stamp` (nonzero, unique):
+ * 0, or -EINVAL (tag out of range, stamp 0) or -EBUSY (the grant is armed). The owner arms a
+ * tag again only once its last grant was revoked or its outcome came. */
+int kvd_proxy_grant(struct kvd_proxy *proxy, uint64_t tag, const kvd_io_desc *desc, uint64_t stamp);
+
+/* Disarms grant `tag` if it is still armed under `stamp`: 1 when it was (it will never be read),
+ * 0 when a descriptor took it first (its outcome follows), -EINVAL for a tag out of range. */
+int kvd_proxy_revoke(struct kvd_proxy *proxy, uint64_t tag, uint64_t stamp);
+
+/* Grant `tag`'s outcome word (0 until a read taken under it is over). */
+uint64_t kvd_proxy_outcome(struct kvd_proxy *proxy, uint64_t tag);
 
 /* A consistent-enough snapshot: every counter read atomically. */
 void kvd_proxy_read_stats(struct kvd_proxy *proxy, struct kvd_proxy_stats *out);

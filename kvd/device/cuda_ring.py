@@ -46,9 +46,10 @@ class LayerPlan:
     targets: Memory
     checksums: Memory
     count: int
+    first_tag: int = 0  # read i is published under tag first_tag + i: its grant in the daemon's proxy
 
     @classmethod
-    def upload(cls, device, stream, files, offsets, lengths, targets, checksums) -> LayerPlan:
+    def upload(cls, device, stream, files, offsets, lengths, targets, checksums, first_tag: int = 0) -> LayerPlan:
         """A layer's reads (host arrays, one entry per read) copied into device arrays the kernel reads.
         The host columns are registered for the copies and stay referenced here until the stream has
         finished them (one synchronize for all five), then unregistered."""
@@ -72,7 +73,7 @@ class LayerPlan:
         finally:
             for memory in registered:
                 device.unregister_host(memory)
-        return cls(*arrays, count=count)
+        return cls(*arrays, count=count, first_tag=first_tag)
 
     def free(self, device) -> None:
         for memory in (self.files, self.offsets, self.lengths, self.targets, self.checksums):
@@ -149,7 +150,7 @@ class GpuRingProducer:
         block's start (nobody drains the ring) are abandoned, and the layer's wait ends FAILED."""
         blocks = max(1, -(-plan.count // THREADS_PER_BLOCK))
         args = [ring.address, plan.files.address, plan.offsets.address, plan.lengths.address, plan.targets.address,
-                plan.checksums.address, layer, plan.count, _nanoseconds(timeout_s)]
+                plan.checksums.address, layer, plan.count, _nanoseconds(timeout_s), plan.first_tag]
         self._launch(self._submit, stream, blocks, THREADS_PER_BLOCK, args)
 
     def wait_layer(self, stream, ring: MappedRing, layer: int, until: int, *, timeout_s: float,

@@ -38,12 +38,16 @@ import numpy as np
 from kvd._native import (IO_RING_ABANDONED_OFFSET, IO_RING_DONE_OFFSET, IO_RING_FAILED_OFFSET, IO_RING_HEADER_BYTES,
                          IO_RING_MAX_LAYERS, IO_RING_VERSION, IO_RING_WAITS, IO_RING_WAITS_OFFSET, IO_WAIT_BYTES,
                          IO_WAIT_FAILED, IO_WAIT_INVALID, IO_WAIT_OK, IO_WAIT_PENDING, IO_WAIT_TIMEOUT, PROXY_ALIGN,
-                         RingProxy, io_ring_init, io_ring_wait, io_ring_wait_record)
+                         RingProxy, io_ring_init, io_ring_publish, io_ring_wait, io_ring_wait_record)
 from kvd.device.api import Device, Memory
 from kvd.pages import huge_page_memory
 
 DESC_BYTES = 64
 FAILURES_IGNORED = 2**64 - 1  # failed_before that no failure count passes: wait for completions alone
+# A read as a producer publishes it and a grant names it: 7 uint64 (READ_FIELDS), one row per read.
+READ_FIELDS = ("file", "offset", "length", "target", "layer", "checksum", "tag")
+# How a grant ended (Proxy.settle): still out, revoked unread, read and verified, read and failed.
+GRANT_OUT, GRANT_REVOKED, GRANT_VERIFIED, GRANT_FAILED = 0, 1, 2, 3
 
 
 def ring_bytes(capacity: int) -> int:
@@ -145,6 +149,15 @@ class RingMemory:
         the ring must have taken everything published (it then looks for ticket 0 again)."""
         io_ring_init(self.buffer, self.capacity, self.layers)
 
+    def publish(self, reads: np.ndarray, *, timeout_s: float) -> int:
+        """Publishes reads (rows of READ_FIELDS, uint64) in order, as the submit kernel does on a GPU;
+        returns how many were published: the rest were abandoned when the ring had no room for them
+        within `timeout_s` (their layers' waits then end FAILED)."""
+        reads = np.ascontiguousarray(reads, dtype=np.uint64)
+        if reads.ndim != 2 or reads.shape[1] != len(READ_FIELDS):
+            raise ValueError(f"reads must be rows of {len(READ_FIELDS)} uint64 {READ_FIELDS}, not {reads.shape}")
+        return io_ring_publish(self.buffer, reads.reshape(-1), int(timeout_s * 1e9))
+
     def done(self, layer: int) -> int:
         """Reads of `layer` the proxy completed so far (a plain load: for tests and reports, not for ordering)."""
         return self._counter(IO_RING_DONE_OFFSET, layer)
@@ -211,6 +224,21 @@ class Proxy:
     registered: Memory | None = None
     stats: dict = field(default_factory=dict)
 
+    def grant(self, reads: np.ndarray, stamps: np.ndarray) -> None:
+        """Arms one grant per read (rows of READ_FIELDS; the tag is the grant's number) under its stamp
+        (nonzero, never used before): the proxy reads exactly these, once each, and nothing else."""
+        reads = np.ascontiguousarray(reads, dtype=np.uint64)
+        self.native.grant(np.ascontiguousarray(reads[:, 6]), np.ascontiguousarray(reads[:, :7]).reshape(-1),
+                          np.ascontiguousarray(stamps, dtype=np.uint64))
+
+    def settle(self, tags: np.ndarray, stamps: np.ndarray, *, revoke: bool) -> np.ndarray:
+        """Each grant's state (GRANT_*): GRANT_OUT while armed or being read; with `revoke`, a grant
+        no read has taken is disarmed (GRANT_REVOKED), so GRANT_OUT then means a read of it runs."""
+        out = np.zeros(len(tags), dtype=np.int8)
+        self.native.settle(np.ascontiguousarray(tags, dtype=np.uint64), np.ascontiguousarray(stamps, dtype=np.uint64),
+                           out, revoke)
+        return out
+
     def stop(self) -> dict:
         self.native.stop()
         self.stats = self.native.stats()
@@ -227,11 +255,14 @@ def target_regions(targets: Sequence[Memory]) -> np.ndarray:
 
 
 def start_proxy(device: Device, ring: RingMemory, fds, targets: Sequence[Memory], staging_bytes: int = 16 << 20,
-                batch_entries: int = 64, queue_depth: int = 64) -> Proxy:
+                batch_entries: int = 64, queue_depth: int = 64, grants: int = 4096,
+                split: tuple[int, int] = (0, 0)) -> Proxy:
     """A proxy copying to `device`'s memory: memcpy on the CPU device, the CUDA driver on a GPU.
-    Reads land only inside `targets` (an engine's registered pool: the ring is shared with its
-    producers, so nothing it says is trusted). On CUDA the staging is page-locked (cudaHostRegister)
-    so the copies to the GPU are DMA."""
+    It reads only what one of its `grants` names (Proxy.grant), and a read lands only inside
+    `targets` (an engine's registered pool): the ring is shared with its producers, so nothing
+    it says is trusted. `split`: (split_at, split_to) for pages kept as a K and a V half (see
+    native/ring_proxy.h). On CUDA the staging is page-locked (cudaHostRegister) so the copies
+    to the GPU are DMA."""
     staging_bytes = -(-staging_bytes // (2 * PROXY_ALIGN)) * 2 * PROXY_ALIGN
     staging = huge_page_memory(staging_bytes)
     registered = None
@@ -240,7 +271,8 @@ def start_proxy(device: Device, ring: RingMemory, fds, targets: Sequence[Memory]
     try:
         native = RingProxy(ring.buffer, np.asarray(fds, dtype=np.int32), staging, target_regions(targets),
                            batch_entries=batch_entries, queue_depth=queue_depth,
-                           device=-1 if device.kind == "cpu" else device.index)
+                           device=-1 if device.kind == "cpu" else device.index, grants=grants,
+                           split_at=split[0], split_to=split[1])
     except BaseException:
         if registered is not None:
             device.unregister_host(registered)

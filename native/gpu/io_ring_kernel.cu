@@ -12,7 +12,9 @@
 #include "io_ring.h"
 
 /* Thread i publishes read i of the layer: file, offset, length, target and
- * expected crc32c come from device arrays the caller filled once per layer.
+ * expected crc32c come from device arrays the caller filled once per layer;
+ * its tag is first_tag + i (the daemon's grants for the layer are numbered
+ * so: the proxy reads only what a grant names).
  * Thread 0 of each block reserves the block's tickets, in chunks of at most
  * the ring's capacity: one compare-and-swap on host memory per chunk, not an
  * atomic per read. A chunk not reserved by the block's deadline (from the
@@ -20,7 +22,7 @@
 extern "C" __global__ void kvd_io_ring_submit_layer(kvd_io_ring *ring, const uint64_t *files, const uint64_t *offsets,
                                                     const uint64_t *lengths, const uint64_t *targets,
                                                     const uint32_t *checksums, uint64_t layer, uint64_t count,
-                                                    uint64_t timeout_ns) {
+                                                    uint64_t timeout_ns, uint64_t first_tag) {
     __shared__ uint64_t capacity, deadline, first_ticket;
     __shared__ int taken;
     uint64_t first = (uint64_t)blockIdx.x * blockDim.x;
@@ -42,8 +44,8 @@ extern "C" __global__ void kvd_io_ring_submit_layer(kvd_io_ring *ring, const uin
         uint64_t k = (uint64_t)threadIdx.x - chunk; /* wraps to a huge value below the chunk */
         if (taken && threadIdx.x >= chunk && k < need) {
             uint64_t i = first + threadIdx.x;
-            kvd_io_ring_publish(ring, first_ticket + k, files[i], offsets[i], lengths[i], targets[i], layer, i,
-                                checksums[i]);
+            kvd_io_ring_publish(ring, first_ticket + k, files[i], offsets[i], lengths[i], targets[i], layer,
+                                first_tag + i, checksums[i]);
         }
         __syncthreads(); /* the chunk is published before thread 0 reserves the next */
     }

@@ -140,7 +140,7 @@ class KernelFakeCuda(FakeCuda):
     """FakeCuda with the module and launch calls the producer makes; a launch records its kernel's
     name, grid, block and 64-bit parameters (read back through the pointers it was given)."""
 
-    PARAMETERS = {b"kvd_io_ring_submit_layer": 9, b"kvd_io_ring_wait_layer": 6}
+    PARAMETERS = {b"kvd_io_ring_submit_layer": 10, b"kvd_io_ring_wait_layer": 6}
 
     def __init__(self) -> None:
         super().__init__()
@@ -172,7 +172,7 @@ def test_the_producer_launches_bounded_kernels_and_reads_each_wait_from_its_reco
     device = CudaDevice(0)
     ring = RingMemory(8, 2)
     producer, stream = GpuRingProducer(device, "io_ring_kernel.fatbin"), device.stream()
-    plan = LayerPlan(*(Memory(0x1000 * (n + 1), 8 * 300, device.uuid) for n in range(5)), count=300)
+    plan = LayerPlan(*(Memory(0x1000 * (n + 1), 8 * 300, device.uuid) for n in range(5)), count=300, first_tag=40)
     waits = []
 
     def launch() -> None:
@@ -188,7 +188,7 @@ def test_the_producer_launches_bounded_kernels_and_reads_each_wait_from_its_reco
     assert mapped.address == ctypes.addressof(ctypes.c_char.from_buffer(ring.buffer)) + (1 << 56)
     submit, first_wait, _ = fake.launches
     assert submit == (b"kvd_io_ring_submit_layer", 2, 256, (mapped.address, 0x1000, 0x2000, 0x3000, 0x4000, 0x5000,
-                                                           1, 300, 250_000_000))
+                                                           1, 300, 250_000_000, 40))
     record = mapped.address + RingMemory.record_offset(0)
     assert first_wait == (b"kvd_io_ring_wait_layer", 1, 1, (mapped.address, 1, 3, 1, 2_000_000_000, record))
     assert [(w.slot, w.result().state) for w in waits] == [(0, WaitState.PENDING), (1, WaitState.PENDING)]

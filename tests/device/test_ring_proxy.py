@@ -19,7 +19,8 @@ import pytest
 from crc32c import crc32c
 
 from kvd._native import RingProxy
-from kvd.device.io_ring import RingMemory, WaitState, start_proxy
+from kvd.device.io_ring import (GRANT_FAILED, GRANT_OUT, GRANT_REVOKED, GRANT_VERIFIED, RingMemory, WaitState,
+                                start_proxy)
 from tests.device.staging import Staging
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,10 +76,18 @@ def plan_of(reads: list[tuple[int, int, int, int, int, int]]) -> np.ndarray:
     return np.array(reads, dtype=np.uint64).reshape(-1, 6)
 
 
+def grant_plan(proxy, plan: np.ndarray) -> None:
+    """Grants every read of the plan under the tag the producer publishes it with (its row)."""
+    rows = np.hstack([plan, np.arange(len(plan), dtype=np.uint64)[:, None]])
+    proxy.grant(rows, np.arange(1, len(plan) + 1, dtype=np.uint64))
+
+
 def run_producer(producer: Path, ring: RingMemory, plan: np.ndarray, tmp_path: Path, threads: int,
-                 wait_layers: int | None = None, timeout_s: float = 60, returncode: int = 0) -> dict:
-    """Runs the producer on `plan`, handing it the ring's descriptor over a socket; {layer: (state,
-    done, failed)} as its waits saw them when they ended."""
+                 wait_layers: int | None = None, timeout_s: float = 60, returncode: int = 0, proxy=None) -> dict:
+    """Runs the producer on `plan` (every read granted first, when a proxy is given), handing it the
+    ring's descriptor over a socket; {layer: (state, done, failed)} as its waits saw them when they ended."""
+    if proxy is not None:
+        grant_plan(proxy, plan)
     plan_path = tmp_path / "plan"
     plan.tofile(plan_path)
     extra = [str(wait_layers)] if wait_layers is not None else []
@@ -128,7 +137,7 @@ def test_reads_published_by_a_producer_process_land_in_device_memory_exactly(dev
     ring = RingMemory(capacity, layers)
     proxy = start_proxy(device, ring, disk.fds, [memory], staging_bytes=staging_kib << 10, batch_entries=batch)
     try:
-        waits = run_producer(producer, ring, with_targets(memory, reads, slot), tmp_path, threads)
+        waits = run_producer(producer, ring, with_targets(memory, reads, slot), tmp_path, threads, proxy=proxy)
     finally:
         stats = proxy.stop()
     assert waits == {layer: (WaitState.OK, count // layers, 0) for layer in range(layers)}
@@ -163,7 +172,7 @@ def test_faulty_reads_fail_in_their_layer_and_leave_their_targets_untouched(devi
     per_layer = {layer: sum(1 for r in reads if r[3] == layer) for layer in range(layers)}
     failed_per_layer = {layer: sum(1 for r in bad if r[3] == layer) for layer in range(layers)}
     try:
-        waits = run_producer(producer, ring, plan, tmp_path, threads=3, returncode=1)
+        waits = run_producer(producer, ring, plan, tmp_path, threads=3, returncode=1, proxy=proxy)
         # every layer had a bad read: its wait ended FAILED, maybe before the rest of the layer was done
         assert {layer: wait[0] for layer, wait in waits.items()} == dict.fromkeys(range(layers), WaitState.FAILED)
         settled = [ring.settle(layer, per_layer[layer], timeout_s=60) for layer in range(layers)]
@@ -198,7 +207,8 @@ def test_a_producer_cannot_steer_reads_outside_the_target_regions_or_the_ring(de
     unknown_layer = (0, 0, PAGE, memory.address + PAGE, 150, crc32c(disk.read(0, 0, PAGE)))
     plan = plan_of([good, aimed_elsewhere, past_the_end, unknown_layer])
     try:
-        run_producer(producer, ring, plan, tmp_path, threads=1, wait_layers=layers, returncode=1)  # layer 1: FAILED
+        run_producer(producer, ring, plan, tmp_path, threads=1, wait_layers=layers, returncode=1,
+                     proxy=proxy)  # layer 1: FAILED
         assert ring.settle(1, 2, timeout_s=60).state is WaitState.OK
     finally:
         stats = proxy.stop()
@@ -247,7 +257,8 @@ def test_a_layer_wait_ends_ok_or_failed_as_its_reads_do(device, disk, producer, 
     ring = RingMemory(16, layers)
     proxy = start_proxy(device, ring, disk.fds, [memory], staging_bytes=64 << 10)
     try:
-        waits = run_producer(producer, ring, with_targets(memory, reads, PAGE), tmp_path, threads=2, returncode=1)
+        waits = run_producer(producer, ring, with_targets(memory, reads, PAGE), tmp_path, threads=2, returncode=1,
+                             proxy=proxy)
         assert waits[0] == (WaitState.OK, 20, 0)
         assert waits[1][0] is WaitState.FAILED and waits[1][2] == 1
         ok, failed = (ring.wait(layer, 20 + layer, timeout_s=60, slot=layer) for layer in range(layers))
@@ -258,6 +269,76 @@ def test_a_layer_wait_ends_ok_or_failed_as_its_reads_do(device, disk, producer, 
     assert (failed.state, failed.failed) == (WaitState.FAILED, 1) and failed.ok is False
     assert (known.state, known.done, known.failed) == (WaitState.OK, 21, 1)
     assert stats["checksum_mismatches"] == 1 and ring.record(1) == failed
+
+
+def test_the_proxy_reads_only_what_was_granted_once_each_and_says_how_each_grant_ended(device, disk):
+    """Grants: a read published without one, or differing from its grant in any field, fails without
+    I/O and leaves the grant armed; a grant is read once (a replay fails); settle() tells a verified
+    read from a failed one, and revoking disarms a grant no read took. Published from this process
+    with RingMemory.publish (the host producer: the submit kernel's reserve and publish)."""
+    layers = 2
+    memory = device.alloc(8 * PAGE)
+    ring = RingMemory(16, layers)
+    proxy = start_proxy(device, ring, disk.fds, [memory], staging_bytes=64 << 10)
+
+    def read(tag, file, offset, target, layer, damage=0):
+        return (file, offset, PAGE, memory.address + target * PAGE, layer, crc32c(disk.read(file, offset, PAGE)) ^ damage,
+                tag)
+    granted = np.array([read(10, 0, 0, 0, 0), read(11, 1, 8 * PAGE, 1, 0), read(12, 0, PAGE, 2, 1, damage=1),
+                        read(13, 1, 0, 3, 1)], dtype=np.uint64)
+    stamps = np.array([101, 102, 103, 104], dtype=np.uint64)
+    proxy.grant(granted, stamps)
+    forged = np.array([read(20, 0, 2 * PAGE, 4, 0),       # no grant 20
+                       read(13, 1, PAGE, 3, 1)],           # grant 13's tag, another offset
+                      dtype=np.uint64)
+    try:
+        assert ring.publish(forged, timeout_s=10) == 2
+        assert ring.settle(0, 1, timeout_s=60).ok and ring.settle(1, 1, timeout_s=60).ok
+        assert (ring.failed(0), ring.failed(1)) == (1, 1)
+        assert ring.publish(granted[:3], timeout_s=10) == 3
+        assert ring.publish(granted[:1], timeout_s=10) == 1    # a replay of grant 10
+        assert ring.settle(0, 4, timeout_s=60).ok and ring.settle(1, 2, timeout_s=60).ok
+        states = proxy.settle(granted[:, 6], stamps, revoke=False)
+        assert states.tolist() == [GRANT_VERIFIED, GRANT_VERIFIED, GRANT_FAILED, GRANT_OUT]
+        assert proxy.settle(granted[:, 6], stamps, revoke=True)[3] == GRANT_REVOKED
+        assert ring.publish(granted[3:], timeout_s=10) == 1    # grant 13, revoked
+        assert ring.settle(1, 3, timeout_s=60).ok and ring.failed(1) == 3
+        proxy.grant(granted[:1], stamps[:1] + 10)  # grant 10 was read: its tag may be armed again
+        with pytest.raises(ValueError, match="grant 10: armed already"):
+            proxy.grant(granted[:1], stamps[:1] + 20)
+    finally:
+        stats = proxy.stop()
+    assert stats["rejected"] == 4 and stats["ungranted"] == 4 and stats["checksum_mismatches"] == 1
+    landed = Staging(device, 8 * PAGE).get(device.stream(), memory, 0, 8 * PAGE)
+    assert landed[:PAGE].tobytes() == disk.read(0, 0, PAGE)
+    assert landed[PAGE:2 * PAGE].tobytes() == disk.read(1, 8 * PAGE, PAGE)
+    assert not landed[2 * PAGE:].any()  # the damaged read, the revoked grant and every forgery: nothing
+    ring.close()
+
+
+def test_a_split_page_lands_as_its_two_halves(device, disk):
+    """Pages kept as a K half and a V half apart (vLLM's layout): one read of a layer is checked whole
+    and copied as two parts, the second split_to bytes after the first; a read whose second part
+    would land outside the target regions fails without I/O."""
+    half, v_offset = 2 * PAGE, 16 * PAGE
+    memory = device.alloc(32 * PAGE)
+    ring = RingMemory(8, 1)
+    proxy = start_proxy(device, ring, disk.fds, [memory], staging_bytes=64 << 10, split=(half, v_offset))
+    whole = disk.read(0, 4 * PAGE, 2 * half)
+    reads = np.array([(0, 4 * PAGE, 2 * half, memory.address + PAGE, 0, crc32c(whole), 0),
+                      (0, 4 * PAGE, 2 * half, memory.address + 20 * PAGE, 0, crc32c(whole), 1)], dtype=np.uint64)
+    proxy.grant(reads, np.array([1, 2], dtype=np.uint64))
+    try:
+        ring.publish(reads, timeout_s=10)
+        assert ring.settle(0, 2, timeout_s=60).ok
+    finally:
+        stats = proxy.stop()
+    assert ring.failed(0) == 1 and stats["rejected"] == 1 and stats["ungranted"] == 0
+    want = bytearray(32 * PAGE)
+    want[PAGE:PAGE + half] = whole[:half]
+    want[PAGE + v_offset:PAGE + v_offset + half] = whole[half:]
+    assert Staging(device, 32 * PAGE).get(device.stream(), memory, 0, 32 * PAGE).tobytes() == bytes(want)
+    ring.close()
 
 
 def test_a_layer_wait_times_out_when_nobody_serves_the_ring(producer, tmp_path):
