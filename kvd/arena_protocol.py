@@ -10,7 +10,9 @@
 One JSON line each way, then the daemon closes the connection. A second
 request, {"op": "deposit", "count": n, "token": ...} sent with n descriptors
 (SCM_RIGHTS), hands an engine's pool memory to the device plane: the reply
-{"ok": true, "ticket": "..."} names them for RegisterPool (deposit_fds). A refusal
+{"ok": true, "ticket": "..."} names them for RegisterPool (deposit_fds). A third,
+{"op": "ring", "ring": "<ring token>"}, answers a pool's I/O ring's memfd to the
+tenant that registered the pool (RegisterPoolResponse.ring_token). A refusal
 is {"ok": false, "code": "<grpc status name>", "message": "..."} and no
 descriptor. The socket sits next to the gRPC unix socket, with the same
 mode (0600, or 0660 for server.unix_socket_group), so whoever may call
@@ -29,7 +31,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from kvd.errors import (FailedPrecondition, InvalidArgument, KvdError, PermissionDenied, ResourceExhausted,
+from kvd.errors import (FailedPrecondition, InvalidArgument, KvdError, NotFound, PermissionDenied, ResourceExhausted,
                         Unauthenticated)
 
 SUFFIX = ".arena"
@@ -49,6 +51,7 @@ _ERRORS: dict[str, type[KvdError]] = {
     "FAILED_PRECONDITION": FailedPrecondition,
     "INVALID_ARGUMENT": InvalidArgument,
     "RESOURCE_EXHAUSTED": ResourceExhausted,
+    "NOT_FOUND": NotFound,
 }
 
 
@@ -72,13 +75,14 @@ def encode(message: dict[str, Any]) -> bytes:
 
 
 def receive_arena(path: Path, token: str | None, instance_id: str,
-                  timeout_s: float = TIMEOUT_S) -> tuple[int, dict[str, Any]]:
-    """(the arena's file descriptor, the daemon's reply) from the socket at `path`.
+                  timeout_s: float = TIMEOUT_S, ring: str = "") -> tuple[int, dict[str, Any]]:
+    """(the arena's file descriptor, the daemon's reply) from the socket at `path`; with `ring`
+    (a RegisterPoolResponse.ring_token), that pool's I/O ring's instead.
 
     OSError when the socket cannot be reached; a KvdError when the daemon
     refuses (its status and message) or answers with something that is
     not the protocol. The caller owns (and closes) the descriptor."""
-    request: dict[str, Any] = {"instance_id": instance_id}
+    request: dict[str, Any] = {"instance_id": instance_id} if not ring else {"op": "ring", "ring": ring}
     if token:
         request["token"] = token
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:

@@ -73,6 +73,7 @@ Get hits of kvd_get_blocks_total.
 | kvd_device_pools | gauge | | engines' KV pools registered with the device plane ([device] kind) |
 | kvd_device_blocks_total | counter | op | blocks kvd copied out of engines' pools (save) and into them (load) |
 | kvd_device_disk_loads_total | counter | result | LoadLayers whose blocks were read from disk and went to the engine's pages layer by layer as each landed: landed, or failed (a read failed or the Get ended early; the flag word got FAILED) |
+| kvd_device_ring_loads_total | counter | result | LoadLayers of a pool with io_ring whose disk blocks the engine read through the pool's I/O ring: verified (every granted read checked out and landed), or failed (a read failed its checksum or the drive, or a grant was unused at [device] flag_timeout_ms and revoked) |
 | kvd_device_tier_blocks | gauge | | blocks held in the device tier ([device] tier_bytes) |
 | kvd_device_tier_slots | gauge | | slots of the device tier (0: none) |
 | kvd_device_tier_used_slots | gauge | | slots of the device tier holding copies (or being written) |
@@ -422,6 +423,11 @@ class DeviceCollector(Collector):
         from_disk.add_metric(["landed"], c["disk_loads_landed"])
         from_disk.add_metric(["failed"], c["disk_loads_failed"])
         yield from_disk
+        by_ring = CounterMetricFamily("kvd_device_ring_loads", "LoadLayers whose disk blocks went through the "
+                                      "pool's I/O ring.", labels=["result"])
+        by_ring.add_metric(["verified"], c["ring_loads_verified"])
+        by_ring.add_metric(["failed"], c["ring_loads_failed"])
+        yield by_ring
         yield GaugeMetricFamily("kvd_device_tier_blocks", "Blocks held in the device tier.", value=c["tier_blocks"])
         yield GaugeMetricFamily("kvd_device_tier_slots", "Slots of the device tier (0: no device tier).",
                                 value=c["tier_slots"])

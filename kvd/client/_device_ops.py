@@ -12,10 +12,10 @@ from kvd.v1 import kvd_pb2
 
 
 def register_pool(session: Session, namespace: Namespace, layers: Sequence[bytes], num_blocks: int, flags: bytes,
-                  lease_ms: int, page_stride: int = 0, v_offset: int = 0) -> Op:
+                  lease_ms: int, page_stride: int = 0, v_offset: int = 0, io_ring: bool = False) -> Op:
     response = yield ("RegisterPool", kvd_pb2.RegisterPoolRequest(
         namespace_id=namespace.namespace_id, client_id=session.client_id, layers=layers, num_blocks=num_blocks,
-        flags=flags, lease_ms=lease_ms, page_stride_bytes=page_stride, v_offset_bytes=v_offset))
+        flags=flags, lease_ms=lease_ms, page_stride_bytes=page_stride, v_offset_bytes=v_offset, io_ring=io_ring))
     return response
 
 

@@ -23,11 +23,13 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvd.arena_protocol import deposit_fds
+from kvd.arena_protocol import deposit_fds, receive_arena
 from kvd.client._channel import resolve_token
 from kvd.client._wire import Namespace
+from kvd.client.ring_loads import RingCounts, RingReads
 from kvd.device import Device, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
+from kvd.device.io_ring import RingMemory
 from kvd.device.transfer import FAILED as FAILED  # kvd stores FAILED | done_value when a transfer failed
 from kvd.v1 import kvd_pb2
 
@@ -36,12 +38,15 @@ class DevicePool:
     def __init__(self, client, namespace: Namespace, device: Device, layers: Sequence[Memory], num_blocks: int,
                  flag_words: int = 64, lease_ms: int = 0, host: CpuDevice | None = None,
                  arena_socket: Path | None = None, token: str | None = None, page_stride: int = 0,
-                 v_offset: int = 0) -> None:
+                 v_offset: int = 0, io_ring: bool = False) -> None:
         """`arena_socket`: pass the flag memory (and, on the CPU device, the layers) to the daemon as
         file descriptors over its arena socket, as it must be where the daemon cannot reach this
         process by pid (another container); None: everything by IPC handle inside the RPC.
         `page_stride`, `v_offset`: for pools whose pages are not back to back or keep K and V apart
-        (kvd.device.transfer.PoolLayout)."""
+        (kvd.device.transfer.PoolLayout). `io_ring`: disk hits come through the pool's I/O ring
+        (kvd.client.ring_loads; the ring is mapped over the arena socket, which it needs)."""
+        if io_ring and arena_socket is None:
+            raise ValueError("io_ring: the pool's ring is handed over the daemon's arena socket; give arena_socket")
         self.client = client
         self.namespace = namespace
         self.host = host if host is not None else (device if isinstance(device, CpuDevice) else CpuDevice())
@@ -60,12 +65,20 @@ class DevicePool:
             handles = [device.export(memory).to_bytes() for memory in layers] if arena_socket is None or \
                 device.kind != "cpu" else None
             handles, flags = self._share(arena_socket, resolve_token(token), device, layers, handles)
-            response = client.register_pool(namespace, handles, num_blocks, flags, lease_ms, page_stride, v_offset)
+            response = client.register_pool(namespace, handles, num_blocks, flags, lease_ms, page_stride, v_offset,
+                                            io_ring)
         except BaseException:
             self._free_flags()
             raise
         self.pool_id = response.pool_id
         self.lease_deadline_ms = response.lease_deadline_ms
+        self.ring: RingCounts | None = None
+        if io_ring:
+            try:
+                self.ring = RingCounts(_map_ring(arena_socket, resolve_token(token), response.ring_token))
+            except BaseException:
+                self.close()
+                raise
 
     def _share(self, path: Path | None, token: str | None, device: Device, layers: Sequence[Memory],
                handles: list[bytes] | None) -> tuple[list[bytes], bytes]:
@@ -108,12 +121,31 @@ class DevicePool:
              parent_key: bytes = b"") -> kvd_pb2.LoadLayersResponse:
         return self.client.load_layers(self.namespace, self.pool_id, keys, pages, kvd_flag, base, parent_key)
 
+    def ring_reads(self, response: kvd_pb2.LoadLayersResponse) -> RingReads | None:
+        """The reads a load's answer granted to the pool's ring (None: none of its blocks came from
+        disk, or the pool has no ring): the engine publishes them and waits on them per layer."""
+        if self.ring is None or not response.ring_blocks:
+            return None
+        return RingReads(self.ring, response.ring_reads, response.ring_blocks)
+
     def close(self) -> None:
         """Unregister (kvd drains the pool's transfers first), then free the flag words."""
         try:
             self.client.unregister_pool(self.pool_id)
         finally:
             self._free_flags()
+            if getattr(self, "ring", None) is not None:
+                self.ring.ring.close()
+                self.ring = None
+
+
+def _map_ring(arena_socket: Path, token: str | None, ring_token: str) -> RingMemory:
+    """The pool's I/O ring, mapped from the memfd the arena socket hands to the pool's tenant."""
+    fd, _ = receive_arena(arena_socket, token, "", ring=ring_token)
+    try:
+        return RingMemory.from_fd(fd)
+    finally:
+        os.close(fd)
 
 
 def _free_flags(device: Device, host: CpuDevice, flags: Memory, flags_on_device: Memory) -> None:

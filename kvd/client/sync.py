@@ -178,12 +178,13 @@ class Client(_ops.ClientBase):
         return self._run(_writes.delete(self.session, namespace, keys))
 
     def register_pool(self, namespace: Namespace, layers: Sequence[bytes], num_blocks: int, flags: bytes,
-                      lease_ms: int = 0, page_stride: int = 0, v_offset: int = 0) -> kvd_pb2.RegisterPoolResponse:
+                      lease_ms: int = 0, page_stride: int = 0, v_offset: int = 0,
+                      io_ring: bool = False) -> kvd_pb2.RegisterPoolResponse:
         """Register an engine's paged KV pool (IPC handles, one per layer, and its flag words' handle;
-        page_stride and v_offset for pools that keep K and V apart, see the proto);
-        kvd.client.device.DevicePool is the engine-side helper."""
+        page_stride and v_offset for pools that keep K and V apart, io_ring to read disk hits through
+        the pool's I/O ring, see the proto); kvd.client.device.DevicePool is the engine-side helper."""
         return self._run(_device_ops.register_pool(self.session, namespace, layers, num_blocks, flags, lease_ms,
-                                                   page_stride, v_offset))
+                                                   page_stride, v_offset, io_ring))
 
     def unregister_pool(self, pool_id: int) -> None:
         self._run(_device_ops.unregister_pool(self.session, pool_id))

@@ -52,7 +52,7 @@ from kvd.core.prefetch import PrefetchLimit, PrefetchPlan, Prefetcher
 from kvd.core.prefetch_ledger import PrefetchCounters, PrefetchLedger
 from kvd.core.puts import Committed, Puts, ReserveResult, ReserveStatus
 from kvd.core.quota import TenantQuota
-from kvd.core.reads import GetPlan, Reads
+from kvd.core.reads import GetPlan, InPlace, Reads
 from kvd.core.recovery import Recovery
 from kvd.core.requests import CommitRequest, KeysRequest, check_client, granted_lease_ms
 from kvd.core.residency import TierStack
@@ -258,6 +258,9 @@ class Engine:
 
     def begin_get(self, request: KeysRequest) -> GetPlan:
         return self.reads.begin_get(request)
+
+    def pin_in_place(self, request: KeysRequest) -> InPlace:
+        return self.reads.pin_in_place(request)
 
     def finish_loads(self, loads: Sequence[Transfer], ok: Sequence[bool]) -> None:
         self.reads.finish_loads(loads, ok)

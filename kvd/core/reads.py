@@ -67,6 +67,17 @@ class GetPlan:
     pins: list[BlockHandle] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class InPlace:
+    """A prefix pinned where it is (Reads.pin_in_place): per block, its host offset or its disk
+    slot (NO_SLOT in the other)."""
+
+    lease: Lease | None
+    matched: list[Block]
+    host_offsets: list[int]
+    disk_slots: list[int]
+
+
 class Reads(EngineComponent):
     def lookup(self, namespace_id: bytes, keys: Sequence[bytes], parent_key: bytes = b"") -> list[Block]:
         """Longest stored prefix of `keys` (a chain continuing `parent_key`).
@@ -113,24 +124,7 @@ class Reads(EngineComponent):
         finish_loads. Blocks another Get is already loading are in `waits`.
         If the host tier cannot take a block, the prefix is cut before it.
         """
-        namespace_id, client_id, keys, now_ms = request.namespace_id, request.client_id, request.keys, request.now_ms
-        state = self.namespaces.namespace(namespace_id)
-        check_keys(self.limits, keys, "keys")
-        check_client(client_id)
-        deadline_ms = now_ms + granted_lease_ms(self.limits, request.lease_ms)
-        self.leases.expire(now_ms)
-        matched = match(state, keys, request.parent_key)
-        if matched:
-            check_lease_room(self.leases)
-            self.leases.check_pin_room(client_id, len(matched))
-        counted = self.count_get(state, len(keys), matched)
-        if not matched:
-            return GetPlan(None, matched, counted=counted)
-        self.blocks.touch_prefix(matched)
-        self.blocks.note_sightings(matched)
-        lease = self.leases.open(LeaseKind.READ, client_id, namespace_id, deadline_ms)
-        lease.handles = [self.blocks.acquire(block) for block in matched]
-        self.leases.charge(lease, len(lease.handles))
+        lease, matched, counted = self._pin_matched(request)
         plan = GetPlan(lease, matched, counted=counted)
         for position, block in enumerate(matched):
             if block in self.blocks.loading:
@@ -155,6 +149,52 @@ class Reads(EngineComponent):
             plan.pins = [self.blocks.acquire(block) for block in plan.matched]
         self.blocks.ledger.used(plan.matched)
         return plan
+
+    def _pin_matched(self, request: KeysRequest) -> tuple[Lease | None, list[Block], tuple]:
+        """The longest stored prefix of the request's keys, counted as a Get and pinned under a new
+        read lease (None when nothing matched)."""
+        namespace_id, client_id, keys, now_ms = request.namespace_id, request.client_id, request.keys, request.now_ms
+        state = self.namespaces.namespace(namespace_id)
+        check_keys(self.limits, keys, "keys")
+        check_client(client_id)
+        deadline_ms = now_ms + granted_lease_ms(self.limits, request.lease_ms)
+        self.leases.expire(now_ms)
+        matched = match(state, keys, request.parent_key)
+        if matched:
+            check_lease_room(self.leases)
+            self.leases.check_pin_room(client_id, len(matched))
+        counted = self.count_get(state, len(keys), matched)
+        if not matched:
+            return None, matched, counted
+        self.blocks.touch_prefix(matched)
+        self.blocks.note_sightings(matched)
+        lease = self.leases.open(LeaseKind.READ, client_id, namespace_id, deadline_ms)
+        lease.handles = [self.blocks.acquire(block) for block in matched]
+        self.leases.charge(lease, len(lease.handles))
+        return lease, matched, counted
+
+    def pin_in_place(self, request: KeysRequest) -> InPlace:
+        """Pin the longest stored prefix of `keys` under a read lease and take no host slot: a block
+        in host memory is served from there, a block only on disk from its disk slot, which the
+        lease keeps (the caller reads it straight to where it goes). The prefix stops before a
+        block that is neither: being read in by another request, or only in another tier."""
+        lease, matched, _ = self._pin_matched(request)
+        slots, host_offsets, disk_slots = [], [], []
+        for position, block in enumerate(matched):
+            slot = self.blocks.host_slot(block)
+            disk_slot = NO_SLOT if slot != NO_SLOT else self.blocks.disk_slot(block)
+            lower = self.blocks.lower_copy(block) if slot == NO_SLOT else None
+            if slot == NO_SLOT and (block in self.blocks.loading or disk_slot == NO_SLOT
+                                    or lower is None or lower[0] is not self.blocks.disk):
+                self.cut_plan(GetPlan(lease, matched), position)
+                break
+            slots.append(slot)
+            disk_slots.append(disk_slot)
+        host = [slot for slot in slots if slot != NO_SLOT]
+        offsets = iter(self.host.pool.offsets_of(host))
+        host_offsets = [next(offsets) if slot != NO_SLOT else NO_SLOT for slot in slots]
+        self.blocks.ledger.used(matched)
+        return InPlace(lease if matched else None, matched, host_offsets, disk_slots)
 
     def start_load(self, block: Block, source: StorageTier, source_slot: int, slot: int) -> Transfer:
         """`block` is read from `source` into host `slot`: the slot is its from

@@ -187,6 +187,7 @@ def new_arena_socket(config: Config, arena: HostArena, tokens: TokenTable | None
         lambda reason: rpc_metrics.auth_failures.labels(reason).inc(),
         request_timeout_s=config.server.arena_request_timeout_s,
         on_deposit=device_plane.deposit if device_plane is not None else None,
+        on_ring=device_plane.ring_fd if device_plane is not None else None,
     )
 
 

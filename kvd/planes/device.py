@@ -32,9 +32,10 @@ import numpy as np
 
 from kvd.device import Device, DeviceError, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
-from kvd.device.transfer import ABSENT, FAILED, PoolLayout, load_layers, save_layers
+from kvd.device.transfer import FAILED, PoolLayout, load_layers, save_layers
 from kvd.planner.distance import NONE
-from kvd.planes.device_loads import LayerLoad, load_landed
+from kvd.planes.device_loads import LayerLoad, load_landed, load_sources
+from kvd.planes.device_ring import PoolRing, RingLoad, ring_answer, settle_load
 from kvd.planes.device_tier import DeviceTier
 from kvd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvd.invariants import check
@@ -76,6 +77,8 @@ class Pool:
     lease_ms: int
     deadline_ms: int
     opened: list[Memory] = field(default_factory=list)
+    tenant: str = ""
+    ring: PoolRing | None = None  # with io_ring: disk hits read through the engine's I/O ring
     busy: int = 0             # transfers issued and not yet drained
     closing: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever busy is 0
@@ -114,6 +117,8 @@ class DevicePlane:
         self.saved_blocks = self.loaded_blocks = 0
         # Loads whose layers went to the engine as they landed from disk, by how they ended.
         self.disk_loads = {"landed": 0, "failed": 0}
+        # Loads read through pools' I/O rings, by whether every read was verified.
+        self.ring_loads = {"verified": 0, "failed": 0}
         self.host = host if host is not None else (self.device if isinstance(self.device, CpuDevice) else CpuDevice())
         # Flag words come from the CPU device of the engine's host side: the CPU devices served, or `host`.
         self.hosts = {uuid: device for uuid, device in self.devices.items() if isinstance(device, CpuDevice)} \
@@ -144,7 +149,12 @@ class DevicePlane:
 
     # ---------------------------------------------------------------- registration
 
-    def register(self, request, num_layers: int, layer_bytes: int, now_ms: int, tenant: str = "") -> Pool:
+    def register(self, request, num_layers: int, layer_bytes: int, now_ms: int, tenant: str = "",
+                 ring_fds: list[int] | None = None) -> Pool:
+        """A pool for the engine's memory; with request.io_ring, its I/O ring over the drives'
+        segment files `ring_fds` (None: this kvd has no disk tier)."""
+        if request.io_ring and ring_fds is None:
+            raise FailedPrecondition("io_ring: this kvd has no disk tier to read through a ring ([disk] directories)")
         if len(self.pools) >= self.max_pools:
             raise ResourceExhausted(f"{len(self.pools)} pools are registered, the most [device] max_pools allows; "
                                     "unregister one first")
@@ -167,6 +177,7 @@ class DevicePlane:
         host = self.hosts[flags_handle.device_uuid]
         opened: list[Memory] = []
         flags_on_device = None
+        ring = stream = None
         try:
             layers = [self._open(device, handle, name, opened, tenant) for name, handle in
                       ((f"layers[{i}]", h) for i, h in enumerate(handles))]
@@ -174,8 +185,11 @@ class DevicePlane:
             flags = Memory(flags.address, flags.nbytes - flags.nbytes % 8, flags.device_uuid, flags.token)
             flags_on_device = flags if device is host else device.register_host(flags.address, flags.nbytes)
             layout = PoolLayout(tuple(layers), layer_bytes, request.num_blocks, shape.page_stride, shape.v_offset)
+            ring = PoolRing(layout, device, ring_fds) if request.io_ring else None
             stream = device.stream()
         except BaseException:
+            if ring is not None:
+                ring.close()
             if flags_on_device is not None and flags_on_device is not flags:
                 device.unregister_host(flags_on_device)
             self._close_all(opened)
@@ -185,7 +199,7 @@ class DevicePlane:
                 self._drop_deposit(handle.handle.split(b":")[1].decode())
         lease_ms = request.lease_ms or self.pool_lease_ms
         pool = Pool(next(self._ids), request.client_id, request.namespace_id, device, self.arenas[device.uuid], layout,
-                    flags, flags_on_device, stream, lease_ms, now_ms + lease_ms, opened)
+                    flags, flags_on_device, stream, lease_ms, now_ms + lease_ms, opened, tenant, ring)
         self.pools[pool.pool_id] = pool
         log.info("pool registered", extra={"pool_id": pool.pool_id, "client_id": pool.client_id,
                                            "layers": num_layers, "num_blocks": request.num_blocks,
@@ -300,6 +314,8 @@ class DevicePlane:
             log.warning("pool stream failed before unregistering", extra={"pool_id": pool.pool_id,
                                                                           "error": str(error)})
         pool.stream.close()
+        if pool.ring is not None:
+            pool.ring.close()  # every ring load has settled: the pool was idle
         if pool.flags_on_device is not pool.flags:
             pool.device.unregister_host(pool.flags_on_device)
         self._close_all(pool.opened)
@@ -323,6 +339,7 @@ class DevicePlane:
         tier = self.tier
         return {"pools": len(self.pools), "saved_blocks": self.saved_blocks, "loaded_blocks": self.loaded_blocks,
                 "disk_loads_landed": self.disk_loads["landed"], "disk_loads_failed": self.disk_loads["failed"],
+                "ring_loads_verified": self.ring_loads["verified"], "ring_loads_failed": self.ring_loads["failed"],
                 "tier_blocks": len(tier) if tier else 0, "tier_slots": tier.slot_count if tier else 0,
                 "tier_hits": tier.hits if tier else 0, "tier_misses": tier.misses if tier else 0,
                 "tier_evictions": tier.evictions if tier else 0, "tier_used_slots": tier.used_slots if tier else 0,
@@ -436,7 +453,7 @@ class DevicePlane:
                 tier.unpin(pool.namespace_id, keys, entries)
             on_landed()
 
-        sources = self._sources(pool, pages, slot_offsets, entries)
+        sources = load_sources(pool, self.tier, pages, slot_offsets, entries)
         if reading is None:
             try:
                 done = load_layers(pool.stream, pool.layout, sources, pool.flags_on_device, kvd_flag, base)
@@ -453,6 +470,20 @@ class DevicePlane:
         self._spawn(ending)
         return done, [entry is not None for entry in entries] or [False] * len(blocks)
 
+    def load_by_ring(self, pool: Pool, pages: np.ndarray, places, on_settled) -> RingLoad:
+        """Grant the reads of blocks only on disk (at `places`: kvd.tiers.disk.reads.Places) into
+        `pages` through the pool's ring, for the engine to publish; `on_settled()` runs once every
+        grant was read, or revoked at [device] flag_timeout_ms (a read taken by then finished)."""
+        load = pool.ring.grant(pages, places.files, places.offsets, places.checksums)
+        pool.begin()
+        self.loaded_blocks += len(pages)
+        self._spawn(settle_load(pool, load, time.monotonic() + self.flag_timeout_s, self.ring_loads, on_settled))
+        return load
+
+    def ring_fd(self, tenant: str, token: str) -> tuple[dict, int]:
+        """The arena socket's answer to {"op": "ring"} (kvd.planes.device_ring.ring_answer)."""
+        return ring_answer(self.pools.values(), tenant, token)
+
     async def _count_disk_load(self, running) -> None:
         self.disk_loads["landed" if await running else "failed"] += 1
 
@@ -466,17 +497,3 @@ class DevicePlane:
         self._drains.discard(task)
         if not task.cancelled() and task.exception() is not None and self.on_bug is not None:
             self.on_bug("a device transfer's completion", task.exception())
-
-    def _sources(self, pool: Pool, pages: np.ndarray, slot_offsets, entries) -> list:
-        """A load's sources: the device tier for the layers its entries hold, the arena for the rest."""
-        layout = pool.layout
-        from_arena = np.asarray(slot_offsets, dtype=np.int64).reshape(-1, 1) \
-            + np.arange(len(layout.layers), dtype=np.int64) * layout.page_bytes
-        sources = [(pool.arena, pages, from_arena)]
-        rows = [i for i, entry in enumerate(entries) if entry is not None]
-        if rows:
-            in_tier = np.stack([entries[i].offsets for i in rows])
-            from_arena[rows] = np.where(in_tier == ABSENT, from_arena[rows], ABSENT)
-            sources.append((self.tier.memory, pages[rows], in_tier))
-        return sources
-

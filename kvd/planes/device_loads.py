@@ -24,11 +24,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvd.core.get_life import Served
 from kvd.core.reads import GetCut
 from kvd.device import DeviceError
 from kvd.device.cpu import store_flag
-from kvd.device.transfer import FAILED, load_layer, load_places
+from kvd.device.transfer import ABSENT, FAILED, load_layer, load_places
 
 log = logging.getLogger(__name__)
 
@@ -117,3 +119,17 @@ async def load_landed(pool, kvd_flag: int, done: int, on_landed: Callable[[], No
         pool.end()
         on_landed()
     return good
+
+
+def load_sources(pool, tier, pages: np.ndarray, slot_offsets, entries) -> list:
+    """A load's sources: the device tier for the layers its entries hold, the arena for the rest."""
+    layout = pool.layout
+    from_arena = np.asarray(slot_offsets, dtype=np.int64).reshape(-1, 1) \
+        + np.arange(len(layout.layers), dtype=np.int64) * layout.page_bytes
+    sources = [(pool.arena, pages, from_arena)]
+    rows = [i for i, entry in enumerate(entries) if entry is not None]
+    if rows:
+        in_tier = np.stack([entries[i].offsets for i in rows])
+        from_arena[rows] = np.where(in_tier == ABSENT, from_arena[rows], ABSENT)
+        sources.append((tier.memory, pages[rows], in_tier))
+    return sources

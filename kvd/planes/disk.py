@@ -32,7 +32,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +50,7 @@ from kvd.planes.io_executor import ScheduledExecutor
 from kvd.supervisor import Supervisor
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.layout import DiskConfig, location_of, split_location
+from kvd.tiers.disk.reads import Places
 from kvd.tiers.disk.tier import DiskRecovery, DiskTier
 from kvd.tiers.host import HostArena
 
@@ -254,6 +255,16 @@ class DiskPlane(DiskWrites, DiskReads):
         await self._run(self.tier.register_namespace, namespace_id, state.spec.encode())
         engine.enable_disk(namespace_id)
 
+
+    async def places(self, namespace_id: bytes, keys: Sequence[bytes], disk_slots: Sequence[int]) -> Places:
+        """Where the blocks in the engine's `disk_slots` lie on the drives, and their layers'
+        checksums (DiskTier.places), asked on the I/O thread; the caller holds them pinned."""
+        spec = self.engine.namespace(namespace_id).spec
+        keys_and_slots = [(key, self._location(slot)) for key, slot in zip(keys, disk_slots)]
+        return await self._run(self.tier.places, namespace_id, spec.layer_bytes, spec.num_layers, keys_and_slots)
+
+    def segment_fds(self) -> list[int]:
+        return self.tier.segment_fds()
 
     def _location(self, slot: int) -> int:
         """The disk tier's location (kvd.tiers.disk.layout) of the engine's disk slot."""

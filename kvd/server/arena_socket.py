@@ -33,11 +33,14 @@ class ArenaSocket:
     def __init__(self, path: Path, arena: HostArena, tokens: TokenTable | None,
                  on_refused: Callable[[str], None] = lambda reason: None,
                  request_timeout_s: float = REQUEST_TIMEOUT_S,
-                 on_deposit: Callable[[str, list[int]], dict[str, Any]] | None = None) -> None:
+                 on_deposit: Callable[[str, list[int]], dict[str, Any]] | None = None,
+                 on_ring: Callable[[str, str], tuple[dict[str, Any], int]] | None = None) -> None:
         self.path = path
         # The device plane's deposit (kvd.planes.device): keeps copies of the descriptors an
         # engine passes for its RegisterPool. None: no device plane, deposits are refused.
         self.on_deposit = on_deposit
+        # The device plane's rings (DevicePlane.ring_fd): a pool's I/O ring for the tenant that registered it.
+        self.on_ring = on_ring
         self.request_timeout_s = request_timeout_s
         self.arena = arena
         self.tokens = tokens
@@ -146,6 +149,13 @@ class ArenaSocket:
             tenant = found.name
         if request.get("op") == "deposit":
             return self._deposit(tenant, request, list(received), connection), -1
+        if request.get("op") == "ring":
+            ring = request.get("ring")
+            if self.on_ring is None:
+                return _refusal("FAILED_PRECONDITION", "this kvd has no device plane ([device] kind = \"off\")"), -1
+            if not isinstance(ring, str) or not ring or len(ring) > 64:
+                return _refusal("INVALID_ARGUMENT", "ring: a RegisterPoolResponse.ring_token"), -1
+            return self.on_ring(tenant, ring)
         layout = self.arena.layout
         self.handed_out += 1
         reply = {"ok": True, "instance_id": self.arena.instance_id, "arena_bytes": layout.arena_bytes,

@@ -681,7 +681,7 @@ class PrefetchResponse(_message.Message):
     def __init__(self, matched: _Optional[int] = ..., in_host: _Optional[int] = ..., loading: _Optional[int] = ..., queued: _Optional[int] = ..., refused: _Optional[int] = ..., missing: _Optional[int] = ..., limit: _Optional[_Union[PrefetchLimit, str]] = ..., loaded: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "layers", "num_blocks", "flags", "lease_ms", "page_stride_bytes", "v_offset_bytes")
+    __slots__ = ("namespace_id", "client_id", "layers", "num_blocks", "flags", "lease_ms", "page_stride_bytes", "v_offset_bytes", "io_ring")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -690,6 +690,7 @@ class RegisterPoolRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     PAGE_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     V_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IO_RING_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     client_id: str
     layers: _containers.RepeatedScalarFieldContainer[bytes]
@@ -698,17 +699,20 @@ class RegisterPoolRequest(_message.Message):
     lease_ms: int
     page_stride_bytes: int
     v_offset_bytes: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., layers: _Optional[_Iterable[bytes]] = ..., num_blocks: _Optional[int] = ..., flags: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., v_offset_bytes: _Optional[int] = ...) -> None: ...
+    io_ring: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., layers: _Optional[_Iterable[bytes]] = ..., num_blocks: _Optional[int] = ..., flags: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., v_offset_bytes: _Optional[int] = ..., io_ring: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "lease_deadline_ms", "flag_words")
+    __slots__ = ("pool_id", "lease_deadline_ms", "flag_words", "ring_token")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     FLAG_WORDS_FIELD_NUMBER: _ClassVar[int]
+    RING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pool_id: int
     lease_deadline_ms: int
     flag_words: int
-    def __init__(self, pool_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., flag_words: _Optional[int] = ...) -> None: ...
+    ring_token: str
+    def __init__(self, pool_id: _Optional[int] = ..., lease_deadline_ms: _Optional[int] = ..., flag_words: _Optional[int] = ..., ring_token: _Optional[str] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("client_id", "pool_id")
@@ -777,16 +781,22 @@ class LoadLayersRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., kvd_flag: _Optional[int] = ..., base: _Optional[int] = ...) -> None: ...
 
 class LoadLayersResponse(_message.Message):
-    __slots__ = ("matched", "done_value", "tiers", "cut")
+    __slots__ = ("matched", "done_value", "tiers", "cut", "ring_reads", "ring_blocks", "by_ring")
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     DONE_VALUE_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     CUT_FIELD_NUMBER: _ClassVar[int]
+    RING_READS_FIELD_NUMBER: _ClassVar[int]
+    RING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BY_RING_FIELD_NUMBER: _ClassVar[int]
     matched: int
     done_value: int
     tiers: bytes
     cut: GetCut
-    def __init__(self, matched: _Optional[int] = ..., done_value: _Optional[int] = ..., tiers: _Optional[bytes] = ..., cut: _Optional[_Union[GetCut, str]] = ...) -> None: ...
+    ring_reads: bytes
+    ring_blocks: int
+    by_ring: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, matched: _Optional[int] = ..., done_value: _Optional[int] = ..., tiers: _Optional[bytes] = ..., cut: _Optional[_Union[GetCut, str]] = ..., ring_reads: _Optional[bytes] = ..., ring_blocks: _Optional[int] = ..., by_ring: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PlanRequestEntry(_message.Message):
     __slots__ = ("kv_bytes", "slo_s", "deposit_tokens", "token_bytes", "context_tokens")

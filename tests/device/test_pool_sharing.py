@@ -22,7 +22,7 @@ class _Client:
     def __init__(self) -> None:
         self.registered = None
 
-    def register_pool(self, namespace, handles, num_blocks, flags, lease_ms, page_stride, v_offset):
+    def register_pool(self, namespace, handles, num_blocks, flags, lease_ms, page_stride, v_offset, io_ring):
         self.registered = SimpleNamespace(handles=handles, flags=flags, num_blocks=num_blocks)
         return SimpleNamespace(pool_id=7, lease_deadline_ms=1)
 

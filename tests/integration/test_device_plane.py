@@ -52,9 +52,10 @@ def client(daemon):
 class Engine:
     """A paged KV pool of PAGES pages per layer in CPU-device memory, and a view to fill and read it."""
 
-    def __init__(self, client, device=None, arena_socket: Path | None = None, own_memory: bool = False) -> None:
+    def __init__(self, client, device=None, arena_socket: Path | None = None, own_memory: bool = False,
+                 io_ring: bool = False) -> None:
         """own_memory: the pool is ordinary memory of this process (as a CPU engine's tensors),
-        shared as process memory over the arena socket."""
+        shared as process memory over the arena socket; io_ring: disk hits come through its I/O ring."""
         self.device = device or open_device("cpu")
         self.namespace = client.register_namespace(SPEC)
         if own_memory:
@@ -64,7 +65,8 @@ class Engine:
             self.layers = [self.device.alloc(PAGES * SPEC.layer_bytes) for _ in range(SPEC.num_layers)]
         self.views = [np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * memory.nbytes).from_address(
             memory.address)).view(np.float32).reshape(PAGES, -1) for memory in self.layers]
-        self.pool = DevicePool(client, self.namespace, self.device, self.layers, PAGES, arena_socket=arena_socket)
+        self.pool = DevicePool(client, self.namespace, self.device, self.layers, PAGES, arena_socket=arena_socket,
+                               io_ring=io_ring)
 
     def write(self, page: int, block: np.ndarray) -> None:
         """Every layer of one page (the block's layer l in layer l's memory)."""

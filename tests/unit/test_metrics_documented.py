@@ -38,7 +38,8 @@ def exported() -> dict[str, tuple[str, tuple[str, ...]]]:
     registry.register(ArenaCollector(lambda: 0, lambda: 0))
     registry.register(DeviceCollector(lambda: dict.fromkeys(
         ("pools", "saved_blocks", "loaded_blocks", "tier_blocks", "tier_slots", "tier_hits", "tier_misses",
-         "tier_evictions", "tier_used_slots", "tier_host_layers", "disk_loads_landed", "disk_loads_failed"), 0)))
+         "tier_evictions", "tier_used_slots", "tier_host_layers", "disk_loads_landed", "disk_loads_failed",
+         "ring_loads_verified", "ring_loads_failed"), 0)))
     registry.register(ClusterCollector(lambda: 2, lambda: True, lambda: 1, lambda: {("b", "nixl"): 3},
                                        lambda: {"b": 1}, lambda: {"b": "nixl-tcp"}, lambda: {("nixl", "read"): 0.5}, lambda: {"nixl": 7}))
     # Labelled metrics of the server export samples once a label is used.

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
+from kvd.core.block import NO_SLOT
 from kvd.core.engine import ReserveStatus
+from kvd.core.requests import KeysRequest
 from kvd.errors import FailedPrecondition, InvalidArgument
+from kvd.invariants import check
 from kvd.planner.distance import NONE
 from kvd.tiers.host import DEFAULT_TENANT
 from kvd.server.rpc import rpc
@@ -39,9 +44,12 @@ class DeviceHandlers:
         plane = self._device_plane()
         await plane.sweep(self.clock.now_ms())
         spec = self.engine.namespace(request.namespace_id).spec
-        pool = plane.register(request, spec.num_layers, spec.layer_bytes, self.clock.now_ms(), self._tenant_name())
+        ring_fds = self.disk_plane.segment_fds() if request.io_ring and self.disk_plane is not None else None
+        pool = plane.register(request, spec.num_layers, spec.layer_bytes, self.clock.now_ms(), self._tenant_name(),
+                              ring_fds)
         return kvd_pb2.RegisterPoolResponse(pool_id=pool.pool_id, lease_deadline_ms=pool.deadline_ms,
-                                            flag_words=pool.flag_words)
+                                            flag_words=pool.flag_words,
+                                            ring_token=pool.ring.token if pool.ring is not None else "")
 
     @rpc("UnregisterPool")
     async def UnregisterPool(self, request, context):
@@ -103,6 +111,8 @@ class DeviceHandlers:
         get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, client_id=request.client_id,
                                  keys=request.keys, parent_key=request.parent_key)
         await self._fetch_remote(get)
+        if pool.ring is not None:
+            return await self._load_in_place(plane, pool, pages, request)
         life = await self._begin_get(get, request.client_id)
         if life.pending and not life.plan.waits:
             # Disk reads of its own only: each layer goes to the engine as it lands (device_loads).
@@ -155,6 +165,53 @@ class DeviceHandlers:
             landed()
             raise
         return _load_response(len(matched), done, from_tier, life.tiers, plan.cut)
+
+
+    async def _load_in_place(self, plane, pool, pages, request):
+        """A pool with an I/O ring: blocks in host memory are copied by kvd as for any load (the
+        flag word), blocks only on disk are granted to the engine's ring and read from their disk
+        slots straight into the pages; the lease ends once both are over."""
+        placed = self.engine.pin_in_place(KeysRequest(request.namespace_id, request.client_id, list(request.keys),
+                                                      0, self.clock.now_ms(), parent_key=request.parent_key))
+        matched, lease = placed.matched, placed.lease
+        by_ring = np.array([slot != NO_SLOT for slot in placed.disk_slots], dtype=bool)
+        keys = list(request.keys[:len(matched)])
+        if lease is not None:
+            self.engine.leases.hold(lease)
+        landed = _after(2 if by_ring.any() else 1, self._close_when_landed(lease))
+        try:
+            ring = None
+            if by_ring.any():
+                rows = np.nonzero(by_ring)[0]
+                places = await self.disk_plane.places(request.namespace_id, [keys[i] for i in rows],
+                                                      [placed.disk_slots[i] for i in rows])
+                ring = plane.load_by_ring(pool, pages[rows], places, landed)
+            host = np.nonzero(~by_ring)[0]
+            done, _ = plane.load(pool, pages[host], [keys[i] for i in host], [matched[i] for i in host],
+                                 [placed.host_offsets[i] for i in host], request.kvd_flag, request.base, landed)
+        except BaseException:
+            if ring is None and by_ring.any():
+                landed()  # the ring's part never started: its end never comes
+            landed()
+            raise
+        response = _load_response(len(matched), done, [False] * len(matched), self.engine.tier_bytes(matched),
+                                  kvd_pb2.GET_CUT_NONE)
+        response.by_ring.extend(by_ring.tolist())
+        if ring is not None:
+            response.ring_reads, response.ring_blocks = ring.rows.astype("<u8").tobytes(), ring.blocks
+        return response
+
+
+def _after(count: int, then):
+    """A callable that runs `then` on its `count`th call."""
+    left = [count]
+
+    def one() -> None:
+        left[0] -= 1
+        check(left[0] >= 0, "a load's end was reported more often than it has parts")
+        if not left[0]:
+            then()
+    return one
 
 
 def _load_response(matched: int, done: int, from_tier: list[bool], tiers: bytes, cut) -> kvd_pb2.LoadLayersResponse:

@@ -86,6 +86,18 @@ class ReadOptions:
     on_blocks: BlocksCallback | None = None
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Places:
+    """Where blocks lie on the drives, for a reader that reads them itself: segment file index and
+    byte offset per block (layer l at offset + l * layer_bytes), each layer's crc32c [blocks,
+    layers], and whether each block's segment file is there at all."""
+
+    files: np.ndarray
+    offsets: np.ndarray
+    checksums: np.ndarray
+    present: np.ndarray
+
+
 @dataclass(slots=True, eq=False)
 class _ReadBatch:
     """One read_blocks call's blocks: where each is, where it goes, what it must checksum to,
@@ -136,6 +148,20 @@ class BlockReader:
         if good < count:
             self._report_corrupt(namespace_id, items, reasons)
         return ok
+
+    def places(self, namespace_id: bytes, layer_bytes: int, num_layers: int,
+               keys_and_slots: Sequence[tuple[bytes, int]]) -> Places:
+        """See DiskTier.places."""
+        state = self.state
+        state.check_open()
+        state.check_shape(namespace_id, layer_bytes, num_layers)
+        check(all(state.holds(slot, namespace_id, key) for key, slot in keys_and_slots),
+              "placing a slot that does not hold the block asked for")
+        slots = np.fromiter((slot for _, slot in keys_and_slots), dtype=np.int64, count=len(keys_and_slots))
+        _, files, offsets = locate_many(state.config, slots)
+        checksums = np.frombuffer(b"".join(state.owners[int(slot)].layer_checksums for slot in slots.tolist()),
+                                  dtype="<u4").reshape(len(slots), num_layers)
+        return Places(files, offsets, checksums, state.file_present[files])
 
     def _report_corrupt(self, namespace_id: bytes, items: Sequence[ReadItem], reasons: np.ndarray) -> None:
         """Count the blocks that failed their checksum, per namespace, and log each (drive,

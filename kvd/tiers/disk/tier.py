@@ -58,7 +58,7 @@ from kvd.tiers.disk.fs import FileSystem
 from kvd.tiers.disk.records import PutRecord
 from kvd.tiers.disk.layout import ALIGN_BYTES, Admission, DiskConfig, drive_of
 from kvd.tiers.disk.maintenance import TOMBSTONE_MAGIC, Maintenance
-from kvd.tiers.disk.reads import BlockReader, ReadOptions, BlocksCallback, LayerCallback, ReadItem
+from kvd.tiers.disk.reads import BlockReader, BlocksCallback, LayerCallback, Places, ReadItem, ReadOptions
 from kvd.tiers.disk.recovery import recover
 from kvd.tiers.disk.registry import NamespaceEntry
 from kvd.tiers.disk.results import DiskRecovery, DiskStats, DriveDamage, DroppedCounts, ReadFailure
@@ -197,6 +197,19 @@ class DiskTier:
         """
         options = ReadOptions(on_layer, failures, between_groups, whole_blocks, on_blocks)
         return self._reader.read_blocks(namespace_id, layer_bytes, num_layers, items, options)
+
+    def places(self, namespace_id: bytes, layer_bytes: int, num_layers: int,
+               keys_and_slots: Sequence[tuple[bytes, int]]) -> Places:
+        """Where each block lies on the drives and what each of its layers must checksum to, for a
+        reader that reads them itself (a pool's I/O ring proxy, through segment_fds()); the
+        caller keeps the blocks from moving or going while it reads (a lease in the core)."""
+        return self._reader.places(namespace_id, layer_bytes, num_layers, keys_and_slots)
+
+    def segment_fds(self) -> list[int]:
+        """The segment files' descriptors (O_DIRECT), by file index; a placeholder where a file is
+        absent. Owned by the tier: a reader that keeps them past close() duplicates them."""
+        self._state.check_open()
+        return list(self._state.fds)
 
     # -- remove -----------------------------------------------------------
 
