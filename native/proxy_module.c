@@ -78,6 +78,7 @@ static void release_views(ProxyObject *self) {
 }
 
 struct proxy_shape {
+    int process_fd;
     unsigned int batch_entries, queue_depth, grants;
     unsigned long long split_at, split_to;
 };
@@ -103,8 +104,8 @@ static int start(ProxyObject *self, PyObject *fds_object, PyObject *targets_obje
         .grant_count = shape->grants,
         .split_at = shape->split_at,
         .split_to = shape->split_to,
-        .copy = self->copier != NULL ? kvd_cuda_copy : kvd_copy_host,
-        .copy_context = self->copier,
+        .copy = self->copier != NULL ? kvd_cuda_copy : shape->process_fd >= 0 ? kvd_copy_process : kvd_copy_host,
+        .copy_context = self->copier != NULL ? (void *)self->copier : (void *)(intptr_t)shape->process_fd,
         .copy_each = self->copier == NULL,
         .targets = targets_view.buf,
         .target_count = (uint32_t)(words / 2),
@@ -127,13 +128,14 @@ static int start(ProxyObject *self, PyObject *fds_object, PyObject *targets_obje
 
 static int proxy_init(ProxyObject *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"ring", "fds", "staging", "targets", "batch_entries", "queue_depth", "device",
-                               "grants", "split_at", "split_to", NULL};
+                               "grants", "split_at", "split_to", "process_fd", NULL};
     PyObject *ring_object, *fds_object, *staging_object, *targets_object;
-    struct proxy_shape shape = {.batch_entries = 64, .queue_depth = 64, .grants = 4096};
+    struct proxy_shape shape = {.process_fd = -1, .batch_entries = 64, .queue_depth = 64, .grants = 4096};
     int device = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|IIiIKK", keywords, &ring_object, &fds_object,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|IIiIKKi", keywords, &ring_object, &fds_object,
                                      &staging_object, &targets_object, &shape.batch_entries, &shape.queue_depth,
-                                     &device, &shape.grants, &shape.split_at, &shape.split_to)) {
+                                     &device, &shape.grants, &shape.split_at, &shape.split_to,
+                                     &shape.process_fd)) {
         return -1;
     }
     if (self->proxy != NULL || self->holding) {

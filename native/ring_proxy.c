@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "checksum.h"
 
@@ -14,6 +15,21 @@ int kvd_copy_host(void *context, const struct kvd_copy *copies, uint32_t count) 
     (void)context;
     for (uint32_t i = 0; i < count; i++) {
         memcpy((void *)(uintptr_t)copies[i].target, copies[i].source, copies[i].length);
+    }
+    return 0;
+}
+
+int kvd_copy_process(void *context, const struct kvd_copy *copies, uint32_t count) {
+    int fd = (int)(intptr_t)context;
+    for (uint32_t i = 0; i < count; i++) {
+        const unsigned char *source = copies[i].source;
+        uint64_t done = 0;
+        while (done < copies[i].length) {
+            ssize_t wrote = pwrite(fd, source + done, copies[i].length - done, (off_t)(copies[i].target + done));
+            if (wrote < 0 && errno == EINTR) continue;
+            if (wrote <= 0) return wrote < 0 ? -errno : -EIO;
+            done += (uint64_t)wrote;
+        }
     }
     return 0;
 }

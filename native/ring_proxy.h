@@ -76,6 +76,11 @@ typedef int (*kvd_copy_fn)(void *context, const struct kvd_copy *copies, uint32_
 /* The copy hook for targets in this process's host memory. */
 int kvd_copy_host(void *context, const struct kvd_copy *copies, uint32_t count);
 
+/* The copy hook for targets in another process's memory (a CPU engine's own tensors): `context`
+ * is a descriptor of its /proc/<pid>/mem opened for writing (cast to a pointer), targets are
+ * addresses in that process. */
+int kvd_copy_process(void *context, const struct kvd_copy *copies, uint32_t count);
+
 /* One read the owner granted (see "Grants" above). */
 struct kvd_grant {
     uint64_t stamp;    /* the arm's own number while armed; 0: free, taken or revoked */

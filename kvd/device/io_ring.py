@@ -261,9 +261,14 @@ def start_proxy(device: Device, ring: RingMemory, fds, targets: Sequence[Memory]
     It reads only what one of its `grants` names (Proxy.grant), and a read lands only inside
     `targets` (an engine's registered pool): the ring is shared with its producers, so nothing
     it says is trusted. `split`: (split_at, split_to) for pages kept as a K and a V half (see
-    native/ring_proxy.h). On CUDA the staging is page-locked (cudaHostRegister) so the copies
+    native/ring_proxy.h). On the CPU device, targets in an engine's own memory (opened by
+    descriptor) are written through that process's memory file. On CUDA the staging is page-locked (cudaHostRegister) so the copies
     to the GPU are DMA."""
     staging_bytes = -(-staging_bytes // (2 * PROXY_ALIGN)) * 2 * PROXY_ALIGN
+    # A CPU engine's own tensors are another process's memory here: written through its /proc/<pid>/mem.
+    processes = ({device.process_fd(memory) for memory in targets} if device.kind == "cpu" else set()) or {-1}
+    if len(processes) != 1:
+        raise ValueError("a proxy's targets are memory of one process: this one's, or one engine's")
     staging = huge_page_memory(staging_bytes)
     registered = None
     if device.kind != "cpu":
@@ -272,7 +277,7 @@ def start_proxy(device: Device, ring: RingMemory, fds, targets: Sequence[Memory]
         native = RingProxy(ring.buffer, np.asarray(fds, dtype=np.int32), staging, target_regions(targets),
                            batch_entries=batch_entries, queue_depth=queue_depth,
                            device=-1 if device.kind == "cpu" else device.index, grants=grants,
-                           split_at=split[0], split_to=split[1])
+                           split_at=split[0], split_to=split[1], process_fd=processes.pop())
     except BaseException:
         if registered is not None:
             device.unregister_host(registered)

@@ -30,8 +30,11 @@ def delay(request) -> str:
     return "5" if request.param == "asynchronous" else "0"
 
 
-def ring_engine(client: Client, daemon) -> Engine:
-    return Engine(client, arena_socket=arena_protocol.socket_path_for_target(daemon.unix_target), io_ring=True)
+def ring_engine(client: Client, daemon, own_memory: bool = False) -> Engine:
+    """own_memory: the pool is this process's own memory (a CPU engine's tensors), which the proxy
+    writes through this process's memory file; else CPU-device memory the daemon maps."""
+    return Engine(client, arena_socket=arena_protocol.socket_path_for_target(daemon.unix_target), io_ring=True,
+                  own_memory=own_memory)
 
 
 def ring_loads(daemon) -> dict[str, float]:
@@ -39,13 +42,14 @@ def ring_loads(daemon) -> dict[str, float]:
     return {result: samples[f'kvd_device_ring_loads_total{{result="{result}"}}'] for result in ("verified", "failed")}
 
 
-def test_disk_hits_come_through_the_ring_and_host_hits_by_kvds_copies(tmp_path, delay):
+@pytest.mark.parametrize("own_memory", [False, True], ids=["mapped-pool", "engine-process-memory"])
+def test_disk_hits_come_through_the_ring_and_host_hits_by_kvds_copies(tmp_path, delay, own_memory):
     """Six blocks, the first two back in host memory, four only on disk: kvd copies the two (flag
     word), grants the four blocks' reads of every layer, and the engine's waits end OK with the
     stored bytes in its pages. No host slot was taken for the four; the pins go when the reads are."""
     with run_daemon(tmp_path / "kvd", config=disk_config(tmp_path), env={DELAY_ENV: delay}) as daemon, \
             Client(daemon.unix_target) as client:
-        engine = ring_engine(client, daemon)
+        engine = ring_engine(client, daemon, own_memory)
         data, keys = stored_on_disk_only(client, engine, 6, seed=3)
         assert len(client.get_numpy(engine.namespace, keys[:2])) == 2  # back in host memory
         host_blocks = daemon.metric_samples("kvd_tier_blocks")['kvd_tier_blocks{tier="host"}']
