@@ -125,7 +125,7 @@ class VllmRun:
 
     def __init__(self, python: Path, model: Path, work: Path, batch: list[list[int]], *, target: str = "",
                  hooks: str = "", env: dict[str, str] | None = None, transfer: str = "client",
-                 placement: dict | None = None, compiled: bool = False) -> None:
+                 placement: dict | None = None, compiled: bool = False, io_ring: bool = False) -> None:
         work.mkdir(parents=True, exist_ok=True)
         prompt_file, self.out, self.log = work / "prompts.json", work / "out.json", work / "vllm.log"
         prompt_file.write_text(json.dumps(batch))
@@ -139,6 +139,8 @@ class VllmRun:
             command += ["--hooks", hooks]
         if compiled:
             command += ["--compile"]
+        if io_ring:
+            command += ["--io-ring"]
         with open(self.log, "wb") as sink:
             self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                             env={**os.environ, **(env or {})})
@@ -291,6 +293,19 @@ def test_kvd_copies_the_blocks_itself_with_transfer_daemon(engine_python, model,
 
     keys = stored_in_kvd(engine_python, model, kvd, tmp_path / "store", prompts()["B"])
     kvd.restart()  # both from disk now: loaded while the scheduler waits (asynchronous loads)
+    # Through the pool's I/O ring: kvd grants the reads, the connector publishes them, kvd's proxy
+    # reads the drives into vLLM's tensors; no host slot is taken, so the prompt stays on disk only.
+    by_ring = run_vllm(engine_python, model, tmp_path / "by-ring", [prompt], target=kvd.target, transfer="daemon",
+                       io_ring=True)
+    result, totals = by_ring["results"][0], by_ring["connector"]["totals"]
+    assert same_answer(result, expected) <= LOGPROB_TOLERANCE
+    assert result["cached_tokens"] == blocks * BLOCK
+    assert totals["loaded_blocks"] == blocks and totals["load_errors"] == 0 and totals["async_loads"] == 1
+    assert kvd.daemon.metric_samples("kvd_device_ring_loads_total") == {
+        'kvd_device_ring_loads_total{result="verified"}': 1.0, 'kvd_device_ring_loads_total{result="failed"}': 0.0}
+    with Client(kvd.target) as client:
+        on_disk = client.lookup(client.register_namespace(namespace_spec()), chain_keys(namespace_spec(), prompt))
+    assert list(on_disk.tiers) == [kvd_pb2.TIER_DISK] * blocks
     ordinary = VllmRun(engine_python, model, tmp_path / "ordinary", [prompt], target=kvd.target)
     by_kvd = VllmRun(engine_python, model, tmp_path / "by-kvd", [prompts()["B"]], target=kvd.target,
                      transfer="daemon")

@@ -34,7 +34,7 @@ def engine(args):
 
     transfer = None
     if args.kvd:
-        extra = {"target": args.kvd, "load": args.load, "transfer": args.transfer}
+        extra = {"target": args.kvd, "load": args.load, "transfer": args.transfer, "io_ring": args.io_ring}
         if args.placement:
             extra["placement"] = json.loads(args.placement)
         module, name = "kvd.connectors.vllm", "KvdConnector"
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--load", default="async")
     parser.add_argument("--transfer", default="client", help="the connector's transfer: client or daemon")
     parser.add_argument("--placement", default="", help="the connector's placement table, as JSON")
+    parser.add_argument("--io-ring", action="store_true", help="the connector's io_ring (with --transfer daemon)")
     parser.add_argument("--hooks", default="", help="comma-separated, one per prompt (see vllm_hooks.py)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--compile", action="store_true", help="without enforce_eager")

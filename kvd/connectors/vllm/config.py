@@ -63,6 +63,7 @@ class ConnectorConfig:
     load_timeout_s: float = 30.0
     placement: PlacementOptions | None = None
     flag_words: int = 4096
+    io_ring: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -88,11 +89,21 @@ class ConnectorConfig:
                 not 3 <= config.flag_words <= MAX_FLAG_WORDS:
             raise ValueError(f"kvd connector: flag_words must be an integer in [3, {MAX_FLAG_WORDS}], "
                              f"got {config.flag_words!r}")
-        if not isinstance(config.save, bool):
-            raise ValueError(f"kvd connector: save must be true or false, got {config.save!r}")
+        for name in ("save", "io_ring"):
+            if not isinstance(getattr(config, name), bool):
+                raise ValueError(f"kvd connector: {name} must be true or false, got {getattr(config, name)!r}")
         for name in ("target", "namespace"):
             if not isinstance(getattr(config, name), str):
                 raise ValueError(f"kvd connector: {name} must be a string, got {getattr(config, name)!r}")
-        if config.placement is not None and config.transfer != "daemon":
-            raise ValueError("kvd connector: placement plans kvd's device tier: it needs transfer = \"daemon\"")
+        _check_daemon_options(config)
         return config
+
+
+def _check_daemon_options(config: ConnectorConfig) -> None:
+    """Options of kvd's device plane make sense only where kvd moves the bytes itself."""
+    if config.transfer == "daemon":
+        return
+    if config.placement is not None:
+        raise ValueError("kvd connector: placement plans kvd's device tier: it needs transfer = \"daemon\"")
+    if config.io_ring:
+        raise ValueError("kvd connector: io_ring reads into the pool kvd registered: it needs transfer = \"daemon\"")

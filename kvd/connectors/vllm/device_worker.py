@@ -36,6 +36,7 @@ import torch
 
 from kvd.arena_protocol import socket_path_for_target
 from kvd.client.device import FAILED, DevicePool
+from kvd.client.ring_loads import RingReads
 from kvd.connectors.vllm.layout import PagedLayout, UnsupportedLayout
 from kvd.connectors.vllm.logs import log
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOrder
@@ -63,6 +64,9 @@ class _DeviceLoad:
     settled: bool = False  # kvd is done with the word (every layer flagged, or FAILED)
     stream: None = None  # (WorkerSide._report's layer stream: none here)
     pool: DevicePool | None = None  # the pool its word lives in (its flag memory lives as long as this)
+    ring: RingReads | None = None  # with io_ring: the blocks only on disk, read through the pool's ring
+    ring_layer: int = -1  # the last layer whose ring reads were waited for
+    answered: bool = False
 
 
 @dataclass
@@ -107,7 +111,7 @@ class DeviceWorkerSide(WorkerSide):
             self.device_pool = registering(self.link.client, self.namespace, lambda: DevicePool(
                 self.link.client, self.namespace, device, memories, self.layout.num_blocks,
                 flag_words=self.config.flag_words, arena_socket=socket_path_for_target(self.config.target),
-                token=self.config.token, page_stride=page_stride, v_offset=v_offset))
+                token=self.config.token, page_stride=page_stride, v_offset=v_offset, io_ring=self.config.io_ring))
             self.device = device
         except (grpc.RpcError, KvdError, OSError, Unavailable, UnsupportedLayout) as error:  # (DeviceError too)
             why = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.RpcError) else error
@@ -203,16 +207,8 @@ class DeviceWorkerSide(WorkerSide):
     def _wait(self, load: _DeviceLoad, value: int) -> None:
         """Until kvd's word for `load` reaches `value`; load.error says why not."""
         deadline = time.monotonic() + self.config.load_timeout_s
-        try:
-            response = load.answer.result(timeout=self.config.load_timeout_s)
-        except concurrent.futures.TimeoutError:
-            load.error = "LoadLayers did not answer in time"
+        if not self._answered(load):
             return
-        except (grpc.RpcError, KvdError, Unavailable, OSError) as error:
-            self._pool_lost(error)
-            load.error, load.settled = f"LoadLayers failed: {error}", True
-            return
-        load.matched, load.cut = response.matched, response.cut
         pause = 1e-6
         while True:
             # A pool the daemon lost will never be written again (and a new one has other words).
@@ -222,12 +218,52 @@ class DeviceWorkerSide(WorkerSide):
                 return
             if current >= value:
                 load.settled = current >= load.base + self.layers
+                if load.ring is not None:
+                    self._wait_ring(load, value - load.base - 1, deadline)
                 return
             if time.monotonic() > deadline:
                 load.error = "a layer did not land in time"
                 return
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
+
+    def _answered(self, load: _DeviceLoad) -> bool:
+        """LoadLayers' answer taken in (once; its ring reads published): whether there is one."""
+        if load.answered:
+            return True
+        try:
+            response = load.answer.result(timeout=self.config.load_timeout_s)
+        except concurrent.futures.TimeoutError:
+            load.error = "LoadLayers did not answer in time"
+            return False
+        except (grpc.RpcError, KvdError, Unavailable, OSError) as error:
+            self._pool_lost(error)
+            load.error, load.settled = f"LoadLayers failed: {error}", True
+            return False
+        load.matched, load.cut, load.answered = response.matched, response.cut, True
+        try:
+            load.ring = load.pool.ring_reads(response)
+            if load.ring is not None:
+                load.ring.publish(timeout_s=self.config.load_timeout_s)  # every layer's reads, at once
+        except (ValueError, OSError) as error:
+            load.error = f"the ring's reads could not be published: {error}"
+        return load.error is None
+
+    def _wait_ring(self, load: _DeviceLoad, last_layer: int, deadline: float) -> None:
+        """Layers up to `last_layer` of the blocks read through the pool's ring, waited for in turn;
+        a layer that fails or times out fails the load, once no read of it is in flight any more
+        (its pages are then given back to vLLM, which recomputes them)."""
+        reads = load.ring
+        while load.error is None and load.ring_layer < last_layer:
+            layer = load.ring_layer + 1
+            result = reads.wait(layer, timeout_s=max(0.0, deadline - time.monotonic()))
+            if result.ok:
+                load.ring_layer = layer
+                continue
+            load.error = f"the ring's reads of layer {layer} ended {result.state.name}"
+            if not reads.settle(timeout_s=self.config.load_timeout_s):
+                log.error("kvd: ring reads into request %s's pages still run after %.0f s; its pages may "
+                          "still be written", load.order.req_id, self.config.load_timeout_s)
 
     # ---- step end
     def finish_step(self) -> None:

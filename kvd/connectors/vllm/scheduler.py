@@ -7,7 +7,8 @@ computes the prompt's chained keys in every shard, and:
 - get_num_new_matched_tokens looks the keys up in every shard (a block
   counts only if every shard has it). A hit served from host memory is
   loaded synchronously, layer by layer during the step that computes the
-  rest of the prompt. A hit that needs the disk is prefetched at once and,
+  rest of the prompt. A hit that needs the disk is prefetched at once (not
+  with io_ring: read straight into the KV cache, it needs no host copy) and,
   with load = "async" (or "auto" while other requests run), reported as an
   asynchronous load: vLLM parks the request until the worker says the
   bytes are in, and runs other requests meanwhile. In a cluster the Lookup
@@ -104,7 +105,8 @@ class SchedulerSide:
             return 0, False
         try:
             stop, slow = self._lookup(tracked, usable)
-            if stop > first and slow:
+            if stop > first and slow and not self.config.io_ring:
+                # (With io_ring a disk hit is read straight into the KV cache: no host copy to warm.)
                 self._prefetch(tracked, first, stop)
         except grpc.RpcError as error:
             log.warning("kvd: lookup failed, the request misses: %s", error.details())
