@@ -32,7 +32,7 @@ from kvd.device.transfer import PoolLayout
 from kvd.errors import ResourceExhausted
 from kvd.invariants import check
 
-GRANTS = 1 << 16          # grants one pool's proxy holds at a time (blocks x layers of its loads)
+GRANTS = 1 << 20          # grants one pool's proxy holds at a time (blocks x layers of its loads; 64 B each, touched as used)
 RING_CAPACITY = 4096      # descriptors in flight between the engine and the proxy
 STAGING_BYTES = 32 << 20  # the proxy's staging, two halves: one read at most half
 POLL_S = 0.001            # how often kvd looks at a load's grants
