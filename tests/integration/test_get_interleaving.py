@@ -325,7 +325,7 @@ class ParkedDevicePlane:
         self.landed = None
 
     def pool(self, client_id, pool_id, namespace_id):
-        return SimpleNamespace(layout=SimpleNamespace(layers=[0] * SPEC.num_layers))
+        return SimpleNamespace(layout=SimpleNamespace(layers=[0] * SPEC.num_layers), ring=None)
 
     def renew(self, pool, now_ms) -> None:
         pass
