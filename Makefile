@@ -23,7 +23,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h native/gpu/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers bench-read-cross proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim planner-sim slack-profile gpu-check cuda cufile fuzz-long soak-long docs device-bundle device-check-sim
+.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers bench-read-cross proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim planner-sim slack-profile gpu-check cuda fuzz-long soak-long docs device-bundle device-check-sim
 
 setup: $(BUILT_STAMP)
 
@@ -96,8 +96,8 @@ include mk/sglang.mk
 engines: vllm-venv sglang-venv
 
 # --durations: the slowest tests at the end of the log, to keep the suite inside its time.
-test: setup engines proto-check lint cuda cufile
-	KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" \
+test: setup engines proto-check lint cuda
+	KVD_NVCC="$(NVCC)" KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" \
 	  $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 # CUDA sources (native/gpu/*.cu) compile for sm_80 and sm_90 in `make test`,
@@ -114,20 +114,6 @@ CUDA_OBJECTS := build/cuda/io_ring_kernel.o build/cuda/io_ring_kernel.fatbin
 IO_RING_FATBIN := $(CURDIR)/build/cuda/io_ring_kernel.fatbin
 
 cuda: $(CUDA_OBJECTS)
-
-# libcufile (GPUDirect Storage) from the nvidia-cufile wheel, for the cuFile
-# engine's tests (kvd/io/cufile.py): it loads here, and its driver refuses
-# to open without a CUDA driver. kvd loads it at run time; nothing links it.
-CUFILE_WHEEL := "nvidia-cufile==1.15.1.6"
-CUFILE_LIBRARY := $(CURDIR)/$(CUDA_VENV)/cufile/libcufile.so.0
-cufile: $(CUFILE_LIBRARY)
-
-$(CUFILE_LIBRARY):
-	test -x $(CUDA_VENV)/bin/python || python3 -m venv $(CUDA_VENV)
-	$(CUDA_VENV)/bin/pip install -q $(CUFILE_WHEEL)
-	mkdir -p $(CUDA_VENV)/cufile
-	ln -sf "$$($(CUDA_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia/cu13/lib/libcufile.so.0" $@
-	test -e $@
 
 $(CURDIR)/$(CUDA_VENV)/bin/kvd-nvcc:
 	test -x $(CUDA_VENV)/bin/python || python3 -m venv $(CUDA_VENV)
@@ -148,8 +134,8 @@ build/cuda/%.fatbin: native/gpu/%.cu native/gpu/io_ring.h | $(NVCC)
 # format and native engine tests, in process, no daemon started. `make test`
 # (what CI runs) is everything.
 FAST_TESTS := tests/unit tests/property tests/disk tests/native tests/device
-test-fast: setup proto-check lint cuda cufile
-	KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" \
+test-fast: setup proto-check lint cuda
+	KVD_NVCC="$(NVCC)" KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" \
 	  $(PY) -m pytest $(PYTEST_ARGS) $(FAST_TESTS)
 
 # The daemon crash test (SIGKILL under a durable Put stream) with many more
@@ -209,10 +195,10 @@ slack-profile: setup
 
 # On a machine with a GPU: every device test with CUDA required (they fail
 # where it does not open): the device interface, per-layer copies with flag
-# waits, the ring's kernels against real files, cuFile; then the bandwidth
+# waits, the ring's kernels against real files; then the bandwidth
 # table (bench/bench_gpu.py). Never run on a GPU so far.
-gpu-check: setup cuda cufile
-	KVD_REQUIRE_GPU=1 KVD_NVCC="$(NVCC)" KVD_CUFILE_LIBRARY="$(CUFILE_LIBRARY)" KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" \
+gpu-check: setup cuda
+	KVD_REQUIRE_GPU=1 KVD_NVCC="$(NVCC)" KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" \
 	  $(PY) -m pytest -q -p no:cacheprovider tests/device
 	KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" $(PY) bench/bench_gpu.py
 

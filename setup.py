@@ -62,10 +62,10 @@ def native_extension() -> Extension:
     return Extension(
         "kvd._native",
         sources=["native/module.c", "native/uring_batch.c", "native/checksum.c", "native/prefix.c",
-                 "native/ring_proxy.c", "native/cuda_copy.c", "native/proxy_module.c", "native/cufile_io.c",
-                 "native/cufile_module.c", "native/cuda_batch.c", "native/planner.c", "native/planner_module.c"],
+                 "native/ring_proxy.c", "native/cuda_copy.c", "native/proxy_module.c",
+                 "native/cuda_batch.c", "native/planner.c", "native/planner_module.c"],
         depends=["native/uring_batch.h", "native/checksum.h", "native/prefix.h", "native/module.h",
-                 "native/ring_proxy.h", "native/cuda_copy.h", "native/gpu/io_ring.h", "native/cufile_io.h", "native/planner.h"],
+                 "native/ring_proxy.h", "native/cuda_copy.h", "native/gpu/io_ring.h", "native/planner.h"],
         include_dirs=[*libraries["include_dirs"], "native"],
         libraries=libraries["libraries"],
         extra_objects=libraries["extra_objects"],

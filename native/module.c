@@ -660,7 +660,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&RingType) < 0) return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL) return NULL;
-    if (PyModule_AddObjectRef(module, "Ring", (PyObject *)&RingType) < 0 || kvd_add_ring_proxy(module) < 0 || kvd_add_cufile(module) < 0 || kvd_add_planner(module) < 0 ||
+    if (PyModule_AddObjectRef(module, "Ring", (PyObject *)&RingType) < 0 || kvd_add_ring_proxy(module) < 0 || kvd_add_planner(module) < 0 ||
         kvd_add_cuda_batch(module) < 0 ||
         PyModule_AddIntConstant(module, "OP_READ", KVD_OP_READ) < 0 ||
         PyModule_AddIntConstant(module, "OP_WRITE", KVD_OP_WRITE) < 0 ||

@@ -14,9 +14,6 @@ Py_ssize_t get_array(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, int
 /* Adds RingProxy, io_ring_init and the ring's constants to the module. */
 int kvd_add_ring_proxy(PyObject *module);
 
-/* Adds CuFile and cufile_version (GPUDirect Storage, loaded at run time). */
-int kvd_add_cufile(PyObject *module);
-
 /* cuda_batch.c: cuda_copy_batch and cuda_driver_version (kvd.device.cuda). */
 int kvd_add_cuda_batch(PyObject *module);
 

@@ -163,10 +163,10 @@ def test_only_kvd_io_the_prefix_index_and_the_device_data_paths_import_the_nativ
     """kvd._native's I/O is imported by two kvd.io modules only, so nothing bypasses kvd.io's checks and
     fallback; the prefix index imports its walk (match_chain) and the CPU device its batched copy
     (copy_chunks), each with its own Python loop as the fallback; the I/O ring's proxy (kvd.device.io_ring)
-    and the cuFile engine (kvd.io.cufile) exist only natively; the planner's search (kvd.planner.search) runs
+    exists only natively; the planner's search (kvd.planner.search) runs
     natively, its Python model (kvd.planner.latency) the reference the tests hold it to; the CUDA device
     (kvd.device.cuda) issues its batched copies from address arrays natively, where one Python object per
     address would cost millions on a long load."""
     importers = sorted(module_name(path) for path in PACKAGE.rglob("*.py") if imports_native(path))
     assert importers == ["kvd.core.radix", "kvd.device.cpu", "kvd.device.cuda", "kvd.device.io_ring",
-                         "kvd.io.checksum", "kvd.io.cufile", "kvd.io.uring", "kvd.planner.search"], importers
+                         "kvd.io.checksum", "kvd.io.uring", "kvd.planner.search"], importers

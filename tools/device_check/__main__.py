@@ -11,13 +11,11 @@ of time is recorded and the next one runs.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -41,17 +39,11 @@ def find_gpu() -> tuple[str | None, str]:
 
 
 def tool_env() -> dict[str, str]:
-    """What the tests need to find: nvcc, the ring's fatbin, libcufile (from the nvidia-cufile package)."""
+    """What the tests need to find: nvcc and the ring's fatbin."""
     env = {"KVD_IO_RING_FATBIN": str(ROOT / "build/cuda/io_ring_kernel.fatbin")}
     nvcc = shutil.which("nvcc")
     if nvcc:
         env["KVD_NVCC"] = nvcc
-    roots = {sysconfig.get_paths()["purelib"], *sys.path}
-    for root in sorted(path for path in roots if path and os.path.isdir(os.path.join(path, "nvidia"))):
-        found = sorted(glob.glob(os.path.join(root, "nvidia", "**", "libcufile.so.0"), recursive=True))
-        if found:
-            env["KVD_CUFILE_LIBRARY"] = found[0]
-            break
     return env
 
 

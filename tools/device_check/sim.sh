@@ -3,7 +3,7 @@
 #
 # * an "image" venv with Python 3.12 holding only packages the GPU image has (shared/FIELD-NOTES.md),
 #   installed once from the registry: torch 2.11.0 (the registry's CUDA build; no GPU here, so CUDA
-#   never opens), cuda-bindings, cuda-core, nvidia-cufile, grpcio, protobuf, ... and NOT what the
+#   never opens), cuda-bindings, cuda-core, grpcio, protobuf, ... and NOT what the
 #   bundle brings (crc32c, grpcio-health-checking, aetcd);
 # * a copy of the working tree as the machine gets it (tracked and untracked files git does not
 #   ignore) with .device-bundle/ beside it;
@@ -20,7 +20,7 @@ PYTHON312=${PYTHON312:-/root/.pyenv/versions/3.12.1/bin/python3.12}
 SIM=${KVD_SIM_DIR:-/tmp/kvd-device-sim}
 # Versions as close to the image's as the registry has (torch as on the machine; the rest current).
 IMAGE_PACKAGES=(torch==2.11.0 numpy grpcio protobuf uvloop prometheus-client aiofiles pytest pytest-timeout
-                hypothesis transformers safetensors cuda-bindings cuda-core cuda-pathfinder nvidia-cufile
+                hypothesis transformers safetensors cuda-bindings cuda-core cuda-pathfinder
                 setuptools wheel)
 say() { printf '[device-check-sim %(%H:%M:%S)T] %s\n' -1 "$*"; }
 

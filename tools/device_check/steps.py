@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PY = sys.executable
-RING_AND_CUFILE = ["tests/device/test_ring_gpu.py", "tests/device/test_cufile.py"]
+RING = ["tests/device/test_ring_gpu.py"]
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Context:
     gpu: str | None  # the GPU's name, or None
     no_gpu_reason: str
     scale: str  # "full" (the GPU machine) or "small" (the simulated image)
-    env: dict[str, str]  # KVD_NVCC, KVD_IO_RING_FATBIN, KVD_CUFILE_LIBRARY
+    env: dict[str, str]  # KVD_NVCC, KVD_IO_RING_FATBIN
     fio: str | None
 
 
@@ -56,9 +56,9 @@ def _pytest(context: Context, paths: list[str], extra: list[str] = ()) -> list[s
 
 
 def device_tests(context: Context) -> list[Step]:
-    """a: tests/device (the ring and cuFile tests are step c) and the vLLM worker's test, CUDA required."""
+    """a: tests/device (the ring's GPU tests are step c) and the vLLM worker's test, CUDA required."""
     paths = ["tests/device", "tests/integration/test_vllm_device_worker.py"]
-    ignore = [f"--ignore={p}" for p in RING_AND_CUFILE]
+    ignore = [f"--ignore={p}" for p in RING]
     env = dict(context.env) | ({"KVD_REQUIRE_GPU": "1"} if context.gpu else {})
     name = "a device tests [cpu+cuda]" if context.gpu else "a device tests [cpu]"
     steps = [Step(name, _pytest(context, paths, ignore), 200, env, output_figures=pytest_counts)]
@@ -98,24 +98,19 @@ def layer_bandwidth(context: Context) -> list[Step]:
             Step("b layer copies vs cudaMemcpyAsync [cuda]", [], 0, skip=f"no GPU: {context.no_gpu_reason}")]
 
 
-def cufile_mode() -> str:
-    """GPUDirect Storage needs the nvidia-fs kernel module; without it cuFile runs in compatibility mode."""
-    return "GDS (nvidia-fs loaded)" if os.path.exists("/proc/driver/nvidia-fs") else "compat mode (no nvidia-fs)"
-
-
-def ring_and_cufile(context: Context) -> list[Step]:
-    """c: the GPU-initiated ring's kernels against a real file, cuFile into device memory; bench_gpu."""
+def ring(context: Context) -> list[Step]:
+    """c: the GPU-initiated ring's kernels against a real file; bench_gpu."""
     env = dict(context.env) | {"KVD_REQUIRE_GPU": "1"}
-    tests = _pytest(context, RING_AND_CUFILE, ["-rA"])
+    tests = _pytest(context, RING, ["-rA"])
     if not context.gpu:
         why = f"no GPU: {context.no_gpu_reason}"
-        return [Step("c ring + cuFile tests [no-driver branches]", tests, 60, dict(context.env),
+        return [Step("c ring tests [no-driver branches]", tests, 60, dict(context.env),
                      output_figures=pytest_counts),
-                Step("c ring + cuFile tests [cuda]", [], 0, skip=why),
+                Step("c ring tests [cuda]", [], 0, skip=why),
                 Step("c bench_gpu copies + ring restore [cuda]", [], 0, skip=why)]
     bench = [PY, "bench/bench_gpu.py", "--mib", "512", "--file-mib", "512", "--rounds", "3"]
-    return [Step("c ring + cuFile tests [cuda]", tests, 90, env,
-                 output_figures=lambda output: pytest_counts(output) | {"cufile": cufile_mode()}),
+    return [Step("c ring tests [cuda]", tests, 90, env,
+                 output_figures=pytest_counts),
             Step("c bench_gpu copies + ring restore [cuda]", bench, 120, dict(context.env),
                  result_json=context.tree / "bench/results/bench_gpu.json", figures=lambda r: {
                      "ring_over_cpu_x": r["restore"]["ring_over_cpu"],
@@ -183,7 +178,7 @@ def _restore_figures(result: dict) -> dict:
 
 def plan(context: Context) -> list[Step]:
     """Every step, in the order they run (the most telling first, should time run short)."""
-    return [*device_tests(context), *engine_pair(context), *layer_bandwidth(context), *ring_and_cufile(context),
+    return [*device_tests(context), *engine_pair(context), *layer_bandwidth(context), *ring(context),
             *hf_model(context), *disk(context)]
 
 
