@@ -467,17 +467,19 @@ class DevicePlane:
             done, ending = as_read.done, self._count_disk_load(as_read.run(landed))
         pool.begin()
         self.loaded_blocks += len(blocks)
-        self._spawn(ending)
+        self.spawn(ending)
         return done, [entry is not None for entry in entries] or [False] * len(blocks)
 
-    def load_by_ring(self, pool: Pool, pages: np.ndarray, places, on_settled) -> RingLoad:
+    def load_by_ring(self, pool: Pool, pages: np.ndarray, places, on_settled, on_bad_reads) -> RingLoad:
         """Grant the reads of blocks only on disk (at `places`: kvd.tiers.disk.reads.Places) into
         `pages` through the pool's ring, for the engine to publish; `on_settled()` runs once every
-        grant was read, or revoked at [device] flag_timeout_ms (a read taken by then finished)."""
+        grant was read, or revoked at [device] flag_timeout_ms (a read taken by then finished);
+        then `on_bad_reads(positions)` for blocks whose read failed (device_ring.settle_load)."""
         load = pool.ring.grant(pages, places.files, places.offsets, places.checksums)
         pool.begin()
         self.loaded_blocks += len(pages)
-        self._spawn(settle_load(pool, load, time.monotonic() + self.flag_timeout_s, self.ring_loads, on_settled))
+        self.spawn(settle_load(pool, load, time.monotonic() + self.flag_timeout_s, self.ring_loads, on_settled,
+                                on_bad_reads))
         return load
 
     def ring_fd(self, tenant: str, token: str) -> tuple[dict, int]:
@@ -487,7 +489,7 @@ class DevicePlane:
     async def _count_disk_load(self, running) -> None:
         self.disk_loads["landed" if await running else "failed"] += 1
 
-    def _spawn(self, work) -> None:
+    def spawn(self, work) -> None:
         """A task that ends a transfer (kept until done; a bug in it goes to the supervisor)."""
         task = asyncio.get_running_loop().create_task(work)
         self._drains.add(task)

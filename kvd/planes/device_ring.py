@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.device.io_ring import GRANT_OUT, GRANT_VERIFIED, RingMemory, start_proxy
+from kvd.device.io_ring import GRANT_FAILED, GRANT_OUT, GRANT_VERIFIED, RingMemory, start_proxy
 from kvd.device.transfer import PoolLayout
 from kvd.errors import ResourceExhausted
 from kvd.invariants import check
@@ -124,9 +124,10 @@ class PoolRing:
             raise
         return RingLoad(rows, stamps, blocks)
 
-    async def settle(self, load: RingLoad, deadline: float) -> bool:
+    async def settle(self, load: RingLoad, deadline: float) -> np.ndarray:
         """Once every grant of the load was read, or at `deadline` (time.monotonic) revoked (a read
-        taken by then is let finish): whether every read was verified. Its tags are free again."""
+        taken by then is let finish): how each ended (GRANT_*, in the load's row order). Its tags
+        are free again."""
         tags, stamps = load.rows[:, 6], load.stamps
         final = np.full(len(tags), GRANT_OUT, dtype=np.int8)
         while True:
@@ -137,7 +138,7 @@ class PoolRing:
             if (final == GRANT_OUT).any():
                 await asyncio.sleep(POLL_S)
         self.tags.give(load.first_tag, len(tags))
-        return bool((final == GRANT_VERIFIED).all())
+        return final
 
     def close(self) -> None:
         """Stops the proxy (its reads in hand finish first), then unmaps the ring. The pool's
@@ -146,15 +147,22 @@ class PoolRing:
         self.memory.close()
 
 
-async def settle_load(pool, load: RingLoad, deadline: float, counts: dict[str, int], on_settled) -> None:
+async def settle_load(pool, load: RingLoad, deadline: float, counts: dict[str, int], on_settled,
+                      on_bad_reads) -> None:
     """A ring load's end: once its grants are settled (PoolRing.settle), counted in `counts`
-    (verified or failed), the pool's transfer ends and `on_settled()` runs."""
+    (verified or failed), the pool's transfer ends and `on_settled()` runs. Blocks a read of which
+    was taken and failed (the drive, or the bytes' CRC-32C: never an engine's forgery, which takes
+    no grant) go to `on_bad_reads(positions)` after that, positions in the load's blocks."""
+    final = None
     try:
-        verified = await pool.ring.settle(load, deadline)
-        counts["verified" if verified else "failed"] += 1
+        final = await pool.ring.settle(load, deadline)
+        counts["verified" if (final == GRANT_VERIFIED).all() else "failed"] += 1
     finally:
         pool.end()
         on_settled()
+    bad = np.unique(np.nonzero(final == GRANT_FAILED)[0] % load.blocks)
+    if bad.size:
+        on_bad_reads(bad.tolist())
 
 
 def ring_answer(pools, tenant: str, token: str) -> tuple[dict, int]:

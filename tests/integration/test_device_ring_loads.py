@@ -18,6 +18,7 @@ from kvd.device.cpu import DELAY_ENV
 from kvd.device.io_ring import READ_FIELDS, WaitState
 from kvd.errors import NotFound
 from kvd.testing.daemon import run_daemon
+from kvd.tiers.disk.layout import SEGMENT_PREFIX, SEGMENT_SUFFIX
 from kvd.v1 import kvd_pb2
 from tests.integration.test_device_disk_loads import disk_config, stored_on_disk_only
 from tests.integration.test_device_plane import KVD, SPEC, Engine, wait_for
@@ -128,3 +129,32 @@ def test_an_engine_that_never_publishes_costs_only_the_deadline(tmp_path, delay)
             engine = ring_engine(client, daemon)
             engine.pool.load(keys, [3, 4, 5], KVD, engine.pool.flag(KVD))
             assert daemon.stop() == 0
+
+
+def test_a_block_damaged_on_disk_fails_its_layer_and_is_dropped_not_offered_again(tmp_path):
+    """Bytes of block 1's layer 2 flipped on the drive: the proxy's CRC-32C check fails that read, the
+    engine's wait for layer 2 ends FAILED and nothing lands in that page's layer. kvd then reads the
+    blocks that failed through its own path, which finds the damage, counts it and drops block 1 with
+    the chain under it: the next Lookup offers block 0 only."""
+    with run_daemon(tmp_path / "kvd", config=disk_config(tmp_path)) as daemon, Client(daemon.unix_target) as client:
+        engine = ring_engine(client, daemon)
+        data, keys = stored_on_disk_only(client, engine, 3, seed=12)
+        loaded = engine.pool.load(keys, [4, 5, 6], KVD, engine.pool.flag(KVD))
+        reads = engine.pool.ring_reads(loaded)
+        file, offset = int(reads.rows[2, 1, 0]), int(reads.rows[2, 1, 1])
+        segment = sorted((tmp_path / "nvme0").glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}"))[file]
+        with open(segment, "r+b") as drive:
+            drive.seek(offset + 100)
+            byte = drive.read(1)
+            drive.seek(offset + 100)
+            drive.write(bytes([byte[0] ^ 0x5A]))
+        reads.publish()
+        states = [reads.wait(layer, timeout_s=WAIT_S).state for layer in range(SPEC.num_layers)]
+        assert states[2] is WaitState.FAILED and states[:2] == [WaitState.OK] * 2
+        assert reads.settle(timeout_s=WAIT_S)
+        assert not engine.read(5)[2].any()  # the damaged layer landed nowhere
+        wait_for(lambda: client.lookup(engine.namespace, keys).matched == 1)
+        assert sum(daemon.metric_samples("kvd_disk_corrupt_blocks_total").values()) == 1
+        wait_for(lambda: daemon.metric("kvd_lease_pinned_blocks") == 0)
+        assert ring_loads(daemon) == {"verified": 0, "failed": 1}
+        engine.close()

@@ -7,18 +7,21 @@ service's state and reach each other's helpers through self."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 
 from kvd.core.block import NO_SLOT
 from kvd.core.engine import ReserveStatus
 from kvd.core.requests import KeysRequest
-from kvd.errors import FailedPrecondition, InvalidArgument
+from kvd.errors import FailedPrecondition, InvalidArgument, KvdError
 from kvd.invariants import check
 from kvd.planner.distance import NONE
 from kvd.tiers.host import DEFAULT_TENANT
 from kvd.server.rpc import rpc
 from kvd.v1 import kvd_pb2
+
+log = logging.getLogger(__name__)
 
 
 class DeviceHandlers:
@@ -185,7 +188,8 @@ class DeviceHandlers:
                 rows = np.nonzero(by_ring)[0]
                 places = await self.disk_plane.places(request.namespace_id, [keys[i] for i in rows],
                                                       [placed.disk_slots[i] for i in rows])
-                ring = plane.load_by_ring(pool, pages[rows], places, landed)
+                ring = plane.load_by_ring(pool, pages[rows], places, landed,
+                                          lambda bad: self._check_bad_reads(request, [keys[rows[i]] for i in bad]))
             host = np.nonzero(~by_ring)[0]
             done, _ = plane.load(pool, pages[host], [keys[i] for i in host], [matched[i] for i in host],
                                  [placed.host_offsets[i] for i in host], request.kvd_flag, request.base, landed)
@@ -200,6 +204,25 @@ class DeviceHandlers:
         if ring is not None:
             response.ring_reads, response.ring_blocks = ring.rows.astype("<u8").tobytes(), ring.blocks
         return response
+
+
+    def _check_bad_reads(self, request, bad_keys: list[bytes]) -> None:
+        """Blocks a ring read of which failed (the drive, or the bytes' CRC-32C) are read once more
+        through kvd's own path, which drops a block that fails its checksum (with the chain under
+        it), journals that and counts it: the index never keeps offering a block it cannot serve."""
+        last = list(request.keys).index(bad_keys[-1])
+        get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, client_id=request.client_id,
+                                 keys=request.keys[:last + 1], parent_key=request.parent_key)
+
+        async def reread() -> None:
+            try:
+                lease = (await self._pinned_prefix(get, request.client_id)).lease
+            except KvdError as error:  # the namespace went, the daemon drains, ...: nothing to check now
+                log.warning("a ring load's failed blocks were not read again", extra={"reason": str(error)})
+                return
+            if lease is not None and not lease.ended:
+                self.engine.leases.close(lease)
+        self.device_plane.spawn(reread())
 
 
 def _after(count: int, then):
