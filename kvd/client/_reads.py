@@ -20,12 +20,12 @@ from kvd.v1 import kvd_pb2
 
 
 def lookup(session: Session, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes,
-           include_remote: bool | None = False) -> Op:
+           include_remote: bool | None = False, load_times: bool = False) -> Op:
     """include_remote None: where the daemon is in a cluster. The first such Lookup asks for the
     peers' blocks; a daemon outside a cluster refuses by name, and this client stops asking."""
     remote = session.in_cluster is not False if include_remote is None else include_remote
     request = kvd_pb2.LookupRequest(namespace_id=namespace.namespace_id, parent_key=parent_key,
-                                    include_remote=remote)
+                                    include_remote=remote, load_times=load_times)
     packed = b"".join(keys)
     if len(packed) == KEY_BYTES * len(keys):
         request.packed_keys = packed
@@ -42,7 +42,7 @@ def lookup(session: Session, namespace: Namespace, keys: Sequence[bytes], parent
     else:
         if remote:
             session.in_cluster = True
-    return LookupResult(response.matched, list(response.tiers))
+    return LookupResult(response.matched, list(response.tiers), list(response.load_s) if load_times else None)
 
 
 def _not_in_a_cluster(error: grpc.RpcError) -> bool:

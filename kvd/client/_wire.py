@@ -76,6 +76,9 @@ class Namespace:
 class LookupResult:
     matched: int
     tiers: list[int]
+    # With load_times: per matched block, seconds until it and the blocks before it could be in
+    # kvd's host memory (LookupResponse.load_s; NaN where kvd has not measured the tier yet).
+    load_s: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,10 +81,12 @@ class Client(_ops.ClientBase):
         return self._run(_admin.register_namespace(self.session, spec))
 
     def lookup(self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"",
-               include_remote: bool | None = False) -> LookupResult:
+               include_remote: bool | None = False, load_times: bool = False) -> LookupResult:
         """The stored prefix of `keys`; include_remote: also what a peer holds (TIER_REMOTE), in a
-        cluster (None: where the daemon is in one; a daemon outside a cluster is asked once)."""
-        return self._run(_reads.lookup(self.session, namespace, keys, parent_key, include_remote))
+        cluster (None: where the daemon is in one; a daemon outside a cluster is asked once);
+        load_times: also how long each part would take to load now (LookupResult.load_s)."""
+        return self._run(_reads.lookup(self.session, namespace, keys, parent_key, include_remote,
+                                                 load_times))
 
     def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> ClusterLookupResult:
         """Which nodes of the cluster hold how much of the chain `keys` (given from its root)."""

@@ -41,6 +41,7 @@ from kvd.core.engine import Engine, KeysRequest, ReserveResult, ReserveStatus
 from kvd.core.keys import NamespaceSpec
 from kvd.errors import KvdError, PeerCallFailed
 from kvd.io.checksum import crc32c_chunks, crc32c_of_buffers
+from kvd.planner.load_time import RateMeter
 from kvd.tiers.host import HostArena
 
 log = logging.getLogger("kvd.cluster")
@@ -102,6 +103,8 @@ class ClusterFetch:
         # and each transport's fetch beside the other's (kvd_cluster_fetch_*).
         self.stage_seconds: collections.Counter[tuple[str, str]] = collections.Counter()
         self.moved_bytes: collections.Counter[str] = collections.Counter()
+        # Bytes per second of whole fetches, lookup included: what a remote hit costs now.
+        self.rate = RateMeter()
         # Where a bug in a callback goes (the daemon's supervisor: kvd stops loudly).
         self.on_bug: Callable[[str, BaseException], None] = _raise_bug
 
@@ -120,15 +123,18 @@ class ClusterFetch:
         if self.peers.over_nixl(peer):
             fetched = await self._fetch_nixl(peer, namespace_id, keys, local, matched)
             if fetched is not None:
-                self._timed("nixl", lookup=looked_up, whole=time.perf_counter() - started)
+                self._timed("nixl", namespace_id, fetched, lookup=looked_up, whole=time.perf_counter() - started)
                 return fetched
         fetched = await self._fetch(peer, namespace_id, keys, local, matched)
-        self._timed("grpc", lookup=looked_up, whole=time.perf_counter() - started)
+        self._timed("grpc", namespace_id, fetched, lookup=looked_up, whole=time.perf_counter() - started)
         return fetched
 
-    def _timed(self, transport: str, **stages: float) -> None:
+    def _timed(self, transport: str, namespace_id: bytes, fetched: int, **stages: float) -> None:
+        """Stage times counted; a fetch that brought blocks feeds the fetch rate (whole fetch)."""
         for stage, seconds in stages.items():
             self.stage_seconds[transport, stage] += seconds
+        if fetched:
+            self.rate.add(fetched * self.engine.namespace(namespace_id).spec.block_bytes, stages["whole"])
 
     def _reserve(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> ReserveResult | None:
         """Host slots for keys[first:end] under a fetch lease; None when nothing could be reserved."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.planner.io_schedule import READS, IoClass, IoJob, IoSchedule
+from kvd.planner.load_time import RateMeter
 
 # A held write looks at the clock again at least this often (the clock may
 # be injected, and jump: a submit is not the only thing that ends a hold).
@@ -60,6 +61,9 @@ class ScheduledExecutor:
         self._clock = clock
         self.backlog = 0  # set by the event loop; read by the I/O thread (an int: no lock needed)
         self.stats = ExecutorStats()
+        # The drives' recent read rate (restores and prefetches, bytes over run time), for the
+        # load-time estimates a Lookup may ask for (kvd.planner.load_time).
+        self.read_rate = RateMeter()
         # (class name, wait_s, run_s) per job, on the I/O thread; must not raise.
         self.on_job: Callable[[str, float, float], None] | None = None
         self._condition = threading.Condition()
@@ -91,6 +95,11 @@ class ScheduledExecutor:
         """Move the queued job of `future` into the more urgent `io_class` (IoSchedule.promote)."""
         with self._condition:
             return self.schedule.promote(lambda job: job.payload.future is future, io_class)
+
+    def queued_read_bytes(self) -> int:
+        """Bytes of restores and prefetches queued and not yet started: what a new read waits behind."""
+        with self._condition:
+            return sum(self.schedule.queued_bytes(io_class) for io_class in READS)
 
     def queued(self) -> dict[str, int]:
         with self._condition:
@@ -203,6 +212,8 @@ class ScheduledExecutor:
         times.wait_seconds += waited
         times.max_wait_seconds = max(times.max_wait_seconds, waited)
         times.run_seconds += finished - started
+        if job.io_class in READS and error is None:
+            self.read_rate.add(job.nbytes, finished - started)
         if self.on_job is not None:
             self.on_job(class_name, waited, finished - started)
         if error is not None:

@@ -118,6 +118,12 @@ class IoSchedule:
             return sum(1 for job in self._fifo if job.io_class == io_class)
         return len(self._queues[io_class])
 
+    def queued_bytes(self, io_class: IoClass) -> int:
+        """Bytes of the queued (not yet started) jobs of `io_class`, as their submitters counted them."""
+        if self.mode == "fifo" and io_class != IoClass.CONTROL:
+            return sum(job.nbytes for job in self._fifo if job.io_class == io_class)
+        return sum(job.nbytes for job in self._queues[io_class])
+
     def push(self, job: IoJob) -> IoJob:
         check(job.sequence == -1, "job pushed twice")
         job.sequence = self._next_sequence

@@ -204,26 +204,30 @@ class ArenaInfoResponse(_message.Message):
     def __init__(self, arena_socket: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., class_bytes: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "parent_key", "packed_keys", "include_remote")
+    __slots__ = ("namespace_id", "keys", "parent_key", "packed_keys", "include_remote", "load_times")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_REMOTE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TIMES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent_key: bytes
     packed_keys: bytes
     include_remote: bool
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent_key: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ..., include_remote: _Optional[bool] = ...) -> None: ...
+    load_times: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent_key: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ..., include_remote: _Optional[bool] = ..., load_times: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("matched", "tiers")
+    __slots__ = ("matched", "tiers", "load_s")
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
     matched: int
     tiers: bytes
-    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[bytes] = ...) -> None: ...
+    load_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace_id", "client_id", "parent_key", "keys", "lease_ms", "arena_instance_id")

@@ -17,6 +17,7 @@ from kvd.core.quota import QuotaExceeded
 from kvd.errors import (NOT_IN_A_CLUSTER, FailedPrecondition, InvalidArgument, NotDurable, PermissionDenied,
                         PinCapExceeded, ResourceExhausted, Unavailable)
 from kvd.invariants import check
+from kvd.planner.load_time import load_seconds
 from kvd.server import convert
 from kvd.server.rpc import rpc
 from kvd.v1 import kvd_pb2
@@ -87,7 +88,20 @@ class BlockHandlers:
             tiers = bytes(kvd_pb2.TIER_DEVICE if hit else level for hit, level in zip(held, tiers))
         if request.include_remote:
             tiers += await self._remote_tiers(request, keys, len(matched))
-        return kvd_pb2.LookupResponse(matched=len(tiers), tiers=tiers)
+        response = kvd_pb2.LookupResponse(matched=len(tiers), tiers=tiers)
+        if request.load_times:
+            response.load_s.extend(self._load_seconds(request.namespace_id, tiers).tolist())
+        return response
+
+    def _load_seconds(self, namespace_id: bytes, tiers: bytes):
+        """LookupResponse.load_s: from the drives' queue and recent read rate, and the recent rate
+        of remote fetches (kvd.planner.load_time)."""
+        io = self.disk_plane.io if self.disk_plane is not None else None
+        fetch = self.cluster_fetch
+        rates = {kvd_pb2.TIER_DISK: io.read_rate.bytes_per_s if io is not None else None,
+                 kvd_pb2.TIER_REMOTE: fetch.rate.bytes_per_s if fetch is not None else None}
+        queued = {kvd_pb2.TIER_DISK: io.queued_read_bytes() if io is not None else 0}
+        return load_seconds(tiers, self.engine.namespace(namespace_id).spec.block_bytes, queued, rates)
 
     async def _remote_tiers(self, request, keys, local: int) -> bytes:
         """TIER_REMOTE for the blocks past `local` that the longest peer holds (of a chain from its
