@@ -123,18 +123,22 @@ class ClusterFetch:
         if self.peers.over_nixl(peer):
             fetched = await self._fetch_nixl(peer, namespace_id, keys, local, matched)
             if fetched is not None:
-                self._timed("nixl", namespace_id, fetched, lookup=looked_up, whole=time.perf_counter() - started)
+                self._timed("nixl", lookup=looked_up, whole=time.perf_counter() - started)
+                self._rated(namespace_id, fetched, time.perf_counter() - started)
                 return fetched
         fetched = await self._fetch(peer, namespace_id, keys, local, matched)
-        self._timed("grpc", namespace_id, fetched, lookup=looked_up, whole=time.perf_counter() - started)
+        self._timed("grpc", lookup=looked_up, whole=time.perf_counter() - started)
+        self._rated(namespace_id, fetched, time.perf_counter() - started)
         return fetched
 
-    def _timed(self, transport: str, namespace_id: bytes, fetched: int, **stages: float) -> None:
-        """Stage times counted; a fetch that brought blocks feeds the fetch rate (whole fetch)."""
+    def _timed(self, transport: str, **stages: float) -> None:
         for stage, seconds in stages.items():
             self.stage_seconds[transport, stage] += seconds
+
+    def _rated(self, namespace_id: bytes, fetched: int, seconds: float) -> None:
+        """A whole fetch that brought blocks feeds the fetch rate (LookupResponse.load_s)."""
         if fetched:
-            self.rate.add(fetched * self.engine.namespace(namespace_id).spec.block_bytes, stages["whole"])
+            self.rate.add(fetched * self.engine.namespace(namespace_id).spec.block_bytes, seconds)
 
     def _reserve(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> ReserveResult | None:
         """Host slots for keys[first:end] under a fetch lease; None when nothing could be reserved."""

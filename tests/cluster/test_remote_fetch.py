@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import signal
 import threading
 import time
@@ -57,6 +59,9 @@ def test_a_get_fetches_the_missing_blocks_from_the_longest_holder(tmp_path, etcd
             # c holds the first 10 itself.
             assert cc.put(ns_c, keys[:10], blocks[:10]) == 10
             wait_matches(cc, ns_c, keys, {"a": 400, "b": 60, "c": 10})
+            # What the rest would cost to load: unknown before c has fetched anything.
+            unknown = cc.lookup(ns_c, keys, include_remote=True, load_times=True)
+            assert unknown.matched == 400 and unknown.load_s[9] == 0 and math.isnan(unknown.load_s[10])
             # As an engine that holds the first 10 asks: the rest, under its local parent.
             got = cc.get_numpy(ns_c, keys[10:], parent_key=keys[9])
             assert got.shape[0] == 390 and np.array_equal(got, blocks[10:])
@@ -76,6 +81,9 @@ def test_a_get_fetches_the_missing_blocks_from_the_longest_holder(tmp_path, etcd
             with Client(b.tcp_target, use_shared_memory=False) as inline:
                 ns = inline.register_namespace(SMALL_SPEC)
                 assert np.array_equal(inline.get_numpy(ns, keys[:100]), blocks[:100])
+            # b has fetched once: its remote blocks are priced at that fetch's rate, the local ones free.
+            priced = cb.lookup(ns_b, keys, include_remote=True, load_times=True).load_s
+            assert priced[99] == 0 and 0 < priced[100] < priced[-1] < math.inf
 
 
 def test_a_frozen_holder_costs_a_miss_within_the_deadline(tmp_path, etcd):
