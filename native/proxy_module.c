@@ -183,25 +183,49 @@ static struct kvd_proxy *running_proxy(ProxyObject *self) {
     return self->proxy;
 }
 
+/* The arrays a grant table call takes, each a 1-D buffer of `itemsize`-byte items: all of them,
+ * with their item counts, or none (those already taken released) and an exception set. */
+struct array_arg {
+    PyObject *object;
+    Py_ssize_t itemsize;
+    int writable;
+    const char *name;
+    Py_buffer view;
+    Py_ssize_t count;
+};
+
+static int get_arrays(struct array_arg *arrays, int n) {
+    for (int i = 0; i < n; i++) {
+        arrays[i].count = get_array(arrays[i].object, &arrays[i].view, arrays[i].itemsize, arrays[i].writable,
+                                    arrays[i].name);
+        if (arrays[i].count < 0) {
+            while (i-- > 0) PyBuffer_Release(&arrays[i].view);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_arrays(struct array_arg *arrays, int n) {
+    for (int i = 0; i < n; i++) PyBuffer_Release(&arrays[i].view);
+}
+
 /* grant(tags, reads, stamps): arms grant tags[i] for reads[i] (7 uint64 each: file, offset, length,
- * target, layer, checksum, unused) under stamps[i]; all or, on the first refusal, an error (the
+ * target, layer, checksum, tag) under stamps[i]; all or, on the first refusal, an error (the
  * grants armed before it stay armed: the caller revokes them). */
 static PyObject *proxy_grant(ProxyObject *self, PyObject *args) {
-    PyObject *tags_object, *reads_object, *stamps_object;
-    if (!PyArg_ParseTuple(args, "OOO", &tags_object, &reads_object, &stamps_object)) return NULL;
+    struct array_arg a[3] = {{.itemsize = 8, .name = "tags"}, {.itemsize = 8, .name = "reads"},
+                             {.itemsize = 8, .name = "stamps"}};
+    if (!PyArg_ParseTuple(args, "OOO", &a[0].object, &a[1].object, &a[2].object)) return NULL;
     struct kvd_proxy *proxy = running_proxy(self);
-    if (proxy == NULL) return NULL;
-    Py_buffer tags, reads, stamps;
-    Py_ssize_t count = get_array(tags_object, &tags, 8, 0, "tags");
-    if (count < 0) return NULL;
-    Py_ssize_t words = get_array(reads_object, &reads, 8, 0, "reads");
-    Py_ssize_t stamped = words < 0 ? -1 : get_array(stamps_object, &stamps, 8, 0, "stamps");
-    int rc = words < 0 || stamped < 0 ? -1 : 0;
-    if (rc == 0 && (words != 7 * count || stamped != count)) {
+    if (proxy == NULL || get_arrays(a, 3) < 0) return NULL;
+    Py_ssize_t count = a[0].count;
+    int rc = 0;
+    if (a[1].count != 7 * count || a[2].count != count) {
         PyErr_SetString(PyExc_ValueError, "grant: one stamp and 7 words of read per tag");
         rc = -1;
     }
-    const uint64_t *tag = tags.buf, *read = reads.buf, *stamp = stamps.buf;
+    const uint64_t *tag = a[0].view.buf, *read = a[1].view.buf, *stamp = a[2].view.buf;
     for (Py_ssize_t i = 0; rc == 0 && i < count; i++) {
         const uint64_t *r = read + 7 * i;
         kvd_io_desc desc = {0, r[1], r[2], r[3], r[0], r[4], tag[i], r[5]};
@@ -209,9 +233,7 @@ static PyObject *proxy_grant(ProxyObject *self, PyObject *args) {
         if (rc < 0) PyErr_Format(PyExc_ValueError, "grant %llu: %s", (unsigned long long)tag[i],
                                  rc == -EBUSY ? "armed already" : "tag out of range or stamp 0");
     }
-    if (stamped >= 0) PyBuffer_Release(&stamps);
-    if (words >= 0) PyBuffer_Release(&reads);
-    PyBuffer_Release(&tags);
+    release_arrays(a, 3);
     if (rc < 0) return NULL;
     Py_RETURN_NONE;
 }
@@ -220,31 +242,26 @@ static PyObject *proxy_grant(ProxyObject *self, PyObject *args) {
  * and failed, 0 not over yet; with revoke, a grant no read took is disarmed (1: it will never be
  * read), and 0 then means taken and still being read. */
 static PyObject *proxy_settle(ProxyObject *self, PyObject *args) {
-    PyObject *tags_object, *stamps_object, *out_object;
+    struct array_arg a[3] = {{.itemsize = 8, .name = "tags"}, {.itemsize = 8, .name = "stamps"},
+                             {.itemsize = 1, .writable = 1, .name = "out"}};
     int revoke;
-    if (!PyArg_ParseTuple(args, "OOOp", &tags_object, &stamps_object, &out_object, &revoke)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOp", &a[0].object, &a[1].object, &a[2].object, &revoke)) return NULL;
     struct kvd_proxy *proxy = running_proxy(self);
-    if (proxy == NULL) return NULL;
-    Py_buffer tags, stamps, out;
-    Py_ssize_t count = get_array(tags_object, &tags, 8, 0, "tags");
-    if (count < 0) return NULL;
-    Py_ssize_t stamped = get_array(stamps_object, &stamps, 8, 0, "stamps");
-    Py_ssize_t room = stamped < 0 ? -1 : get_array(out_object, &out, 1, 1, "out");
-    int ok = room >= 0 && stamped == count && room == count;
-    if (room >= 0 && !ok) PyErr_SetString(PyExc_ValueError, "settle: one stamp and one out cell per tag");
-    const uint64_t *tag = tags.buf, *stamp = stamps.buf;
+    if (proxy == NULL || get_arrays(a, 3) < 0) return NULL;
+    Py_ssize_t count = a[0].count;
+    int ok = a[1].count == count && a[2].count == count;
+    if (!ok) PyErr_SetString(PyExc_ValueError, "settle: one stamp and one out cell per tag");
+    const uint64_t *tag = a[0].view.buf, *stamp = a[1].view.buf;
+    int8_t *cell = a[2].view.buf;
     for (Py_ssize_t i = 0; ok && i < count; i++) {
-        int8_t *cell = (int8_t *)out.buf + i;
         if (revoke && kvd_proxy_revoke(proxy, tag[i], stamp[i]) == 1) {
-            *cell = 1;
+            cell[i] = 1;
             continue;
         }
         uint64_t outcome = kvd_proxy_outcome(proxy, tag[i]);
-        *cell = outcome >> 1 == stamp[i] ? (outcome & 1 ? 2 : 3) : 0;
+        cell[i] = outcome >> 1 == stamp[i] ? (outcome & 1 ? 2 : 3) : 0;
     }
-    if (room >= 0) PyBuffer_Release(&out);
-    if (stamped >= 0) PyBuffer_Release(&stamps);
-    PyBuffer_Release(&tags);
+    release_arrays(a, 3);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }
