@@ -169,7 +169,6 @@ class DeviceHandlers:
             raise
         return _load_response(len(matched), done, from_tier, life.tiers, plan.cut)
 
-
     async def _load_in_place(self, plane, pool, pages, request):
         """A pool with an I/O ring: blocks in host memory are copied by kvd as for any load (the
         flag word), blocks only on disk are granted to the engine's ring and read from their disk
@@ -204,7 +203,6 @@ class DeviceHandlers:
         if ring is not None:
             response.ring_reads, response.ring_blocks = ring.rows.astype("<u8").tobytes(), ring.blocks
         return response
-
 
     def _check_bad_reads(self, request, bad_keys: list[bytes]) -> None:
         """Blocks a ring read of which failed (the drive, or the bytes' CRC-32C) are read once more
