@@ -34,7 +34,7 @@ from _common import fmt_ratio, progress, ratio, report, write_result  # noqa: E4
 from bench_io_ring import CpuRestore, Workload  # noqa: E402
 
 from kvd.device import NoDevice, open_device  # noqa: E402
-from kvd.device.cuda_ring import GpuRingProducer, LayerPlan  # noqa: E402
+from kvd.device.cuda_ring import GpuRingProducer, LayerPlan, plan_reads  # noqa: E402
 from kvd.device.io_ring import RingMemory, start_proxy  # noqa: E402
 from kvd.io import address_of, aligned_empty  # noqa: E402
 
@@ -102,18 +102,22 @@ def ring_restore(device, args, directory: Path) -> dict:
     producer = GpuRingProducer(device, args.fatbin)
     mapped = producer.map_ring(ring)
     stream = device.stream()
-    plans = [_plan(device, stream, work, target, layer) for layer in range(work.layers)]
     per_layer = work.count // work.layers
+    plans, reads = zip(*(_plan(device, stream, work, target, layer, per_layer) for layer in range(work.layers)))
+    reads = np.vstack(reads)
+    rounds = iter(range(1 << 30))
 
     def gpu_run():
         ring.reset()
+        proxy.grant(reads, next(rounds) * len(reads) + 1 + np.arange(len(reads), dtype=np.uint64))
         waits = []
         for layer, plan in enumerate(plans):
             producer.submit_layer(stream, mapped, plan, layer, timeout_s=60)
             waits.append(producer.wait_layer(stream, mapped, layer, per_layer, timeout_s=60))
         stream.synchronize()
         if not all(wait.result().ok for wait in waits):
-            raise RuntimeError(f"ring waits did not all end OK: {[wait.result() for wait in waits]}")
+            raise RuntimeError(f"ring waits did not all end OK: {[wait.result() for wait in waits]}; "
+                               f"proxy {proxy.native.stats()}")
 
     nbytes = work.count * work.read_bytes
     rates = {"cpu_submitted_gib_s": gib_s(nbytes, timed(cpu.run, args.rounds)),
@@ -125,11 +129,14 @@ def ring_restore(device, args, directory: Path) -> dict:
     return rates
 
 
-def _plan(device, stream, work: Workload, target, layer: int) -> LayerPlan:
+def _plan(device, stream, work: Workload, target, layer: int, per_layer: int) -> tuple[LayerPlan, np.ndarray]:
+    """The layer's plan on the device, and its reads as the proxy must grant them (tags layer-major)."""
     reads = work.layer(layer)
-    return LayerPlan.upload(device, stream, np.zeros(len(reads)), work.offsets[reads],
-                            np.full(len(reads), work.read_bytes), target.address + reads * work.read_bytes,
-                            work.checksums[reads])
+    columns = (np.zeros(len(reads)), work.offsets[reads], np.full(len(reads), work.read_bytes),
+               target.address + reads * work.read_bytes, work.checksums[reads])
+    first_tag = layer * per_layer
+    return (LayerPlan.upload(device, stream, *columns, first_tag=first_tag),
+            plan_reads(layer, first_tag, *columns))
 
 
 def main() -> None:

@@ -58,6 +58,7 @@ _POLL_MAX_S = 0.001
 DELAY_ENV = "KVD_CPU_DEVICE_DELAY_MS"
 _MEMFD_PREFIX = "/memfd:kvd-cpu-device-"
 _PROCESS_MEMORY = re.compile(r"/proc/[0-9]+/mem")
+HOST_MEMORY_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 _PROCESS = "process"  # Memory.token of a range of this process's own memory, shared by descriptor
 _ids = itertools.count(1)
 
@@ -297,7 +298,7 @@ class CpuDevice(Device):
         self.uuid = str(uuid_module.uuid5(uuid_module.NAMESPACE_OID, f"kvd-cpu-device/{_boot_id()}/{index}"))
         self._allocations: dict[int, _Mapping] = {}
         self._opened: dict[tuple[int, int], _Mapping] = {}
-        self._registered: set[int] = set()
+        self._registered: dict[int, int] = {}  # address -> bytes
         self._lock = threading.Lock()
 
     def alloc(self, nbytes: int) -> Memory:
@@ -322,18 +323,23 @@ class CpuDevice(Device):
         mapping.close()
 
     def register_host(self, address: int, nbytes: int) -> Memory:
-        """Host memory is this device's memory already; registering only records the range."""
+        """Host memory is this device's memory already; registering only records the range. A range
+        that overlaps one still registered is refused, as cudaHostRegister refuses it (error 712): a
+        registration left behind by memory freed without unregistering shows here, not first on a GPU."""
         if address <= 0 or nbytes <= 0:
             raise DeviceError(f"cannot register {nbytes} bytes at {address:#x}")
         with self._lock:
-            self._registered.add(address)
+            for start, length in self._registered.items():
+                if start < address + nbytes and address < start + length:
+                    raise DeviceError(f"host memory [{address:#x}, +{nbytes}) overlaps a registration still "
+                                      f"held at [{start:#x}, +{length})", HOST_MEMORY_ALREADY_REGISTERED)
+            self._registered[address] = nbytes
         return Memory(address, nbytes, self.uuid, token="host")
 
     def unregister_host(self, memory: Memory) -> None:
         with self._lock:
-            if memory.address not in self._registered:
+            if self._registered.pop(memory.address, None) is None:
                 raise DeviceError(f"no host registration at {memory.address:#x}")
-            self._registered.discard(memory.address)
 
     def wrap(self, address: int, nbytes: int) -> Memory:
         """A range of this process's own memory (a CPU engine's KV tensors) to share by descriptor

@@ -80,6 +80,16 @@ class LayerPlan:
             device.free(memory)
 
 
+def plan_reads(layer: int, first_tag: int, files, offsets, lengths, targets, checksums) -> np.ndarray:
+    """The reads the submit kernel publishes for one layer's plan (the host columns LayerPlan.upload
+    took): rows of READ_FIELDS, read i under tag first_tag + i, as a proxy must grant them before they
+    can be read (Proxy.grant)."""
+    count = len(offsets)
+    columns = (files, offsets, lengths, targets, np.full(count, layer), checksums,
+               first_tag + np.arange(count))
+    return np.stack([np.asarray(column, dtype=np.uint64) for column in columns], axis=1)
+
+
 @dataclass(slots=True)
 class MappedRing:
     """A ring's host memory as the GPU sees it (`address`), and the wait records handed out on it."""

@@ -18,7 +18,7 @@ from crc32c import crc32c
 from kvd._native import IO_RING_WAITS
 from kvd.device import DeviceError, Memory, NoDevice
 from kvd.device.cuda import CudaDevice
-from kvd.device.cuda_ring import GpuRingProducer, LayerPlan
+from kvd.device.cuda_ring import GpuRingProducer, LayerPlan, plan_reads
 from kvd.device.io_ring import RingMemory, WaitState, start_proxy
 from tests.device.fake_cuda import SUCCESS, FakeCuda
 from tests.device.staging import Staging
@@ -50,16 +50,16 @@ def test_the_gpu_producer_restores_real_files_and_its_waits_never_hang_the_strea
     (_restore_on_gpu if scenario == "restore" else _failures_on_gpu)(device, tmp_path)
 
 
-def _blocks(tmp_path):
-    data = os.urandom(8 << 20)
+def _blocks(tmp_path, nbytes: int = 8 << 20):
+    data = os.urandom(nbytes)
     path = tmp_path / "blocks"
     path.write_bytes(data)
     return data, os.open(path, os.O_RDONLY | os.O_DIRECT)
 
 
 def _restore_on_gpu(device, tmp_path) -> None:
-    data, fd = _blocks(tmp_path)
     count = LAYERS * READS_PER_LAYER
+    data, fd = _blocks(tmp_path, 2 * count * READ_BYTES)
     offsets = np.random.default_rng(3).choice(len(data) // READ_BYTES, count, replace=False) * READ_BYTES
     target = device.alloc(count * READ_BYTES)
     stream = device.stream()
@@ -69,7 +69,7 @@ def _restore_on_gpu(device, tmp_path) -> None:
     producer = GpuRingProducer(device, _fatbin())
     try:
         mapped = producer.map_ring(ring)
-        plans = [_plan(device, stream, data, offsets, target, layer) for layer in range(LAYERS)]
+        plans = [_plan(device, stream, data, offsets, target, layer, proxy) for layer in range(LAYERS)]
         waits = []
         for layer, plan in enumerate(plans):
             producer.submit_layer(stream, mapped, plan, layer, timeout_s=TIMEOUT_S)
@@ -99,7 +99,7 @@ def _failures_on_gpu(device, tmp_path) -> None:
     producer = GpuRingProducer(device, _fatbin())
     try:
         mapped = producer.map_ring(ring)
-        bad = _plan_of(device, stream, data, offsets[:2], target, wrong_checksums=1)
+        bad = _plan_of(device, stream, data, offsets[:2], target, proxy, wrong_checksums=1)
         producer.submit_layer(stream, mapped, bad, 0, timeout_s=TIMEOUT_S)
         failed = producer.wait_layer(stream, mapped, 0, 2, timeout_s=TIMEOUT_S)
         stream.synchronize(timeout_s=2 * TIMEOUT_S)
@@ -118,22 +118,31 @@ def _failures_on_gpu(device, tmp_path) -> None:
         os.close(fd)
 
 
-def _plan(device, stream, data: bytes, offsets, target, layer: int) -> LayerPlan:
-    """One layer's reads in device memory (read i of the layer is read layer * READS_PER_LAYER + i
-    overall, landing at that index of `target`)."""
+def _plan(device, stream, data: bytes, offsets, target, layer: int, proxy) -> LayerPlan:
+    """One layer's reads in device memory, granted by the proxy (read i of the layer is read
+    layer * READS_PER_LAYER + i overall, tagged so, landing at that index of `target`)."""
     reads = np.arange(layer * READS_PER_LAYER, (layer + 1) * READS_PER_LAYER)
-    return LayerPlan.upload(device, stream, np.zeros(READS_PER_LAYER), offsets[reads],
-                            np.full(READS_PER_LAYER, READ_BYTES), target.address + reads * READ_BYTES,
-                            [crc32c(data[o:o + READ_BYTES]) for o in offsets[reads]])
+    columns = (np.zeros(READS_PER_LAYER), offsets[reads], np.full(READS_PER_LAYER, READ_BYTES),
+               target.address + reads * READ_BYTES, [crc32c(data[o:o + READ_BYTES]) for o in offsets[reads]])
+    return _granted(proxy, layer, int(reads[0]), LayerPlan.upload(device, stream, *columns, first_tag=int(reads[0])),
+                    columns)
 
 
-def _plan_of(device, stream, data: bytes, offsets, target, wrong_checksums: int = 0) -> LayerPlan:
-    """Reads of `offsets` into consecutive places of `target`; the first `wrong_checksums` carry a
-    checksum that does not match."""
+def _plan_of(device, stream, data: bytes, offsets, target, proxy=None, wrong_checksums: int = 0) -> LayerPlan:
+    """Reads of `offsets` into consecutive places of `target` for layer 0, granted by `proxy` if given;
+    the first `wrong_checksums` carry a checksum that does not match (and are granted with it: the
+    proxy reads them, and their bytes fail the check)."""
     checksums = [crc32c(data[o:o + READ_BYTES]) ^ (n < wrong_checksums) for n, o in enumerate(offsets)]
     places = target.address + np.arange(len(offsets), dtype=np.uint64) * READ_BYTES
-    return LayerPlan.upload(device, stream, np.zeros(len(offsets)), offsets, np.full(len(offsets), READ_BYTES),
-                            places, checksums)
+    columns = (np.zeros(len(offsets)), offsets, np.full(len(offsets), READ_BYTES), places, checksums)
+    plan = LayerPlan.upload(device, stream, *columns)
+    return plan if proxy is None else _granted(proxy, 0, 0, plan, columns)
+
+
+def _granted(proxy, layer: int, first_tag: int, plan: LayerPlan, columns) -> LayerPlan:
+    reads = plan_reads(layer, first_tag, *columns)
+    proxy.grant(reads, 1 + reads[:, 6])
+    return plan
 
 
 class KernelFakeCuda(FakeCuda):
