@@ -16,8 +16,9 @@ without synchronizing the stream; an engine uses the layer when it is OK and rec
 no longer can).
 
 `plan` holds device arrays of the layer's files, offsets, lengths, targets and crc32c values, filled
-once per request. kvd's RingProxy (kvd.device.io_ring) serves the reads. Never run: none of kvd's
-machines has had a GPU (make gpu-check runs it where one is).
+once per request. kvd's RingProxy (kvd.device.io_ring) serves the reads, and only those it granted:
+`plan_reads` gives a plan's reads as Proxy.grant takes them. Run on an NVIDIA H200 by the device
+check (tests/device/test_ring_gpu.py, bench/bench_gpu.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 /* The GPU side of the I/O ring (io_ring.h): a layer's reads published by
  * the GPU's own threads, and a bounded wait for their completion that a
  * stream can order attention behind. Compiled for sm_80 and sm_90 by
- * `make test`; it has never run on a GPU (none of kvd's machines has had one).
+ * `make test`; run on an NVIDIA H200 by the device check (docs/GPU.md).
  *
  * Neither kernel can hang its stream: both take a timeout in nanoseconds
  * (%globaltimer, see io_ring.h). A submit whose slots do not free up in time

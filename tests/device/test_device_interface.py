@@ -178,6 +178,19 @@ def test_host_memory_registered_with_the_device_takes_part_in_copies(device):
     device.free(pool)
 
 
+def test_host_memory_registered_twice_is_refused_until_the_first_registration_is_released(device):
+    """A registration that outlives its memory makes a later one at those addresses fail (CUDA error
+    712, cudaErrorHostMemoryAlreadyRegistered); the CPU device refuses it the same way, so a leak shows
+    here rather than first on a GPU (it did: tests' staging buffers were never unregistered)."""
+    host = np.zeros(3 << 12, dtype=np.uint8)
+    first = device.register_host(host.ctypes.data, 2 << 12)
+    with pytest.raises(DeviceError) as refused:
+        device.register_host(host.ctypes.data + (1 << 12), 2 << 12)
+    assert refused.value.error_number == 712
+    device.unregister_host(first)
+    device.unregister_host(device.register_host(host.ctypes.data + (1 << 12), 2 << 12))
+
+
 def test_cuda_opens_or_says_precisely_why_not():
     """Here (no GPU) opening CUDA is NoDevice: no driver is 35, a driver without GPUs 100."""
     try:
