@@ -44,6 +44,8 @@ def test_defaults_and_the_environment(monkeypatch):
     ({"flag_words": 1 << 21}, "flag_words"),
     ({"flag_words": 64.0}, "flag_words"),
     ({"flag_words": True}, "flag_words"),
+    ({"prefill_profile": 3}, "prefill_profile must be a path"),
+    ({"prefill_profile": "/no/such/profile.json"}, "prefill profile /no/such/profile.json: cannot read it"),
 ])
 def test_a_bad_option_is_refused_by_name(extra, named):
     with pytest.raises(ValueError, match=named):
@@ -56,3 +58,12 @@ def test_a_placement_table_is_read_with_its_default():
     config = ConnectorConfig.from_extra({"transfer": "daemon", "placement": {**PLACEMENT, "slo_s": 0.05}})
     assert config.placement.slo_s == 0.05
     assert ConnectorConfig.from_extra({}).placement is None
+
+
+def test_a_prefill_profile_is_checked_when_the_connector_starts(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text('{"format": "kvd-prefill-profile/1", "new_tokens": [16], "prefixes": [0], "seconds": [[1]]}')
+    with pytest.raises(ValueError, match="new_tokens must be 2 or more increasing counts"):
+        ConnectorConfig.from_extra({"prefill_profile": str(path)})
+    path.write_text('{"format": "kvd-prefill-profile/1", "new_tokens": [16, 32], "prefixes": [0], "seconds": [[1], [2]]}')
+    assert ConnectorConfig.from_extra({"prefill_profile": str(path)}).prefill_profile == str(path)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvd.connectors.vllm.placement import PlacementOptions
+from kvd.planner.prefill import PrefillProfile
 
 DEFAULT_TARGET = "unix:///run/kvd/kvd.sock"
 LOAD_MODES = ("auto", "async", "layerwise")
@@ -47,6 +48,13 @@ class ConnectorConfig:
       PlanPlacement within budget_bytes of device memory, and kvd's device
       tier keeps only the layers the plan keeps on the GPU
       (kvd.connectors.vllm.placement). Default: none, every layer.
+    prefill_profile: a prefill profile of the served model and engine
+      (kvd-prefill-profile/1 JSON, written by `make prefill-profile`): each
+      hit is then priced as things stand (kvd's disk queue and read rate,
+      its remote fetch rate, the copy into the engine) and only its leading
+      blocks that load sooner than vLLM computes them are loaded; vLLM
+      computes the rest (kvd.planner.prefill). Default: none, every hit is
+      loaded.
     flag_words: with transfer = "daemon", the 64-bit flag words the pool
       registers (32 KiB for the default 4,096): two for saves, one for each
       load in flight, so up to flag_words - 2 requests load at once; a load
@@ -64,6 +72,7 @@ class ConnectorConfig:
     placement: PlacementOptions | None = None
     flag_words: int = 4096
     io_ring: bool = False
+    prefill_profile: str | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -95,8 +104,18 @@ class ConnectorConfig:
         for name in ("target", "namespace"):
             if not isinstance(getattr(config, name), str):
                 raise ValueError(f"kvd connector: {name} must be a string, got {getattr(config, name)!r}")
+        _check_profile(config)
         _check_daemon_options(config)
         return config
+
+
+def _check_profile(config: ConnectorConfig) -> None:
+    """A prefill profile is read at start-up: a bad one is refused there, saying what is wrong."""
+    if config.prefill_profile is None:
+        return
+    if not isinstance(config.prefill_profile, str):
+        raise ValueError(f"kvd connector: prefill_profile must be a path, got {config.prefill_profile!r}")
+    PrefillProfile.load(config.prefill_profile)
 
 
 def _check_daemon_options(config: ConnectorConfig) -> None:

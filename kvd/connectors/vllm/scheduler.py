@@ -13,7 +13,11 @@ computes the prompt's chained keys in every shard, and:
   asynchronous load: vLLM parks the request until the worker says the
   bytes are in, and runs other requests meanwhile. In a cluster the Lookup
   also counts what a peer holds past the local prefix: the daemon fetches
-  it when the worker loads, and it is loaded like a disk hit.
+  it when the worker loads, and it is loaded like a disk hit. With a
+  prefill profile (prefill_profile), the Lookup also prices each block's
+  load as things stand (disk queue and rate, remote fetch rate), and only
+  the leading blocks whose load beats computing them are loaded
+  (kvd.planner.prefill); vLLM computes the rest.
 - build_connector_meta turns allocated blocks into load orders, and the
   prompt blocks that become full in a step into save orders.
 
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 
 from kvd.client import Client, Namespace
 from kvd.connectors.vllm.config import ConnectorConfig
@@ -36,6 +41,7 @@ from kvd.connectors.vllm.metadata import KvdConnectorMetadata, KvdHandshake, Loa
 from kvd.connectors.vllm.placement import SavePlanner
 from kvd.connectors.vllm.requests import prompt_keys
 from kvd.connectors.vllm.transfer import local_namespace, registering
+from kvd.planner.prefill import PrefillProfile, best_stop
 from kvd.v1 import kvd_pb2
 
 
@@ -72,6 +78,7 @@ class SchedulerSide:
         self._loads: list[LoadOrder] = []
         self.events: EventFeed | None = None
         self.placement = SavePlanner(self.client, config.placement) if config.placement is not None else None
+        self.profile = PrefillProfile.load(config.prefill_profile) if config.prefill_profile else None
 
     def set_shards(self, handshakes: dict[tuple[int, int], KvdHandshake]) -> None:
         """Adopt the workers' namespaces, ordered as the workers index them."""
@@ -104,7 +111,10 @@ class SchedulerSide:
         if usable <= first:
             return 0, False
         try:
-            stop, slow = self._lookup(tracked, usable)
+            stop, first_slow, load_s = self._lookup(tracked, usable)
+            if self.profile is not None and stop > first:
+                stop = self._worth_loading(tracked, first, stop, load_s)
+            slow = first_slow < stop
             if stop > first and slow and not self.config.io_ring:
                 # (With io_ring a disk hit is read straight into the KV cache: no host copy to warm.)
                 self._prefetch(tracked, first, stop)
@@ -119,16 +129,32 @@ class SchedulerSide:
         self._plans[request.request_id] = _Plan(first, stop, asynchronous)
         return (stop - first) * self.block_size, asynchronous
 
-    def _lookup(self, tracked: _Tracked, usable: int) -> tuple[int, bool]:
-        """The prefix every shard can have (its kvd's tiers, then a peer's in a cluster), and whether
-        any of it is on disk or on another node (a load that should not hold up a step)."""
-        stop, slow = usable, False
+    def _lookup(self, tracked: _Tracked, usable: int) -> tuple[int, int, np.ndarray | None]:
+        """The prefix every shard can have (its kvd's tiers, then a peer's in a cluster); the first
+        block of it on disk or on another node in any shard (a load that should not hold up a step;
+        `stop` if none); with a prefill profile, per block the seconds until the shards' blocks up to
+        it are in host memory (their sum: the shards share the node's drives)."""
+        stop, first_slow, load_s = usable, usable, None
+        timed = self.profile is not None
         for namespace, keys in zip(self.shards, tracked.keys):
-            result = registering(self.client, namespace,
-                                 lambda: self.client.lookup(namespace, keys[:usable], include_remote=None))
+            result = registering(self.client, namespace, lambda: self.client.lookup(
+                namespace, keys[:usable], include_remote=None, load_times=timed))
             stop = min(stop, result.matched)
-            slow = slow or any(tier != kvd_pb2.TIER_HOST for tier in result.tiers[:stop])
-        return stop, slow
+            slow = [index for index, tier in enumerate(result.tiers[:stop]) if tier != kvd_pb2.TIER_HOST]
+            first_slow = min([first_slow, *slow[:1]])
+            if timed:
+                times = np.asarray(result.load_s[:stop], dtype=np.float64)
+                load_s = times if load_s is None else load_s[:stop] + times[:len(load_s)]
+        return stop, min(first_slow, stop), None if load_s is None else load_s[:stop]
+
+    def _worth_loading(self, tracked: _Tracked, first: int, stop: int, load_s: np.ndarray | None) -> int:
+        """The end of the leading matched blocks worth loading rather than computing again."""
+        choice = best_stop(self.profile, first, stop, self.block_size, tracked.prompt_tokens, load_s)
+        if choice.stop < stop:
+            log.info("kvd: loading %d of %d hit blocks, computing the rest: about %.3f s to the first token, "
+                     "against %.3f s loading them all and %.3f s computing them all", choice.stop - first,
+                     stop - first, choice.load_s + choice.compute_s, choice.load_all_s, choice.recompute_s)
+        return choice.stop
 
     def _prefetch(self, tracked: _Tracked, first: int, stop: int) -> None:
         for namespace, keys in zip(self.shards, tracked.keys):
