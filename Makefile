@@ -23,7 +23,7 @@ BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h native/gpu/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers bench-read-cross proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim planner-sim slack-profile gpu-check cuda fuzz-long soak-long docs device-bundle device-check-sim
+.PHONY: setup run test test-fast vllm-venv engines lint bench bench-peers bench-read-cross proto proto-check apt clean native-debug native-sanitize crash-long damage-long sim-long cluster-sim planner-sim slack-profile prefill-profile gpu-check cuda fuzz-long soak-long docs device-bundle device-check-sim
 
 setup: $(BUILT_STAMP)
 
@@ -192,6 +192,14 @@ planner-sim: setup
 # disk.slack_profile and bench_io_scheduler's profiled contender read) and a plot.
 slack-profile: setup
 	$(PY) bench/slack_profile.py --out bench/results/slack_table.json --plot docs/slack_table.png
+
+# The served model's prefill profile for the vLLM connector's load-or-recompute rule
+# (kv_connector_extra_config "prefill_profile"): vllm serve timed on a grid of new tokens after
+# cached prefixes, and a kvd host hit's copy cost. MODEL=dir measures that model instead of the
+# tiny Llama; PROFILE=file is where it goes.
+PROFILE ?= bench/results/prefill_profile.json
+prefill-profile: setup vllm-venv
+	$(PY) bench/prefill_profile.py --with-kvd --out $(PROFILE) $(if $(MODEL),--model $(MODEL))
 
 # On a machine with a GPU: every device test with CUDA required (they fail
 # where it does not open): the device interface, per-layer copies with flag
