@@ -24,6 +24,7 @@ from kvd.connectors.vllm.requests import prompt_keys
 from kvd.connectors.vllm.worker import WorkerSide
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
 from kvd.testing.daemon import run_daemon
+from kvd.testing.slow_drive import slowed_drive
 from tests.integration.test_disk_tier import flip_first_layer_byte
 
 LAYERS, HEADS, BLOCK, HEAD_DIM, BLOCKS = 3, 2, 16, 32, 12
@@ -223,3 +224,38 @@ def test_a_worker_started_before_its_daemon_stores_once_it_answers(tmp_path):
                     assert client.lookup(client.register_namespace(SPEC), keys).matched == 2
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_load_past_its_budget_is_cut_and_its_blocks_left_to_vllm(tmp_path, asynchronous):
+    """The scheduler gives a load the seconds after which computing its blocks is sooner: from a
+    drive throttled so that the blocks take several times that, the load is cut there (every block
+    reported, nothing written into the engine, counted as cut); with time to spare it lands."""
+    source = kv_caches(seed=6)
+    rows = torch.stack([torch.stack([source[name][block].reshape(-1) for name in source]) for block in range(6)])
+    keys = chain(6, seed=5)
+    with slowed_drive(tmp_path / "nvme0", size_bytes=256 << 20) as drive:
+        config = {"host": {"capacity_bytes": 16 << 20, "slot_bytes": 64 << 10},
+                  "disk": {"directories": [str(drive.directory)], "capacity_bytes": 32 << 20,
+                           "segment_bytes": 4 << 20, "slot_bytes": 64 << 10, "write_mode": "through"}}
+        with run_daemon(tmp_path / "d", config=config) as daemon, Client(daemon.unix_target) as client:
+            drive.admit(daemon.pid)
+            namespace = client.register_namespace(SPEC)
+            assert client.put(namespace, keys, rows.numpy().reshape(6, *SPEC.block_shape), durable=True) == 6
+            assert client.demote().blocks_demoted >= 6
+            drive.throttle(read_bps=64 << 10)  # 6 blocks of 24 KiB: over 2 s
+            engine = kv_caches(seed=None)
+            loader = worker_for(daemon, engine)
+            order = LoadOrder("slow", [keys], 0, [0, 1, 2, 3, 4, 5], asynchronous, budget_s=0.2)
+            step(loader, engine, KvdConnectorMetadata(loads=[order]))
+            loader.close()
+            assert loader.load_errors() == {0, 1, 2, 3, 4, 5} and loader.counters.cut_loads == 1
+            assert not any(tensor.any() for tensor in engine.values())
+            drive.throttle()
+            loader = worker_for(daemon, engine)
+            order = LoadOrder("fast", [keys], 0, [6, 7, 8, 9, 10, 11], asynchronous, budget_s=30.0)
+            step(loader, engine, KvdConnectorMetadata(loads=[order]))
+            loader.close()
+            assert loader.load_errors() == set() and loader.counters.cut_loads == 0
+    for name in engine:
+        assert torch.equal(engine[name][6:12], source[name][0:6])

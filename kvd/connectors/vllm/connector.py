@@ -69,6 +69,8 @@ class KvdPromMetrics(KVConnectorPromMetrics):
         "saved_tokens": "Tokens whose KV was stored in kvd.",
         "save_errors": "Reservations or commits in kvd that failed; those blocks were not stored.",
         "load_wait_seconds": "Time the model's attention layers waited for bytes from kvd.",
+        "cut_loads": "Loads cut because they fell behind the time computing their blocks would take "
+                     "(prefill_profile); vLLM computed those blocks.",
     }
     RENAMED = {"load_wait_s": "load_wait_seconds"}
 

@@ -31,7 +31,10 @@ class LoadOrder:
 
     keys[shard] is the request's chain from the root up to the last block
     to load, in the namespace of that worker shard; block_ids are the
-    engine blocks that receive positions first, first + 1, ...
+    engine blocks that receive positions first, first + 1, ... budget_s:
+    with a prefill profile, the seconds after which loading them can no
+    longer beat computing them: a load not done by then is cut, and vLLM
+    computes them (None: no budget, only load_timeout_s).
     """
 
     req_id: str
@@ -39,6 +42,7 @@ class LoadOrder:
     first: int
     block_ids: list[int]
     asynchronous: bool
+    budget_s: float | None = None
 
 
 @dataclass(slots=True)

@@ -64,6 +64,7 @@ class _Plan:
     first: int
     stop: int
     asynchronous: bool
+    budget_s: float | None = None  # see LoadOrder.budget_s
 
 
 class SchedulerSide:
@@ -110,10 +111,11 @@ class SchedulerSide:
         usable = min(len(tracked.keys[0]), (tracked.prompt_tokens - 1) // self.block_size)
         if usable <= first:
             return 0, False
+        budget_s = None
         try:
             stop, first_slow, load_s = self._lookup(tracked, usable)
             if self.profile is not None and stop > first:
-                stop = self._worth_loading(tracked, first, stop, load_s)
+                stop, budget_s = self._worth_loading(tracked, first, stop, load_s)
             slow = first_slow < stop
             if stop > first and slow and not self.config.io_ring:
                 # (With io_ring a disk hit is read straight into the KV cache: no host copy to warm.)
@@ -126,7 +128,7 @@ class SchedulerSide:
         # "auto": asynchronous only if the scheduler has another request to run meanwhile.
         others = len(self.requests) > 1
         asynchronous = slow and (self.config.load == "async" or (self.config.load == "auto" and others))
-        self._plans[request.request_id] = _Plan(first, stop, asynchronous)
+        self._plans[request.request_id] = _Plan(first, stop, asynchronous, budget_s)
         return (stop - first) * self.block_size, asynchronous
 
     def _lookup(self, tracked: _Tracked, usable: int) -> tuple[int, int, np.ndarray | None]:
@@ -147,14 +149,16 @@ class SchedulerSide:
                 load_s = times if load_s is None else load_s[:stop] + times[:len(load_s)]
         return stop, min(first_slow, stop), None if load_s is None else load_s[:stop]
 
-    def _worth_loading(self, tracked: _Tracked, first: int, stop: int, load_s: np.ndarray | None) -> int:
-        """The end of the leading matched blocks worth loading rather than computing again."""
+    def _worth_loading(self, tracked: _Tracked, first: int, stop: int,
+                       load_s: np.ndarray | None) -> tuple[int, float]:
+        """The end of the leading matched blocks worth loading rather than computing again, and the
+        load's budget: by then, had vLLM computed them instead, they would be done."""
         choice = best_stop(self.profile, first, stop, self.block_size, tracked.prompt_tokens, load_s)
         if choice.stop < stop:
             log.info("kvd: loading %d of %d hit blocks, computing the rest: about %.3f s to the first token, "
                      "against %.3f s loading them all and %.3f s computing them all", choice.stop - first,
                      stop - first, choice.load_s + choice.compute_s, choice.load_all_s, choice.recompute_s)
-        return choice.stop
+        return choice.stop, choice.recompute_s - choice.compute_s
 
     def _prefetch(self, tracked: _Tracked, first: int, stop: int) -> None:
         for namespace, keys in zip(self.shards, tracked.keys):
@@ -175,6 +179,7 @@ class SchedulerSide:
             first=plan.first,
             block_ids=list(block_ids[plan.first:stop]),
             asynchronous=plan.asynchronous,
+            budget_s=plan.budget_s,
         ))
 
     def load_failed(self, block_ids: set[int]) -> None:

@@ -157,6 +157,7 @@ class LayerStream:
         self.slots = link.arena.slot_indices(first.offsets, namespace.block_bytes)
         self.lease_id = first.lease_id
         self.error: str | None = None
+        self.timed_out = False  # the error is a wait's timeout, not the stream's own failure
         self._closing = False
         self._ended = threading.Event()
         self._thread = threading.Thread(target=self._read, name="kvd-layers", daemon=True)
@@ -195,6 +196,7 @@ class LayerStream:
             landed = self._changed.wait_for(lambda: self.error is not None or self._ready > layer, timeout_s)
             if not landed and self.error is None:
                 self.error = f"layer {layer} did not land within {timeout_s} s"
+                self.timed_out = True
             return self.error is None
 
     def close(self) -> None:

@@ -49,6 +49,7 @@ class _Load:
     order: LoadOrder
     stream: LayerStream | None
     error: str | None = None
+    deadline: float | None = None  # time.monotonic() past which the load is cut (order.budget_s)
 
     @property
     def failed(self) -> bool:
@@ -139,11 +140,27 @@ class WorkerSide:
 
     def _open(self, order: LoadOrder) -> _Load:
         keys = order.keys[self.shard]
+        deadline = None if order.budget_s is None else time.monotonic() + order.budget_s
         try:
             stream = self.link.open_layers(self.namespace, keys, order.first)
         except (grpc.RpcError, Unavailable, OSError) as error:
             return _Load(order, None, f"could not start the load: {error}")
-        return _Load(order, stream)
+        return _Load(order, stream, deadline=deadline)
+
+    def _landed(self, load: _Load, layer: int) -> bool:
+        """Waits for the layer within load_timeout_s and the load's budget; a load past its budget
+        is cut (its blocks are computed: loading them can no longer be sooner)."""
+        timeout = self.config.load_timeout_s
+        budgeted = load.deadline is not None and load.deadline - time.monotonic() < timeout
+        if budgeted:
+            timeout = max(load.deadline - time.monotonic(), 0.0)
+        if load.stream.wait(layer, timeout):
+            return True
+        if budgeted and load.stream.timed_out:
+            load.error = (f"cut: layer {layer} had not landed within the load's budget of "
+                          f"{load.order.budget_s:.3f} s, past which computing the blocks is sooner")
+            self.counters.add(cut_loads=1)
+        return False
 
     def _reserve(self, order: SaveOrder) -> Reservation | None:
         return self.link.reserve(self.namespace, order.keys[self.shard])
@@ -158,7 +175,7 @@ class WorkerSide:
         for load in self._step.loads:
             if load.failed:
                 continue
-            if not load.stream.wait(layer, self.config.load_timeout_s):
+            if not self._landed(load, layer):
                 continue
             matched = min(load.stream.matched, len(load.order.block_ids))
             slots.append(load.stream.slots[:matched])
@@ -277,7 +294,7 @@ class WorkerSide:
         load = self._open(order)
         try:
             if not load.failed:
-                if load.stream.wait(len(self.layout.parts) - 1, self.config.load_timeout_s):
+                if self._landed(load, len(self.layout.parts) - 1):
                     matched = min(load.stream.matched, len(order.block_ids))
                     index = _pair([load.stream.slots[:matched]], [order.block_ids[:matched]])
                     for layer in range(len(self.layout.parts)):
