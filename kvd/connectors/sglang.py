@@ -9,8 +9,12 @@ Selected by SGLang's own dynamic-backend factory:
         "target": "unix:///run/kvd/kvd.sock"}'
 
 Extra-config keys read here: `target` (default $KVD_TARGET, else
-unix:///run/kvd/kvd.sock), `token` (default $KVD_TOKEN) and `namespace` (a
-string mixed into the cache identity, e.g. a model name override).
+unix:///run/kvd/kvd.sock), `token` (default $KVD_TOKEN), `namespace` (a
+string mixed into the cache identity, e.g. a model name override) and
+`prefill_profile` (a prefill profile of the served model, as `make
+prefill-profile` writes for vLLM: batch_exists then reports only the
+leading pages that kvd can bring sooner than SGLang computes them, from
+each page's load time as kvd prices it now; kvd.planner.prefill).
 `interface_v1` makes SGLang call the zero-copy batch_get_v1/batch_set_v1;
 `hicache_storage_pass_prefix_keys` makes it tell us each batch's parent
 (see "Keys" below). This module imports sglang; nothing else in kvd does.
@@ -78,6 +82,7 @@ from kvd.client import Client, Namespace
 from kvd.client.tensors import dtype_of_torch
 from kvd.core.keys import NamespaceSpec
 from kvd.errors import KvdError
+from kvd.planner.prefill import PrefillProfile, best_stop
 
 logger = logging.getLogger(__name__)
 
@@ -164,13 +169,16 @@ class KvdSettings:
     target: str
     token: str | None
     namespace: str
+    profile: PrefillProfile | None = None
 
     @classmethod
     def from_extra_config(cls, extra_config: dict | None) -> KvdSettings:
         extra = extra_config or {}
         target = extra.get("target") or os.environ.get(TARGET_ENV) or DEFAULT_TARGET
         token = extra.get("token") or None  # None: the client reads $KVD_TOKEN
-        return cls(target=str(target), token=token, namespace=str(extra.get("namespace", "")))
+        profile = extra.get("prefill_profile")
+        return cls(target=str(target), token=token, namespace=str(extra.get("namespace", "")),
+                   profile=PrefillProfile.load(profile) if profile else None)
 
 
 def namespace_spec(host_pool: Any, config: HiCacheStorageConfig, settings: KvdSettings) -> NamespaceSpec:
@@ -283,12 +291,24 @@ class KvdHiCacheStorage(HiCacheStorage):
         one Lookup; batch_get_v1 then has the daemon fetch a peer's pages."""
         if not keys:
             return 0
+        profile = self.settings.profile
         try:
-            return self._call(lambda client, ns: client.lookup(ns, kvd_keys(keys), parent_of(extra_info),
-                                                               include_remote=None).matched)
+            found = self._call(lambda client, ns: client.lookup(ns, kvd_keys(keys), parent_of(extra_info),
+                                                                include_remote=None, load_times=profile is not None))
         except KVD_ERRORS as error:
             logger.warning("kvd: exists of %d pages failed, reporting none: %s", len(keys), describe(error))
             return 0
+        if profile is None or not found.matched:
+            return found.matched
+        page = self.mem_pool_host.page_size
+        before = len(extra_info.prefix_keys or []) * page if extra_info is not None else 0
+        choice = best_stop(profile, 0, found.matched, page, before + len(keys) * page, np.asarray(found.load_s),
+                           before_tokens=before)
+        if choice.stop < found.matched:
+            logger.info("kvd: %d of %d stored pages are worth loading; SGLang computes the rest (about %.3f s "
+                        "against %.3f s loading them all)", choice.stop, found.matched,
+                        choice.load_s + choice.compute_s, choice.load_all_s)
+        return choice.stop
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None

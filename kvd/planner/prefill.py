@@ -109,17 +109,19 @@ class LoadChoice:
 
 
 def best_stop(profile: PrefillProfile, first: int, stop: int, block_tokens: int, prompt_tokens: int,
-              load_s: np.ndarray | None) -> LoadChoice:
+              load_s: np.ndarray | None, before_tokens: int = 0) -> LoadChoice:
     """How many of the matched blocks [first, stop) to load. load_s: Lookup's seconds until blocks
     [0, i] are in host memory (NaN: a tier not measured yet, priced as free so that it gets measured);
     None prices every block as a host hit. Each loaded block adds the profile's host copy into the
-    engine. Ties go to the longer load."""
+    engine. before_tokens: tokens the engine holds ahead of block 0 (a Lookup from a parent key);
+    prompt_tokens counts them too. Ties go to the longer load."""
     candidates = np.arange(first, stop + 1)
     ready = np.zeros(stop + 1)  # ready[k]: seconds until blocks [0, k) are in host memory
     if load_s is not None and stop > 0:
         ready[1:] = np.maximum.accumulate(np.nan_to_num(np.asarray(load_s[:stop], dtype=np.float64), nan=0.0))
     loading = ready[candidates] - ready[first] + (candidates - first) * block_tokens * profile.host_load_s_per_token
-    computing = profile.prefill_s(prompt_tokens - candidates * block_tokens, candidates * block_tokens)
+    cached = before_tokens + candidates * block_tokens
+    computing = profile.prefill_s(prompt_tokens - cached, cached)
     total = loading + computing
     best = len(total) - 1 - int(np.argmin(total[::-1]))
     return LoadChoice(int(candidates[best]), float(loading[best]), float(computing[best]), float(total[0]),

@@ -310,7 +310,7 @@ DEFAULTS = {
     "target": None, "namespace": "", "model": "kvd-test-model", "seed": 1, "layout": "layer_first",
     "dtype": "bfloat16", "layers": 4, "heads": 2, "head_dim": 64, "page_size": 16, "pages": 12,
     "split_pages": 5, "device_tokens": 1024, "prefix_keys": True, "try_device_write": False,
-    "delete_page": None, "delete_after_exists": None, "interface_v1": 1,
+    "delete_page": None, "delete_after_exists": None, "interface_v1": 1, "prefill_profile": None,
 }
 
 
@@ -322,7 +322,8 @@ def run_step(step: dict) -> dict:
     args = argparse.Namespace(**{**DEFAULTS, **step})
     publish_server_args(args.page_size)
     extra_config = {"backend_name": "kvd", "module_path": "kvd.connectors.sglang", "class_name": "KvdHiCacheStorage",
-                    "interface_v1": args.interface_v1, "target": args.target, "namespace": args.namespace}
+                    "interface_v1": args.interface_v1, "target": args.target, "namespace": args.namespace,
+                    "prefill_profile": args.prefill_profile}
     started = time.monotonic()
     result = run_write(args, extra_config) if step["op"] == "write" else run_read(args, extra_config)
     result["seconds"] = round(time.monotonic() - started, 3)

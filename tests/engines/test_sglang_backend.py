@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from kvd.client import Client
+from kvd.planner.prefill import FORMAT
 from kvd.testing.daemon import run_daemon
 from kvd.testing.etcd import EtcdServer
 from tests.cluster.test_daemon_cluster import cluster_config, wait_metric
@@ -105,9 +107,33 @@ def scenario(tmp_path_factory):
         after = harness([{"op": "read", **a, "target": disk_daemon.unix_target},
                          {"op": "read", **c, "target": memory_daemon.unix_target}])
         results["restart_disk"], results["restart_memory"] = after
+        # a's pages were just read from the drive, so kvd knows its rate; their only copies go back to it.
+        with Client(disk_daemon.unix_target) as client:
+            assert client.demote().blocks_demoted >= results["restart_disk"]["hit_tokens"] // PAGE_TOKENS
+        a = {**a, "target": disk_daemon.unix_target}
+        results["rule_fast"], results["rule_slow"] = harness([
+            {"op": "read", **a, "prefill_profile": profile(base / "fast.json", per_token_s=1e-12)},
+            {"op": "read", **a, "prefill_profile": profile(base / "slow.json", per_token_s=1.0)}])
     results["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps({name: value for name, value in results.items() if name != "seconds"}, indent=1))
     return results
+
+
+def profile(path: Path, per_token_s: float) -> str:
+    new = [1, 4096]
+    path.write_text(json.dumps({"format": FORMAT, "new_tokens": new, "prefixes": [0],
+                                "seconds": [[1e-9 + n * per_token_s] for n in new]}))
+    return str(path)
+
+
+def test_with_a_prefill_profile_only_pages_that_load_sooner_than_sglang_computes_them_are_reported(scenario):
+    """SGLang computing a page far faster than kvd's drive serves it: batch_exists reports none of a's
+    disk pages (the 9 before the one deleted earlier), and nothing is loaded; far slower: all of them,
+    loaded bit-exact."""
+    assert scenario["rule_fast"]["hit_tokens"] == 0
+    slow, stored = scenario["rule_slow"], scenario["restart_disk"]["hit_tokens"]
+    assert stored == 9 * PAGE_TOKENS
+    assert slow["hit_tokens"] == slow["loaded_tokens"] == stored and slow["bit_exact"]
 
 
 def test_write_back_through_the_controller_stores_every_page(scenario):

@@ -84,3 +84,13 @@ def test_unmeasured_tiers_count_as_free_so_they_get_measured_and_blocks_vllm_has
 def test_the_host_copy_alone_can_make_recompute_the_better_choice():
     assert best_stop(profile(host_load_s_per_token=0.01), 0, 4, BLOCK, 100, None).stop == 0
     assert best_stop(profile(host_load_s_per_token=1e-5), 0, 4, BLOCK, 100, None).stop == 4
+
+
+def test_blocks_looked_up_from_a_parent_are_priced_after_the_tokens_before_them():
+    """A Lookup from a parent key (SGLang's pages after those it holds): the prefill saved by a block
+    is priced with the tokens before it cached; here, with 1024 of them, each computed token costs
+    1.5 ms, not 1 ms, so a load of 1.2 ms per token pays only there."""
+    p = profile()
+    load_s = np.cumsum(np.full(4, 1.2e-3 * BLOCK))
+    assert best_stop(p, 0, 4, BLOCK, 5 * BLOCK, load_s).stop == 0  # a block of new tokens after the hit
+    assert best_stop(p, 0, 4, BLOCK, 1024 + 5 * BLOCK, load_s, before_tokens=1024).stop == 4
