@@ -69,6 +69,7 @@ class ScheduledExecutor:
         self._condition = threading.Condition()
         self._closed = False
         self._reading = False  # the I/O thread is inside a read job (a write may run in its slack)
+        self._read_running = 0  # bytes of the read job the I/O thread runs now (0: none)
         # Called on the I/O thread if its loop itself fails (a bug: a job's own exception goes to
         # its caller); the thread has then failed every queued job and stopped.
         self.on_crash: Callable[[BaseException], None] | None = None
@@ -97,9 +98,10 @@ class ScheduledExecutor:
             return self.schedule.promote(lambda job: job.payload.future is future, io_class)
 
     def queued_read_bytes(self) -> int:
-        """Bytes of restores and prefetches queued and not yet started: what a new read waits behind."""
+        """Bytes of restores and prefetches queued, and of the one running (all of it: how far it got
+        is not known here): what a new read waits behind."""
         with self._condition:
-            return sum(self.schedule.queued_bytes(io_class) for io_class in READS)
+            return self._read_running + sum(self.schedule.queued_bytes(io_class) for io_class in READS)
 
     def queued(self) -> dict[str, int]:
         with self._condition:
@@ -192,12 +194,16 @@ class ScheduledExecutor:
         result = None
         outer = self._reading
         self._reading = outer or job.io_class in READS
+        if job.io_class in READS:
+            self._read_running = job.nbytes
         try:
             result = work.function(*work.args)
         except BaseException as caught:  # handed to the awaiting caller
             error = caught
         finally:
             self._reading = outer
+            if job.io_class in READS:
+                self._read_running = 0
         finished = self._clock()
         with self._condition:
             self.schedule.job_done(job.io_class, finished - started)

@@ -141,6 +141,27 @@ def test_the_executor_runs_jobs_in_schedule_order_on_one_thread():
         executor.submit(R, job, "late")
 
 
+def test_a_new_read_is_priced_behind_the_read_running_and_those_queued():
+    """queued_read_bytes (what Lookup(load_times) puts ahead of a disk hit): the running restore
+    counts whole until it ends, queued reads count, writes do not."""
+    executor = ScheduledExecutor(IoSchedule("slack"))
+    gate, running = threading.Event(), threading.Event()
+
+    def held() -> None:
+        running.set()
+        gate.wait(10)
+
+    first = executor.submit(R, held, nbytes=3 << 20)
+    assert running.wait(10)
+    queued = [executor.submit(P, lambda: None, nbytes=1 << 20), executor.submit(W, lambda: None, nbytes=8 << 20)]
+    assert executor.queued_read_bytes() == 4 << 20
+    gate.set()
+    for future in (first, *queued):
+        future.result(10)
+    assert executor.queued_read_bytes() == 0
+    executor.shutdown()
+
+
 def test_a_write_waits_briefly_after_a_read_for_another_read():
     """Anticipation: within anticipation_s of a read's end a write is held
     back (unless the backlog is full); after that, or with a read queued
