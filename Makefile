@@ -18,7 +18,7 @@ endif
 # tests/deploy also run kubectl (kustomize; not in Debian's repositories:
 # the build machines' image has it, any kubectl >= 1.27 will do) and
 # systemd-analyze (Debian: systemd), both already on the build machines.
-APT_PACKAGES ?= liburing-dev libisal-dev etcd-server etcd-client
+APT_PACKAGES ?= liburing-dev libisal-dev etcd-server etcd-client mount e2fsprogs
 BENCH_APT_PACKAGES := redis-server fio
 NATIVE_SOURCES := setup.py $(wildcard native/*.c native/*.h native/gpu/*.h)
 PYTEST_ARGS ?=
