@@ -35,7 +35,6 @@ import numpy as np
 
 from kvd.client import Client, Namespace
 from kvd.connectors.vllm.config import ConnectorConfig
-from kvd.connectors.vllm.events import EventFeed
 from kvd.connectors.vllm.logs import log
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, KvdHandshake, LoadOrder, SaveOrder
 from kvd.connectors.vllm.placement import SavePlanner
@@ -77,7 +76,7 @@ class SchedulerSide:
         self.requests: dict[str, _Tracked] = {}
         self._plans: dict[str, _Plan] = {}
         self._loads: list[LoadOrder] = []
-        self.events: EventFeed | None = None
+        self.events = None  # an EventFeed (kvd.connectors.vllm.events) with publish_events
         self.placement = SavePlanner(self.client, config.placement) if config.placement is not None else None
         self.profile = PrefillProfile.load(config.prefill_profile) if config.prefill_profile else None
 
@@ -91,6 +90,8 @@ class SchedulerSide:
                 log.warning("kvd: cannot register the namespace yet (%s); requests miss until kvd answers",
                             error.code().name)
         if self.publish_events:
+            from kvd.connectors.vllm.events import EventFeed  # imports vLLM's event types
+
             self.events = EventFeed(self.client, self.shards[0])
 
     # ---- per request

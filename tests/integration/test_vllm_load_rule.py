@@ -1,0 +1,81 @@
+"""Load or recompute (issue 38 item 1) in the vLLM connector's scheduler side, against a real daemon
+with a disk tier on real files: with a prefill profile the hit is priced from the daemon's
+Lookup(load_times) and only the blocks that load sooner than vLLM computes them are offered (and
+only those prefetched); without one, every matched block is. The scheduler side is the one vLLM
+builds, asked as vLLM asks it; vLLM itself is not needed for that."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+
+from kvd.client import Client
+from kvd.connectors.vllm.config import ConnectorConfig
+from kvd.connectors.vllm.logs import LOGGER_NAME
+from kvd.connectors.vllm.metadata import KvdHandshake
+from kvd.connectors.vllm.scheduler import SchedulerSide
+from kvd.core.keys import DType, NamespaceSpec, chain_keys
+from kvd.planner.prefill import FORMAT
+from kvd.testing.daemon import run_daemon
+from kvd.v1 import kvd_pb2
+
+SPEC = NamespaceSpec(model_id="load-rule-model", num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=16,
+                     kv_dtype=DType.FLOAT32)
+BLOCKS = 8
+PROMPT = np.arange(BLOCKS * SPEC.block_tokens + 5) + 1000  # 8 full blocks and a partial one
+
+
+def config(tmp_path) -> dict:
+    return {"host": {"capacity_bytes": 16 << 20, "slot_bytes": 64 << 10},
+            "disk": {"directories": [str(tmp_path / "nvme0")], "capacity_bytes": 64 << 20,
+                     "segment_bytes": 8 << 20, "slot_bytes": 64 << 10, "write_mode": "through"}}
+
+
+def profile(path, per_token_s: float) -> str:
+    """Prefill at per_token_s a token (and a millisecond more per step), whatever the prefix."""
+    new = [1, 64, 4096]
+    path.write_text(json.dumps({"format": FORMAT, "model": "load-rule-model", "engine": "test", "new_tokens": new,
+                                "prefixes": [0], "seconds": [[1e-3 + n * per_token_s] for n in new]}))
+    return str(path)
+
+
+def ask(target: str, extra: dict) -> tuple[int, bool]:
+    """get_num_new_matched_tokens of a new request with nothing computed, as vLLM asks it."""
+    side = SchedulerSide(ConnectorConfig.from_extra({"target": target, **extra}), SPEC.block_tokens)
+    try:
+        side.set_shards({(0, 0): KvdHandshake(spec=SPEC)})
+        request = SimpleNamespace(request_id="r0", prompt_token_ids=PROMPT.tolist(), lora_request=None,
+                                  cache_salt=None, mm_features=None)
+        return side.matched_tokens(request, 0)
+    finally:
+        side.close()
+
+
+def test_only_the_blocks_that_load_sooner_than_vllm_computes_them_are_offered(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    with run_daemon(tmp_path / "kvd", config=config(tmp_path)) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(SPEC)
+        keys = chain_keys(SPEC, PROMPT[:BLOCKS * SPEC.block_tokens])
+        data = np.random.default_rng(5).standard_normal((BLOCKS, *SPEC.block_shape), dtype=np.float32)
+        assert client.put(namespace, keys, data, durable=True) == BLOCKS
+        assert client.demote().blocks_demoted >= BLOCKS
+        assert len(client.get_numpy(namespace, keys[:3])) == 3  # read from disk: the drives' rate is known
+        looked = client.lookup(namespace, keys, load_times=True)
+        assert list(looked.tiers) == [kvd_pb2.TIER_HOST] * 3 + [kvd_pb2.TIER_DISK] * 5
+        disk_block_s = looked.load_s[-1] / 5
+        block = SPEC.block_tokens
+        # Computing a block's 16 tokens takes far less than reading it: only the host blocks are worth
+        # loading, a synchronous load; vLLM computes the disk ones, and they are not prefetched.
+        assert ask(daemon.unix_target, {"prefill_profile": profile(tmp_path / "fast.json", disk_block_s / 1000)}) \
+            == (3 * block, False)
+        assert "loading 3 of 8 hit blocks, computing the rest" in caplog.text  # and it says so
+        assert daemon.metric_samples("kvd_prefetch_blocks_total").get('kvd_prefetch_blocks_total{result="queued"}',
+                                                                      0) == 0
+        # Far longer: load all 8 (and prefetch the disk ones); without a profile, the same.
+        assert ask(daemon.unix_target, {"prefill_profile": profile(tmp_path / "slow.json", 1000 * disk_block_s)}) \
+            == (BLOCKS * block, False)
+        assert daemon.metric_samples("kvd_prefetch_blocks_total")['kvd_prefetch_blocks_total{result="queued"}'] == 5
+        assert ask(daemon.unix_target, {})[0] == BLOCKS * block
