@@ -89,7 +89,10 @@ class Flood:
         rng = np.random.default_rng(seed)
         with Client(self.target) as client:
             while not self.stop_event.is_set():
-                client.get_numpy(self.namespace, self.chains[rng.integers(len(self.chains))])
+                self.restore_one(client, rng)
+
+    def restore_one(self, client: Client, rng: np.random.Generator) -> None:
+        client.get_numpy(self.namespace, self.chains[rng.integers(len(self.chains))])
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -102,7 +105,7 @@ def settle(client: Client, flood: Flood, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     rng = np.random.default_rng(99)
     while time.monotonic() < deadline:
-        client.get_numpy(flood.namespace, flood.chains[rng.integers(len(flood.chains))])
+        flood.restore_one(client, rng)
 
 
 def run_config(args, work: Path, model: Path, drive, daemon, flood: Flood, name: str,

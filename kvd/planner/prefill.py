@@ -71,12 +71,14 @@ class PrefillProfile:
         new = np.asarray(new, dtype=np.float64)
         prefix = np.clip(np.asarray(prefix, dtype=np.float64), self.prefixes[0], self.prefixes[-1])
         columns = np.stack([_extend(new, self.new_tokens, self.seconds[:, j]) for j in range(len(self.prefixes))])
+        if len(self.prefixes) == 1:
+            return columns[0]
         right = np.clip(np.searchsorted(self.prefixes, prefix, side="right"), 1, len(self.prefixes) - 1)
         left = right - 1
-        span = self.prefixes[right] - self.prefixes[left]
-        weight = np.where(span > 0, (prefix - self.prefixes[left]) / np.where(span > 0, span, 1), 0.0)
+        # prefix lies in [prefixes[left], prefixes[right]] (clipped above), and prefixes increase strictly
+        weight = (prefix - self.prefixes[left]) / (self.prefixes[right] - self.prefixes[left])
         index = np.arange(len(new))
-        return columns[left, index] * (1 - weight) + columns[right, index] * np.clip(weight, 0, 1)
+        return columns[left, index] * (1 - weight) + columns[right, index] * weight
 
 
 def _grid_problem(new: np.ndarray, prefixes: np.ndarray, seconds: np.ndarray, per_token: float) -> str:

@@ -145,8 +145,8 @@ class SchedulerSide:
             result = registering(self.client, namespace, lambda: self.client.lookup(
                 namespace, keys[:usable], include_remote=None, load_times=timed))
             stop = min(stop, result.matched)
-            slow = [index for index, tier in enumerate(result.tiers[:stop]) if tier != kvd_pb2.TIER_HOST]
-            first_slow = min([first_slow, *slow[:1]])
+            first_slow = min(first_slow, next((index for index, tier in enumerate(result.tiers[:stop])
+                                               if tier != kvd_pb2.TIER_HOST), stop))
             if timed:
                 times = np.asarray(result.load_s[:stop], dtype=np.float64)
                 load_s = times if load_s is None else load_s[:stop] + times[:len(load_s)]

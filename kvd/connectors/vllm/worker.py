@@ -150,11 +150,9 @@ class WorkerSide:
     def _landed(self, load: _Load, layer: int) -> bool:
         """Waits for the layer within load_timeout_s and the load's budget; a load past its budget
         is cut (its blocks are computed: loading them can no longer be sooner)."""
-        timeout = self.config.load_timeout_s
-        budgeted = load.deadline is not None and load.deadline - time.monotonic() < timeout
-        if budgeted:
-            timeout = max(load.deadline - time.monotonic(), 0.0)
-        if load.stream.wait(layer, timeout):
+        remaining = None if load.deadline is None else max(load.deadline - time.monotonic(), 0.0)
+        budgeted = remaining is not None and remaining < self.config.load_timeout_s
+        if load.stream.wait(layer, remaining if budgeted else self.config.load_timeout_s):
             return True
         if budgeted and load.stream.timed_out:
             load.error = (f"cut: layer {layer} had not landed within the load's budget of "
