@@ -35,7 +35,7 @@ def _config():
     )
 
 
-def _tokenizer(directory: Path) -> None:
+def write_tokenizer(directory: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -65,7 +65,7 @@ def build(directory: str | Path, seed: int = 0) -> Path:
     model = LlamaForCausalLM(_config())
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
-    _tokenizer(directory)
+    write_tokenizer(directory)
     return directory
 
 

@@ -125,7 +125,8 @@ class VllmRun:
 
     def __init__(self, python: Path, model: Path, work: Path, batch: list[list[int]], *, target: str = "",
                  hooks: str = "", env: dict[str, str] | None = None, transfer: str = "client",
-                 placement: dict | None = None, compiled: bool = False, io_ring: bool = False) -> None:
+                 placement: dict | None = None, compiled: bool = False, io_ring: bool = False,
+                 reset: bool = False) -> None:
         work.mkdir(parents=True, exist_ok=True)
         prompt_file, self.out, self.log = work / "prompts.json", work / "out.json", work / "vllm.log"
         prompt_file.write_text(json.dumps(batch))
@@ -141,6 +142,8 @@ class VllmRun:
             command += ["--compile"]
         if io_ring:
             command += ["--io-ring"]
+        if reset:
+            command += ["--reset"]
         with open(self.log, "wb") as sink:
             self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                             env={**os.environ, **(env or {})})

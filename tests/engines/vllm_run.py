@@ -9,7 +9,7 @@ P.json is a list of token-id lists, served one after another (greedy, with
 the chosen tokens' logprobs). With --kvd the engine runs kvd's connector;
 --hooks loads it through tests/engines/vllm_hooks.py, which does something
 to the blocks between the scheduler's Lookup and the worker's load (one
-hook per prompt; vLLM's own prefix cache is reset before each). --compile
+hook per prompt; vLLM's own prefix cache is reset before each, as with --reset). --compile
 runs without enforce_eager (vLLM compiles the model with torch.compile). The
 output has, per prompt, the tokens, logprobs and vLLM's own count of prompt
 tokens it did not compute (num_cached_tokens), the connector's counters, and
@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--hooks", default="", help="comma-separated, one per prompt (see vllm_hooks.py)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--compile", action="store_true", help="without enforce_eager")
+    parser.add_argument("--reset", action="store_true", help="reset vLLM's own prefix cache before each prompt")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from vllm import SamplingParams
@@ -77,6 +78,7 @@ def main() -> None:
             import vllm_hooks
 
             vllm_hooks.NEXT = hook
+        if args.hooks or args.reset:
             llm.reset_prefix_cache()  # so the prompt is served by kvd, not vLLM's own cache
         output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         completion = output.outputs[0]

@@ -1,0 +1,64 @@
+"""A hybrid-attention model (interleaved sliding-window and full attention) through kvd, in a real vLLM.
+
+The model is a tiny Gemma-3 (kvd.testing.tiny_gemma3): three local layers
+with a 256-token window and one global layer, seeded random weights. The
+prompts share a 1,100-token prefix, longer than the window, so the local
+layers attend to part of it only. One vLLM serves prompt A, storing the
+prefix through kvd, then (its own prefix cache reset) prompt B, which must
+load the prefix from kvd and answer exactly as vLLM alone.
+
+The connector does not declare vLLM's SupportsHMA, so vLLM serves the model
+with its hybrid KV cache manager off: every layer, local or global, keeps
+its KV for the whole prompt, and kvd stores and loads all of it. vLLM logs
+that it sees a hybrid model and has turned the manager off; the test checks
+both lines, so it fails if the model stops being hybrid in vLLM's eyes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvd.testing import tiny_gemma3, tiny_llama
+from tests.engines.test_vllm_connector import BLOCK, LOGPROB_TOLERANCE, Kvd, VllmRun, same_answer
+
+pytestmark = pytest.mark.slow
+
+PREFIX_TOKENS = 1100  # 8 full blocks shared by A and B, past the 256-token window
+HYBRID_SEEN = "Hybrid KV cache manager is disabled for this hybrid model"
+
+
+def prompts() -> dict[str, list[int]]:
+    rng = np.random.default_rng(23)
+    prefix = rng.integers(4, tiny_llama.VOCAB, PREFIX_TOKENS).tolist()
+    return {"A": prefix + rng.integers(4, tiny_llama.VOCAB, 60).tolist(),
+            "B": prefix + rng.integers(4, tiny_llama.VOCAB, 70).tolist()}
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return tiny_gemma3.build(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    kvd = Kvd(tmp_path / "kvd")
+    yield kvd
+    kvd.stop()
+
+
+def test_a_sliding_window_model_loads_its_prefix_from_kvd_and_answers_exactly(engine_python, gemma3, daemon, tmp_path):
+    assert tiny_gemma3.WINDOW < PREFIX_TOKENS and "sliding_attention" in tiny_gemma3.layer_types()
+    reference = VllmRun(engine_python, gemma3, tmp_path / "alone", [prompts()["B"]])  # runs beside the other
+    served = VllmRun(engine_python, gemma3, tmp_path / "kvd", [prompts()["A"], prompts()["B"]], target=daemon.target,
+                     reset=True).report()
+    log = (tmp_path / "kvd" / "vllm.log").read_text(errors="replace")
+    assert HYBRID_SEEN in log and "Turning off hybrid kv cache manager" in log
+
+    result, totals = served["results"][1], served["connector"]["totals"]
+    assert same_answer(result, reference.report()["results"][0]) <= LOGPROB_TOLERANCE
+    shared = PREFIX_TOKENS // BLOCK
+    assert result["cached_tokens"] == shared * BLOCK  # vLLM did not compute the prefix: kvd loaded it
+    assert totals["loaded_blocks"] == shared and totals["load_errors"] == 0
+    # A's full blocks, then B's one new block.
+    assert totals["saved_blocks"] == len(prompts()["A"]) // BLOCK + len(prompts()["B"]) // BLOCK - shared
