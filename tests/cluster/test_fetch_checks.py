@@ -10,8 +10,10 @@ from types import SimpleNamespace
 import crc32c
 import grpc
 import numpy as np
+import pytest
 
 from kvd.clock import ManualClock
+from kvd.core.block import NO_SLOT
 from kvd.core.engine import Engine, KeysRequest, ReserveStatus
 from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.cluster.peer_blocks import PeerBlocks
@@ -142,6 +144,90 @@ def test_a_fetch_continues_a_local_prefix():
     assert peer.requests[-1].first == 2 and len(peer.requests[-1].packed_keys) == 6 * 32
     assert len(engine.lookup(namespace_id, keys)) == 6
     assert sorted(arena.writes.values()) == sorted(data)
+
+
+class Paused(Peer):
+    """ReadBlocks that stops after its first message until told to go on."""
+
+    def __init__(self, messages) -> None:
+        super().__init__(messages)
+        self.paused, self.resume = asyncio.Event(), asyncio.Event()
+
+    def ReadBlocks(self, request, timeout, metadata):
+        self.requests.append(request)
+
+        async def stream():
+            first, *rest = self.messages
+            yield first
+            self.paused.set()
+            await self.resume.wait()
+            for later in rest:
+                yield later
+        return stream()
+
+
+def test_a_stream_fetch_whose_lease_expires_mid_stream_writes_into_no_freed_slot_and_seals_nothing():
+    """Before: the stream wrote into its reserved slots without holding their lease, so the sweeper
+    could end it mid-stream and hand its slots to another block while the stream still wrote there
+    (and the seal then failed on the ended lease). Now the fill holds the lease: the slots stay
+    reserved until the stream is over, then nothing is sealed: misses, never another block's bytes."""
+    data = payloads(4)
+    keys = chain_keys(SPEC, list(range(4)))
+
+    async def scenario():
+        peer = Paused([message(0, data[:2]), message(2, data[2:])])
+        plane, engine, namespace_id, arena = setup(peer)
+        clock = ManualClock()
+        plane.now_ms = clock.now_ms
+        fetching = asyncio.ensure_future(plane._fetch("peer", namespace_id, keys, 0, 4))
+        await peer.paused.wait()
+        [lease] = list(engine.leases)
+        fetch_slots = {engine.host_slot(handle.block) for handle in lease.handles}
+        clock.advance(lease.deadline_ms + 1)
+        assert engine.expire(clock.now_ms()) == 1  # the sweeper: ended for every client
+        # Another writer now wants every free slot: it must not get those the stream writes into.
+        others = chain_keys(SPEC, list(range(100, 164)))
+        other = engine.reserve(KeysRequest(namespace_id, "other", others, 60_000, clock.now_ms()))
+        taken = [slot for slot in other.slots if slot != NO_SLOT]
+        assert not fetch_slots & set(taken)
+        arena.writes.clear()
+        peer.resume.set()
+        assert await fetching == 0
+        assert not set(arena.writes) & set(engine.host.pool.offsets_of(taken))
+        assert lease.ended and engine.lookup(namespace_id, keys) == [] and plane.failed_fetches["peer"] == 1
+        engine.release("other", [other.lease.lease_id])
+        assert engine.host.pool.free_count == 64
+        engine.verify()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("ends", ["drain", "deadline with no sweep"])
+def test_a_stream_fetch_whose_lease_ends_otherwise_mid_stream_seals_nothing_and_raises_nothing(ends):
+    """The drain closes every lease; a deadline may also pass with no sweep before the seal. Either
+    way the Get that fetched goes on with misses (before: NOT_FOUND for a lease it never named)."""
+    data = payloads(3)
+    keys = chain_keys(SPEC, list(range(3)))
+
+    async def scenario():
+        peer = Paused([message(0, data[:1]), message(1, data[1:])])
+        plane, engine, namespace_id, _ = setup(peer)
+        clock = ManualClock()
+        plane.now_ms = clock.now_ms
+        fetching = asyncio.ensure_future(plane._fetch("peer", namespace_id, keys, 0, 3))
+        await peer.paused.wait()
+        [lease] = list(engine.leases)
+        if ends == "drain":
+            assert engine.close_all_leases() == 1
+        else:
+            clock.advance(lease.deadline_ms + 1)
+        peer.resume.set()
+        assert await fetching == 0
+        assert lease.ended and engine.lookup(namespace_id, keys) == [] and not engine.leases
+        assert engine.host.pool.free_count == 64
+        engine.verify()
+
+    asyncio.run(scenario())
 
 
 # -- the NIXL path: offsets from PinBlocks, a one-sided READ, checksums from ReleasePins ------------
