@@ -261,12 +261,12 @@ class ClusterFetch:
         fill = Fill(self.engine, result.lease)
         try:
             read, running, computed = await self._read_in_pieces(peer, pin, local, remote, spec)
-        except BaseException:
+            read_at = time.perf_counter()
+            # Released only now: pins that were still held at the release were held for the whole READ.
+            expected = await self.peers.release(peer, pin.lease_id)
+        except BaseException:  # cancelled, or a bug: a READ may still be landing
             fill.let_lapse()
             raise
-        read_at = time.perf_counter()
-        # Released only now: pins that were still held at the release were held for the whole READ.
-        expected = await self.peers.release(peer, pin.lease_id)
         released_at = time.perf_counter()
         if running is not None:
             self._keep_reserved_until(running, fill)

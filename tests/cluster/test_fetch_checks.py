@@ -316,6 +316,38 @@ def test_a_nixl_read_keeps_only_the_prefix_its_checksums_vouch_for():
     engine.verify()
 
 
+def test_a_nixl_fetch_cancelled_while_it_releases_the_pins_leaves_its_slots_to_their_deadline():
+    """The READ is over but the fetch is cancelled during ReleasePins: its fill stops holding the
+    lease (before: held for good, so the lease could never end and its slots stayed reserved)."""
+    holder = Holder(payloads(3))
+    plane, engine, namespace_id, _ = nixl_setup(holder)
+    keys = chain_keys(SPEC, list(range(3)))
+    answer = holder.ReleasePins
+
+    async def scenario():
+        releasing = asyncio.Event()
+
+        async def first_release_stalls(request, timeout, metadata):
+            if not releasing.is_set():
+                releasing.set()
+                await asyncio.Event().wait()
+            return await answer(request, timeout, metadata)
+        holder.ReleasePins = first_release_stalls
+        fetching = asyncio.ensure_future(plane._fetch_nixl("peer", namespace_id, keys, 0, 3))
+        await releasing.wait()
+        [lease] = list(engine.leases)
+        fetching.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await fetching
+        assert holder.released == [9]  # the release on the way out, after the cancelled one
+        assert lease.holds == 0 and engine.host.pool.free_count == 64 - 3
+        assert engine.expire(lease.deadline_ms) == 1 and lease.ended
+        assert engine.host.pool.free_count == 64
+        engine.verify()
+
+    asyncio.run(scenario())
+
+
 class Pieces(Copying):
     """transport.read that notes how many blocks each READ moves."""
 
