@@ -15,11 +15,14 @@ fetch lease, and brings them from the longest holder under
   are checked (position, size and every layer's CRC-32C, one native call
   per message) before they are written to their slots.
 
-The verified prefix is sealed (these are ordinary local blocks from then
-on, published to the directory like any other) and the rest of the
-reservation is aborted (Engine.seal_prefix). A peer that dies, is cut off
-or sends a wrong byte turns the rest of the fetch into misses, never into
-wrong data. The Get then goes on as usual.
+While bytes may land in the reserved slots, their lease is held
+(kvd.core.lease_use.Fill): it cannot end, nor its slots be freed and given
+to another block, under them. Then the verified prefix is sealed (these
+are ordinary local blocks from then on, published to the directory like
+any other) and the rest of the reservation is aborted; a lease that ended
+meanwhile (its deadline, the drain) keeps nothing. A peer that dies, is
+cut off or sends a wrong byte turns the rest of the fetch into misses,
+never into wrong data. The Get then goes on as usual.
 
 The plane works with plain values: the calls to peers are
 kvd.cluster.peer_blocks's, and `Peers` below says what it asks of them.
@@ -39,6 +42,7 @@ import numpy as np
 
 from kvd.core.engine import Engine, KeysRequest, ReserveResult, ReserveStatus
 from kvd.core.keys import NamespaceSpec
+from kvd.core.lease_use import Fill, FillPhase
 from kvd.errors import KvdError, PeerCallFailed
 from kvd.io.checksum import crc32c_chunks, crc32c_of_buffers
 from kvd.planner.load_time import RateMeter
@@ -156,10 +160,10 @@ class ClusterFetch:
         positions = [i for i, status in enumerate(result.statuses) if status == ReserveStatus.RESERVED]
         return positions, self.engine.host.pool.offsets_of([result.slots[i] for i in positions])
 
-    def _seal(self, peer: str, result: ReserveResult, verified: int, transport: str) -> int:
+    def _seal(self, peer: str, fill: Fill, verified: int, transport: str) -> int:
         """Seal the first `verified` reserved blocks and give the rest back: a cut-short fetch leaves
-        misses, not holes."""
-        sealed = self.engine.seal_prefix(result.lease, verified, self.now_ms())
+        misses, not holes; one whose lease ended meanwhile, only misses (Fill.landed)."""
+        sealed = fill.landed(verified, self.now_ms())
         self.fetched_blocks[peer, transport] += sealed
         return sealed
 
@@ -172,14 +176,24 @@ class ClusterFetch:
         if result is None:
             return 0
         started = time.perf_counter()
-        verified = await self._receive(peer, namespace_id, keys, first, result)
+        # Held while the stream's blocks are written into the slots: their lease cannot end and free them.
+        fill = Fill(self.engine, result.lease)
+        try:
+            verified, cut_short = await self._receive(peer, namespace_id, keys, first, result)
+        except BaseException:
+            fill.let_lapse()
+            raise
         self._timed("grpc", stream=time.perf_counter() - started)
         self.moved_bytes["grpc"] += verified * self.engine.namespace(namespace_id).spec.block_bytes
-        return self._seal(peer, result, verified, "grpc")
+        sealed = self._seal(peer, fill, verified, "grpc")
+        if fill.phase is FillPhase.LAPSED and not cut_short:
+            self._cut_short(peer, verified, LeaseLapsed("the reservation's lease ended while its blocks arrived"))
+        return sealed
 
     async def _receive(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int,
-                       result: ReserveResult) -> int:
-        """Stream the blocks into their reserved slots; returns how many reserved ones are verified, in order."""
+                       result: ReserveResult) -> tuple[int, bool]:
+        """Stream the blocks into their reserved slots: (how many reserved ones are verified, in order,
+        whether the stream was cut short)."""
         spec = self.engine.namespace(namespace_id).spec
         end = first + len(result.statuses)
         positions, offsets = self._reserved_slots(result)
@@ -201,7 +215,8 @@ class ClusterFetch:
                         raise ValueError(f"block {position} failed its size or per-layer CRC-32C check")
         except (PeerCallFailed, TimeoutError, ValueError) as error:
             self._cut_short(peer, position - first, error)
-        return verified
+            return verified, True
+        return verified, False
 
     def _cut_short(self, peer: str, fetched: int, error: BaseException) -> None:
         self.failed_fetches[peer] += 1
@@ -243,34 +258,28 @@ class ClusterFetch:
         remote = np.array([pin.arena_address + pin.offsets[i] for i in positions], dtype=np.uint64)
         started = time.perf_counter()
         # Held while the READ may write into the slots: their lease cannot end (expire) and free them.
-        self.engine.leases.hold(result.lease)
+        fill = Fill(self.engine, result.lease)
         try:
             read, running, computed = await self._read_in_pieces(peer, pin, local, remote, spec)
-        except BaseException:
-            self.engine.leases.unhold(result.lease)
+            read_at = time.perf_counter()
+            # Released only now: pins that were still held at the release were held for the whole READ.
+            expected = await self.peers.release(peer, pin.lease_id)
+        except BaseException:  # cancelled, or a bug: a READ may still be landing
+            fill.let_lapse()
             raise
-        read_at = time.perf_counter()
-        # Released only now: pins that were still held at the release were held for the whole READ.
-        expected = await self.peers.release(peer, pin.lease_id)
         released_at = time.perf_counter()
         if running is not None:
-            self._keep_reserved_until(running, peer, result)
+            self._keep_reserved_until(running, fill)
             self.failed_fetches[peer] += 1
             return 0, read
-        self.engine.leases.unhold(result.lease)
-        if result.lease.ended:  # expired during the READ: its slots are free again, nothing to seal
-            self.failed_fetches[peer] += 1
-            return 0, read
-        verified = 0
-        if not read:
-            self.failed_fetches[peer] += 1
-        elif expected is None or len(expected) != len(pin.offsets) * spec.num_layers:
-            log.warning("NIXL read not verified: the holder's pins were gone", extra={"peer": peer})
-        else:
-            expected = np.array(expected, dtype=np.uint32).reshape(len(pin.offsets), spec.num_layers)[positions]
-            verified = _verified_prefix(peer, first, computed, expected)
+        verified = 0 if fill.lapsed or not read else self._vouched_for(peer, first, pin, positions, computed,
+                                                                       expected, spec)
         verified_at = time.perf_counter()
-        sealed = self._seal(peer, result, verified, "nixl")
+        sealed = self._seal(peer, fill, verified, "nixl")
+        if fill.phase is FillPhase.LAPSED or not read:  # lapsed: expired during the READ, its slots free again
+            self.failed_fetches[peer] += 1
+        if fill.phase is FillPhase.LAPSED:
+            return 0, read
         sealed_at = time.perf_counter()
         self._timed("nixl", read=read_at - started, release=released_at - read_at, verify=verified_at - released_at,
                     seal=sealed_at - verified_at)
@@ -279,6 +288,16 @@ class ClusterFetch:
                                        "release_ms": _ms(read_at, released_at), "verify_ms": _ms(released_at, verified_at),
                                        "seal_ms": _ms(verified_at, sealed_at)})
         return sealed, read
+
+    @staticmethod
+    def _vouched_for(peer: str, first: int, pin: PinnedBlocks, positions: list[int], computed: np.ndarray,
+                     expected: list[int] | None, spec: NamespaceSpec) -> int:
+        """How many READ blocks, in order, the checksums the release handed over vouch for."""
+        if expected is None or len(expected) != len(pin.offsets) * spec.num_layers:
+            log.warning("NIXL read not verified: the holder's pins were gone", extra={"peer": peer})
+            return 0
+        expected = np.array(expected, dtype=np.uint32).reshape(len(pin.offsets), spec.num_layers)[positions]
+        return _verified_prefix(peer, first, computed, expected)
 
     async def _read_in_pieces(self, peer: str, pin: PinnedBlocks, local: np.ndarray, remote: np.ndarray,
                               spec: NamespaceSpec) -> tuple[bool, asyncio.Future | None, np.ndarray]:
@@ -307,20 +326,20 @@ class ClusterFetch:
         rows = np.concatenate(computed) if computed else np.zeros((0, spec.num_layers), dtype=np.uint32)
         return read, running, rows
 
-    def _keep_reserved_until(self, running: asyncio.Future, peer: str, result: ReserveResult) -> None:
+    def _keep_reserved_until(self, running: asyncio.Future, fill: Fill) -> None:
         """A READ that could not be cancelled may still write into the reserved slots: they stay
-        reserved (the lease held since the READ began: no expiry, no reuse) until it has ended,
-        then are given back."""
-        lease = result.lease
-
+        reserved (the fill holds their lease since the READ began: no expiry, no reuse) until it has
+        ended, then are given back."""
         def ended(_running) -> None:
             try:
-                self.engine.leases.unhold(lease)  # a lease that expired meanwhile ends here, its slots freed
-                if not lease.ended:
-                    self._seal(peer, result, 0, "nixl")
+                fill.abandon(self.now_ms())  # a lease that expired meanwhile ends here, its slots freed
             except Exception as error:  # a bug, in a callback no task awaits: to the supervisor
                 self.on_bug("giving back the slots of a READ that could not be cancelled", error)
         running.add_done_callback(ended)
+
+
+class LeaseLapsed(Exception):
+    """A fetch's reservation lease ended (expired, drained) before its blocks were sealed."""
 
 
 def _raise_bug(what: str, error: BaseException) -> None:

@@ -10,8 +10,10 @@ from types import SimpleNamespace
 import crc32c
 import grpc
 import numpy as np
+import pytest
 
 from kvd.clock import ManualClock
+from kvd.core.block import NO_SLOT
 from kvd.core.engine import Engine, KeysRequest, ReserveStatus
 from kvd.core.keys import NamespaceSpec, chain_keys
 from kvd.cluster.peer_blocks import PeerBlocks
@@ -144,6 +146,90 @@ def test_a_fetch_continues_a_local_prefix():
     assert sorted(arena.writes.values()) == sorted(data)
 
 
+class Paused(Peer):
+    """ReadBlocks that stops after its first message until told to go on."""
+
+    def __init__(self, messages) -> None:
+        super().__init__(messages)
+        self.paused, self.resume = asyncio.Event(), asyncio.Event()
+
+    def ReadBlocks(self, request, timeout, metadata):
+        self.requests.append(request)
+
+        async def stream():
+            first, *rest = self.messages
+            yield first
+            self.paused.set()
+            await self.resume.wait()
+            for later in rest:
+                yield later
+        return stream()
+
+
+def test_a_stream_fetch_whose_lease_expires_mid_stream_writes_into_no_freed_slot_and_seals_nothing():
+    """Before: the stream wrote into its reserved slots without holding their lease, so the sweeper
+    could end it mid-stream and hand its slots to another block while the stream still wrote there
+    (and the seal then failed on the ended lease). Now the fill holds the lease: the slots stay
+    reserved until the stream is over, then nothing is sealed: misses, never another block's bytes."""
+    data = payloads(4)
+    keys = chain_keys(SPEC, list(range(4)))
+
+    async def scenario():
+        peer = Paused([message(0, data[:2]), message(2, data[2:])])
+        plane, engine, namespace_id, arena = setup(peer)
+        clock = ManualClock()
+        plane.now_ms = clock.now_ms
+        fetching = asyncio.ensure_future(plane._fetch("peer", namespace_id, keys, 0, 4))
+        await peer.paused.wait()
+        [lease] = list(engine.leases)
+        fetch_slots = {engine.host_slot(handle.block) for handle in lease.handles}
+        clock.advance(lease.deadline_ms + 1)
+        assert engine.expire(clock.now_ms()) == 1  # the sweeper: ended for every client
+        # Another writer now wants every free slot: it must not get those the stream writes into.
+        others = chain_keys(SPEC, list(range(100, 164)))
+        other = engine.reserve(KeysRequest(namespace_id, "other", others, 60_000, clock.now_ms()))
+        taken = [slot for slot in other.slots if slot != NO_SLOT]
+        assert not fetch_slots & set(taken)
+        arena.writes.clear()
+        peer.resume.set()
+        assert await fetching == 0
+        assert not set(arena.writes) & set(engine.host.pool.offsets_of(taken))
+        assert lease.ended and engine.lookup(namespace_id, keys) == [] and plane.failed_fetches["peer"] == 1
+        engine.release("other", [other.lease.lease_id])
+        assert engine.host.pool.free_count == 64
+        engine.verify()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("ends", ["drain", "deadline with no sweep"])
+def test_a_stream_fetch_whose_lease_ends_otherwise_mid_stream_seals_nothing_and_raises_nothing(ends):
+    """The drain closes every lease; a deadline may also pass with no sweep before the seal. Either
+    way the Get that fetched goes on with misses (before: NOT_FOUND for a lease it never named)."""
+    data = payloads(3)
+    keys = chain_keys(SPEC, list(range(3)))
+
+    async def scenario():
+        peer = Paused([message(0, data[:1]), message(1, data[1:])])
+        plane, engine, namespace_id, _ = setup(peer)
+        clock = ManualClock()
+        plane.now_ms = clock.now_ms
+        fetching = asyncio.ensure_future(plane._fetch("peer", namespace_id, keys, 0, 3))
+        await peer.paused.wait()
+        [lease] = list(engine.leases)
+        if ends == "drain":
+            assert engine.close_all_leases() == 1
+        else:
+            clock.advance(lease.deadline_ms + 1)
+        peer.resume.set()
+        assert await fetching == 0
+        assert lease.ended and engine.lookup(namespace_id, keys) == [] and not engine.leases
+        assert engine.host.pool.free_count == 64
+        engine.verify()
+
+    asyncio.run(scenario())
+
+
 # -- the NIXL path: offsets from PinBlocks, a one-sided READ, checksums from ReleasePins ------------
 
 class MemoryArena:
@@ -228,6 +314,38 @@ def test_a_nixl_read_keeps_only_the_prefix_its_checksums_vouch_for():
     assert asyncio.run(plane._fetch_nixl("peer", namespace_id, keys, 0, 6)) == 4
     assert len(engine.lookup(namespace_id, keys)) == 4
     engine.verify()
+
+
+def test_a_nixl_fetch_cancelled_while_it_releases_the_pins_leaves_its_slots_to_their_deadline():
+    """The READ is over but the fetch is cancelled during ReleasePins: its fill stops holding the
+    lease (before: held for good, so the lease could never end and its slots stayed reserved)."""
+    holder = Holder(payloads(3))
+    plane, engine, namespace_id, _ = nixl_setup(holder)
+    keys = chain_keys(SPEC, list(range(3)))
+    answer = holder.ReleasePins
+
+    async def scenario():
+        releasing = asyncio.Event()
+
+        async def first_release_stalls(request, timeout, metadata):
+            if not releasing.is_set():
+                releasing.set()
+                await asyncio.Event().wait()
+            return await answer(request, timeout, metadata)
+        holder.ReleasePins = first_release_stalls
+        fetching = asyncio.ensure_future(plane._fetch_nixl("peer", namespace_id, keys, 0, 3))
+        await releasing.wait()
+        [lease] = list(engine.leases)
+        fetching.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await fetching
+        assert holder.released == [9]  # the release on the way out, after the cancelled one
+        assert lease.holds == 0 and engine.host.pool.free_count == 64 - 3
+        assert engine.expire(lease.deadline_ms) == 1 and lease.ended
+        assert engine.host.pool.free_count == 64
+        engine.verify()
+
+    asyncio.run(scenario())
 
 
 class Pieces(Copying):

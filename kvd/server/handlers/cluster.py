@@ -33,7 +33,7 @@ import grpc
 import numpy as np
 
 from kvd.cluster.keys import split
-from kvd.core.lease import Lease
+from kvd.core.lease_use import ReadPin
 from kvd.errors import FailedPrecondition, KvdError
 from kvd.io.checksum import crc32c_chunks, crc32c_of_buffers
 from kvd.server import convert
@@ -49,7 +49,7 @@ class PeerPins:
     """Blocks pinned for a peer's READ, until it releases them or their lease runs out."""
 
     node: str
-    lease: Lease
+    pin: ReadPin
     # layer_checksums of the pinned blocks, running on a worker thread.
     checksums: asyncio.Future
 
@@ -67,7 +67,7 @@ class ClusterHandlers:
 
     async def _pin_for_peer(self, request, context):
         """Pin what this node has of the chain from `request.first` on, under the peer's own client
-        id: (the namespace's spec, lease or None, arena offsets of the pinned blocks)."""
+        id: (the namespace's spec, the pins (closed once by the caller), their arena offsets)."""
         try:
             state = self.engine.namespace(request.namespace_id)
             keys = split(request.packed_keys)
@@ -81,11 +81,11 @@ class ClusterHandlers:
             await context.abort(convert.status_of(error), error.message)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        return state.spec, lease, offsets
+        return state.spec, ReadPin(self.engine, lease), offsets
 
     async def read_blocks_for_peer(self, request, context):
         """ReadBlocks: the pinned blocks streamed with their per-layer CRC-32Cs; the pins end with the stream."""
-        spec, lease, offsets = await self._pin_for_peer(request, context)
+        spec, pin, offsets = await self._pin_for_peer(request, context)
         try:
             chunk = min(CHUNK_BYTES, self.max_message_bytes // 2)
             per_message = max(1, chunk // spec.block_bytes)
@@ -94,29 +94,28 @@ class ClusterHandlers:
                                                        spec)
                 yield kvd_pb2.ReadBlocksResponse(first=request.first + start, blocks=blocks, crc32c=crcs.ravel().tolist())
         finally:
-            if lease is not None and not lease.ended:
-                self.engine.leases.close(lease)
+            pin.release()
 
     async def pin_blocks_for_peer(self, request, context) -> kvd_pb2.PinBlocksResponse:
         """PinBlocks: pin blocks for a peer's one-sided READ until it releases them or lease_ms passes.
         Their CRC-32Cs are computed under the pins, on a worker thread while the peer READs, and
         handed over by `release_pins_of_peer`."""
-        engine, arena = self.engine, self.arena
-        spec, lease, offsets = await self._pin_for_peer(request, context)
+        arena = self.arena
+        spec, pin, offsets = await self._pin_for_peer(request, context)
+        lease = pin.lease
         if lease is None or not offsets:
-            if lease is not None:
-                engine.leases.close(lease)
+            pin.release()
             return kvd_pb2.PinBlocksResponse(block_bytes=spec.block_bytes)
         # The peer READs through the namespace's tenant's own view of the arena (see nixl_transport).
         view = arena.tenant_view(spec.tenant)
         try:
             grant = await self.cluster.transport.grant(view, arena.layout.arena_bytes)
         except BaseException:
-            engine.leases.close(lease)
+            pin.release()
             raise
         loop = asyncio.get_running_loop()
         checksums = loop.run_in_executor(None, layer_checksums, arena, offsets, spec)
-        self._peer_pins[lease.lease_id] = PeerPins(request.node, lease, checksums)
+        self._peer_pins[lease.lease_id] = PeerPins(request.node, pin, checksums)
         self.cluster.transport.serving(+1)
         loop.call_later(max(lease.deadline_ms - self.clock.now_ms(), 0) / 1000 + 0.1,
                         self._expire_peer_pins, lease.lease_id)
@@ -132,7 +131,7 @@ class ClusterHandlers:
         del self._peer_pins[lease_id]
         try:
             checksums = await pinned.checksums
-            held = not pinned.lease.ended
+            held = not pinned.pin.lease.ended
         finally:
             self._close_peer_pins(pinned)
         return checksums.ravel().tolist() if held else None
@@ -144,8 +143,7 @@ class ClusterHandlers:
             pinned.checksums.add_done_callback(lambda _: self._close_peer_pins(pinned))
 
     def _close_peer_pins(self, pinned: PeerPins) -> None:
-        if not pinned.lease.ended:
-            self.engine.leases.close(pinned.lease)
+        pinned.pin.release()
         self.cluster.transport.serving(-1)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from kvd.core.block import NO_SLOT
 from kvd.core.engine import ReserveStatus
+from kvd.core.lease_use import Fill, FillPhase, ReadPin
 from kvd.core.requests import KeysRequest
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError
 from kvd.invariants import check
@@ -76,34 +77,30 @@ class DeviceHandlers:
         keys = [request.keys[i] for i in reserved]
         lease = result.lease
         writing = {handle.key: handle.block for handle in lease.handles if handle.writable} if lease else {}
-        if lease is not None:
-            # The copies write into the reserved slots after this call yields: held, the lease
-            # cannot end (expire, drain) and free them under the copy.
-            self.engine.leases.hold(lease)
+        # The copies write into the reserved slots after this call yields: the fill holds the
+        # lease, which cannot end (expire, drain) and free them under the copy.
+        fill = Fill(self.engine, lease) if lease is not None else None
         try:
             done = await plane.save(pool, pages[reserved], [offsets[i] for i in reserved], request.engine_flag,
                                     request.kvd_flag, request.base, keys, [writing[key] for key in keys], distance)
-            stored = self._commit_saved(lease, len(keys))
         except BaseException:
-            if keys and not lease.closing:
-                self.engine.seal_prefix(lease, 0, self.clock.now_ms())
+            if fill is not None:
+                fill.abandon(self.clock.now_ms())
             raise
-        finally:
-            if lease is not None:
-                self.engine.leases.unhold(lease)  # a lease that ran out meanwhile ends here
+        stored = self._commit_saved(fill, len(keys))
         return kvd_pb2.SaveLayersResponse(statuses=[int(status) for status in result.statuses], stored=stored,
                                           done_value=done)
 
-    def _commit_saved(self, lease, copied: int) -> int:
+    def _commit_saved(self, fill: Fill | None, copied: int) -> int:
         """Seal the `copied` blocks a SaveLayers reserved, all of them; refused by name when its lease
         ran out meanwhile."""
-        if not copied:
+        if fill is None:
             return 0
-        if lease.closing:
+        stored = fill.landed(copied, self.clock.now_ms())
+        if fill.phase is FillPhase.LAPSED:
             raise FailedPrecondition(
                 f"the SaveLayers' reservation lease ran out (leases.default_ms) while kvd copied its layers, so "
                 f"nothing is stored; {copied} blocks were not kept")
-        stored = self.engine.seal_prefix(lease, copied, self.clock.now_ms())
         if self.disk_plane is not None:
             self.disk_plane.wake()
         return stored
@@ -121,11 +118,9 @@ class DeviceHandlers:
             # Disk reads of its own only: each layer goes to the engine as it lands (device_loads).
             return self._load_as_read(plane, pool, pages, request, life)
         lease, matched, tiers, cut, offsets = await self._settled_get(life, get)
-        if lease is not None:
-            # Copied out of the pinned slots on a device stream after this call returns: held,
-            # the lease cannot end (expire, drain) and let them go before the copy has landed.
-            self.engine.leases.hold(lease)
-        landed = self._close_when_landed(lease)
+        # Copied out of the pinned slots on a device stream after this call returns: held,
+        # the lease cannot end (expire, drain) and let them go before the copy has landed.
+        landed = self._close_when_landed(ReadPin(self.engine, lease).hold())
         try:
             done, from_tier = plane.load(pool, pages[:len(matched)], request.keys[:len(matched)], matched,
                                          self._offsets(lease, offsets), request.kvd_flag, request.base, landed)
@@ -134,15 +129,12 @@ class DeviceHandlers:
             raise
         return _load_response(len(matched), done, from_tier, tiers, cut)
 
-    def _close_when_landed(self, lease, staged=()):
-        """What ends a load's lease once its copies have landed (the Get's pins go with it); the
-        host copies of `staged` blocks (read from disk only to reach the engine, leaf first) then
-        go, where nothing else pins them."""
+    def _close_when_landed(self, pin: ReadPin, staged=()):
+        """What ends a load's lease (held by `pin`) once its copies have landed (the Get's pins go
+        with it); the host copies of `staged` blocks (read from disk only to reach the engine, leaf
+        first) then go, where nothing else pins them."""
         def landed() -> None:
-            if lease is not None:
-                self.engine.leases.unhold(lease)
-                if not lease.ended:
-                    self.engine.leases.close(lease)
+            pin.release()
             if staged:
                 self.engine.demote(staged, chains=False)
         return landed
@@ -154,11 +146,11 @@ class DeviceHandlers:
         matched, lease = list(plan.matched), plan.lease
         # Held from now: the slots are read by the device stream until the last copy lands, even if
         # the Get ends early (its pins then go only when the lease is closed after that).
-        self.engine.leases.hold(lease)
+        pin = ReadPin(self.engine, lease).hold()
         steps: asyncio.Queue = asyncio.Queue()
         getting = self.disk_plane.start_get(life, on_layer=lambda layer, ok: steps.put_nowait((layer, ok)))
         staged = [] if self.keep_disk_loads_in_host else [load.block for load in reversed(plan.loads)]
-        landed = self._close_when_landed(lease, staged)
+        landed = self._close_when_landed(pin, staged)
         try:
             done, from_tier = plane.load(pool, pages[:len(matched)], request.keys[:len(matched)], matched,
                                          self._offsets(lease, life.offsets), request.kvd_flag, request.base, landed,
@@ -178,9 +170,7 @@ class DeviceHandlers:
         matched, lease = placed.matched, placed.lease
         by_ring = np.array([slot != NO_SLOT for slot in placed.disk_slots], dtype=bool)
         keys = list(request.keys[:len(matched)])
-        if lease is not None:
-            self.engine.leases.hold(lease)
-        landed = _after(2 if by_ring.any() else 1, self._close_when_landed(lease))
+        landed = _after(2 if by_ring.any() else 1, self._close_when_landed(ReadPin(self.engine, lease).hold()))
         try:
             ring = None
             if by_ring.any():
@@ -218,8 +208,7 @@ class DeviceHandlers:
             except KvdError as error:  # the namespace went, the daemon drains, ...: nothing to check now
                 log.warning("a ring load's failed blocks were not read again", extra={"reason": str(error)})
                 return
-            if lease is not None and not lease.ended:
-                self.engine.leases.close(lease)
+            ReadPin(self.engine, lease).release()
         self.device_plane.spawn(reread())
 
 

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from kvd.core.engine import KeysRequest
 from kvd.core.get_life import GetLife, GetPhase, Served
+from kvd.core.lease_use import ReadPin
 from kvd.core.reads import GetCut
 from kvd.errors import FailedPrecondition, ResourceExhausted
 from kvd.invariants import check
@@ -107,6 +108,7 @@ class ReadHandlers:
             # tenant's inline Gets never take from another's pin cap.
             owner = request.client_id or scoped_client_id(self._caller(), "-")
             lease, matched, tiers, cut, offsets = await self._pinned_prefix(request, INLINE_CLIENT_PREFIX + owner)
+            pin = ReadPin(self.engine, lease)
             try:
                 response_bytes = len(matched) * (state.block_bytes + 8)
                 if response_bytes > self.max_message_bytes:
@@ -117,8 +119,7 @@ class ReadHandlers:
                     )
                 blocks = [self.arena.read_at(offset, state.block_bytes) for offset in offsets]
             finally:
-                if lease is not None and not lease.ended:
-                    self.engine.leases.close(lease)
+                pin.release()
             return kvd_pb2.GetResponse(matched=len(matched), blocks=blocks, tiers=tiers, cut=cut)
         self._check_arena(request)
         lease, matched, tiers, cut, offsets = await self._pinned_prefix(request, request.client_id)
