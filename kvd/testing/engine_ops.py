@@ -5,7 +5,7 @@ simulator call. A test often wants a shorter spelling of a common sequence
 of those calls (a Get of blocks all in host memory, a read handle on every
 block of a prefix, a Demote of everything): each is here, made of public
 engine calls only, so it runs exactly the rules the daemon runs and a
-proxy that checks the engine after every call (tests/unit/test_engine.py's
+proxy that checks the engine after every call (tests/unit/engine_helpers.py's
 `Checked`) sees each step.
 """
 
