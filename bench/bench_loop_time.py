@@ -386,7 +386,7 @@ def op_durable(rig: Rig) -> Stopwatch | None:
         rig.unwritten.popleft()
     else:
         return None
-    started, failures, pins = watch(rig.mover.durable.start, blocks, "", lambda block: object())
+    started, failures, pins, _ = watch(rig.mover.durable.start, blocks, "", lambda block: object())
     rig.unwritten.popleft()
     rig.waits.failed += len(failures)
     rig.waits.add(rig.tick(), started, pins)
