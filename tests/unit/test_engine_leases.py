@@ -222,9 +222,9 @@ def test_renew_extends_the_deadline(env):
     lease, _ = engine_ops.get(engine, KeysRequest(ns, "reader", K("ab"), 100, 0))
     assert engine.renew("reader", lease.lease_id, 100, 50) == 150
     assert engine.expire(100) == 0  # the old deadline is stale
-    assert engine.leases.next_deadline_ms() == 150
+    assert engine_ops.next_deadline_ms(engine.leases) == 150
     assert engine.expire(150) == 1
-    assert engine.leases.next_deadline_ms() is None
+    assert engine_ops.next_deadline_ms(engine.leases) is None
 
 
 def test_lease_ms_bounds(make):
