@@ -147,10 +147,6 @@ class Engine:
         return self.blocks.write_queue_dropped
 
     @property
-    def prefetched(self) -> set[Block]:
-        return self.blocks.ledger.blocks
-
-    @property
     def prefetch_counters(self) -> PrefetchCounters:
         return self.blocks.ledger.counters
 

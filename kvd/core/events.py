@@ -282,16 +282,8 @@ class EventLog:
         return tracker in self._trackers.get(tracker.namespace_id, ())
 
     @property
-    def tracker_count(self) -> int:
-        return sum(map(len, self._trackers.values()))
-
-    @property
     def open_key_count(self) -> int:
         return len(self._open.keys) if self._open is not None else 0
-
-    @property
-    def retained_events(self) -> int:
-        return len(self._ring)
 
     @property
     def retained_keys(self) -> int:

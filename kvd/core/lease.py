@@ -221,15 +221,6 @@ class LeaseTable:
         self.expired_total += len(expired)
         return expired
 
-    def next_deadline_ms(self) -> int | None:
-        while self._deadlines:
-            deadline_ms, lease_id = self._deadlines[0]
-            lease = self._leases.get(lease_id)
-            if lease is not None and not lease.closing and lease.deadline_ms == deadline_ms:
-                return deadline_ms
-            heapq.heappop(self._deadlines)
-        return None
-
     def close_all(self) -> int:
         leases = [lease for lease in self._leases.values() if not lease.closing]
         for lease in leases:

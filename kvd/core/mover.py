@@ -228,12 +228,6 @@ class Mover:
             return []
         return self.durable.written(round_.writes, round_.ok)
 
-    def abandon_round(self, round_: WriteRound) -> list[tuple[object, NotDurable | None]]:
-        """The round's I/O could not run at all (shutdown): nothing was written."""
-        if not round_.journalled:
-            self.round_removals_journalled(round_, {slot for _, _, slot in round_.removals})
-        return self.finish_round(round_)
-
     def hopeless_waits(self) -> list[tuple[object, NotDurable]]:
         """Durable waits that can never succeed, to fail now: on blocks neither
         in the round in flight nor queued for writing (call after next_round)."""

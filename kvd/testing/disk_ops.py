@@ -31,3 +31,9 @@ def engine_stats(tier: DiskTier) -> dict[str, int]:
     """The tier's I/O engine's counters (kvd.io), {} when it has none."""
     engine = tier.engine
     return dict(engine.stats) if engine is not None else {}
+
+
+def manifest_bytes(tier: DiskTier) -> list[int]:
+    """Each drive's manifest size, which compact_if_needed measures (compaction shrinks them).
+    Read from the tier's own state: nothing it shows the disk plane would tell."""
+    return [manifest.size_bytes for manifest in tier._state.manifests]

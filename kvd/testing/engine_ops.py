@@ -5,7 +5,7 @@ simulator call. A test often wants a shorter spelling of a common sequence
 of those calls (a Get of blocks all in host memory, a read handle on every
 block of a prefix, a Demote of everything): each is here, made of public
 engine calls only, so it runs exactly the rules the daemon runs and a
-proxy that checks the engine after every call (tests/unit/test_engine.py's
+proxy that checks the engine after every call (tests/unit/engine_helpers.py's
 `Checked`) sees each step.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from kvd.core.block import Block, BlockHandle
 from kvd.core.engine import Engine
-from kvd.core.lease import Lease
+from kvd.core.lease import Lease, LeaseTable
 from kvd.core.requests import KeysRequest
 from kvd.invariants import check
 
@@ -38,3 +38,14 @@ def acquire(engine: Engine, namespace_id: bytes, keys: Sequence[bytes]) -> list[
 def demote_all(engine: Engine) -> tuple[int, int]:
     """Demote every host eviction candidate now, as the Demote RPC does: (blocks, payload bytes)."""
     return engine.demote(engine.host_candidates())
+
+
+def prefetched(engine: Engine) -> set[Block]:
+    """The blocks prefetched into host memory that no Get has used yet (the prefetch ledger's)."""
+    return engine.blocks.ledger.blocks
+
+
+def next_deadline_ms(leases: LeaseTable) -> int | None:
+    """The earliest deadline of an open lease (one not closing), None when there is none: the
+    deadline expire() would next act on."""
+    return min((lease.deadline_ms for lease in leases if not lease.closing), default=None)

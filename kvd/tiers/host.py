@@ -210,11 +210,6 @@ class HostArena:
         slot_bytes = self.layout.slot_bytes
         self.claim_range(slot * slot_bytes, slot_bytes, tenant)
 
-    def tenant_at(self, offset: int) -> str | None:
-        """The tenant whose file backs the arena byte at `offset` (None: the spare file)."""
-        index = int(self._granule_tenants[offset // self.granule_bytes])
-        return None if index < 0 else self._tenant_names[index]
-
     def claim_range(self, offset: int, length: int, tenant: str) -> None:
         """Back arena bytes [offset, offset + length) with `tenant`'s file,
         before a block of that tenant goes there (a slot of any size class:
@@ -300,11 +295,6 @@ class HostArena:
             return False
         check(address == self._base + offset, "MAP_FIXED moved the slot")
         return True
-
-    def resident_bytes(self, tenant: str | None) -> int:
-        """Memory the file of `tenant` (None: the spare file) holds now."""
-        fd = self._spare if tenant is None else self._files.get(tenant)
-        return 0 if fd is None else os.fstat(fd).st_blocks * 512
 
     # ------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from kvd.io import uring_unavailable_reason
 from kvd.testing import disk_ops
 from kvd.tiers.disk.journal import FsyncPolicy
 from kvd.tiers.disk.records import PutRecord
-from kvd.tiers.disk.layout import DiskConfig
+from kvd.tiers.disk.layout import DiskConfig, locate, segment_name
 from kvd.tiers.disk.tier import DiskTier
 from kvd.tiers.host import ArenaLayout, HostArena
 
@@ -137,3 +137,17 @@ def expected_bytes(seed: int) -> bytes:
 
 def host_bytes(arena: HostArena, host_slot: int) -> bytes:
     return arena.slots[host_slot, :BLOCK_BYTES].tobytes()
+
+
+def segment_path(config: DiskConfig, slot: int) -> tuple[Path, int]:
+    """The segment file that holds disk slot `slot`, and the slot's offset in it."""
+    place = locate(config, slot)
+    return config.directories[place.drive] / segment_name(place.segment), place.offset
+
+
+def raw_block(config: DiskConfig, slot: int) -> bytes:
+    """The bytes of disk slot `slot` as they lie in its segment file."""
+    path, offset = segment_path(config, slot)
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        return handle.read(BLOCK_BYTES)

@@ -28,8 +28,8 @@ from kvd.testing.daemon import run_daemon, start_daemon
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 from tests.integration.conftest import SMALL_SPEC, random_blocks
 from tests.integration.test_api_errors import assert_status
-from tests.integration.test_disk_tier import SPEC as DISK_SPEC
-from tests.integration.test_disk_tier import blocks_for, disk_config, metric_samples
+from tests.integration.disk_tier_helpers import SPEC as DISK_SPEC
+from tests.integration.disk_tier_helpers import blocks_for, disk_config, metric_samples
 
 HOST, DISK = kvd_pb2.TIER_HOST, kvd_pb2.TIER_DISK
 STORED, REMOVED, TIER_CHANGED = EventKind.STORED, EventKind.REMOVED, EventKind.TIER_CHANGED

@@ -20,7 +20,7 @@ from kvd.client import Client
 from kvd.testing.daemon import run_daemon
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 from tests.integration.conftest import SMALL_SPEC, random_blocks
-from tests.integration.test_disk_tier import HOST_SLOTS, SPEC, blocks_for, disk_config, metric_samples
+from tests.integration.disk_tier_helpers import HOST_SLOTS, SPEC, blocks_for, disk_config, metric_samples
 
 ROOT = Path(__file__).parents[2]
 IO_CLASSES = ("restore", "prefetch", "write", "control")

@@ -13,7 +13,7 @@ import pytest
 from kvd.client import AsyncClient, Client
 from kvd.testing.daemon import run_daemon
 from kvd.v1 import kvd_pb2
-from tests.integration.test_disk_tier import (
+from tests.integration.disk_tier_helpers import (
     HOST_SLOTS,
     SPEC,
     blocks_for,

@@ -25,7 +25,7 @@ from kvd.connectors.vllm.worker import WorkerSide
 from kvd.core.keys import DType, NamespaceSpec, chain_keys
 from kvd.testing.daemon import run_daemon
 from kvd.testing.slow_drive import slowed_drive
-from tests.integration.test_disk_tier import flip_first_layer_byte
+from tests.integration.disk_tier_helpers import flip_first_layer_byte
 
 LAYERS, HEADS, BLOCK, HEAD_DIM, BLOCKS = 3, 2, 16, 32, 12
 SPEC = NamespaceSpec(model_id="vllm-worker-test", model_revision="cpu-layout", num_layers=LAYERS,

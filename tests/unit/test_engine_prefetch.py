@@ -18,6 +18,7 @@ from kvd.core.engine import Engine, PrefetchLimit, TierId
 from kvd.planner.io_schedule import IoClass, IoJob, IoSchedule
 from kvd.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvd.core.requests import CommitRequest, KeysRequest
+from kvd.testing import engine_ops
 from tests.unit.test_engine_disk import LONG, SPEC, K, Plane, k, tiers
 
 BOUND = 256
@@ -70,7 +71,7 @@ def test_prefetch_reads_disk_only_blocks_unpinned_and_a_get_then_uses_them(plane
     assert (counters.used, counters.wasted) == (4, 0)
     # Used once is enough: another Get counts nothing more.
     assert plane.get("abcd") == K("abcd")
-    assert counters.used == 4 and not engine.prefetched
+    assert counters.used == 4 and not engine_ops.prefetched(engine)
 
 
 def test_a_second_prefetch_of_blocks_in_host_memory_queues_nothing(plane):
@@ -91,12 +92,12 @@ def test_prefetched_blocks_evicted_before_any_get_are_wasted(plane):
     engine.verify()
     assert tiers(plane, "ab") == [TierId.DISK] * 2
     assert (engine.prefetch_counters.used, engine.prefetch_counters.wasted) == (0, 2)
-    assert not engine.prefetched
+    assert not engine_ops.prefetched(engine)
     # Deleting a prefetched block counts as wasted too.
     plan = prefetch(plane, "abcd")
     finish(plane, plan.loads)
     assert engine.delete(plane.ns, [k("a")]) == (4, 0)
-    assert engine.prefetch_counters.wasted == 6 and not engine.prefetched
+    assert engine.prefetch_counters.wasted == 6 and not engine_ops.prefetched(engine)
 
 
 def test_a_get_racing_a_prefetch_waits_for_its_reads_and_is_served_the_right_bytes(plane):
@@ -152,7 +153,7 @@ def test_blocks_lost_while_their_read_is_in_flight_keep_their_slot_until_it_ends
     engine.verify()
     assert all(engine.host.pool.owners[slot] is None for slot in slots)
     assert engine.live_handles == 0 and engine.prefetch_in_flight == 0
-    assert engine.prefetch_counters.wasted == 4 and not engine.prefetched
+    assert engine.prefetch_counters.wasted == 4 and not engine_ops.prefetched(engine)
 
 
 def test_two_gets_a_failed_read_of_one_keeps_the_other_gets_slot_until_its_read_ends(plane):

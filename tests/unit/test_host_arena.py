@@ -9,6 +9,7 @@ import os
 import pytest
 
 from kvd.tiers.host import ArenaLayout, HostArena
+from kvd.testing import host_ops
 
 SLOT = 64 << 10
 SLOTS = 8
@@ -35,10 +36,10 @@ def test_a_slot_that_changes_tenant_shows_zeros_to_the_old_tenant_and_its_bytes_
     arena.write(3, b"B" * 100)
     assert a[3 * SLOT: 4 * SLOT] == bytes(SLOT)  # punched: not even a's old bytes
     assert b[3 * SLOT: 3 * SLOT + 100] == b"B" * 100 and arena.read(3, 100) == b"B" * 100
-    assert arena.tenant_at(3 * SLOT) == "b" and arena.reassigned_slots == 2
+    assert host_ops.tenant_at(arena, 3 * SLOT) == "b" and arena.reassigned_slots == 2
     # Memory follows the slot: the spare file gave slot 3's pages up, and so did a.
-    assert arena.resident_bytes(None) == (SLOTS - 1) * SLOT
-    assert arena.resident_bytes("b") >= SLOT
+    assert host_ops.resident_bytes(arena, None) == (SLOTS - 1) * SLOT
+    assert host_ops.resident_bytes(arena, "b") >= SLOT
     a.close()
     b.close()
 
@@ -59,8 +60,8 @@ def test_a_claim_the_kernel_refuses_leaves_the_slot_with_its_previous_tenant(are
     with pytest.raises(OSError, match=f"mmap of arena bytes {5 * SLOT}"):
         arena.claim(5, "b")
     assert calls == [arena.tenant_fd("b"), arena.tenant_fd("a")]  # mapped back to a's file
-    assert arena.tenant_at(5 * SLOT) == "a" and arena.read(5, 40) == b"kept" * 10
-    assert arena.resident_bytes("b") == 0  # the pages allocated for b went back
+    assert host_ops.tenant_at(arena, 5 * SLOT) == "a" and arena.read(5, 40) == b"kept" * 10
+    assert host_ops.resident_bytes(arena, "b") == 0  # the pages allocated for b went back
 
 
 def test_files_are_sealed_and_distinct(arena):
@@ -84,11 +85,11 @@ def test_small_slots_of_one_page_are_backed_per_tenant_and_a_whole_page_claim_ta
         a, b = view(arena, "a"), view(arena, "b")
         first, second = slice(2 * SLOT, 2 * SLOT + granule), slice(2 * SLOT + granule, 2 * SLOT + 2 * granule)
         assert a[first] == b"A" * granule and b[second] == b"B" * granule
-        assert [arena.tenant_at(2 * SLOT + i * granule) for i in range(4)] == ["a", "b", None, None]
+        assert [host_ops.tenant_at(arena, 2 * SLOT + i * granule) for i in range(4)] == ["a", "b", None, None]
         arena.claim(2, "c")
         # Checked before any read of a hole: a client reading one faults a zero page into its file.
-        assert arena.resident_bytes("a") == 0 and arena.resident_bytes("b") == 0
-        assert {arena.tenant_at(2 * SLOT + i * granule) for i in range(4)} == {"c"}
+        assert host_ops.resident_bytes(arena, "a") == 0 and host_ops.resident_bytes(arena, "b") == 0
+        assert {host_ops.tenant_at(arena, 2 * SLOT + i * granule) for i in range(4)} == {"c"}
         assert arena.read_at(2 * SLOT, 2 * granule) == bytes(2 * granule)  # c's fresh pages
         for mapping in (a, b):
             assert mapping[first] == bytes(granule) and mapping[second] == bytes(granule)
@@ -107,7 +108,7 @@ def test_a_slot_moved_to_a_tenant_costs_its_own_bytes_with_huge_pages_asked_for(
     try:
         arena.claim(3, "a")
         arena.write(3, b"A" * SLOT)
-        assert arena.resident_bytes("a") == SLOT and arena.read(3, 4) == b"AAAA"
+        assert host_ops.resident_bytes(arena, "a") == SLOT and arena.read(3, 4) == b"AAAA"
     finally:
         arena.close()
 

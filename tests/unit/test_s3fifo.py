@@ -16,7 +16,7 @@ from kvd.core.policy.lru import LruPolicy
 from kvd.core.policy.s3fifo import COLD, FREQUENCY, LINKED, MAIN, S3FifoPolicy
 from kvd.core.radix import PrefixIndex
 from kvd.invariants import InvariantError
-from kvd.testing import engine_ops
+from kvd.testing import core_ops, engine_ops
 from kvd.core.requests import CommitRequest, KeysRequest
 
 INDEX = PrefixIndex("s3fifo-test")
@@ -45,7 +45,7 @@ class Named:
         return "".join(map(self.name, small)), "".join(map(self.name, main))
 
     def ghost(self) -> str:
-        return "".join(key.rstrip(b"\0").decode() for key in self.policy.ghost_keys())
+        return "".join(key.rstrip(b"\0").decode() for key in core_ops.ghost_keys(self.policy))
 
     def evict(self) -> str | None:
         victim = self.policy.victim()
@@ -568,7 +568,7 @@ class S3FifoMachine(RuleBasedStateMachine):
             if block in self.policy:
                 assert frequency(block) == self.model.uses[name]
                 assert bool(block.policy_state & COLD) == (name in self.model.cold)
-        assert [key.rstrip(b"\0").decode() for key in self.policy.ghost_keys()] == self.model.ghost
+        assert [key.rstrip(b"\0").decode() for key in core_ops.ghost_keys(self.policy)] == self.model.ghost
 
 
 S3FifoMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)

@@ -73,10 +73,6 @@ class AdmissionFilter:
         width = 1 << max(0, WIDTH_PER_SLOT * slot_count - 1).bit_length()
         return cls(min_hits, min(max(width, WIDTH_MIN), WIDTH_MAX))
 
-    @property
-    def memory_bytes(self) -> int:
-        return self._table.nbytes
-
     def _cells_of(self, key: bytes) -> list[int]:
         mask, width = self._mask, self.width
         return [row * width + (int.from_bytes(key[8 * row : 8 * row + 8], "little") & mask) for row in range(ROWS)]

@@ -208,10 +208,6 @@ class S3FifoPolicy:
         """(S, M), each oldest first."""
         return list(self._small), list(self._main)
 
-    def ghost_keys(self) -> list[bytes]:
-        """G, oldest first."""
-        return list(self._ghost)
-
     def verify(self) -> None:
         small = self._small.verify("S3-FIFO small")
         main = self._main.verify("S3-FIFO main")

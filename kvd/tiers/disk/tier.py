@@ -260,12 +260,6 @@ class DiskTier:
         check(record is not None, f"disk slot {slot} holds no block")
         return record.layer_checksums
 
-    def manifest_bytes(self) -> list[int]:
-        """Each drive's manifest size, which compact_if_needed measures. Only tests ask
-        (compaction shrinks them); it stays here because the manifests are the tier's
-        own state, which nothing else it shows would tell."""
-        return [manifest.size_bytes for manifest in self._state.manifests]
-
     def live_records(self) -> list[PutRecord]:
         """Every live block's record, all drives (fsck walks these)."""
         return [record for manifest in self._state.manifests for record in manifest.live.values()]
