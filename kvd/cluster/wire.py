@@ -84,7 +84,7 @@ def _encode_answer(answer: Sequence[Sequence[str]], names: dict[str, int], order
     return kvd_pb2.SegmentHolders(holder_counts=bytes(counts), holders=bytes(holders))
 
 
-def decode_answer(segment: kvd_pb2.SegmentHolders, nodes: Sequence[str]) -> list[tuple[str, ...]]:
+def _decode_answer(segment: kvd_pb2.SegmentHolders, nodes: Sequence[str]) -> list[tuple[str, ...]]:
     """One segment's holders, key by key; ValueError (or IndexError) when the answer is malformed."""
     indices = struct.unpack(f"<{len(segment.holders) // 2}H", segment.holders)
     if sum(segment.holder_counts) != len(indices) or any(i >= len(nodes) for i in indices):
@@ -101,7 +101,7 @@ def query_answers(response: kvd_pb2.DirectoryQueryResponse, segments: int) -> li
     if len(response.segments) != segments:
         return None
     try:
-        return [decode_answer(segment, response.nodes) for segment in response.segments]
+        return [_decode_answer(segment, response.nodes) for segment in response.segments]
     except (ValueError, IndexError):
         return None
 
