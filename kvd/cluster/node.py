@@ -25,15 +25,15 @@ from pathlib import Path
 
 import grpc
 
+from kvd.cluster import wire
 from kvd.cluster.directory import DirectoryShard
 from kvd.cluster.members import Member, MemberView
 from kvd.cluster.membership import EtcdSettings, Membership
 from kvd.cluster.publisher import Publisher
-from kvd.cluster.router import ClusterRouter
+from kvd.cluster.router import ClusterRouter, LookupAnswer
 from kvd.cluster.rpc import DirectoryServicer, Peers
 from kvd.config import Config, parse_address
 from kvd.errors import ConfigError
-from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 log = logging.getLogger("kvd.cluster")
 
@@ -119,7 +119,7 @@ class ClusterNode:
         self._tasks: list[asyncio.Task] = []
 
     def register(self, server: grpc.aio.Server) -> None:
-        kvd_pb2_grpc.add_ClusterServicer_to_server(self.servicer, server)
+        wire.add_cluster_service(self.servicer, server)
 
     def start(self, bound_tcp_port: int | None, disk_capacity_bytes: int,
               spawn: Callable[..., asyncio.Task] = asyncio.create_task) -> None:
@@ -194,7 +194,7 @@ class ClusterNode:
         self._members_changed = True
         log.info("rejoined after the member key expired: directory shard cleared, blocks re-published")
 
-    async def lookup(self, namespace_id: bytes, packed: bytes, local_matched: int) -> kvd_pb2.ClusterLookupResponse:
+    async def lookup(self, namespace_id: bytes, packed: bytes, local_matched: int) -> LookupAnswer:
         return await self.router.lookup(namespace_id, packed, local_matched)
 
     async def _publish_loop(self) -> None:
@@ -224,8 +224,7 @@ class ClusterNode:
         stub = self.peers.stub(owner)
         if stub is None:
             return  # the owner left: set_members re-queues its keys for the new owner
-        request = kvd_pb2.DirectoryUpdateRequest(node=self.name, incarnation=self.member.incarnation,
-                                                 stored_keys=b"".join(stored), removed_keys=b"".join(removed))
+        request = wire.directory_update_request(self.name, self.member.incarnation, stored, removed)
         try:
             await stub.DirectoryUpdate(request, timeout=self.config.cluster.rpc_timeout_s, metadata=self.peers.metadata)
             self.updates_sent += 1

@@ -2,8 +2,8 @@
 
 kvd.planes.cluster_fetch decides what to fetch, reserves, checks and
 seals; what it asks of the cluster is here, and only here do the peers'
-protobuf messages, stubs, the cluster credential, the calls' deadlines and
-gRPC's errors appear:
+stubs, the cluster credential, the calls' deadlines and gRPC's errors
+appear (the messages themselves are built and read in kvd.cluster.wire):
 
 - `holder`: the directory's longest holder of a chain past this node's own
   prefix (the routing ClusterLookup uses);
@@ -23,32 +23,18 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
+from kvd.cluster import wire
+from kvd.cluster.wire import PeerPin  # what `pin` answers
 from kvd.errors import PeerCallFailed
-from kvd.v1 import kvd_pb2
 
 if TYPE_CHECKING:
     from kvd.cluster.node import ClusterNode
 
 log = logging.getLogger("kvd.cluster")
-
-
-@dataclass(frozen=True, slots=True)
-class PeerPin:
-    """Blocks a holder pinned for a one-sided READ, until they are released or `lease_id` runs out
-    (0: nothing pinned)."""
-
-    lease_id: int
-    # Where each block is in the holder's arena, from `arena_address`.
-    offsets: list[int]
-    block_bytes: int
-    arena_address: int
-    # The NIXL metadata of the one region the holder lets this node READ for these blocks.
-    grant: bytes
 
 
 class PeerBlocks:
@@ -87,12 +73,11 @@ class PeerBlocks:
         stub = self.node.peers.stub(peer)
         if stub is None:
             raise PeerCallFailed(f"no channel to {peer!r}: it is not a member")
-        request = kvd_pb2.ReadBlocksRequest(node=self.node.name, incarnation=self.node.member.incarnation,
-                                            namespace_id=namespace_id, packed_keys=b"".join(keys), first=first,
-                                            lease_ms=lease_ms)
+        request = wire.read_blocks_request(self.node.name, self.node.member.incarnation, namespace_id, keys, first,
+                                           lease_ms)
         try:
             async for message in stub.ReadBlocks(request, timeout=timeout_s, metadata=self.node.peers.metadata):
-                yield message.first, list(message.blocks), list(message.crc32c)
+                yield wire.read_blocks_part(message)
         except grpc.RpcError as error:
             raise PeerCallFailed(describe(error)) from None
         except asyncio.CancelledError:
@@ -109,9 +94,8 @@ class PeerBlocks:
         stub = self.node.peers.stub(peer)
         if stub is None:
             return None
-        request = kvd_pb2.PinBlocksRequest(node=self.node.name, incarnation=self.node.member.incarnation,
-                                           namespace_id=namespace_id, packed_keys=b"".join(keys), first=first,
-                                           lease_ms=lease_ms)
+        request = wire.pin_blocks_request(self.node.name, self.node.member.incarnation, namespace_id, keys, first,
+                                          lease_ms)
         started = time.perf_counter()
         try:
             pin = await stub.PinBlocks(request, timeout=timeout_s, metadata=self.node.peers.metadata)
@@ -120,7 +104,7 @@ class PeerBlocks:
             return None
         log.debug("NIXL pin", extra={"peer": peer, "blocks": len(pin.offsets),
                                      "pin_ms": _elapsed_ms(started)})
-        return PeerPin(pin.lease_id, list(pin.offsets), pin.block_bytes, pin.arena_address, pin.grant)
+        return wire.peer_pin(pin)
 
     async def read(self, peer: str, pin: PeerPin, local: list[int], remote: list[int], length: int,
                    timeout_s: float) -> tuple[bool, asyncio.Future | None]:
@@ -139,15 +123,14 @@ class PeerBlocks:
         if stub is None:
             log.info("NIXL pins not released", extra={"peer": peer, "reason": "it is not a member"})
             return None
-        release = kvd_pb2.ReleasePinsRequest(node=self.node.name, incarnation=self.node.member.incarnation,
-                                             lease_id=lease_id)
+        release = wire.release_pins_request(self.node.name, self.node.member.incarnation, lease_id)
         try:
             response = await stub.ReleasePins(release, timeout=self.node.peers.timeout_s,
                                               metadata=self.node.peers.metadata)
         except grpc.RpcError as error:
             log.info("NIXL pins not released", extra={"peer": peer, "reason": describe(error)})
             return None
-        return list(response.crc32c)
+        return wire.released_checksums(response)
 
 
 def _elapsed_ms(started: float) -> float:

@@ -16,18 +16,39 @@ import asyncio
 import logging
 import random
 from collections import defaultdict
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
+from kvd.cluster import wire
 from kvd.cluster.directory import DirectoryShard, longest_prefixes
 from kvd.cluster.keys import KEY_BYTES, mask_keys, namespace_mask, rendezvous_ids, split
 from kvd.cluster.members import MemberView
 from kvd.cluster.placement import Rendezvous, packed_segment_starts
-from kvd.cluster.rpc import Peers, decode_answer, query_response
-from kvd.v1 import kvd_pb2
+from kvd.cluster.rpc import Peers, query_response
 
 log = logging.getLogger("kvd.cluster")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeMatch:
+    """How many leading blocks of a chain one node holds; `local`: this node."""
+
+    node: str
+    address: str
+    matched: int
+    local: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LookupAnswer:
+    """A lookup's answer (ClusterLookup's, kvd.server.convert): the nodes, most blocks first, and
+    how many of the chain's segments were asked and how many of those went unanswered."""
+
+    nodes: list[NodeMatch]
+    segments: int
+    segments_unanswered: int
 
 
 class ClusterRouter:
@@ -47,7 +68,7 @@ class ClusterRouter:
     def set_members(self, names: list[str]) -> None:
         self.owners = Rendezvous(names) if names else None
 
-    async def lookup(self, namespace_id: bytes, packed: bytes, local_matched: int) -> kvd_pb2.ClusterLookupResponse:
+    async def lookup(self, namespace_id: bytes, packed: bytes, local_matched: int) -> LookupAnswer:
         keys = mask_keys(packed, namespace_mask(namespace_id))
         starts = packed_segment_starts(keys, self.segment_blocks)
         bounds = list(zip(starts, [*starts[1:], len(keys) // KEY_BYTES]))
@@ -63,10 +84,10 @@ class ClusterRouter:
         for node, length in sorted(matched.items(), key=lambda item: (-item[1], item[0])):
             member = self.view.get(node)
             if member is not None:
-                nodes.append(kvd_pb2.NodeMatch(node=node, address=member.address, matched=length,
-                                               local=node == self.self_name))
-        return kvd_pb2.ClusterLookupResponse(nodes=nodes, segments=len(bounds),
-                                             segments_unanswered=sum(answer is None for answer in answers))
+                nodes.append(NodeMatch(node=node, address=member.address, matched=length,
+                                       local=node == self.self_name))
+        return LookupAnswer(nodes=nodes, segments=len(bounds),
+                            segments_unanswered=sum(answer is None for answer in answers))
 
     async def _ask_owners(self, keys: bytes, bounds: list[tuple[int, int]], answers: list) -> None:
         """One round of queries, one replica per segment; segments whose replica failed fast
@@ -108,17 +129,14 @@ class ClusterRouter:
             if stub is None:
                 return
             try:
-                response = await stub.DirectoryQuery(kvd_pb2.DirectoryQueryRequest(segments=request),
+                response = await stub.DirectoryQuery(wire.directory_query_request(request),
                                                      timeout=timeout_s, metadata=self.peers.metadata)
             except grpc.RpcError as error:
                 self.unanswered_queries += 1
                 log.warning("directory query failed", extra={"owner": owner, "code": str(error.code())})
                 return
-        if len(response.segments) != len(segments):
-            return
-        try:
-            decoded = [decode_answer(segment, response.nodes) for segment in response.segments]
-        except (ValueError, IndexError):
+        decoded = wire.query_answers(response, len(segments))
+        if decoded is None:
             return
         for i, answer in zip(segments, decoded):
             answers[i] = answer

@@ -11,6 +11,8 @@ the one that replaced it).
 
 `Peers` keeps one gRPC channel per live peer, opened on join and closed on
 leave, and makes the calls with the credential and a deadline.
+
+The messages of both are built and read in kvd.cluster.wire.
 """
 
 from __future__ import annotations
@@ -18,16 +20,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import struct
 from collections.abc import Callable, Sequence
 
 import grpc
 
+from kvd.cluster import wire
 from kvd.cluster.directory import DirectoryShard
-from kvd.cluster.keys import split
 from kvd.cluster.members import Member, MemberView
 from kvd.core.keys import KEY_BYTES
-from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 log = logging.getLogger("kvd.cluster")
 
@@ -39,39 +39,7 @@ MAX_UPDATE_KEYS = 1 << 18
 CLOSE_GRACE_S = 61.0
 
 
-def _packed(name: str, data: bytes, limit: int) -> list[bytes]:
-    if len(data) % KEY_BYTES:
-        raise ValueError(f"{name}: {len(data)} bytes is not a whole number of {KEY_BYTES}-byte keys")
-    if len(data) // KEY_BYTES > limit:
-        raise ValueError(f"{name}: {len(data) // KEY_BYTES} keys, at most {limit}")
-    return split(data)
-
-
-def encode_answer(answer: Sequence[Sequence[str]], names: dict[str, int], order: list[str]) -> kvd_pb2.SegmentHolders:
-    counts, holders = bytearray(), bytearray()
-    for key_holders in answer:
-        counts.append(len(key_holders))
-        for node in key_holders:
-            index = names.get(node)
-            if index is None:
-                index = names[node] = len(order)
-                order.append(node)
-            holders += struct.pack("<H", index)
-    return kvd_pb2.SegmentHolders(holder_counts=bytes(counts), holders=bytes(holders))
-
-
-def decode_answer(segment: kvd_pb2.SegmentHolders, nodes: Sequence[str]) -> list[tuple[str, ...]]:
-    indices = struct.unpack(f"<{len(segment.holders) // 2}H", segment.holders)
-    if sum(segment.holder_counts) != len(indices) or any(i >= len(nodes) for i in indices):
-        raise ValueError("a directory answer whose holder counts and indices disagree")
-    answer, at = [], 0
-    for count in segment.holder_counts:
-        answer.append(tuple(nodes[i] for i in indices[at:at + count]))
-        at += count
-    return answer
-
-
-class DirectoryServicer(kvd_pb2_grpc.ClusterServicer):
+class DirectoryServicer(wire.ClusterServicer):
     def __init__(self, shard: DirectoryShard, view: MemberView, secret: bytes, serves_nixl: Callable[[], bool]) -> None:
         self.shard = shard
         self.view = view
@@ -115,20 +83,20 @@ class DirectoryServicer(kvd_pb2_grpc.ClusterServicer):
                      if self.holder is not None else None)
         if checksums is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no pins of {request.node!r} under lease {request.lease_id}")
-        return kvd_pb2.ReleasePinsResponse(crc32c=checksums)
+        return wire.release_pins_response(checksums)
 
     async def DirectoryUpdate(self, request, context):
         await self._authenticate(context)
         await self._check_member(request, context)
         try:
-            stored = _packed("stored_keys", request.stored_keys, MAX_UPDATE_KEYS)
-            removed = _packed("removed_keys", request.removed_keys, MAX_UPDATE_KEYS)
+            stored = wire.packed_keys("stored_keys", request.stored_keys, MAX_UPDATE_KEYS)
+            removed = wire.packed_keys("removed_keys", request.removed_keys, MAX_UPDATE_KEYS)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if request.reset:
             self.shard.drop_node(request.node)
         applied = self.shard.remove(request.node, removed) + self.shard.add(request.node, stored)
-        return kvd_pb2.DirectoryUpdateResponse(applied=applied)
+        return wire.directory_update_response(applied)
 
     async def DirectoryQuery(self, request, context):
         await self._authenticate(context)
@@ -136,17 +104,15 @@ class DirectoryServicer(kvd_pb2_grpc.ClusterServicer):
         if total > MAX_QUERY_KEYS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{total} keys in one query, at most {MAX_QUERY_KEYS}")
         try:
-            segments = [_packed(f"segments[{i}]", data, MAX_QUERY_KEYS) for i, data in enumerate(request.segments)]
+            segments = [wire.packed_keys(f"segments[{i}]", data, MAX_QUERY_KEYS) for i, data in enumerate(request.segments)]
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return query_response(self.shard, segments)
 
 
-def query_response(shard: DirectoryShard, segments: Sequence[Sequence[bytes]]) -> kvd_pb2.DirectoryQueryResponse:
-    names: dict[str, int] = {}
-    order: list[str] = []
-    answers = [encode_answer(shard.query(keys), names, order) for keys in segments]
-    return kvd_pb2.DirectoryQueryResponse(nodes=order, segments=answers)
+def query_response(shard: DirectoryShard, segments: Sequence[Sequence[bytes]]):
+    """The DirectoryQueryResponse of this node's `shard` for `segments`, each a list of keys."""
+    return wire.directory_query_response([shard.query(keys) for keys in segments])
 
 
 class Peers:
@@ -163,7 +129,7 @@ class Peers:
         self.credentials = credentials
         self.metadata = ((SECRET_METADATA, secret.decode()),)
         self.timeout_s = timeout_s
-        self._stubs: dict[str, tuple[grpc.aio.Channel, kvd_pb2_grpc.ClusterStub]] = {}
+        self._stubs: dict[str, tuple[grpc.aio.Channel, wire.ClusterStub]] = {}
 
     def join(self, member: Member) -> None:
         if member.name == self.self_name:
@@ -173,7 +139,7 @@ class Peers:
             channel = grpc.aio.secure_channel(member.address, self.credentials, options=self.options)
         else:
             channel = grpc.aio.insecure_channel(member.address, options=self.options)
-        self._stubs[member.name] = (channel, kvd_pb2_grpc.ClusterStub(channel))
+        self._stubs[member.name] = (channel, wire.cluster_stub(channel))
 
     def leave(self, member: Member) -> None:
         entry = self._stubs.pop(member.name, None)
@@ -183,7 +149,7 @@ class Peers:
             # cancelled call raises CancelledError into the Get waiting on it.
             asyncio.get_running_loop().create_task(entry[0].close(grace=CLOSE_GRACE_S))
 
-    def stub(self, name: str) -> kvd_pb2_grpc.ClusterStub | None:
+    def stub(self, name: str) -> wire.ClusterStub | None:
         entry = self._stubs.get(name)
         return entry[1] if entry is not None else None
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvd.invariants import check
-from kvd.v1 import kvd_pb2
+from kvd.server import convert
 
 
 class LayerSteps:
@@ -28,14 +28,15 @@ class LayerSteps:
     def __init__(self, num_layers: int, matched: int, load_positions: Sequence[int], first_wait: int) -> None:
         self.num_layers = num_layers
 
-    def first(self, matched: int, pending: bool, **fields: object) -> kvd_pb2.GetLayersResponse:
-        return kvd_pb2.GetLayersResponse(matched=matched, layers_ready=0 if pending else self.num_layers, **fields)
+    def first(self, matched: int, pending: bool, **fields):
+        """`fields`: the first message's lease, offsets and tiers (and its cut, when it is the last too)."""
+        return convert.get_layers_response(matched, 0 if pending else self.num_layers, **fields)
 
-    def step(self, layer: int, servable: int) -> kvd_pb2.GetLayersResponse:
-        return kvd_pb2.GetLayersResponse(matched=servable, layers_ready=layer + 1)
+    def step(self, layer: int, servable: int):
+        return convert.get_layers_response(servable, layer + 1)
 
-    def last(self, matched: int, cut: int) -> kvd_pb2.GetLayersResponse:
-        return kvd_pb2.GetLayersResponse(matched=matched, layers_ready=self.num_layers, cut=cut)
+    def last(self, matched: int, cut: int):
+        return convert.get_layers_response(matched, self.num_layers, cut=cut)
 
 
 class BlockSteps:
@@ -54,16 +55,16 @@ class BlockSteps:
         # Blocks before the first one being read are in host memory already.
         self.ready = min([first_wait, matched, *self.load_positions[:1]])
 
-    def first(self, matched: int, pending: bool, **fields: object) -> kvd_pb2.GetBlocksResponse:
+    def first(self, matched: int, pending: bool, **fields):
         check(pending or self.ready == matched, "a GetBlocks with nothing to read has {} of {} blocks ready",
               self.ready, matched)
-        return kvd_pb2.GetBlocksResponse(matched=matched, blocks_ready=self.ready, **fields)
+        return convert.get_blocks_response(matched, self.ready, **fields)
 
-    def step(self, done: int, servable: int) -> kvd_pb2.GetBlocksResponse:
+    def step(self, done: int, servable: int):
         ready = self.load_positions[done] if done < len(self.load_positions) else self.matched
         self.ready = max(self.ready, min(ready, servable))
         check(self.ready <= servable, "GetBlocks reports {} blocks ready of {} servable", self.ready, servable)
-        return kvd_pb2.GetBlocksResponse(matched=servable, blocks_ready=self.ready)
+        return convert.get_blocks_response(servable, self.ready)
 
-    def last(self, matched: int, cut: int) -> kvd_pb2.GetBlocksResponse:
-        return kvd_pb2.GetBlocksResponse(matched=matched, blocks_ready=matched, cut=cut)
+    def last(self, matched: int, cut: int):
+        return convert.get_blocks_response(matched, matched, cut=cut)

@@ -14,10 +14,10 @@ import math
 from collections import OrderedDict
 
 from kvd.errors import InvalidArgument, NotFound
-from kvd.planner.plan import Plan, Request, plan
+from kvd.planner.plan import Request, plan
 from kvd.planner.profile import StepProfile
 from kvd.planner.search import DEFAULT_MAX_NODES, MAX_LAYERS, MAX_REQUESTS
-from kvd.v1 import kvd_pb2
+from kvd.server import convert
 
 MAX_NODES = 100_000
 DEFAULT_MAX_WINDOW = 64
@@ -51,7 +51,8 @@ class Planning:
         self._profiles.move_to_end((tenant, name))
         return profile
 
-    def _define(self, tenant: str, name: str, define: kvd_pb2.PlanProfile) -> StepProfile:
+    def _define(self, tenant: str, name: str, define) -> StepProfile:
+        """A profile named `name` from a PlanProfile message, `define`."""
         if not name:
             raise InvalidArgument("define needs a profile name")
         if not 1 <= define.layers <= MAX_LAYERS:
@@ -72,7 +73,8 @@ class Planning:
 
     # -- the calls
 
-    async def plan(self, request: kvd_pb2.PlanPlacementRequest, tenant: str) -> kvd_pb2.PlanPlacementResponse:
+    async def plan(self, request, tenant: str):
+        """PlanPlacement: a placement for `request` (a PlanPlacementRequest)."""
         requests = self._requests(request)
         compute, bandwidth = self._model(request, tenant, requests)
         if request.budget_bytes == 0:
@@ -88,9 +90,10 @@ class Planning:
                                          request.budget_bytes, max_window=max_window, max_nodes=max_nodes)
         self.plans += 1
         self.paused += len(result.paused)
-        return _response(result, compute, bandwidth)
+        return convert.plan_placement_response(result, compute, bandwidth)
 
-    def report(self, request: kvd_pb2.ReportStepRequest, tenant: str) -> kvd_pb2.ReportStepResponse:
+    def report(self, request, tenant: str):
+        """ReportStep: a step's `request` (a ReportStepRequest) observed into its profile."""
         profile = self._profile(tenant, request.profile)
         _positive(request.predicted_s, "predicted_s")
         _positive(request.observed_s, "observed_s")
@@ -98,13 +101,12 @@ class Planning:
         replan = profile.observe(request.predicted_s, request.observed_s, moved_bytes=request.moved_bytes,
                                  transfer_s=request.transfer_s)
         self.reports += 1
-        return kvd_pb2.ReportStepResponse(replan=replan, compute_scale=profile.compute_scale,
-                                          bandwidth_bps=profile.bandwidth_bps)
+        return convert.report_step_response(replan, profile)
 
     # -- checking a request
 
     @staticmethod
-    def _requests(request: kvd_pb2.PlanPlacementRequest) -> list[tuple[Request, int]]:
+    def _requests(request) -> list[tuple[Request, int]]:
         if len(request.requests) > MAX_REQUESTS:
             raise InvalidArgument(f"at most {MAX_REQUESTS} requests per plan, got {len(request.requests)}")
         out = []
@@ -116,7 +118,7 @@ class Planning:
                         entry.context_tokens))
         return out
 
-    def _model(self, request: kvd_pb2.PlanPlacementRequest, tenant: str,
+    def _model(self, request, tenant: str,
                requests: list[tuple[Request, int]]) -> tuple[tuple[float, ...], float]:
         """Per-layer compute seconds and bandwidth: the request's own, else its profile's."""
         profile = None
@@ -140,10 +142,3 @@ class Planning:
             raise InvalidArgument("give bandwidth_bps, or name a profile (and define it once)")
         return compute, bandwidth
 
-
-def _response(result: Plan, compute: tuple[float, ...], bandwidth: float) -> kvd_pb2.PlanPlacementResponse:
-    return kvd_pb2.PlanPlacementResponse(
-        distances=result.distances, paused=result.paused,
-        latency_s=result.latency_s if math.isfinite(result.latency_s) else 0.0, window_steps=result.window_steps,
-        gpu_bytes=result.gpu_bytes, fits=result.fits, meets_slo=result.meets_slo, exact=result.exact,
-        bound_s=result.bound_s, explored=result.explored, layer_compute_s=compute, bandwidth_bps=bandwidth)

@@ -6,7 +6,10 @@ Prefetch; reads: Gets; events; admin: Stats, Demote, ListNamespaces,
 DeleteNamespace; device: pools, SaveLayers, LoadLayers, placement
 planning; cluster: ClusterLookup, and the holder's side of the peers'
 ReadBlocks, PinBlocks and ReleasePins), each a part of this class; every
-Kvd call runs under kvd.server.rpc's wrapper.
+Kvd call runs under kvd.server.rpc's wrapper. It has every method of
+kvd.v1.Kvd (kvd.server.registration registers each from the service's
+descriptor, and a missing one stops the daemon's start), and builds its
+answers in kvd.server.convert.
 This module keeps what they share: the service's state, the tenant scope
 of every request, and the drain.
 
@@ -44,7 +47,6 @@ from kvd.server.handlers.events import EventHandlers
 from kvd.server.handlers.reads import ReadHandlers
 from kvd.server.planning import Planning
 from kvd.tiers.host import HostArena
-from kvd.v1 import kvd_pb2_grpc
 
 if TYPE_CHECKING:
     from kvd.planes.disk import DiskPlane
@@ -52,8 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class KvdService(BlockHandlers, ReadHandlers, EventHandlers, AdminHandlers, DeviceHandlers, ClusterHandlers,
-                 kvd_pb2_grpc.KvdServicer):
+class KvdService(BlockHandlers, ReadHandlers, EventHandlers, AdminHandlers, DeviceHandlers, ClusterHandlers):
     def __init__(
         self,
         engine: Engine,

@@ -4,6 +4,7 @@ every module's imports."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[2] / "kvd"
@@ -32,26 +33,36 @@ README = PACKAGE / "README.md"
 EVERYTHING = "anything"
 
 
+def table_rows() -> list[tuple[list[str], str]]:
+    """kvd/README.md's layer table: (the layers of a row, its "may import" cell as written)."""
+    rows = [line for line in README.read_text().splitlines() if line.startswith("| `kvd.")]
+    assert len(rows) >= 15, "kvd/README.md's layer table is gone"
+    table = []
+    for row in rows:
+        layers_cell, _, may, _ = [cell.strip() for cell in row.strip("|").split(" | ")]
+        table.append((layers_cell.replace("`", "").split(", "), may))
+    return table
+
+
 def written_allowances() -> dict[str, set[str]]:
     """kvd/README.md's layer table: each layer (kvd.x) -> the kvd layers its row says it may
     import (top-level names: "core", "v1", "_native", ...), or {EVERYTHING}."""
-    rows = [line for line in README.read_text().splitlines() if line.startswith("| `kvd.")]
-    assert len(rows) >= 15, "kvd/README.md's layer table is gone"
     top_level = {path.stem if path.is_file() else path.name for path in PACKAGE.iterdir()} | {"v1", "_native"}
     allowances: dict[str, set[str]] = {}
-    for row in rows:
-        layers_cell, _, may, _ = [cell.strip() for cell in row.strip("|").split(" | ")]
+    for layers, may in table_rows():
         allowed = _allowed_in(may, top_level)
-        for layer in layers_cell.replace("`", "").split(", "):
+        for layer in layers:
             allowances[layer] = allowed
     return allowances
 
 
 def _allowed_in(may: str, top_level: set[str]) -> set[str]:
+    may = re.sub(r" ?\([^)]*\)", "", may)  # what a grant is for, or narrowed to, is not a layer
     if may == "anything":
         return {EVERYTHING}
     if may.startswith("everything but "):
-        excluded = {name.strip() for name in may[len("everything but "):].replace(" and ", ", ").split(",")}
+        excluded = {name.strip().removeprefix("kvd.")
+                    for name in may[len("everything but "):].replace(" and ", ", ").split(",")}
         return {EVERYTHING, *(f"-{name}" for name in excluded)}
     allowed = set()
     for item in may.replace("`", "").split(","):
@@ -108,6 +119,11 @@ def test_the_table_forbids_what_it_should():
         assert not permits(allowances[layer], layer, target), (layer, target)
     assert permits(allowances["kvd.server"], "kvd.server", "planes")
     assert permits(allowances["kvd.daemon"], "kvd.daemon", "server")
+    assert not permits(allowances["kvd.daemon"], "kvd.daemon", "v1")
+    grants = generated_code_grants()
+    assert grants["kvd.server"] == ("kvd.server.convert", "kvd.server.registration"), grants
+    assert grants["kvd.cluster"] == ("kvd.cluster.wire",) and grants["kvd.client"] is None, grants
+    assert not {"kvd.core", "kvd.planes", "kvd.tiers", "kvd.daemon", "kvd.sim"} & grants.keys(), grants
 
 
 def test_the_core_is_pure():
@@ -133,18 +149,58 @@ def test_nothing_in_the_package_imports_the_simulator():
     assert importers == []
 
 
-def test_only_the_edges_import_generated_code():
-    importers = sorted(
-        module_name(path)
-        for path in PACKAGE.rglob("*.py")
-        if "v1" not in path.parts and any(name.startswith("kvd.v1") for name in imports_of(path))
-    )
-    # The connectors are clients too (the vLLM worker speaks Reserve/GetLayers itself), as is
-    # the command line (kvd status), and the cluster is the daemons' edge toward one another
-    # (kvd.v1.Cluster).
-    allowed_prefixes = ("kvd.server.", "kvd.client.", "kvd.connectors.", "kvd.daemon", "kvd.testing.",
-                        "kvd.cluster.", "kvd.cli.")
-    assert importers and all(name.startswith(allowed_prefixes) for name in importers), importers
+# A "may import" cell that grants kvd.v1 to some modules of its layer only: `kvd.v1 (only in `kvd.a.b` and ...)`.
+GENERATED_ONLY_IN = re.compile(r"kvd\.v1 \(only in ([^)]*)\)")
+
+
+def generated_code_grants() -> dict[str, tuple[str, ...] | None]:
+    """kvd/README.md's layer table on kvd.v1: each layer whose row grants it -> the modules its
+    "may import" cell narrows the grant to, or None where the whole layer may import it."""
+    allowances = written_allowances()
+    grants: dict[str, tuple[str, ...] | None] = {}
+    for layers, may in table_rows():
+        narrowed = GENERATED_ONLY_IN.search(may)
+        for layer in layers:
+            if permits(allowances[layer], layer, "v1"):
+                grants[layer] = tuple(re.findall(r"`(kvd\.[\w.]+)`", narrowed.group(1))) if narrowed else None
+    return grants
+
+
+def imports_generated_code(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(alias.name.startswith("kvd.v1") for alias in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (
+            (node.module or "").startswith("kvd.v1")
+            or (node.module == "kvd" and any(alias.name == "v1" for alias in node.names))
+        ):
+            return True
+    return False
+
+
+def within(name: str, modules: tuple[str, ...]) -> bool:
+    return any(name == module or name.startswith(module + ".") for module in modules)
+
+
+def test_only_the_modules_the_layer_table_names_import_generated_code():
+    """kvd.v1 is imported where kvd/README.md's table grants it and nowhere else: by the client-side
+    layers and the test harness, and in the daemon by the modules the table names (the server's
+    conversion and registration, the cluster's wire), each of which does import it."""
+    allowances, grants = written_allowances(), generated_code_grants()
+    importers = sorted(module_name(path) for path in PACKAGE.rglob("*.py")
+                       if "v1" not in path.relative_to(PACKAGE).parts and imports_generated_code(path))
+    refused = []
+    for name in importers:
+        layer = layer_of(name, allowances)
+        if layer not in grants:
+            refused.append(f"{name} imports kvd.v1, which the {layer} row does not grant")
+        elif grants[layer] is not None and not within(name, grants[layer]):
+            refused.append(f"{name} imports kvd.v1, which the {layer} row grants only to {', '.join(grants[layer])}")
+    assert refused == []
+    named = tuple(module for modules in grants.values() if modules for module in modules)
+    assert named, "no row of kvd/README.md's layer table narrows kvd.v1 to modules"
+    stale = [module for module in named if not any(within(name, (module,)) for name in importers)]
+    assert stale == [], f"kvd/README.md's table names modules that do not import kvd.v1: {stale}"
 
 
 def imports_native(path: Path) -> bool:

@@ -9,13 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvd import __version__
 from kvd.core.keys import KEY_BYTES, MAX_STRING_BYTES
 from kvd.core.namespaces import NamespaceState
 from kvd.errors import InvalidArgument, NotFound
 from kvd.server import convert
 from kvd.server.rpc import rpc
-from kvd.v1 import kvd_pb2
 
 
 log = logging.getLogger(__name__)
@@ -37,7 +35,7 @@ class AdminHandlers:
         demoted, payload = await self._demote()
         kept = self.engine.host.pool.resident_blocks
         log.info("Demote: %d host copies dropped (%d bytes), %d kept", demoted, payload, kept)
-        return kvd_pb2.DemoteResponse(blocks_demoted=demoted, bytes_demoted=payload, blocks_kept=kept)
+        return convert.demote_response(demoted, payload, kept)
 
     async def _demote(self) -> tuple[int, int]:
         """The candidates of now, DEMOTE_STEP_BLOCKS at a time, other calls running between steps."""
@@ -51,40 +49,9 @@ class AdminHandlers:
 
     @rpc("Stats")
     async def Stats(self, request, context):
-        engine = self.engine
-        return kvd_pb2.StatsResponse(
-            version=__version__,
-            instance_id=self.arena.instance_id,
-            uptime_s=(self.clock.now_ms() - self.started_ms) / 1000.0,
-            tiers=[
-                kvd_pb2.TierStats(
-                    tier=int(tier.tier_id),
-                    blocks=tier.pool.resident_blocks,
-                    bytes_used=tier.pool.occupied_bytes,
-                    payload_bytes=tier.pool.used_bytes,
-                    capacity_bytes=tier.pool.capacity_bytes,
-                    # Pins hold blocks where clients map them.
-                    pinned_blocks=engine.pinned_blocks if tier.caps.client_mappable else 0,
-                    evictions=tier.counters.evictions,
-                )
-                for tier in engine.tiers
-            ],
-            namespaces=[
-                kvd_pb2.NamespaceStats(
-                    namespace_id=state.namespace_id,
-                    model_id=state.spec.model_id,
-                    tenant=state.spec.tenant,
-                    blocks=len(state.index),
-                    block_bytes=state.block_bytes,
-                    hits=state.hits,
-                    misses=state.misses,
-                )
-                for state in engine.namespaces()
-            ],
-            leases=len(engine.leases),
-            leases_expired=engine.leases.expired_total,
-            metrics=convert.metric_samples(self.metrics.registry) if request.include_metrics else [],
-        )
+        uptime_s = (self.clock.now_ms() - self.started_ms) / 1000.0
+        return convert.stats_response(self.engine, self.arena.instance_id, uptime_s,
+                                      self.metrics.registry if request.include_metrics else None)
 
     @rpc("ListNamespaces")
     async def ListNamespaces(self, request, context):
@@ -101,7 +68,7 @@ class AdminHandlers:
                 count.step(USAGE_STEP_BLOCKS)
                 await asyncio.sleep(0)
             listed.append(convert.namespace_info(state, count.usage))
-        return kvd_pb2.ListNamespacesResponse(namespaces=listed)
+        return convert.list_namespaces_response(listed)
 
     @rpc("DeleteNamespace")
     async def DeleteNamespace(self, request, context):
@@ -118,7 +85,7 @@ class AdminHandlers:
         log.info("DeleteNamespace: %d blocks deleted, %d pinned ones kept", deletion.deleted, deletion.pinned,
                  extra={"namespace": state.namespace_id.hex(), "model_id": state.spec.model_id,
                         "tenant": state.spec.tenant, "caller": caller.name if caller is not None else ""})
-        return kvd_pb2.DeleteNamespaceResponse(deleted=deletion.deleted, pinned=deletion.pinned)
+        return convert.delete_namespace_response(deletion.deleted, deletion.pinned)
 
     def _namespace_by_daemon_id(self, daemon_id: bytes) -> NamespaceState:
         """Any tenant's namespace, by the daemon's id of it (NamespaceInfo.namespace_id)."""

@@ -12,7 +12,7 @@ import logging
 
 from kvd import arena_protocol
 from kvd.core.block import NO_SLOT
-from kvd.core.engine import CommitRequest, KeysRequest, ReserveStatus
+from kvd.core.engine import CommitRequest, KeysRequest, ReserveStatus, TierId
 from kvd.core.quota import QuotaExceeded
 from kvd.errors import (NOT_IN_A_CLUSTER, FailedPrecondition, InvalidArgument, NotDurable, PermissionDenied,
                         PinCapExceeded, ResourceExhausted, Unavailable)
@@ -20,7 +20,6 @@ from kvd.invariants import check
 from kvd.planner.load_time import load_seconds
 from kvd.server import convert
 from kvd.server.rpc import rpc
-from kvd.v1 import kvd_pb2
 
 
 log = logging.getLogger(__name__)
@@ -60,22 +59,13 @@ class BlockHandlers:
                     "slot_use_percent": round(100.0 * state.block_bytes / slot_bytes, 1),
                 },
             )
-        return kvd_pb2.RegisterNamespaceResponse(
-            namespace_id=state.public_id, block_bytes=state.block_bytes, layer_bytes=state.spec.layer_bytes
-        )
+        return convert.register_namespace_response(state)
 
     @rpc("ArenaInfo")
     async def ArenaInfo(self, request, context):
-        layout = self.arena.layout
-        return kvd_pb2.ArenaInfoResponse(
-            arena_socket=self.arena_socket,
-            arena_bytes=layout.arena_bytes,
-            slot_bytes=layout.slot_bytes,
-            slot_count=layout.slot_count,
-            class_bytes=[slot_class.slot_bytes for slot_class in self.engine.host.pool.classes],
-            instance_id=self.arena.instance_id,
-            max_message_bytes=self.max_message_bytes,
-        )
+        return convert.arena_info_response(self.arena_socket, self.arena.layout,
+                                           [slot_class.slot_bytes for slot_class in self.engine.host.pool.classes],
+                                           self.arena.instance_id, self.max_message_bytes)
 
     @rpc("Lookup")
     async def Lookup(self, request, context):
@@ -85,22 +75,20 @@ class BlockHandlers:
         tier = self.device_plane.tier if self.device_plane is not None else None
         if tier is not None and len(tier):  # copies in the device tier, above host memory
             held = tier.holds(request.namespace_id, keys, matched)
-            tiers = bytes(kvd_pb2.TIER_DEVICE if hit else level for hit, level in zip(held, tiers))
+            tiers = bytes(TierId.DEVICE if hit else level for hit, level in zip(held, tiers))
         if request.include_remote:
             tiers += await self._remote_tiers(request, keys, len(matched))
-        response = kvd_pb2.LookupResponse(matched=len(tiers), tiers=tiers)
-        if request.load_times:
-            response.load_s.extend(self._load_seconds(request.namespace_id, tiers).tolist())
-        return response
+        load_s = self._load_seconds(request.namespace_id, tiers).tolist() if request.load_times else []
+        return convert.lookup_response(tiers, load_s)
 
     def _load_seconds(self, namespace_id: bytes, tiers: bytes):
         """LookupResponse.load_s: from the drives' queue and recent read rate, and the recent rate
         of remote fetches (kvd.planner.load_time)."""
         io = self.disk_plane.io if self.disk_plane is not None else None
         fetch = self.cluster_fetch
-        rates = {kvd_pb2.TIER_DISK: io.read_rate.bytes_per_s if io is not None else None,
-                 kvd_pb2.TIER_REMOTE: fetch.rate.bytes_per_s if fetch is not None else None}
-        queued = {kvd_pb2.TIER_DISK: io.queued_read_bytes() if io is not None else 0}
+        rates = {TierId.DISK: io.read_rate.bytes_per_s if io is not None else None,
+                 TierId.REMOTE: fetch.rate.bytes_per_s if fetch is not None else None}
+        queued = {TierId.DISK: io.queued_read_bytes() if io is not None else 0}
         return load_seconds(tiers, self.engine.namespace(namespace_id).spec.block_bytes, queued, rates)
 
     async def _remote_tiers(self, request, keys, local: int) -> bytes:
@@ -113,7 +101,7 @@ class BlockHandlers:
             return b""
         answer = await self.cluster.lookup(request.namespace_id, b"".join(chain) + b"".join(keys), len(chain) + local)
         remote = max((node.matched for node in answer.nodes if not node.local), default=0) - len(chain)
-        return bytes([kvd_pb2.TIER_REMOTE]) * max(0, remote - local)
+        return bytes([TierId.REMOTE]) * max(0, remote - local)
 
     def _chain_before(self, request) -> list[bytes] | None:
         """The stored chain a request's keys continue, root first: [] for keys from the root, None
@@ -153,25 +141,20 @@ class BlockHandlers:
     async def Reserve(self, request, context):
         self._check_arena(request)
         result = await self._reserve(request, request.lease_ms)
-        return kvd_pb2.ReserveResponse(
-            lease_id=result.lease.lease_id if result.lease else 0,
-            lease_deadline_ms=result.lease.deadline_ms if result.lease else 0,
-            statuses=[int(status) for status in result.statuses],
-            offsets=self._reserved_offsets(result.slots),
-        )
+        return convert.reserve_response(result, self._reserved_offsets(result.slots))
 
     @rpc("Commit")
     async def Commit(self, request, context):
-        convert.ack_supported(request.ack, self.disk_plane is not None)
+        durable_ack = convert.durable_ack(request.ack, self.disk_plane is not None)
         committed = self.engine.commit(CommitRequest(
             request.namespace_id, request.client_id, request.lease_id, self.clock.now_ms(),
             keys=request.keys, abort_keys=request.abort_keys))
-        durable = committed.blocks if request.ack == kvd_pb2.ACK_DURABLE else []
+        durable = committed.blocks if durable_ack else []
         if durable:
             await self._make_durable(durable, len(durable), context)  # which wakes the writer
         elif self.disk_plane is not None:
             self.disk_plane.wake()  # the write-back starts now
-        return kvd_pb2.CommitResponse(sealed=committed.sealed, aborted=committed.aborted, durable=len(durable))
+        return convert.commit_response(committed, len(durable))
 
     async def _make_durable(self, blocks, requested: int, context) -> None:
         """Wait until `blocks` (the leading ones of the `requested` blocks a
@@ -193,7 +176,7 @@ class BlockHandlers:
 
     @rpc("PutInline")
     async def PutInline(self, request, context):
-        convert.ack_supported(request.ack, self.disk_plane is not None)
+        durable_ack = convert.durable_ack(request.ack, self.disk_plane is not None)
         state = self.engine.namespace(request.namespace_id)
         if len(request.blocks) != len(request.keys):
             raise InvalidArgument(f"{len(request.keys)} keys but {len(request.blocks)} blocks; send one block per key")
@@ -215,17 +198,16 @@ class BlockHandlers:
             sealed, _, _ = self.engine.commit(CommitRequest(request.namespace_id, request.client_id,
                                                          result.lease.lease_id, now_ms))
         durable = 0
-        if self.disk_plane is not None and request.ack != kvd_pb2.ACK_DURABLE:
+        if self.disk_plane is not None and not durable_ack:
             self.disk_plane.wake()  # a durable wait wakes the writer itself
-        if request.ack == kvd_pb2.ACK_DURABLE:
+        if durable_ack:
             # Every key, those already stored too: a retry must be as durable as the first try.
             stored = self.engine.stored(request.namespace_id, list(request.keys), request.parent_key)
             await self._make_durable(stored, len(request.keys), context)
             if len(stored) < len(request.keys):
                 raise _not_stored(result.statuses, len(stored), len(request.keys))
             durable = len(stored)
-        return kvd_pb2.PutInlineResponse(statuses=[int(status) for status in result.statuses], sealed=sealed,
-                                         durable=durable)
+        return convert.put_inline_response(result.statuses, sealed, durable)
 
     @rpc("MakeDurable")
     async def MakeDurable(self, request, context):
@@ -237,7 +219,7 @@ class BlockHandlers:
         if len(stored) < len(keys):
             raise NotDurable("NOT_FOUND", f"keys[{len(stored)}:{len(keys)}] are not stored (the first {len(stored)} "
                              "are durable); Put them first", len(stored), len(keys))
-        return kvd_pb2.MakeDurableResponse(durable=len(stored))
+        return convert.make_durable_response(len(stored))
 
     def _reserved_offsets(self, slots: list[int]) -> list[int]:
         """Arena offsets of a reservation's slots (0 where the key got none)."""
@@ -249,18 +231,18 @@ class BlockHandlers:
     @rpc("Release")
     async def Release(self, request, context):
         released = self.engine.release(request.client_id, request.lease_ids)
-        return kvd_pb2.ReleaseResponse(released=released)
+        return convert.release_response(released)
 
     @rpc("Renew")
     async def Renew(self, request, context):
         deadline_ms = self.engine.renew(request.client_id, request.lease_id, request.lease_ms, self.clock.now_ms())
-        return kvd_pb2.RenewResponse(lease_deadline_ms=deadline_ms)
+        return convert.renew_response(deadline_ms)
 
     @rpc("Delete")
     async def Delete(self, request, context):
         deleted, pinned = self.engine.delete(request.namespace_id, request.keys)
         await self._deletions_durable(deleted)
-        return kvd_pb2.DeleteResponse(deleted=deleted, pinned=pinned)
+        return convert.delete_response(deleted, pinned)
 
     async def _deletions_durable(self, deleted: int, what_else: str = "") -> None:
         """Return once no restart can bring back the `deleted` blocks the engine has just

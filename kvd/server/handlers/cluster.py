@@ -32,13 +32,14 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from kvd.cluster import wire
 from kvd.cluster.keys import split
 from kvd.core.lease_use import ReadPin
+from kvd.core.requests import KeysRequest
 from kvd.errors import FailedPrecondition, KvdError
 from kvd.io.checksum import crc32c_chunks, crc32c_of_buffers
 from kvd.server import convert
 from kvd.server.rpc import rpc
-from kvd.v1 import kvd_pb2
 
 CHUNK_BYTES = 8 << 20
 PEER_CLIENT_PREFIX = "kvd-cluster-peer:"
@@ -61,7 +62,8 @@ class ClusterHandlers:
             raise FailedPrecondition("this kvd is not in a cluster ([cluster] etcd_endpoints is empty)")
         keys = convert.cluster_lookup_keys(request, self.engine.limits.max_batch_keys)
         local = self.engine.lookup(request.namespace_id, keys)
-        return await self.cluster.lookup(request.namespace_id, request.packed_keys, len(local))
+        answer = await self.cluster.lookup(request.namespace_id, request.packed_keys, len(local))
+        return convert.cluster_lookup_response(answer)
 
     # -- the holder ---------------------------------------------------------------
 
@@ -73,9 +75,9 @@ class ClusterHandlers:
             keys = split(request.packed_keys)
             if len(request.packed_keys) % 32 or not keys or request.first >= len(keys):
                 raise ValueError("packed_keys must be whole 32-byte keys, and first inside them")
-            get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, keys=keys[request.first:],
-                                     parent_key=keys[request.first - 1] if request.first else b"",
-                                     lease_ms=request.lease_ms)
+            get = KeysRequest(request.namespace_id, PEER_CLIENT_PREFIX + request.node, keys[request.first:],
+                              request.lease_ms, self.clock.now_ms(),
+                              parent_key=keys[request.first - 1] if request.first else b"")
             lease, _, _, _, offsets = await self._pinned_prefix(get, PEER_CLIENT_PREFIX + request.node)
         except KvdError as error:
             await context.abort(convert.status_of(error), error.message)
@@ -92,11 +94,11 @@ class ClusterHandlers:
             for start in range(0, len(offsets), per_message):
                 blocks, crcs = await asyncio.to_thread(copied_blocks, self.arena, offsets[start:start + per_message],
                                                        spec)
-                yield kvd_pb2.ReadBlocksResponse(first=request.first + start, blocks=blocks, crc32c=crcs.ravel().tolist())
+                yield wire.read_blocks_response(request.first + start, blocks, crcs.ravel().tolist())
         finally:
             pin.release()
 
-    async def pin_blocks_for_peer(self, request, context) -> kvd_pb2.PinBlocksResponse:
+    async def pin_blocks_for_peer(self, request, context):
         """PinBlocks: pin blocks for a peer's one-sided READ until it releases them or lease_ms passes.
         Their CRC-32Cs are computed under the pins, on a worker thread while the peer READs, and
         handed over by `release_pins_of_peer`."""
@@ -105,7 +107,7 @@ class ClusterHandlers:
         lease = pin.lease
         if lease is None or not offsets:
             pin.release()
-            return kvd_pb2.PinBlocksResponse(block_bytes=spec.block_bytes)
+            return wire.pin_blocks_response(spec.block_bytes)
         # The peer READs through the namespace's tenant's own view of the arena (see nixl_transport).
         view = arena.tenant_view(spec.tenant)
         try:
@@ -119,8 +121,8 @@ class ClusterHandlers:
         self.cluster.transport.serving(+1)
         loop.call_later(max(lease.deadline_ms - self.clock.now_ms(), 0) / 1000 + 0.1,
                         self._expire_peer_pins, lease.lease_id)
-        return kvd_pb2.PinBlocksResponse(lease_id=lease.lease_id, offsets=offsets, block_bytes=spec.block_bytes,
-                                         arena_address=view, grant=grant)
+        return wire.pin_blocks_response(spec.block_bytes, lease_id=lease.lease_id, offsets=offsets, arena_address=view,
+                                        grant=grant)
 
     async def release_pins_of_peer(self, node: str, lease_id: int) -> list[int] | None:
         """ReleasePins: end a peer's pins; their CRC-32Cs, or None when they are not (or no longer)

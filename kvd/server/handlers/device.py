@@ -14,13 +14,14 @@ import numpy as np
 from kvd.core.block import NO_SLOT
 from kvd.core.engine import ReserveStatus
 from kvd.core.lease_use import Fill, FillPhase, ReadPin
+from kvd.core.reads import GetCut
 from kvd.core.requests import KeysRequest
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError
 from kvd.invariants import check
 from kvd.planner.distance import NONE
 from kvd.tiers.host import DEFAULT_TENANT
+from kvd.server import convert
 from kvd.server.rpc import rpc
-from kvd.v1 import kvd_pb2
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +52,12 @@ class DeviceHandlers:
         ring_fds = self.disk_plane.segment_fds() if request.io_ring and self.disk_plane is not None else None
         pool = plane.register(request, spec.num_layers, spec.layer_bytes, self.clock.now_ms(), self._tenant_name(),
                               ring_fds)
-        return kvd_pb2.RegisterPoolResponse(pool_id=pool.pool_id, lease_deadline_ms=pool.deadline_ms,
-                                            flag_words=pool.flag_words,
-                                            ring_token=pool.ring.token if pool.ring is not None else "")
+        return convert.register_pool_response(pool)
 
     @rpc("UnregisterPool")
     async def UnregisterPool(self, request, context):
         await self._device_plane().unregister(request.client_id, request.pool_id)
-        return kvd_pb2.UnregisterPoolResponse()
+        return convert.unregister_pool_response()
 
     def _device_pool(self, request, flags: dict[str, int]):
         plane = self._device_plane()
@@ -88,8 +87,7 @@ class DeviceHandlers:
                 fill.abandon(self.clock.now_ms())
             raise
         stored = self._commit_saved(fill, len(keys))
-        return kvd_pb2.SaveLayersResponse(statuses=[int(status) for status in result.statuses], stored=stored,
-                                          done_value=done)
+        return convert.save_layers_response(result.statuses, stored, done)
 
     def _commit_saved(self, fill: Fill | None, copied: int) -> int:
         """Seal the `copied` blocks a SaveLayers reserved, all of them; refused by name when its lease
@@ -108,8 +106,8 @@ class DeviceHandlers:
     @rpc("LoadLayers")
     async def LoadLayers(self, request, context):
         plane, pool, pages = self._device_pool(request, {"kvd_flag": request.kvd_flag})
-        get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, client_id=request.client_id,
-                                 keys=request.keys, parent_key=request.parent_key)
+        get = KeysRequest(request.namespace_id, request.client_id, list(request.keys), 0, self.clock.now_ms(),
+                          parent_key=request.parent_key)
         await self._fetch_remote(get)
         if pool.ring is not None:
             return await self._load_in_place(plane, pool, pages, request)
@@ -127,7 +125,7 @@ class DeviceHandlers:
         except BaseException:
             landed()
             raise
-        return _load_response(len(matched), done, from_tier, tiers, cut)
+        return convert.load_layers_response(len(matched), done, from_tier, tiers, cut)
 
     def _close_when_landed(self, pin: ReadPin, staged=()):
         """What ends a load's lease (held by `pin`) once its copies have landed (the Get's pins go
@@ -159,7 +157,7 @@ class DeviceHandlers:
             getting.cancel()
             landed()
             raise
-        return _load_response(len(matched), done, from_tier, life.tiers, plan.cut)
+        return convert.load_layers_response(len(matched), done, from_tier, life.tiers, plan.cut)
 
     async def _load_in_place(self, plane, pool, pages, request):
         """A pool with an I/O ring: blocks in host memory are copied by kvd as for any load (the
@@ -187,20 +185,17 @@ class DeviceHandlers:
                 landed()  # the ring's part never started: its end never comes
             landed()
             raise
-        response = _load_response(len(matched), done, [False] * len(matched), self.engine.tier_bytes(matched),
-                                  kvd_pb2.GET_CUT_NONE)
-        response.by_ring.extend(by_ring.tolist())
-        if ring is not None:
-            response.ring_reads, response.ring_blocks = ring.rows.astype("<u8").tobytes(), ring.blocks
-        return response
+        return convert.load_layers_response(len(matched), done, [False] * len(matched),
+                                            self.engine.tier_bytes(matched), GetCut.NONE, by_ring=by_ring.tolist(),
+                                            ring=ring)
 
     def _check_bad_reads(self, request, bad_keys: list[bytes]) -> None:
         """Blocks a ring read of which failed (the drive, or the bytes' CRC-32C) are read once more
         through kvd's own path, which drops a block that fails its checksum (with the chain under
         it), journals that and counts it: the index never keeps offering a block it cannot serve."""
         last = list(request.keys).index(bad_keys[-1])
-        get = kvd_pb2.GetRequest(namespace_id=request.namespace_id, client_id=request.client_id,
-                                 keys=request.keys[:last + 1], parent_key=request.parent_key)
+        get = KeysRequest(request.namespace_id, request.client_id, list(request.keys[:last + 1]), 0,
+                          self.clock.now_ms(), parent_key=request.parent_key)
 
         async def reread() -> None:
             try:
@@ -222,12 +217,6 @@ def _after(count: int, then):
         if not left[0]:
             then()
     return one
-
-
-def _load_response(matched: int, done: int, from_tier: list[bool], tiers: bytes, cut) -> kvd_pb2.LoadLayersResponse:
-    """A LoadLayers' answer: each block's tier before the load, the device tier's where it came from there."""
-    tiers = bytes(kvd_pb2.TIER_DEVICE if hit else tier for hit, tier in zip(from_tier, tiers))
-    return kvd_pb2.LoadLayersResponse(matched=matched, done_value=done, tiers=tiers, cut=cut)
 
 
 def _offload_distance(distance: int, layers: int) -> int:

@@ -11,7 +11,6 @@ import asyncio
 from kvd.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvd.server import convert
 from kvd.server.rpc import stream_rpc
-from kvd.v1 import kvd_pb2
 
 
 # Events a subscriber takes from the ring at a time: what it holds while
@@ -38,7 +37,7 @@ class EventHandlers:
             raise ResourceExhausted(f"too many event subscribers (max {self.max_subscribers}); close a watch first")
         last = events.last_sequence(namespace_id)
         if request.instance_id and request.instance_id != self.arena.instance_id:
-            yield self._resync(public_id, last, kvd_pb2.RESYNC_REASON_INSTANCE_CHANGED)
+            yield self._resync(public_id, last, "instance_changed")
             return
         if request.from_sequence > last + 1:
             raise InvalidArgument(
@@ -47,25 +46,18 @@ class EventHandlers:
             )
         next_sequence = request.from_sequence or last + 1
         if next_sequence < events.first_sequence(namespace_id):
-            yield self._resync(public_id, last, kvd_pb2.RESYNC_REASON_SEQUENCE_TOO_OLD)
+            yield self._resync(public_id, last, "sequence_too_old")
             return
         self._subscribe(+1)
         try:
-            yield kvd_pb2.KvEvent(
-                kind=kvd_pb2.KV_EVENT_KIND_WATCHING,
-                sequence=next_sequence - 1,
-                namespace_id=public_id,
-                instance_id=self.arena.instance_id,
-            )
+            yield convert.watching_event(next_sequence - 1, public_id, self.arena.instance_id)
             while True:
                 published = self._events_published
                 if self._draining:
                     raise Unavailable("kvd is draining; watch again once it is back, from a new snapshot")
                 batch = events.read(namespace_id, next_sequence, WATCH_READ_EVENTS)
                 if batch is None:
-                    yield self._resync(
-                        public_id, events.last_sequence(namespace_id), kvd_pb2.RESYNC_REASON_SUBSCRIBER_TOO_SLOW
-                    )
+                    yield self._resync(public_id, events.last_sequence(namespace_id), "subscriber_too_slow")
                     return
                 if not batch:
                     await published.wait()
@@ -89,24 +81,13 @@ class EventHandlers:
         finally:
             build.close()
         for part in build.parts(SNAPSHOT_PART_BLOCKS):
-            yield kvd_pb2.EventSnapshotResponse(
-                instance_id=self.arena.instance_id,
-                sequence=build.sequence,
-                block_count=build.block_count,
-                keys=part.keys,
-                parent_keys=part.parent_keys,
-                tiers=part.tiers,
-            )
+            yield convert.event_snapshot_response(self.arena.instance_id, build.sequence, build.block_count, part)
 
-    def _resync(self, namespace_id: bytes, sequence: int, reason: int) -> kvd_pb2.KvEvent:
-        self.metrics.event_resyncs.labels(kvd_pb2.ResyncReason.Name(reason)[len("RESYNC_REASON_"):].lower()).inc()
-        return kvd_pb2.KvEvent(
-            kind=kvd_pb2.KV_EVENT_KIND_RESYNC_REQUIRED,
-            sequence=sequence,
-            namespace_id=namespace_id,
-            instance_id=self.arena.instance_id,
-            resync_reason=reason,
-        )
+    def _resync(self, namespace_id: bytes, sequence: int, reason: str):
+        """The message that ends a watch: start over from a snapshot, for `reason` (sequence_too_old,
+        subscriber_too_slow, instance_changed: kvd_event_resyncs_total's label)."""
+        self.metrics.event_resyncs.labels(reason).inc()
+        return convert.resync_event(namespace_id, sequence, reason, self.arena.instance_id)
 
     def _subscribe(self, change: int) -> None:
         self._subscribers += change

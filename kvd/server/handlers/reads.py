@@ -16,10 +16,10 @@ from kvd.core.lease_use import ReadPin
 from kvd.core.reads import GetCut
 from kvd.errors import FailedPrecondition, ResourceExhausted
 from kvd.invariants import check
+from kvd.server import convert
 from kvd.server.auth import scoped_client_id
 from kvd.server.get_stream import BlockSteps, LayerSteps
 from kvd.server.rpc import rpc, stream_rpc
-from kvd.v1 import kvd_pb2
 
 
 # A Get short of host slots waits this long for one write-back batch, then takes what it can.
@@ -120,17 +120,10 @@ class ReadHandlers:
                 blocks = [self.arena.read_at(offset, state.block_bytes) for offset in offsets]
             finally:
                 pin.release()
-            return kvd_pb2.GetResponse(matched=len(matched), blocks=blocks, tiers=tiers, cut=cut)
+            return convert.inline_get_response(len(matched), blocks, tiers, cut)
         self._check_arena(request)
         lease, matched, tiers, cut, offsets = await self._pinned_prefix(request, request.client_id)
-        return kvd_pb2.GetResponse(
-            matched=len(matched),
-            lease_id=lease.lease_id if lease else 0,
-            lease_deadline_ms=lease.deadline_ms if lease else 0,
-            offsets=self._offsets(lease, offsets),
-            tiers=tiers,
-            cut=cut,
-        )
+        return convert.get_response(len(matched), lease, self._offsets(lease, offsets), tiers, cut)
 
     @staticmethod
     def _offsets(lease, offsets: list[int]) -> list[int]:
