@@ -44,7 +44,7 @@ def engine(args):
                                     kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     # KV events on (published nowhere): the connector's events are captured below.
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if args.kvd else None
-    return LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=not args.compile,
+    return LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=not args.compile,
                block_size=BLOCK_SIZE, max_model_len=4096, seed=0, kv_transfer_config=transfer,
                kv_events_config=events, distributed_executor_backend="uni", gpu_memory_utilization=0.5)
 
@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--hooks", default="", help="comma-separated, one per prompt (see vllm_hooks.py)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--compile", action="store_true", help="without enforce_eager")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--reset", action="store_true", help="reset vLLM's own prefix cache before each prompt")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
@@ -89,7 +90,7 @@ def main() -> None:
     report = {"results": results, "connector": connector_report(),
               "compilation": {"mode": compilation.mode.name, "cudagraph_mode": compilation.cudagraph_mode.name,
                               "backend": compilation.backend}}
-    if args.kvd:
+    if args.kvd and report["connector"].get("enabled", True):
         report["events"] = events_report(llm, published, report["connector"]["totals"]["saved_blocks"])
     Path(args.out).write_text(json.dumps(report))
 
