@@ -157,7 +157,7 @@ class VllmRun:
             raise
         assert code == 0, f"vLLM exited with {code}:\n{self.log.read_text(errors='replace')[-5000:]}"
         report = json.loads(self.out.read_text())
-        if report["connector"]:
+        if report["connector"].get("enabled"):
             IDENTITY.update(model_id=report["connector"]["model_id"],
                             model_revision=report["connector"]["model_revision"])
         return report

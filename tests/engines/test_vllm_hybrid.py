@@ -7,25 +7,33 @@ layers attend to part of it only. One vLLM serves prompt A, storing the
 prefix through kvd, then (its own prefix cache reset) prompt B, which must
 load the prefix from kvd and answer exactly as vLLM alone.
 
-The connector does not declare vLLM's SupportsHMA, so vLLM serves the model
-with its hybrid KV cache manager off: every layer, local or global, keeps
-its KV for the whole prompt, and kvd stores and loads all of it. vLLM logs
-that it sees a hybrid model and has turned the manager off; the test checks
-both lines, so it fails if the model stops being hybrid in vLLM's eyes.
+The connector declares vLLM's SupportsHMA, so vLLM keeps its hybrid KV
+cache manager on: a block table per KV cache group (here four: one global,
+three windowed), the windowed groups' blocks dropped once the window has
+left them. kvd stores each position as one block of every layer and loads
+a windowed layer only where its group still has a block; the worker's log
+line names the groups, so the test fails if vLLM stops treating the model
+as hybrid.
+
+A model with state-space layers (LFM2's short convolutions) keeps per-request
+state, not blocks: with kvd configured vLLM must still start and serve it,
+the connector saying on the worker why it stays out.
 """
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
-from kvd.testing import tiny_gemma3, tiny_llama
+from kvd.testing import tiny_gemma3, tiny_hybrids, tiny_llama
 from tests.engines.test_vllm_connector import BLOCK, LOGPROB_TOLERANCE, Kvd, VllmRun, same_answer
 
 pytestmark = pytest.mark.slow
 
 PREFIX_TOKENS = 1100  # 8 full blocks shared by A and B, past the 256-token window
-HYBRID_SEEN = "Hybrid KV cache manager is disabled for this hybrid model"
+GROUPED = "kvd connector: 4 layers in 4 KV cache groups (3 windowed)"
 
 
 def prompts() -> dict[str, list[int]]:
@@ -53,7 +61,7 @@ def test_a_sliding_window_model_loads_its_prefix_from_kvd_and_answers_exactly(en
     served = VllmRun(engine_python, gemma3, tmp_path / "kvd", [prompts()["A"], prompts()["B"]], target=daemon.target,
                      reset=True).report()
     log = (tmp_path / "kvd" / "vllm.log").read_text(errors="replace")
-    assert HYBRID_SEEN in log and "Turning off hybrid kv cache manager" in log
+    assert GROUPED in log and "Turning off hybrid kv cache manager" not in log
 
     result, totals = served["results"][1], served["connector"]["totals"]
     assert same_answer(result, reference.report()["results"][0]) <= LOGPROB_TOLERANCE
@@ -62,3 +70,11 @@ def test_a_sliding_window_model_loads_its_prefix_from_kvd_and_answers_exactly(en
     assert totals["loaded_blocks"] == shared and totals["load_errors"] == 0
     # A's full blocks, then B's one new block.
     assert totals["saved_blocks"] == len(prompts()["A"]) // BLOCK + len(prompts()["B"]) // BLOCK - shared
+
+
+def test_a_state_space_hybrid_still_serves_with_kvd_configured(engine_python, daemon, tmp_path):
+    model = tiny_hybrids.build("lfm2", tmp_path / "lfm2")
+    served = VllmRun(engine_python, model, tmp_path / "kvd", [prompts()["A"]], target=daemon.target).report()
+    assert len(served["results"][0]["tokens"]) == 8 and served["connector"] == {"enabled": False}
+    log = (tmp_path / "kvd" / "vllm.log").read_text(errors="replace")
+    assert re.search(r"kvd connector disabled on this worker: KV cache group \d holds \w+ layers .*per request", log)

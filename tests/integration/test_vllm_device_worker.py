@@ -111,13 +111,13 @@ def daemon(tmp_path, request, monkeypatch):
 def test_saves_follow_the_layers_and_loads_land_before_each_layer_runs(daemon):
     model = Model(daemon.unix_target)
     blocks, keys, pages = data(4, 1), keys_for(1, 4), [5, 0, 17, 9]
-    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys], pages)]), compute=dict(zip(pages, blocks)))
+    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys], [pages])]), compute=dict(zip(pages, blocks)))
     assert model.totals()["saved_blocks"] == 4
     with Client(daemon.unix_target) as client:
         np.testing.assert_array_equal(client.get_numpy(client.register_namespace(SPEC), keys), blocks)
 
     target, seen = [20, 21, 22, 23], []
-    model.step(KvdConnectorMetadata(loads=[LoadOrder("b", [keys], 1, target[1:], False)]), seen=seen)
+    model.step(KvdConnectorMetadata(loads=[LoadOrder("b", [keys], 1, [target[1:]], False)]), seen=seen)
     for layer, tensor in enumerate(seen):  # layer l of the loaded pages was there before its attention
         for page, block in zip(target[1:], blocks[1:]):
             np.testing.assert_array_equal(tensor[page].numpy(), block[layer].reshape(-1))
@@ -135,10 +135,10 @@ def test_a_request_that_loads_and_saves_in_one_step_stores_what_its_forward_wrot
     layer is written must land behind the forward's writes, or kvd copies pages still being written."""
     model = Model(daemon.unix_target)
     blocks, keys = data(5, 8), keys_for(8, 5)
-    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys[:2]], [0, 1])]), compute={0: blocks[0], 1: blocks[1]})
+    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys[:2]], [[0, 1]])]), compute={0: blocks[0], 1: blocks[1]})
     pages = [10, 11, 12, 13, 14]
-    model.step(KvdConnectorMetadata(loads=[LoadOrder("b", [keys], 0, pages[:2], False)],
-                                    saves=[SaveOrder("b", [keys], pages)]),
+    model.step(KvdConnectorMetadata(loads=[LoadOrder("b", [keys], 0, [pages[:2]], False)],
+                                    saves=[SaveOrder("b", [keys], [pages])]),
                compute={page: block for page, block in zip(pages[2:], blocks[2:])})
     totals = model.totals()
     assert totals["loaded_blocks"] == 2 and totals["load_errors"] == 0 and totals["saved_blocks"] == 2 + 3  # the first two were there
@@ -153,9 +153,9 @@ def test_more_requests_load_in_one_step_than_a_fixed_64_flag_words_allowed(daemo
     requests = 70
     model = Model(daemon.unix_target, blocks=requests + 2)
     block, keys = data(1, 9), keys_for(9, 1)
-    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys], [0])]), compute={0: block[0]})
+    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys], [[0]])]), compute={0: block[0]})
     pages = range(2, 2 + requests)
-    model.step(KvdConnectorMetadata(loads=[LoadOrder(f"r{page}", [keys], 0, [page], False) for page in pages]))
+    model.step(KvdConnectorMetadata(loads=[LoadOrder(f"r{page}", [keys], 0, [[page]], False) for page in pages]))
     totals = model.totals()
     assert totals["load_errors"] == 0 and totals["loaded_blocks"] == requests
     for page in pages:
@@ -166,8 +166,8 @@ def test_more_requests_load_in_one_step_than_a_fixed_64_flag_words_allowed(daemo
 def test_blocks_kvd_lacks_are_reported_and_the_rest_loads(daemon):
     model = Model(daemon.unix_target)
     blocks, keys = data(2, 2), keys_for(2, 4)
-    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys[:2]], [0, 1])]), compute={0: blocks[0], 1: blocks[1]})
-    model.step(KvdConnectorMetadata(loads=[LoadOrder("b", [keys], 0, [10, 11, 12, 13], False)]))
+    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys[:2]], [[0, 1]])]), compute={0: blocks[0], 1: blocks[1]})
+    model.step(KvdConnectorMetadata(loads=[LoadOrder("b", [keys], 0, [[10, 11, 12, 13]], False)]))
     assert model.worker.load_errors() == {12, 13}
     np.testing.assert_array_equal(model.page(10), blocks[0])
     np.testing.assert_array_equal(model.page(11), blocks[1])
@@ -178,14 +178,14 @@ def test_blocks_kvd_lacks_are_reported_and_the_rest_loads(daemon):
 
 def test_a_daemon_restart_costs_one_step_then_the_pool_is_registered_again(daemon, tmp_path):
     model = Model(daemon.unix_target)
-    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys_for(3, 1)], [0])]), compute={0: data(1, 3)[0]})
+    model.step(KvdConnectorMetadata(saves=[SaveOrder("a", [keys_for(3, 1)], [[0]])]), compute={0: data(1, 3)[0]})
     first_flags = model.worker.device_pool._free_flags  # the first pool's flag memory, freed once it is dropped
     daemon.stop()
     restarted = start_daemon(tmp_path / "kvd", CONFIG)
     try:
         blocks, keys = data(2, 4), keys_for(4, 2)
         for _ in range(2):  # the first save meets a daemon that never heard of the pool
-            model.step(KvdConnectorMetadata(saves=[SaveOrder("b", [keys], [3, 4])]),
+            model.step(KvdConnectorMetadata(saves=[SaveOrder("b", [keys], [[3, 4]])]),
                        compute={3: blocks[0], 4: blocks[1]})
         totals = model.totals()
         assert totals["save_errors"] == 1 and totals["saved_blocks"] == 1 + 2
@@ -204,8 +204,8 @@ def test_a_daemon_without_a_device_plane_costs_misses_and_one_registration_per_r
         model = Model(daemon.unix_target)
         keys = keys_for(5, 2)
         for _ in range(3):
-            model.step(KvdConnectorMetadata(loads=[LoadOrder("a", [keys], 0, [1, 2], False)],
-                                            saves=[SaveOrder("b", [keys_for(6, 1)], [7])]), compute={7: data(1, 6)[0]})
+            model.step(KvdConnectorMetadata(loads=[LoadOrder("a", [keys], 0, [[1, 2]], False)],
+                                            saves=[SaveOrder("b", [keys_for(6, 1)], [[7]])]), compute={7: data(1, 6)[0]})
             assert model.worker.load_errors() == {1, 2}  # reported: vLLM recomputes them
         totals = model.totals()
         assert totals["loaded_blocks"] == 0 and totals["saved_blocks"] == 0
@@ -239,7 +239,7 @@ def test_planned_saves_leave_the_plans_host_layers_out_of_the_device_tier_and_lo
         blocks = [data(count, 60 + index, WIDE) for index, count in enumerate(sizes)]
         keys = [keys_for(60 + index, count, WIDE) for index, count in enumerate(sizes)]
         pages = np.split(np.arange(sum(sizes)), np.cumsum(sizes)[:-1])
-        saves = [SaveOrder(f"r{index}", [keys[index]], pages[index].tolist()) for index in range(len(sizes))]
+        saves = [SaveOrder(f"r{index}", [keys[index]], [pages[index].tolist()]) for index in range(len(sizes))]
         with Client(daemon.unix_target) as client:
             SavePlanner(client, options).place(saves, WIDE.num_layers, WIDE.layer_bytes, WIDE.block_tokens)
         distances = [order.distance for order in saves]
@@ -255,7 +255,7 @@ def test_planned_saves_leave_the_plans_host_layers_out_of_the_device_tier_and_lo
         assert daemon.metric("kvd_device_tier_used_slots") == sum(sizes) * WIDE.num_layers - host_layers
 
         target = [BLOCKS - 1 - page for page in range(sizes[2])]
-        model.step(KvdConnectorMetadata(loads=[LoadOrder("again", [keys[2]], 0, target, False)]))
+        model.step(KvdConnectorMetadata(loads=[LoadOrder("again", [keys[2]], 0, [target], False)]))
         for page, block in zip(target, blocks[2]):
             np.testing.assert_array_equal(model.page(page), block)
         model.worker.close()
@@ -268,7 +268,7 @@ def test_without_a_plan_the_saves_keep_every_layer(tmp_path):
     daemon = start_daemon(tmp_path / "kvd", CONFIG)
     target = daemon.unix_target
     daemon.stop()
-    saves = [SaveOrder("a", [keys_for(70, 2, WIDE)], [0, 1])]
+    saves = [SaveOrder("a", [keys_for(70, 2, WIDE)], [[0, 1]])]
     with Client(target, timeout_s=2.0) as client:
         SavePlanner(client, dataclasses.replace(PLACEMENT, budget_bytes=1)).place(
             saves, WIDE.num_layers, WIDE.layer_bytes, WIDE.block_tokens)

@@ -72,13 +72,13 @@ def source(daemon):
 def test_saved_blocks_load_bit_exact_into_other_engine_blocks(daemon, source):
     saver, engine_a = source
     keys = chain(5)
-    step(saver, engine_a, KvdConnectorMetadata(saves=[SaveOrder("a", [keys], [7, 3, 9, 1, 4])]))
+    step(saver, engine_a, KvdConnectorMetadata(saves=[SaveOrder("a", [keys], [[7, 3, 9, 1, 4]])]))
     assert saver.counters.saved_blocks == 5 and saver.counters.save_errors == 0
 
     engine_b = kv_caches(seed=None)
     loader = worker_for(daemon, engine_b)
     try:
-        step(loader, engine_b, KvdConnectorMetadata(loads=[LoadOrder("b", [keys], 1, [2, 5, 6, 8], False)]))
+        step(loader, engine_b, KvdConnectorMetadata(loads=[LoadOrder("b", [keys], 1, [[2, 5, 6, 8]], False)]))
         assert loader.load_errors() == set()
         assert loader.counters.loaded_blocks == 4
     finally:
@@ -92,10 +92,10 @@ def test_saved_blocks_load_bit_exact_into_other_engine_blocks(daemon, source):
 def test_an_asynchronous_load_is_reported_finished_with_its_blocks(daemon, source):
     saver, engine_a = source
     keys = chain(3, seed=1)
-    step(saver, engine_a, KvdConnectorMetadata(saves=[SaveOrder("a", [keys], [0, 1, 2])]))
+    step(saver, engine_a, KvdConnectorMetadata(saves=[SaveOrder("a", [keys], [[0, 1, 2]])]))
     engine_b = kv_caches(seed=None)
     loader = worker_for(daemon, engine_b)
-    step(loader, engine_b, KvdConnectorMetadata(loads=[LoadOrder("parked", [keys], 0, [9, 10, 11], True)]))
+    step(loader, engine_b, KvdConnectorMetadata(loads=[LoadOrder("parked", [keys], 0, [[9, 10, 11]], True)]))
     loader.close()  # waits for the load thread
     assert loader.finished() == (None, {"parked"})
     assert loader.load_errors() == set() and loader.counters.async_loads == 1
@@ -108,7 +108,7 @@ def test_blocks_kvd_does_not_have_are_reported_and_left_alone(daemon, asynchrono
     engine = kv_caches(seed=None)
     loader = worker_for(daemon, engine)
     keys = chain(4, seed=2)  # never stored
-    step(loader, engine, KvdConnectorMetadata(loads=[LoadOrder("miss", [keys], 0, [3, 4, 5, 6], asynchronous)]))
+    step(loader, engine, KvdConnectorMetadata(loads=[LoadOrder("miss", [keys], 0, [[3, 4, 5, 6]], asynchronous)]))
     loader.close()
     assert loader.load_errors() == {3, 4, 5, 6}
     assert loader.counters.load_errors == 4 and loader.counters.loaded_blocks == 0
@@ -120,12 +120,12 @@ def test_a_load_that_fails_aborts_the_same_requests_save(daemon, source):
     """The request's blocks may hold garbage: nothing of it is stored."""
     saver, engine_a = source
     keys = chain(4, seed=3)
-    step(saver, engine_a, KvdConnectorMetadata(saves=[SaveOrder("a", [keys[:2]], [0, 1])]))
+    step(saver, engine_a, KvdConnectorMetadata(saves=[SaveOrder("a", [keys[:2]], [[0, 1]])]))
     with Client(daemon.unix_target) as client:
         namespace = client.register_namespace(SPEC)
         client.delete(namespace, [keys[0]])  # vanishes between the Lookup and the load
-        metadata = KvdConnectorMetadata(loads=[LoadOrder("r", [keys[:2]], 0, [5, 6], False)],
-                                        saves=[SaveOrder("r", [keys], [5, 6, 7, 8])])
+        metadata = KvdConnectorMetadata(loads=[LoadOrder("r", [keys[:2]], 0, [[5, 6]], False)],
+                                        saves=[SaveOrder("r", [keys], [[5, 6, 7, 8]])])
         step(saver, engine_a, metadata)
         assert saver.load_errors() == {5, 6}
         assert client.lookup(namespace, keys).matched == 0
@@ -193,7 +193,7 @@ def test_a_block_that_fails_its_checksum_on_disk_ends_the_load_there(tmp_path, a
     engine = kv_caches(seed=None)
     with run_daemon(tmp_path / "d", config=config) as daemon:
         loader = worker_for(daemon, engine)
-        order = LoadOrder("r", [keys], 0, [6, 7, 8, 9, 10, 11], asynchronous)
+        order = LoadOrder("r", [keys], 0, [[6, 7, 8, 9, 10, 11]], asynchronous)
         step(loader, engine, KvdConnectorMetadata(loads=[order]))
         loader.close()
     assert loader.load_errors() == {9, 10, 11}
@@ -211,14 +211,14 @@ def test_a_worker_started_before_its_daemon_stores_once_it_answers(tmp_path):
     worker = worker_for(None, engine, target=target)
     keys = chain(2, seed=6)
     try:
-        step(worker, engine, KvdConnectorMetadata(saves=[SaveOrder("early", [keys], [0, 1])]))
+        step(worker, engine, KvdConnectorMetadata(saves=[SaveOrder("early", [keys], [[0, 1]])]))
         assert worker.counters.save_errors == 1 and worker.counters.saved_blocks == 0
         for attempt in range(2):  # a daemon, then a new one on the same (diskless) state
             with run_daemon(tmp_path / "d") as daemon:
                 assert daemon.unix_target == target
                 # gRPC redials after its backoff; wait for that, not for a guessed time.
                 grpc.channel_ready_future(worker.link.client._channel).result(timeout=60)
-                step(worker, engine, KvdConnectorMetadata(saves=[SaveOrder(f"late{attempt}", [keys], [0, 1])]))
+                step(worker, engine, KvdConnectorMetadata(saves=[SaveOrder(f"late{attempt}", [keys], [[0, 1]])]))
                 assert worker.counters.saved_blocks == 2 * (attempt + 1)
                 with Client(daemon.unix_target) as client:
                     assert client.lookup(client.register_namespace(SPEC), keys).matched == 2
@@ -246,14 +246,14 @@ def test_a_load_past_its_budget_is_cut_and_its_blocks_left_to_vllm(tmp_path, asy
             drive.throttle(read_bps=64 << 10)  # 6 blocks of 24 KiB: over 2 s
             engine = kv_caches(seed=None)
             loader = worker_for(daemon, engine)
-            order = LoadOrder("slow", [keys], 0, [0, 1, 2, 3, 4, 5], asynchronous, budget_s=0.2)
+            order = LoadOrder("slow", [keys], 0, [[0, 1, 2, 3, 4, 5]], asynchronous, budget_s=0.2)
             step(loader, engine, KvdConnectorMetadata(loads=[order]))
             loader.close()
             assert loader.load_errors() == {0, 1, 2, 3, 4, 5} and loader.counters.cut_loads == 1
             assert not any(tensor.any() for tensor in engine.values())
             drive.throttle()
             loader = worker_for(daemon, engine)
-            order = LoadOrder("fast", [keys], 0, [6, 7, 8, 9, 10, 11], asynchronous, budget_s=30.0)
+            order = LoadOrder("fast", [keys], 0, [[6, 7, 8, 9, 10, 11]], asynchronous, budget_s=30.0)
             step(loader, engine, KvdConnectorMetadata(loads=[order]))
             loader.close()
             assert loader.load_errors() == set() and loader.counters.cut_loads == 0

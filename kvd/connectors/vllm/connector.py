@@ -7,6 +7,7 @@ vllm.worker) moves the bytes. This class only adapts vLLM's calls.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,12 +16,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.device_worker import DeviceWorkerSide
-from kvd.connectors.vllm.layout import UnsupportedLayout, namespace_spec, paged_layout
+from kvd.connectors.vllm.layout import UnsupportedLayout, kv_groups, namespace_spec, paged_layout
 from kvd.connectors.vllm.logs import log
 from kvd.connectors.vllm.metadata import KvdConnectorMetadata, KvdHandshake
 from kvd.connectors.vllm.scheduler import SchedulerSide
@@ -91,8 +93,15 @@ class KvdPromMetrics(KVConnectorPromMetrics):
                 counter.labels(*labels).inc(value)
 
 
-class KvdConnector(KVConnectorBase_V1):
-    """Stores prompt KV blocks in kvd and loads hits back, layer by layer."""
+class KvdConnector(KVConnectorBase_V1, SupportsHMA):
+    """Stores prompt KV blocks in kvd and loads hits back, layer by layer.
+
+    It supports vLLM's hybrid KV cache manager (SupportsHMA): with a model whose layers
+    mix full and sliding-window attention, vLLM keeps a block table per KV cache group
+    (dropping a windowed group's blocks the window has left), and kvd still stores each
+    position as one block of every layer, gathered from each layer's own group's block
+    (kvd.connectors.vllm.layout.KvGroups). A model with state-space or linear-attention
+    layers (per-request state, not blocks) runs without kvd: the worker says why."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -126,7 +135,12 @@ class KvdConnector(KVConnectorBase_V1):
 
         tp, pp = get_tp_group(), get_pp_group()
         try:
+            groups = kv_groups(self._kv_cache_config, tuple(kv_caches))  # first: it names a group kvd cannot store
             layout = paged_layout(kv_caches, self._kv_cache_config.num_blocks)
+            if groups is not None and self.config.transfer == "daemon":
+                raise UnsupportedLayout(f"transfer = \"daemon\" moves one KV cache group, and this hybrid model has "
+                                        f"{groups.count}: use transfer = \"client\"")
+            layout = dataclasses.replace(layout, groups=groups)
             dtype = next(iter(kv_caches.values())).dtype
             spec = namespace_spec(self._vllm_config, layout, dtype, namespace=self.config.namespace,
                                   tp=(tp.rank_in_group, tp.world_size), pp=(pp.rank_in_group, pp.world_size))
@@ -141,8 +155,10 @@ class KvdConnector(KVConnectorBase_V1):
         else:
             self.worker = WorkerSide(self.config, layout, namespace, shard)
         self._spec = spec
-        log.info("kvd connector: %d layers, namespace %s (%s)", len(layout.names), namespace.namespace_id.hex()[:16],
-                 spec.model_revision)
+        grouping = (f" in {layout.groups.count} KV cache groups ({len(layout.groups.windowed)} windowed)"
+                    if layout.groups is not None else "")
+        log.info("kvd connector: %d layers%s, namespace %s (%s)", len(layout.names), grouping,
+                 namespace.namespace_id.hex()[:16], spec.model_revision)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return KvdHandshake(self._spec) if self._spec is not None else None
@@ -207,7 +223,7 @@ class KvdConnector(KVConnectorBase_V1):
         return self.scheduler.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self.scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self.scheduler.build(scheduler_output)
@@ -222,6 +238,10 @@ class KvdConnector(KVConnectorBase_V1):
         # free the blocks at once.
         self.scheduler.finished(request)
         return False, None
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0])
 
     def take_events(self):
         feed = self.scheduler.events if self.scheduler is not None else None

@@ -151,7 +151,7 @@ class DeviceWorkerSide(WorkerSide):
         loading = {order.req_id for order in metadata.loads}
         for order in metadata.loads:
             if pool is None:
-                self._report(list(order.block_ids), _failed(order, "no pool"))
+                self._report(_positions(order), _failed(order, "no pool"))
                 continue
             load = self._load(pool, order)
             if order.asynchronous:
@@ -176,13 +176,14 @@ class DeviceWorkerSide(WorkerSide):
         pool.mark(word, 0)  # kvd is done with it: the last transfer on it settled
         keys = order.keys[self.shard]
         parent = keys[order.first - 1] if order.first else b""
-        chain = keys[order.first:order.first + len(order.block_ids)]
-        answer = self._pool.submit(pool.load, chain, order.block_ids[:len(chain)], word, base, parent)
+        pages = order.block_ids[0]  # one KV cache group: the pool is registered for one
+        chain = keys[order.first:order.first + len(pages)]
+        answer = self._pool.submit(pool.load, chain, pages[:len(chain)], word, base, parent)
         return _DeviceLoad(order, word, base, answer, pool=pool)
 
     def _save(self, pool: DevicePool, order: SaveOrder, base: int):
         keys = order.keys[self.shard]
-        return pool.save(keys, order.block_ids[:len(keys)], ENGINE_WORD, SAVE_WORD, base,
+        return pool.save(keys, order.block_ids[0][:len(keys)], ENGINE_WORD, SAVE_WORD, base,
                          offload_distance=order.distance)
 
     # ---- per layer
@@ -289,7 +290,7 @@ class DeviceWorkerSide(WorkerSide):
         for load in loads:
             if load.error is None:
                 self._wait(load, load.base + self.layers)  # layers vLLM did not wait for (none usually)
-            lost = list(load.order.block_ids if load.error else load.order.block_ids[load.matched:])
+            lost = _positions(load.order, 0 if load.error else load.matched)
             self._settle(load)
             if lost:
                 failed.add(load.order.req_id)
@@ -316,7 +317,7 @@ class DeviceWorkerSide(WorkerSide):
             self._end_device_loads([load])
         except Exception as error:  # noqa: BLE001 - a failed load is recomputed, never a crash
             load.error = repr(error)
-            self._report(list(load.order.block_ids), load)
+            self._report(_positions(load.order), load)
         finally:
             with self._lock:
                 self._received.add(load.order.req_id)
@@ -336,6 +337,11 @@ def _failed(order: LoadOrder, why: str) -> _DeviceLoad:
     answer: concurrent.futures.Future = concurrent.futures.Future()
     answer.set_exception(Unavailable(why))
     return _DeviceLoad(order, -1, 0, answer, error=why)
+
+
+def _positions(order: LoadOrder, first: int = 0) -> list[int]:
+    """The positions of a load from `first` on (what _report takes)."""
+    return list(range(first, len(order.block_ids[0])))
 
 
 def _geometry(tensor: torch.Tensor, layout: PagedLayout) -> tuple[int, int, int]:

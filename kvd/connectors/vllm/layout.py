@@ -47,9 +47,63 @@ class PagedLayout:
     num_blocks: int
     description: str  # the tensor layout, for the namespace identity
     word: torch.dtype = torch.uint8
+    groups: KvGroups | None = None  # None: one group, every layer in it
 
     def index_of(self) -> dict[str, int]:
         return {name: index for index, name in enumerate(self.names)}
+
+    def group_of(self, layer: int) -> int:
+        return self.groups.of_layer[layer] if self.groups is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
+class KvGroups:
+    """vLLM's KV cache groups (its hybrid KV cache manager): each has a block table of its own.
+
+    A hybrid model's layers fall into groups by attention type (full, sliding
+    window, ...); a request's position i is engine block block_ids[g][i] in
+    the layers of group g. The groups share the physical blocks, so layers of
+    different groups may be views of one tensor. A windowed group's table
+    holds vLLM's null block at the positions its window has left: nothing of
+    those layers is there to save, and nothing needs loading."""
+
+    of_layer: tuple[int, ...]  # the group of each layer, in the layout's layer order
+    windowed: frozenset[int]  # groups whose table may hold the null block
+
+    @property
+    def count(self) -> int:
+        return max(self.of_layer) + 1
+
+
+def kv_groups(kv_cache_config: Any, names: tuple[str, ...]) -> KvGroups | None:
+    """The groups of vLLM's KV cache config for the layers `names` (None: a single group);
+    UnsupportedLayout for a group kvd cannot store block by block."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    if len(groups) <= 1:
+        return None
+    of_name, windowed = {}, set()
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        inner = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        if not all(isinstance(one, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)) for one in inner):
+            raise UnsupportedLayout(
+                f"KV cache group {index} holds {type(inner[0]).__name__} layers ({', '.join(group.layer_names[:3])}"
+                f"{', ...' if len(group.layer_names) > 3 else ''}): their state is kept per request, not per block "
+                "of tokens, and kvd stores blocks")
+        if any(isinstance(one, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for one in inner):
+            windowed.add(index)
+        of_name.update(dict.fromkeys(group.layer_names, index))
+    missing = [name for name in names if name not in of_name]
+    if missing:
+        raise UnsupportedLayout(f"layers {missing[:3]} are in no KV cache group")
+    return KvGroups(tuple(of_name[name] for name in names), frozenset(windowed))
 
 
 def _byte_rows(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -87,7 +141,7 @@ def paged_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> PagedLa
     if len(descriptions) != 1 or len(widths) != 1 or len(dtypes) != 1:
         raise UnsupportedLayout(
             f"layers differ in layout ({sorted(descriptions)}), bytes per block ({sorted(widths)}) or dtype: "
-            "kvd stores uniform layers only (no hybrid or MLA-mixed models yet)"
+            "kvd stores layers of one geometry only"
         )
     if all(part.shape[1] % 8 == 0 for layer in parts for part in layer):
         parts = [tuple(part.view(torch.int64) for part in layer) for layer in parts]

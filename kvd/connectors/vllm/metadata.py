@@ -24,14 +24,19 @@ except ImportError:
 
 from kvd.core.keys import NamespaceSpec
 
+# vLLM's null block: the block pool's first block, which no request owns (BlockPool.null_block). A
+# windowed KV cache group's table holds it where the window has moved on (kvd.connectors.vllm.layout).
+NULL_BLOCK = 0
+
 
 @dataclass(slots=True)
 class LoadOrder:
-    """Load blocks [first, first + len(block_ids)) of a request's chain.
+    """Load blocks [first, first + len(block_ids[0])) of a request's chain.
 
     keys[shard] is the request's chain from the root up to the last block
-    to load, in the namespace of that worker shard; block_ids are the
-    engine blocks that receive positions first, first + 1, ... budget_s:
+    to load, in the namespace of that worker shard; block_ids[group] are
+    the engine blocks of each KV cache group (one, unless the model is
+    hybrid) that receive positions first, first + 1, ... budget_s:
     with a prefill profile, the seconds after which loading them can no
     longer beat computing them: a load not done by then is cut, and vLLM
     computes them (None: no budget, only load_timeout_s).
@@ -40,7 +45,7 @@ class LoadOrder:
     req_id: str
     keys: list[list[bytes]]
     first: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
     asynchronous: bool
     budget_s: float | None = None
 
@@ -50,7 +55,8 @@ class SaveOrder:
     """Store the full blocks of a request's chain that kvd lacks.
 
     keys[shard] is the chain from the root up to the last full block
-    computed by the end of this step; block_ids[i] holds position i. The
+    computed by the end of this step; block_ids[group][i] holds position i
+    in the layers of that KV cache group (one, unless the model is hybrid). The
     worker's Reserve says which of them kvd lacks (the new blocks, and any
     older one kvd lost meanwhile): only those are copied. distance: the
     placement plan's offload distance for the request (-1: every layer),
@@ -59,7 +65,7 @@ class SaveOrder:
 
     req_id: str
     keys: list[list[bytes]]
-    block_ids: list[int]
+    block_ids: list[list[int]]
     distance: int = -1
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from kvd.client import Client, Namespace
 from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.logs import log
-from kvd.connectors.vllm.metadata import KvdConnectorMetadata, KvdHandshake, LoadOrder, SaveOrder
+from kvd.connectors.vllm.metadata import NULL_BLOCK, KvdConnectorMetadata, KvdHandshake, LoadOrder, SaveOrder
 from kvd.connectors.vllm.placement import SavePlanner
 from kvd.connectors.vllm.requests import prompt_keys
 from kvd.connectors.vllm.transfer import local_namespace, registering
@@ -50,7 +50,7 @@ class _Tracked:
 
     keys: list[list[bytes]]
     prompt_tokens: int
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group, by position
     offered: int = 0  # blocks [0, offered) were handed to the workers to store
     loading: set[int] = field(default_factory=set)  # engine blocks of its load order, if any
     # A load of it failed: vLLM recomputes it, and asks again; kvd offers nothing more for it
@@ -169,18 +169,20 @@ class SchedulerSide:
             registering(self.client, namespace,
                         lambda: self.client.prefetch(namespace, keys[first:stop], parent_key=parent))
 
-    def after_alloc(self, request: Any, block_ids: list[int], external_tokens: int) -> None:
+    def after_alloc(self, request: Any, block_ids: tuple[list[int], ...], external_tokens: int) -> None:
+        """vLLM allocated the request's blocks (block_ids: per KV cache group)."""
         plan = self._plans.pop(request.request_id, None)
         if plan is None or external_tokens == 0:
             return
         tracked = self.requests[request.request_id]
         stop = plan.first + external_tokens // self.block_size
-        tracked.loading = set(block_ids[plan.first:stop])
+        loading = [list(group[plan.first:stop]) for group in block_ids]
+        tracked.loading = {block for group in loading for block in group} - {NULL_BLOCK}
         self._loads.append(LoadOrder(
             req_id=request.request_id,
             keys=[keys[:stop] for keys in tracked.keys],
             first=plan.first,
-            block_ids=list(block_ids[plan.first:stop]),
+            block_ids=loading,
             asynchronous=plan.asynchronous,
             budget_s=plan.budget_s,
         ))
@@ -190,10 +192,11 @@ class SchedulerSide:
         load nothing more for their request."""
         for tracked in self.requests.values():
             tracked.load_failed = tracked.load_failed or not tracked.loading.isdisjoint(block_ids)
-            for position, block in enumerate(tracked.block_ids[:tracked.offered]):
-                if block in block_ids:
+            for group in tracked.block_ids:
+                position = next((index for index, block in enumerate(group[:tracked.offered]) if block in block_ids),
+                                None)
+                if position is not None:
                     tracked.offered = position
-                    break
 
     def finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)
@@ -209,7 +212,7 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self.requests.get(new.req_id)
             if tracked is not None:
-                tracked.block_ids = list(new.block_ids[0])
+                tracked.block_ids = [list(group) for group in new.block_ids]
                 self._offer(metadata, new.req_id, tracked, new.num_computed_tokens + scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
@@ -218,9 +221,10 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[index]
             if req_id in cached.resumed_req_ids:
-                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+                tracked.block_ids = [list(group) for group in new_blocks] if new_blocks else []
             elif new_blocks:
-                tracked.block_ids.extend(new_blocks[0])
+                for group, more in zip(tracked.block_ids, new_blocks, strict=True):
+                    group.extend(more)
             self._offer(metadata, req_id, tracked, cached.num_computed_tokens[index] + scheduled.get(req_id, 0))
         if self.placement is not None and self.shards:
             spec = self.shards[0].spec
@@ -230,10 +234,11 @@ class SchedulerSide:
     def _offer(self, metadata: KvdConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
         """A save order for the prompt blocks that are full once this step has run."""
         full = min(min(computed, tracked.prompt_tokens) // self.block_size, len(tracked.keys[0]),
-                   len(tracked.block_ids))
+                   *(len(group) for group in tracked.block_ids)) if tracked.block_ids else 0
         if full <= tracked.offered:
             return
-        metadata.saves.append(SaveOrder(req_id, [keys[:full] for keys in tracked.keys], tracked.block_ids[:full]))
+        metadata.saves.append(SaveOrder(req_id, [keys[:full] for keys in tracked.keys],
+                                        [group[:full] for group in tracked.block_ids]))
         tracked.offered = full
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ from kvd.client import Namespace
 from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.layout import PagedLayout
 from kvd.connectors.vllm.logs import log
-from kvd.connectors.vllm.metadata import KvdConnectorMetadata, LoadOrder, SaveOrder
+from kvd.connectors.vllm.metadata import NULL_BLOCK, KvdConnectorMetadata, LoadOrder, SaveOrder
 from kvd.connectors.vllm.stats import Counters
 from kvd.connectors.vllm.transfer import LayerStream, Link, Reservation, Unavailable
 from kvd.v1 import kvd_pb2
@@ -72,13 +72,18 @@ class _Save:
 class _Step:
     loads: list[_Load] = field(default_factory=list)
     saves: list[_Save] = field(default_factory=list)
-    # (arena slot, engine block) index pairs of this step's saves, built at layer 0
-    save_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    # per KV cache group, (arena slot, engine block) index pairs of this step's saves, built at layer 0
+    save_index: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
-def _pair(slots: list[np.ndarray], blocks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair(slots: list[np.ndarray], blocks: list[list[int]], windowed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index tensors of (arena slot, engine block) pairs; a windowed group's pairs without vLLM's null
+    block (positions its window has left: nothing there to load)."""
     slot_index = torch.from_numpy(np.concatenate(slots).astype(np.int64)) if slots else torch.empty(0, dtype=torch.int64)
     block_index = torch.tensor([block for run in blocks for block in run], dtype=torch.int64)
+    if windowed:
+        keep = block_index != NULL_BLOCK
+        slot_index, block_index = slot_index[keep], block_index[keep]
     return slot_index, block_index
 
 
@@ -89,6 +94,8 @@ class WorkerSide:
         self.namespace = namespace
         self.shard = shard
         self.layer_of = layout.index_of()
+        self.groups = layout.groups.count if layout.groups is not None else 1
+        self.windowed = layout.groups.windowed if layout.groups is not None else frozenset()
         self.link = Link(config.target, config.token, config.timeout_s)
         try:
             self.link.connect()
@@ -169,17 +176,18 @@ class WorkerSide:
         if layer is None or not self._step.loads:
             return
         started = time.perf_counter()
+        group = self.layout.group_of(layer)
         slots, blocks = [], []
         for load in self._step.loads:
             if load.failed:
                 continue
             if not self._landed(load, layer):
                 continue
-            matched = min(load.stream.matched, len(load.order.block_ids))
+            matched = min(load.stream.matched, len(load.order.block_ids[group]))
             slots.append(load.stream.slots[:matched])
-            blocks.append(load.order.block_ids[:matched])
+            blocks.append(load.order.block_ids[group][:matched])
         if slots:
-            self._copy(layer, *_pair(slots, blocks), into_engine=True)
+            self._copy(layer, *_pair(slots, blocks, group in self.windowed), into_engine=True)
         self.counters.add(load_wait_s=time.perf_counter() - started)
 
     def save_layer(self, layer_name: str) -> None:
@@ -189,11 +197,12 @@ class WorkerSide:
             return
         if step.save_index is None:
             step.save_index = self._save_index(step)
-        if step.save_index[0].numel():
-            self._copy(layer, *step.save_index, into_engine=False)
+        slots, blocks = step.save_index[self.layout.group_of(layer)]
+        if slots.numel():
+            self._copy(layer, slots, blocks, into_engine=False)
 
-    def _save_index(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
-        slots, blocks = [], []
+    def _save_index(self, step: _Step) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        slots, blocks = [], [[] for _ in range(self.groups)]
         for save in step.saves:
             try:
                 save.reservation = save.reserving.result()
@@ -202,11 +211,25 @@ class WorkerSide:
                 why = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.RpcError) else error
                 log.warning("kvd: reserving slots for %s failed (%s); its blocks are not stored", save.order.req_id, why)
                 continue
-            if save.reservation is not None:
+            if save.reservation is not None and not self._unsaveable(save):
                 reservation = save.reservation
                 slots.append(reservation.slots)
-                blocks.append(save.order.block_ids[reservation.start:reservation.stop])
-        return _pair(slots, blocks)
+                for group, ids in zip(blocks, save.order.block_ids, strict=True):
+                    group.append(ids[reservation.start:reservation.stop])
+        return {group: _pair(slots, ids) for group, ids in enumerate(blocks)}
+
+    def _unsaveable(self, save: _Save) -> bool:
+        """A reservation that takes in a position some windowed group no longer holds (kvd lost an
+        old block the window has left) cannot be filled: it is given back, nothing of it stored."""
+        reservation = save.reservation
+        if not any(NULL_BLOCK in save.order.block_ids[group][reservation.start:reservation.stop]
+                   for group in self.windowed):
+            return False
+        log.debug("kvd: %s's blocks %d-%d are not stored: the sliding window has left some of them",
+                  save.order.req_id, reservation.start, reservation.stop - 1)
+        self._abort(reservation.lease_id)
+        save.reservation = None
+        return True
 
     def _copy(self, layer: int, slots: torch.Tensor, blocks: torch.Tensor, *, into_engine: bool) -> None:
         """One layer of many blocks between the arena and the engine: one indexed copy per part."""
@@ -255,19 +278,24 @@ class WorkerSide:
     def _count_load(self, order, lost: int) -> None:
         """A load is over: its blocks and tokens counted, its outcome logged (debug)."""
         tokens = self.namespace.spec.block_tokens
-        loaded = len(order.block_ids) - lost
+        loaded = len(order.block_ids[0]) - lost
         self.counters.add(loaded_blocks=loaded, loaded_tokens=loaded * tokens)
         log.debug("kvd: %s loaded %d of %d blocks (%d tokens) from kvd", order.req_id, loaded,
-                  len(order.block_ids), loaded * tokens)
+                  len(order.block_ids[0]), loaded * tokens)
 
     def _count_saved(self, blocks: int) -> None:
         self.counters.add(saved_blocks=blocks, saved_tokens=blocks * self.namespace.spec.block_tokens)
 
     def _lost(self, load: _Load) -> list[int]:
-        """Engine blocks of a load that did not get every layer."""
+        """Positions of a load that did not get every layer."""
         if load.failed:
-            return list(load.order.block_ids)
-        return list(load.order.block_ids[load.stream.matched:])
+            return list(range(len(load.order.block_ids[0])))
+        return list(range(load.stream.matched, len(load.order.block_ids[0])))
+
+    def _engine_blocks(self, order: LoadOrder, positions: list[int]) -> set[int]:
+        """The engine blocks, in every KV cache group, of those positions of a load (vLLM recomputes them)."""
+        return {ids[position] for ids in order.block_ids for position in positions} - (
+            {NULL_BLOCK} if self.windowed else set())
 
     def _report(self, lost: list[int], load: _Load) -> None:
         why = load.error or (load.stream.error if load.stream else None) or _CUT_REASONS.get(
@@ -278,7 +306,7 @@ class WorkerSide:
         if load.error is None and load.cut == kvd_pb2.GET_CUT_CORRUPT:
             self.counters.add(corrupt_blocks=len(lost))
         with self._lock:
-            self._errors.update(lost)
+            self._errors.update(self._engine_blocks(load.order, lost))
 
     def _abort(self, lease_id: int) -> None:
         try:
@@ -293,15 +321,16 @@ class WorkerSide:
         try:
             if not load.failed:
                 if self._landed(load, len(self.layout.parts) - 1):
-                    matched = min(load.stream.matched, len(order.block_ids))
-                    index = _pair([load.stream.slots[:matched]], [order.block_ids[:matched]])
+                    matched = min(load.stream.matched, len(order.block_ids[0]))
+                    index = {group: _pair([load.stream.slots[:matched]], [ids[:matched]], group in self.windowed)
+                             for group, ids in enumerate(order.block_ids)}
                     for layer in range(len(self.layout.parts)):
-                        self._copy(layer, *index, into_engine=True)
+                        self._copy(layer, *index[self.layout.group_of(layer)], into_engine=True)
                     self._copies_landed()
             self._end_loads([load])
         except Exception as error:  # noqa: BLE001 - a failed load is recomputed, never a crash
             load.error = repr(error)
-            self._report(list(order.block_ids), load)
+            self._report(list(range(len(order.block_ids[0]))), load)
         finally:
             with self._lock:
                 self._received.add(order.req_id)
