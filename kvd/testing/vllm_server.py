@@ -67,7 +67,7 @@ def vllm_server(engine_python: Path, model: Path, log: Path, *, connector: dict 
     port = _free_port()
     command = [str(engine_python), "-m", "kvd.testing.vllm_cli", "serve", str(model), "--served-model-name", "tiny",
                "--port", str(port), "--dtype", dtype, "--block-size", str(block_size), "--max-model-len", str(max_model_len),
-               "--enable-prompt-tokens-details", *(() if gpu else ("--enforce-eager",)), *extra_args]
+               *(() if gpu else ("--enforce-eager",)), "--enable-prompt-tokens-details", *extra_args]
     if connector is not None:
         command += ["--kv-transfer-config", connector_config(connector)]
     elif transfer_config is not None:
