@@ -153,7 +153,9 @@ class Runner:
         self.counted = {}
         extra = ("--num-gpu-blocks-override", str(self.args.engine_blocks)) if small else ()
         # vLLM refuses a max_model_len whose KV does not fit its cache (less a block or so).
-        length = (self.args.engine_blocks - 2) * BLOCK if small else max(8192, longest_prompt(self.args) + BLOCK)
+        # (vLLM also refuses, before tokenizing, a prompt over 5 characters a token of max_model_len: the
+        # tiny Llama's words are about 6, hence the margin.)
+        length = (self.args.engine_blocks - 2) * BLOCK if small else max(8192, longest_prompt(self.args) * 3 // 2)
         return vllm_server(ENGINE_PYTHON, self.model, self.work / f"{config}.log", connector=connector,
                            max_model_len=length, extra_args=extra, env=EQUAL_CPUS)
 

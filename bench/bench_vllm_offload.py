@@ -89,7 +89,7 @@ class Runner:
         args = self.args
         longest = max(args.prefix_tokens) + args.suffix_tokens + args.output_tokens
         extra = ("--num-gpu-blocks-override", str(args.engine_blocks)) if how["small"] else ()
-        length = (args.engine_blocks - 2) * BLOCK if how["small"] else max(8192, longest + BLOCK)
+        length = (args.engine_blocks - 2) * BLOCK if how["small"] else max(8192, longest * 3 // 2)
         return vllm_server(ENGINE_PYTHON, self.model, self.work / f"{name}.log",
                            connector={"target": target} if how.get("kvd") else None,
                            transfer_config=how.get("transfer"), max_model_len=length, extra_args=extra,
