@@ -43,18 +43,11 @@ def _config():
 
 def build(directory: str | Path, seed: int = 0) -> Path:
     """Write the model into `directory` unless it is already there."""
-    directory = Path(directory)
-    if (directory / "model.safetensors").exists() and (directory / "tokenizer.json").exists():
-        return directory
-    import torch
-    from transformers import Gemma3ForCausalLM
+    def make():
+        from transformers import Gemma3ForCausalLM
 
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(_config())
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
-    tiny_llama.write_tokenizer(directory)
-    return directory
+        return Gemma3ForCausalLM(_config())
+    return tiny_llama.build_with(directory, make, seed)
 
 
 if __name__ == "__main__":

@@ -75,18 +75,13 @@ DTYPES = {"qwen3_next": "bfloat16"}
 
 def build(family: str, directory: str | Path, seed: int = 0) -> Path:
     """Write the family's tiny model into `directory` unless it is already there."""
-    directory = Path(directory)
     if family == "gemma3":
         return tiny_gemma3.build(directory, seed)
-    if (directory / "model.safetensors").exists() and (directory / "tokenizer.json").exists():
-        return directory
-    import torch
 
-    torch.manual_seed(seed)
-    model_class, config = FAMILIES[family]()
-    model_class(config).save_pretrained(directory, safe_serialization=True)
-    tiny_llama.write_tokenizer(directory)
-    return directory
+    def make():
+        model_class, config = FAMILIES[family]()
+        return model_class(config)
+    return tiny_llama.build_with(directory, make, seed)
 
 
 if __name__ == "__main__":

@@ -56,14 +56,23 @@ def write_tokenizer(directory: Path) -> None:
 
 def build(directory: str | Path, seed: int = 0) -> Path:
     """Write the model into `directory` unless it is already there."""
+    def make():
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(_config())
+    return build_with(directory, make, seed)
+
+
+def build_with(directory: str | Path, make, seed: int = 0) -> Path:
+    """Write the model `make()` builds (seeded), with this tokenizer, into `directory` unless a model
+    is already there: the tiny models of kvd.testing share it."""
     directory = Path(directory)
     if (directory / "model.safetensors").exists() and (directory / "tokenizer.json").exists():
         return directory
     import torch
-    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(_config())
+    model = make()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(directory)
