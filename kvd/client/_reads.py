@@ -5,6 +5,7 @@ See kvd.client._ops for how an operation runs."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,10 +50,12 @@ def _not_in_a_cluster(error: grpc.RpcError) -> bool:
     return error.code() == grpc.StatusCode.FAILED_PRECONDITION and NOT_IN_A_CLUSTER in (error.details() or "")
 
 
-def cluster_lookup(session: Session, namespace: Namespace, keys: Sequence[bytes]) -> Op:
-    request = kvd_pb2.ClusterLookupRequest(namespace_id=namespace.namespace_id, packed_keys=b"".join(keys))
+def cluster_lookup(session: Session, namespace: Namespace, keys: Sequence[bytes], load_times: bool = False) -> Op:
+    request = kvd_pb2.ClusterLookupRequest(namespace_id=namespace.namespace_id, packed_keys=b"".join(keys),
+                                           load_times=load_times)
     response = yield ("ClusterLookup", request)
-    nodes = [NodeMatch(n.node, n.address, n.matched, n.local) for n in response.nodes]
+    nodes = [NodeMatch(n.node, n.address, n.matched, n.local, n.load_s if load_times else math.nan)
+             for n in response.nodes]
     return ClusterLookupResult(nodes, response.segments, response.segments_unanswered)
 
 

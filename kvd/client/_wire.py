@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
 import mmap
 import os
 import socket
@@ -104,6 +105,9 @@ class NodeMatch:
     matched: int
     # The node that answered (its match is exact; the others' come from the directory).
     local: bool
+    # With load_times: seconds until the node could have its matched blocks in its own host memory,
+    # as it prices them (then its matched is its own exact count); NaN: not asked, or not known.
+    load_s: float = math.nan
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,9 +78,11 @@ class AsyncClient(_ops.ClientBase):
         return await self._run(_reads.lookup(self.session, namespace, keys, parent_key, include_remote,
                                                  load_times))
 
-    async def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> ClusterLookupResult:
-        """Which nodes of the cluster hold how much of the chain `keys` (given from its root)."""
-        return await self._run(_reads.cluster_lookup(self.session, namespace, keys))
+    async def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes],
+                             load_times: bool = False) -> ClusterLookupResult:
+        """Which nodes of the cluster hold how much of the chain `keys` (given from its root); with
+        `load_times`, also how soon each could have its part in its host memory (NodeMatch.load_s)."""
+        return await self._run(_reads.cluster_lookup(self.session, namespace, keys, load_times))
 
     async def prefetch(
         self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"", wait: bool = False

@@ -88,9 +88,11 @@ class Client(_ops.ClientBase):
         return self._run(_reads.lookup(self.session, namespace, keys, parent_key, include_remote,
                                                  load_times))
 
-    def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> ClusterLookupResult:
-        """Which nodes of the cluster hold how much of the chain `keys` (given from its root)."""
-        return self._run(_reads.cluster_lookup(self.session, namespace, keys))
+    def cluster_lookup(self, namespace: Namespace, keys: Sequence[bytes],
+                       load_times: bool = False) -> ClusterLookupResult:
+        """Which nodes of the cluster hold how much of the chain `keys` (given from its root); with
+        `load_times`, also how soon each could have its part in its host memory (NodeMatch.load_s)."""
+        return self._run(_reads.cluster_lookup(self.session, namespace, keys, load_times))
 
     def prefetch(
         self, namespace: Namespace, keys: Sequence[bytes], parent_key: bytes = b"", wait: bool = False

@@ -30,7 +30,7 @@ from kvd.cluster.directory import DirectoryShard
 from kvd.cluster.members import Member, MemberView
 from kvd.cluster.membership import EtcdSettings, Membership
 from kvd.cluster.publisher import Publisher
-from kvd.cluster.router import ClusterRouter, LookupAnswer
+from kvd.cluster.router import ClusterRouter, LookupAnswer, NodeMatch
 from kvd.cluster.rpc import DirectoryServicer, Peers
 from kvd.config import Config, parse_address
 from kvd.errors import ConfigError
@@ -196,6 +196,9 @@ class ClusterNode:
 
     async def lookup(self, namespace_id: bytes, packed: bytes, local_matched: int) -> LookupAnswer:
         return await self.router.lookup(namespace_id, packed, local_matched)
+
+    async def price(self, namespace_id: bytes, packed: bytes, nodes: list[NodeMatch]) -> list[NodeMatch]:
+        return await self.router.price(namespace_id, packed, nodes)
 
     async def _publish_loop(self) -> None:
         interval = self.config.cluster.publish_interval_ms / 1000

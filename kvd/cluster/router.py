@@ -13,7 +13,9 @@ its index, exactly, and replaces what the directory says about it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import random
 from collections import defaultdict
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ class NodeMatch:
     address: str
     matched: int
     local: bool
+    load_s: float = math.nan  # with load times: seconds until the node has them in host memory (NaN: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,25 @@ class ClusterRouter:
             await asyncio.gather(*(self._ask(owner, segments, segment_keys, answers, remaining)
                                    for owner, segments in by_owner.items()))
             pending = [segment for segment in pending if answers[segment] is None]
+
+    async def price(self, namespace_id: bytes, packed: bytes, nodes: list[NodeMatch]) -> list[NodeMatch]:
+        """Each other node's own price of its match (PriceBlocks, all at once within the timeout): its
+        exact match and the seconds until it could be in its host memory; NaN where it did not answer.
+        Longest match first again; a node that holds nothing after all is left out."""
+        async def ask(match: NodeMatch) -> NodeMatch:
+            stub = self.peers.stub(match.node)
+            if match.local or stub is None:
+                return match
+            try:
+                response = await stub.PriceBlocks(wire.price_blocks_request(namespace_id, packed),
+                                                  timeout=self.timeout_s, metadata=self.peers.metadata)
+            except grpc.RpcError as error:
+                log.info("a node's price not known", extra={"peer": match.node, "reason": error.code().name})
+                return match
+            matched, load_s = wire.price(response)
+            return dataclasses.replace(match, matched=matched, load_s=load_s)
+        priced = await asyncio.gather(*(ask(match) for match in nodes))
+        return sorted((match for match in priced if match.matched), key=lambda match: (-match.matched, match.node))
 
     def _pick(self, replicas: list[str]) -> str:
         """This node where it is a replica, else one with a channel at random (the first if none has)."""

@@ -46,7 +46,7 @@ class DirectoryServicer(wire.ClusterServicer):
         self.secret = secret
         # Whether this node has a NIXL agent for peers' READs (it opens when the node joins).
         self.serves_nixl = serves_nixl
-        # The holder's side of ReadBlocks, PinBlocks and ReleasePins (the kvd service,
+        # The holder's side of ReadBlocks, PinBlocks, ReleasePins and PriceBlocks (the kvd service,
         # kvd.server.handlers.cluster); set by the daemon.
         self.holder = None
 
@@ -84,6 +84,17 @@ class DirectoryServicer(wire.ClusterServicer):
         if checksums is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no pins of {request.node!r} under lease {request.lease_id}")
         return wire.release_pins_response(checksums)
+
+    async def PriceBlocks(self, request, context):
+        await self._authenticate(context)
+        if self.holder is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node serves no blocks yet")
+        try:
+            wire.packed_keys("packed_keys", request.packed_keys, MAX_QUERY_KEYS)  # whole keys, not too many
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        matched, load_s = await self.holder.price_blocks_for_peer(request.namespace_id, request.packed_keys)
+        return wire.price_blocks_response(matched, load_s)
 
     async def DirectoryUpdate(self, request, context):
         await self._authenticate(context)

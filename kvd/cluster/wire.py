@@ -169,3 +169,16 @@ def release_pins_response(crcs: Sequence[int]) -> kvd_pb2.ReleasePinsResponse:
 
 def released_checksums(response: kvd_pb2.ReleasePinsResponse) -> list[int]:
     return list(response.crc32c)
+
+
+def price_blocks_request(namespace_id: bytes, packed: bytes) -> kvd_pb2.PriceBlocksRequest:
+    return kvd_pb2.PriceBlocksRequest(namespace_id=namespace_id, packed_keys=packed)
+
+
+def price_blocks_response(matched: int, load_s: float) -> kvd_pb2.PriceBlocksResponse:
+    return kvd_pb2.PriceBlocksResponse(matched=matched, load_s=load_s)
+
+
+def price(response: kvd_pb2.PriceBlocksResponse) -> tuple[int, float]:
+    """(leading keys the node holds, seconds until they could be in its host memory)."""
+    return response.matched, response.load_s

@@ -387,9 +387,10 @@ def report_step_response(replan: bool, profile) -> kvd_pb2.ReportStepResponse:
 
 # -- the cluster (handlers/cluster.py; the peers' own messages: kvd.cluster.wire) ------------------
 
-def cluster_lookup_response(answer) -> kvd_pb2.ClusterLookupResponse:
-    """ClusterLookup: the router's `answer` (kvd.cluster.router.LookupAnswer), node by node."""
+def cluster_lookup_response(answer, load_times: bool) -> kvd_pb2.ClusterLookupResponse:
+    """ClusterLookup: the router's `answer` (kvd.cluster.router.LookupAnswer), node by node, with each
+    node's load_s if asked for."""
     return kvd_pb2.ClusterLookupResponse(
-        nodes=[kvd_pb2.NodeMatch(node=match.node, address=match.address, matched=match.matched, local=match.local)
-               for match in answer.nodes],
+        nodes=[kvd_pb2.NodeMatch(node=match.node, address=match.address, matched=match.matched, local=match.local,
+                                 load_s=match.load_s if load_times else 0.0) for match in answer.nodes],
         segments=answer.segments, segments_unanswered=answer.segments_unanswered)

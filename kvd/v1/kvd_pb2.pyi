@@ -905,24 +905,28 @@ class ReportStepResponse(_message.Message):
     def __init__(self, replan: _Optional[bool] = ..., compute_scale: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ...) -> None: ...
 
 class ClusterLookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "packed_keys")
+    __slots__ = ("namespace_id", "packed_keys", "load_times")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TIMES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     packed_keys: bytes
-    def __init__(self, namespace_id: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
+    load_times: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ..., load_times: _Optional[bool] = ...) -> None: ...
 
 class NodeMatch(_message.Message):
-    __slots__ = ("node", "address", "matched", "local")
+    __slots__ = ("node", "address", "matched", "local", "load_s")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
     node: str
     address: str
     matched: int
     local: bool
-    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., matched: _Optional[int] = ..., local: _Optional[bool] = ...) -> None: ...
+    load_s: float
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., matched: _Optional[int] = ..., local: _Optional[bool] = ..., load_s: _Optional[float] = ...) -> None: ...
 
 class ClusterLookupResponse(_message.Message):
     __slots__ = ("nodes", "segments", "segments_unanswered")
@@ -1047,3 +1051,19 @@ class ReleasePinsResponse(_message.Message):
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PriceBlocksRequest(_message.Message):
+    __slots__ = ("namespace_id", "packed_keys")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    packed_keys: bytes
+    def __init__(self, namespace_id: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
+
+class PriceBlocksResponse(_message.Message):
+    __slots__ = ("matched", "load_s")
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    matched: int
+    load_s: float
+    def __init__(self, matched: _Optional[int] = ..., load_s: _Optional[float] = ...) -> None: ...

@@ -1308,6 +1308,11 @@ class ClusterStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.ReleasePinsRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.ReleasePinsResponse.FromString,
                 _registered_method=True)
+        self.PriceBlocks = channel.unary_unary(
+                '/kvd.v1.Cluster/PriceBlocks',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.PriceBlocksRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.PriceBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterServicer:
@@ -1346,6 +1351,12 @@ class ClusterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PriceBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1373,6 +1384,11 @@ def add_ClusterServicer_to_server(servicer, server):
                     servicer.ReleasePins,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.ReleasePinsRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.ReleasePinsResponse.SerializeToString,
+            ),
+            'PriceBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PriceBlocks,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.PriceBlocksRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.PriceBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1513,6 +1529,33 @@ class Cluster:
             '/kvd.v1.Cluster/ReleasePins',
             kvd_dot_v1_dot_kvd__pb2.ReleasePinsRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.ReleasePinsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PriceBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Cluster/PriceBlocks',
+            kvd_dot_v1_dot_kvd__pb2.PriceBlocksRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.PriceBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 
@@ -158,6 +159,16 @@ def test_cluster_rpcs_refuse_bad_calls(tmp_path, etcd):
             with pytest.raises(grpc.RpcError) as caught:
                 cluster.DirectoryQuery(kvd_pb2.DirectoryQueryRequest(segments=[b"k" * 31]), metadata=good)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # PriceBlocks: the credential first, then whole keys; a namespace never seen holds nothing.
+            price = kvd_pb2.PriceBlocksRequest(namespace_id=namespace.namespace_id, packed_keys=b"".join(keys))
+            with pytest.raises(grpc.RpcError) as caught:
+                cluster.PriceBlocks(price)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as caught:
+                cluster.PriceBlocks(kvd_pb2.PriceBlocksRequest(packed_keys=b"k" * 31), metadata=good)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "31 bytes" in caught.value.details()
+            unknown = kvd_pb2.PriceBlocksRequest(namespace_id=b"n" * 16, packed_keys=b"".join(keys))
+            assert cluster.PriceBlocks(unknown, metadata=good).matched == 0
             # Only a live member, under its current incarnation, may write entries.
             update = kvd_pb2.DirectoryUpdateRequest(node="intruder", incarnation=1, stored_keys=b"k" * 32)
             with pytest.raises(grpc.RpcError) as caught:
@@ -191,7 +202,18 @@ def test_a_holder_restarted_with_its_disk_tier_is_found_and_fetched_from_again(t
                 a = start_daemon(tmp_path / "a", a_config)
                 # Recovered from its disk, published again under the new incarnation.
                 wait_matches(cc, ns_c, keys, {"a": 80}, timeout_s=15)
+                # Priced by a itself (PriceBlocks): on its disk, so not free (NaN: no read measured yet).
+                priced = {node.node: node for node in cc.cluster_lookup(ns_c, keys, load_times=True).nodes}
+                assert priced["a"].matched == 80 and not priced["a"].load_s <= 0.0
                 got = cc.get_numpy(ns_c, keys)
                 assert np.array_equal(got, blocks)
+                # c holds them now, in host memory: free here. a read them, so it knows its drive's rate;
+                # with its copies back on disk only, it prices them at that rate.
+                with Client(a.unix_target) as ca:
+                    assert ca.demote().blocks_demoted >= 80
+                priced = {node.node: node for node in cc.cluster_lookup(ns_c, keys, load_times=True).nodes}
+                assert priced["c"].local and priced["c"].matched == 80 and priced["c"].load_s == 0.0
+                assert priced["a"].matched == 80 and 0.0 < priced["a"].load_s < 60.0
+                assert math.isnan(cc.cluster_lookup(ns_c, keys).nodes[0].load_s)  # not asked for
         finally:
             a.stop()

@@ -27,6 +27,7 @@ client id:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 
 import grpc
@@ -34,6 +35,7 @@ import numpy as np
 
 from kvd.cluster import wire
 from kvd.cluster.keys import split
+from kvd.core.keys import PackedKeys
 from kvd.core.lease_use import ReadPin
 from kvd.core.requests import KeysRequest
 from kvd.errors import FailedPrecondition, KvdError
@@ -63,7 +65,24 @@ class ClusterHandlers:
         keys = convert.cluster_lookup_keys(request, self.engine.limits.max_batch_keys)
         local = self.engine.lookup(request.namespace_id, keys)
         answer = await self.cluster.lookup(request.namespace_id, request.packed_keys, len(local))
-        return convert.cluster_lookup_response(answer)
+        if request.load_times:
+            own = self._price(request.namespace_id, local)
+            nodes = [dataclasses.replace(node, load_s=own) if node.local else node for node in answer.nodes]
+            answer = dataclasses.replace(answer, nodes=await self.cluster.price(request.namespace_id,
+                                                                                request.packed_keys, nodes))
+        return convert.cluster_lookup_response(answer, request.load_times)
+
+    def _price(self, namespace_id: bytes, matched) -> float:
+        """Seconds until the `matched` blocks could all be in this node's host memory (kvd.planner.load_time)."""
+        return float(self._load_seconds(namespace_id, convert.tiers(self.engine, matched))[-1]) if matched else 0.0
+
+    async def price_blocks_for_peer(self, namespace_id: bytes, packed: bytes) -> tuple[int, float]:
+        """PriceBlocks: how much of a chain this node holds, and how soon it could all be in host memory."""
+        try:
+            matched = self.engine.lookup(namespace_id, PackedKeys(packed))
+        except KvdError:  # a namespace this node never registered: it holds none of it
+            return 0, 0.0
+        return len(matched), self._price(namespace_id, matched)
 
     # -- the holder ---------------------------------------------------------------
 
