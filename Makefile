@@ -95,10 +95,11 @@ include mk/sglang.mk
 
 engines: vllm-venv sglang-venv
 
-# --durations: the slowest tests at the end of the log, to keep the suite inside its time.
+# The engine tests beside the rest, two pytest processes on the two cores (tools/run_tests.py:
+# progress every 30 s, each group's slowest tests and summary at the end, its log in build/test-logs/).
 test: setup engines proto-check lint cuda
 	KVD_NVCC="$(NVCC)" KVD_IO_RING_FATBIN="$(IO_RING_FATBIN)" \
-	  $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+	  $(PY) tools/run_tests.py $(PYTEST_ARGS)
 
 # CUDA sources (native/gpu/*.cu) compile for sm_80 and sm_90 in `make test`,
 # no GPU needed: with the machine's nvcc, or where it has none with the CUDA

@@ -75,8 +75,13 @@ def decoder(model: Path):
 
 
 def first_error(text: str) -> str:
-    """The last exception line of a server's log: why it did not start."""
-    errors = re.findall(r"^(?:.*?\] )?(\w+(?:Error|Exception)): (.+)$", text, re.M)
+    """Why a server did not start, from its log: the worker's own error where vLLM reports one, else
+    the last exception line that is not the engine's "initialization failed" which follows it."""
+    worker = re.search(r"Worker failed with error '(.*)', please check", text)
+    if worker:
+        return worker.group(1)
+    errors = [error for error in re.findall(r"^(?:.*?\] )?(\w+(?:Error|Exception)): (.+)$", text, re.M)
+              if not error[1].startswith("Engine core initialization failed")]
     return ": ".join(errors[-1]) if errors else "the server did not start (no error line in its log)"
 
 
