@@ -11,7 +11,8 @@ the groups' summaries, and the whole log of a group that failed.
 
     tools/run_tests.py [PYTEST_ARGS ...]      # exit 0 only if both groups pass
 
-The extra arguments go to both groups. Tests that need a machine to
+The extra arguments are pytest options for both groups (not test paths:
+for a subset, run pytest itself). Tests that need a machine to
 themselves must not land in different groups: the test networks take a
 subnet per process (kvd.testing.netns), loop devices and cgroups are named
 per process, ports are picked free.
@@ -37,8 +38,9 @@ def start(name: str, paths: list[str], extra: list[str], logs: Path) -> tuple[su
     log = logs / f"{name}.log"
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--durations=15",
                f"--junitxml={logs / name}.xml", *extra, *paths]
-    sink = open(log, "wb")  # closed by the child's exit; the parent only reads the file
-    return subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy()), log
+    with open(log, "wb") as sink:  # the child keeps its own descriptor; the parent only reads the file
+        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy())
+    return process, log
 
 
 def progress(log: Path) -> str:
