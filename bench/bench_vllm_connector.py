@@ -152,12 +152,8 @@ class Runner:
     def server(self, config: str, connector: dict | None, small: bool):
         self.counted = {}
         extra = ("--num-gpu-blocks-override", str(self.args.engine_blocks)) if small else ()
-        # vLLM refuses a max_model_len whose KV does not fit its cache (less a block or so).
-        # (vLLM also refuses, before tokenizing, a prompt over 5 characters a token of max_model_len: the
-        # tiny Llama's words are about 6, hence the margin.)
-        length = (self.args.engine_blocks - 2) * BLOCK if small else max(8192, longest_prompt(self.args) * 3 // 2)
         return vllm_server(ENGINE_PYTHON, self.model, self.work / f"{config}.log", connector=connector,
-                           max_model_len=length, extra_args=extra, env=EQUAL_CPUS)
+                           max_model_len=max_model_len(self.args, small), extra_args=extra, env=EQUAL_CPUS)
 
 
 def run(args, work: Path, model: Path) -> dict[tuple[str, int], dict]:
@@ -192,6 +188,14 @@ def run(args, work: Path, model: Path) -> dict[tuple[str, int], dict]:
 
 def longest_prompt(args) -> int:
     return max(args.prefix_tokens) + args.suffix_tokens + args.output_tokens
+
+
+def max_model_len(args, small: bool) -> int:
+    """The server's max_model_len: what the small cache holds (vLLM refuses one whose KV does not fit
+    its cache, less a block or so), else room for the longest prompt. vLLM also refuses, before
+    tokenizing, a prompt of more than 5 characters a token of max_model_len: the tiny Llama's words
+    are about 6, hence the margin."""
+    return (args.engine_blocks - 2) * BLOCK if small else max(8192, longest_prompt(args) * 3 // 2)
 
 
 def check_cache_size(args) -> None:

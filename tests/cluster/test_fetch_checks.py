@@ -166,6 +166,19 @@ class Paused(Peer):
         return stream()
 
 
+async def paused_stream_fetch(messages, keys):
+    """A stream fetch of `keys` on a manual clock, stopped after its first message: (the peer, the
+    plane, the engine, the namespace, the arena, the clock, the fetch's future, its lease)."""
+    peer = Paused(messages)
+    plane, engine, namespace_id, arena = setup(peer)
+    clock = ManualClock()
+    plane.now_ms = clock.now_ms
+    fetching = asyncio.ensure_future(plane._fetch("peer", namespace_id, keys, 0, len(keys)))
+    await peer.paused.wait()
+    [lease] = list(engine.leases)
+    return peer, plane, engine, namespace_id, arena, clock, fetching, lease
+
+
 def test_a_stream_fetch_whose_lease_expires_mid_stream_writes_into_no_freed_slot_and_seals_nothing():
     """Before: the stream wrote into its reserved slots without holding their lease, so the sweeper
     could end it mid-stream and hand its slots to another block while the stream still wrote there
@@ -175,13 +188,8 @@ def test_a_stream_fetch_whose_lease_expires_mid_stream_writes_into_no_freed_slot
     keys = chain_keys(SPEC, list(range(4)))
 
     async def scenario():
-        peer = Paused([message(0, data[:2]), message(2, data[2:])])
-        plane, engine, namespace_id, arena = setup(peer)
-        clock = ManualClock()
-        plane.now_ms = clock.now_ms
-        fetching = asyncio.ensure_future(plane._fetch("peer", namespace_id, keys, 0, 4))
-        await peer.paused.wait()
-        [lease] = list(engine.leases)
+        peer, plane, engine, namespace_id, arena, clock, fetching, lease = await paused_stream_fetch(
+            [message(0, data[:2]), message(2, data[2:])], keys)
         fetch_slots = {engine.host_slot(handle.block) for handle in lease.handles}
         clock.advance(lease.deadline_ms + 1)
         assert engine.expire(clock.now_ms()) == 1  # the sweeper: ended for every client
@@ -210,13 +218,8 @@ def test_a_stream_fetch_whose_lease_ends_otherwise_mid_stream_seals_nothing_and_
     keys = chain_keys(SPEC, list(range(3)))
 
     async def scenario():
-        peer = Paused([message(0, data[:1]), message(1, data[1:])])
-        plane, engine, namespace_id, _ = setup(peer)
-        clock = ManualClock()
-        plane.now_ms = clock.now_ms
-        fetching = asyncio.ensure_future(plane._fetch("peer", namespace_id, keys, 0, 3))
-        await peer.paused.wait()
-        [lease] = list(engine.leases)
+        peer, plane, engine, namespace_id, _, clock, fetching, lease = await paused_stream_fetch(
+            [message(0, data[:1]), message(1, data[1:])], keys)
         if ends == "drain":
             assert engine.close_all_leases() == 1
         else:

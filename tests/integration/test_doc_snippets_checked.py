@@ -70,12 +70,16 @@ def test_the_checks_see_what_they_should(tmp_path):
     assert kind(rsync) is None and kind(loop) is None
 
 
+def output_of(command: list[str], timeout_s: float) -> str:
+    """What `command` prints, run from the repository root; it must succeed."""
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    assert result.returncode == 0, f"{shlex.join(command)}:\n{result.stderr[-2000:]}"
+    return result.stdout
+
+
 @cache
 def dry_run(target: str) -> str:
-    result = subprocess.run(["make", "-n", "--no-print-directory", target], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 0, f"make -n {target}:\n{result.stderr}"
-    return result.stdout
+    return output_of(["make", "-n", "--no-print-directory", target], 60)
 
 
 @pytest.mark.parametrize("command", sh_commands("make"), ids=lambda command: command.where)
@@ -95,10 +99,7 @@ def test_make_targets_exist_and_what_they_run_is_there(command):
 
 @cache
 def help_text(*invocation: str) -> str:
-    result = subprocess.run([sys.executable, *invocation, "--help"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, f"{invocation} --help:\n{result.stderr[-2000:]}"
-    return result.stdout
+    return output_of([sys.executable, *invocation, "--help"], 120)
 
 
 @pytest.mark.parametrize("command", sh_commands("script"), ids=lambda command: command.where)
