@@ -68,7 +68,7 @@ class Engine:
         from kvd.connectors.vllm.metadata import KvdConnectorMetadata, SaveOrder
 
         started = time.perf_counter()
-        self.worker.start(KvdConnectorMetadata(saves=[SaveOrder("engine-1", [self.keys], pages)]))
+        self.worker.start(KvdConnectorMetadata(saves=[SaveOrder("engine-1", [self.keys], [pages])]))
         for layer, (name, tensor) in enumerate(self.tensors.items()):
             self.worker.wait_layer(name)
             tensor[:, pages] = expected_layer(layer, self.device)  # this layer's "attention" writes its KV
@@ -85,7 +85,7 @@ class Engine:
 
         started = time.perf_counter()
         exact_layers = 0
-        self.worker.start(KvdConnectorMetadata(loads=[LoadOrder("engine-2", [self.keys], 0, pages, False)]))
+        self.worker.start(KvdConnectorMetadata(loads=[LoadOrder("engine-2", [self.keys], 0, [pages], False)]))
         for layer, (name, tensor) in enumerate(self.tensors.items()):
             self.worker.wait_layer(name)
             # Checked before this layer's "attention" would run: the layer must be there already.

@@ -29,6 +29,13 @@ from kvd.core.keys import NamespaceSpec
 NULL_BLOCK = 0
 
 
+def check_groups(block_ids: list[list[int]], order: str) -> None:
+    """block_ids is one list of engine blocks per KV cache group (a flat list is a caller's bug)."""
+    if not block_ids or not all(isinstance(group, list) for group in block_ids):
+        raise TypeError(f"{order}.block_ids must be one list of block ids per KV cache group, "
+                        f"got {type(block_ids[0]).__name__ if block_ids else 'no group'}")
+
+
 @dataclass(slots=True)
 class LoadOrder:
     """Load blocks [first, first + len(block_ids[0])) of a request's chain.
@@ -49,6 +56,9 @@ class LoadOrder:
     asynchronous: bool
     budget_s: float | None = None
 
+    def __post_init__(self) -> None:
+        check_groups(self.block_ids, "LoadOrder")
+
 
 @dataclass(slots=True)
 class SaveOrder:
@@ -67,6 +77,9 @@ class SaveOrder:
     keys: list[list[bytes]]
     block_ids: list[list[int]]
     distance: int = -1
+
+    def __post_init__(self) -> None:
+        check_groups(self.block_ids, "SaveOrder")
 
 
 @dataclass
