@@ -73,9 +73,10 @@ class DiskSettings:
     write_batch_blocks: int = 64
     queue_depth: int = 128
     # Streamed restores (GetLayers, or reads with writes in their slack)
-    # read each block in extents of whole layers of about this many bytes:
-    # larger is nearer the drive's bandwidth, smaller delivers the first
-    # layers sooner. A Get or Prefetch reads each block as one extent.
+    # read each block in extents of whole layers: layer 0 alone, then twice
+    # as many layers each time, up to about this many bytes (larger is
+    # nearer the drive's bandwidth; layer 0 lands early either way). A Get
+    # or Prefetch reads each block as one extent.
     read_extent_bytes: int = 512 << 10
     # Order of the disk's jobs: "slack" (restores, then prefetches, then
     # write-back in chunks of write_chunk_blocks between reads) or "fifo"

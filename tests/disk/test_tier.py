@@ -127,9 +127,9 @@ def test_round_trip_is_bit_exact_through_a_host_arena(drives, arena, io_engine, 
     for i, seed in enumerate(blocks.values()):
         assert host_bytes(arena, 32 + i) == expected_bytes(seed)
     assert layers_seen == [(layer, [True] * 10) for layer in range(LAYERS)]
-    # One write batch, and one read batch per group of extent_layers
-    # layers: O(L), not O(N*L).
-    groups = -(-LAYERS // extent_layers)
+    # One write batch, and one read batch per group of layers (one layer first,
+    # then doubling up to extent_layers): O(L), not O(N*L).
+    groups = len(reads_module.layer_groups(LAYERS, extent_layers))
     assert tier.stats.submissions == 1 + groups
     assert tier.stats.bytes_written == tier.stats.bytes_read == 10 * BLOCK_BYTES
     engine_stats = disk_ops.engine_stats(tier)
@@ -137,6 +137,17 @@ def test_round_trip_is_bit_exact_through_a_host_arena(drives, arena, io_engine, 
     assert engine_stats["checksum_chunks"] == 10 * LAYERS  # every layer checksummed by the engine
     tier.verify()
     tier.close()
+
+
+@pytest.mark.parametrize(("layers", "width", "groups"), [
+    (3, 3, [(0, 1), (1, 3)]),
+    (4, 4, [(0, 1), (1, 3), (3, 4)]),
+    (32, 8, [(0, 1), (1, 3), (3, 7), (7, 15), (15, 23), (23, 31), (31, 32)]),
+    (5, 1, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]),
+    (1, 1, [(0, 1)]),
+])
+def test_a_streamed_restore_reads_layer_zero_alone_then_doubling_extents(layers, width, groups):
+    assert reads_module.layer_groups(layers, width) == groups
 
 
 @pytest.mark.parametrize("read_ahead", [64 << 20, 0], ids=["read-ahead", "two-groups"])

@@ -46,6 +46,8 @@ def test_defaults_and_the_environment(monkeypatch):
     ({"flag_words": True}, "flag_words"),
     ({"prefill_profile": 3}, "prefill_profile must be a path"),
     ({"prefill_profile": "/no/such/profile.json"}, "prefill profile /no/such/profile.json: cannot read it"),
+    ({"timeline": 3}, "timeline must be a directory path"),
+    ({"timeline": "/tmp/t", "transfer": "daemon"}, "timeline records the connector.s own copies"),
 ])
 def test_a_bad_option_is_refused_by_name(extra, named):
     with pytest.raises(ValueError, match=named):

@@ -59,6 +59,10 @@ class ConnectorConfig:
       registers (32 KiB for the default 4,096): two for saves, one for each
       load in flight, so up to flag_words - 2 requests load at once; a load
       past that is recomputed, with a warning.
+    timeline: a directory: with transfer = "client", each worker appends a
+      per-layer timeline of every step that loaded or saved to
+      worker<rank>.jsonl there (kvd.connectors.vllm.timeline; drawn by
+      bench/plot_timeline.py). Default: none.
     """
 
     target: str = DEFAULT_TARGET
@@ -73,6 +77,7 @@ class ConnectorConfig:
     flag_words: int = 4096
     io_ring: bool = False
     prefill_profile: str | None = None
+    timeline: str | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -105,6 +110,7 @@ class ConnectorConfig:
             if not isinstance(getattr(config, name), str):
                 raise ValueError(f"kvd connector: {name} must be a string, got {getattr(config, name)!r}")
         _check_profile(config)
+        _check_timeline(config)
         _check_daemon_options(config)
         return config
 
@@ -116,6 +122,15 @@ def _check_profile(config: ConnectorConfig) -> None:
     if not isinstance(config.prefill_profile, str):
         raise ValueError(f"kvd connector: prefill_profile must be a path, got {config.prefill_profile!r}")
     PrefillProfile.load(config.prefill_profile)
+
+
+def _check_timeline(config: ConnectorConfig) -> None:
+    if config.timeline is None:
+        return
+    if not isinstance(config.timeline, str):
+        raise ValueError(f"kvd connector: timeline must be a directory path, got {config.timeline!r}")
+    if config.transfer == "daemon":
+        raise ValueError("kvd connector: timeline records the connector's own copies: it needs transfer = \"client\"")
 
 
 def _check_daemon_options(config: ConnectorConfig) -> None:

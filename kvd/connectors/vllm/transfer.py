@@ -104,13 +104,16 @@ class Link:
         if lease_ids:
             self.client._run(_ops.release(self.client.session, lease_ids))
 
-    def open_layers(self, namespace: Namespace, chain: Sequence[bytes], first: int) -> LayerStream:
+    def open_layers(self, namespace: Namespace, chain: Sequence[bytes], first: int,
+                    on_ready: Callable[[int, int], None] | None = None) -> LayerStream:
         """Start a layer-streaming Get of chain[first:] (`chain` runs from the root).
 
         The first message (which blocks are served, and where) is awaited
         here, so that a daemon that restarted since the arena was mapped is
         noticed and the new arena mapped before any byte is read (and the
-        namespace registered again if the new daemon does not know it)."""
+        namespace registered again if the new daemon does not know it).
+        on_ready(before, after): told, from the stream's reader, when layers
+        [before, after) landed (the timeline)."""
         session = self.client.session
         self.connect()
         for attempt in range(3):
@@ -124,7 +127,7 @@ class Link:
             )
             call = self.client._stub.GetLayers(request, timeout=self.client.timeout_s, metadata=self.client._metadata)
             try:
-                return LayerStream(self, call, next(call), namespace)
+                return LayerStream(self, call, next(call), namespace, on_ready)
             except grpc.RpcError as error:
                 if attempt == 2:
                     raise
@@ -145,8 +148,12 @@ class LayerStream:
     from disk that fails its checksum ends the servable prefix there).
     """
 
-    def __init__(self, link: Link, call, first, namespace: Namespace) -> None:
+    def __init__(self, link: Link, call, first, namespace: Namespace,
+                 on_ready: Callable[[int, int], None] | None = None) -> None:
         self._link = link
+        self._on_ready = on_ready
+        if on_ready is not None and first.layers_ready:
+            on_ready(0, first.layers_ready)
         self._call = call
         self._layers = namespace.spec.num_layers
         self._ready = first.layers_ready
@@ -167,10 +174,13 @@ class LayerStream:
         try:
             for message in self._call:
                 with self._changed:
+                    before = self._ready
                     self.matched = min(self.matched, message.matched)
                     self.cut = message.cut or self.cut
                     self._ready = max(self._ready, message.layers_ready)
                     self._changed.notify_all()
+                if self._on_ready is not None and self._ready > before:
+                    self._on_ready(before, self._ready)
             if self._ready < self._layers:
                 self._fail("the stream ended before every layer landed")
         except grpc.RpcError as error:

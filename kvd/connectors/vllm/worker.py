@@ -3,12 +3,16 @@
 Per step (vLLM's call order): `start` opens a layer-streaming Get for each
 synchronous load, hands asynchronous loads to a thread and reserves arena
 slots for the step's saves; each attention layer calls `wait_layer` on
-entry (scatter that layer of the loaded blocks into the engine's blocks)
-and `save_layer` on exit (gather that layer of the new full blocks into
-the reserved slots); `finish_step` commits the saves and ends the loads.
+entry (that layer of the loaded blocks must be in the engine's blocks)
+and `save_layer` on exit (that layer of the new full blocks goes to the
+reserved slots); `finish_step` commits the saves and ends the loads.
 
-Each copy is one indexed torch copy per layer part for all the step's
-requests together; nothing loops over blocks in Python. A load that fails
+Each copy is one call per layer part for all the step's requests together
+(kvd.connectors.vllm.copies); nothing loops over blocks in Python. With a
+CPU engine the copies run on the worker's copy thread: every layer's load
+is queued at `start` and copied as soon as it lands, so `wait_layer` waits
+only for what the earlier layers' compute did not hide, and `finish_step`
+waits for the saves' copies before committing them. A load that fails
 in any way (a miss, a block that failed its checksum, the daemon gone)
 reports its engine block ids, so vLLM recomputes them; the saves of a
 request whose load failed in the same step are aborted, since their
@@ -28,10 +32,12 @@ import torch
 
 from kvd.client import Namespace
 from kvd.connectors.vllm.config import ConnectorConfig
+from kvd.connectors.vllm.copies import copy_layer, native_copies
 from kvd.connectors.vllm.layout import PagedLayout
 from kvd.connectors.vllm.logs import log
 from kvd.connectors.vllm.metadata import NULL_BLOCK, KvdConnectorMetadata, LoadOrder, SaveOrder
 from kvd.connectors.vllm.stats import Counters
+from kvd.connectors.vllm.timeline import Timeline
 from kvd.connectors.vllm.transfer import LayerStream, Link, Reservation, Unavailable
 from kvd.v1 import kvd_pb2
 
@@ -74,6 +80,14 @@ class _Step:
     saves: list[_Save] = field(default_factory=list)
     # per KV cache group, (arena slot, engine block) index pairs of this step's saves, built at layer 0
     save_index: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    # on the copy thread (a CPU engine): each layer's load into the engine, and the saves' copies out
+    landing: list[concurrent.futures.Future] = field(default_factory=list)
+    copies_out: list[concurrent.futures.Future] = field(default_factory=list)
+
+    def drain(self) -> None:
+        """Until the copy thread is done with this step (a copy's exception is raised here)."""
+        for copy in (*self.landing, *self.copies_out):
+            copy.result()
 
 
 def _pair(slots: list[np.ndarray], blocks: list[list[int]], windowed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +117,13 @@ class WorkerSide:
             log.warning("kvd: the daemon at %s does not answer yet (%s); requests miss until it does",
                         config.target, error)
         self.counters = Counters()
+        self.timeline = Timeline(config.timeline, shard)
         self.totals: dict[str, float] = {}  # every count since the start (tests, logs)
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvd-connector")
+        # A CPU engine's copies run on their own thread, overlapping the layers' compute; a GPU's are
+        # queued on the engine's stream by the model's thread.
+        self._copier = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-copy")
+                        if not layout.parts[0][0].is_cuda and native_copies() else None)
         self._step = _Step()
         self._lock = threading.Lock()
         self._errors: set[int] = set()
@@ -136,6 +155,7 @@ class WorkerSide:
     # ---- step start
     def start(self, metadata: KvdConnectorMetadata) -> None:
         step = _Step()
+        self.timeline.begin_step()
         for order in metadata.loads:
             if order.asynchronous:
                 self._pool.submit(self._load_whole, order)
@@ -143,16 +163,23 @@ class WorkerSide:
                 step.loads.append(self._open(order))
         for order in metadata.saves:
             step.saves.append(_Save(order, self._pool.submit(self._reserve, order)))
+        if step.loads and self._copier is not None:
+            step.landing = [self._copier.submit(self._load_layer, step, layer) for layer in range(len(self.layout.parts))]
         self._step = step
 
     def _open(self, order: LoadOrder) -> _Load:
         keys = order.keys[self.shard]
         deadline = None if order.budget_s is None else time.monotonic() + order.budget_s
         try:
-            stream = self.link.open_layers(self.namespace, keys, order.first)
+            with self.timeline.span("open"):
+                stream = self.link.open_layers(self.namespace, keys, order.first, on_ready=self._landing)
         except (grpc.RpcError, Unavailable, OSError) as error:
             return _Load(order, None, f"could not start the load: {error}")
         return _Load(order, stream, deadline=deadline)
+
+    def _landing(self, before: int, after: int) -> None:
+        for layer in range(before, after):
+            self.timeline.mark("landed", layer)
 
     def _landed(self, load: _Load, layer: int) -> bool:
         """Waits for the layer within load_timeout_s and the load's budget; a load past its budget
@@ -173,12 +200,22 @@ class WorkerSide:
     # ---- per layer
     def wait_layer(self, layer_name: str) -> None:
         layer = self.layer_of.get(layer_name)
-        if layer is None or not self._step.loads:
+        step = self._step
+        if layer is None or not step.loads:
             return
         started = time.perf_counter()
+        with self.timeline.span("wait", layer):
+            if step.landing:
+                step.landing[layer].result()
+            else:
+                self._load_layer(step, layer)
+        self.counters.add(load_wait_s=time.perf_counter() - started)
+
+    def _load_layer(self, step: _Step, layer: int) -> None:
+        """Waits for the layer of each of the step's loads, then copies it into the engine."""
         group = self.layout.group_of(layer)
         slots, blocks = [], []
-        for load in self._step.loads:
+        for load in step.loads:
             if load.failed:
                 continue
             if not self._landed(load, layer):
@@ -187,8 +224,8 @@ class WorkerSide:
             slots.append(load.stream.slots[:matched])
             blocks.append(load.order.block_ids[group][:matched])
         if slots:
-            self._copy(layer, *_pair(slots, blocks, group in self.windowed), into_engine=True)
-        self.counters.add(load_wait_s=time.perf_counter() - started)
+            with self.timeline.span("copy_in", layer):
+                self._copy(layer, *_pair(slots, blocks, group in self.windowed), into_engine=True)
 
     def save_layer(self, layer_name: str) -> None:
         layer = self.layer_of.get(layer_name)
@@ -196,9 +233,18 @@ class WorkerSide:
         if layer is None or not step.saves:
             return
         if step.save_index is None:
-            step.save_index = self._save_index(step)
+            with self.timeline.span("reserve"):
+                step.save_index = self._save_index(step)
         slots, blocks = step.save_index[self.layout.group_of(layer)]
-        if slots.numel():
+        if not slots.numel():
+            return
+        if self._copier is not None:
+            step.copies_out.append(self._copier.submit(self._save_copy, layer, slots, blocks))
+        else:
+            self._save_copy(layer, slots, blocks)
+
+    def _save_copy(self, layer: int, slots: torch.Tensor, blocks: torch.Tensor) -> None:
+        with self.timeline.span("save", layer):
             self._copy(layer, slots, blocks, into_engine=False)
 
     def _save_index(self, step: _Step) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -232,23 +278,24 @@ class WorkerSide:
         return True
 
     def _copy(self, layer: int, slots: torch.Tensor, blocks: torch.Tensor, *, into_engine: bool) -> None:
-        """One layer of many blocks between the arena and the engine: one indexed copy per part."""
-        arena = self._arena()
-        offset = layer * self.layout.layer_bytes // arena.element_size()
-        for part in self.layout.parts[layer]:
-            width = part.shape[1]
-            window = arena[:, offset:offset + width]
-            if into_engine:
-                part[blocks] = window[slots].to(part.device)
-            else:
-                window[slots] = part[blocks].cpu()
-            offset += width
+        """One layer of many blocks between the arena and the engine (kvd.connectors.vllm.copies)."""
+        copy_layer(self._arena(), self.layout, layer, slots, blocks, into_engine=into_engine)
 
     # ---- step end
     def finish_step(self) -> None:
         step, self._step = self._step, _Step()
-        failed_requests = self._end_loads(step.loads)
-        for save in step.saves:
+        if not (step.loads or step.saves):
+            return
+        with self.timeline.span("drain"):
+            step.drain()
+        with self.timeline.span("close"):
+            failed_requests = self._end_loads(step.loads)
+        with self.timeline.span("commit"):
+            self._commit(step.saves, failed_requests)
+        self.timeline.end_step()
+
+    def _commit(self, saves: list[_Save], failed_requests: set[str]) -> None:
+        for save in saves:
             if save.reservation is None:
                 continue
             if save.order.req_id in failed_requests:
@@ -354,5 +401,7 @@ class WorkerSide:
         return errors
 
     def close(self) -> None:
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self.link.close()

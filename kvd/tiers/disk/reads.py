@@ -113,6 +113,19 @@ class _ReadBatch:
     reasons: np.ndarray
 
 
+def layer_groups(num_layers: int, width: int) -> list[tuple[int, int]]:
+    """[first, stop) of each group of layers a streamed restore reads as one batch: one layer, then
+    twice as many each time up to `width` (about disk.read_extent_bytes). Layer 0 lands after a small
+    part of the read, so an engine computes it while the rest is read; later groups get the large
+    extents a drive reads fastest."""
+    groups, first, size = [], 0, 1
+    while first < num_layers:
+        stop = min(first + size, num_layers)
+        groups.append((first, stop))
+        first, size = stop, min(2 * size, width)
+    return groups
+
+
 class BlockReader:
     """The read path over a TierState (its contract: DiskTier.read_blocks)."""
 
@@ -140,8 +153,9 @@ class BlockReader:
         if on_blocks is not None:
             self._read_block_parts(batch, on_blocks)
         else:
-            width = num_layers if options.whole_blocks else state.config.read_extent_bytes // layer_bytes
-            self._read_layer_groups(batch, max(1, min(num_layers, width)), options.on_layer, options.between_groups)
+            width = max(1, min(num_layers, state.config.read_extent_bytes // layer_bytes))
+            groups = [(0, num_layers)] if options.whole_blocks else layer_groups(num_layers, width)
+            self._read_layer_groups(batch, groups, options.on_layer, options.between_groups)
         good = int(ok.sum())
         state.stats.blocks_read += good
         state.stats.read_failures += count - good
@@ -201,15 +215,17 @@ class BlockReader:
             state.stats.count_error("missing_segment", int((~present).sum()))
         return _ReadBatch(layer_bytes, num_layers, files, offsets, destinations, expected, ok, reasons)
 
-    def _read_layer_groups(self, batch: _ReadBatch, width: int, on_layer: LayerCallback | None,
+    def _read_layer_groups(self, batch: _ReadBatch, groups: list[tuple[int, int]], on_layer: LayerCallback | None,
                            between_groups: Callable[[int, int], None] | None) -> None:
-        """Each block in extents of `width` whole layers: one batch per group
-        of layers, every block in it, so O(L / width) submissions. Later
+        """Each block in extents of whole layers, `groups` of them ([first,
+        stop) each, in order; layer_groups): one batch per group, every
+        block in it, so O(L / width + log width) submissions. Later
         groups are in flight while this one is checked: two at least, more
         (up to READ_AHEAD_GROUPS) while they hold at most READ_AHEAD_BYTES."""
         state, layer_bytes, num_layers, ok = self.state, batch.layer_bytes, batch.num_layers, batch.ok
-        check(1 <= width <= num_layers, "a read extent of {} layers of {}", width, num_layers)
-        groups = [(first, min(first + width, num_layers)) for first in range(0, num_layers, width)]
+        check(groups[0][0] == 0 and groups[-1][1] == num_layers and
+              all(a[1] == b[0] for a, b in zip(groups, groups[1:])), "layer groups {} do not tile {} layers",
+              groups, num_layers)
         # (group, batch id, positions, checksum cells, bytes) in order.
         flights: collections.deque[tuple[int, int, np.ndarray, np.ndarray, int]] = collections.deque()
         submitted = 0  # groups submitted (or skipped: no block left to read)

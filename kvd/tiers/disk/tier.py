@@ -172,9 +172,9 @@ class DiskTier:
         """Read blocks in layer order, verifying each layer; per-block ok mask.
 
         items: (key, slot, destination address, the layer checksums of its
-        record). Layers are read in groups: one extent of `width` layers per
-        block (about config.read_extent_bytes), ONE batch of N extents per
-        group, so O(L) submissions at most. Later groups are in flight
+        record). Layers are read in groups: layer 0 alone, then groups
+        doubling up to about config.read_extent_bytes (reads.layer_groups),
+        ONE batch of N extents per group, so O(L) submissions at most. Later groups are in flight
         while this one is checked; the engine computes every layer's crc32c
         as it is reaped, and this method compares whole arrays.
         whole_blocks: one group of every layer instead, each block one
