@@ -4,6 +4,7 @@
 Run:  make bench-peers      (installs the peers' environments, then this)
       .venv/bin/python bench/bench_peers.py [--total-mib 2048] [--host-mib 1024] [--rounds 5]
                                             [--only kvd vllm-fs ...] [--skip-host] [--skip-disk]
+                                            [--result-name bench_peers]
 
 Every contender is a long-lived process in its own virtual environment,
 driven over a line protocol (bench/peers/protocol.py), so rounds are
@@ -37,6 +38,16 @@ directory on one file system):
     their first write).
   * vllm-fs: vLLM's FS secondary tier (its native fs_io_C batch calls, one
     O_DIRECT file per block, 16 threads), from .venv-vllm.
+  * vllm-tiering-fs: the same FS tier as vLLM's tiering OffloadingConnector
+    builds it (TieringOffloadingSpec.get_manager(), its scheduler side, which
+    runs without a GPU), moved through the tier's own jobs (submit_store,
+    submit_load); its primary tier's /dev/shm region is the caller's buffer.
+  * vllm-tiering-obj: that connector's object-store tier, the same way. It
+    needs NIXL's OBJ plugin and an S3 endpoint; where it cannot be built,
+    its row is "could not run" with vLLM's exception and where it was raised.
+  * vllm-simple-disk: SimpleCPUOffloadConnector's disk backend: its own
+    pwritev / preadv of one block at a time into one O_DIRECT slot file
+    (its init needs CUDA; the error is kept in the results as init_error).
   * lmcache-disk: LMCache's local disk backend, from .venv-lmcache.
   * fio: the physical reference. Before the rounds, fio sweeps jobs x queue
     depths (1 MiB O_DIRECT io_uring) over a file of the same size; the best
@@ -91,30 +102,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 import devicestats  # noqa: E402
 import protocol  # noqa: E402
 from _common import REPO_ROOT, progress, report, summarize_latencies, warn_if_busy, write_result  # noqa: E402
+from _peer_process import Contender, ContenderSpec, close_all, start_all  # noqa: E402
 
 MIB = 1 << 20
 LAYERS, TOKEN_BYTES = 32, 2 * 8 * 128 * 2  # K and V of 8 heads x 128 dims in bf16
 SHAPES = {"tokens16": 16, "tokens256": 256}
-PEERS_DIR = REPO_ROOT / "bench" / "peers"
 TARGETS = {"restore": 1.1, "store_none": 1.0, "store_group": 0.9, "store_strict": 1.0,
            "host_get": 0.9, "lookup_p50_ms": 2.0}
 LOOKUP_KEYS = 8000
-
-
-@dataclass(frozen=True)
-class ContenderSpec:
-    name: str
-    venv: str
-    script: str
-    args: tuple[str, ...] = ()
-    store_variants: tuple[tuple[str, dict], ...] = ()
-
-    @property
-    def python(self) -> Path:
-        return REPO_ROOT / self.venv / "bin" / "python"
-
-    def available(self) -> bool:
-        return self.python.exists() and (PEERS_DIR / self.script).exists()
 
 
 PEER_STORE = (("store", {"sync": False}), ("store+sync", {"sync": True}))
@@ -133,6 +128,12 @@ DISK_CONTENDERS = (
     # kvd with its arena in 4 KiB pages, as on a host whose shmem_enabled is never.
     ContenderSpec("kvd-4k", ".venv", "kvd_driver.py", ("--no-huge-pages",), store_variants=KVD_STORE),
     ContenderSpec("vllm-fs", ".venv-vllm", "vllm_fs.py", store_variants=PEER_STORE),
+    # The secondary tiers of vLLM's tiering OffloadingConnector, built by its own spec and driven
+    # through the tier's job interface; and SimpleCPUOffloadConnector's disk backend, its own I/O
+    # methods (bench/peers/vllm_tiering.py, vllm_simple_disk.py say what runs and what cannot).
+    ContenderSpec("vllm-tiering-fs", ".venv-vllm", "vllm_tiering.py", ("--tier", "fs"), PEER_STORE),
+    ContenderSpec("vllm-tiering-obj", ".venv-vllm", "vllm_tiering.py", ("--tier", "obj"), PEER_STORE),
+    ContenderSpec("vllm-simple-disk", ".venv-vllm", "vllm_simple_disk.py", store_variants=PEER_STORE),
     ContenderSpec("lmcache-disk", ".venv-lmcache", "lmcache_disk.py", store_variants=PEER_STORE),
 )
 HOST_CONTENDERS = (
@@ -143,50 +144,6 @@ HOST_CONTENDERS = (
     ContenderSpec("memcpy x1", ".venv", "memcpy_driver.py", ("1",)),
     ContenderSpec("memcpy x2", ".venv", "memcpy_driver.py", ("2",)),
 )
-
-
-class Contender:
-    """One driver process; ask() sends a command and returns its answer."""
-
-    def __init__(self, spec: ContenderSpec, workload: protocol.Workload, log_dir: Path) -> None:
-        self.spec = spec
-        self.log_path = log_dir / f"{spec.name.replace(' ', '_')}.log"
-        self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(
-            [str(spec.python), str(PEERS_DIR / spec.script), workload.to_json(), *spec.args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=REPO_ROOT)
-        hello = self._read()
-        if not hello.get("ready"):
-            raise RuntimeError(f"{spec.name} did not start: {hello}")
-        self.version = hello.get("version", "?")
-
-    def _read(self) -> dict:
-        line = self.process.stdout.readline()
-        if not line:
-            tail = self.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{self.spec.name} exited ({self.process.poll()}):\n{tail}")
-        return json.loads(line)
-
-    def ask(self, op: str, **fields: Any) -> dict:
-        self.process.stdin.write(json.dumps({"op": op, **fields}) + "\n")
-        self.process.stdin.flush()
-        answer = self._read()
-        if "error" in answer:
-            raise RuntimeError(f"{self.spec.name} {op}: {answer['error']} (log: {self.log_path})")
-        if answer.get("ok") is False:
-            raise RuntimeError(f"{self.spec.name} {op}: the bytes read back are not the bytes stored")
-        return answer
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.write('{"op": "quit"}\n')
-                self.process.stdin.flush()
-                self.process.wait(120)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
 
 
 def drop_page_cache() -> bool:
@@ -225,25 +182,6 @@ def shmem_huge_pages(mode: str):
         yield mode
     finally:
         SHMEM_THP.write_text(found + "\n")
-
-
-def start_all(specs, workload_of, log_dir: Path) -> dict[str, Contender]:
-    started = {}
-    for spec in specs:
-        if not spec.available():
-            progress(f"{spec.name}: not installed ({spec.venv} or bench/peers/{spec.script} missing), left out")
-            continue
-        progress(f"starting {spec.name}")
-        try:
-            started[spec.name] = Contender(spec, workload_of(spec), log_dir)
-        except RuntimeError as error:
-            progress(f"{spec.name}: failed to start, left out: {str(error)[-600:]}")
-    return started
-
-
-def close_all(contenders: dict[str, Contender]) -> None:
-    for contender in contenders.values():
-        contender.close()
 
 
 # ---------------------------------------------------------------------------
@@ -387,7 +325,9 @@ def disk_phase(args, shape: str, tokens: int, root: Path) -> dict[str, Any]:
     total = args.total_mib * MIB
     base = root / shape
     specs = [s for s in DISK_CONTENDERS if not args.only or s.name in args.only]
-    contenders = start_all(specs, lambda s: workload(base, s.name.replace(" ", "_"), layer_bytes, total), base)
+    refused: dict[str, dict] = {}
+    contenders = start_all(specs, lambda s: workload(base, s.name.replace(" ", "_"), layer_bytes, total), base,
+                           refused)
     device = devicestats.device_of(base)
     try:
         progress(f"{shape}: fio sweep")
@@ -397,13 +337,14 @@ def disk_phase(args, shape: str, tokens: int, root: Path) -> dict[str, Any]:
             progress(f"{shape}: disk round {index + 1}/{args.rounds}")
             disk_round(contenders, rotated(sorted(contenders), index), fio, base / "fio.bin", total, samples, device)
         versions = {name: c.version for name, c in contenders.items()}
+        notes = {name: c.notes for name, c in contenders.items() if c.notes}
     finally:
         close_all(contenders)
         shutil.rmtree(base, ignore_errors=True)
     results = samples.summary(total)
     return {"layer_bytes": layer_bytes, "total_bytes": total, "versions": versions, "device": device,
             "fio_sweep_gib_s": fio["gib_s"], "fio_best": {k: v.label for k, v in fio["best"].items()},
-            "results": results, "ratios": disk_ratios(results)}
+            "results": results, "could_not_run": refused, "notes": notes, "ratios": disk_ratios(results)}
 
 
 def host_phase(args, shape: str, tokens: int, root: Path, with_lookup: bool) -> dict[str, Any]:
@@ -483,6 +424,22 @@ def disk_ratios(results: dict) -> dict[str, Any]:
     for operation in ("restore", "store none"):  # what huge pages for the arena gave
         huge, small = _median(results, f"kvd {operation}"), _median(results, f"kvd-4k {operation}")
         ratios[f"{operation} huge pages / 4 KiB pages"] = huge / small if huge and small else None
+    ratios.update(vllm_path_ratios(results))
+    return ratios
+
+
+VLLM_PATHS = ("vllm-fs", "vllm-tiering-fs", "vllm-tiering-obj", "vllm-simple-disk")
+
+
+def vllm_path_ratios(results: dict) -> dict[str, float]:
+    """kvd-pinned (the engine's hand-over, as the peers') against each of vLLM's storage paths that ran:
+    restore against restore, fsync none against the unsynced store, strict against store+sync."""
+    ratios = {}
+    for peer in VLLM_PATHS:
+        for mine, theirs in (("restore", "restore"), ("store none", "store"), ("store strict", "store+sync")):
+            kvd, other = _median(results, f"kvd-pinned {mine}"), _median(results, f"{peer} {theirs}")
+            if kvd and other:
+                ratios[f"kvd-pinned {mine} / {peer} {theirs}"] = kvd / other
     return ratios
 
 
@@ -508,6 +465,7 @@ def print_phase(title: str, phase: dict[str, Any]) -> None:
             report(f"  {'':28s} the daemon's read job: {entry['daemon_read_share']:.0%} of the call")
         if "arena_huge_share_min" in entry:
             report(f"  {'':28s} the arena in huge pages: at least {entry['arena_huge_share_min']:.0%}")
+    print_refusals(phase)
     for key, value in phase["ratios"].items():
         if isinstance(value, dict):
             shown = "n/a" if value["ratio"] is None else f"{value['ratio']:.2f}x"
@@ -517,6 +475,15 @@ def print_phase(title: str, phase: dict[str, Any]) -> None:
             report(f"  {key:28s} {value:.2f}x")
     for name, latency in phase.get("lookup", {}).items():
         report(f"  lookup {LOOKUP_KEYS} {name:18s} p50 {latency['p50_ms']:7.2f} ms   p99 {latency['p99_ms']:7.2f} ms")
+
+
+def print_refusals(phase: dict[str, Any]) -> None:
+    """The peers that could not run here, and what a peer that ran could not do, as vLLM raised it."""
+    for name, row in sorted(phase.get("could_not_run", {}).items()):
+        report(f"  {name:28s} could not run: {row['error']} ({row['raised_at']})")
+    for name, notes in sorted(phase.get("notes", {}).items()):
+        for key, note in notes.items():
+            report(f"  {name:28s} {key}: {note.get('error', note)} ({note.get('raised_at', '')})")
 
 
 def parse_args() -> argparse.Namespace:
@@ -535,6 +502,9 @@ def parse_args() -> argparse.Namespace:
                         help="the kernel's shared-memory huge page setting for the run (root only; put back at the "
                         "end): advise, as docs/operations.md recommends for kvd's arena, or leave it as found. "
                         "Only kvd maps shared memory; kvd-4k shows it without huge pages")
+    parser.add_argument("--result-name", default="bench_peers",
+                        help="bench/results/<name>.json to write (a run of some contenders only can keep the full "
+                        "run's file)")
     parser.add_argument("--dir", default=None, help="where the contenders' directories go (default: a temp dir "
                         "under the repository, on the same file system as the daemon's)")
     return parser.parse_args()
@@ -548,7 +518,7 @@ def main() -> None:
     with shmem_huge_pages(args.shmem_thp) as shmem_mode:
         out["shmem_enabled"] = shmem_mode
         run_phases(args, root, out)
-    write_result("bench_peers", out)
+    write_result(args.result_name, out)
 
 
 def run_phases(args, root: Path, out: dict[str, Any]) -> None:

@@ -32,6 +32,10 @@ answers one JSON line per command read from stdin:
                                      "latencies_s" (one per repeat)
     {"op": "quit"}
 
+A driver whose peer cannot be built on this host prints instead
+``{"ready": false, "could_not_run": "<Type>: <message>", "raised_at": ...}``
+(see `refuse`) and exits; the orchestrator keeps that as the contender's row.
+
 Each answer is ``{"seconds": s, "ok": bool, ...}``; extra keys are kept in
 the results. An op the driver does not support answers
 ``{"unsupported": true}``; a failure answers ``{"error": "..."}``.
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import sys
 import time
 import traceback
@@ -127,10 +132,12 @@ def timed(action: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - started, result
 
 
-def serve(name: str, version: str, handlers: dict[str, Callable[[dict], dict]]) -> None:
-    """Answer commands from stdin until quit; the driver's handlers return the answer dicts."""
+def serve(name: str, version: str, handlers: dict[str, Callable[[dict], dict]], notes: dict | None = None) -> None:
+    """Answer commands from stdin until quit; the driver's handlers return the answer dicts.
+    `notes` (what the driver found at its start) go into the hello line and the results."""
     out = sys.stdout
-    print(json.dumps({"ready": True, "name": name, "version": version}), file=out, flush=True)
+    hello = {"ready": True, "name": name, "version": version, **({"notes": notes} if notes else {})}
+    print(json.dumps(hello), file=out, flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         op = command.get("op")
@@ -143,3 +150,35 @@ def serve(name: str, version: str, handlers: dict[str, Callable[[dict], dict]]) 
             traceback.print_exc(file=sys.stderr)
             answer = {"error": f"{type(error).__name__}: {error}"}
         print(json.dumps(answer), file=out, flush=True)
+
+
+def raised_at(error: BaseException, package: str) -> dict[str, str]:
+    """Where `error` was raised: the innermost frame inside `package` (a top-level package name,
+    as a path under site-packages) and the innermost frame of all."""
+    frames = traceback.extract_tb(error.__traceback__)
+    marker = os.sep + package + os.sep
+
+    def where(frame: traceback.FrameSummary) -> str:
+        path = frame.filename
+        cut = path.rfind("site-packages" + os.sep)
+        return f"{path[cut + len('site-packages') + 1:] if cut >= 0 else path}:{frame.lineno}"
+
+    inside = [frame for frame in frames if marker in frame.filename]
+    return {"raised_at": where(inside[-1]) if inside else "?", "raised_in": where(frames[-1]) if frames else "?"}
+
+
+def refuse(name: str, error: BaseException, package: str) -> None:
+    """Tell the orchestrator this peer cannot run here: the exception, word for word, and where."""
+    traceback.print_exception(error, file=sys.stderr)
+    hello = {"ready": False, "name": name, "could_not_run": f"{type(error).__name__}: {error}",
+             **raised_at(error, package)}
+    print(json.dumps(hello), file=sys.stdout, flush=True)
+
+
+def syncfs(directory: str) -> None:
+    """Write back every dirty page of the file system holding `directory`."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.syncfs(fd) if hasattr(os, "syncfs") else os.sync()
+    finally:
+        os.close(fd)
