@@ -1,7 +1,7 @@
 """Load or recompute (issue 38 item 1) in the vLLM connector's scheduler side, against a real daemon
 with a disk tier on real files: with a prefill profile the hit is priced from the daemon's
 Lookup(load_times) and only the blocks that load sooner than vLLM computes them are offered (and
-only those prefetched); without one, every matched block is. The scheduler side is the one vLLM
+only those prefetched, for a load in the background); without one, every matched block is. The scheduler side is the one vLLM
 builds, asked as vLLM asks it; vLLM itself is not needed for that."""
 
 from __future__ import annotations
@@ -74,8 +74,12 @@ def test_only_the_blocks_that_load_sooner_than_vllm_computes_them_are_offered(tm
         assert "loading 3 of 8 hit blocks, computing the rest" in caplog.text  # and it says so
         assert daemon.metric_samples("kvd_prefetch_blocks_total").get('kvd_prefetch_blocks_total{result="queued"}',
                                                                       0) == 0
-        # Far longer: load all 8 (and prefetch the disk ones); without a profile, the same.
-        assert ask(daemon.unix_target, {"prefill_profile": profile(tmp_path / "slow.json", 1000 * disk_block_s)}) \
-            == (BLOCKS * block, False)
+        # Far longer: load all 8, in the step (layer by layer: not prefetched); without a profile, the same.
+        slow = profile(tmp_path / "slow.json", 1000 * disk_block_s)
+        assert ask(daemon.unix_target, {"prefill_profile": slow}) == (BLOCKS * block, False)
+        assert daemon.metric_samples("kvd_prefetch_blocks_total").get(
+            'kvd_prefetch_blocks_total{result="queued"}', 0) == 0
+        # Loaded in the background instead (the request waits): the disk ones are prefetched at once.
+        assert ask(daemon.unix_target, {"prefill_profile": slow, "load": "async"}) == (BLOCKS * block, True)
         assert daemon.metric_samples("kvd_prefetch_blocks_total")['kvd_prefetch_blocks_total{result="queued"}'] == 5
         assert ask(daemon.unix_target, {})[0] == BLOCKS * block

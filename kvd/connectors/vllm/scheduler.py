@@ -120,17 +120,20 @@ class SchedulerSide:
                 tracked.offered = max(tracked.offered, stop)
                 stop, budget_s = self._worth_loading(tracked, first, stop, load_s)
             slow = first_slow < stop
-            if stop > first and slow and not self.config.io_ring:
-                # (With io_ring a disk hit is read straight into the KV cache: no host copy to warm.)
+            # "auto": asynchronous only if the scheduler has another request to run meanwhile.
+            others = len(self.requests) > 1
+            asynchronous = slow and (self.config.load == "async" or (self.config.load == "auto" and others))
+            if stop > first and asynchronous and not self.config.io_ring:
+                # The request waits: its disk blocks are read into host memory from now on. A layerwise
+                # load is not prefetched: its step's GetLayers reads layer 0 of every block first, so
+                # the later layers' reads overlap the compute (a whole-block prefetch would land every
+                # layer at once). With io_ring a disk hit is read straight into the KV cache.
                 self._prefetch(tracked, first, stop)
         except grpc.RpcError as error:
             log.warning("kvd: lookup failed, the request misses: %s", error.details())
             return 0, False
         if stop <= first:
             return 0, False
-        # "auto": asynchronous only if the scheduler has another request to run meanwhile.
-        others = len(self.requests) > 1
-        asynchronous = slow and (self.config.load == "async" or (self.config.load == "auto" and others))
         self._plans[request.request_id] = _Plan(first, stop, asynchronous, budget_s)
         return (stop - first) * self.block_size, asynchronous
 
