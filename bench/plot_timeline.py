@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 LANES = ("in kvd's arena", "copy thread", "layer compute", "waiting for kvd", "kvd calls")
 
 
@@ -32,6 +34,45 @@ def step_summary(step: dict) -> dict[str, float]:
     return {"wait_ms": sum(t1 - t0 for t0, t1 in waits.values()),
             "copy_ms": sum(t1 - t0 for t0, t1 in copies.values()),
             "step_ms": max(t1 for _, _, _, t1 in step["events"]) / 1e3}
+
+
+# kvd's time on the model's thread (a CPU engine's saves wait for their reservation on the copy thread,
+# which the step's end drains)
+MODEL_THREAD = ("open", "wait", "drain", "close", "commit")
+
+
+class TimelineFiles:
+    """A connector's timeline directory, read on from where the last read stopped."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.lines_read = Path(directory), {}
+
+    def new_steps(self, name: str) -> list[dict]:
+        """The steps `name`.jsonl (worker0, scheduler) gained since the last call."""
+        path = self.directory / f"{name}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        start, self.lines_read[name] = self.lines_read.get(name, 0), len(lines)
+        return [json.loads(line) for line in lines[start:]]
+
+    def skip(self) -> TimelineFiles:
+        for name in ("worker0", "scheduler"):
+            self.new_steps(name)
+        return self
+
+    def figures(self) -> dict[str, float]:
+        """Medians (and the largest) of the new steps: the scheduler's Lookups, and per worker step
+        kvd's time on the model's thread and what it was spent on."""
+        lookups = [t1 - t0 for step in self.new_steps("scheduler") for name, _, t0, t1 in step["events"]
+                   if name == "lookup"]
+        steps = self.new_steps("worker0")
+        per_step = {what: [sum(t1 - t0 for name, _, t0, t1 in step["events"] if name == what) for step in steps]
+                    for what in MODEL_THREAD}
+        on_thread = [sum(values) for values in zip(*per_step.values(), strict=True)]
+        middle = lambda values: float(np.median(values)) / 1e3 if values else 0.0  # noqa: E731
+        return {"lookups": len(lookups), "lookup_ms_p50": middle(lookups),
+                "lookup_ms_max": max(lookups, default=0.0) / 1e3, "worker_steps": len(steps),
+                "model_thread_ms_p50": middle(on_thread), "model_thread_ms_max": max(on_thread, default=0.0) / 1e3,
+                **{f"{what}_ms_p50": middle(values) for what, values in per_step.items()}}
 
 
 def compute_spans(step: dict) -> dict[int, tuple[float, float]]:

@@ -72,6 +72,11 @@ def test_only_the_blocks_that_load_sooner_than_vllm_computes_them_are_offered(tm
         assert ask(daemon.unix_target, {"prefill_profile": profile(tmp_path / "fast.json", disk_block_s / 1000)}) \
             == (3 * block, False)
         assert "loading 3 of 8 hit blocks, computing the rest" in caplog.text  # and it says so
+        timeline = tmp_path / "timeline"
+        ask(daemon.unix_target, {"prefill_profile": profile(tmp_path / "fast.json", disk_block_s / 1000),
+                                 "timeline": str(timeline)})
+        (what, blocks, began, ended), = json.loads((timeline / "scheduler.jsonl").read_text())["events"]
+        assert (what, blocks) == ("lookup", 3) and 0 <= began <= ended  # the timeline records the choice
         assert daemon.metric_samples("kvd_prefetch_blocks_total").get('kvd_prefetch_blocks_total{result="queued"}',
                                                                       0) == 0
         # Far longer: load all 8, in the step (layer by layer: not prefetched); without a profile, the same.

@@ -61,7 +61,8 @@ class ConnectorConfig:
       past that is recomputed, with a warning.
     timeline: a directory: with transfer = "client", each worker appends a
       per-layer timeline of every step that loaded or saved to
-      worker<rank>.jsonl there (kvd.connectors.vllm.timeline; drawn by
+      worker<rank>.jsonl there, and the scheduler side its Lookups to
+      scheduler.jsonl (kvd.connectors.vllm.timeline; drawn by
       bench/plot_timeline.py). Default: none.
     """
 

@@ -7,10 +7,11 @@ computes the prompt's chained keys in every shard, and:
 - get_num_new_matched_tokens looks the keys up in every shard (a block
   counts only if every shard has it). A hit served from host memory is
   loaded synchronously, layer by layer during the step that computes the
-  rest of the prompt. A hit that needs the disk is prefetched at once (not
-  with io_ring: read straight into the KV cache, it needs no host copy) and,
-  with load = "async" (or "auto" while other requests run), reported as an
-  asynchronous load: vLLM parks the request until the worker says the
+  rest of the prompt. A hit that needs the disk is streamed the same way
+  (kvd reads layer 0 of every block first), or, with load = "async" (or
+  "auto" while other requests run), prefetched at once (not with io_ring:
+  read straight into the KV cache, it needs no host copy) and reported as
+  an asynchronous load: vLLM parks the request until the worker says the
   bytes are in, and runs other requests meanwhile. In a cluster the Lookup
   also counts what a peer holds past the local prefix: the daemon fetches
   it when the worker loads, and it is loaded like a disk hit. With a
@@ -27,6 +28,7 @@ is down, requests simply miss.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,7 @@ from kvd.connectors.vllm.logs import log
 from kvd.connectors.vllm.metadata import NULL_BLOCK, KvdConnectorMetadata, KvdHandshake, LoadOrder, SaveOrder
 from kvd.connectors.vllm.placement import SavePlanner
 from kvd.connectors.vllm.requests import prompt_keys
+from kvd.connectors.vllm.timeline import Timeline
 from kvd.connectors.vllm.transfer import local_namespace, registering
 from kvd.planner.prefill import PrefillProfile, best_stop
 from kvd.v1 import kvd_pb2
@@ -79,6 +82,7 @@ class SchedulerSide:
         self.events = None  # an EventFeed (kvd.connectors.vllm.events) with publish_events
         self.placement = SavePlanner(self.client, config.placement) if config.placement is not None else None
         self.profile = PrefillProfile.load(config.prefill_profile) if config.prefill_profile else None
+        self.timeline = Timeline(config.timeline, "scheduler")
 
     def set_shards(self, handshakes: dict[tuple[int, int], KvdHandshake]) -> None:
         """Adopt the workers' namespaces, ordered as the workers index them."""
@@ -113,6 +117,7 @@ class SchedulerSide:
         if usable <= first:
             return 0, False
         budget_s = None
+        began = time.perf_counter_ns()
         try:
             stop, first_slow, load_s = self._lookup(tracked, usable)
             if self.profile is not None and stop > first:
@@ -132,6 +137,7 @@ class SchedulerSide:
         except grpc.RpcError as error:
             log.warning("kvd: lookup failed, the request misses: %s", error.details())
             return 0, False
+        self.timeline.mark("lookup", max(stop - first, 0), began)
         if stop <= first:
             return 0, False
         self._plans[request.request_id] = _Plan(first, stop, asynchronous, budget_s)
@@ -207,6 +213,8 @@ class SchedulerSide:
 
     # ---- per step
     def build(self, scheduler_output: Any) -> KvdConnectorMetadata:
+        self.timeline.end_step()
+        self.timeline.begin_step()
         metadata = KvdConnectorMetadata(loads=self._loads)
         self._loads = []
         if not self.config.save:
@@ -245,6 +253,7 @@ class SchedulerSide:
         tracked.offered = full
 
     def close(self) -> None:
+        self.timeline.end_step()
         if self.events is not None:
             self.events.close()
         self.client.close()

@@ -1,8 +1,9 @@
-"""Per-layer timelines of a connector worker's steps (the `timeline` option).
+"""Per-layer timelines of the connector's steps (the `timeline` option).
 
 Off by default: then every call here is one attribute test. When a
 directory is named, each worker appends one JSON line per step that loaded
-or saved anything to <directory>/worker<shard>.jsonl:
+or saved anything to <directory>/worker<shard>.jsonl, and the scheduler
+side one per scheduler step that looked anything up to scheduler.jsonl:
 
     {"step": 12, "start_ns": ..., "events": [[what, layer, t0_us, t1_us], ...]}
 
@@ -17,6 +18,9 @@ end waited for the copy thread), `close` (loads
 ended, their leases given back), `commit` (saves committed). The layer's
 own compute is what lies between its `wait` and its `save`, and between
 its `save` and the next layer's `wait` (bench/plot_timeline.py draws it).
+The scheduler side records `lookup` (a new request's Lookup, and with a
+prefill profile the choice of what to load; its "layer" field is the
+number of blocks it chose to load).
 """
 
 from __future__ import annotations
@@ -30,14 +34,14 @@ from pathlib import Path
 
 
 class Timeline:
-    def __init__(self, directory: str | None, shard: int) -> None:
+    def __init__(self, directory: str | None, name: str) -> None:
         self.on = directory is not None
-        self._path = Path(directory) / f"worker{shard}.jsonl" if directory is not None else None
+        self._path = Path(directory) / f"{name}.jsonl" if directory is not None else None
         if self._path is not None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._steps = 0
-        self._start = 0
+        self._start = time.perf_counter_ns()
         self._events: list[list] = []
 
     def begin_step(self) -> None:

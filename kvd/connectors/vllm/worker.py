@@ -117,7 +117,7 @@ class WorkerSide:
             log.warning("kvd: the daemon at %s does not answer yet (%s); requests miss until it does",
                         config.target, error)
         self.counters = Counters()
-        self.timeline = Timeline(config.timeline, shard)
+        self.timeline = Timeline(config.timeline, f"worker{shard}")
         self.totals: dict[str, float] = {}  # every count since the start (tests, logs)
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvd-connector")
         # A CPU engine's copies run on their own thread, overlapping the layers' compute; a GPU's are
@@ -232,20 +232,19 @@ class WorkerSide:
         step = self._step
         if layer is None or not step.saves:
             return
+        if self._copier is not None:  # the reservation is waited for there too, not on the model's thread
+            step.copies_out.append(self._copier.submit(self._save_layer, step, layer))
+        else:
+            self._save_layer(step, layer)
+
+    def _save_layer(self, step: _Step, layer: int) -> None:
         if step.save_index is None:
             with self.timeline.span("reserve"):
                 step.save_index = self._save_index(step)
         slots, blocks = step.save_index[self.layout.group_of(layer)]
-        if not slots.numel():
-            return
-        if self._copier is not None:
-            step.copies_out.append(self._copier.submit(self._save_copy, layer, slots, blocks))
-        else:
-            self._save_copy(layer, slots, blocks)
-
-    def _save_copy(self, layer: int, slots: torch.Tensor, blocks: torch.Tensor) -> None:
-        with self.timeline.span("save", layer):
-            self._copy(layer, slots, blocks, into_engine=False)
+        if slots.numel():
+            with self.timeline.span("save", layer):
+                self._copy(layer, slots, blocks, into_engine=False)
 
     def _save_index(self, step: _Step) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         slots, blocks = [], [[] for _ in range(self.groups)]
