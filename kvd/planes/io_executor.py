@@ -219,7 +219,7 @@ class ScheduledExecutor:
         times.max_wait_seconds = max(times.max_wait_seconds, waited)
         times.run_seconds += finished - started
         if job.io_class in READS and error is None:
-            self.read_rate.add(job.nbytes, finished - started)
+            self.read_rate.add(job.nbytes, finished - started, finished)
         if self.on_job is not None:
             self.on_job(class_name, waited, finished - started)
         if error is not None:

@@ -11,7 +11,8 @@ result against recomputing.
     rates = {TIER_DISK: disk_meter.bytes_per_s, TIER_REMOTE: fetch_meter.bytes_per_s}
     load_seconds(tiers, block_bytes, queued_bytes={TIER_DISK: queued}, rates=rates)
 
-Pure: no clock, no I/O; the daemon and the tests feed it the same way.
+Pure: no clock of its own, no I/O; the daemon and the tests feed it the same way (each transfer
+with the time it ended, on the caller's clock).
 """
 
 from __future__ import annotations
@@ -23,33 +24,39 @@ import numpy as np
 
 from kvd.invariants import check
 
-# A transfer's weight halves with every this many bytes moved after it: the rate follows the last
-# few hundred MiB, so a drive that slows down (another tenant's restores, a throttle) shows within
-# a few requests, and one slow request does not swing it.
+# A transfer's weight halves with every this many bytes moved after it, and with every
+# HALF_LIFE_S seconds between it and the latest one: the rate follows the last few hundred MiB or
+# the last seconds, whichever is less. Bytes alone would leave a drive that slowed down (another
+# tenant's restores, a throttle) looking fast for long: at 12 MiB/s, 256 MiB take 20 s to move.
 HALF_LIFE_BYTES = 256 << 20
+HALF_LIFE_S = 1.0
 
 
 class RateMeter:
     """Bytes per second of one kind of transfer: the ratio of decayed sums of bytes and seconds,
-    each transfer weighing 2 ** -(bytes moved after it / half_life_bytes). Written by one thread,
-    read by any: the state is one tuple, replaced whole."""
+    each transfer weighing 2 ** -(bytes moved after it / half_life_bytes + seconds from its end to
+    the latest transfer's / half_life_s). With no transfer since, the rate stays what the last
+    ones said. Written by one thread, read by any: the state is one tuple, replaced whole."""
 
-    def __init__(self, half_life_bytes: int = HALF_LIFE_BYTES) -> None:
-        check(half_life_bytes > 0, "a half-life of {} bytes", half_life_bytes)
-        self.half_life_bytes = half_life_bytes
-        self._sums = (0.0, 0.0)  # (bytes, seconds), decayed
+    def __init__(self, half_life_bytes: int = HALF_LIFE_BYTES, half_life_s: float = HALF_LIFE_S) -> None:
+        check(half_life_bytes > 0 and half_life_s > 0, "half-lives of {} bytes and {} s", half_life_bytes,
+              half_life_s)
+        self.half_life_bytes, self.half_life_s = half_life_bytes, half_life_s
+        self._sums: tuple[float, float, float | None] = (0.0, 0.0, None)  # (bytes, seconds) decayed; last end
 
-    def add(self, nbytes: int, seconds: float) -> None:
+    def add(self, nbytes: int, seconds: float, ended: float) -> None:
+        """A transfer of nbytes that took `seconds` and ended at `ended` (the caller's monotonic clock)."""
         if nbytes <= 0 or not seconds > 0:
             return  # nothing moved, or no time measured: no evidence of a rate
-        decay = 0.5 ** (nbytes / self.half_life_bytes)
-        moved, spent = self._sums
-        self._sums = (moved * decay + nbytes, spent * decay + seconds)
+        moved, spent, last = self._sums
+        since = 0.0 if last is None else max(ended - last, 0.0)
+        decay = 0.5 ** (nbytes / self.half_life_bytes + since / self.half_life_s)
+        self._sums = (moved * decay + nbytes, spent * decay + seconds, ended if last is None else max(ended, last))
 
     @property
     def bytes_per_s(self) -> float | None:
         """None until a transfer was measured."""
-        moved, spent = self._sums
+        moved, spent, _ = self._sums
         return moved / spent if spent > 0 else None
 
 
