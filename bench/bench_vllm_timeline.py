@@ -56,10 +56,11 @@ def prompt(prefix: np.ndarray, suffix_seed: int) -> str:
     return tiny_llama.prompt_words(np.concatenate([prefix, suffix]))
 
 
-def ttft_ms(port: int, text: str) -> float:
+def ttft_ms(port: int, text: str, kv_transfer_params: dict | None = None) -> float:
     """Milliseconds from sending a streamed completion to its first token."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
-    body = json.dumps({"model": "tiny", "prompt": text, "max_tokens": 2, "temperature": 0, "stream": True})
+    body = json.dumps({"model": "tiny", "prompt": text, "max_tokens": 2, "temperature": 0, "stream": True,
+                       **({"kv_transfer_params": kv_transfer_params} if kv_transfer_params else {})})
     started = time.perf_counter()
     connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     response = connection.getresponse()

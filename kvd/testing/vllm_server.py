@@ -89,10 +89,10 @@ def vllm_server(engine_python: Path, model: Path, log: Path, *, connector: dict 
             server.wait()
 
 
-def complete(port: int, prompt: str, max_tokens: int = 4) -> dict:
-    """One greedy /v1/completions request, with logprobs."""
+def complete(port: int, prompt: str, max_tokens: int = 4, extra: dict | None = None) -> dict:
+    """One greedy /v1/completions request, with logprobs (and `extra` fields in its body)."""
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "logprobs": 1}).encode()
+                       "logprobs": 1, **(extra or {})}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:

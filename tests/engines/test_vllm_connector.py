@@ -374,6 +374,11 @@ def test_vllm_serve_stores_and_loads_through_the_connector(served, kvd):
     assert metrics["vllm:kvd_saved_blocks_total"] - saved_before == blocks
     assert metrics["vllm:kvd_loaded_blocks_total"] == blocks and metrics["vllm:kvd_load_errors_total"] == 0
     assert metrics["vllm:kvd_loaded_tokens_total"] == blocks * BLOCK and metrics["vllm:kvd_recomputed_tokens_total"] == 0
+    # A request that asks kvd to load nothing (kv_transfer_params) is computed, with the same answer.
+    assert post(port, "/reset_prefix_cache") == {"success": True}
+    again = complete(port, prompt, extra={"kv_transfer_params": {"kvd_load": "none"}})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and again["choices"][0]["text"] == first["text"]
+    assert prometheus_samples(port)["vllm:kvd_loaded_blocks_total"] == blocks
     # The connector logs through vLLM's logging: its start-up line, INFO, with vLLM's prefix
     # ("(EngineCore pid=...) INFO mm-dd hh:mm:ss [connector.py:NNN] kvd connector: ...").
     started = [line for line in served.log.read_text(errors="replace").splitlines() if "kvd connector:" in line]

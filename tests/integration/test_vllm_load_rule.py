@@ -42,13 +42,13 @@ def profile(path, per_token_s: float) -> str:
     return str(path)
 
 
-def ask(target: str, extra: dict) -> tuple[int, bool]:
+def ask(target: str, extra: dict, kv_transfer_params: dict | None = None) -> tuple[int, bool]:
     """get_num_new_matched_tokens of a new request with nothing computed, as vLLM asks it."""
     side = SchedulerSide(ConnectorConfig.from_extra({"target": target, **extra}), SPEC.block_tokens)
     try:
         side.set_shards({(0, 0): KvdHandshake(spec=SPEC)})
         request = SimpleNamespace(request_id="r0", prompt_token_ids=PROMPT.tolist(), lora_request=None,
-                                  cache_salt=None, mm_features=None)
+                                  cache_salt=None, mm_features=None, kv_transfer_params=kv_transfer_params)
         return side.matched_tokens(request, 0)
     finally:
         side.close()
@@ -72,6 +72,17 @@ def test_only_the_blocks_that_load_sooner_than_vllm_computes_them_are_offered(tm
         assert ask(daemon.unix_target, {"prefill_profile": profile(tmp_path / "fast.json", disk_block_s / 1000)}) \
             == (3 * block, False)
         assert "loading 3 of 8 hit blocks, computing the rest" in caplog.text  # and it says so
+        # A request may choose for itself (kv_transfer_params): every block, none, or the rule.
+        fast = profile(tmp_path / "fast.json", disk_block_s / 1000)
+        assert ask(daemon.unix_target, {"prefill_profile": fast}, {"kvd_load": "all"}) == (BLOCKS * block, False)
+        assert ask(daemon.unix_target, {"prefill_profile": fast}, {"kvd_load": "none"}) == (0, False)
+        assert ask(daemon.unix_target, {"prefill_profile": fast}, {"kvd_load": "rule"}) == (3 * block, False)
+        assert ask(daemon.unix_target, {}, {"kvd_load": "none"}) == (0, False)
+        caplog.clear()  # a choice kvd cannot follow is said and the default taken
+        assert ask(daemon.unix_target, {}, {"kvd_load": "rule"}) == (BLOCKS * block, False)
+        assert ask(daemon.unix_target, {"prefill_profile": fast}, {"kvd_load": "some"}) == (3 * block, False)
+        assert "asks kvd_load='rule'; kvd takes 'all'" in caplog.text and "needs prefill_profile" in caplog.text
+        assert "asks kvd_load='some'; kvd takes 'rule'" in caplog.text
         timeline = tmp_path / "timeline"
         ask(daemon.unix_target, {"prefill_profile": profile(tmp_path / "fast.json", disk_block_s / 1000),
                                  "timeline": str(timeline)})

@@ -18,7 +18,8 @@ computes the prompt's chained keys in every shard, and:
   prefill profile (prefill_profile), the Lookup also prices each block's
   load as things stand (disk queue and rate, remote fetch rate), and only
   the leading blocks whose load beats computing them are loaded
-  (kvd.planner.prefill); vLLM computes the rest.
+  (kvd.planner.prefill); vLLM computes the rest. A request may choose for
+  itself in its kv_transfer_params: {"kvd_load": "rule" | "all" | "none"}.
 - build_connector_meta turns allocated blocks into load orders, and the
   prompt blocks that become full in a step into save orders.
 
@@ -45,6 +46,9 @@ from kvd.connectors.vllm.timeline import Timeline
 from kvd.connectors.vllm.transfer import local_namespace, registering
 from kvd.planner.prefill import PrefillProfile, best_stop
 from kvd.v1 import kvd_pb2
+
+
+LOAD_CHOICES = ("rule", "all", "none")  # a request's kv_transfer_params {"kvd_load": ...}
 
 
 @dataclass(slots=True)
@@ -106,9 +110,25 @@ class SchedulerSide:
             tracked = self.requests[request.request_id] = _Tracked(keys, len(request.prompt_token_ids))
         return tracked
 
+    def load_choice(self, request: Any) -> str:
+        """What the request asks of kvd's hit (kv_transfer_params {"kvd_load": ...}): "rule" (the
+        prefill profile's choice; the default with one), "all" (load every matched block; the
+        default without), "none" (load nothing: vLLM computes the prompt; kvd still stores it)."""
+        default = "rule" if self.profile is not None else "all"
+        choice = (getattr(request, "kv_transfer_params", None) or {}).get("kvd_load", default)
+        if choice not in LOAD_CHOICES or (choice == "rule" and self.profile is None):
+            log.warning("kvd: request %s asks kvd_load=%r; kvd takes %r (choices: %s%s)", request.request_id,
+                        choice, default, ", ".join(LOAD_CHOICES),
+                        "; \"rule\" needs prefill_profile" if choice == "rule" else "")
+            return default
+        return choice
+
     def matched_tokens(self, request: Any, computed: int) -> tuple[int, bool]:
         tracked = self.track(request)
         if tracked is None or tracked.load_failed:
+            return 0, False
+        choice = self.load_choice(request)
+        if choice == "none":
             return 0, False
         first = computed // self.block_size
         # vLLM computes at least one prompt token itself, so the last block
@@ -120,7 +140,7 @@ class SchedulerSide:
         began = time.perf_counter_ns()
         try:
             stop, first_slow, load_s = self._lookup(tracked, usable)
-            if self.profile is not None and stop > first:
+            if choice == "rule" and stop > first:
                 # What vLLM computes instead of loading, kvd holds already: not offered for saving.
                 tracked.offered = max(tracked.offered, stop)
                 stop, budget_s = self._worth_loading(tracked, first, stop, load_s)
