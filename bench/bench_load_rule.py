@@ -72,9 +72,21 @@ LEVELS = {"light": {"read_bps": 512 << 20, "flood_threads": 0},
           "heavy": {"read_bps": 12 << 20, "flood_threads": 2}}
 
 
-def kvd_config(directory: Path) -> dict:
+SEGMENT_BYTES = 64 << 20
+
+
+def disk_bytes(args) -> int:
+    """The disk tier: the flood's set, every kvd contender's prefixes (each level's suffix blocks too)
+    and half as much again, in whole segments; nothing the run reads may be evicted from it."""
+    kvd = sum(server == "kvd" for server, _ in CONTENDERS.values())
+    blocks = kvd * args.prefixes * (args.prefix_tokens // BLOCK + len(LEVELS) + 1)
+    needed = (4 * HOST_BYTES + blocks * FLOOD_SPEC.block_bytes) * 3 // 2
+    return -(-needed // SEGMENT_BYTES) * SEGMENT_BYTES
+
+
+def kvd_config(directory: Path, capacity: int) -> dict:
     return {"host": {"capacity_bytes": HOST_BYTES, "slot_bytes": "512KiB"},
-            "disk": {"directories": [str(directory)], "capacity_bytes": "1GiB", "segment_bytes": "64MiB",
+            "disk": {"directories": [str(directory)], "capacity_bytes": capacity, "segment_bytes": SEGMENT_BYTES,
                      "slot_bytes": "512KiB", "write_mode": "through", "fsync": "none"}}
 
 
@@ -243,8 +255,9 @@ def run(args, work: Path) -> tuple[dict, dict, dict]:
     profile_path.write_text(json.dumps(profile))
     results: dict[str, dict] = {}
     timings: dict[str, dict] = {}
-    with slowed_drive(work / "nvme0", size_bytes=2 << 30) as drive, contextlib.ExitStack() as stack:
-        daemon = start_daemon(work / "kvd", kvd_config(drive.directory))
+    capacity = disk_bytes(args)
+    with slowed_drive(work / "nvme0", size_bytes=capacity + (512 << 20)) as drive, contextlib.ExitStack() as stack:
+        daemon = start_daemon(work / "kvd", kvd_config(drive.directory, capacity))
         stack.callback(daemon.stop)
         drive.admit(daemon.pid)
         flood = Flood(daemon.unix_target)
