@@ -132,6 +132,16 @@ def timed(action: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - started, result
 
 
+def timed_restore(buffer: np.ndarray, seed: int, action: Callable[[], object]) -> dict:
+    """A timed restore into `buffer` (scrambled first, checked after), then the pattern put back:
+    the buffer is also the source of the next store."""
+    scramble(buffer)
+    seconds, _ = timed(action)
+    ok = check(buffer, seed)
+    fill(buffer, seed)
+    return {"seconds": seconds, "ok": bool(ok)}
+
+
 def serve(name: str, version: str, handlers: dict[str, Callable[[dict], dict]], notes: dict | None = None) -> None:
     """Answer commands from stdin until quit; the driver's handlers return the answer dicts.
     `notes` (what the driver found at its start) go into the hello line and the results."""

@@ -94,11 +94,7 @@ class VllmFsContender:
         return {"ok": True}
 
     def restore(self, command: dict) -> dict:
-        protocol.scramble(self.buffer)
-        seconds, _ = protocol.timed(lambda: self._run(fs_io.batch_load_block, self.pool.enqueue_load))
-        ok = protocol.check(self.buffer, self.workload.seed)
-        protocol.fill(self.buffer, self.workload.seed)
-        return {"seconds": seconds, "ok": bool(ok)}
+        return protocol.timed_restore(self.buffer, self.workload.seed, lambda: self._run(fs_io.batch_load_block, self.pool.enqueue_load))
 
     def handlers(self) -> dict:
         return {"store": self.store, "clear": self.clear, "cold": lambda command: {"ok": True},

@@ -95,11 +95,7 @@ class VllmSimpleDiskContender:
             for i in range(self.workload.blocks):
                 self.backend._readv_slot(i, i * self.workload.block_bytes)
 
-        protocol.scramble(self.buffer)
-        seconds, _ = protocol.timed(action)
-        ok = protocol.check(self.buffer, self.workload.seed)
-        protocol.fill(self.buffer, self.workload.seed)
-        return {"seconds": seconds, "ok": bool(ok)}
+        return protocol.timed_restore(self.buffer, self.workload.seed, action)
 
     def handlers(self) -> dict:
         return {"store": self.store, "clear": self.clear, "cold": lambda command: {"ok": True},

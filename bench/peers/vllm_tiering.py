@@ -128,11 +128,7 @@ class VllmTieringContender:
         return {"ok": True}
 
     def restore(self, command: dict) -> dict:
-        protocol.scramble(self.buffer)
-        seconds, _ = protocol.timed(lambda: self._run(promotion=True))
-        ok = protocol.check(self.buffer, self.workload.seed)
-        protocol.fill(self.buffer, self.workload.seed)
-        return {"seconds": seconds, "ok": bool(ok)}
+        return protocol.timed_restore(self.buffer, self.workload.seed, lambda: self._run(promotion=True))
 
     def close(self) -> None:
         """Shut the manager down (the tier's threads, the /dev/shm region); the region cannot be
