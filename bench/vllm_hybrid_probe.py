@@ -14,7 +14,8 @@ vLLM reported, as it reported it. Run from the repository root:
 
     .venv/bin/python bench/vllm_hybrid_probe.py [--only gemma3 mla]
 
-Writes bench/results/vllm_hybrid_probe.json.
+Writes bench/results/vllm_hybrid_probe.json (with --only, the other families keep
+their last results).
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def main() -> int:
         finally:
             daemon.stop()
     out = ROOT / "bench/results/vllm_hybrid_probe.json"
+    if out.exists():  # --only: the other families keep their last results
+        results = {**json.loads(out.read_text())["results"], **results}
     out.write_text(json.dumps({"families": LABELS, "results": results}, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")
     return 0

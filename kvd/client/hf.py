@@ -89,6 +89,8 @@ def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _kv_slots(spec: NamespaceSpec) -> tuple[int, int]:
     """Indices of K and V on the block's "2" axis."""
+    if spec.kv_order == KvOrder.LATENT:
+        raise InvalidArgument("a Hugging Face cache holds K and V; this namespace stores one latent per token (MLA)")
     return (0, 1) if spec.kv_order == KvOrder.K_THEN_V else (1, 0)
 
 

@@ -106,8 +106,15 @@ class InnerLayout(enum.IntEnum):
 
 
 class KvOrder(enum.IntEnum):
+    """K then V, V then K, or one latent plane (MLA); matches the proto."""
+
     K_THEN_V = 1
     V_THEN_K = 2
+    LATENT = 3  # MLA: one plane per layer, num_kv_heads 1, head_dim the latent's width
+
+    @property
+    def planes(self) -> int:
+        return 1 if self is KvOrder.LATENT else 2
 
 
 def _field(tag: bytes, value: bytes) -> bytes:
@@ -122,8 +129,10 @@ def _u32(value: int) -> bytes:
 class NamespaceSpec:
     """One cache identity: model, layout, parallel geometry, adapter, tenant.
 
-    Block shape is [num_layers, 2, *inner] where inner is given by
-    `inner_layout`; one layer of one block is contiguous (layer-major).
+    Block shape is [num_layers, planes, *inner] where inner is given by
+    `inner_layout` and planes is 2 (K and V, in `kv_order`) or 1 (an MLA
+    latent, kv_order LATENT); one layer of one block is contiguous
+    (layer-major).
     """
 
     model_id: str
@@ -157,6 +166,10 @@ class NamespaceSpec:
             value = getattr(self, name)
             if value not in kind.__members__.values():
                 raise InvalidArgument(f"namespace.{name} has unknown value {value!r}")
+        if self.kv_order == KvOrder.LATENT and self.num_kv_heads != 1:
+            raise InvalidArgument(
+                f"namespace.num_kv_heads must be 1 with kv_order LATENT (one latent per token), got {self.num_kv_heads}"
+            )
         if self.hash_scheme not in SUPPORTED_HASH_SCHEMES:
             raise InvalidArgument(
                 f"namespace.hash_scheme {self.hash_scheme!r} is not supported (supported: {', '.join(SUPPORTED_HASH_SCHEMES)})"
@@ -198,8 +211,8 @@ class NamespaceSpec:
 
     @property
     def layer_bytes(self) -> int:
-        """Bytes of one layer (K and V) of one block."""
-        return 2 * self.block_tokens * self.num_kv_heads * self.head_dim * DType(self.kv_dtype).itemsize
+        """Bytes of one layer (K and V, or the latent) of one block."""
+        return KvOrder(self.kv_order).planes * self.block_tokens * self.num_kv_heads * self.head_dim * DType(self.kv_dtype).itemsize
 
     @property
     def block_bytes(self) -> int:
@@ -211,7 +224,7 @@ class NamespaceSpec:
             inner = (self.block_tokens, self.num_kv_heads, self.head_dim)
         else:
             inner = (self.num_kv_heads, self.block_tokens, self.head_dim)
-        return (self.num_layers, 2, *inner)
+        return (self.num_layers, KvOrder(self.kv_order).planes, *inner)
 
     def encode(self) -> bytes:
         """Canonical, tagged encoding of every identity field."""

@@ -28,6 +28,7 @@ class KvOrder(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_ORDER_UNSPECIFIED: _ClassVar[KvOrder]
     KV_ORDER_K_THEN_V: _ClassVar[KvOrder]
     KV_ORDER_V_THEN_K: _ClassVar[KvOrder]
+    KV_ORDER_LATENT: _ClassVar[KvOrder]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -95,6 +96,7 @@ INNER_LAYOUT_HEAD_TOKEN_DIM: InnerLayout
 KV_ORDER_UNSPECIFIED: KvOrder
 KV_ORDER_K_THEN_V: KvOrder
 KV_ORDER_V_THEN_K: KvOrder
+KV_ORDER_LATENT: KvOrder
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier

@@ -13,24 +13,30 @@ from kvd.tiers.disk.layout import NAMESPACES
 from kvd.tiers.disk.registry import NamespaceEntry, NamespaceRegistry, decode_spec
 from tests.disk.conftest import SPEC
 
-specs = st.builds(
-    NamespaceSpec,
-    model_id=st.text(min_size=1, max_size=40),
-    num_layers=st.integers(1, 1024),
-    num_kv_heads=st.integers(1, 1024),
-    head_dim=st.integers(1, 4096),
-    block_tokens=st.integers(1, 65536),
-    kv_dtype=st.sampled_from(DType),
-    model_revision=st.text(max_size=20),
-    inner_layout=st.sampled_from(InnerLayout),
-    kv_order=st.sampled_from(KvOrder),
-    tp_rank=st.just(0),
-    tp_size=st.integers(1, 8),
-    pp_stage=st.just(0),
-    pp_size=st.integers(1, 8),
-    lora_id=st.text(max_size=20),
-    tenant_salt=st.binary(max_size=64),
-)
+
+def _specs(kv_orders, kv_heads) -> st.SearchStrategy[NamespaceSpec]:
+    return st.builds(
+        NamespaceSpec,
+        model_id=st.text(min_size=1, max_size=40),
+        num_layers=st.integers(1, 1024),
+        num_kv_heads=kv_heads,
+        head_dim=st.integers(1, 4096),
+        block_tokens=st.integers(1, 65536),
+        kv_dtype=st.sampled_from(DType),
+        model_revision=st.text(max_size=20),
+        inner_layout=st.sampled_from(InnerLayout),
+        kv_order=st.sampled_from(kv_orders),
+        tp_rank=st.just(0),
+        tp_size=st.integers(1, 8),
+        pp_stage=st.just(0),
+        pp_size=st.integers(1, 8),
+        lora_id=st.text(max_size=20),
+        tenant_salt=st.binary(max_size=64),
+    )
+
+
+# An MLA namespace has one latent per token: one head.
+specs = _specs([KvOrder.K_THEN_V, KvOrder.V_THEN_K], st.integers(1, 1024)) | _specs([KvOrder.LATENT], st.just(1))
 
 
 @settings(max_examples=200, deadline=None)

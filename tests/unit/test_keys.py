@@ -325,7 +325,8 @@ INVALID_FIELDS = [
     ("kv_dtype", {"kv_dtype": 99}),
     ("kv_dtype", {"kv_dtype": "bf16"}),
     ("inner_layout", {"inner_layout": 0}),
-    ("kv_order", {"kv_order": 3}),
+    ("kv_order", {"kv_order": 4}),
+    ("num_kv_heads", {"kv_order": KvOrder.LATENT, "num_kv_heads": 2}),  # one latent per token
 ]
 
 
@@ -387,6 +388,11 @@ def test_block_geometry():
     assert base.layer_bytes == 2 * 11 * 5 * 7 * 4
     assert base.block_bytes == 3 * base.layer_bytes
     assert dataclasses.replace(base, kv_dtype=DType.FLOAT8_E4M3).block_bytes == base.block_bytes // 4
+    # MLA: one latent plane per layer, not K and V.
+    latent = dataclasses.replace(base, num_kv_heads=1, head_dim=576, kv_order=KvOrder.LATENT)
+    assert latent.block_shape == (3, 1, 11, 1, 576)
+    assert latent.layer_bytes == 11 * 576 * 4 and latent.block_bytes == 3 * latent.layer_bytes
+    assert latent.namespace_id() != dataclasses.replace(latent, kv_order=KvOrder.K_THEN_V).namespace_id()
 
 
 # ----------------------------------------------------------------------

@@ -9,7 +9,9 @@ run (kvd never looks inside). So all the connector needs per layer is a
   [num_blocks, kv_heads, block_size, 2 * head_dim], K transposed and V in
   an ISA-specific interior; FlashInfer-like [num_blocks, 2, ...]);
 - two parts, K then V, when the tensor is [2, num_blocks, ...]
-  (FlashAttention-like layouts): a block's layer is the K row then the V row.
+  (FlashAttention-like layouts): a block's layer is the K row then the V row;
+- one part holding one latent per token for MLA models ([num_blocks,
+  block_size, latent width]), stored under kv_order LATENT.
 
 The bytes' meaning depends on all of that, so the namespace's identity
 records the attention backend, the tensor layout, the CPU ISA path and
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from kvd.client.tensors import dtype_of_torch
-from kvd.core.keys import NamespaceSpec
+from kvd.core.keys import KvOrder, NamespaceSpec
 
 
 class UnsupportedLayout(Exception):
@@ -190,8 +192,18 @@ def namespace_spec(
         f"kv {layout.description}",
         f"cache_dtype {cache.cache_dtype}",
     ))
+    # MLA keeps one latent per token (K and V are derived from it): one plane.
+    order = KvOrder.LATENT if getattr(model, "use_mla", False) else KvOrder.K_THEN_V
+    if order == KvOrder.LATENT and device == "cpu" and not cache.enable_prefix_caching:
+        # vLLM's CPU MLA backend computes a prompt after a cached prefix
+        # wrongly (measured: other tokens than vLLM alone), so vLLM turns
+        # its own prefix caching off for it; a prefix from kvd is no better.
+        raise UnsupportedLayout(
+            "vLLM's CPU MLA backend cannot compute a prompt after a cached prefix (vLLM turned its own prefix "
+            "caching off for this model), so a prefix loaded from kvd would give wrong answers")
     spec = NamespaceSpec(
         model_id=namespace or model.model,
+        kv_order=order,
         model_revision=identity,
         num_layers=len(layout.names),
         num_kv_heads=kv_heads,
@@ -204,8 +216,9 @@ def namespace_spec(
         pp_size=pp[1],
     )
     if spec.layer_bytes != layout.layer_bytes:
+        what = "the latent" if order == KvOrder.LATENT else "K and V"
         raise UnsupportedLayout(
-            f"a layer of a block is {layout.layer_bytes} bytes, but K and V of {block_size} tokens x "
-            f"{kv_heads} heads x {head_dim} would be {spec.layer_bytes}: not a plain paged K/V cache"
+            f"a layer of a block is {layout.layer_bytes} bytes, but {what} of {block_size} tokens x "
+            f"{kv_heads} heads x {head_dim} would be {spec.layer_bytes}: not a plain paged KV cache"
         )
     return spec
