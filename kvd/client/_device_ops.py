@@ -33,10 +33,10 @@ def save_layers(session: Session, namespace: Namespace, pool_id: int, keys: Sequ
 
 
 def load_layers(session: Session, namespace: Namespace, pool_id: int, keys: Sequence[bytes], pages: Sequence[int],
-                kvd_flag: int, base: int, parent_key: bytes) -> Op:
+                kvd_flag: int, base: int, parent_key: bytes, cancel_flag: int | None = None) -> Op:
     response = yield ("LoadLayers", kvd_pb2.LoadLayersRequest(
         namespace_id=namespace.namespace_id, client_id=session.client_id, pool_id=pool_id, parent_key=parent_key,
-        keys=keys, pages=pages, kvd_flag=kvd_flag, base=base))
+        keys=keys, pages=pages, kvd_flag=kvd_flag, base=base, cancel_flag=cancel_flag))
     return response
 
 

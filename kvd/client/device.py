@@ -118,8 +118,9 @@ class DevicePool:
                                        parent_key, offload_distance)
 
     def load(self, keys: Sequence[bytes], pages: Sequence[int], kvd_flag: int, base: int,
-             parent_key: bytes = b"") -> kvd_pb2.LoadLayersResponse:
-        return self.client.load_layers(self.namespace, self.pool_id, keys, pages, kvd_flag, base, parent_key)
+             parent_key: bytes = b"", cancel_flag: int | None = None) -> kvd_pb2.LoadLayersResponse:
+        return self.client.load_layers(self.namespace, self.pool_id, keys, pages, kvd_flag, base, parent_key,
+                                       cancel_flag)
 
     def ring_reads(self, response: kvd_pb2.LoadLayersResponse) -> RingReads | None:
         """The reads a load's answer granted to the pool's ring (None: none of its blocks came from

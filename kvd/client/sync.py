@@ -202,10 +202,12 @@ class Client(_ops.ClientBase):
                                                  base, parent_key, offload_distance))
 
     def load_layers(self, namespace: Namespace, pool_id: int, keys: Sequence[bytes], pages: Sequence[int],
-                    kvd_flag: int, base: int, parent_key: bytes = b"") -> kvd_pb2.LoadLayersResponse:
-        """kvd copies the stored prefix of `keys` into the pool's `pages`, flagging each layer."""
+                    kvd_flag: int, base: int, parent_key: bytes = b"",
+                    cancel_flag: int | None = None) -> kvd_pb2.LoadLayersResponse:
+        """kvd copies the stored prefix of `keys` into the pool's `pages`, flagging each layer;
+        storing `base` into flags[cancel_flag] cancels what is not yet issued (see the proto)."""
         return self._run(_device_ops.load_layers(self.session, namespace, pool_id, keys, pages, kvd_flag, base,
-                                                 parent_key))
+                                                 parent_key, cancel_flag))
 
     def stats(self) -> kvd_pb2.StatsResponse:
         return self._run(_admin.stats(self.session))

@@ -34,7 +34,7 @@ from kvd.device import Device, DeviceError, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
 from kvd.device.transfer import FAILED, PoolLayout, load_layers, save_layers
 from kvd.planner.distance import NONE
-from kvd.planes.device_loads import LayerLoad, load_landed, load_sources
+from kvd.planes.device_loads import LayerLoad, load_landed, load_sources, nothing_issued
 from kvd.planes.device_ring import PoolRing, RingLoad, ring_answer, settle_load
 from kvd.planes.device_tier import DeviceTier
 from kvd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -436,7 +436,8 @@ class DevicePlane:
             pause = min(_POLL_MAX_S, pause * 2 or 0.00002)
 
     def load(self, pool: Pool, pages: np.ndarray, keys, blocks, slot_offsets: list[int], kvd_flag: int, base: int,
-             on_landed, reading: tuple[asyncio.Queue, asyncio.Future] | None = None) -> tuple[int, list[bool]]:
+             on_landed, reading: tuple[asyncio.Queue, asyncio.Future] | None = None,
+             cancelled=None) -> tuple[int, list[bool]]:
         """Issue the per-layer scatter of `blocks` (pinned by the caller, in the arena at
         slot_offsets) into the pages, from the device tier where it holds them; `on_landed()` runs
         (on the event loop) once every copy has landed or the stream failed. Returns the value
@@ -444,7 +445,8 @@ class DevicePlane:
 
         `reading`: the blocks are still being read from disk into their slots: (the reads'
         on_layer steps, the Get's task); each layer is then issued as it lands
-        (kvd.planes.device_loads)."""
+        (kvd.planes.device_loads). `cancelled()`: whether the engine has cancelled the load
+        (device_loads.cancel_word); one cancelled before it is issued issues nothing."""
         tier = self._tier_of(pool)
         entries = tier.find(pool.namespace_id, keys, blocks) if tier is not None else []
 
@@ -454,7 +456,10 @@ class DevicePlane:
             on_landed()
 
         sources = load_sources(pool, self.tier, pages, slot_offsets, entries)
-        if reading is None:
+        if reading is None and cancelled is not None and cancelled():
+            done = base + len(pool.layout.layers)
+            ending = load_landed(pool, kvd_flag, done, landed, nothing_issued())
+        elif reading is None:
             try:
                 done = load_layers(pool.stream, pool.layout, sources, pool.flags_on_device, kvd_flag, base)
             except BaseException:
@@ -463,7 +468,7 @@ class DevicePlane:
                 raise
             ending = load_landed(pool, kvd_flag, done, landed)
         else:
-            as_read = LayerLoad(pool, sources, kvd_flag, base, len(blocks), *reading)
+            as_read = LayerLoad(pool, sources, kvd_flag, base, len(blocks), *reading, cancelled=cancelled)
             done, ending = as_read.done, self._count_disk_load(as_read.run(landed))
         pool.begin()
         self.loaded_blocks += len(blocks)

@@ -15,6 +15,13 @@ the flag word gets the FAILED mark, so the engine recomputes instead of
 reading pages kvd no longer vouches for. Layers flagged before the failure
 were good (each flag covers every block of that layer), so nothing the
 engine already used was wrong.
+
+A load the engine cancels (LoadLayersRequest.cancel_flag: it stores the
+load's base into a flag word of its own, once computing the blocks would be
+sooner) ends the same way: no layer is issued after kvd reads the cancel,
+the Get is let go (its reads finish into kvd's own slots), and FAILED is
+stored once the copies already issued have landed. kvd looks at the cancel
+word as each layer lands and every CANCEL_POLL_S while it waits for one.
 """
 
 from __future__ import annotations
@@ -29,10 +36,24 @@ import numpy as np
 from kvd.core.get_life import Served
 from kvd.core.reads import GetCut
 from kvd.device import DeviceError
-from kvd.device.cpu import store_flag
+from kvd.device.cpu import read_flag, store_flag
 from kvd.device.transfer import ABSENT, FAILED, load_layer, load_places
 
 log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.002  # how often a load waiting for its next layer looks at its cancel word
+
+
+def cancel_word(pool, index: int | None, base: int) -> Callable[[], bool] | None:
+    """Whether the engine has cancelled the load of `base` through flags[index] (None: no cancel word)."""
+    if index is None:
+        return None
+    return lambda: read_flag(pool.flags, index) >= base
+
+
+async def nothing_issued() -> bool:
+    """The issuing of a load cancelled before its first copy."""
+    return False
 
 
 @dataclass(slots=True)
@@ -47,6 +68,7 @@ class LayerLoad:
     matched: int
     steps: asyncio.Queue
     getting: asyncio.Future
+    cancelled: Callable[[], bool] | None = None  # the engine's cancel (cancel_word), if it gave one
 
     @property
     def done(self) -> int:
@@ -64,14 +86,16 @@ class LayerLoad:
         while issued < len(layout.layers):
             step = await self._next_step()
             if step is None:
-                break  # the Get ended before its last layer landed
+                break  # the Get ended before its last layer landed, or the engine cancelled
             layer, ok = step
-            if not all(ok):
-                break  # a read failed: the engine recomputes these blocks
+            if not all(ok) or self._cancel():
+                break  # a read failed, or the engine cancelled: it recomputes these blocks
             for next_layer in range(issued, layer + 1):
                 load_layer(self.pool.stream, layout, places, next_layer, self.pool.flags_on_device, self.kvd_flag,
                            self.base)
             issued = layer + 1
+        if issued < len(layout.layers) and self._cancel():
+            self.getting.cancel()  # its reads still finish, into kvd's slots; nothing more is issued
         try:
             served: Served = await self.getting
         except (Exception, asyncio.CancelledError) as error:  # the Get failed or was cancelled: nothing more lands
@@ -84,15 +108,21 @@ class LayerLoad:
 
     async def _next_step(self) -> tuple[int, list[bool]] | None:
         """The next (layer, ok) the reads report, or None once the Get has ended with none left."""
-        while self.steps.empty():
-            if self.getting.done():
-                return None
-            waiter = asyncio.ensure_future(self.steps.get())
-            await asyncio.wait({waiter, self.getting}, return_when=asyncio.FIRST_COMPLETED)
-            if waiter.done():
-                return waiter.result()
-            waiter.cancel()
-        return self.steps.get_nowait()
+        if not self.steps.empty():
+            return self.steps.get_nowait()
+        poll = CANCEL_POLL_S if self.cancelled is not None else None
+        waiter = asyncio.ensure_future(self.steps.get())
+        try:
+            while not waiter.done():
+                if self.getting.done() or self._cancel():
+                    return None
+                await asyncio.wait({waiter, self.getting}, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
+            return waiter.result()
+        finally:
+            waiter.cancel()  # (a no-op once it is done; its step, if any, stays queued otherwise)
+
+    def _cancel(self) -> bool:
+        return self.cancelled is not None and self.cancelled()
 
 
 async def load_landed(pool, kvd_flag: int, done: int, on_landed: Callable[[], None],

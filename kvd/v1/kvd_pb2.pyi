@@ -767,7 +767,7 @@ class SaveLayersResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., stored: _Optional[int] = ..., done_value: _Optional[int] = ...) -> None: ...
 
 class LoadLayersRequest(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "pool_id", "parent_key", "keys", "pages", "kvd_flag", "base")
+    __slots__ = ("namespace_id", "client_id", "pool_id", "parent_key", "keys", "pages", "kvd_flag", "base", "cancel_flag")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -776,6 +776,7 @@ class LoadLayersRequest(_message.Message):
     PAGES_FIELD_NUMBER: _ClassVar[int]
     KVD_FLAG_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FLAG_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     client_id: str
     pool_id: int
@@ -784,7 +785,8 @@ class LoadLayersRequest(_message.Message):
     pages: _containers.RepeatedScalarFieldContainer[int]
     kvd_flag: int
     base: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., kvd_flag: _Optional[int] = ..., base: _Optional[int] = ...) -> None: ...
+    cancel_flag: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., client_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., kvd_flag: _Optional[int] = ..., base: _Optional[int] = ..., cancel_flag: _Optional[int] = ...) -> None: ...
 
 class LoadLayersResponse(_message.Message):
     __slots__ = ("matched", "done_value", "tiers", "cut", "ring_reads", "ring_blocks", "by_ring")

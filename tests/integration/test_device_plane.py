@@ -170,6 +170,24 @@ def test_a_load_of_nothing_stored_still_releases_every_layer(client):
     engine.close()
 
 
+def test_a_load_cancelled_before_kvd_issues_it_writes_no_page_and_fails_its_flag(client):
+    engine = Engine(client)
+    data, keys = blocks(3, 61), keys_for(61, 3)
+    assert client.put(engine.namespace, keys, data) == 3  # in host memory: all would be issued at once
+    engine.pool.mark(5, 70)  # the engine gave up on the load of base 70 before asking
+    loaded = engine.pool.load(keys, [0, 1, 2], KVD, 70, cancel_flag=5)
+    assert loaded.matched == 3 and loaded.done_value == 70 + SPEC.num_layers
+    wait_for(lambda: engine.pool.flag(KVD) & FAILED)
+    assert engine.pool.flag(KVD) == FAILED | loaded.done_value
+    assert not any(engine.read(page).any() for page in range(3))
+    # A cancel word holding an older load's cancel does not stop this one.
+    again = engine.pool.load(keys, [3, 4, 5], KVD, 80, cancel_flag=5)
+    wait_for(lambda: engine.pool.flag(KVD) == again.done_value)
+    for page, block in zip([3, 4, 5], data):
+        np.testing.assert_array_equal(engine.read(page), block)
+    engine.close()
+
+
 def test_an_engine_that_never_writes_its_layer_gets_deadline_exceeded_and_nothing_is_stored(client):
     engine = Engine(client)
     keys = keys_for(2, 3)
@@ -262,6 +280,10 @@ def test_transfers_on_a_pool_kvd_does_not_know_or_out_of_its_bounds_are_refused(
                                 grpc.StatusCode.INVALID_ARGUMENT, "base must be below 2**63"),
         "unknown pool": (lambda: client.load_layers(engine.namespace, engine.pool.pool_id + 1000, keys, [0, 1], KVD,
                                                     0), grpc.StatusCode.NOT_FOUND, "no pool"),
+        "cancel word past the words": (lambda: engine.pool.load(keys, [0, 1], KVD, 0, cancel_flag=64),
+                                       grpc.StatusCode.INVALID_ARGUMENT, "cancel_flag 64 is past the pool's 64"),
+        "cancel word is the flag": (lambda: engine.pool.load(keys, [0, 1], KVD, 0, cancel_flag=KVD),
+                                    grpc.StatusCode.INVALID_ARGUMENT, "cancel_flag must be a word other than kvd_flag"),
     }
     for name, (call, code, words) in cases.items():
         got_code, details = codes_of(call)

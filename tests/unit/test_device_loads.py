@@ -1,7 +1,8 @@
 """A load from disk sent to an engine's pages as its layers land (kvd.planes.device_loads), on the
 CPU device in asynchronous mode: every copy and flag store lands 20 ms after it is issued, as on a
 GPU. A layer is issued only once the reads report it; FAILED is stored only after every copy issued
-has landed, so the engine never reads FAILED while a copy may still write its pages."""
+has landed, so the engine never reads FAILED while a copy may still write its pages. The same holds
+for a load the engine cancels through its cancel word."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pytest
 
 from kvd.core.get_life import Served
 from kvd.core.reads import GetCut
-from kvd.device.cpu import CpuDevice, read_flag
+from kvd.device.cpu import CpuDevice, read_flag, store_flag
 from kvd.device.transfer import FAILED, PoolLayout
-from kvd.planes.device_loads import LayerLoad
+from kvd.planes.device_loads import LayerLoad, cancel_word
 
 LAYERS, PAGE, BLOCKS = 3, 4096, 2
 DELAY_S = 0.02
@@ -50,9 +51,10 @@ class Rig:
         start = (block * LAYERS + layer) * PAGE
         return self.data[start:start + PAGE].tobytes()
 
-    def load(self, steps: asyncio.Queue, getting: asyncio.Future) -> LayerLoad:
+    def load(self, steps: asyncio.Queue, getting: asyncio.Future, cancel_flag: int | None = None) -> LayerLoad:
         sources = [(self.arena, np.arange(BLOCKS), np.arange(BLOCKS) * LAYERS * PAGE)]
-        return LayerLoad(self.pool, sources, 0, 100, BLOCKS, steps, getting)
+        return LayerLoad(self.pool, sources, 0, 100, BLOCKS, steps, getting,
+                         cancelled=cancel_word(self.pool, cancel_flag, 100))
 
     def close(self) -> None:
         self.stream.close()
@@ -118,5 +120,40 @@ def test_a_get_that_ends_early_fails_the_flag(rig, end):
         getting.cancel() if end == "cancelled" else getting.set_exception(RuntimeError("the daemon stops"))
         assert await running is False
         assert read_flag(rig.flags, 0) == FAILED | load.done and rig.ended == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_cancel_while_waiting_for_a_layer_ends_the_load_after_the_issued_copies_landed(rig):
+    async def scenario():
+        steps, getting = asyncio.Queue(), asyncio.get_running_loop().create_future()
+        load = rig.load(steps, getting, cancel_flag=1)
+        landed = []
+        running = asyncio.ensure_future(load.run(lambda: landed.append(read_flag(rig.flags, 0))))
+        steps.put_nowait((0, [True, True]))
+        while read_flag(rig.flags, 0) < 101:
+            await asyncio.sleep(DELAY_S / 4)
+        store_flag(rig.flags, 1, 99)  # an older load's cancel: not this one's
+        await asyncio.sleep(3 * DELAY_S)
+        assert not running.done()
+        store_flag(rig.flags, 1, 100)  # the engine cancels; no layer will ever be reported again
+        assert await asyncio.wait_for(running, 5) is False
+        assert getting.cancelled()  # the Get is let go: its reads finish into kvd's slots
+        steps.put_nowait((2, [True, True]))  # a late report is not issued
+        await asyncio.sleep(3 * DELAY_S)
+        assert landed == [FAILED | load.done] and read_flag(rig.flags, 0) == FAILED | load.done
+        assert rig.page(0, 1) == rig.stored(1, 0) and rig.page(1, 0) == bytes(PAGE) and rig.page(2, 1) == bytes(PAGE)
+
+    asyncio.run(scenario())
+
+
+def test_a_layer_reported_after_the_cancel_is_not_issued(rig):
+    async def scenario():
+        steps, getting = asyncio.Queue(), asyncio.get_running_loop().create_future()
+        load = rig.load(steps, getting, cancel_flag=1)
+        store_flag(rig.flags, 1, 100)
+        steps.put_nowait((0, [True, True]))
+        assert await asyncio.wait_for(load.run(lambda: None), 5) is False
+        assert read_flag(rig.flags, 0) == FAILED | load.done and rig.page(0, 0) == bytes(PAGE)
 
     asyncio.run(scenario())

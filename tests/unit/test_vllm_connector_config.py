@@ -40,7 +40,7 @@ def test_defaults_and_the_environment(monkeypatch):
     ({"transfer": "daemon", "placement": {**PLACEMENT, "slo_s": float("inf")}}, "placement.slo_s must be a finite"),
     ({"transfer": "daemon", "placement": {**PLACEMENT, "budget_bytes": float("nan")}}, "placement.budget_bytes"),
     ({"placement": PLACEMENT}, "placement plans kvd's device tier: it needs transfer"),
-    ({"flag_words": 2}, r"flag_words must be an integer in \[3, 1048576\]"),
+    ({"flag_words": 3}, r"flag_words must be an integer in \[4, 1048576\]"),
     ({"flag_words": 1 << 21}, "flag_words"),
     ({"flag_words": 64.0}, "flag_words"),
     ({"flag_words": True}, "flag_words"),

@@ -56,9 +56,10 @@ class ConnectorConfig:
       computes the rest (kvd.planner.prefill). Default: none, every hit is
       loaded.
     flag_words: with transfer = "daemon", the 64-bit flag words the pool
-      registers (32 KiB for the default 4,096): two for saves, one for each
-      load in flight, so up to flag_words - 2 requests load at once; a load
-      past that is recomputed, with a warning.
+      registers (32 KiB for the default 4,096): two for saves, two for each
+      load in flight (its flag and its cancel word), so up to
+      (flag_words - 2) / 2 requests load at once; a load past that is
+      recomputed, with a warning.
     timeline: a directory: with transfer = "client", each worker appends a
       per-layer timeline of every step that loaded or saved to
       worker<rank>.jsonl there, and the scheduler side its Lookups to
@@ -101,8 +102,8 @@ class ConnectorConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"kvd connector: {name} must be a positive number, got {value!r}")
         if not isinstance(config.flag_words, int) or isinstance(config.flag_words, bool) or \
-                not 3 <= config.flag_words <= MAX_FLAG_WORDS:
-            raise ValueError(f"kvd connector: flag_words must be an integer in [3, {MAX_FLAG_WORDS}], "
+                not 4 <= config.flag_words <= MAX_FLAG_WORDS:
+            raise ValueError(f"kvd connector: flag_words must be an integer in [4, {MAX_FLAG_WORDS}], "
                              f"got {config.flag_words!r}")
         for name in ("save", "io_ring"):
             if not isinstance(getattr(config, name), bool):

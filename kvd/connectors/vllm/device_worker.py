@@ -23,6 +23,14 @@ descriptor of the engine's own memory passed over the arena socket
 Flag word values only grow: every transfer takes a fresh base from one
 counter, and a word is handed to the next load only once kvd is done with
 it. kvd marks a failed transfer's word FAILED | done, so no wait hangs.
+
+Each load also has a cancel word (LoadLayersRequest.cancel_flag). A load
+past its budget (LoadOrder.budget_s: computing its blocks is sooner now),
+or one whose layer did not land within load_timeout_s, is cancelled: the
+worker stores the load's base there and waits until kvd says it is done
+with the pages (FAILED, after the copies it had issued landed; or every
+layer, if they all landed meanwhile) before it hands them back to vLLM to
+recompute, so kvd never writes a page vLLM has given to other work.
 """
 
 from __future__ import annotations
@@ -67,6 +75,8 @@ class _DeviceLoad:
     ring: RingReads | None = None  # with io_ring: the blocks only on disk, read through the pool's ring
     ring_layer: int = -1  # the last layer whose ring reads were waited for
     answered: bool = False
+    cancel_word: int = -1  # the word this worker stores `base` into to cancel the load
+    deadline: float | None = None  # (monotonic) past it the load is cut: computing is sooner
 
 
 @dataclass
@@ -169,17 +179,20 @@ class DeviceWorkerSide(WorkerSide):
 
     def _load(self, pool: DevicePool, order: LoadOrder) -> _DeviceLoad:
         with self._lock:
-            word = self._free_words.pop() if self._free_words else -1
-        if word < 0:
+            words = [self._free_words.pop(), self._free_words.pop()] if len(self._free_words) >= 2 else []
+        if not words:
             return _failed(order, "every flag word is in use")
+        word, cancel = words
         base = self._base()
-        pool.mark(word, 0)  # kvd is done with it: the last transfer on it settled
+        pool.mark(word, 0)  # kvd is done with both: the last transfers on them settled
+        pool.mark(cancel, 0)
         keys = order.keys[self.shard]
         parent = keys[order.first - 1] if order.first else b""
         pages = order.block_ids[0]  # one KV cache group: the pool is registered for one
         chain = keys[order.first:order.first + len(pages)]
-        answer = self._pool.submit(pool.load, chain, pages[:len(chain)], word, base, parent)
-        return _DeviceLoad(order, word, base, answer, pool=pool)
+        answer = self._pool.submit(pool.load, chain, pages[:len(chain)], word, base, parent, cancel)
+        deadline = None if order.budget_s is None else time.monotonic() + order.budget_s
+        return _DeviceLoad(order, word, base, answer, pool=pool, cancel_word=cancel, deadline=deadline)
 
     def _save(self, pool: DevicePool, order: SaveOrder, base: int):
         keys = order.keys[self.shard]
@@ -206,14 +219,21 @@ class DeviceWorkerSide(WorkerSide):
         self.counters.add(load_wait_s=time.perf_counter() - started)
 
     def _wait(self, load: _DeviceLoad, value: int) -> None:
-        """Until kvd's word for `load` reaches `value`; load.error says why not."""
+        """Until kvd's word for `load` reaches `value`; load.error says why not. A load past its
+        budget, or load_timeout_s, is cancelled (_stop)."""
         deadline = time.monotonic() + self.config.load_timeout_s
-        if not self._answered(load):
+        cut_at = load.deadline if load.deadline is not None and load.deadline < deadline else None
+        if not self._answered(load, cut_at or deadline):
+            if load.error is None and cut_at is not None:  # the budget ran out before kvd answered
+                self._cut(load, value - load.base - 1)
+            elif load.error is None:
+                self._stop(load, "LoadLayers did not answer in time")
             return
+        if load.ring is not None:
+            cut_at = None  # (blocks read through the ring are not cancelled: waited for in full)
         pause = 1e-6
         while True:
-            # A pool the daemon lost will never be written again (and a new one has other words).
-            current = load.pool.flag(load.word) if load.pool is self.device_pool else FAILED
+            current = self._flag(load)
             if current & FAILED:
                 load.error, load.settled = "kvd could not copy the blocks", True
                 return
@@ -222,20 +242,59 @@ class DeviceWorkerSide(WorkerSide):
                 if load.ring is not None:
                     self._wait_ring(load, value - load.base - 1, deadline)
                 return
-            if time.monotonic() > deadline:
-                load.error = "a layer did not land in time"
+            now = time.monotonic()
+            if cut_at is not None and now > cut_at:
+                self._cut(load, value - load.base - 1)
+                return
+            if now > deadline:
+                self._stop(load, "a layer did not land in time")
                 return
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
 
-    def _answered(self, load: _DeviceLoad) -> bool:
-        """LoadLayers' answer taken in (once; its ring reads published): whether there is one."""
+    def _flag(self, load: _DeviceLoad) -> int:
+        # A pool the daemon lost will never be written again (and a new one has other words).
+        return load.pool.flag(load.word) if load.pool is self.device_pool else FAILED
+
+    def _cut(self, load: _DeviceLoad, layer: int) -> None:
+        why = (f"cut: layer {layer} had not landed within the load's budget of {load.order.budget_s:.3f} s, "
+               "past which computing the blocks is sooner")
+        if not self._stop(load, why) and load.settled:
+            self.counters.add(cut_loads=1)
+
+    def _stop(self, load: _DeviceLoad, why: str) -> bool:
+        """Cancel the load and wait until kvd is done with its pages; whether every layer landed
+        after all. Otherwise load.error is `why`, and load.settled whether kvd let the pages go."""
+        load.pool.mark(load.cancel_word, load.base)
+        until = time.monotonic() + self.config.load_timeout_s
+        pause = 1e-6
+        while self._answered(load, until) or load.answered:
+            current = self._flag(load)
+            if current & FAILED or current >= load.base + self.layers:
+                load.settled = True
+                if not current & FAILED:
+                    return True
+                break
+            if time.monotonic() > until:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+        load.error = why
+        if not load.settled:
+            log.error("kvd: a cancelled load into request %s's pages did not end within %.0f s; its pages may "
+                      "still be written", load.order.req_id, self.config.load_timeout_s)
+        return False
+
+    def _answered(self, load: _DeviceLoad, until: float) -> bool:
+        """LoadLayers' answer taken in (once; its ring reads published) by `until` (monotonic): whether
+        there is one. One that failed sets load.error; one not there yet does not."""
         if load.answered:
             return True
+        if load.error is not None:
+            return False
         try:
-            response = load.answer.result(timeout=self.config.load_timeout_s)
+            response = load.answer.result(timeout=max(0.0, until - time.monotonic()))
         except concurrent.futures.TimeoutError:
-            load.error = "LoadLayers did not answer in time"
             return False
         except (grpc.RpcError, KvdError, Unavailable, OSError) as error:
             self._pool_lost(error)
@@ -299,16 +358,17 @@ class DeviceWorkerSide(WorkerSide):
         return failed
 
     def _settle(self, load: _DeviceLoad) -> None:
-        """Give the load's word back once kvd is done with it; a word kvd may still write is retired."""
+        """Give the load's words back once kvd is done with them; words kvd may still use are retired."""
         if load.word < 0:
             return
         if load.settled:
             with self._lock:
-                if load.word not in self._free_words:  # (the pool may have been registered again meanwhile)
-                    self._free_words.append(load.word)
+                for word in (load.word, load.cancel_word):
+                    if word not in self._free_words:  # (the pool may have been registered again meanwhile)
+                        self._free_words.append(word)
         else:
-            log.warning("kvd: flag word %d retired (its load never settled); %d left", load.word,
-                        len(self._free_words))
+            log.warning("kvd: flag words %d and %d retired (their load never settled); %d left", load.word,
+                        load.cancel_word, len(self._free_words))
 
     # ---- asynchronous loads (prefixes that come from disk)
     def _finish_async(self, load: _DeviceLoad) -> None:

@@ -18,6 +18,7 @@ from kvd.core.reads import GetCut
 from kvd.core.requests import KeysRequest
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError
 from kvd.invariants import check
+from kvd.planes.device_loads import cancel_word
 from kvd.planner.distance import NONE
 from kvd.tiers.host import DEFAULT_TENANT
 from kvd.server import convert
@@ -105,23 +106,30 @@ class DeviceHandlers:
 
     @rpc("LoadLayers")
     async def LoadLayers(self, request, context):
-        plane, pool, pages = self._device_pool(request, {"kvd_flag": request.kvd_flag})
+        flags = {"kvd_flag": request.kvd_flag}
+        if request.HasField("cancel_flag"):
+            if request.cancel_flag == request.kvd_flag:
+                raise InvalidArgument(f"cancel_flag must be a word other than kvd_flag ({request.kvd_flag})")
+            flags["cancel_flag"] = request.cancel_flag
+        plane, pool, pages = self._device_pool(request, flags)
+        cancelled = cancel_word(pool, flags.get("cancel_flag"), request.base)
         get = KeysRequest(request.namespace_id, request.client_id, list(request.keys), 0, self.clock.now_ms(),
                           parent_key=request.parent_key)
         await self._fetch_remote(get)
         if pool.ring is not None:
-            return await self._load_in_place(plane, pool, pages, request)
+            return await self._load_in_place(plane, pool, pages, request, cancelled)
         life = await self._begin_get(get, request.client_id)
         if life.pending and not life.plan.waits:
             # Disk reads of its own only: each layer goes to the engine as it lands (device_loads).
-            return self._load_as_read(plane, pool, pages, request, life)
+            return self._load_as_read(plane, pool, pages, request, life, cancelled)
         lease, matched, tiers, cut, offsets = await self._settled_get(life, get)
         # Copied out of the pinned slots on a device stream after this call returns: held,
         # the lease cannot end (expire, drain) and let them go before the copy has landed.
         landed = self._close_when_landed(ReadPin(self.engine, lease).hold())
         try:
             done, from_tier = plane.load(pool, pages[:len(matched)], request.keys[:len(matched)], matched,
-                                         self._offsets(lease, offsets), request.kvd_flag, request.base, landed)
+                                         self._offsets(lease, offsets), request.kvd_flag, request.base, landed,
+                                         cancelled=cancelled)
         except BaseException:
             landed()
             raise
@@ -137,7 +145,7 @@ class DeviceHandlers:
                 self.engine.demote(staged, chains=False)
         return landed
 
-    def _load_as_read(self, plane, pool, pages, request, life):
+    def _load_as_read(self, plane, pool, pages, request, life, cancelled):
         """Answer at once; the layers follow the disk reads (the engine waits on the flag word).
         A read that fails later turns the flag FAILED: the engine recomputes."""
         plan = life.plan
@@ -152,14 +160,14 @@ class DeviceHandlers:
         try:
             done, from_tier = plane.load(pool, pages[:len(matched)], request.keys[:len(matched)], matched,
                                          self._offsets(lease, life.offsets), request.kvd_flag, request.base, landed,
-                                         reading=(steps, getting))
+                                         reading=(steps, getting), cancelled=cancelled)
         except BaseException:
             getting.cancel()
             landed()
             raise
         return convert.load_layers_response(len(matched), done, from_tier, life.tiers, plan.cut)
 
-    async def _load_in_place(self, plane, pool, pages, request):
+    async def _load_in_place(self, plane, pool, pages, request, cancelled):
         """A pool with an I/O ring: blocks in host memory are copied by kvd as for any load (the
         flag word), blocks only on disk are granted to the engine's ring and read from their disk
         slots straight into the pages; the lease ends once both are over."""
@@ -179,7 +187,8 @@ class DeviceHandlers:
                                           lambda bad: self._check_bad_reads(request, [keys[rows[i]] for i in bad]))
             host = np.nonzero(~by_ring)[0]
             done, _ = plane.load(pool, pages[host], [keys[i] for i in host], [matched[i] for i in host],
-                                 [placed.host_offsets[i] for i in host], request.kvd_flag, request.base, landed)
+                                 [placed.host_offsets[i] for i in host], request.kvd_flag, request.base, landed,
+                                 cancelled=cancelled)
         except BaseException:
             if ring is None and by_ring.any():
                 landed()  # the ring's part never started: its end never comes
