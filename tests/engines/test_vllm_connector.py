@@ -126,7 +126,7 @@ class VllmRun:
     def __init__(self, python: Path, model: Path, work: Path, batch: list[list[int]], *, target: str = "",
                  hooks: str = "", env: dict[str, str] | None = None, transfer: str = "client",
                  placement: dict | None = None, compiled: bool = False, io_ring: bool = False,
-                 reset: bool = False) -> None:
+                 reset: bool = False, prefill_profile: str = "") -> None:
         work.mkdir(parents=True, exist_ok=True)
         prompt_file, self.out, self.log = work / "prompts.json", work / "out.json", work / "vllm.log"
         prompt_file.write_text(json.dumps(batch))
@@ -136,6 +136,8 @@ class VllmRun:
             command += ["--kvd", target, "--transfer", transfer]
         if placement:
             command += ["--placement", json.dumps(placement)]
+        if prefill_profile:
+            command += ["--prefill-profile", prefill_profile]
         if hooks:
             command += ["--hooks", hooks]
         if compiled:

@@ -3,7 +3,7 @@
 Run in the engine venv (.venv-vllm) by tests/engines/test_vllm_connector.py:
 
     python tests/engines/vllm_run.py --model DIR --prompts P.json [--kvd TARGET] [--transfer daemon]
-        [--hooks H1,H2,..] [--compile] --out R.json
+        [--hooks H1,H2,..] [--prefill-profile P] [--compile] --out R.json
 
 P.json is a list of token-id lists, served one after another (greedy, with
 the chosen tokens' logprobs). With --kvd the engine runs kvd's connector;
@@ -37,6 +37,8 @@ def engine(args):
         extra = {"target": args.kvd, "load": args.load, "transfer": args.transfer, "io_ring": args.io_ring}
         if args.placement:
             extra["placement"] = json.loads(args.placement)
+        if args.prefill_profile:
+            extra["prefill_profile"] = args.prefill_profile
         module, name = "kvd.connectors.vllm", "KvdConnector"
         if args.hooks:
             module, name = "vllm_hooks", "HookedKvdConnector"
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--load", default="async")
     parser.add_argument("--transfer", default="client", help="the connector's transfer: client or daemon")
     parser.add_argument("--placement", default="", help="the connector's placement table, as JSON")
+    parser.add_argument("--prefill-profile", default="", help="the connector's prefill profile (the load rule)")
     parser.add_argument("--io-ring", action="store_true", help="the connector's io_ring (with --transfer daemon)")
     parser.add_argument("--hooks", default="", help="comma-separated, one per prompt (see vllm_hooks.py)")
     parser.add_argument("--max-tokens", type=int, default=8)
