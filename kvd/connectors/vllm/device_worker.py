@@ -220,14 +220,12 @@ class DeviceWorkerSide(WorkerSide):
 
     def _wait(self, load: _DeviceLoad, value: int) -> None:
         """Until kvd's word for `load` reaches `value`; load.error says why not. A load past its
-        budget, or load_timeout_s, is cancelled (_stop)."""
+        budget, or load_timeout_s, is cancelled (_late)."""
         deadline = time.monotonic() + self.config.load_timeout_s
         cut_at = load.deadline if load.deadline is not None and load.deadline < deadline else None
-        if not self._answered(load, cut_at or deadline):
-            if load.error is None and cut_at is not None:  # the budget ran out before kvd answered
-                self._cut(load, value - load.base - 1)
-            elif load.error is None:
-                self._stop(load, "LoadLayers did not answer in time")
+        layer = value - load.base - 1
+        if not self._answered(load, cut_at or deadline) and \
+                not self._late(load, layer, cut_at is not None, "LoadLayers did not answer in time"):
             return
         if load.ring is not None:
             cut_at = None  # (blocks read through the ring are not cancelled: waited for in full)
@@ -243,24 +241,31 @@ class DeviceWorkerSide(WorkerSide):
                     self._wait_ring(load, value - load.base - 1, deadline)
                 return
             now = time.monotonic()
-            if cut_at is not None and now > cut_at:
-                self._cut(load, value - load.base - 1)
-                return
-            if now > deadline:
-                self._stop(load, "a layer did not land in time")
+            over_budget = cut_at is not None and now > cut_at
+            if (over_budget or now > deadline) and \
+                    not self._late(load, layer, over_budget, "a layer did not land in time"):
                 return
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
 
+    def _late(self, load: _DeviceLoad, layer: int, over_budget: bool, why: str) -> bool:
+        """A load past its budget (cut) or load_timeout_s (`why`), cancelled (_stop); whether it landed
+        in full after all, and is kept."""
+        if load.error is not None:
+            return False
+        if not over_budget:
+            return self._stop(load, why)
+        why = (f"cut: layer {layer} had not landed within the load's budget of {load.order.budget_s:.3f} s, "
+               "past which computing the blocks is sooner")
+        if self._stop(load, why):
+            return True
+        if load.settled:
+            self.counters.add(cut_loads=1)
+        return False
+
     def _flag(self, load: _DeviceLoad) -> int:
         # A pool the daemon lost will never be written again (and a new one has other words).
         return load.pool.flag(load.word) if load.pool is self.device_pool else FAILED
-
-    def _cut(self, load: _DeviceLoad, layer: int) -> None:
-        why = (f"cut: layer {layer} had not landed within the load's budget of {load.order.budget_s:.3f} s, "
-               "past which computing the blocks is sooner")
-        if not self._stop(load, why) and load.settled:
-            self.counters.add(cut_loads=1)
 
     def _stop(self, load: _DeviceLoad, why: str) -> bool:
         """Cancel the load and wait until kvd is done with its pages; whether every layer landed
