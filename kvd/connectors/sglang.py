@@ -54,7 +54,10 @@ restarted without a disk tier) is a miss on Lookup and Get, and on a write
 is reported as not stored: never a wrong page.
 
 Identity. The kvd namespace is built from the host pool: layers, KV heads,
-head dim, page size (block_tokens), dtype, TP rank/size, PP stage/size;
+head dim, page size (block_tokens), dtype, TP rank/size, PP stage/size
+(an MLA pool's latent: kv_order LATENT, one head as wide as the latent,
+and TP rank 0 of 1, since every rank holds the same latent and SGLang
+lets one of them write);
 model_revision carries the rest of the layout's identity (host layout name,
 layer range, DP and context-parallel rank, the `namespace` string). Pages
 stored under one geometry are never served to another.
@@ -80,7 +83,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvd.client import Client, Namespace
 from kvd.client.tensors import dtype_of_torch
-from kvd.core.keys import NamespaceSpec
+from kvd.core.keys import KvOrder, NamespaceSpec
 from kvd.errors import KvdError
 from kvd.planner.prefill import PrefillProfile, best_stop
 
@@ -91,6 +94,7 @@ TARGET_ENV = "KVD_TARGET"
 KEY_DOMAIN = b"kvd/sglang-hicache/v1\x00"
 # Host layouts this backend can view as [pages, layers, 2, page_size, heads, head_dim].
 SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+LATENT_LAYOUTS = ("layer_first", "page_first", "page_first_direct")  # what an MLA host pool offers
 KVD_ERRORS = (grpc.RpcError, KvdError)
 
 
@@ -113,9 +117,17 @@ def parent_of(extra_info: HiCacheStorageExtraInfo | None) -> bytes:
 # The host pool seen as pages
 
 
+def is_latent(host_pool: Any) -> bool:
+    """An MLA host pool: one latent per token and layer (kv_cache_dim wide), no K and V."""
+    return hasattr(host_pool, "kv_lora_rank") and hasattr(host_pool, "kv_cache_dim")
+
+
 def page_view(host_pool: Any) -> torch.Tensor:
     """A strided view (no copy) of the host pool's whole buffer as
-    [pages, layers, 2, page_size, heads, head_dim]: kvd's block layout."""
+    [pages, layers, 2, page_size, heads, head_dim]: kvd's block layout
+    ([pages, layers, 1, page_size, 1, width] for an MLA pool's latent)."""
+    if is_latent(host_pool):
+        return _latent_page_view(host_pool)
     buffer = host_pool.kv_buffer
     layers, heads, head_dim, page = host_pool.layer_num, host_pool.head_num, host_pool.head_dim, host_pool.page_size
     layout = host_pool.layout
@@ -130,9 +142,30 @@ def page_view(host_pool: Any) -> torch.Tensor:
     raise NotImplementedError(f"kvd: host layout {layout!r} is not supported (supported: {SUPPORTED_LAYOUTS})")
 
 
+def _latent_page_view(host_pool: Any) -> torch.Tensor:
+    buffer, layers, page, width = host_pool.kv_buffer, host_pool.layer_num, host_pool.page_size, host_pool.kv_cache_dim
+    layout = host_pool.layout
+    if layout == "layer_first":  # [L, tokens, 1, D]
+        pages = buffer.view(layers, -1, page, 1, width).permute(1, 0, 2, 3, 4)
+    elif layout == "page_first":  # [tokens, L, 1, D]
+        pages = buffer.view(-1, page, layers, 1, width).permute(0, 2, 1, 3, 4)
+    elif layout == "page_first_direct":  # [pages, L, P, 1, D]
+        pages = buffer
+    else:
+        raise NotImplementedError(f"kvd: MLA host layout {layout!r} is not supported (supported: "
+                                  f"{LATENT_LAYOUTS})")
+    return pages.unsqueeze(2)
+
+
 def flat_page_view(host_pool: Any, flat_page: torch.Tensor) -> torch.Tensor:
     """One page in SGLang's flat per-layout format (get_data_page(flat=True),
-    set_from_flat_data_page) seen as [layers, 2, page_size, heads, head_dim]."""
+    set_from_flat_data_page) seen as [layers, 2, page_size, heads, head_dim]
+    ([layers, 1, page_size, 1, width] for an MLA pool)."""
+    if is_latent(host_pool):
+        layers, page, width = host_pool.layer_num, host_pool.page_size, host_pool.kv_cache_dim
+        if host_pool.layout == "page_first":  # [P, L, 1, D]
+            return flat_page.view(page, layers, 1, width).permute(1, 0, 2, 3).unsqueeze(1)
+        return flat_page.view(layers, page, 1, width).unsqueeze(1)  # [L, P, 1, D]
     layers, heads, head_dim, page = host_pool.layer_num, host_pool.head_num, host_pool.head_dim, host_pool.page_size
     layout = host_pool.layout
     if layout in ("layer_first", "page_first_direct"):  # [2, L, P, H, D]
@@ -192,30 +225,39 @@ def namespace_spec(host_pool: Any, config: HiCacheStorageConfig, settings: KvdSe
         f"cp={config.attn_cp_rank}/{config.attn_cp_size}",
         f"namespace={settings.namespace}",
     ])
+    if is_latent(host_pool):
+        # Every TP rank holds the same latent (SGLang lets one of them write): one namespace for all.
+        geometry = {"num_kv_heads": 1, "head_dim": host_pool.kv_cache_dim, "kv_order": KvOrder.LATENT,
+                    "tp_rank": 0, "tp_size": 1}
+    else:
+        geometry = {"num_kv_heads": host_pool.head_num, "head_dim": host_pool.head_dim, "tp_rank": config.tp_rank,
+                    "tp_size": config.tp_size}
     return NamespaceSpec(
         model_id=config.model_name or "sglang-unnamed-model",
         model_revision=revision,
         num_layers=host_pool.layer_num,
-        num_kv_heads=host_pool.head_num,
-        head_dim=host_pool.head_dim,
         block_tokens=host_pool.page_size,
         kv_dtype=dtype_of_torch(host_pool.dtype),
-        tp_rank=config.tp_rank,
-        tp_size=config.tp_size,
         pp_stage=config.pp_rank,
         pp_size=config.pp_size,
+        **geometry,
     )
 
 
 def check_host_pool(host_pool: Any, config: HiCacheStorageConfig) -> None:
     """Refuse the pools and modes this backend does not handle, naming why."""
-    if config.is_mla_model or config.dcp_size > 1:
-        raise NotImplementedError("kvd: MLA and decode-context-parallel pools are not supported yet")
+    if config.dcp_size > 1:
+        raise NotImplementedError("kvd: decode-context-parallel pools are not supported yet")
+    if config.is_mla_model != is_latent(host_pool):
+        raise NotImplementedError(f"kvd: a {type(host_pool).__name__} host pool in a storage config with "
+                                  f"is_mla_model={config.is_mla_model} (DeepSeek-V4's compressed pools, say) is not "
+                                  "supported")
     if config.should_split_heads:
         raise NotImplementedError("kvd: heterogeneous-TP head splitting is not supported")
-    if host_pool.layout not in SUPPORTED_LAYOUTS:
-        raise NotImplementedError(f"kvd: host layout {host_pool.layout!r} is not supported")
-    if getattr(host_pool, "v_head_dim", host_pool.head_dim) != host_pool.head_dim:
+    layouts = LATENT_LAYOUTS if is_latent(host_pool) else SUPPORTED_LAYOUTS
+    if host_pool.layout not in layouts:
+        raise NotImplementedError(f"kvd: host layout {host_pool.layout!r} is not supported (supported: {layouts})")
+    if not is_latent(host_pool) and getattr(host_pool, "v_head_dim", host_pool.head_dim) != host_pool.head_dim:
         raise NotImplementedError("kvd: K and V head dims differ")
     if host_pool.size % host_pool.page_size:
         raise ValueError(f"kvd: host pool size {host_pool.size} is not a multiple of its page size")

@@ -92,11 +92,13 @@ stub_torchvision()
 import torch  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 ACK_TIMEOUT_S = 60.0
+KV_LORA_RANK, ROPE_DIM = 64, 32  # an MLA pool's latent ("mla": true): 96 wide
 
 
 def tiny_model_dir() -> str:
@@ -114,9 +116,10 @@ def tiny_model_dir() -> str:
     return directory
 
 
-def publish_server_args(page_size: int) -> None:
+def publish_server_args(page_size: int, tp_rank: int | None) -> None:
     """The controller reads the published config (parallel widths, ranks):
-    publish ServerArgs for the scheduler role, one rank, no DCP."""
+    publish ServerArgs for the scheduler role, no DCP; one rank, or rank
+    tp_rank of two."""
     from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
@@ -124,19 +127,29 @@ def publish_server_args(page_size: int) -> None:
                              enable_hierarchical_cache=True, skip_tokenizer_init=True)
     publish(server_args, role="scheduler")
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, pp_rank=0)
+    if tp_rank is not None:
+        get_parallel().override_permanently(tp_rank=tp_rank, tp_size=2, attn_tp_size=2, moe_tp_size=2)
 
 
 def build(args: argparse.Namespace, extra_config: dict) -> tuple[HiCacheController, MHATokenToKVPool, MHATokenToKVPoolHost]:
-    """Real device pool, host pool and controller; the controller attaches kvd."""
+    """Real device pool, host pool and controller; the controller attaches kvd. With "mla", an MLA
+    model's pools (one latent of KV_LORA_RANK + ROPE_DIM per token and layer)."""
     dtype = getattr(torch, args.dtype)
-    device_pool = MHATokenToKVPool(args.device_tokens, args.page_size, dtype, args.heads, args.head_dim,
-                                   args.layers, "cpu", False, start_layer=0, end_layer=args.layers)
-    info = device_pool.get_device_pool_infos()[0].buffer_info
-    host_pool = MHATokenToKVPoolHost(
-        info, 2.0, 0, args.page_size, args.layout, pin_memory=False, device="cpu",
-        device_capacity_tokens=device_pool.size, start_layer=device_pool.start_layer,
-        end_layer=device_pool.end_layer, write_back_staging=device_pool.hicache_write_back_staging,
-    )
+    if args.mla:
+        device_pool = MLATokenToKVPool(args.device_tokens, args.page_size, dtype, KV_LORA_RANK, ROPE_DIM, args.layers,
+                                       "cpu", False, start_layer=0, end_layer=args.layers - 1)
+        host_pool = MLATokenToKVPoolHost(
+            device_pool.get_device_pool_infos()[0].buffer_info, 2.0, 0, args.page_size, args.layout,
+            pin_memory=False, device="cpu", device_capacity_tokens=device_pool.size,
+            start_layer=device_pool.start_layer, end_layer=device_pool.end_layer, target_layer_num=device_pool.layer_num)
+    else:
+        device_pool = MHATokenToKVPool(args.device_tokens, args.page_size, dtype, args.heads, args.head_dim,
+                                       args.layers, "cpu", False, start_layer=0, end_layer=args.layers - 1)
+        host_pool = MHATokenToKVPoolHost(
+            device_pool.get_device_pool_infos()[0].buffer_info, 2.0, 0, args.page_size, args.layout,
+            pin_memory=False, device="cpu", device_capacity_tokens=device_pool.size,
+            start_layer=device_pool.start_layer, end_layer=device_pool.end_layer,
+            write_back_staging=device_pool.hicache_write_back_staging)
     allocator = PagedTokenToKVPoolAllocator(device_pool.size, args.page_size, dtype, "cpu", device_pool, False)
     controller = HiCacheController(
         allocator, host_pool, args.page_size, tp_group=None, load_cache_event=threading.Event(),
@@ -147,10 +160,12 @@ def build(args: argparse.Namespace, extra_config: dict) -> tuple[HiCacheControll
 
 
 def seeded_kv(args: argparse.Namespace, tokens: int) -> torch.Tensor:
-    """The prompt's KV, [layers, 2, tokens, heads, head_dim], from the seed."""
+    """The prompt's KV, [layers, 2, tokens, heads, head_dim] ([layers, 1, tokens, 1, width] with
+    "mla"), from the seed."""
     generator = torch.Generator().manual_seed(args.seed)
-    values = torch.randn((args.layers, 2, tokens, args.heads, args.head_dim), generator=generator)
-    return values.to(getattr(torch, args.dtype))
+    shape = (args.layers, 1, tokens, 1, KV_LORA_RANK + ROPE_DIM) if args.mla else \
+        (args.layers, 2, tokens, args.heads, args.head_dim)
+    return torch.randn(shape, generator=generator).to(getattr(torch, args.dtype))
 
 
 def prompt(args: argparse.Namespace) -> list[int]:
@@ -160,6 +175,9 @@ def prompt(args: argparse.Namespace) -> list[int]:
 
 def fill_device(device_pool: MHATokenToKVPool, kv: torch.Tensor, device_indices: torch.Tensor) -> None:
     for layer in range(kv.shape[0]):
+        if kv.shape[1] == 1:  # MLA: the latent
+            device_pool.kv_buffer[layer][device_indices] = kv[layer, 0]
+            continue
         device_pool.k_buffer[layer][device_indices] = kv[layer, 0]
         device_pool.v_buffer[layer][device_indices] = kv[layer, 1]
 
@@ -170,7 +188,11 @@ def host_tokens(host_pool: MHATokenToKVPoolHost, host_indices: torch.Tensor) -> 
     per_page = [host_pool.get_data_page(int(page[0]), flat=True) for page in pages]
     out = []
     for flat in per_page:
-        if host_pool.layout in ("layer_first", "page_first_direct"):
+        if isinstance(host_pool, MLATokenToKVPoolHost):  # [L, P, 1, D], or [P, L, 1, D] page_first
+            page = flat.view(host_pool.page_size, host_pool.layer_num, 1, -1).transpose(0, 1) \
+                if host_pool.layout == "page_first" else flat.view(host_pool.layer_num, host_pool.page_size, 1, -1)
+            out.append(page.unsqueeze(1))
+        elif host_pool.layout in ("layer_first", "page_first_direct"):
             out.append(flat.view(2, host_pool.layer_num, host_pool.page_size, host_pool.head_num, host_pool.head_dim)
                        .permute(1, 0, 2, 3, 4))
         elif host_pool.layout == "page_first":
@@ -188,6 +210,12 @@ def device_to_host(device_pool: MHATokenToKVPool, host_pool: MHATokenToKVPoolHos
     page = host_pool.page_size
     for start in range(0, len(host_indices), page):
         tokens = device_indices[start:start + page]
+        if isinstance(host_pool, MLATokenToKVPoolHost):
+            latent = torch.stack([device_pool.kv_buffer[layer][tokens] for layer in range(host_pool.layer_num)])
+            if host_pool.layout == "page_first":  # [L, P, 1, D] -> [P, L, 1, D]
+                latent = latent.transpose(0, 1)
+            host_pool.set_from_flat_data_page(int(host_indices[start]), latent.contiguous().flatten())
+            continue
         k = torch.stack([device_pool.k_buffer[layer][tokens] for layer in range(host_pool.layer_num)])
         v = torch.stack([device_pool.v_buffer[layer][tokens] for layer in range(host_pool.layer_num)])
         kv = torch.stack([k, v])  # [2, L, P, H, D]
@@ -310,7 +338,8 @@ DEFAULTS = {
     "target": None, "namespace": "", "model": "kvd-test-model", "seed": 1, "layout": "layer_first",
     "dtype": "bfloat16", "layers": 4, "heads": 2, "head_dim": 64, "page_size": 16, "pages": 12,
     "split_pages": 5, "device_tokens": 1024, "prefix_keys": True, "try_device_write": False,
-    "delete_page": None, "delete_after_exists": None, "interface_v1": 1, "prefill_profile": None,
+    "delete_page": None, "delete_after_exists": None, "interface_v1": 1, "prefill_profile": None, "mla": False,
+    "tp_rank": None,
 }
 
 
@@ -320,7 +349,7 @@ def run_step(step: dict) -> dict:
     if unknown:
         raise ValueError(f"unknown step fields {sorted(unknown)}")
     args = argparse.Namespace(**{**DEFAULTS, **step})
-    publish_server_args(args.page_size)
+    publish_server_args(args.page_size, args.tp_rank)
     extra_config = {"backend_name": "kvd", "module_path": "kvd.connectors.sglang", "class_name": "KvdHiCacheStorage",
                     "interface_v1": args.interface_v1, "target": args.target, "namespace": args.namespace,
                     "prefill_profile": args.prefill_profile}

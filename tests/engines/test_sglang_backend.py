@@ -20,6 +20,8 @@ One module-scoped scenario (the imports cost about 10 s a process):
      it still exact and the host pages after it untouched;
   3. both daemons restarted: A comes back from the disk tier bit-exact,
      C (no disk tier) is a miss.
+MLA pools (E, F, G: one latent per token) are written and read in the same
+phases, E by TP rank 0 of 2 and read by rank 1.
 """
 
 from __future__ import annotations
@@ -85,9 +87,16 @@ def scenario(tmp_path_factory):
         # SGLang without interface_v1: the legacy per-page batch_get/batch_set.
         d = {"target": disk_daemon.unix_target, "seed": 4, "layout": "page_head", "interface_v1": 0,
              "prefix_keys": False}
-        names = ["write_a", "write_b", "write_c", "write_d"]
+        # An MLA model's pools (one latent per token), TP rank 0 of 2, which SGLang lets write; rank 1
+        # does not write (SGLang skips it) and must read rank 0's pages. Then two more host layouts.
+        e = {"target": disk_daemon.unix_target, "seed": 5, "mla": True, "tp_rank": 0}
+        f = {"target": disk_daemon.unix_target, "seed": 6, "mla": True, "layout": "page_first", "interface_v1": 0,
+             "prefix_keys": False}
+        g = {"target": disk_daemon.unix_target, "seed": 7, "mla": True, "layout": "page_first_direct"}
+        names = ["write_a", "write_b", "write_c", "write_d", "write_e", "write_e_rank1", "write_f", "write_g"]
         written = harness([{"op": "write", "try_device_write": True, **a}, {"op": "write", **b}, {"op": "write", **c},
-                           {"op": "write", **d}])
+                           {"op": "write", **d}, {"op": "write", **e}, {"op": "write", **e, "tp_rank": 1, "seed": 8},
+                           {"op": "write", **f}, {"op": "write", **g}])
         results.update(zip(names, written))
         reads = {
             "read_a": {**a},
@@ -98,6 +107,11 @@ def scenario(tmp_path_factory):
             "other_namespace": {**a, "namespace": "another-model"},
             "delete_before": {**b, "delete_page": 3},
             "delete_between": {**a, "delete_after_exists": 9},
+            "read_e_rank1": {**e, "tp_rank": 1},
+            "read_e_rank1_own": {**e, "tp_rank": 1, "seed": 8},
+            "read_f": {**f},
+            "read_g": {**g},
+            "mla_other_layout": {**e, "layout": "page_first"},
         }
         results.update(zip(reads, harness([{"op": "read", **step} for step in reads.values()])))
     # Both daemons stopped (SIGTERM: the disk daemon writes its blocks back); start them again.
@@ -122,6 +136,21 @@ def profile(path: Path, per_token_s: float) -> str:
     path.write_text(json.dumps({"format": FORMAT, "new_tokens": new, "prefixes": [0],
                                 "seconds": [[1e-9 + n * per_token_s] for n in new]}))
     return str(path)
+
+
+def test_an_mla_pools_latent_written_by_one_rank_is_read_bit_exact_by_another(scenario):
+    """Stored under kv_order LATENT, one namespace for every TP rank: what rank 0 wrote, rank 1 reads."""
+    tokens = PAGES * PAGE_TOKENS
+    assert scenario["write_e"]["completed_tokens"] == [SPLIT * PAGE_TOKENS, (PAGES - SPLIT) * PAGE_TOKENS]
+    assert scenario["write_e_rank1"]["completed_tokens"] == [0, 0]  # SGLang lets rank 0 write only
+    read = scenario["read_e_rank1"]
+    assert read["hit_tokens"] == read["loaded_tokens"] == tokens and read["bit_exact"]
+    assert read["bytes_compared"] == 4 * tokens * 96 * 2  # layers x tokens x latent width x bfloat16
+    assert scenario["read_e_rank1_own"]["hit_tokens"] == 0
+    assert scenario["read_g"]["loaded_tokens"] == tokens and scenario["read_g"]["bit_exact"]
+    # The legacy interface passes no prefix keys: the first write-back's pages, a chain from the root.
+    assert scenario["read_f"]["loaded_tokens"] == SPLIT * PAGE_TOKENS and scenario["read_f"]["bit_exact"]
+    assert scenario["mla_other_layout"]["hit_tokens"] == 0
 
 
 def test_with_a_prefill_profile_only_pages_that_load_sooner_than_sglang_computes_them_are_reported(scenario):
