@@ -79,10 +79,26 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 from kvd.client import Client, Namespace
 from kvd.client.tensors import dtype_of_torch
+from kvd.connectors.sglang_pages import (
+    LATENT_LAYOUTS,
+    SUPPORTED_LAYOUTS,
+    flat_page_view,
+    is_latent,
+    page_ids,
+    page_view,
+)
+from kvd.connectors.sglang_pools import PoolsV2
 from kvd.core.keys import KvOrder, NamespaceSpec
 from kvd.errors import KvdError
 from kvd.planner.prefill import PrefillProfile, best_stop
@@ -92,9 +108,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_TARGET = "unix:///run/kvd/kvd.sock"
 TARGET_ENV = "KVD_TARGET"
 KEY_DOMAIN = b"kvd/sglang-hicache/v1\x00"
-# Host layouts this backend can view as [pages, layers, 2, page_size, heads, head_dim].
-SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
-LATENT_LAYOUTS = ("layer_first", "page_first", "page_first_direct")  # what an MLA host pool offers
 KVD_ERRORS = (grpc.RpcError, KvdError)
 
 
@@ -111,84 +124,6 @@ def parent_of(extra_info: HiCacheStorageExtraInfo | None) -> bytes:
     """kvd key of the page before a batch: the last prefix key SGLang passed, else the root (b"")."""
     prefix = extra_info.prefix_keys if extra_info is not None else None
     return kvd_key(prefix[-1]) if prefix else b""
-
-
-# ---------------------------------------------------------------------------
-# The host pool seen as pages
-
-
-def is_latent(host_pool: Any) -> bool:
-    """An MLA host pool: one latent per token and layer (kv_cache_dim wide), no K and V."""
-    return hasattr(host_pool, "kv_lora_rank") and hasattr(host_pool, "kv_cache_dim")
-
-
-def page_view(host_pool: Any) -> torch.Tensor:
-    """A strided view (no copy) of the host pool's whole buffer as
-    [pages, layers, 2, page_size, heads, head_dim]: kvd's block layout
-    ([pages, layers, 1, page_size, 1, width] for an MLA pool's latent)."""
-    if is_latent(host_pool):
-        return _latent_page_view(host_pool)
-    buffer = host_pool.kv_buffer
-    layers, heads, head_dim, page = host_pool.layer_num, host_pool.head_num, host_pool.head_dim, host_pool.page_size
-    layout = host_pool.layout
-    if layout == "layer_first":  # [2, L, tokens, H, D]
-        return buffer.view(2, layers, -1, page, heads, head_dim).permute(2, 1, 0, 3, 4, 5)
-    if layout == "page_first":  # [2, tokens, L, H, D]
-        return buffer.view(2, -1, page, layers, heads, head_dim).permute(1, 3, 0, 2, 4, 5)
-    if layout == "page_first_direct":  # [2, pages, L, P, H, D]
-        return buffer.permute(1, 2, 0, 3, 4, 5)
-    if layout == "page_head":  # [2, pages, H, P, L, D]
-        return buffer.permute(1, 4, 0, 3, 2, 5)
-    raise NotImplementedError(f"kvd: host layout {layout!r} is not supported (supported: {SUPPORTED_LAYOUTS})")
-
-
-def _latent_page_view(host_pool: Any) -> torch.Tensor:
-    buffer, layers, page, width = host_pool.kv_buffer, host_pool.layer_num, host_pool.page_size, host_pool.kv_cache_dim
-    layout = host_pool.layout
-    if layout == "layer_first":  # [L, tokens, 1, D]
-        pages = buffer.view(layers, -1, page, 1, width).permute(1, 0, 2, 3, 4)
-    elif layout == "page_first":  # [tokens, L, 1, D]
-        pages = buffer.view(-1, page, layers, 1, width).permute(0, 2, 1, 3, 4)
-    elif layout == "page_first_direct":  # [pages, L, P, 1, D]
-        pages = buffer
-    else:
-        raise NotImplementedError(f"kvd: MLA host layout {layout!r} is not supported (supported: "
-                                  f"{LATENT_LAYOUTS})")
-    return pages.unsqueeze(2)
-
-
-def flat_page_view(host_pool: Any, flat_page: torch.Tensor) -> torch.Tensor:
-    """One page in SGLang's flat per-layout format (get_data_page(flat=True),
-    set_from_flat_data_page) seen as [layers, 2, page_size, heads, head_dim]
-    ([layers, 1, page_size, 1, width] for an MLA pool)."""
-    if is_latent(host_pool):
-        layers, page, width = host_pool.layer_num, host_pool.page_size, host_pool.kv_cache_dim
-        if host_pool.layout == "page_first":  # [P, L, 1, D]
-            return flat_page.view(page, layers, 1, width).permute(1, 0, 2, 3).unsqueeze(1)
-        return flat_page.view(layers, page, 1, width).unsqueeze(1)  # [L, P, 1, D]
-    layers, heads, head_dim, page = host_pool.layer_num, host_pool.head_num, host_pool.head_dim, host_pool.page_size
-    layout = host_pool.layout
-    if layout in ("layer_first", "page_first_direct"):  # [2, L, P, H, D]
-        return flat_page.view(2, layers, page, heads, head_dim).permute(1, 0, 2, 3, 4)
-    if layout == "page_first":  # [2, P, L, H, D]
-        return flat_page.view(2, page, layers, heads, head_dim).permute(2, 0, 1, 3, 4)
-    if layout == "page_head":  # [2, H, P, L, D]
-        return flat_page.view(2, heads, page, layers, head_dim).permute(3, 0, 2, 1, 4)
-    raise NotImplementedError(f"kvd: host layout {layout!r} is not supported (supported: {SUPPORTED_LAYOUTS})")
-
-
-def page_ids(host_indices: torch.Tensor, page_size: int, pages: int) -> torch.Tensor:
-    """Page numbers of `pages` whole pages of host token indices; raises
-    unless every page is page_size consecutive tokens from a page boundary."""
-    indices = host_indices.reshape(-1).to(device="cpu", dtype=torch.int64)
-    if indices.numel() != pages * page_size:
-        raise ValueError(f"kvd: {indices.numel()} host indices for {pages} pages of {page_size} tokens")
-    rows = indices.view(pages, page_size)
-    starts = rows[:, 0]
-    offsets = torch.arange(page_size, dtype=torch.int64)
-    if bool((starts % page_size).any()) or not torch.equal(rows - starts[:, None], offsets.expand(pages, -1)):
-        raise ValueError("kvd: host indices are not whole pages starting on page boundaries")
-    return starts // page_size
 
 
 # ---------------------------------------------------------------------------
@@ -283,6 +218,8 @@ class KvdHiCacheStorage(HiCacheStorage):
         self.corrupt_pages = 0
         self._clients: list[Client] = []
         self._clients_lock = threading.Lock()
+        # Hybrid models' sliding-window and Mamba pools, each in a namespace of its own.
+        self._extra = PoolsV2(self, lambda host_pool: namespace_spec(host_pool, storage_config, self.settings))
 
     # -- set-up ------------------------------------------------------------
 
@@ -292,9 +229,11 @@ class KvdHiCacheStorage(HiCacheStorage):
         self._pages = page_view(mem_pool_host)
         logger.info("kvd HiCache backend: %s, namespace %s", self.settings.target, self._spec.namespace_id().hex()[:16])
 
-    def _session(self) -> tuple[Client, Namespace]:
-        """This thread's client and registered namespace (registered on first use)."""
-        if self._spec is None:
+    def _session(self, spec: NamespaceSpec | None = None) -> tuple[Client, Namespace]:
+        """This thread's client and its registration of `spec` (the KV pool's by default), made
+        on first use."""
+        spec = spec or self._spec
+        if spec is None:
             raise RuntimeError("kvd: no host pool registered yet (register_mem_pool_host)")
         client = getattr(self._local, "client", None)
         if client is None:
@@ -302,22 +241,23 @@ class KvdHiCacheStorage(HiCacheStorage):
             with self._clients_lock:
                 self._clients.append(client)
             self._local.client = client
-            self._local.namespace = None
-        if self._local.namespace is None:
-            self._local.namespace = client.register_namespace(self._spec)
-        return client, self._local.namespace
+            self._local.namespaces = {}
+        namespace = self._local.namespaces.get(spec)
+        if namespace is None:
+            namespace = self._local.namespaces[spec] = client.register_namespace(spec)
+        return client, namespace
 
-    def _call(self, operation: Any) -> Any:
-        """Run operation(client, namespace), registering the namespace again
-        once if the daemon no longer knows it (restarted without a disk tier)."""
-        client, namespace = self._session()
+    def _call(self, operation: Any, spec: NamespaceSpec | None = None) -> Any:
+        """Run operation(client, namespace) in `spec` (the KV pool's by default), registering the
+        namespace again once if the daemon no longer knows it (restarted without a disk tier)."""
+        client, namespace = self._session(spec)
         try:
             return operation(client, namespace)
         except grpc.RpcError as error:
             if error.code() != grpc.StatusCode.NOT_FOUND or "namespace" not in (error.details() or ""):
                 raise
-        self._local.namespace = None
-        client, namespace = self._session()
+        self._local.namespaces.pop(spec or self._spec, None)
+        client, namespace = self._session(spec)
         return operation(client, namespace)
 
     def close(self) -> None:
@@ -382,6 +322,43 @@ class KvdHiCacheStorage(HiCacheStorage):
                            "it and the %d pages after it are misses", result.blocks.shape[0], len(keys),
                            len(keys) - result.blocks.shape[0] - 1)
         return result.blocks
+
+    # -- hybrid models' extra pools (kvd.connectors.sglang_pools) ------------
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._extra.register(host_pool_name, host_pool)
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        """The KV prefix (batch_exists), cut to the longest end whose extra pools' state kvd holds."""
+        try:
+            return self._extra.exists(keys, pool_transfers, extra_info)
+        except KVD_ERRORS as error:
+            logger.warning("kvd: exists of %d pages with %d pools failed, reporting none: %s", len(keys),
+                           len(pool_transfers or ()), describe(error))
+            return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return self._pools_io(transfers, extra_info, self.batch_get_v1, self._extra.get, "get")
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return self._pools_io(transfers, extra_info, self.batch_set_v1, self._extra.set, "set")
+
+    def _pools_io(self, transfers, extra_info, kv_call, extra_call, what: str) -> dict[str, list[bool]]:
+        """KV transfers through the v1 call, the others through the extra pools; a failure is
+        reported as pages not moved."""
+        results = {transfer.name: kv_call(list(transfer.keys or ()), transfer.host_indices, extra_info)
+                   for transfer in transfers if transfer.name == PoolName.KV}
+        extra = [transfer for transfer in transfers if transfer.name != PoolName.KV]
+        try:
+            results.update(extra_call(extra))
+        except KVD_ERRORS as error:
+            logger.warning("kvd: %s of pools %s failed: %s", what, [str(t.name) for t in extra], describe(error))
+            results.update({transfer.name: [False] * len(transfer.keys or ()) for transfer in extra})
+        return results
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None

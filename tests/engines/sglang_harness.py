@@ -116,15 +116,15 @@ def tiny_model_dir() -> str:
     return directory
 
 
-def publish_server_args(page_size: int, tp_rank: int | None) -> None:
+def publish_server_args(page_size: int, tp_rank: int | None, **more) -> None:
     """The controller reads the published config (parallel widths, ranks):
     publish ServerArgs for the scheduler role, no DCP; one rank, or rank
-    tp_rank of two."""
+    tp_rank of two; `more` ServerArgs fields."""
     from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs(model_path=tiny_model_dir(), device="cpu", page_size=page_size,
-                             enable_hierarchical_cache=True, skip_tokenizer_init=True)
+                             enable_hierarchical_cache=True, skip_tokenizer_init=True, **more)
     publish(server_args, role="scheduler")
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, pp_rank=0)
     if tp_rank is not None:
