@@ -273,7 +273,7 @@ class DeviceWorkerSide(WorkerSide):
         load.pool.mark(load.cancel_word, load.base)
         until = time.monotonic() + self.config.load_timeout_s
         pause = 1e-6
-        while self._answered(load, until) or load.answered:
+        while self._answered(load, until):
             current = self._flag(load)
             if current & FAILED or current >= load.base + self.layers:
                 load.settled = True
@@ -284,7 +284,7 @@ class DeviceWorkerSide(WorkerSide):
                 break
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
-        load.error = why
+        load.error = load.error or why  # (LoadLayers' own failure, if it failed meanwhile)
         if not load.settled:
             log.error("kvd: a cancelled load into request %s's pages did not end within %.0f s; its pages may "
                       "still be written", load.order.req_id, self.config.load_timeout_s)
