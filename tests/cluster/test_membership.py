@@ -74,9 +74,9 @@ class Node:
         await self.crash()
 
 
-def settings_for(*servers: EtcdServer) -> EtcdSettings:
+def settings_for(*servers: EtcdServer, ttl_s: int = TTL_S) -> EtcdSettings:
     return EtcdSettings(endpoints=[(s.host, s.client_port) for s in servers],
-                        key_prefix=f"/kvd-test-{next(_prefixes)}/", lease_ttl_s=TTL_S, timeout_s=1.0)
+                        key_prefix=f"/kvd-test-{next(_prefixes)}/", lease_ttl_s=ttl_s, timeout_s=1.0)
 
 
 async def stored_member(server: EtcdServer, settings: EtcdSettings, name: str) -> bytes | None:
@@ -163,17 +163,22 @@ def test_members_ride_out_an_etcd_restart(tmp_path):
 
 
 def test_a_restarted_node_takes_its_key_over_with_a_new_incarnation(etcd):
+    # A longer lease than the other tests': the takeover must come before the old lease runs
+    # out, and a loaded machine (make test runs two groups at once) may take seconds to start b2.
+    ttl_s = 3 * TTL_S
+
     async def scenario():
-        settings = settings_for(etcd)
+        settings = settings_for(etcd, ttl_s=ttl_s)
         a, b = Node(settings, "a", 7001).start(), Node(settings, "b", 7002, incarnation=1).start()
         await a.until(names_are("a", "b"))
         await b.crash()
         # Same name and address, restarted before the old lease ran out.
         b2 = Node(settings, "b", 7002, incarnation=2).start()
-        await a.until(lambda view: view.get("b") is not None and view.get("b").incarnation == 2, timeout_s=1.5)
+        await a.until(lambda view: view.get("b") is not None and view.get("b").incarnation == 2,
+                      timeout_s=ttl_s - 1)
         assert a.changes[-2:] == [("leave", "b", 1), ("join", "b", 2)]
         # The old lease expiring later must not delete the new process's key.
-        await asyncio.sleep(TTL_S + 0.5)
+        await asyncio.sleep(ttl_s + 0.5)
         assert a.view.get("b").incarnation == 2
         await b2.close()
         await a.close()
