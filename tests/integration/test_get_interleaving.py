@@ -338,7 +338,7 @@ class ParkedDevicePlane:
         await self.finish.wait()
         return base + SPEC.num_layers
 
-    def load(self, pool, pages, keys, blocks, offsets, kvd_flag, base, on_landed):
+    def load(self, pool, pages, keys, blocks, offsets, kvd_flag, base, on_landed, cancelled=None):
         self.landed = on_landed
         return base + SPEC.num_layers, [False] * len(blocks)
 
