@@ -38,8 +38,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
 
 from kvd.connectors.sglang_pages import page_ids, page_view
-from kvd.core.keys import DType, KvOrder, NamespaceSpec
-from kvd.tiers.disk.layout import ALIGN_BYTES
+from kvd.core.keys import LAYER_ALIGN_BYTES, DType, KvOrder, NamespaceSpec
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +100,9 @@ def extra_pool(name: str, host_pool: Any, kv_spec: NamespaceSpec, pool_spec: Cal
         return ExtraPool(name, host_pool, spec, paged=True, pages=page_view(host_pool))
     dummy = host_pool.get_dummy_flat_data_page()
     nbytes = dummy.numel() * dummy.element_size()
-    # Padded to whole disk blocks (the disk tier stores layers of ALIGN_BYTES multiples only).
-    spec = dataclasses.replace(kv_spec, num_layers=1, num_kv_heads=1, head_dim=ALIGN_BYTES,
-                               block_tokens=-(-nbytes // ALIGN_BYTES), kv_dtype=DType.INT8, kv_order=KvOrder.LATENT,
+    # Padded to whole disk blocks: the disk tier stores layers of LAYER_ALIGN_BYTES multiples only.
+    spec = dataclasses.replace(kv_spec, num_layers=1, num_kv_heads=1, head_dim=LAYER_ALIGN_BYTES,
+                               block_tokens=-(-nbytes // LAYER_ALIGN_BYTES), kv_dtype=DType.INT8, kv_order=KvOrder.LATENT,
                                model_revision=f"{kv_spec.model_revision};pool={name};page_bytes={nbytes}")
     return ExtraPool(name, host_pool, spec, paged=False, page_bytes=nbytes)
 

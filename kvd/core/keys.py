@@ -63,6 +63,10 @@ _ROOT_DOMAIN = b"kvd/root"
 _BLOCK_DOMAIN = b"kvd/block"
 _VERSION = struct.pack("<I", KEY_SCHEMA_VERSION)
 
+# The disk tier stores a block's layers in whole blocks of this size (O_DIRECT): a namespace whose
+# layer_bytes is not a multiple of it stays in host memory.
+LAYER_ALIGN_BYTES = 4096
+
 # Hard limits on what a client may describe; everything has a limit.
 MAX_LAYERS = 1024
 MAX_KV_HEADS = 1024

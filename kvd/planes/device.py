@@ -32,9 +32,9 @@ import numpy as np
 
 from kvd.device import Device, DeviceError, IpcHandle, Memory, Stream
 from kvd.device.cpu import CpuDevice, read_flag, store_flag
-from kvd.device.transfer import FAILED, PoolLayout, load_layers, save_layers
+from kvd.device.transfer import FAILED, PoolLayout, save_layers
 from kvd.planner.distance import NONE
-from kvd.planes.device_loads import LayerLoad, load_landed, load_sources, nothing_issued
+from kvd.planes.device_loads import LayerLoad, issue_now, load_sources
 from kvd.planes.device_ring import PoolRing, RingLoad, ring_answer, settle_load
 from kvd.planes.device_tier import DeviceTier
 from kvd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -456,17 +456,13 @@ class DevicePlane:
             on_landed()
 
         sources = load_sources(pool, self.tier, pages, slot_offsets, entries)
-        if reading is None and cancelled is not None and cancelled():
-            done = base + len(pool.layout.layers)
-            ending = load_landed(pool, kvd_flag, done, landed, nothing_issued())
-        elif reading is None:
+        if reading is None:
             try:
-                done = load_layers(pool.stream, pool.layout, sources, pool.flags_on_device, kvd_flag, base)
+                done, ending = issue_now(pool, sources, kvd_flag, base, landed, cancelled)
             except BaseException:
                 if tier is not None:
                     tier.unpin(pool.namespace_id, keys, entries)
                 raise
-            ending = load_landed(pool, kvd_flag, done, landed)
         else:
             as_read = LayerLoad(pool, sources, kvd_flag, base, len(blocks), *reading, cancelled=cancelled)
             done, ending = as_read.done, self._count_disk_load(as_read.run(landed))

@@ -37,7 +37,7 @@ from kvd.core.get_life import Served
 from kvd.core.reads import GetCut
 from kvd.device import DeviceError
 from kvd.device.cpu import read_flag, store_flag
-from kvd.device.transfer import ABSENT, FAILED, load_layer, load_places
+from kvd.device.transfer import ABSENT, FAILED, load_layer, load_layers, load_places
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,18 @@ def cancel_word(pool, index: int | None, base: int) -> Callable[[], bool] | None
 async def nothing_issued() -> bool:
     """The issuing of a load cancelled before its first copy."""
     return False
+
+
+def issue_now(pool, sources: list, kvd_flag: int, base: int, on_landed: Callable[[], None],
+              cancelled: Callable[[], bool] | None) -> tuple[int, Awaitable[bool]]:
+    """A load of blocks already in memory: every layer's copies issued at once, or none if the
+    engine has cancelled it already. The flag value that means every layer landed, and the load's
+    end to await (`load_landed`)."""
+    if cancelled is not None and cancelled():
+        done = base + len(pool.layout.layers)
+        return done, load_landed(pool, kvd_flag, done, on_landed, nothing_issued())
+    done = load_layers(pool.stream, pool.layout, sources, pool.flags_on_device, kvd_flag, base)
+    return done, load_landed(pool, kvd_flag, done, on_landed)
 
 
 @dataclass(slots=True)

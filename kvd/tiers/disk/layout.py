@@ -36,6 +36,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from kvd.core.keys import LAYER_ALIGN_BYTES
 from kvd.core.slot_pool import class_sizes
 from kvd.errors import ConfigError, FailedPrecondition
 from kvd.invariants import check
@@ -51,7 +52,7 @@ IDENTITY = "IDENTITY"
 NAMESPACES = "NAMESPACES"
 SEGMENT_PREFIX = "seg-"
 SEGMENT_SUFFIX = ".kvd"
-ALIGN_BYTES = 4096
+ALIGN_BYTES = LAYER_ALIGN_BYTES  # every layer, slot and segment offset is aligned to it
 
 # Locations (format 2): the slot's class in the top byte.
 LOCATION_CLASS_SHIFT = 56
