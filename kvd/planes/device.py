@@ -87,6 +87,11 @@ class Pool:
         self.idle.set()
 
     def begin(self) -> None:
+        """A transfer starts: the pool stays mapped until its end(). NotFound once the pool is
+        going (its lease ran out, or it was unregistered, while the transfer's call waited)."""
+        if self.closing:
+            raise NotFound(f"pool {self.pool_id} was unregistered while the transfer waited (its lease ran out, or "
+                           "its engine unregistered it); register the pool again")
         self.busy += 1
         self.idle.clear()
 
@@ -298,14 +303,13 @@ class DevicePlane:
         self._expire_deposits()
         expired = [pool for pool in self.pools.values() if pool.deadline_ms <= now_ms and not pool.closing]
         for pool in expired:
-            log.warning("pool lease ran out; unregistering it", extra={"pool_id": pool.pool_id,
-                                                                       "client_id": pool.client_id})
+            log.warning("pool lease ran out; unregistering it", extra={"pool_id": pool.pool_id, "client_id": pool.client_id})
             await self._retire(pool)
         return len(expired)
 
     async def _retire(self, pool: Pool) -> None:
-        """Let the pool's transfers end (a save still issuing copies ends within flag_timeout_ms),
-        drain its stream, then close its mappings: no copy may touch them after."""
+        """Let the pool's transfers end (a save issuing copies ends within flag_timeout_ms), drain its stream,
+        then close its mappings: no copy touches them after, and no transfer begins (Pool.begin)."""
         pool.closing = True
         await pool.idle.wait()
         try:
@@ -370,8 +374,8 @@ class DevicePlane:
         layer's flag did not come in time: kvd's flag is then set to that value anyway (it reads
         the pages no more) and nothing of the save may be committed."""
         done = base + len(pool.layout.layers)
-        tier_entries, also = self._tier_places(pool, pages, keys, blocks, distance)
         pool.begin()
+        tier_entries, also = self._tier_places(pool, pages, keys, blocks, distance)
         copying = asyncio.ensure_future(asyncio.to_thread(self._save_now, pool, pages, slot_offsets, engine_flag,
                                                           kvd_flag, base, also))
         landed = False
@@ -439,14 +443,12 @@ class DevicePlane:
              on_landed, reading: tuple[asyncio.Queue, asyncio.Future] | None = None,
              cancelled=None) -> tuple[int, list[bool]]:
         """Issue the per-layer scatter of `blocks` (pinned by the caller, in the arena at
-        slot_offsets) into the pages, from the device tier where it holds them; `on_landed()` runs
-        (on the event loop) once every copy has landed or the stream failed. Returns the value
-        flags[kvd_flag] reaches, and which blocks came from the device tier.
-
-        `reading`: the blocks are still being read from disk into their slots: (the reads'
-        on_layer steps, the Get's task); each layer is then issued as it lands
-        (kvd.planes.device_loads). `cancelled()`: whether the engine has cancelled the load
-        (device_loads.cancel_word); one cancelled before it is issued issues nothing."""
+        slot_offsets; from the device tier where it holds them) into the pages; `on_landed()` runs
+        on the loop once every copy landed or the stream failed. Returns flags[kvd_flag]'s final
+        value, and which blocks came from the device tier. `reading`: (the disk reads' on_layer
+        steps, the Get's task): each layer is issued as it lands (kvd.planes.device_loads).
+        `cancelled()`: whether the engine cancelled (device_loads.cancel_word)."""
+        pool.begin()
         tier = self._tier_of(pool)
         entries = tier.find(pool.namespace_id, keys, blocks) if tier is not None else []
 
@@ -460,13 +462,13 @@ class DevicePlane:
             try:
                 done, ending = issue_now(pool, sources, kvd_flag, base, landed, cancelled)
             except BaseException:
+                pool.end()
                 if tier is not None:
                     tier.unpin(pool.namespace_id, keys, entries)
                 raise
         else:
             as_read = LayerLoad(pool, sources, kvd_flag, base, len(blocks), *reading, cancelled=cancelled)
             done, ending = as_read.done, self._count_disk_load(as_read.run(landed))
-        pool.begin()
         self.loaded_blocks += len(blocks)
         self.spawn(ending)
         return done, [entry is not None for entry in entries] or [False] * len(blocks)
@@ -476,8 +478,12 @@ class DevicePlane:
         `pages` through the pool's ring, for the engine to publish; `on_settled()` runs once every
         grant was read, or revoked at [device] flag_timeout_ms (a read taken by then finished);
         then `on_bad_reads(positions)` for blocks whose read failed (device_ring.settle_load)."""
-        load = pool.ring.grant(pages, places.files, places.offsets, places.checksums)
         pool.begin()
+        try:
+            load = pool.ring.grant(pages, places.files, places.offsets, places.checksums)
+        except BaseException:
+            pool.end()
+            raise
         self.loaded_blocks += len(pages)
         self.spawn(settle_load(pool, load, time.monotonic() + self.flag_timeout_s, self.ring_loads, on_settled,
                                 on_bad_reads))

@@ -45,10 +45,11 @@ CANCEL_POLL_S = 0.002  # how often a load waiting for its next layer looks at it
 
 
 def cancel_word(pool, index: int | None, base: int) -> Callable[[], bool] | None:
-    """Whether the engine has cancelled the load of `base` through flags[index] (None: no cancel word)."""
+    """Whether the engine has cancelled the load of `base` through flags[index] (None: no cancel word).
+    A pool being unregistered counts as cancelled: its flag memory is about to go."""
     if index is None:
         return None
-    return lambda: read_flag(pool.flags, index) >= base
+    return lambda: pool.closing or read_flag(pool.flags, index) >= base
 
 
 async def nothing_issued() -> bool:

@@ -6,6 +6,9 @@ copy issued has landed; the daemon keeps serving and holds no pins."""
 
 from __future__ import annotations
 
+import contextlib
+
+import grpc
 import numpy as np
 import pytest
 
@@ -14,6 +17,7 @@ from kvd.client.device import FAILED
 from kvd.device.cpu import DELAY_ENV
 from kvd.io.faults import FAULTS_ENV
 from kvd.testing.daemon import run_daemon
+from kvd.testing.slow_drive import slowed_drive
 from kvd.v1 import kvd_pb2
 from tests.integration.test_device_plane import KVD, SPEC, Engine, blocks, keys_for, wait_for
 
@@ -112,3 +116,56 @@ def test_a_daemon_stopped_during_a_load_from_disk_exits_cleanly(tmp_path, delay)
             loaded = engine.pool.load(keys, list(range(24)), KVD, base)
             assert daemon.stop() == 0
             assert engine.pool.flag(KVD) in (loaded.done_value, FAILED | loaded.done_value)
+
+
+@contextlib.contextmanager
+def waiting_on_a_prefetch(tmp_path, seed: int):
+    """A daemon whose drive reads 16 KiB a second, 8 blocks of 16 KiB on it only, and a Prefetch of
+    them running (8 s): a Get of those blocks now waits for its reads. (daemon, client, engine,
+    data, keys, drive)."""
+    with slowed_drive(tmp_path / "drive", size_bytes=256 << 20) as drive:
+        config = disk_config(tmp_path)
+        config["disk"]["directories"] = [str(drive.directory)]
+        with run_daemon(tmp_path / "kvd", config=config) as daemon, Client(daemon.unix_target) as client:
+            drive.admit(daemon.pid)
+            engine = Engine(client)
+            data, keys = stored_on_disk_only(client, engine, 8, seed=seed)
+            drive.throttle(read_bps=16 << 10)
+            client.prefetch(engine.namespace, keys)
+            yield daemon, client, engine, data, keys, drive
+
+
+def test_a_load_waiting_for_another_requests_reads_is_cancelled_without_waiting_for_them(tmp_path):
+    """A LoadLayers whose Get waits for reads another request started (a Prefetch of the same
+    blocks) and that the engine has cancelled: kvd lets the Get go at once, issues nothing and
+    marks the flag FAILED; it does not first wait for those reads."""
+    with waiting_on_a_prefetch(tmp_path, seed=21) as (daemon, client, engine, data, keys, drive):
+        base, cancel = engine.pool.flag(KVD) + 1, 5
+        engine.pool.mark(cancel, base)  # the engine gave up on this load
+        loaded = engine.pool.load(keys, list(range(8)), KVD, base, cancel_flag=cancel)
+        assert loaded.matched == 0 and engine.pool.flag(KVD) == FAILED | (base + SPEC.num_layers)
+        # Answered while the prefetch still reads: the last block is not in host memory yet.
+        assert client.lookup(engine.namespace, keys).tiers[-1] == kvd_pb2.TIER_DISK
+        assert not any(engine.read(page).any() for page in range(8))
+        drive.throttle()
+        wait_for(lambda: daemon.metric("kvd_lease_pinned_blocks") == 0)
+        again = engine.pool.load(keys, list(range(8, 16)), KVD, base + 10, cancel_flag=cancel)
+        wait_for(lambda: engine.pool.flag(KVD) == again.done_value)
+        for page, block in zip(range(8, 16), data):
+            np.testing.assert_array_equal(engine.read(page), block)
+        engine.close()
+
+
+def test_a_pool_unregistered_while_its_load_waits_gets_not_found_and_the_daemon_serves_on(tmp_path):
+    """The pool's lease (5 s here) runs out while a LoadLayers waits for another request's reads
+    (8 s): kvd unregisters the pool and unmaps its memory, so the load must not touch it after
+    the wait. The call gets NOT_FOUND naming why; the daemon keeps serving and holds no pins."""
+    with waiting_on_a_prefetch(tmp_path, seed=22) as (daemon, client, engine, data, keys, drive):
+        with pytest.raises(grpc.RpcError) as refused:
+            engine.pool.load(keys, list(range(8)), KVD, engine.pool.flag(KVD) + 1)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "was unregistered while the transfer waited" in refused.value.details()
+        drive.throttle()
+        wait_for(lambda: daemon.metric("kvd_lease_pinned_blocks") == 0)
+        assert len(client.get_numpy(engine.namespace, keys)) == 8  # the daemon serves on
+        assert daemon.alive()

@@ -33,7 +33,8 @@ class Rig:
         self.stream = self.device.stream()
         self.ended = 0
         self.pool = SimpleNamespace(layout=PoolLayout(tuple(self.layers), PAGE, BLOCKS), stream=self.stream,
-                                    flags=self.flags, flags_on_device=self.flags, pool_id=1, end=self.end)
+                                    flags=self.flags, flags_on_device=self.flags, pool_id=1, end=self.end,
+                                    closing=False)
         self.data = np.random.default_rng(0).integers(0, 255, BLOCKS * LAYERS * PAGE, dtype=np.uint8)
         self.view(self.arena)[:] = self.data
 

@@ -18,7 +18,9 @@ from kvd.core.reads import GetCut
 from kvd.core.requests import KeysRequest
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError
 from kvd.invariants import check
-from kvd.planes.device_loads import cancel_word
+from kvd.device.cpu import store_flag
+from kvd.device.transfer import FAILED
+from kvd.planes.device_loads import CANCEL_POLL_S, cancel_word
 from kvd.planner.distance import NONE
 from kvd.tiers.host import DEFAULT_TENANT
 from kvd.server import convert
@@ -122,7 +124,14 @@ class DeviceHandlers:
         if life.pending and not life.plan.waits:
             # Disk reads of its own only: each layer goes to the engine as it lands (device_loads).
             return self._load_as_read(plane, pool, pages, request, life, cancelled)
-        lease, matched, tiers, cut, offsets = await self._settled_get(life, get)
+        pinned = await self._settled_unless_cancelled(life, get, cancelled)
+        if pinned is None:  # cancelled while the Get waited for other requests' reads: nothing issued
+            done = request.base + len(pool.layout.layers)
+            pool.begin()  # (NotFound if the pool went meanwhile: its flag memory with it)
+            store_flag(pool.flags, request.kvd_flag, FAILED | done)
+            pool.end()
+            return convert.load_layers_response(0, done, [], b"", GetCut.NONE)
+        lease, matched, tiers, cut, offsets = pinned
         # Copied out of the pinned slots on a device stream after this call returns: held,
         # the lease cannot end (expire, drain) and let them go before the copy has landed.
         landed = self._close_when_landed(ReadPin(self.engine, lease).hold())
@@ -134,6 +143,22 @@ class DeviceHandlers:
             landed()
             raise
         return convert.load_layers_response(len(matched), done, from_tier, tiers, cut)
+
+    async def _settled_unless_cancelled(self, life, get, cancelled):
+        """_settled_get; or None if the engine cancels the load first (looked at every
+        CANCEL_POLL_S): the Get is let go, and its reads finish into kvd's own slots."""
+        settling = asyncio.ensure_future(self._settled_get(life, get))
+        while cancelled is not None and not settling.done():
+            await asyncio.wait({settling}, timeout=CANCEL_POLL_S)
+            if not settling.done() and cancelled():
+                settling.cancel()
+                try:
+                    await settling
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():
+                        raise  # this call itself is being cancelled
+                return None if settling.cancelled() else settling.result()
+        return await settling
 
     def _close_when_landed(self, pin: ReadPin, staged=()):
         """What ends a load's lease (held by `pin`) once its copies have landed (the Get's pins go
