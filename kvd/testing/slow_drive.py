@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,7 @@ def slowed_drive(directory: Path, size_bytes: int = 1 << 30) -> Iterator[SlowDri
         undo.callback(_run, "losetup", "--detach", device)
         _run("mkfs.ext4", "-q", "-F", device)
         _run("mount", device, str(directory))
-        undo.callback(_run, "umount", str(directory))
+        undo.callback(_unmount, directory)
         (directory / "disk").mkdir()
         numbers = Path(f"/sys/block/{Path(device).name}/dev").read_text().strip()
         group = BLKIO / f"kvd-slow-{os.getpid()}-{Path(device).name}"
@@ -83,8 +84,23 @@ def slowed_drive(directory: Path, size_bytes: int = 1 << 30) -> Iterator[SlowDri
         yield SlowDrive(directory / "disk", device, numbers, group)
 
 
+def _unmount(directory: Path, attempts: int = 40) -> None:
+    """Unmount, waiting while a process that had files there still exits (a daemon stopped
+    mid-read on a throttled drive); detached lazily after about 20 s rather than left mounted."""
+    for _ in range(attempts):
+        if subprocess.run(["umount", str(directory)], capture_output=True, check=False).returncode == 0:
+            return
+        time.sleep(0.5)
+    _run("umount", "--lazy", str(directory))
+
+
 def _remove_group(group: Path) -> None:
     """Its processes go back to the root group first: a group with members cannot be removed."""
+    for name in ("blkio.throttle.read_bps_device", "blkio.throttle.write_bps_device"):  # I/O in flight ends
+        with contextlib.suppress(OSError):
+            limits = (group / name).read_text().split()
+            for numbers in limits[::2]:
+                (group / name).write_text(f"{numbers} 0")
     for pid in (group / "cgroup.procs").read_text().split():
         with contextlib.suppress(ProcessLookupError, OSError):
             (BLKIO / "cgroup.procs").write_text(pid)
