@@ -129,8 +129,9 @@ class PoolsV2:
     def exists(self, keys: list[str], transfers: list[PoolTransfer] | None, extra_info: Any) -> PoolTransferResult:
         kv_pages = self.backend.batch_exists(keys, extra_info)
         hits = {PoolName.KV: kv_pages} if kv_pages else {}
-        trailing = [transfer for transfer in transfers or [] if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES]
-        if len(trailing) < len(transfers or []) or any(t.name not in self.pools for t in trailing):
+        extra = [transfer for transfer in transfers or [] if transfer.name != PoolName.KV]  # (KV: kv_pages)
+        trailing = [transfer for transfer in extra if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES]
+        if len(trailing) < len(extra) or any(t.name not in self.pools for t in trailing):
             return PoolTransferResult(0, hits, [])  # a pool kvd does not store: no prefix is restorable
         if not trailing:
             return PoolTransferResult(kv_pages, hits, list(range(1, kv_pages + 1)))
