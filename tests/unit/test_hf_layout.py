@@ -142,3 +142,9 @@ def test_mismatches_are_rejected(model: LlamaForCausalLM) -> None:
         blocks_to_cache(blocks[:, :2], spec)
     with pytest.raises(InvalidArgument, match="dtype"):
         blocks_to_cache(blocks.to(torch.float16), spec)
+    # An MLA namespace holds one latent per token: no K and V for a Hugging Face cache.
+    latent = dataclasses.replace(spec, num_kv_heads=1, kv_order=KvOrder.LATENT)
+    with pytest.raises(InvalidArgument, match="one latent per token"):
+        cache_to_blocks(cache, latent)
+    with pytest.raises(InvalidArgument, match="one latent per token"):
+        blocks_to_cache(torch.zeros((1, *latent.block_shape), dtype=blocks.dtype), latent)
