@@ -57,6 +57,10 @@ def test_register_namespace_validation(stub):
     assert_status(lambda: stub.RegisterNamespace(kvd_pb2.RegisterNamespaceRequest(spec=bad)),
                   grpc.StatusCode.INVALID_ARGUMENT, "kv_dtype has unknown value 99")
     bad = spec_message(SMALL_SPEC)
+    bad.kv_order, bad.num_kv_heads = kvd_pb2.KV_ORDER_LATENT, 2
+    assert_status(lambda: stub.RegisterNamespace(kvd_pb2.RegisterNamespaceRequest(spec=bad)),
+                  grpc.StatusCode.INVALID_ARGUMENT, "num_kv_heads must be 1 with kv_order LATENT")
+    bad = spec_message(SMALL_SPEC)
     bad.hash_scheme = "md5"
     assert_status(lambda: stub.RegisterNamespace(kvd_pb2.RegisterNamespaceRequest(spec=bad)),
                   grpc.StatusCode.INVALID_ARGUMENT, "hash_scheme")
