@@ -70,13 +70,11 @@ class ExtraPool:
 
     def gather(self, host_indices: torch.Tensor, count: int) -> torch.Tensor:
         """`count` pages of the pool at host_indices, as kvd rows (n, *spec.block_shape)."""
-        size = self.host_pool.page_size
         if self.paged:
-            return self.pages[page_ids(host_indices, size, count)].contiguous()
-        starts = host_indices.reshape(-1)[::size][:count].tolist()
+            return self.pages[page_ids(host_indices, self.host_pool.page_size, count)].contiguous()
         rows = torch.zeros((count, self.spec.block_bytes), dtype=torch.uint8)
-        for row, start in zip(rows, starts, strict=True):
-            row[:self.page_bytes] = self.host_pool.get_data_page(int(start), flat=True).contiguous().view(torch.uint8)
+        for row, start in zip(rows, self._starts(host_indices, count), strict=True):
+            row[:self.page_bytes] = self.host_pool.get_data_page(start, flat=True).contiguous().view(torch.uint8)
         return rows.view(torch.int8).reshape(count, *self.spec.block_shape)
 
     def scatter(self, host_indices: torch.Tensor, rows: np.ndarray) -> None:
@@ -87,8 +85,12 @@ class ExtraPool:
             self.pages[page_ids(host_indices[:count * size], size, count)] = \
                 data.view(self.host_pool.dtype).view(count, *self.pages.shape[1:])
             return
-        for row, start in zip(data, host_indices.reshape(-1)[::size][:count].tolist(), strict=True):
-            self.host_pool.set_from_flat_data_page(int(start), row[:self.page_bytes])
+        for row, start in zip(data, self._starts(host_indices, count), strict=True):
+            self.host_pool.set_from_flat_data_page(start, row[:self.page_bytes])
+
+    def _starts(self, host_indices: torch.Tensor, count: int) -> list[int]:
+        """The first host index of each of `count` flat pages."""
+        return [int(start) for start in host_indices.reshape(-1)[::self.host_pool.page_size][:count].tolist()]
 
 
 def extra_pool(name: str, host_pool: Any, kv_spec: NamespaceSpec, pool_spec: Callable[[Any], NamespaceSpec]) -> ExtraPool:
@@ -113,18 +115,16 @@ class PoolsV2:
     def __init__(self, backend: Any, pool_spec: Callable[[Any], NamespaceSpec]) -> None:
         self.backend = backend
         self.pool_spec = pool_spec
-        self.pools: dict[str, ExtraPool] = {}  # by SGLang's PoolName
-        self.refused: dict[str, str] = {}  # pools kvd does not store, and why
+        self.pools: dict[str, ExtraPool] = {}  # by SGLang's PoolName; a pool kvd refused is absent
 
     def register(self, name: str, host_pool: Any) -> None:
         if name == PoolName.KV:
             return  # the anchor pool: register_mem_pool_host, the v1 calls
         try:
             self.pools[name] = extra_pool(name, host_pool, self.backend._spec, self.pool_spec)
-        except (NotImplementedError, ValueError, StopIteration) as error:
-            self.refused[name] = str(error) or type(error).__name__
+        except (NotImplementedError, ValueError) as error:
             logger.warning("kvd: host pool %r is not stored (%s); prefixes that need it are misses", name,
-                           self.refused[name])
+                           str(error) or type(error).__name__)
 
     def exists(self, keys: list[str], transfers: list[PoolTransfer] | None, extra_info: Any) -> PoolTransferResult:
         kv_pages = self.backend.batch_exists(keys, extra_info)
