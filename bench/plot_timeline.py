@@ -59,9 +59,9 @@ class TimelineFiles:
             self.new_steps(name)
         return self
 
-    def figures(self) -> dict[str, float]:
-        """Medians (and the largest) of the new steps: the scheduler's Lookups, and per worker step
-        kvd's time on the model's thread and what it was spent on."""
+    def figures(self) -> dict:
+        """Medians (and the largest) of the new steps: the scheduler's Lookups (each one's ms too, in
+        order), and per worker step kvd's time on the model's thread and what it was spent on."""
         lookups = [t1 - t0 for step in self.new_steps("scheduler") for name, _, t0, t1 in step["events"]
                    if name == "lookup"]
         steps = self.new_steps("worker0")
@@ -69,7 +69,8 @@ class TimelineFiles:
                     for what in MODEL_THREAD}
         on_thread = [sum(values) for values in zip(*per_step.values(), strict=True)]
         middle = lambda values: float(np.median(values)) / 1e3 if values else 0.0  # noqa: E731
-        return {"lookups": len(lookups), "lookup_ms_p50": middle(lookups),
+        return {"lookups": len(lookups), "lookups_ms": [value / 1e3 for value in lookups],
+                "lookup_ms_p50": middle(lookups),
                 "lookup_ms_max": max(lookups, default=0.0) / 1e3, "worker_steps": len(steps),
                 "model_thread_ms_p50": middle(on_thread), "model_thread_ms_max": max(on_thread, default=0.0) / 1e3,
                 **{f"{what}_ms_p50": middle(values) for what, values in per_step.items()}}
