@@ -17,7 +17,7 @@ from kvd.connectors.vllm.config import ConnectorConfig
 from kvd.connectors.vllm.logs import LOGGER_NAME
 from kvd.connectors.vllm.metadata import KvdHandshake
 from kvd.connectors.vllm.scheduler import SchedulerSide
-from kvd.core.keys import DType, NamespaceSpec, chain_keys
+from kvd.core.keys import DType, KvOrder, NamespaceSpec, chain_keys
 from kvd.planner.prefill import FORMAT
 from kvd.testing.daemon import run_daemon
 from kvd.v1 import kvd_pb2
@@ -99,3 +99,37 @@ def test_only_the_blocks_that_load_sooner_than_vllm_computes_them_are_offered(tm
         assert ask(daemon.unix_target, {"prefill_profile": slow, "load": "async"}) == (BLOCKS * block, True)
         assert daemon.metric_samples("kvd_prefetch_blocks_total")['kvd_prefetch_blocks_total{result="queued"}'] == 5
         assert ask(daemon.unix_target, {})[0] == BLOCKS * block
+
+
+LATENT = NamespaceSpec(model_id="load-rule-mla", num_layers=3, num_kv_heads=1, head_dim=512, block_tokens=16,
+                       kv_dtype=DType.FLOAT16, kv_order=KvOrder.LATENT)
+
+
+def test_tp_ranks_sharing_an_mla_namespace_are_looked_up_once_and_priced_once(tmp_path):
+    """Under TP every rank caches the same MLA latent, so the workers hand over one namespace (tp 0 of
+    1): the scheduler asks kvd once a request, prices the load once (the rule would otherwise see
+    twice the bytes), and every worker reads the same keys."""
+    with run_daemon(tmp_path / "kvd", config=config(tmp_path)) as daemon, Client(daemon.unix_target) as client:
+        namespace = client.register_namespace(LATENT)
+        keys = chain_keys(LATENT, PROMPT[:BLOCKS * LATENT.block_tokens])
+        data = np.ones((BLOCKS, *LATENT.block_shape), dtype=np.float16)
+        assert client.put(namespace, keys, data, durable=True) == BLOCKS
+        looked = client.lookup(namespace, keys, load_times=True)
+        lookups = lambda: sum(value for line, value in daemon.metric_samples("kvd_rpc_total").items()  # noqa: E731
+                              if 'method="Lookup"' in line and 'code="OK"' in line)
+        before = lookups()
+        side = SchedulerSide(ConnectorConfig.from_extra({"target": daemon.unix_target,
+                                                         "prefill_profile": profile(tmp_path / "p.json", 1.0)}),
+                             LATENT.block_tokens)
+        try:
+            side.set_shards({(rank, 0): KvdHandshake(spec=LATENT) for rank in range(4)})
+            request = SimpleNamespace(request_id="r0", prompt_token_ids=PROMPT.tolist(), lora_request=None,
+                                      cache_salt=None, mm_features=None, kv_transfer_params=None)
+            assert side.matched_tokens(request, 0) == (BLOCKS * LATENT.block_tokens, False)
+            assert lookups() - before == 1
+            assert all(shard_keys == keys for shard_keys in side.requests["r0"].keys)
+            shards = side.requests["r0"].keys
+            assert len(shards) == 4 and all(shard is shards[0] for shard in shards)  # hashed once, too
+            assert side._lookup(side.requests["r0"], BLOCKS)[2][-1] <= 1.5 * looked.load_s[-1]  # not summed x4
+        finally:
+            side.close()

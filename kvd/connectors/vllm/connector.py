@@ -110,6 +110,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._spec = None
+        self._saves = True
         if role == KVConnectorRole.SCHEDULER:
             events = vllm_config.kv_events_config
             publish = bool(events is not None and events.enable_kv_cache_events)
@@ -148,6 +149,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             log.error("kvd connector disabled on this worker: %s", error)
             return
         shard = pp.rank_in_group * tp.world_size + tp.rank_in_group
+        # A namespace every TP rank shares (an MLA latent) is stored by rank 0; the others only load.
+        self._saves = spec.tp_size == tp.world_size or tp.rank_in_group == 0
         namespace = local_namespace(spec)  # registered with kvd on first use, again after a restart
         if self.config.transfer == "daemon":
             tensors = [kv_caches[name] for name in layout.names]
@@ -167,8 +170,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         # The step starts here: vLLM calls start_load_kv after the forward
         # when the step has no synchronous load, too late to reserve slots.
         super().bind_connector_metadata(connector_metadata)
-        if self.worker is not None and isinstance(connector_metadata, KvdConnectorMetadata) and connector_metadata:
-            self.worker.start(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, KvdConnectorMetadata):
+            if not self._saves:
+                connector_metadata = dataclasses.replace(connector_metadata, saves=[])
+            if connector_metadata:
+                self.worker.start(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         pass  # started at bind_connector_metadata

@@ -201,6 +201,10 @@ def namespace_spec(
         raise UnsupportedLayout(
             "vLLM's CPU MLA backend cannot compute a prompt after a cached prefix (vLLM turned its own prefix "
             "caching off for this model), so a prefix loaded from kvd would give wrong answers")
+    # Without decode context parallelism every TP rank caches the same latent: one namespace for
+    # all of them (tp 0 of 1), written by rank 0 alone (kvd.connectors.vllm.connector).
+    if order == KvOrder.LATENT and vllm_config.parallel_config.decode_context_parallel_size == 1:
+        tp = (0, 1)
     spec = NamespaceSpec(
         model_id=namespace or model.model,
         kv_order=order,

@@ -30,6 +30,7 @@ is down, requests simply miss.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +80,8 @@ class SchedulerSide:
         self.publish_events = publish_events
         self.block_size = block_size
         self.client = Client(config.target, token=config.token, timeout_s=config.timeout_s, use_shared_memory=False)
-        self.shards: list[Namespace] = []
+        self.shards: list[Namespace] = []  # one per worker, as the workers index them
+        self._distinct: list[int] = []  # the first shard of each namespace
         self.requests: dict[str, _Tracked] = {}
         self._plans: dict[str, _Plan] = {}
         self._loads: list[LoadOrder] = []
@@ -91,7 +93,10 @@ class SchedulerSide:
     def set_shards(self, handshakes: dict[tuple[int, int], KvdHandshake]) -> None:
         """Adopt the workers' namespaces, ordered as the workers index them."""
         self.shards = [local_namespace(handshakes[key].spec) for key in sorted(handshakes)]
-        for namespace in self.shards:
+        # Shards that share a namespace (an MLA latent, the same on every TP rank) are asked once.
+        firsts = {shard.namespace_id: index for index, shard in reversed(list(enumerate(self.shards)))}
+        self._distinct = sorted(firsts.values())
+        for namespace in (self.shards[index] for index in self._distinct):
             try:
                 self.client.register_namespace(namespace.spec)
             except grpc.RpcError as error:  # registered again on first use (kvd.connectors.vllm.transfer)
@@ -106,7 +111,9 @@ class SchedulerSide:
     def track(self, request: Any) -> _Tracked | None:
         tracked = self.requests.get(request.request_id)
         if tracked is None and self.shards and request.prompt_token_ids is not None:
-            keys = [prompt_keys(namespace.spec, request) for namespace in self.shards]
+            distinct = {self.shards[index].namespace_id: prompt_keys(self.shards[index].spec, request)
+                        for index in self._distinct}
+            keys = [distinct[namespace.namespace_id] for namespace in self.shards]
             tracked = self.requests[request.request_id] = _Tracked(keys, len(request.prompt_token_ids))
         return tracked
 
@@ -167,10 +174,11 @@ class SchedulerSide:
         """The prefix every shard can have (its kvd's tiers, then a peer's in a cluster); the first
         block of it on disk or on another node in any shard (a load that should not hold up a step;
         `stop` if none); with a prefill profile, per block the seconds until the shards' blocks up to
-        it are in host memory (their sum: the shards share the node's drives)."""
+        it are in host memory (their sum over the shards' distinct namespaces: they share the node's
+        drives)."""
         stop, first_slow, load_s = usable, usable, None
         timed = self.profile is not None
-        for namespace, keys in zip(self.shards, tracked.keys):
+        for namespace, keys in self._each_namespace(tracked):
             result = registering(self.client, namespace, lambda: self.client.lookup(
                 namespace, keys[:usable], include_remote=None, load_times=timed))
             stop = min(stop, result.matched)
@@ -180,6 +188,9 @@ class SchedulerSide:
                 times = np.asarray(result.load_s[:stop], dtype=np.float64)
                 load_s = times if load_s is None else load_s[:stop] + times[:len(load_s)]
         return stop, min(first_slow, stop), None if load_s is None else load_s[:stop]
+
+    def _each_namespace(self, tracked: _Tracked) -> Iterator[tuple[Namespace, list[bytes]]]:
+        return ((self.shards[index], tracked.keys[index]) for index in self._distinct)
 
     def _worth_loading(self, tracked: _Tracked, first: int, stop: int,
                        load_s: np.ndarray | None) -> tuple[int, float]:
@@ -193,7 +204,7 @@ class SchedulerSide:
         return choice.stop, choice.recompute_s - choice.compute_s
 
     def _prefetch(self, tracked: _Tracked, first: int, stop: int) -> None:
-        for namespace, keys in zip(self.shards, tracked.keys):
+        for namespace, keys in self._each_namespace(tracked):
             parent = keys[first - 1] if first else b""
             registering(self.client, namespace,
                         lambda: self.client.prefetch(namespace, keys[first:stop], parent_key=parent))
