@@ -126,7 +126,7 @@ class VllmRun:
     def __init__(self, python: Path, model: Path, work: Path, batch: list[list[int]], *, target: str = "",
                  hooks: str = "", env: dict[str, str] | None = None, transfer: str = "client",
                  placement: dict | None = None, compiled: bool = False, io_ring: bool = False,
-                 reset: bool = False, prefill_profile: str = "") -> None:
+                 reset: bool = False, prefill_profile: str = "", options: tuple[str, ...] = ()) -> None:
         work.mkdir(parents=True, exist_ok=True)
         prompt_file, self.out, self.log = work / "prompts.json", work / "out.json", work / "vllm.log"
         prompt_file.write_text(json.dumps(batch))
@@ -146,6 +146,7 @@ class VllmRun:
             command += ["--io-ring"]
         if reset:
             command += ["--reset"]
+        command += options  # vllm_run.py's own (--dtype, --block-size)
         with open(self.log, "wb") as sink:
             self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                             env={**os.environ, **(env or {})})
