@@ -8,6 +8,7 @@ the bytes torch's indexed copy moves, and refuse an engine block outside the cac
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
@@ -136,3 +137,27 @@ def test_the_timeline_shows_each_layer_landed_and_copied_before_its_wait_ends(da
         assert spans[("landed", layer)][0] <= spans[("copy_in", layer)][0]
         assert spans[("copy_in", layer)][1] <= spans[("wait", layer)][1]
     assert all(t0 <= t1 for _, _, t0, t1 in events)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to keep one for the model")
+def test_the_copy_thread_leaves_the_cpus_the_model_thread_is_bound_to(daemon):
+    """vLLM's CPU backend binds the model's thread (which builds the worker) to its OpenMP cores: the
+    copy thread takes the others, so copies run beside the compute rather than taking turns with it.
+    A worker built by a thread bound to nothing keeps every CPU for its copies."""
+    everything = os.sched_getaffinity(0)
+    model_core = {min(everything)}
+    seen: dict[str, set[int]] = {}
+
+    def build(name: str, cpus: set[int]) -> None:
+        os.sched_setaffinity(0, cpus)  # this thread only, as vLLM binds its model thread
+        worker = worker_for(daemon, kv_caches(seed=None))
+        try:
+            seen[name] = worker._copier.submit(os.sched_getaffinity, 0).result()
+        finally:
+            worker.close()
+
+    for name, cpus in (("bound", model_core), ("unbound", everything)):
+        thread = threading.Thread(target=build, args=(name, cpus))
+        thread.start()
+        thread.join()
+    assert seen == {"bound": everything - model_core, "unbound": everything}

@@ -6,12 +6,16 @@ blocks, never a Python loop over blocks:
 - a CPU engine: one native call (kvd._native.copy_chunks, a memmove per
   block row with the GIL released) from address arrays, a single pass at
   memory speed. The worker runs these on its copy thread, so a layer's
-  bytes move while the layers before it compute (kvd.connectors.vllm.worker);
+  bytes move while the layers before it compute (kvd.connectors.vllm.worker),
+  on CPUs other than the model's where the engine bound it to some;
 - a GPU engine: one indexed torch copy on the calling thread's current
   stream, which orders it before the layer's attention kernels.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import numpy as np
 import torch
@@ -23,6 +27,17 @@ from kvd.device import cpu as cpu_device
 def native_copies() -> bool:
     """Whether kvd's native module is there to copy rows of a CPU engine's cache."""
     return cpu_device._native_copy is not None
+
+
+def off_the_model_cores() -> None:
+    """The copy thread's start: if the engine bound the model's thread to some of the CPUs (vLLM's
+    CPU backend binds its OpenMP threads and leaves the others to the server), the copies go to the
+    others, where they run beside the layers' compute instead of taking turns with it on the same
+    cores. A thread bound to nothing keeps every CPU."""
+    spare = set(range(os.cpu_count() or 0)) - os.sched_getaffinity(0)
+    if spare:
+        with contextlib.suppress(OSError):  # none of them is this process's (a cgroup cpuset)
+            os.sched_setaffinity(0, spare)
 
 
 def row_addresses(rows: torch.Tensor, index: torch.Tensor) -> np.ndarray:

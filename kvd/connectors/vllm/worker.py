@@ -32,7 +32,7 @@ import torch
 
 from kvd.client import Namespace
 from kvd.connectors.vllm.config import ConnectorConfig
-from kvd.connectors.vllm.copies import copy_layer, native_copies
+from kvd.connectors.vllm.copies import copy_layer, native_copies, off_the_model_cores
 from kvd.connectors.vllm.layout import PagedLayout
 from kvd.connectors.vllm.logs import log
 from kvd.connectors.vllm.metadata import NULL_BLOCK, KvdConnectorMetadata, LoadOrder, SaveOrder
@@ -122,7 +122,8 @@ class WorkerSide:
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvd-connector")
         # A CPU engine's copies run on their own thread, overlapping the layers' compute; a GPU's are
         # queued on the engine's stream by the model's thread.
-        self._copier = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-copy")
+        self._copier = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-copy",
+                                                              initializer=off_the_model_cores)
                         if not layout.parts[0][0].is_cuda and native_copies() else None)
         self._step = _Step()
         self._lock = threading.Lock()
