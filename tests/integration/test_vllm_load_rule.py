@@ -83,6 +83,10 @@ def test_only_the_blocks_that_load_sooner_than_vllm_computes_them_are_offered(tm
         assert ask(daemon.unix_target, {"prefill_profile": fast}, {"kvd_load": "some"}) == (3 * block, False)
         assert "asks kvd_load='rule'; kvd takes 'all'" in caplog.text and "needs prefill_profile" in caplog.text
         assert "asks kvd_load='some'; kvd takes 'rule'" in caplog.text
+        # Malformed parameters (vLLM's offline API passes them unchecked) are a choice kvd cannot follow.
+        assert ask(daemon.unix_target, {"prefill_profile": fast}, ["kvd_load", "none"]) == (3 * block, False)
+        assert ask(daemon.unix_target, {"prefill_profile": fast}, {"kvd_load": ["none"]}) == (3 * block, False)
+        assert "asks kvd_load=['kvd_load', 'none']; kvd takes 'rule'" in caplog.text
         timeline = tmp_path / "timeline"
         ask(daemon.unix_target, {"prefill_profile": profile(tmp_path / "fast.json", disk_block_s / 1000),
                                  "timeline": str(timeline)})

@@ -122,8 +122,9 @@ class SchedulerSide:
         prefill profile's choice; the default with one), "all" (load every matched block; the
         default without), "none" (load nothing: vLLM computes the prompt; kvd still stores it)."""
         default = "rule" if self.profile is not None else "all"
-        choice = (getattr(request, "kv_transfer_params", None) or {}).get("kvd_load", default)
-        if choice not in LOAD_CHOICES or (choice == "rule" and self.profile is None):
+        params = getattr(request, "kv_transfer_params", None) or {}
+        choice = params.get("kvd_load", default) if isinstance(params, dict) else params
+        if not isinstance(choice, str) or choice not in LOAD_CHOICES or (choice == "rule" and self.profile is None):
             log.warning("kvd: request %s asks kvd_load=%r; kvd takes %r (choices: %s%s)", request.request_id,
                         choice, default, ", ".join(LOAD_CHOICES),
                         "; \"rule\" needs prefill_profile" if choice == "rule" else "")
