@@ -66,3 +66,27 @@ def test_a_load_that_falls_behind_its_budget_is_cut_and_the_answer_is_exact(engi
     totals = report["connector"]["totals"]
     shared = PREFIX_TOKENS // BLOCK
     assert totals["cut_loads"] == 1 and totals["loaded_blocks"] == 0 and totals["load_errors"] == shared
+
+
+def test_hit_blocks_the_rule_leaves_to_vllm_are_counted_and_the_answer_is_exact(engine_python, model, tmp_path):
+    """A profile in which copying a host hit into vLLM costs far more than computing it: the rule
+    loads none of B's 8 hit blocks, vLLM computes them, and the workers count them as declined
+    (vllm:kvd_declined_blocks_total)."""
+    reference = VllmRun(engine_python, model, tmp_path / "alone", [prompts()["B"]])  # runs beside the other
+    costly = tmp_path / "costly.json"
+    new = [1, 128, 4096]
+    costly.write_text(json.dumps({"format": FORMAT, "model": "tiny-llama", "engine": "test", "new_tokens": new,
+                                  "prefixes": [0], "seconds": [[1e-4 + n * 1e-6] for n in new],
+                                  "host_load_s_per_token": 1e-2}))
+    daemon = start_daemon(tmp_path / "kvd", dict(KVD_CONFIG, disk=dict(KVD_CONFIG["disk"],
+                                                                         directories=[str(tmp_path / "nvme0")])))
+    try:
+        report = VllmRun(engine_python, model, tmp_path / "kvd", [prompts()["A"], prompts()["B"]],
+                         target=daemon.unix_target, reset=True, prefill_profile=str(costly)).report()
+    finally:
+        assert daemon.stop() == 0, daemon.log()[-3000:]
+    _, declined = report["results"]
+    assert same_answer(declined, reference.report()["results"][0]) <= LOGPROB_TOLERANCE
+    assert declined["cached_tokens"] == 0
+    totals = report["connector"]["totals"]
+    assert totals["declined_blocks"] == PREFIX_TOKENS // BLOCK and totals["loaded_blocks"] == 0

@@ -47,9 +47,28 @@ def ask(target: str, extra: dict, kv_transfer_params: dict | None = None) -> tup
     side = SchedulerSide(ConnectorConfig.from_extra({"target": target, **extra}), SPEC.block_tokens)
     try:
         side.set_shards({(0, 0): KvdHandshake(spec=SPEC)})
-        request = SimpleNamespace(request_id="r0", prompt_token_ids=PROMPT.tolist(), lora_request=None,
-                                  cache_salt=None, mm_features=None, kv_transfer_params=kv_transfer_params)
-        return side.matched_tokens(request, 0)
+        return side.matched_tokens(new_request(kv_transfer_params), 0)
+    finally:
+        side.close()
+
+
+def new_request(kv_transfer_params: dict | None = None) -> SimpleNamespace:
+    return SimpleNamespace(request_id="r0", prompt_token_ids=PROMPT.tolist(), lora_request=None, cache_salt=None,
+                           mm_features=None, kv_transfer_params=kv_transfer_params)
+
+
+def declined_blocks(target: str, profile_path: str) -> list[int]:
+    """What the workers are told the rule left to vLLM, over two steps: the request is asked about twice
+    (vLLM asks again when it cannot schedule it yet), then scheduled in the first step."""
+    side = SchedulerSide(ConnectorConfig.from_extra({"target": target, "prefill_profile": profile_path,
+                                                     "save": False}), SPEC.block_tokens)
+    try:
+        side.set_shards({(0, 0): KvdHandshake(spec=SPEC)})
+        request = new_request()
+        side.matched_tokens(request, 0)
+        side.matched_tokens(request, 0)
+        step = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=request.request_id)])
+        return [side.build(step).declined_blocks, side.build(step).declined_blocks]
     finally:
         side.close()
 
@@ -72,6 +91,8 @@ def test_only_the_blocks_that_load_sooner_than_vllm_computes_them_are_offered(tm
         assert ask(daemon.unix_target, {"prefill_profile": profile(tmp_path / "fast.json", disk_block_s / 1000)}) \
             == (3 * block, False)
         assert "loading 3 of 8 hit blocks, computing the rest" in caplog.text  # and it says so
+        # The workers count the 5 left to vLLM once (vllm:kvd_declined_blocks_total).
+        assert declined_blocks(daemon.unix_target, profile(tmp_path / "fast.json", disk_block_s / 1000)) == [5, 0]
         # A request may choose for itself (kv_transfer_params): every block, none, or the rule.
         fast = profile(tmp_path / "fast.json", disk_block_s / 1000)
         assert ask(daemon.unix_target, {"prefill_profile": fast}, {"kvd_load": "all"}) == (BLOCKS * block, False)

@@ -73,6 +73,8 @@ class KvdPromMetrics(KVConnectorPromMetrics):
         "load_wait_seconds": "Time the model's attention layers waited for bytes from kvd.",
         "cut_loads": "Loads cut because they fell behind the time computing their blocks would take "
                      "(prefill_profile); vLLM computed those blocks.",
+        "declined_blocks": "Hit blocks the load rule (prefill_profile) left to vLLM to compute, because "
+                           "loading them would have been slower.",
     }
     RENAMED = {"load_wait_s": "load_wait_seconds"}
 
@@ -171,6 +173,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         # when the step has no synchronous load, too late to reserve slots.
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None and isinstance(connector_metadata, KvdConnectorMetadata):
+            if connector_metadata.declined_blocks:
+                self.worker.counters.add(declined_blocks=connector_metadata.declined_blocks)
             if not self._saves:
                 connector_metadata = dataclasses.replace(connector_metadata, saves=[])
             if connector_metadata:

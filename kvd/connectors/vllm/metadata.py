@@ -86,6 +86,7 @@ class SaveOrder:
 class KvdConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadOrder] = field(default_factory=list)
     saves: list[SaveOrder] = field(default_factory=list)
+    declined_blocks: int = 0  # hit blocks the load rule left to vLLM since the last step (counted)
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves)

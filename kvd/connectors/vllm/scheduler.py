@@ -64,6 +64,7 @@ class _Tracked:
     # A load of it failed: vLLM recomputes it, and asks again; kvd offers nothing more for it
     # (the holder it came from may be gone, and the directory says so only after its lease).
     load_failed: bool = False
+    declined: int = 0  # hit blocks the load rule left to vLLM, until a step counts them
 
 
 @dataclass(slots=True)
@@ -151,7 +152,9 @@ class SchedulerSide:
             if choice == "rule" and stop > first:
                 # What vLLM computes instead of loading, kvd holds already: not offered for saving.
                 tracked.offered = max(tracked.offered, stop)
+                matched = stop
                 stop, budget_s = self._worth_loading(tracked, first, stop, load_s)
+                tracked.declined = matched - stop  # counted once vLLM schedules the request
             slow = first_slow < stop
             # "auto": asynchronous only if the scheduler has another request to run meanwhile.
             others = len(self.requests) > 1
@@ -247,7 +250,7 @@ class SchedulerSide:
     def build(self, scheduler_output: Any) -> KvdConnectorMetadata:
         self.timeline.end_step()
         self.timeline.begin_step()
-        metadata = KvdConnectorMetadata(loads=self._loads)
+        metadata = KvdConnectorMetadata(loads=self._loads, declined_blocks=self._take_declined(scheduler_output))
         self._loads = []
         if not self.config.save:
             return metadata
@@ -273,6 +276,16 @@ class SchedulerSide:
             spec = self.shards[0].spec
             self.placement.place(metadata.saves, spec.num_layers, spec.layer_bytes, self.block_size)
         return metadata
+
+    def _take_declined(self, scheduler_output: Any) -> int:
+        """The hit blocks the rule left to vLLM in the requests this step schedules first (the workers
+        count them: a request asked about again before it runs is counted once)."""
+        declined = 0
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self.requests.get(new.req_id)
+            if tracked is not None:
+                declined, tracked.declined = declined + tracked.declined, 0
+        return declined
 
     def _offer(self, metadata: KvdConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
         """A save order for the prompt blocks that are full once this step has run."""

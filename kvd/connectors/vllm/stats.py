@@ -24,6 +24,7 @@ class Counters:
     save_errors: int = 0  # reservations or commits that failed (the blocks are not stored)
     load_wait_s: float = 0.0  # time the model's layers waited for loaded bytes
     cut_loads: int = 0  # loads cut past their budget (prefill_profile): vLLM computed their blocks
+    declined_blocks: int = 0  # hit blocks the load rule (prefill_profile) left to vLLM: computing was sooner
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **amounts: float) -> None:
