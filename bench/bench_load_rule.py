@@ -98,13 +98,17 @@ def flood_chains() -> list[list[bytes]]:
     return [chain_keys(FLOOD_SPEC, np.arange(Flood.CHAIN * BLOCK) + 10_000 * c) for c in range(chains)]
 
 
+def restore_one(client: Client, namespace, chains: list[list[bytes]], rng: np.random.Generator) -> None:
+    client.get_numpy(namespace, chains[rng.integers(len(chains))])
+
+
 def flood_process(target: str, seed: int, stop) -> None:
     """One flooding client, in a process of its own (off the measuring process's GIL)."""
     chains, rng = flood_chains(), np.random.default_rng(seed)
     with Client(target) as client:
         namespace = client.register_namespace(FLOOD_SPEC)
         while not stop.is_set():
-            client.get_numpy(namespace, chains[rng.integers(len(chains))])
+            restore_one(client, namespace, chains, rng)
 
 
 class Flood:
@@ -131,9 +135,6 @@ class Flood:
         for worker in self.workers:
             worker.start()
 
-    def restore_one(self, client: Client, rng: np.random.Generator) -> None:
-        client.get_numpy(self.namespace, self.chains[rng.integers(len(self.chains))])
-
     def stop(self) -> None:
         self.stop_event.set()
         for worker in self.workers:
@@ -147,7 +148,7 @@ def settle(client: Client, flood: Flood, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     rng = np.random.default_rng(99)
     while time.monotonic() < deadline:
-        flood.restore_one(client, rng)
+        restore_one(client, flood.namespace, flood.chains, rng)
 
 
 # Each contender: the server that serves it and the request's kv_transfer_params. The three kvd ones

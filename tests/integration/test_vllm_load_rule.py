@@ -6,8 +6,10 @@ builds, asked as vLLM asks it; vLLM itself is not needed for that."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import numpy as np
@@ -42,14 +44,21 @@ def profile(path, per_token_s: float) -> str:
     return str(path)
 
 
-def ask(target: str, extra: dict, kv_transfer_params: dict | None = None) -> tuple[int, bool]:
-    """get_num_new_matched_tokens of a new request with nothing computed, as vLLM asks it."""
-    side = SchedulerSide(ConnectorConfig.from_extra({"target": target, **extra}), SPEC.block_tokens)
+@contextlib.contextmanager
+def scheduler_side(target: str, extra: dict, spec: NamespaceSpec = SPEC, shards: int = 1) -> Iterator[SchedulerSide]:
+    """The scheduler side vLLM builds, its `shards` workers all handing over `spec`."""
+    side = SchedulerSide(ConnectorConfig.from_extra({"target": target, **extra}), spec.block_tokens)
     try:
-        side.set_shards({(0, 0): KvdHandshake(spec=SPEC)})
-        return side.matched_tokens(new_request(kv_transfer_params), 0)
+        side.set_shards({(rank, 0): KvdHandshake(spec=spec) for rank in range(shards)})
+        yield side
     finally:
         side.close()
+
+
+def ask(target: str, extra: dict, kv_transfer_params: dict | None = None) -> tuple[int, bool]:
+    """get_num_new_matched_tokens of a new request with nothing computed, as vLLM asks it."""
+    with scheduler_side(target, extra) as side:
+        return side.matched_tokens(new_request(kv_transfer_params), 0)
 
 
 def new_request(kv_transfer_params: dict | None = None) -> SimpleNamespace:
@@ -60,17 +69,12 @@ def new_request(kv_transfer_params: dict | None = None) -> SimpleNamespace:
 def declined_blocks(target: str, profile_path: str) -> list[int]:
     """What the workers are told the rule left to vLLM, over two steps: the request is asked about twice
     (vLLM asks again when it cannot schedule it yet), then scheduled in the first step."""
-    side = SchedulerSide(ConnectorConfig.from_extra({"target": target, "prefill_profile": profile_path,
-                                                     "save": False}), SPEC.block_tokens)
-    try:
-        side.set_shards({(0, 0): KvdHandshake(spec=SPEC)})
+    with scheduler_side(target, {"prefill_profile": profile_path, "save": False}) as side:
         request = new_request()
         side.matched_tokens(request, 0)
         side.matched_tokens(request, 0)
         step = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=request.request_id)])
         return [side.build(step).declined_blocks, side.build(step).declined_blocks]
-    finally:
-        side.close()
 
 
 def test_only_the_blocks_that_load_sooner_than_vllm_computes_them_are_offered(tmp_path, caplog):
@@ -143,18 +147,11 @@ def test_tp_ranks_sharing_an_mla_namespace_are_looked_up_once_and_priced_once(tm
         lookups = lambda: sum(value for line, value in daemon.metric_samples("kvd_rpc_total").items()  # noqa: E731
                               if 'method="Lookup"' in line and 'code="OK"' in line)
         before = lookups()
-        side = SchedulerSide(ConnectorConfig.from_extra({"target": daemon.unix_target,
-                                                         "prefill_profile": profile(tmp_path / "p.json", 1.0)}),
-                             LATENT.block_tokens)
-        try:
-            side.set_shards({(rank, 0): KvdHandshake(spec=LATENT) for rank in range(4)})
-            request = SimpleNamespace(request_id="r0", prompt_token_ids=PROMPT.tolist(), lora_request=None,
-                                      cache_salt=None, mm_features=None, kv_transfer_params=None)
-            assert side.matched_tokens(request, 0) == (BLOCKS * LATENT.block_tokens, False)
+        with scheduler_side(daemon.unix_target, {"prefill_profile": profile(tmp_path / "p.json", 1.0)}, LATENT,
+                            shards=4) as side:
+            assert side.matched_tokens(new_request(), 0) == (BLOCKS * LATENT.block_tokens, False)
             assert lookups() - before == 1
             assert all(shard_keys == keys for shard_keys in side.requests["r0"].keys)
             shards = side.requests["r0"].keys
             assert len(shards) == 4 and all(shard is shards[0] for shard in shards)  # hashed once, too
             assert side._lookup(side.requests["r0"], BLOCKS)[2][-1] <= 1.5 * looked.load_s[-1]  # not summed x4
-        finally:
-            side.close()

@@ -95,8 +95,10 @@ class SchedulerSide:
         """Adopt the workers' namespaces, ordered as the workers index them."""
         self.shards = [local_namespace(handshakes[key].spec) for key in sorted(handshakes)]
         # Shards that share a namespace (an MLA latent, the same on every TP rank) are asked once.
-        firsts = {shard.namespace_id: index for index, shard in reversed(list(enumerate(self.shards)))}
-        self._distinct = sorted(firsts.values())
+        firsts: dict[bytes, int] = {}
+        for index, shard in enumerate(self.shards):
+            firsts.setdefault(shard.namespace_id, index)
+        self._distinct = list(firsts.values())
         for namespace in (self.shards[index] for index in self._distinct):
             try:
                 self.client.register_namespace(namespace.spec)

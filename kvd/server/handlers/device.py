@@ -18,9 +18,7 @@ from kvd.core.reads import GetCut
 from kvd.core.requests import KeysRequest
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError
 from kvd.invariants import check
-from kvd.device.cpu import store_flag
-from kvd.device.transfer import FAILED
-from kvd.planes.device_loads import CANCEL_POLL_S, cancel_word
+from kvd.planes.device_loads import CANCEL_POLL_S, cancel_word, load_landed, nothing_issued
 from kvd.planner.distance import NONE
 from kvd.tiers.host import DEFAULT_TENANT
 from kvd.server import convert
@@ -128,8 +126,7 @@ class DeviceHandlers:
         if pinned is None:  # cancelled while the Get waited for other requests' reads: nothing issued
             done = request.base + len(pool.layout.layers)
             pool.begin()  # (NotFound if the pool went meanwhile: its flag memory with it)
-            store_flag(pool.flags, request.kvd_flag, FAILED | done)
-            pool.end()
+            await load_landed(pool, request.kvd_flag, done, lambda: None, nothing_issued())  # FAILED, then end
             return convert.load_layers_response(0, done, [], b"", GetCut.NONE)
         lease, matched, tiers, cut, offsets = pinned
         # Copied out of the pinned slots on a device stream after this call returns: held,
