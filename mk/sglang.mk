@@ -25,9 +25,11 @@ sglang-venv: $(SGLANG_STAMP)
 $(SGLANG_STAMP): engines/sglang-requirements.txt mk/sglang.mk pyproject.toml $(NATIVE_SOURCES) | apt
 	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_PIP) install -q $(SGLANG_TORCH)
+	$(call share_files,$(SGLANG_VENV),$(wildcard $(VENV) $(VLLM_VENV)))
 	$(SGLANG_PIP) install -q --no-deps sglang==$(SGLANG_VERSION)
 	$(SGLANG_PIP) install -q --no-deps -r engines/sglang-requirements.txt
 	$(SGLANG_PIP) install -q --no-deps $(SGLANG_KVD_DEPS)
 	$(SGLANG_PIP) install -q --no-deps -e .
 	$(SGLANG_VENV)/bin/python -c "import torch, sys; sys.exit('torch is a CUDA build' if torch.version.cuda else 0)"
+	$(call share_files,$(SGLANG_VENV),$(wildcard $(VENV) $(VLLM_VENV)))
 	touch $@
