@@ -84,8 +84,9 @@ vllm-venv: $(VLLM_STAMP)
 # sources' new mtimes (as pip does, a source this Python cannot compile is left: torch ships one for
 # 3.12). The three venvs hold the same torch and triton: about 2.7 GB less on disk (CI's disk is not
 # always large). Safe because pip and Python replace files, never write into them.
-share_files = hardlink -q -t -O $(2) $(1) && \
-	{ $(1)/bin/python -m compileall -q -j0 "$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true; }
+share_files = if ! command -v hardlink >/dev/null; then echo "no hardlink (util-linux): $(1) keeps its own copies"; \
+	else hardlink -q -t -O $(2) $(1) && \
+	{ $(1)/bin/python -m compileall -q -j0 "$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true; }; fi
 
 $(VLLM_STAMP): engines/vllm-requirements.txt | $(BUILT_STAMP)
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
