@@ -208,10 +208,11 @@ slack-profile: setup
 # The served model's prefill profile for the vLLM connector's load-or-recompute rule
 # (kv_connector_extra_config "prefill_profile"): vllm serve timed on a grid of new tokens after
 # cached prefixes, and a kvd host hit's copy cost. MODEL=dir measures that model instead of the
-# tiny Llama; PROFILE=file is where it goes.
+# tiny Llama; PROFILE=file is where it goes; PROFILE_ARGS are more options of bench/prefill_profile.py
+# (on a GPU host: "--engine-python <the served vLLM's python> --gpu --dtype ... --block-size ...").
 PROFILE ?= bench/results/prefill_profile.json
-prefill-profile: setup vllm-venv
-	$(PY) bench/prefill_profile.py --with-kvd --out $(PROFILE) $(if $(MODEL),--model $(MODEL))
+prefill-profile: setup $(if $(findstring --engine-python,$(PROFILE_ARGS)),,vllm-venv)
+	$(PY) bench/prefill_profile.py --with-kvd --out $(PROFILE) $(if $(MODEL),--model $(MODEL)) $(PROFILE_ARGS)
 
 # On a machine with a GPU: every device test with CUDA required (they fail
 # where it does not open): the device interface, per-layer copies with flag

@@ -304,7 +304,8 @@ def run(args, work: Path) -> tuple[dict, dict, dict]:
     (profile, {config: {level: row}}, {config: {level: timeline figures}})."""
     model = tiny_llama.build(work / "tiny-llama")
     profile_args = argparse.Namespace(model=str(model), vocab=tiny_llama.VOCAB, new_tokens=[16, 128, 512, 2048, 4096],
-                                      prefixes=[0, 1024, 2048], repeats=3, max_model_len=8192, with_kvd=True)
+                                      prefixes=[0, 1024, 2048], repeats=3, max_model_len=8192, with_kvd=True,
+                                      engine_python=str(ENGINE_PYTHON), gpu=False, dtype="", block_size=BLOCK)
     (work / "profile").mkdir()
     progress("the prefill profile, measured first (bench/prefill_profile.py)")
     profile = measure_profile(profile_args, work / "profile")
