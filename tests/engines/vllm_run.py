@@ -3,7 +3,8 @@
 Run in the engine venv (.venv-vllm) by tests/engines/test_vllm_connector.py:
 
     python tests/engines/vllm_run.py --model DIR --prompts P.json [--kvd TARGET] [--transfer daemon]
-        [--hooks H1,H2,..] [--prefill-profile P] [--compile] [--dtype D] [--block-size N] --out R.json
+        [--hooks H1,H2,..] [--prefill-profile P] [--compile] [--dtype D] [--block-size N]
+        [--kv-cache-dtype fp8] --out R.json
 
 P.json is a list of token-id lists, served one after another (greedy, with
 the chosen tokens' logprobs). With --kvd the engine runs kvd's connector;
@@ -47,7 +48,8 @@ def engine(args):
     # KV events on (published nowhere): the connector's events are captured below.
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if args.kvd else None
     return LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=not args.compile,
-               block_size=args.block_size, max_model_len=4096, seed=0, kv_transfer_config=transfer,
+               block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, max_model_len=4096, seed=0,
+               kv_transfer_config=transfer,
                kv_events_config=events, distributed_executor_backend="uni", gpu_memory_utilization=0.5)
 
 
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="without enforce_eager")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (fp8: one byte an element)")
     parser.add_argument("--reset", action="store_true", help="reset vLLM's own prefix cache before each prompt")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))

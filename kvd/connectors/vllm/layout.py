@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvd.client.tensors import dtype_of_torch
-from kvd.core.keys import KvOrder, NamespaceSpec
+from kvd.core.keys import DType, KvOrder, NamespaceSpec
 
 
 class UnsupportedLayout(Exception):
@@ -168,6 +168,24 @@ def backend_name(vllm_config: Any, layer_name: str) -> str:
     return backend.get_name() if backend is not None else "unknown"
 
 
+# vLLM's quantized kv_cache_dtype values whose elements kvd knows, kept in uint8 tensors ("fp8" is e4m3).
+FP8_CACHE_DTYPES = {"fp8": DType.FLOAT8_E4M3, "fp8_e4m3": DType.FLOAT8_E4M3, "fp8_e5m2": DType.FLOAT8_E5M2}
+
+
+def element_type(dtype: torch.dtype, cache_dtype: str) -> DType:
+    """The kvd element type of a KV cache vLLM allocated as `dtype` for its kv_cache_dtype `cache_dtype`:
+    a 16- or 32-bit float cache holds its tensors' own type; a one-byte cache holds a float8 format only
+    for the fp8 kinds above. Any other quantized cache (fp8 with scales per block, MLA's packed fp8, ...)
+    is not a plain array of one element type, and is refused."""
+    if dtype.itemsize == 1:
+        if cache_dtype in FP8_CACHE_DTYPES:
+            return FP8_CACHE_DTYPES[cache_dtype]
+    elif dtype.is_floating_point:
+        return dtype_of_torch(dtype)
+    raise UnsupportedLayout(f"vLLM's kv_cache_dtype {cache_dtype!r} (tensors of {dtype}) is not a KV cache kvd "
+                            f"stores: it takes the model's dtype or one of {', '.join(sorted(FP8_CACHE_DTYPES))}")
+
+
 def namespace_spec(
     vllm_config: Any, layout: PagedLayout, dtype: torch.dtype, *, namespace: str, tp: tuple[int, int],
     pp: tuple[int, int],
@@ -213,7 +231,7 @@ def namespace_spec(
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         block_tokens=block_size,
-        kv_dtype=dtype_of_torch(dtype),
+        kv_dtype=element_type(dtype, cache.cache_dtype),
         tp_rank=tp[0],
         tp_size=tp[1],
         pp_stage=pp[0],
