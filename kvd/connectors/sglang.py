@@ -89,7 +89,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvd.client import Client, Namespace
-from kvd.client.tensors import dtype_of_torch
+from kvd.client.tensors import dtype_of_torch, torch_dtype
 from kvd.connectors.sglang_pages import (
     LATENT_LAYOUTS,
     SUPPORTED_LAYOUTS,
@@ -99,7 +99,7 @@ from kvd.connectors.sglang_pages import (
     page_view,
 )
 from kvd.connectors.sglang_pools import PoolsV2
-from kvd.core.keys import KvOrder, NamespaceSpec
+from kvd.core.keys import DType, KvOrder, NamespaceSpec
 from kvd.errors import KvdError
 from kvd.planner.prefill import PrefillProfile, best_stop
 
@@ -149,6 +149,32 @@ class KvdSettings:
                    profile=PrefillProfile.load(profile) if profile else None)
 
 
+# SGLang's --kv-cache-dtype values whose pools hold plain float8 in uint8 tensors.
+FP8_CACHE_DTYPES = {"fp8_e4m3": DType.FLOAT8_E4M3, "fp8_e5m2": DType.FLOAT8_E5M2}
+
+
+def element_type(host_pool: Any) -> DType:
+    """The kvd element type of the host pool's KV: its tensors' own type, or, for the one-byte tensors
+    SGLang keeps an fp8 cache in, the float8 format its --kv-cache-dtype names."""
+    if host_pool.dtype.itemsize > 1:
+        return dtype_of_torch(host_pool.dtype)
+    kind = served_kv_cache_dtype()
+    if kind in FP8_CACHE_DTYPES:
+        return FP8_CACHE_DTYPES[kind]
+    raise NotImplementedError(f"kvd: a host pool of {host_pool.dtype} with --kv-cache-dtype {kind!r} is not "
+                              f"supported (supported: the model's dtype, {', '.join(sorted(FP8_CACHE_DTYPES))})")
+
+
+def served_kv_cache_dtype() -> str:
+    """The --kv-cache-dtype of the SGLang server this process belongs to ("unknown" if none is published)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return str(get_server_args().kv_cache_dtype)
+    except (ImportError, AttributeError, RuntimeError, LookupError):
+        return "unknown"
+
+
 def namespace_spec(host_pool: Any, config: HiCacheStorageConfig, settings: KvdSettings) -> NamespaceSpec:
     """The kvd cache identity of this host pool, rank and configuration."""
     check_host_pool(host_pool, config)
@@ -172,7 +198,7 @@ def namespace_spec(host_pool: Any, config: HiCacheStorageConfig, settings: KvdSe
         model_revision=revision,
         num_layers=host_pool.layer_num,
         block_tokens=host_pool.page_size,
-        kv_dtype=dtype_of_torch(host_pool.dtype),
+        kv_dtype=element_type(host_pool),
         pp_stage=config.pp_rank,
         pp_size=config.pp_size,
         **geometry,
@@ -226,7 +252,8 @@ class KvdHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self._spec = namespace_spec(mem_pool_host, self.storage_config, self.settings)
-        self._pages = page_view(mem_pool_host)
+        # As the namespace's elements: an fp8 pool keeps float8 values in uint8 tensors.
+        self._pages = page_view(mem_pool_host).view(torch_dtype(self._spec.kv_dtype))
         logger.info("kvd HiCache backend: %s, namespace %s", self.settings.target, self._spec.namespace_id().hex()[:16])
 
     def _session(self, spec: NamespaceSpec | None = None) -> tuple[Client, Namespace]:
@@ -392,9 +419,9 @@ class KvdHiCacheStorage(HiCacheStorage):
         return held + written
 
     def _rows_as_pages(self, rows: np.ndarray) -> torch.Tensor:
-        """kvd rows (the namespace's numpy dtype) as a [n, L, 2, P, H, D] tensor of the pool's dtype."""
+        """kvd rows (the namespace's numpy dtype) as a [n, L, 2, P, H, D] tensor of the namespace's elements."""
         tensor = torch.from_numpy(rows.reshape(rows.shape[0], -1).view(np.uint8))
-        return tensor.view(self.mem_pool_host.dtype).view(rows.shape[0], *self._pages.shape[1:])
+        return tensor.view(self._pages.dtype).view(rows.shape[0], *self._pages.shape[1:])
 
     # -- legacy interface (one flat page per key) ---------------------------
     # SGLang uses these without "interface_v1". They pass no prefix keys, so
@@ -421,7 +448,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         pages = self._rows_as_pages(rows)
         results: list = [None] * len(keys)
         for index in range(rows.shape[0]):  # one copy per page: this interface hands over one tensor per page
-            flat_page_view(self.mem_pool_host, target_locations[index]).copy_(pages[index])
+            flat_page_view(self.mem_pool_host, target_locations[index]).view(pages.dtype).copy_(pages[index])
             results[index] = target_locations[index]
         return results
 
@@ -429,7 +456,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         """Store flat pages under `keys` (a chain from the root); True when all are held."""
         if not keys:
             return True
-        rows = torch.stack([flat_page_view(self.mem_pool_host, value) for value in values])
+        rows = torch.stack([flat_page_view(self.mem_pool_host, value) for value in values]).view(self._pages.dtype)
         try:
             written = self._call(lambda client, ns: self._store_rows(client, ns, kvd_keys(keys), rows))
         except KVD_ERRORS as error:

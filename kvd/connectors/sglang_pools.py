@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
 
+from kvd.client.tensors import torch_dtype
 from kvd.connectors.sglang_pages import page_ids, page_view
 from kvd.core.keys import LAYER_ALIGN_BYTES, DType, KvOrder, NamespaceSpec
 
@@ -99,7 +100,7 @@ def extra_pool(name: str, host_pool: Any, kv_spec: NamespaceSpec, pool_spec: Cal
     if hasattr(host_pool, "kv_buffer") and (hasattr(host_pool, "head_num") or hasattr(host_pool, "kv_cache_dim")):
         spec = pool_spec(host_pool)
         spec = dataclasses.replace(spec, model_revision=f"{spec.model_revision};pool={name}")
-        return ExtraPool(name, host_pool, spec, paged=True, pages=page_view(host_pool))
+        return ExtraPool(name, host_pool, spec, paged=True, pages=page_view(host_pool).view(torch_dtype(spec.kv_dtype)))
     dummy = host_pool.get_dummy_flat_data_page()
     nbytes = dummy.numel() * dummy.element_size()
     # Padded to whole disk blocks: the disk tier stores layers of LAYER_ALIGN_BYTES multiples only.

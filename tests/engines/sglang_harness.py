@@ -174,6 +174,7 @@ def prompt(args: argparse.Namespace) -> list[int]:
 
 
 def fill_device(device_pool: MHATokenToKVPool, kv: torch.Tensor, device_indices: torch.Tensor) -> None:
+    kv = kv.view(device_pool.store_dtype)  # an fp8 pool keeps its values in uint8
     for layer in range(kv.shape[0]):
         if kv.shape[1] == 1:  # MLA: the latent
             device_pool.kv_buffer[layer][device_indices] = kv[layer, 0]
@@ -255,7 +256,7 @@ def run_write(args: argparse.Namespace, extra_config: dict) -> dict:
     write_error = try_controller_write(controller, device_indices) if args.try_device_write else None
     host_indices = host_pool.alloc(len(tokens))
     device_to_host(device_pool, host_pool, device_indices, host_indices)
-    if not torch.equal(host_tokens(host_pool, host_indices), kv):
+    if not torch.equal(host_tokens(host_pool, host_indices).contiguous().view(torch.uint8), kv.view(torch.uint8)):
         raise AssertionError("device->host stand-in copy is wrong")
     # Two write-back operations: pages [0, split) from the root, then the
     # rest with the first's pages as prefix keys (a child radix node).
@@ -339,7 +340,7 @@ DEFAULTS = {
     "dtype": "bfloat16", "layers": 4, "heads": 2, "head_dim": 64, "page_size": 16, "pages": 12,
     "split_pages": 5, "device_tokens": 1024, "prefix_keys": True, "try_device_write": False,
     "delete_page": None, "delete_after_exists": None, "interface_v1": 1, "prefill_profile": None, "mla": False,
-    "tp_rank": None,
+    "tp_rank": None, "kv_cache_dtype": None,
 }
 
 
@@ -349,7 +350,8 @@ def run_step(step: dict) -> dict:
     if unknown:
         raise ValueError(f"unknown step fields {sorted(unknown)}")
     args = argparse.Namespace(**{**DEFAULTS, **step})
-    publish_server_args(args.page_size, args.tp_rank)
+    publish_server_args(args.page_size, args.tp_rank,
+                        **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}))
     extra_config = {"backend_name": "kvd", "module_path": "kvd.connectors.sglang", "class_name": "KvdHiCacheStorage",
                     "interface_v1": args.interface_v1, "target": args.target, "namespace": args.namespace,
                     "prefill_profile": args.prefill_profile}

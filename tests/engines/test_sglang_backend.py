@@ -93,10 +93,13 @@ def scenario(tmp_path_factory):
         f = {"target": disk_daemon.unix_target, "seed": 6, "mla": True, "layout": "page_first", "interface_v1": 0,
              "prefix_keys": False}
         g = {"target": disk_daemon.unix_target, "seed": 7, "mla": True, "layout": "page_first_direct"}
-        names = ["write_a", "write_b", "write_c", "write_d", "write_e", "write_e_rank1", "write_f", "write_g"]
+        # --kv-cache-dtype fp8_e4m3: SGLang keeps the float8 values in uint8 pools.
+        h = {"target": disk_daemon.unix_target, "seed": 9, "dtype": "float8_e4m3fn", "kv_cache_dtype": "fp8_e4m3"}
+        # h before e's rank 1: the harness publishes TP rank 1 of 2 for the rest of its process.
+        names = ["write_a", "write_b", "write_c", "write_d", "write_h", "write_e", "write_e_rank1", "write_f", "write_g"]
         written = harness([{"op": "write", "try_device_write": True, **a}, {"op": "write", **b}, {"op": "write", **c},
-                           {"op": "write", **d}, {"op": "write", **e}, {"op": "write", **e, "tp_rank": 1, "seed": 8},
-                           {"op": "write", **f}, {"op": "write", **g}])
+                           {"op": "write", **d}, {"op": "write", **h}, {"op": "write", **e},
+                           {"op": "write", **e, "tp_rank": 1, "seed": 8}, {"op": "write", **f}, {"op": "write", **g}])
         results.update(zip(names, written))
         reads = {
             "read_a": {**a},
@@ -112,6 +115,7 @@ def scenario(tmp_path_factory):
             "read_f": {**f},
             "read_g": {**g},
             "mla_other_layout": {**e, "layout": "page_first"},
+            "fp8_as_e5m2": {**h, "kv_cache_dtype": "fp8_e5m2"},
         }
         results.update(zip(reads, harness([{"op": "read", **step} for step in reads.values()])))
     # Both daemons stopped (SIGTERM: the disk daemon writes its blocks back); start them again.
@@ -124,8 +128,10 @@ def scenario(tmp_path_factory):
         after = harness([{"op": "read", **a, "target": disk_daemon.unix_target},
                          {"op": "read", **c, "target": memory_daemon.unix_target},
                          {"op": "read", **d, "prefill_profile": profile(base / "fast.json", per_token_s=1e-12)},
-                         {"op": "read", **d, "prefill_profile": profile(base / "slow.json", per_token_s=1.0)}])
-        results["restart_disk"], results["restart_memory"], results["rule_fast"], results["rule_slow"] = after
+                         {"op": "read", **d, "prefill_profile": profile(base / "slow.json", per_token_s=1.0)},
+                         {"op": "read", **h, "target": disk_daemon.unix_target}])
+        (results["restart_disk"], results["restart_memory"], results["rule_fast"], results["rule_slow"],
+         results["restart_fp8"]) = after
     results["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps({name: value for name, value in results.items() if name != "seconds"}, indent=1))
     return results
@@ -151,6 +157,18 @@ def test_an_mla_pools_latent_written_by_one_rank_is_read_bit_exact_by_another(sc
     # The legacy interface passes no prefix keys: the first write-back's pages, a chain from the root.
     assert scenario["read_f"]["loaded_tokens"] == SPLIT * PAGE_TOKENS and scenario["read_f"]["bit_exact"]
     assert scenario["mla_other_layout"]["hit_tokens"] == 0
+
+
+def test_an_fp8_pool_is_stored_as_float8_and_read_back_bit_exact_after_a_restart(scenario):
+    """SGLang's fp8 pools hold float8 in uint8 tensors: kvd stores them as float8 e4m3 (what
+    --kv-cache-dtype names), on disk across a restart; the same pool served as e5m2 is another
+    namespace. Before, registering the pool raised (dtype torch.uint8 has no kvd equivalent)."""
+    tokens = PAGES * PAGE_TOKENS
+    assert scenario["write_h"]["completed_tokens"] == [SPLIT * PAGE_TOKENS, (PAGES - SPLIT) * PAGE_TOKENS]
+    read = scenario["restart_fp8"]
+    assert read["hit_tokens"] == read["loaded_tokens"] == tokens and read["bit_exact"]
+    assert read["bytes_compared"] == 4 * 2 * tokens * 2 * 64  # layers x K,V x tokens x heads x head_dim, 1 byte
+    assert scenario["fp8_as_e5m2"]["hit_tokens"] == 0
 
 
 def test_with_a_prefill_profile_only_pages_that_load_sooner_than_sglang_computes_them_are_reported(scenario):
