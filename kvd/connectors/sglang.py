@@ -215,6 +215,9 @@ def check_host_pool(host_pool: Any, config: HiCacheStorageConfig) -> None:
                                   "supported")
     if config.should_split_heads:
         raise NotImplementedError("kvd: heterogeneous-TP head splitting is not supported")
+    if hasattr(host_pool, "k_scale_host"):  # MXFP8: the values' scales live in buffers of their own
+        raise NotImplementedError(f"kvd: a {type(host_pool).__name__} host pool keeps scales beside its KV pages, "
+                                  "which kvd does not store: not supported")
     layouts = LATENT_LAYOUTS if is_latent(host_pool) else SUPPORTED_LAYOUTS
     if host_pool.layout not in layouts:
         raise NotImplementedError(f"kvd: host layout {host_pool.layout!r} is not supported (supported: {layouts})")
