@@ -14,6 +14,11 @@ CHANNEL_MESSAGE_BYTES = 1 << 30
 # The bearer token when a client is given none (a daemon with auth.mode = "token").
 TOKEN_ENV = "KVD_TOKEN"
 RECONNECT_BACKOFF_MS = (100, 2_000)  # first and longest wait before dialling a lost daemon again
+# How long one connection attempt may take to its HTTP/2 handshake. gRPC's C core reads it from
+# grpc.min_reconnect_backoff_ms: at 100 ms a daemon busy for a moment (or a TLS handshake) failed
+# calls with UNAVAILABLE, "timed out before receiving SETTINGS frame". A refused or absent socket
+# still fails at once; a peer whose packets are dropped is dialled again after this long.
+CONNECT_TIMEOUT_MS = 2_000
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -26,8 +31,8 @@ def channel_options() -> list[tuple[str, int]]:
         # seconds, not after gRPC's default backoff of up to two minutes
         # (an engine's connector would miss every request meanwhile).
         ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
         ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+        ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
     ]
 
 
